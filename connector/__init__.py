@@ -1,0 +1,1 @@
+"""kvdrain connector package."""

@@ -1,0 +1,112 @@
+"""Pull-mode prefill/decode connector, scheduler side (NIXL-like). Runs in: engine-core process.
+
+Prefill (P): a `do_remote_decode` request runs with max_tokens=1; when it finishes
+length-capped its blocks are kept (delayed free) until the decode side has read them,
+and the frontend gets the params the decode side needs. Decode (D): a
+`do_remote_prefill` request gets its prompt's KV as an async load, waits in
+WAITING_FOR_REMOTE_KVS, and is promoted once the worker reports finished_recving.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import cdiv
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from engine.outputs import KVConnectorOutput, SchedulerOutput
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ReqToRecv:
+    """One remote load: pull `remote_block_ids` of P into `local_block_ids` of D."""
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_addr: str
+
+
+@dataclass(slots=True)
+class PDConnectorMetadata(KVConnectorMetadata):
+    reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
+    reqs_to_recv: dict[str, ReqToRecv] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.reqs_to_send or self.reqs_to_recv)
+
+
+class PDConnector(KVConnectorBase):
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_id = config.engine_id
+        self.block_size = config.block_size
+        self.kv_addr = config.kv_transfer.kv_addr if config.kv_transfer else ""
+        self._reqs_need_send: dict[str, list[int]] = {}
+        self._reqs_need_recv: dict[str, ReqToRecv] = {}
+        self.num_bad_params = 0
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not self._remote_params_fit(request, params):
+            self.num_bad_params += 1
+            params["do_remote_prefill"] = False  # compute locally instead
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _remote_params_fit(self, request: Request, params: dict) -> bool:
+        remote_block_ids = params.get("remote_block_ids")
+        return (isinstance(remote_block_ids, list)
+                and len(remote_block_ids) == cdiv(request.num_prompt_tokens, self.block_size)
+                and isinstance(params.get("remote_request_id"), str))
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens > 0:
+            # Local prefix hits are whole blocks, so the external tokens fill the tail.
+            n = cdiv(num_external_tokens, self.block_size)
+            self._reqs_need_recv[request.req_id] = ReqToRecv(
+                req_id=request.req_id,
+                local_block_ids=block_ids[-n:],
+                remote_block_ids=list(params["remote_block_ids"][-n:]),
+                remote_engine_id=str(params.get("remote_engine_id", "")),
+                remote_request_id=params["remote_request_id"],
+                remote_addr=str(params.get("remote_addr", "")),
+            )
+        params["do_remote_prefill"] = False  # load once, even after a preemption
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
+        meta = PDConnectorMetadata(self._reqs_need_send, self._reqs_need_recv)
+        self._reqs_need_send, self._reqs_need_recv = {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None  # aborted or failed: nothing for the decode side to read
+        self._reqs_need_send[request.req_id] = list(block_ids)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.req_id,
+            "remote_block_ids": list(block_ids),
+            "remote_addr": self.kv_addr,
+        }
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        return None
+
+
+def make_pd_connector(config: EngineConfig) -> PDConnector:
+    """Factory named by KVTransferConfig.kv_connector ("connector.pd:make_pd_connector")."""
+    return PDConnector(config)

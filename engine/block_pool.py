@@ -1,0 +1,191 @@
+"""Paged KV block pool with prefix caching. Runs in: engine-core process."""
+from __future__ import annotations
+
+from engine.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    """One KV block: its id, reference count, prefix hash and free-queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks in eviction order (LRU at the head).
+
+    O(1) popleft, remove from the middle (a prefix hit revives a free block) and append.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free, block.prev_free = block, prev
+            prev = block
+        prev.next_free, self._tail.prev_free = self._tail, prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """`num_blocks` blocks; block 0 is the null block, never allocated or freed.
+
+    A freed block keeps its hash and stays in the free queue, evictable: a later
+    prefix hit takes it back (touch), a later allocation evicts it (its hash dropped).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks: must be >= 2, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever, never in the free queue
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.num_cached_free_blocks = 0  # free blocks that still hold a hash
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+        self.num_cached_free_blocks -= 1
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """ref++ on prefix-hit blocks; a hit on a free (ref 0) block takes it off the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block is not self.null_block:
+                self.free_block_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """ref--; blocks reaching 0 join the free queue's tail in the given order."""
+        for block in ordered_blocks:
+            if block is self.null_block:
+                continue
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
+
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
+        num_cached_blocks: int, num_full_blocks: int,
+    ) -> None:
+        """Give blocks[num_cached_blocks:num_full_blocks] their prefix hashes."""
+        if not self.enable_caching:
+            return
+        for i in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already cached under this hash
+            # Two requests may compute the same prefix at once; the first block keeps
+            # the hash (vLLM keeps both; one is enough for hit-or-miss semantics).
+            if block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash; refused (False) while any block is in use, like vLLM."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        self.num_cached_free_blocks = 0
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def check_invariants(self) -> None:
+        """free + referenced == num_blocks - 1; no block both; hashes consistent."""
+        free_ids = [b.block_id for b in self.free_block_queue]
+        if len(free_ids) != self.free_block_queue.num_free_blocks:
+            raise AssertionError("free queue length disagrees with its counter")
+        if len(set(free_ids)) != len(free_ids) or 0 in free_ids:
+            raise AssertionError("free queue holds a duplicate or the null block")
+        referenced = [b for b in self.blocks[1:] if b.ref_cnt > 0]
+        if any(b.ref_cnt < 0 for b in self.blocks):
+            raise AssertionError("negative ref count")
+        if set(free_ids) & {b.block_id for b in referenced}:
+            raise AssertionError("a block is both free and referenced")
+        if len(free_ids) + len(referenced) != self.num_blocks - 1:
+            raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_blocks - 1}")
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(f"hash map points at {block} with another hash")
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        if hashed != len(self.cached_block_hash_to_block):
+            raise AssertionError("a block holds a hash the map does not know")
+        cached_free = sum(1 for b in self.free_block_queue if b.block_hash is not None)
+        if cached_free != self.num_cached_free_blocks:
+            raise AssertionError("cached-free counter is off")

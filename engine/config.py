@@ -1,0 +1,120 @@
+"""Engine, model and KV-transfer configuration. Runs in: every process (plain data)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+LIVENESS_POLICIES = ("legacy", "poll", "event")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+RUNNERS = ("mock", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+TRANSPORTS = ("shm", "zmq")
+
+
+def _require(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what}")
+
+
+def _require_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value > 0, name, f"must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A tiny Llama-style decoder; weights come from `seed`, never a download."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    seed: int = 0
+    dtype: str = "auto"  # auto: fp32 on the CPU, bf16 on CUDA
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads",
+                          "num_kv_heads", "head_dim", "intermediate_size")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _require(self.dtype in ("auto", "float32", "float64", "float16", "bfloat16"),
+                 "dtype", f"unknown dtype {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Which connector the engine core runs and how its worker moves blocks.
+
+    `kv_connector` names a factory as "module:function"; the engine core imports it by
+    name at start-up, so the engine never imports a connector package itself.
+    """
+
+    kv_connector: str = "connector.pd:make_pd_connector"
+    kv_role: str = "kv_both"
+    transport: str = "shm"
+    kv_expiry_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    pull_delay_ms: float = 0.0
+    drop_read_done: bool = False
+    # Where this engine's connector worker serves block reads; set by the launcher and
+    # handed to the decode side in kv_transfer_params (vLLM's remote_host/remote_port).
+    kv_addr: str = ""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.kv_connector, "kv_connector",
+                 f"must be 'module:function', got {self.kv_connector!r}")
+        _require(self.kv_role in KV_ROLES, "kv_role", f"must be one of {KV_ROLES}")
+        _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
+        _require_positive(self, "kv_expiry_s")
+        _require(self.pull_delay_ms >= 0, "pull_delay_ms", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine core needs; bad values raise ValueError naming the field."""
+
+    engine_id: str = "engine"
+    num_blocks: int = 256  # includes the null block 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    liveness: str = "event"
+    poll_interval_s: float = 0.001  # vLLM #43433's time.sleep(0.001)
+    kv_load_failure_policy: str = "recompute"
+    eos_token_id: int | None = None
+    runner: str = "mock"
+    device: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kv_transfer: KVTransferConfig | None = None  # None: no connector
+
+    def __post_init__(self) -> None:
+        _require(bool(self.engine_id), "engine_id", "must not be empty")
+        _require(self.num_blocks >= 2, "num_blocks", f"must be >= 2, got {self.num_blocks}")
+        _require_positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
+                          "max_model_len", "poll_interval_s")
+        _require(self.liveness in LIVENESS_POLICIES, "liveness",
+                 f"must be one of {LIVENESS_POLICIES}, got {self.liveness!r}")
+        _require(self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES,
+                 "kv_load_failure_policy", f"must be one of {KV_LOAD_FAILURE_POLICIES}")
+        _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}")
+        _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        if self.eos_token_id is not None:
+            _require(0 <= self.eos_token_id < self.model.vocab_size, "eos_token_id",
+                     f"must be a token id below vocab_size={self.model.vocab_size}")
+
+
+def config_to_dict(config: object) -> dict:
+    """Plain nested dict of a config dataclass (for reports and the wire)."""
+    out = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        out[f.name] = config_to_dict(value) if hasattr(value, "__dataclass_fields__") else value
+    return out

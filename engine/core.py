@@ -1,0 +1,80 @@
+"""EngineCore: one engine's in-process logic, no sockets and no clock. Runs in: engine-core process.
+
+The process shell (core_proc.py) and the virtual-clock simulator both drive this
+class, so the simulator reproduces the real engine's decisions exactly.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorBase, KVConnectorWorkerBase
+from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+
+class ModelRunner(Protocol):
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunner,
+        connector: KVConnectorBase | None = None,
+        connector_worker: KVConnectorWorkerBase | None = None,
+    ) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config, connector)
+        self.model_runner = model_runner
+        self.connector_worker = connector_worker
+        self.num_steps = 0
+        self.num_model_steps = 0
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+        kv_transfer_params: dict | None = None, stop_token_ids: tuple[int, ...] = (),
+    ) -> list[RequestOutput]:
+        """Queue a request; returns an output at once only if it can never run."""
+        request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
+                          eos_token_id=self.config.eos_token_id,
+                          stop_token_ids=tuple(stop_token_ids),
+                          kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+        output = self.scheduler.add_request(request)
+        return [output] if output is not None else []
+
+    def abort_requests(self, req_ids: list[str]) -> list[RequestOutput]:
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> tuple[list[RequestOutput], bool]:
+        """schedule -> execute -> update; returns (outputs, whether a model ran).
+
+        A zero-token step is still a full round trip: finished ids and connector
+        metadata reach the worker side, and its reports come back.
+        """
+        if not self.scheduler.has_requests():
+            return [], False
+        sched_out = self.scheduler.schedule()
+        worker = self.connector_worker
+        if worker is not None:
+            worker.start_load_kv(sched_out.kv_connector_metadata)
+        runner_out = self.model_runner.execute(sched_out)
+        if worker is not None:
+            runner_out.kv_connector_output = worker.get_finished(sched_out.finished_req_ids)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self.num_steps += 1
+        model_executed = sched_out.total_num_scheduled_tokens > 0
+        self.num_model_steps += model_executed
+        return outputs, model_executed
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

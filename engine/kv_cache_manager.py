@@ -1,0 +1,101 @@
+"""Per-request block tables on top of the block pool. Runs in: engine-core process."""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of leading blocks of each request that already carry their hash.
+        self.num_cached_block: dict[str, int] = {}
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, and its token count.
+
+        Capped at num_tokens - 1: the last token is always recomputed to get logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_external_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for this step's tokens, or None (nothing changed) when the pool is short.
+
+        Token regions of the request after this call:
+
+        |<- computed ->|<- new computed ->|<- external ->|<- new tokens ->|
+        | in its table |  local prefix    | loaded by the connector       |
+        |              |  hits (touched)  | and computed now: new blocks  |
+
+        delay_cache_blocks: the external region is loaded asynchronously, so its
+        blocks get their hashes only once the load has finished.
+        """
+        hits = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        num_total = (request.num_computed_tokens + len(hits) * self.block_size
+                     + num_external_tokens + num_new_tokens)
+        num_new_blocks = max(cdiv(num_total, self.block_size) - len(req_blocks) - len(hits), 0)
+        # A hit on a free block takes it off the free queue too.
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[request.req_id]
+            return None
+        if hits:
+            self.block_pool.touch(hits)
+            req_blocks.extend(hits)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if not delay_cache_blocks:
+            self.cache_blocks(request, min(num_total, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash the request's full blocks up to `num_computed_tokens`."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_cached = self.num_cached_block.get(request.req_id, 0)
+        if num_full <= num_cached:
+            return
+        blocks = self.req_to_blocks[request.req_id]
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+        self.num_cached_block[request.req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first: tail blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self.num_cached_block.pop(request.req_id, None)
+        self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def has_blocks(self, req_id: str) -> bool:
+        return bool(self.req_to_blocks.get(req_id))
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def get_num_blocks_to_allocate(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)

@@ -1,0 +1,77 @@
+"""The KV connector interfaces the engine owns; connectors implement them. Runs in: engine-core process.
+
+Two halves, as in vLLM's KVConnectorBase_V1. The scheduler side is pure and lives
+inside the Scheduler. The worker side lives next to the model runner: it ships each
+step's metadata to wherever the blocks are moved (for kvdrain, a connector worker
+process) and collects completion reports. Reports pile up until `get_finished` is
+called, which happens only when the engine steps: that is the liveness question.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable
+
+from engine.outputs import KVConnectorOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.request import Request
+
+
+class KVConnectorMetadata:
+    """Per-step instructions from the scheduler side to the worker side."""
+
+    def is_empty(self) -> bool:
+        return True
+
+
+class KVConnectorBase(ABC):
+    """Scheduler side. Contract: request_finished -> (True, _) means the id appears
+    exactly once in a later finished_sending; (False, _) means never."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """(tokens the connector can provide beyond num_computed_tokens, load async?).
+
+        None: not ready to tell yet; the scheduler asks again on a later step.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """The request now owns `block_ids`; the last ones receive the external tokens."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Everything decided since the last call, for the worker side. Resets state."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """(delay_free, kv_transfer_params for the frontend)."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Observe the worker side's reports (counters, leases). Default: nothing."""
+
+
+class KVConnectorWorkerBase(ABC):
+    """Worker side, inside the engine-core process next to the model runner."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        """Hand this step's metadata over: loads start, finished sends are registered."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """Reports that arrived since the last call (never blocks)."""
+
+    def shutdown(self) -> None:
+        """Release sockets and memory. Default: nothing."""
+
+
+# A connector factory is named in KVTransferConfig.kv_connector as "module:function"
+# and builds the scheduler side from the engine config. The worker side is built by
+# the process shell, which knows the sockets and the KV cache.
+SchedulerConnectorFactory = Callable[["EngineConfig"], KVConnectorBase]

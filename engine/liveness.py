@@ -1,0 +1,47 @@
+"""The engine loop's liveness policies: after a step, may it block, and on what? Runs in: engine-core process.
+
+Pure: the process shell (core_proc.py) and the virtual-clock simulator both ask
+`next_action`, so both follow the same rule.
+
+| policy | work pending, no model ran          | no work                 |
+|--------|-------------------------------------|-------------------------|
+| legacy | step again at once (spin)           | block on frontend input |
+| poll   | sleep poll_interval, step again     | block on frontend input |
+| event  | block on frontend input + connector | block on frontend input |
+
+Whether work is pending is `scheduler.has_requests()`, whose meaning also depends on
+the policy: under legacy, a finished request whose blocks the connector still holds
+is not work once its id has been shipped (vLLM before #43433), so the engine parks on
+its input and never collects the connector's report.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class LoopAction(enum.Enum):
+    STEP = "step"  # step again at once
+    SLEEP = "sleep"  # sleep poll_interval_s, then step (vLLM #43433)
+    WAIT_INPUT = "wait_input"  # block on the frontend input socket only
+    WAIT_ANY = "wait_any"  # block on frontend input and the connector worker's socket
+
+
+# What a loop in each action looks like from outside (the TUI's "loop state").
+LOOP_STATES = {
+    LoopAction.STEP: "stepping",
+    LoopAction.SLEEP: "polling",
+    LoopAction.WAIT_INPUT: "blocked",
+    LoopAction.WAIT_ANY: "blocked",
+}
+
+
+def next_action(liveness: str, has_work: bool, model_executed: bool) -> LoopAction:
+    if not has_work:
+        return LoopAction.WAIT_INPUT
+    if model_executed or liveness == "legacy":
+        return LoopAction.STEP
+    if liveness == "poll":
+        return LoopAction.SLEEP
+    if liveness == "event":
+        return LoopAction.WAIT_ANY
+    raise ValueError(f"liveness: unknown policy {liveness!r}")

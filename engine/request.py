@@ -1,0 +1,84 @@
+"""A request and its lifecycle status. Runs in: engine-core process."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_request_blocks
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every status after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "ignored",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)  # identity: queues remove by object
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    block_size: int
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    kv_transfer_params: dict | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: str | None = None  # why it finished, in words, for errors and ignores
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not self.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids: request {self.req_id!r} has an empty prompt")
+        self.all_token_ids = list(self.prompt_token_ids)
+        hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
+
+    def get_finished_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

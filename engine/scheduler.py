@@ -1,0 +1,310 @@
+"""The scheduler: queues, token budget, preemption and the connector lifecycle. Runs in: engine-core process.
+
+No prefill/decode phases: every step spends one token budget until each request's
+num_computed_tokens reaches num_tokens, so chunked prefill needs no special case.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnectorBase
+from engine.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
+                            ScheduledRequest, SchedulerOutput, SchedulerStats)
+from engine.request import Request, RequestStatus
+from engine.scheduler_kv import KVTransferMixin
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler(KVTransferMixin):
+    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+        self.config = config
+        self.connector = connector
+        self.block_size = config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_pool = self.kv_cache_manager.block_pool
+        # Every request not yet fully released, including finished ones whose
+        # blocks a connector still holds (delayed free).
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # Blocked waiting requests: WAITING_FOR_REMOTE_KVS, or deferred by the connector.
+        self.skipped_waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(); shipped to the worker side, then reset.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self._init_kv_transfer_state()
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; one that can never run finishes FINISHED_IGNORED at once."""
+        reason = self._why_unschedulable(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = reason
+            return RequestOutput(request.req_id, [], "ignored", error=reason)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+        return None
+
+    def _why_unschedulable(self, request: Request) -> str | None:
+        if request.req_id in self.requests:
+            return f"duplicate request id {request.req_id!r}"
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            return (f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                    f"{self.config.max_model_len}")
+        need = self.kv_cache_manager.get_num_blocks_to_allocate(request.num_prompt_tokens + 1)
+        if need > self.config.num_blocks - 1:
+            return f"prompt needs {need} KV blocks; the pool has {self.config.num_blocks - 1}"
+        return None
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
+        """Finish requests from outside (abort). Unknown or finished ids are ignored (vLLM #25067)."""
+        outputs = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            self._remove_from_queues(request)
+            # vLLM #32255: an in-flight remote load may still write into these blocks.
+            hold_for_recv = (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                             and req_id not in self.finished_recving_kv_req_ids)
+            request.status = status
+            params = self._free_request(request, hold_for_recv)
+            outputs.append(RequestOutput(req_id, [], request.get_finished_reason(),
+                                         kv_transfer_params=params))
+        return outputs
+
+    def _remove_from_queues(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.skipped_waiting:
+            self.skipped_waiting.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _free_request(self, request: Request, hold_for_recv: bool = False) -> dict | None:
+        """A request just finished: ask the connector whether to delay freeing its blocks."""
+        delay_free, params = False, None
+        if self.connector is not None and not hold_for_recv:
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            delay_free, params = self.connector.request_finished(request, block_ids)
+        self.finished_req_ids.add(request.req_id)
+        self.finished_recving_kv_req_ids.discard(request.req_id)
+        if not hold_for_recv:
+            self.failed_recving_kv_req_ids.pop(request.req_id, None)
+        if hold_for_recv:
+            self.held_for_recv.add(request.req_id)
+        elif delay_free:
+            self.held_for_send.add(request.req_id)
+        else:
+            self._free_blocks(request)
+        return params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+
+    # ---- schedule ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Like vLLM: no new admissions in a step that had to preempt.
+        if not out.preempted_req_ids:
+            self._promote_skipped_waiting()
+            self._schedule_waiting(out, budget)
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        req_index = 0
+        while req_index < len(self.running) and budget > 0:
+            request = self.running[req_index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.config.max_model_len - 1 - request.num_computed_tokens)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                break  # the request preempted itself: nothing else fits either
+            self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
+            budget -= num_new
+            req_index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            # Recompute preemption, FCFS: the last admitted request goes first.
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.req_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            admitted = self._try_admit(request, budget)
+            if admitted is None:
+                break  # not enough free blocks: wait, never preempt for a newcomer
+            self.waiting.popleft()
+            if admitted < 0:
+                continue  # parked in skipped_waiting
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            self._add_scheduled(out, request, admitted, block_ids, True)
+            budget -= admitted
+
+    def _try_admit(self, request: Request, budget: int) -> int | None:
+        """Tokens to schedule for a waiting request; -1 if it was parked; None if no room."""
+        hits, num_local = [], request.num_computed_tokens
+        num_external, load_async = 0, False
+        if not self.kv_cache_manager.has_blocks(request.req_id):
+            hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
+            if self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if num_external is None:  # the connector can't tell yet: ask next step
+                    self.skipped_waiting.append(request)
+                    return -1
+        num_computed = num_local + num_external
+        num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new, hits, num_external, delay_cache_blocks=load_async)
+        if new_blocks is None:
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local
+            self.num_prefix_hit_tokens += num_local
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.skipped_waiting.append(request)
+            return -1
+        request.num_computed_tokens = num_computed
+        return num_new
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
+                       new_block_ids: list[int], is_new: bool) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            new_block_ids=new_block_ids,
+            is_new=is_new,
+            sample=start + num_new >= request.num_tokens,
+        ))
+        out.total_num_scheduled_tokens += num_new
+        # Like vLLM's _update_after_schedule: computed as soon as it is scheduled.
+        request.num_computed_tokens += num_new
+
+    # ---- update --------------------------------------------------------------
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for sched_req in sched_out.scheduled:
+            request = self.requests.get(sched_req.req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            output = self._update_request(request, runner_out)
+            if output is not None:
+                outputs.append(output)
+        if any(r.is_finished() for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished()]
+        kv_out = runner_out.kv_connector_output or KVConnectorOutput()
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        outputs.extend(self._update_from_kv_xfer_finished(kv_out))
+        return outputs
+
+    def _update_request(self, request: Request, runner_out: ModelRunnerOutput) -> RequestOutput | None:
+        error = runner_out.failed.get(request.req_id)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = error
+            params = self._free_request(request)
+            return RequestOutput(request.req_id, [], "error", params, error=error)
+        token = runner_out.sampled_token_ids.get(request.req_id)
+        if token is None:
+            return None  # a prefill chunk that did not reach the end
+        request.append_output_token_ids(token)
+        params = None
+        if self._check_stop(request):
+            params = self._free_request(request)
+        return RequestOutput(request.req_id, [token], request.get_finished_reason(), params,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's check_stop order: length caps, then EOS, then stop ids."""
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        last = request.output_token_ids[-1]
+        if last == self.config.eos_token_id or last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    # ---- liveness --------------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        if self.finished_req_ids:
+            return True
+        if self.config.liveness == "legacy" or self.connector is None:
+            return False  # vLLM before #43433: only ids not yet shipped count
+        # vLLM #43433: entries of `requests` in no queue are finished requests whose
+        # blocks a connector still holds (delayed free, aborted remote load).
+        return len(self.requests) > self.get_num_unfinished_requests()
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.block_pool
+        num_remote = sum(1 for r in self.skipped_waiting
+                         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_skipped_waiting=len(self.skipped_waiting),
+            num_waiting_for_remote_kvs=num_remote,
+            num_running=len(self.running),
+            num_finished_awaiting_free=len(self.requests) - self.get_num_unfinished_requests(),
+            num_blocks=pool.num_blocks - 1,
+            num_used_blocks=pool.get_num_used_blocks(),
+            num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_preemptions=self.num_preemptions,
+            num_stale_kv_reports=self.num_stale_kv_reports,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+        )

@@ -1,0 +1,1 @@
+"""kvdrain replay package."""

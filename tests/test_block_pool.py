@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import hash_block_tokens, hash_request_blocks
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from tests.utils import make_request
+
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(4)
+    assert sorted(b.block_id for b in blocks) == [1, 2, 3, 4]
+    assert pool.get_num_free_blocks() == 0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.free_blocks([pool.null_block])  # ignored
+    pool.check_invariants()
+
+
+def test_free_queue_order_is_eviction_order():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)
+    pool.free_blocks(list(reversed(a)))
+    pool.check_invariants()
+    # Untouched blocks 4, 5 first, then the freed ones tail-first.
+    order = [b.block_id for b in pool.free_block_queue]
+    assert order == [4, 5, 3, 2, 1]
+
+
+def test_double_free_raises():
+    pool = BlockPool(3)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError):
+        pool.free_blocks([block])
+
+
+def test_hashes_are_deterministic_and_chained():
+    h1 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert h1 == hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(None, [5, 6])
+    hashes = hash_request_blocks(list(range(10)), 4, [])
+    assert len(hashes) == 2 and hashes[1] == hash_block_tokens(hashes[0], [4, 5, 6, 7])
+
+
+def test_allocate_and_reverse_order_free():
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    req = make_request("a", num_tokens=10)
+    blocks = mgr.allocate_slots(req, 10)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    mgr.free(req)
+    mgr.block_pool.check_invariants()
+    free = [b.block_id for b in mgr.block_pool.free_block_queue]
+    assert free[-3:] == [3, 2, 1]  # the tail block is evicted first
+
+
+def test_prefix_hit_across_requests_and_capped_at_num_tokens_minus_one():
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", num_tokens=12)
+    mgr.allocate_slots(a, 12)
+    b = make_request("b", num_tokens=14)  # same first 12 tokens
+    hits, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 12 and [x.block_id for x in hits] == mgr.get_block_ids("a")
+    c = make_request("c", num_tokens=12)  # fully cached: the last block is recomputed
+    hits, num_hit = mgr.get_computed_blocks(c)
+    assert num_hit == 8
+    mgr.allocate_slots(b, 2, hits_b := mgr.get_computed_blocks(b)[0])
+    assert [x.ref_cnt for x in hits_b] == [2, 2, 2]
+    mgr.block_pool.check_invariants()
+
+
+def test_freed_blocks_stay_cached_until_evicted():
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    a = make_request("a", num_tokens=8)
+    mgr.allocate_slots(a, 8)
+    mgr.free(a)
+    pool = mgr.block_pool
+    assert pool.num_cached_free_blocks == 2 and pool.get_num_free_blocks() == 4
+    b = make_request("b", num_tokens=9)
+    hits, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8  # hit on free blocks: they are revived
+    mgr.allocate_slots(b, 1, hits)
+    assert pool.num_cached_free_blocks == 0 and pool.get_num_free_blocks() == 1
+    pool.check_invariants()
+    mgr.free(b)
+    other = make_request("c", num_tokens=16, start=100)
+    mgr.allocate_slots(other, 16)  # evicts every cached block
+    assert pool.get_cached_block(a.block_hashes[0]) is None
+    pool.check_invariants()
+
+
+def test_allocate_refuses_when_short_and_changes_nothing():
+    mgr = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", num_tokens=12)
+    assert mgr.allocate_slots(a, 13) is None
+    assert not mgr.has_blocks("a") and mgr.block_pool.get_num_free_blocks() == 3
+    assert mgr.allocate_slots(a, 12) is not None
+    mgr.block_pool.check_invariants()
+
+
+def test_revived_hits_count_against_free_blocks():
+    mgr = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", num_tokens=8)
+    mgr.allocate_slots(a, 8)
+    mgr.free(a)
+    b = make_request("b", num_tokens=20)
+    hits, _ = mgr.get_computed_blocks(b)
+    assert len(hits) == 2
+    # 2 revived + 3 new > 3 free
+    assert mgr.allocate_slots(b, 12, hits) is None
+    mgr.block_pool.check_invariants()
+
+
+def test_reset_prefix_cache_refused_while_in_use():
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    a = make_request("a", num_tokens=8)
+    mgr.allocate_slots(a, 8)
+    assert not mgr.block_pool.reset_prefix_cache()
+    mgr.free(a)
+    assert mgr.block_pool.reset_prefix_cache()
+    assert mgr.block_pool.num_cached_free_blocks == 0
+    mgr.block_pool.check_invariants()

@@ -1,0 +1,89 @@
+"""EngineCore driven by the liveness rule, as the process shell drives it (no sockets)."""
+from __future__ import annotations
+
+import pytest
+
+from connector.pd import PDConnector
+from engine.config import KVTransferConfig
+from engine.core import EngineCore
+from engine.liveness import LoopAction, next_action
+from engine.mock_runner import MockModelRunner
+from tests.fake_kv_worker import FakeKVWorker
+from tests.utils import make_config
+
+
+def make_core(liveness: str, send_after: int = 3, connector: bool = True) -> EngineCore:
+    config = make_config(liveness=liveness,
+                         kv_transfer=KVTransferConfig() if connector else None)
+    worker = FakeKVWorker(send_after) if connector else None
+    return EngineCore(config, MockModelRunner(config),
+                      PDConnector(config) if connector else None, worker)
+
+
+def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction]:
+    """The busy loop, minus the sockets: step until the policy says block."""
+    actions = []
+    for _ in range(max_steps):
+        _, model_executed = core.step()
+        action = next_action(core.config.liveness, core.has_work(), model_executed)
+        actions.append(action)
+        if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
+            if action == LoopAction.WAIT_ANY and core.connector_worker.pending_send:
+                continue  # a connector report would wake it; the fake reports on poll
+            return actions
+    raise AssertionError("the loop never blocked")
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_engine_loop_collects_delayed_free_only_when_fixed(liveness):
+    core = make_core(liveness)
+    core.add_request("r", list(range(20)), 1, {"do_remote_decode": True})
+    actions = run_until_blocked(core)
+    stats = core.make_stats()
+    if liveness == "legacy":
+        # Parks right after shipping the finished id: the blocks stay held.
+        assert actions[-1] == LoopAction.WAIT_INPUT
+        assert stats.num_used_blocks == 5 and stats.num_finished_awaiting_free == 1
+        assert core.connector_worker.num_polls == 2
+        # The next request wakes the loop, and only then are the blocks freed.
+        core.add_request("next", list(range(100, 104)), 1)
+        run_until_blocked(core)
+        assert "r" not in core.scheduler.requests
+        return
+    expected_wait = LoopAction.SLEEP if liveness == "poll" else LoopAction.WAIT_ANY
+    assert actions[1:-1] == [expected_wait] * (len(actions) - 2)
+    assert actions[-1] == LoopAction.WAIT_INPUT
+    assert stats.num_used_blocks == 0 and not core.scheduler.requests
+
+
+def test_zero_token_steps_still_carry_finished_ids_and_metadata():
+    core = make_core("poll", send_after=1)
+    core.add_request("r", list(range(8)), 1, {"do_remote_decode": True})
+    core.step()
+    assert core.scheduler.finished_req_ids == {"r"}
+    _, model_executed = core.step()
+    assert not model_executed
+    assert core.connector_worker.num_polls == 2
+    assert not core.scheduler.requests  # the report came back in the zero-token step
+
+
+def test_no_connector_engine_blocks_when_done():
+    core = make_core("event", connector=False)
+    core.add_request("r", list(range(8)), 3)
+    outputs = []
+    while core.has_work():
+        out, _ = core.step()
+        outputs.extend(out)
+    assert [t for o in outputs for t in o.new_token_ids] == [8, 9, 10]
+    assert core.make_stats().num_used_blocks == 0
+
+
+def test_next_action_table():
+    assert next_action("legacy", True, False) == LoopAction.STEP
+    assert next_action("poll", True, False) == LoopAction.SLEEP
+    assert next_action("event", True, False) == LoopAction.WAIT_ANY
+    for policy in ("legacy", "poll", "event"):
+        assert next_action(policy, True, True) == LoopAction.STEP
+        assert next_action(policy, False, False) == LoopAction.WAIT_INPUT
+    with pytest.raises(ValueError):
+        next_action("nope", True, False)

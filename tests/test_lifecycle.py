@@ -1,0 +1,197 @@
+"""The KV-connector lifecycle: vLLM PR #43433, remote decode and remote prefill flows."""
+from __future__ import annotations
+
+import pytest
+
+from engine.request import RequestStatus
+from tests.utils import (BLOCK_SIZE, assert_scheduler_empty, make_request, make_scheduler,
+                         runner_output, step)
+
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+def remote_prefill_params(num_tokens: int, first_block: int = 100) -> dict:
+    n = -(-num_tokens // BLOCK_SIZE)
+    return {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "x",
+            "remote_block_ids": list(range(first_block, first_block + n)), "remote_addr": "ipc://p"}
+
+
+def finish_prefill_request(sched, req_id="id-0", num_tokens=10):
+    """Steps 1-3 of reference §5.1: the request stops; its free is delayed."""
+    sched.add_request(make_request(req_id, num_tokens, max_tokens=1, params=dict(REMOTE_DECODE)))
+    out, outputs = step(sched)
+    assert out.total_num_scheduled_tokens == num_tokens
+    (output,) = outputs
+    assert output.finish_reason == "length"
+    return output
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_delayed_kv_connector_free_keeps_scheduler_active(liveness):
+    sched = make_scheduler(use_kv_connector=True, liveness=liveness)
+    output = finish_prefill_request(sched)
+    params = output.kv_transfer_params
+    assert params["do_remote_prefill"] and params["remote_block_ids"] == [1, 2, 3]
+    assert params["remote_engine_id"] == "engine" and params["remote_addr"] == "ipc://p-worker"
+    assert "id-0" in sched.requests and sched.finished_req_ids == {"id-0"}
+    assert sched.block_pool.get_num_used_blocks() == 3
+    # Step 4: the finished id is shipped; the scheduler's own set is now empty.
+    out, _ = step(sched)
+    assert out.total_num_scheduled_tokens == 0 and out.finished_req_ids == {"id-0"}
+    assert out.kv_connector_metadata.reqs_to_send == {"id-0": [1, 2, 3]}
+    assert not sched.finished_req_ids
+    assert sched.block_pool.get_num_used_blocks() == 3  # still held for the decode side
+    if liveness == "legacy":
+        # vLLM before #43433: no work reported, so the engine parks with blocks held.
+        assert not sched.has_finished_requests() and not sched.has_requests()
+        return
+    assert sched.has_finished_requests() and sched.has_requests()
+    # Steps 5-6: the report arrives in an empty step; everything is released.
+    step(sched, finished_sending={"id-0"})
+    assert not sched.has_requests()
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_without_connector_no_work_after_finish(liveness):
+    sched = make_scheduler(liveness=liveness)
+    sched.add_request(make_request("a", 10, max_tokens=1))
+    step(sched)
+    step(sched)
+    assert not sched.has_requests()
+    assert_scheduler_empty(sched)
+
+
+def test_basic_remote_decode_lifecycle():
+    """vLLM test_remote_decode_lifecycle.py::test_basic_lifecycle."""
+    sched = make_scheduler(use_kv_connector=True)
+    finish_prefill_request(sched, num_tokens=10)
+    req = sched.requests["id-0"]
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not sched.running and not sched.waiting
+    assert all(b.ref_cnt == 1 for b in sched.kv_cache_manager.req_to_blocks["id-0"])
+    step(sched)
+    out, _ = step(sched, finished_sending={"id-0"})
+    assert not out.finished_req_ids
+    assert_scheduler_empty(sched)
+
+
+def test_short_prompt_still_delays_one_partial_block():
+    sched = make_scheduler(use_kv_connector=True)
+    output = finish_prefill_request(sched, num_tokens=3)
+    assert output.kv_transfer_params["remote_block_ids"] == [1]
+    step(sched, finished_sending={"id-0"})
+    assert_scheduler_empty(sched)
+
+
+def test_remote_prefill_lifecycle():
+    sched = make_scheduler(use_kv_connector=True)
+    sched.add_request(make_request("d", 10, max_tokens=3, params=remote_prefill_params(10)))
+    out, outputs = step(sched)
+    req = sched.requests["d"]
+    assert out.total_num_scheduled_tokens == 0 and not outputs
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req in sched.skipped_waiting
+    (load,) = out.kv_connector_metadata.reqs_to_recv.values()
+    assert load.local_block_ids == [1, 2, 3] and load.remote_block_ids == [100, 101, 102]
+    assert sched.has_unfinished_requests()
+    out, _ = step(sched)  # nothing to do while the load is in flight
+    assert out.total_num_scheduled_tokens == 0
+    step(sched, finished_recving={"d"})
+    out, outputs = step(sched)  # promoted: recompute the last prompt token only
+    assert [(s.num_computed_tokens, s.token_ids, s.is_new) for s in out.scheduled] == [(9, [9], True)]
+    assert out.scheduled[0].new_block_ids == [1, 2, 3]
+    assert outputs[0].new_token_ids == [10]
+    while sched.has_requests():
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_remote_prefill_reads_only_blocks_past_the_local_prefix_hit():
+    sched = make_scheduler(use_kv_connector=True)
+    sched.add_request(make_request("warm", 10, max_tokens=1))
+    step(sched)
+    step(sched)
+    sched.add_request(make_request("d", 10, max_tokens=2, params=remote_prefill_params(10)))
+    out, _ = step(sched)
+    (load,) = out.kv_connector_metadata.reqs_to_recv.values()
+    assert load.remote_block_ids == [102]  # blocks 0-1 were local prefix hits
+    assert len(load.local_block_ids) == 1
+
+
+def test_abort_while_waiting_for_remote_kvs_holds_blocks_until_recv():
+    """vLLM #32255."""
+    sched = make_scheduler(use_kv_connector=True)
+    sched.add_request(make_request("d", 10, params=remote_prefill_params(10)))
+    step(sched)
+    (output,) = sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
+    assert output.finish_reason == "abort"
+    assert sched.block_pool.get_num_used_blocks() == 3
+    assert sched.has_requests()  # poll/event keep stepping to collect the receive
+    step(sched, finished_sending={"d"})  # wrong kind of report: stale, ignored
+    assert sched.block_pool.get_num_used_blocks() == 3 and sched.num_stale_kv_reports == 1
+    step(sched, finished_recving={"d"})
+    assert_scheduler_empty(sched)
+
+
+def test_abort_of_delayed_free_request_is_ignored():
+    sched = make_scheduler(use_kv_connector=True)
+    finish_prefill_request(sched)
+    assert sched.finish_requests(["id-0"], RequestStatus.FINISHED_ABORTED) == []
+    step(sched, finished_sending={"id-0"})
+    assert_scheduler_empty(sched)
+
+
+def test_stale_and_duplicate_reports_are_counted_not_fatal():
+    sched = make_scheduler(use_kv_connector=True)
+    finish_prefill_request(sched)
+    # vLLM #46240: one id in both sets in one step, plus unknown ids.
+    step(sched, finished_sending={"id-0", "nope"}, finished_recving={"id-0", "ghost"},
+         invalid_block_ids={63})
+    assert_scheduler_empty(sched)
+    step(sched, finished_sending={"id-0"})  # a duplicate after release
+    assert sched.num_stale_kv_reports == 5
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_load_failure_policy(policy):
+    sched = make_scheduler(use_kv_connector=True, kv_load_failure_policy=policy)
+    sched.add_request(make_request("d", 10, max_tokens=2, params=remote_prefill_params(10)))
+    step(sched)
+    _, outputs = step(sched, finished_recving={"d"}, invalid_block_ids={2})
+    if policy == "fail":
+        assert [(o.req_id, o.finish_reason) for o in outputs] == [("d", "error")]
+        assert_scheduler_empty(sched)
+        return
+    out, _ = step(sched)
+    # Block 1 was valid, block 2 was not: recompute from token 4.
+    assert out.scheduled[0].num_computed_tokens == BLOCK_SIZE
+    assert len(out.scheduled[0].token_ids) == 10 - BLOCK_SIZE
+    while sched.has_requests():
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_remote_params_that_do_not_fit_fall_back_to_local_prefill():
+    sched = make_scheduler(use_kv_connector=True)
+    params = remote_prefill_params(10)
+    params["remote_block_ids"] = [5]
+    sched.add_request(make_request("d", 10, max_tokens=1, params=params))
+    out, outputs = step(sched)
+    assert out.total_num_scheduled_tokens == 10 and outputs[0].finished
+    assert sched.connector.num_bad_params == 1
+
+
+def test_legacy_counts_waiting_for_remote_kvs_as_unfinished():
+    """Legacy spins through zero-token steps while a load is pending (DESIGN.md)."""
+    sched = make_scheduler(use_kv_connector=True, liveness="legacy")
+    sched.add_request(make_request("d", 10, params=remote_prefill_params(10)))
+    out, _ = step(sched)
+    assert out.total_num_scheduled_tokens == 0 and sched.has_requests()
+
+
+def test_runner_output_helper_matches_sampling():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 5, max_tokens=1))
+    out = sched.schedule()
+    assert runner_output(out).sampled_token_ids == {"a": 5}

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+from engine.request import RequestStatus
+from tests.utils import assert_scheduler_empty, make_request, make_scheduler, step
+
+
+def run_to_completion(sched, max_steps=1000):
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_requests():
+            return tokens
+        _, outputs = step(sched)
+        for o in outputs:
+            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+    raise AssertionError("did not finish")
+
+
+def test_chunked_prefill_of_a_prompt_larger_than_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    sched.add_request(make_request("a", num_tokens=40, max_tokens=3))
+    chunks, sampled = [], []
+    for _ in range(4):
+        out, outputs = step(sched)
+        chunks.append(out.total_num_scheduled_tokens)
+        sampled.append([t for o in outputs for t in o.new_token_ids])
+    assert chunks == [16, 16, 8, 1]
+    assert sampled == [[], [], [40], [41]]  # a token only once the prompt is done
+    run_to_completion(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_budget_is_shared_running_first():
+    sched = make_scheduler(max_num_batched_tokens=20)
+    sched.add_request(make_request("a", num_tokens=8))
+    sched.add_request(make_request("b", num_tokens=30, start=50))
+    out, _ = step(sched)
+    assert {s.req_id: len(s.token_ids) for s in out.scheduled} == {"a": 8, "b": 12}
+    out, _ = step(sched)
+    assert {s.req_id: len(s.token_ids) for s in out.scheduled} == {"a": 1, "b": 18}
+
+
+def test_max_num_seqs_caps_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", num_tokens=4, start=i * 10))
+    out, _ = step(sched)
+    assert [s.req_id for s in out.scheduled] == ["r0", "r1"]
+    assert len(sched.waiting) == 1
+
+
+def test_preemption_when_pool_is_full_and_same_tokens_later():
+    reference = make_scheduler()
+    tight = make_scheduler(num_blocks=8)  # 7 usable blocks of 4 tokens
+    for sched in (reference, tight):
+        for i in range(3):
+            sched.add_request(make_request(f"r{i}", num_tokens=6, max_tokens=8, start=i * 7))
+    expected = run_to_completion(reference)
+    got = run_to_completion(tight)
+    assert tight.num_preemptions > 0
+    assert got == expected
+    assert_scheduler_empty(tight)
+
+
+def test_stop_on_eos_and_stop_ids_and_max_model_len():
+    sched = make_scheduler(eos_token_id=12)
+    sched.add_request(make_request("eos", num_tokens=4, start=8, eos_token_id=12))
+    _, outputs = step(sched)  # prompt 8..11 -> samples 12 = eos
+    assert outputs[0].finish_reason == "stop"
+    sched = make_scheduler(max_model_len=12)
+    sched.add_request(make_request("long", num_tokens=10, max_tokens=100))
+    tokens = run_to_completion(sched)
+    assert len(tokens["long"]) == 2  # 10 prompt + 2 output = max_model_len
+    stop = make_request("stopid", num_tokens=4)
+    stop.stop_token_ids = (6,)
+    sched = make_scheduler()
+    sched.add_request(stop)
+    tokens = run_to_completion(sched)
+    assert tokens["stopid"] == [4, 5, 6]
+
+
+def test_prompt_too_long_finishes_ignored_with_a_reason():
+    sched = make_scheduler(max_model_len=16)
+    out = sched.add_request(make_request("big", num_tokens=16))
+    assert out.finish_reason == "ignored" and "max_model_len" in out.error
+    out = make_scheduler(num_blocks=3).add_request(make_request("huge", num_tokens=12))
+    assert out.finish_reason == "ignored" and "KV blocks" in out.error
+
+
+def test_abort_waiting_and_running():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_request("run", num_tokens=4))
+    sched.add_request(make_request("wait", num_tokens=4, start=20))
+    step(sched)
+    outs = sched.finish_requests(["wait", "run", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("wait", "abort"), ("run", "abort")]
+    # Abort of a finished/unknown id is ignored (vLLM #25067).
+    assert sched.finish_requests(["run"], RequestStatus.FINISHED_ABORTED) == []
+    step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_prefix_hits_skip_cached_blocks():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", num_tokens=13, max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", num_tokens=13, max_tokens=1))
+    out, _ = step(sched)
+    assert out.scheduled[0].num_computed_tokens == 12 and len(out.scheduled[0].token_ids) == 1
+    assert sched.num_prefix_hit_tokens == 12
+    run_to_completion(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_runner_failure_fails_only_that_request():
+    from engine.outputs import ModelRunnerOutput
+    sched = make_scheduler()
+    sched.add_request(make_request("bad", num_tokens=4))
+    sched.add_request(make_request("good", num_tokens=4, start=30))
+    out = sched.schedule()
+    runner_out = ModelRunnerOutput(sampled_token_ids={"good": 7}, failed={"bad": "token id 999 out of range"})
+    outputs = sched.update_from_output(out, runner_out)
+    by_id = {o.req_id: o for o in outputs}
+    assert by_id["bad"].finish_reason == "error" and "999" in by_id["bad"].error
+    assert by_id["good"].new_token_ids == [7] and not by_id["good"].finished
+    run_to_completion(sched)
+    assert_scheduler_empty(sched)
