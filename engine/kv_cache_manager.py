@@ -54,12 +54,14 @@ class KVCacheManager:
         blocks get their hashes only once the load has finished.
         """
         hits = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        req_blocks = self.req_to_blocks.get(request.req_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.req_id] = []
         num_total = (request.num_computed_tokens + len(hits) * self.block_size
                      + num_external_tokens + num_new_tokens)
         num_new_blocks = max(cdiv(num_total, self.block_size) - len(req_blocks) - len(hits), 0)
         # A hit on a free block takes it off the free queue too.
-        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0) if hits else 0
         if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
             if not req_blocks:
                 del self.req_to_blocks[request.req_id]
@@ -67,7 +69,7 @@ class KVCacheManager:
         if hits:
             self.block_pool.touch(hits)
             req_blocks.extend(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_total, request.num_tokens))
