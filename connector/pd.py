@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from engine.kv_connector import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole,
+                                 KVConnectorWorkerBase)
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -107,6 +108,12 @@ class PDConnector(KVConnectorBase):
         return None
 
 
-def make_pd_connector(config: EngineConfig) -> PDConnector:
+def make_pd_connector(config: EngineConfig, role: KVConnectorRole,
+                      kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase:
     """Factory named by KVTransferConfig.kv_connector ("connector.pd:make_pd_connector")."""
-    return PDConnector(config)
+    if role is KVConnectorRole.SCHEDULER:
+        return PDConnector(config)
+    from connector.agent import PDConnectorAgent  # zmq and a process: worker role only
+    if kv_cache_handle is None:
+        raise ValueError("kv_cache_handle: the worker role needs the engine's KV cache handle")
+    return PDConnectorAgent(config, kv_cache_handle)

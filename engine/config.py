@@ -65,6 +65,7 @@ class KVTransferConfig:
     # Where this engine's connector worker serves block reads; set by the launcher and
     # handed to the decode side in kv_transfer_params (vLLM's remote_host/remote_port).
     kv_addr: str = ""
+    agent_addr: str = ""  # PAIR between the engine core and its connector worker
 
     def __post_init__(self) -> None:
         _require(":" in self.kv_connector, "kv_connector",
@@ -118,3 +119,11 @@ def config_to_dict(config: object) -> dict:
         value = getattr(config, f.name)
         out[f.name] = config_to_dict(value) if hasattr(value, "__dataclass_fields__") else value
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddresses:
+    """The frontend binds both; the engine core connects (ipc paths in a private dir)."""
+
+    input: str
+    output: str

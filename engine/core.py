@@ -32,6 +32,8 @@ class EngineCore:
         self.connector_worker = connector_worker
         self.num_steps = 0
         self.num_model_steps = 0
+        # Whether the last step consumed connector reports (see liveness.next_action).
+        self.got_kv_reports = False
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -57,6 +59,7 @@ class EngineCore:
         A zero-token step is still a full round trip: finished ids and connector
         metadata reach the worker side, and its reports come back.
         """
+        self.got_kv_reports = False
         if not self.scheduler.has_requests():
             return [], False
         sched_out = self.scheduler.schedule()
@@ -65,7 +68,9 @@ class EngineCore:
             worker.start_load_kv(sched_out.kv_connector_metadata)
         runner_out = self.model_runner.execute(sched_out)
         if worker is not None:
-            runner_out.kv_connector_output = worker.get_finished(sched_out.finished_req_ids)
+            kv_out = worker.get_finished(sched_out.finished_req_ids)
+            runner_out.kv_connector_output = kv_out
+            self.got_kv_reports = not kv_out.is_empty()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0

@@ -8,8 +8,9 @@ called, which happens only when the engine steps: that is the liveness question.
 """
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 
@@ -59,6 +60,9 @@ class KVConnectorBase(ABC):
 class KVConnectorWorkerBase(ABC):
     """Worker side, inside the engine-core process next to the model runner."""
 
+    # What died or broke on the worker side, for the engine to report; None: healthy.
+    error: str | None = None
+
     @abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Hand this step's metadata over: loads start, finished sends are registered."""
@@ -67,11 +71,26 @@ class KVConnectorWorkerBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """Reports that arrived since the last call (never blocks)."""
 
+    def wait_handles(self) -> list[object]:
+        """Sockets or file descriptors an event-driven loop may block on for reports."""
+        return []
+
+    def get_counters(self) -> dict[str, int]:
+        """Transfer counters for stats (in flight, expired, failed...)."""
+        return {}
+
     def shutdown(self) -> None:
         """Release sockets and memory. Default: nothing."""
 
 
-# A connector factory is named in KVTransferConfig.kv_connector as "module:function"
-# and builds the scheduler side from the engine config. The worker side is built by
-# the process shell, which knows the sockets and the KV cache.
-SchedulerConnectorFactory = Callable[["EngineConfig"], KVConnectorBase]
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class KVConnectorFactory(Protocol):
+    """Named in KVTransferConfig.kv_connector as "module:function" and imported by name
+    in the engine-core process, so the engine never imports a connector package."""
+
+    def __call__(self, config: EngineConfig, role: KVConnectorRole,
+                 kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase: ...

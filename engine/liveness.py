@@ -35,7 +35,15 @@ LOOP_STATES = {
 }
 
 
-def next_action(liveness: str, has_work: bool, model_executed: bool) -> LoopAction:
+def next_action(liveness: str, has_work: bool, model_executed: bool,
+                got_kv_reports: bool = False) -> LoopAction:
+    """What the loop does after a step.
+
+    got_kv_reports: the step consumed connector reports. Under `event` the loop steps
+    again at once, since a report can make work runnable (a finished receive is
+    promoted by the next schedule()) and nothing else would wake it. `poll` keeps
+    vLLM's exact behaviour: it sleeps first.
+    """
     if not has_work:
         return LoopAction.WAIT_INPUT
     if model_executed or liveness == "legacy":
@@ -43,5 +51,5 @@ def next_action(liveness: str, has_work: bool, model_executed: bool) -> LoopActi
     if liveness == "poll":
         return LoopAction.SLEEP
     if liveness == "event":
-        return LoopAction.WAIT_ANY
+        return LoopAction.STEP if got_kv_reports else LoopAction.WAIT_ANY
     raise ValueError(f"liveness: unknown policy {liveness!r}")

@@ -65,11 +65,11 @@ class KVTransferMixin:
         outputs: list[RequestOutput] = []
         if kv_out.invalid_block_ids:
             self._handle_invalid_blocks(kv_out.invalid_block_ids)
-        for req_id in kv_out.finished_recving:
+        for req_id in sorted(kv_out.finished_recving):  # sorted: same order in every process
             output = self._on_finished_recving(req_id)
             if output is not None:
                 outputs.append(output)
-        for req_id in kv_out.finished_sending:
+        for req_id in sorted(kv_out.finished_sending):
             if req_id in self.held_for_send:
                 self.held_for_send.remove(req_id)
                 self._free_blocks(self.requests[req_id])

@@ -1,0 +1,94 @@
+"""Wire types engine core <-> connector worker and worker <-> worker, on the engine's codec. Runs in: engine-core and connector-worker processes.
+
+KV block bytes never travel inside a message: BlockData is followed by one raw,
+zero-copy ZMQ frame holding the blocks in the order they were asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.messages import Codec
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterKVCache:
+    """Engine core -> its worker, once at start: where its KV cache memory is."""
+
+    engine_id: str
+    handle: dict  # KVCacheHandle.to_dict(): plain names, sizes, dtypes
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    engine_id: str
+    pid: int
+    kv_addr: str  # where peers read this engine's blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepMeta:
+    """Engine core -> its worker, each step with connector work (vLLM's connector metadata)."""
+
+    reqs_to_send: dict[str, list[int]]
+    reqs_to_recv: list[RecvSpec]
+    finished_req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class KVReport:
+    """Worker -> its engine core: completions since the last report, and counters."""
+
+    finished_sending: list[str]
+    finished_recving: list[str]
+    invalid_block_ids: list[int]
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class GetKVHandle:
+    """Worker -> peer worker: the handshake of the shm transport (map my memory)."""
+
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    engine_id: str
+    handle: dict
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBlocks:
+    """Decode worker -> prefill worker (zmq transport): send me these blocks' bytes."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockData:
+    req_id: str
+    ok: bool
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """Decode worker -> prefill worker: done reading; free the blocks."""
+
+    req_id: str
+
+
+CONNECTOR_MESSAGES = (RegisterKVCache, WorkerReady, StepMeta, KVReport, GetKVHandle,
+                      KVHandle, ReadBlocks, BlockData, ReadDone)
+CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec,))

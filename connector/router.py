@@ -1,0 +1,124 @@
+"""The P/D router in the frontend (vLLM's disaggregated proxy) and the topology launcher. Runs in: frontend process.
+
+`pd`: each request goes to the prefill engine with do_remote_decode and max_tokens=1;
+P's final output carries the params its connector returned, and the request goes to
+the decode engine with them and the real max_tokens; D's tokens are the answer.
+`single`: one engine, no connector.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, replace
+
+import zmq
+
+from engine.client import EngineClient, InprocClient, MPClient, make_run_dir
+from engine.config import EngineConfig, KVTransferConfig
+from engine.outputs import RequestOutput
+
+TOPOLOGIES = ("pd", "single")
+
+
+@dataclass(slots=True)
+class _Pending:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stage: str  # "prefill" | "decode"
+
+
+def engine_configs(base: EngineConfig, kv: KVTransferConfig, topology: str,
+                   run_dir: str) -> list[EngineConfig]:
+    """One config per engine, with addresses in the private run directory."""
+    if topology == "single":
+        return [replace(base, engine_id="E", kv_transfer=None)]
+    if topology != "pd":
+        raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {topology!r}")
+    return [replace(base, engine_id=name, kv_transfer=replace(
+        kv, kv_role=role, kv_addr=f"ipc://{run_dir}/{name}-kv", agent_addr=f"ipc://{run_dir}/{name}-agent"))
+        for name, role in (("P", "kv_producer"), ("D", "kv_consumer"))]
+
+
+class PDRouter:
+    def __init__(self, clients: list[EngineClient], run_dir: str | None = None) -> None:
+        self.clients = {c.engine_id: c for c in clients}
+        self.prefill = clients[0]
+        self.decode = clients[1] if len(clients) > 1 else None
+        self.run_dir = run_dir
+        self.pending: dict[str, _Pending] = {}
+        self.errors: list[tuple[str, str]] = []
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        if self.decode is None:
+            self.prefill.add_request(req_id, prompt_token_ids, max_tokens)
+            self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "decode")
+            return
+        self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "prefill")
+        self.prefill.add_request(req_id, prompt_token_ids, 1, {"do_remote_decode": True})
+
+    def abort(self, req_id: str) -> None:
+        pending = self.pending.get(req_id)
+        if pending is not None:
+            engine = self.prefill if pending.stage == "prefill" or self.decode is None else self.decode
+            engine.abort([req_id])
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        """The user-facing outputs (the decode engine's tokens) that arrive within timeout_s."""
+        self._wait(timeout_s)
+        outputs: list[RequestOutput] = []
+        for client in self.clients.values():
+            for output in client.get_outputs(0):
+                outputs.extend(self._route(client, output))
+            errors = getattr(client, "errors", [])
+            while errors:
+                self.errors.append((client.engine_id, errors.pop(0)))
+        return outputs
+
+    def _wait(self, timeout_s: float) -> None:
+        sockets = [c.output for c in self.clients.values() if isinstance(c, MPClient)]
+        if len(sockets) == len(self.clients) and timeout_s > 0:
+            poller = zmq.Poller()
+            for sock in sockets:
+                poller.register(sock, zmq.POLLIN)
+            poller.poll(int(timeout_s * 1000))
+
+    def _route(self, client: EngineClient, output: RequestOutput) -> list[RequestOutput]:
+        pending = self.pending.get(output.req_id)
+        if pending is None:
+            return []
+        if client is self.prefill and self.decode is not None:
+            if pending.stage != "prefill" or not output.finished:
+                return []
+            if output.finish_reason == "length" and output.kv_transfer_params:
+                pending.stage = "decode"
+                self.decode.add_request(output.req_id, pending.prompt_token_ids,
+                                        pending.max_tokens, output.kv_transfer_params)
+                return []
+        if output.finished:
+            del self.pending[output.req_id]
+        return [output]
+
+    def shutdown(self) -> None:
+        # Decode first: its reads release the prefill engine's held blocks.
+        for client in reversed(list(self.clients.values())):
+            client.shutdown()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def start_topology(base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
+                   inproc: bool = False) -> PDRouter:
+    """Start every engine (and, through their connectors, the connector workers)."""
+    run_dir = make_run_dir()
+    clients: list[EngineClient] = []
+    try:
+        for config in engine_configs(base, kv, topology, run_dir):
+            clients.append(InprocClient(config) if inproc else MPClient(config, run_dir, wait=False))
+        for client in clients:  # the engines start in parallel
+            if isinstance(client, MPClient):
+                client.wait_ready()
+    except BaseException:
+        for client in clients:
+            client.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return PDRouter(clients, run_dir)

@@ -1,0 +1,215 @@
+"""The connector worker process: one per engine; moves KV blocks and reports completions. Runs in: connector-worker process.
+
+Prefill side: holds the finished requests whose blocks await a remote read, serves
+reads (zmq transport) and the shm handshake, and reports finished_sending when the
+decode side says "read done" or when the request's expiry fires (vLLM's
+VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Decode side: pulls remote blocks into its engine's
+blocks, tells the prefill worker, and reports finished_recving (with
+invalid_block_ids when a pull fails). Reports go to the engine core at once; whether
+the engine reads them is the engine loop's liveness policy.
+"""
+from __future__ import annotations
+
+import heapq
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from connector.messages import (CONNECTOR_CODEC, GetKVHandle, KVHandle, KVReport, ReadBlocks,
+                                BlockData, ReadDone, RecvSpec, RegisterKVCache, StepMeta,
+                                WorkerReady)
+from connector.transfer import Puller, TransferError
+from engine.kv_cache import KVCache, KVCacheHandle
+from engine.messages import DecodeError
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorWorkerConfig:
+    engine_id: str
+    agent_addr: str  # PAIR with the engine core's agent
+    kv_addr: str  # ROUTER for peer workers
+    transport: str = "shm"
+    kv_expiry_s: float = 480.0
+    pull_delay_ms: float = 0.0
+    drop_read_done: bool = False
+
+
+class ConnectorWorker:
+    def __init__(self, config: ConnectorWorkerConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.agent = self._bind(zmq.PAIR, config.agent_addr)
+        self.peers = self._bind(zmq.ROUTER, config.kv_addr)
+        self.puller = Puller(self.ctx, config.transport)
+        self.kv_cache: KVCache | None = None
+        self.sends: dict[str, tuple[list[int], float]] = {}  # req_id -> (blocks, since)
+        self.timers: list[tuple[float, int, str, object]] = []  # (due, seq, kind, payload)
+        self._seq = 0
+        self.report = KVReport([], [], [], {})
+        self.counters = dict.fromkeys(("num_sent", "num_expired", "num_recved", "num_failed_recvs",
+                                       "num_recvs_in_flight", "num_bad_messages",
+                                       "num_read_done_dropped", "num_bytes_pulled"), 0)
+        self.last_error = ""
+
+    def _bind(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addr)
+        return sock
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.agent.send(CONNECTOR_CODEC.encode(
+            WorkerReady(self.config.engine_id, os.getpid(), self.config.kv_addr)))
+        poller = zmq.Poller()
+        poller.register(self.agent, zmq.POLLIN)
+        poller.register(self.peers, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
+        while True:
+            timeout = None if not self.timers else max(0, 1000 * (self.timers[0][0] - time.monotonic()))
+            ready = dict(poller.poll(timeout))
+            if parent is not None and parent.sentinel in ready:
+                return  # the engine core is gone
+            if self.agent in ready:
+                self._drain(self.agent, self._on_agent_message)
+            if self.peers in ready:
+                self._drain(self.peers, self._on_peer_message)
+            self._fire_timers()
+            self._flush_report()
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        while sock.poll(0, zmq.POLLIN):
+            frames = sock.recv_multipart(copy=False)
+            try:
+                handle(frames)
+            except (DecodeError, ValueError) as e:
+                self.counters["num_bad_messages"] += 1
+                self.last_error = str(e)
+
+    # ---- engine side ---------------------------------------------------------------
+
+    def _on_agent_message(self, frames: list[zmq.Frame]) -> None:
+        msg = CONNECTOR_CODEC.decode(frames[0].bytes)
+        if isinstance(msg, RegisterKVCache):
+            self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
+        elif isinstance(msg, StepMeta):
+            now = time.monotonic()
+            for req_id, block_ids in msg.reqs_to_send.items():
+                self.sends[req_id] = (block_ids, now)
+                self._add_timer(now + self.config.kv_expiry_s, "expire", req_id)
+            for spec in msg.reqs_to_recv:
+                self.counters["num_recvs_in_flight"] += 1
+                self._add_timer(now + self.config.pull_delay_ms / 1000, "pull", spec)
+        else:
+            raise DecodeError(f"unexpected {type(msg).__name__} from the engine core")
+
+    def _add_timer(self, due: float, kind: str, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (due, self._seq, kind, payload))
+
+    def _fire_timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, kind, payload = heapq.heappop(self.timers)
+            if kind == "expire":
+                self._finish_send(payload, expired=True)
+            else:
+                self._pull(payload)
+
+    def _finish_send(self, req_id: str, expired: bool) -> None:
+        if self.sends.pop(req_id, None) is None:
+            return  # already read (a stale expiry) or never registered
+        self.counters["num_expired" if expired else "num_sent"] += 1
+        self.report.finished_sending.append(req_id)
+
+    def _pull(self, spec: RecvSpec) -> None:
+        self.counters["num_recvs_in_flight"] -= 1
+        try:
+            if self.kv_cache is None:
+                raise TransferError("no KV cache registered")
+            self.puller.pull(self.kv_cache, spec)
+        except TransferError:
+            self.counters["num_failed_recvs"] += 1
+            self.report.invalid_block_ids.extend(spec.local_block_ids)
+        else:
+            self.counters["num_recved"] += 1
+            self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+        self.counters["num_bytes_pulled"] = self.puller.num_bytes_pulled
+        self.report.finished_recving.append(spec.req_id)
+
+    def _flush_report(self) -> None:
+        r = self.report
+        if not (r.finished_sending or r.finished_recving or r.invalid_block_ids):
+            return
+        counters = dict(self.counters, num_sends_pending=len(self.sends),
+                        oldest_send_age_ms=self._oldest_send_age_ms())
+        self.agent.send(CONNECTOR_CODEC.encode(KVReport(r.finished_sending, r.finished_recving,
+                                                        r.invalid_block_ids, counters)))
+        self.report = KVReport([], [], [], {})
+
+    def _oldest_send_age_ms(self) -> int:
+        if not self.sends:
+            return 0
+        return int(1000 * (time.monotonic() - min(since for _, since in self.sends.values())))
+
+    # ---- peer side -----------------------------------------------------------------
+
+    def _on_peer_message(self, frames: list[zmq.Frame]) -> None:
+        identity, payload = frames[0], frames[-1]
+        if len(frames) != 2:
+            raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
+        msg = CONNECTOR_CODEC.decode(payload.bytes)
+        if isinstance(msg, ReadDone):
+            if self.config.drop_read_done:
+                self.counters["num_read_done_dropped"] += 1
+            else:
+                self._finish_send(msg.req_id, expired=False)
+        elif isinstance(msg, ReadBlocks):
+            self._serve_read(identity, msg)
+        elif isinstance(msg, GetKVHandle) and self.kv_cache is not None:
+            reply = KVHandle(self.config.engine_id, self.kv_cache.handle.to_dict())
+            self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
+        else:
+            raise DecodeError(f"unexpected {type(msg).__name__} from a peer")
+
+    def _serve_read(self, identity: zmq.Frame, msg: ReadBlocks) -> None:
+        send = self.sends.get(msg.req_id)
+        if send is None or self.kv_cache is None:
+            reply = BlockData(msg.req_id, False, "unknown or expired request")
+            self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
+            return
+        if not set(msg.block_ids) <= set(send[0]):
+            reply = BlockData(msg.req_id, False, "blocks not held for this request")
+            self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
+            return
+        data = self.kv_cache.read_blocks(msg.block_ids)
+        self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(BlockData(msg.req_id, True, "")),
+                                   data], copy=False)
+
+    def close(self) -> None:
+        self.puller.close()
+        self.agent.close(linger=0)
+        self.peers.close(linger=0)
+        self.ctx.term()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_connector_worker(config: ConnectorWorkerConfig) -> None:
+    """Process entry point (spawned by the engine core's connector agent)."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    worker = ConnectorWorker(config)
+    try:
+        worker.run()
+    finally:
+        worker.close()

@@ -1,0 +1,217 @@
+"""EngineClient: the frontend's handle on one engine core, in-process or in its own process. Runs in: frontend process.
+
+Both implementations speak the same four verbs plus stats. The multiprocess one
+spawns run_engine_core, binds the two sockets (ipc in a private directory by
+default), waits for Ready with a timeout, and notices a dead child through its
+process sentinel: every wait is bounded and a death is an EngineDeadError, never a
+hang.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from typing import Protocol
+
+import zmq
+
+from engine.config import EngineAddresses, EngineConfig
+from engine.core import EngineCore
+from engine.core_proc import build_engine_core, run_engine_core
+from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
+                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode)
+from engine.outputs import RequestOutput
+
+READY_TIMEOUT_S = 120.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died or reported a fatal error."""
+
+
+class EngineClient(Protocol):
+    engine_id: str
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    kv_transfer_params: dict | None = None) -> None: ...
+
+    def abort(self, req_ids: list[str]) -> None: ...
+
+    def get_outputs(self, timeout_s: float) -> list[RequestOutput]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InprocClient:
+    """The engine core in this process; get_outputs steps it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_id = config.engine_id
+        self.core, self.kv_cache = build_engine_core(config)
+        self._pending: list[RequestOutput] = []
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
+        self._pending.extend(self.core.add_request(req_id, prompt_token_ids, max_tokens,
+                                                   kv_transfer_params))
+
+    def abort(self, req_ids: list[str]) -> None:
+        self._pending.extend(self.core.abort_requests(req_ids))
+
+    def get_outputs(self, timeout_s: float = 0.0) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.core.has_work():
+            outputs.extend(self.core.step()[0])
+        return outputs
+
+    def get_stats(self) -> dict[str, int]:
+        from dataclasses import asdict
+        return asdict(self.core.make_stats())
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+        if self.kv_cache is not None:
+            self.kv_cache.close()
+
+
+def make_run_dir() -> str:
+    """A private directory for ipc socket files (short paths: the limit is ~100 chars)."""
+    return tempfile.mkdtemp(prefix="kvdrain-", dir="/tmp")
+
+
+class MPClient:
+    """The engine core in a spawned child process, over ZMQ + msgpack."""
+
+    def __init__(self, config: EngineConfig, run_dir: str | None = None, wait: bool = True) -> None:
+        self.engine_id = config.engine_id
+        self._own_run_dir = run_dir is None
+        self.run_dir = run_dir or make_run_dir()
+        self.addrs = EngineAddresses(input=f"ipc://{self.run_dir}/{self.engine_id}-in",
+                                     output=f"ipc://{self.run_dir}/{self.engine_id}-out")
+        self.ctx = zmq.Context.instance()
+        self.input = self._bind(zmq.PUSH, self.addrs.input)
+        self.output = self._bind(zmq.PULL, self.addrs.output)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, self.addrs), name=f"kvdrain-engine-{self.engine_id}")
+        self.process.start()
+        self.latest_stats: StatsSnapshot | None = None
+        self.stats_history: list[StatsSnapshot] = []
+        self.errors: list[str] = []
+        self.num_bad_messages = 0
+        self.ready: Ready | None = None
+        if wait:
+            self.wait_ready()
+
+    def _bind(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addr)
+        return sock
+
+    def wait_ready(self) -> Ready:
+        """Wait (bounded) for the child's Ready; several children may start at once."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self._recv(timeout_s=0.1)
+            if isinstance(msg, Ready):
+                self.ready = msg
+                return msg
+            if isinstance(msg, EngineError):
+                self.kill()
+                raise EngineDeadError(f"engine {self.engine_id} failed to start:\n{msg.message}")
+            self._check_alive()
+        self.kill()
+        raise EngineDeadError(f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
+
+    def _check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise EngineDeadError(f"engine core {self.engine_id} (pid {self.process.pid}) died "
+                                  f"with exit code {self.process.exitcode}")
+
+    def _recv(self, timeout_s: float) -> object | None:
+        if not self.output.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        try:
+            return decode(self.output.recv())
+        except DecodeError:
+            self.num_bad_messages += 1
+            return None
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
+        self.input.send(encode(AddRequest(req_id, list(prompt_token_ids), max_tokens,
+                                          kv_transfer_params)))
+
+    def abort(self, req_ids: list[str]) -> None:
+        self.input.send(encode(Abort(list(req_ids))))
+
+    def request_stats(self) -> None:
+        self.input.send(encode(GetStats()))
+
+    def get_outputs(self, timeout_s: float) -> list[RequestOutput]:
+        """Outputs that arrive within timeout_s (stats snapshots are kept aside)."""
+        msg = self._recv(timeout_s)
+        outputs: list[RequestOutput] = []
+        while msg is not None:
+            outputs.extend(self._on_message(msg))
+            msg = self._recv(0)
+        if not outputs:
+            self._check_alive()
+        return outputs
+
+    def _on_message(self, msg: object) -> list[RequestOutput]:
+        if isinstance(msg, RequestOutputs):
+            return [RequestOutput(o.req_id, o.new_token_ids, o.finish_reason, o.kv_transfer_params,
+                                  o.num_cached_tokens, o.error) for o in msg.outputs]
+        if isinstance(msg, StatsSnapshot):
+            self.latest_stats = msg
+            self.stats_history.append(msg)
+        elif isinstance(msg, EngineError):
+            self.errors.append(msg.message)
+        return []
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Graceful: Shutdown message, bounded join, then kill; removes the ipc dir."""
+        try:
+            if self.process.is_alive():
+                self.input.send(encode(Shutdown(timeout_s)), zmq.NOBLOCK)
+                deadline = time.monotonic() + timeout_s + 5
+                while self.process.is_alive() and time.monotonic() < deadline:
+                    self._drain_quietly()
+                    self.process.join(0.05)
+        except zmq.ZMQError:
+            pass
+        finally:
+            self.kill()
+
+    def _drain_quietly(self) -> None:
+        msg = self._recv(0)
+        while msg is not None:
+            self._on_message(msg)
+            msg = self._recv(0)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        _remove_kv_segments(self.process.pid)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+
+def _remove_kv_segments(pid: int | None) -> None:
+    """Unlink KV-cache segments a dead child could not (SIGKILL skips its cleanup).
+
+    Names follow engine/kv_cache.py: <shm dir>/kvdrain-kv-<owner pid>-<random>.
+    """
+    if pid is None:
+        return
+    for directory in ("/dev/shm", tempfile.gettempdir()):
+        for path in glob.glob(os.path.join(directory, f"kvdrain-kv-{pid}-*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)

@@ -1,0 +1,241 @@
+"""The engine-core process: the busy loop, its sockets and the liveness policy. Runs in: engine-core process.
+
+Each iteration: drain the frontend input without blocking; step if there is work;
+then ask engine/liveness.py whether to step again, sleep (poll) or block, and on
+what. Blocking means a zmq poll with no timeout: on the frontend input only
+(legacy, poll, and event when idle), or also on the connector worker's socket and
+process sentinel (event, while a connector transfer is pending). The frontend's
+death (its process sentinel) always wakes the loop, which then exits.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from dataclasses import asdict
+
+import zmq
+
+from engine.config import EngineAddresses, EngineConfig
+from engine.core import EngineCore
+from engine.kv_connector import KVConnectorRole
+from engine.liveness import LOOP_STATES, LoopAction, next_action
+from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
+                             RequestOutputMsg, RequestOutputs, Shutdown, StatsSnapshot, decode, encode)
+from engine.mock_runner import MockModelRunner
+from engine.outputs import RequestOutput
+
+
+class ShutdownRequested(Exception):
+    """SIGTERM arrived: leave the loop and shut down gracefully."""
+
+
+def import_factory(name: str):
+    module_name, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def build_engine_core(config: EngineConfig):
+    """The runner, the KV cache and both connector halves, composed from the config."""
+    kv_cache = None
+    if config.runner == "torch":
+        from engine.model_runner import ModelRunner  # torch only where it is needed
+        runner = ModelRunner(config)
+        kv_cache = runner.kv_cache
+    else:
+        runner = MockModelRunner(config)
+        if config.kv_transfer is not None:  # real memory, so transfers move real bytes
+            from engine.kv_cache import KVCache
+            kv_cache = KVCache.allocate(config.model, config.num_blocks, config.block_size, "cpu")
+    connector = worker = None
+    if config.kv_transfer is not None:
+        factory = import_factory(config.kv_transfer.kv_connector)
+        connector = factory(config, KVConnectorRole.SCHEDULER)
+        worker = factory(config, KVConnectorRole.WORKER, kv_cache.handle.to_dict())
+    return EngineCore(config, runner, connector, worker), kv_cache
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.input = self._socket(zmq.PULL, addrs.input)
+        self.output = self._socket(zmq.PUSH, addrs.output)
+        self.core, self.kv_cache = build_engine_core(config)
+        self.parent = multiprocessing.parent_process()
+        self.num_wakeups = 0
+        self.num_bad_messages = 0
+        self.loop_state = "stepping"
+        self.shutdown_timeout_s: float | None = None
+        self._stats_seq = 0
+        self._last_published: tuple | None = None
+        self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
+                         config.max_model_len, config.model.vocab_size, self._device()))
+
+    def _socket(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 1000)  # let a final error or output escape
+        sock.connect(addr)
+        return sock
+
+    def _device(self) -> str:
+        tensor = getattr(self.kv_cache, "tensor", None)
+        return str(tensor.device) if tensor is not None and self.config.runner == "torch" else "cpu"
+
+    def _send(self, msg: object) -> None:
+        self.output.send(encode(msg))
+
+    # ---- the busy loop -------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        liveness = self.config.liveness
+        while self.shutdown_timeout_s is None:
+            self._process_input()
+            if self.shutdown_timeout_s is not None:
+                break
+            model_executed = False
+            if self.core.has_work():
+                outputs, model_executed = self.core.step()
+                self._send_outputs(outputs)
+            action = next_action(liveness, self.core.has_work(), model_executed,
+                                 self.core.got_kv_reports)
+            self.loop_state = LOOP_STATES[action]
+            self._publish_stats()
+            if action is LoopAction.SLEEP:
+                time.sleep(self.config.poll_interval_s)
+                self.num_wakeups += 1
+            elif action is not LoopAction.STEP:
+                self._wait(with_connector=action is LoopAction.WAIT_ANY)
+
+    def _wait(self, with_connector: bool, timeout_ms: int | None = None) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        if self.parent is not None:
+            poller.register(self.parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
+        if with_connector and self.core.connector_worker is not None:
+            for handle in self.core.connector_worker.wait_handles():
+                poller.register(handle, zmq.POLLIN | zmq.POLLERR)
+        ready = dict(poller.poll(timeout_ms))
+        self.num_wakeups += 1
+        if self.parent is not None and self.parent.sentinel in ready:
+            raise SystemExit("the frontend is gone")
+
+    def _process_input(self) -> None:
+        while self.input.poll(0, zmq.POLLIN):
+            data = self.input.recv()
+            try:
+                msg = decode(data)
+            except DecodeError:
+                self.num_bad_messages += 1  # drop it, keep serving
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            self._send_outputs(self.core.add_request(
+                msg.req_id, msg.prompt_token_ids, msg.max_tokens, msg.kv_transfer_params,
+                tuple(msg.stop_token_ids or ())))
+        elif isinstance(msg, Abort):
+            self._send_outputs(self.core.abort_requests(msg.req_ids))
+        elif isinstance(msg, GetStats):
+            self._publish_stats(force=True)
+        elif isinstance(msg, Shutdown):
+            self.shutdown_timeout_s = msg.timeout_s
+        else:
+            self.num_bad_messages += 1  # a well-formed message the engine never takes
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._send(RequestOutputs(self.config.engine_id, [
+                RequestOutputMsg(o.req_id, o.new_token_ids, o.finish_reason, o.kv_transfer_params,
+                                 o.num_cached_tokens, o.error) for o in outputs]))
+
+    def _publish_stats(self, force: bool = False) -> None:
+        """A snapshot whenever counts or the loop state changed (and on request)."""
+        counts = asdict(self.core.make_stats())
+        worker = self.core.connector_worker
+        if worker is not None:
+            counts.update(worker.get_counters())
+        counts["num_bad_messages"] = self.num_bad_messages
+        key = (self.loop_state, tuple(counts.values()))
+        if not force and key == self._last_published:
+            return
+        self._last_published = key
+        self._stats_seq += 1
+        self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
+                                 self.loop_state, self.core.num_steps, self.num_wakeups, counts))
+        if worker is not None and worker.error is not None and not getattr(self, "_error_sent", False):
+            self._error_sent = True
+            self._send(EngineError(self.config.engine_id, worker.error))
+
+    # ---- shutdown ------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, wait (bounded) for outstanding connector reports."""
+        timeout = self.shutdown_timeout_s if self.shutdown_timeout_s is not None else 5.0
+        scheduler = self.core.scheduler
+        unfinished = [r.req_id for r in scheduler.requests.values() if not r.is_finished()]
+        self._send_outputs(self.core.abort_requests(unfinished))
+        deadline = time.monotonic() + timeout
+        while scheduler.requests and time.monotonic() < deadline:
+            _, model_executed = self.core.step()
+            if not model_executed:
+                self._wait(with_connector=True, timeout_ms=10)
+        self.loop_state = "stopped"
+        self._publish_stats(force=True)
+
+    def close(self) -> None:
+        self.core.shutdown()
+        close_runner = getattr(self.core.model_runner, "close", None)
+        if close_runner is not None:
+            close_runner()
+        if self.kv_cache is not None:
+            self.kv_cache.close()
+        self.input.close()
+        self.output.close()
+        self.ctx.term()
+
+
+def _raise_shutdown(signum: int, frame: object) -> None:
+    raise ShutdownRequested()
+
+
+def run_engine_core(config: EngineConfig, addrs: EngineAddresses) -> None:
+    """Process entry point: build the core, send Ready, loop until Shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    proc = None
+    try:
+        proc = EngineCoreProc(config, addrs)
+        try:
+            proc.run_busy_loop()
+        except ShutdownRequested:
+            pass
+        proc.shutdown()
+    except SystemExit:
+        pass
+    except BaseException:
+        _report_fatal(config, addrs, proc, traceback.format_exc())
+        raise
+    finally:
+        if proc is not None:
+            proc.close()
+
+
+def _report_fatal(config: EngineConfig, addrs: EngineAddresses, proc, text: str) -> None:
+    """Tell the frontend why we die (vLLM's ENGINE_CORE_DEAD), best effort."""
+    try:
+        if proc is not None:
+            proc._send(EngineError(config.engine_id, text))
+            return
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(addrs.output)
+        sock.send(encode(EngineError(config.engine_id, text)))
+        sock.close()
+    except Exception:
+        pass

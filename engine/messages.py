@@ -1,0 +1,175 @@
+"""Wire types between frontend and engine core, and the msgpack codec every socket uses. Runs in: every process.
+
+Each message is a frozen dataclass with a stable numeric tag, encoded as
+msgpack([tag, field, ...]). Decoding checks the tag, the arity and every field's type
+against the dataclass annotations and raises DecodeError saying what is wrong. No
+pickle: a peer can only ever make us build one of the registered types.
+stdlib + msgpack only, so anything can import this cheaply.
+"""
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Union
+
+import msgpack
+
+
+class DecodeError(ValueError):
+    """A frame that is not a well-formed registered message."""
+
+
+_SCALARS = {int: (int,), float: (float, int), str: (str,), bool: (bool,), bytes: (bytes,)}
+
+
+def _make_check(tp: Any, codec: Codec) -> Callable[[Any], Any]:
+    """A function that validates (and for nested messages, rebuilds) one decoded field."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _SCALARS:
+        ok = _SCALARS[tp]
+
+        def check(v):  # bool is an int in Python; refuse it where an int is wanted
+            if not isinstance(v, ok) or (tp is not bool and isinstance(v, bool)):
+                raise DecodeError(f"expected {tp.__name__}, got {type(v).__name__}")
+            return v
+        return check
+    if origin in (Union, types.UnionType):
+        checks = [_make_check(a, codec) for a in args if a is not type(None)]
+        return lambda v: None if v is None and type(None) in args else checks[0](v)
+    if origin is list:
+        item = _make_check(args[0], codec)
+        return lambda v: [item(x) for x in _expect(v, list)]
+    if origin is dict or tp is dict:
+        key, val = (_make_check(a, codec) for a in args) if args else (None, None)
+        if key is None:
+            return lambda v: _expect(v, dict)
+        return lambda v: {key(k): val(x) for k, x in _expect(v, dict).items()}
+    if is_dataclass(tp):
+        return lambda v: codec.from_fields(tp, _expect(v, list))
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def _expect(v: Any, tp: type) -> Any:
+    if not isinstance(v, tp):
+        raise DecodeError(f"expected {tp.__name__}, got {type(v).__name__}")
+    return v
+
+
+class Codec:
+    """Encodes and strictly decodes the messages of one protocol; the index is the tag."""
+
+    def __init__(self, messages: tuple[type, ...], nested: tuple[type, ...] = ()) -> None:
+        self.messages = messages
+        self._tags = {cls: tag for tag, cls in enumerate(messages)}
+        self._checks: dict[type, list[tuple[str, Callable]]] = {}
+        for cls in messages + nested:
+            hints = typing.get_type_hints(cls)
+            self._checks[cls] = [(f.name, _make_check(hints[f.name], self)) for f in fields(cls)]
+
+    def to_fields(self, msg: Any) -> list:
+        return [self.to_fields(v) if is_dataclass(v) else
+                [self.to_fields(x) for x in v] if isinstance(v, list) and v and is_dataclass(v[0])
+                else v for v in (getattr(msg, f.name) for f in fields(msg))]
+
+    def from_fields(self, cls: type, values: list) -> Any:
+        checks = self._checks[cls]
+        if len(values) != len(checks):
+            raise DecodeError(f"{cls.__name__}: expected {len(checks)} fields, got {len(values)}")
+        kwargs = {}
+        for (name, check), value in zip(checks, values):
+            try:
+                kwargs[name] = check(value)
+            except DecodeError as e:
+                raise DecodeError(f"{cls.__name__}.{name}: {e}") from None
+        return cls(**kwargs)
+
+    def encode(self, msg: Any) -> bytes:
+        return msgpack.packb([self._tags[type(msg)], *self.to_fields(msg)], use_bin_type=True)
+
+    def decode(self, data: bytes) -> Any:
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several types for garbage
+            raise DecodeError(f"not msgpack: {e}") from None
+        if not isinstance(obj, list) or not obj or not isinstance(obj[0], int) or isinstance(obj[0], bool):
+            raise DecodeError("expected [tag, field, ...]")
+        if not 0 <= obj[0] < len(self.messages):
+            raise DecodeError(f"unknown message tag {obj[0]}")
+        return self.from_fields(self.messages[obj[0]], obj[1:])
+
+
+# ---- frontend <-> engine core ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    kv_transfer_params: dict | None = None
+    stop_token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    timeout_s: float = 5.0  # how long to wait for outstanding connector reports
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    engine_id: str
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutputMsg:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    kv_transfer_params: dict | None
+    num_cached_tokens: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutputs:
+    engine_id: str
+    outputs: list[RequestOutputMsg]
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    engine_id: str
+    seq: int
+    monotonic: float  # the engine's time.monotonic(); same clock as the frontend's on one host
+    loop_state: str  # stepping | polling | blocked
+    num_steps: int
+    num_wakeups: int
+    counts: dict[str, int]  # SchedulerStats fields and connector counters
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    engine_id: str
+    message: str
+
+
+MESSAGES = (AddRequest, Abort, Shutdown, GetStats, Ready, RequestOutputs, StatsSnapshot, EngineError)
+CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
+encode = CODEC.encode
+decode = CODEC.decode

@@ -1,0 +1,89 @@
+"""Helpers for multiprocess tests: every wait is a bounded receive, never a sleep.
+
+Everything goes through the router, so P's outputs are always forwarded to D while a
+test waits for stats; user-facing outputs are kept in a backlog for `collect`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from connector.router import PDRouter, start_topology
+from engine.config import EngineConfig, KVTransferConfig
+from engine.messages import StatsSnapshot
+from engine.outputs import RequestOutput
+
+
+def mock_tokens(prompt: list[int], max_tokens: int, vocab: int = 512) -> list[int]:
+    """What MockModelRunner generates: last + 1, modulo the vocabulary."""
+    return [(prompt[-1] + 1 + i) % vocab for i in range(max_tokens)]
+
+
+class Harness:
+    def __init__(self, router: PDRouter) -> None:
+        self.router = router
+        self.clients = router.clients
+        self.backlog: list[RequestOutput] = []
+
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.router.add_request(req_id, prompt, max_tokens)
+
+    def poll(self, timeout_s: float) -> None:
+        self.backlog.extend(self.router.poll(timeout_s))
+
+    def collect(self, req_ids: set[str], timeout_s: float = 20.0) -> dict[str, dict]:
+        """Poll until every request in req_ids finished; returns tokens and finish reasons."""
+        tokens: dict[str, list] = {r: [] for r in req_ids}
+        finished: dict[str, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for output in self.backlog:
+                tokens[output.req_id].extend(output.new_token_ids)
+                if output.finished:
+                    finished[output.req_id] = output.finish_reason
+            self.backlog.clear()
+            if set(finished) == req_ids:
+                return {"tokens": tokens, "reasons": finished}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"unfinished after {timeout_s} s: {sorted(req_ids - set(finished))}")
+            self.poll(0.05)
+
+    def stats(self, engine: str, timeout_s: float = 5.0) -> StatsSnapshot:
+        """Ask an engine for a snapshot and wait (bounded) until a newer one arrives."""
+        client = self.clients[engine]
+        before = client.latest_stats.seq if client.latest_stats else -1
+        client.request_stats()
+        deadline = time.monotonic() + timeout_s
+        while client.latest_stats is None or client.latest_stats.seq <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no stats from engine {engine} in {timeout_s} s")
+            self.poll(0.02)
+        return client.latest_stats
+
+    def wait_for_stats(self, engine: str, predicate, timeout_s: float) -> StatsSnapshot | None:
+        """The first snapshot that satisfies predicate, or None at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.stats(engine)
+            if predicate(snap):
+                return snap
+            self.poll(0.02)
+        return None
+
+    def idle_for(self, seconds: float) -> None:
+        """Let `seconds` pass with no traffic, still receiving whatever arrives."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.poll(min(left, 0.1))
+
+
+@contextlib.contextmanager
+def topology(liveness: str = "event", topology_name: str = "pd", policy: str = "recompute",
+             **kv_options):
+    base = EngineConfig(num_blocks=128, block_size=4, liveness=liveness,
+                        kv_load_failure_policy=policy)
+    router = start_topology(base, KVTransferConfig(**kv_options), topology_name)
+    try:
+        yield Harness(router)
+    finally:
+        router.shutdown()

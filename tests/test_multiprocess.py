@@ -1,0 +1,191 @@
+"""The engine core and connector worker processes over ZMQ + msgpack (mock runner)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.client import EngineDeadError, InprocClient, MPClient
+from engine.config import EngineConfig
+from engine.messages import AddRequest, encode
+from tests.mp_utils import mock_tokens, topology
+
+PROMPTS = {f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8] + list(range(20 + 3 * i, 30 + 3 * i)) for i in range(8)}
+
+
+def send_all(h, max_tokens=5):
+    for req_id, prompt in PROMPTS.items():
+        h.add_request(req_id, prompt, max_tokens)
+    return set(PROMPTS)
+
+
+@pytest.fixture(params=["inproc", "mp"])
+def client(request):
+    config = EngineConfig(engine_id="E", num_blocks=64, block_size=4)
+    c = InprocClient(config) if request.param == "inproc" else MPClient(config)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def test_one_engine_both_clients(client):
+    client.add_request("a", list(range(10)), 4)
+    client.add_request("b", list(range(30, 45)), 3)
+    tokens, deadline = {"a": [], "b": []}, time.monotonic() + 10
+    done = set()
+    while done != {"a", "b"} and time.monotonic() < deadline:
+        for o in client.get_outputs(0.05):
+            tokens[o.req_id] += o.new_token_ids
+            if o.finished:
+                done.add(o.req_id)
+    assert tokens == {"a": [10, 11, 12, 13], "b": [45, 46, 47]}
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_pd_tokens_equal_single_engine(transport):
+    with topology(transport=transport) as h:
+        result = h.collect(send_all(h))
+        p, d = h.clients["P"], h.clients["D"]
+        stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
+        assert stats is not None and stats.counts["num_sent"] == 8
+        assert h.stats("D").counts["num_recved"] == 8
+    assert result["tokens"] == {r: mock_tokens(p, 5) for r, p in PROMPTS.items()}
+    assert set(result["reasons"].values()) == {"length"}
+
+
+def test_single_topology():
+    with topology(topology_name="single") as h:
+        result = h.collect(send_all(h, 3))
+    assert result["tokens"] == {r: mock_tokens(p, 3) for r, p in PROMPTS.items()}
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_idle_prefill_engine_frees_blocks_only_when_fixed(liveness):
+    """vLLM #43433: D reads 200 ms late, then 2 s of no traffic."""
+    with topology(liveness=liveness, pull_delay_ms=200) as h:
+        h.collect(send_all(h, 2))
+        p = h.clients["P"]
+        if liveness == "legacy":
+            h.idle_for(2.0)
+            stats = h.stats("P")  # wakes the loop, but it does not step
+            assert stats.counts["num_used_blocks"] > 0
+            assert stats.counts["num_finished_awaiting_free"] == 8
+        else:
+            # D has finished, so every read is done: P must drain within 500 ms.
+            stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 0.5)
+            assert stats is not None, f"P still holds blocks: {h.stats('P').counts}"
+            h.idle_for(2.0)
+            assert h.stats("P").counts["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_expiry_frees_blocks_when_read_done_is_dropped(liveness):
+    with topology(liveness=liveness, drop_read_done=True, kv_expiry_s=1.0) as h:
+        start = time.monotonic()
+        h.collect(send_all(h, 2))
+        p = h.clients["P"]
+        stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
+        elapsed = time.monotonic() - start
+        assert stats is not None and 0.9 <= elapsed <= 3.0
+        assert stats.counts["num_expired"] == 8 and stats.counts["num_sent"] == 0
+        assert stats.counts["num_read_done_dropped"] == 8
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_killing_prefill_connector_worker_mid_transfer(policy):
+    with topology(policy=policy, pull_delay_ms=1500) as h:
+        send_all(h, 3)
+        p = h.clients["P"]
+        held = h.wait_for_stats("P", lambda s: s.counts["num_finished_awaiting_free"] == 8, 10)
+        assert held is not None
+        os.kill(held.counts["connector_worker_pid"], signal.SIGKILL)
+        freed = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
+        assert freed is not None  # P released what the dead worker held
+        result = h.collect(set(PROMPTS), timeout_s=30)
+        assert any("connector worker of engine P" in why and "died" in why
+                   for engine, why in h.router.errors)
+    # D's pulls failed (P's worker is gone): recompute gives the right tokens; fail fails.
+    if policy == "recompute":
+        assert result["tokens"] == {r: mock_tokens(p, 3) for r, p in PROMPTS.items()}
+    else:
+        assert set(result["reasons"].values()) == {"error"}
+
+
+def test_killing_decode_connector_worker_with_fail_policy():
+    with topology(policy="fail", pull_delay_ms=1500, kv_expiry_s=1.0) as h:
+        send_all(h, 3)
+        waiting = h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 8, 10)
+        assert waiting is not None
+        os.kill(waiting.counts["connector_worker_pid"], signal.SIGKILL)
+        result = h.collect(set(PROMPTS), timeout_s=10)
+        assert set(result["reasons"].values()) == {"error"}
+        assert h.stats("D").counts["num_used_blocks"] == 0
+        # P's worker never hears "read done": its expiry releases P's blocks.
+        assert h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
+        assert any("engine D" in why and "died" in why for _, why in h.router.errors)
+
+
+def test_garbage_is_dropped_and_counted_everywhere():
+    with topology() as h:
+        p, d = h.clients["P"], h.clients["D"]
+        # Engine input: garbage, a truncated frame, wrong field types, an unknown tag.
+        good = encode(AddRequest("x", [1, 2, 3], 2))
+        for frame in (b"\xc1garbage", good[:-3], msgpack.packb([0, 7, "no", 1, None, None]),
+                      msgpack.packb([250])):
+            p.input.send(frame)
+        # Connector worker peer socket: garbage from a stranger.
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(f"ipc://{h.router.run_dir}/P-kv")
+        peer.send(b"not msgpack")
+        peer.send_multipart([b"a", b"b", b"c"])
+        # Frontend output socket: garbage pushed at the client.
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(d.addrs.output)
+        push.send(b"\x00\x01junk")
+        result = h.collect(send_all(h, 2))
+        assert result["tokens"] == {r: mock_tokens(q, 2) for r, q in PROMPTS.items()}
+        assert h.stats("P").counts["num_bad_messages"] == 4
+        assert h.wait_for_stats("P", lambda s: s.counts.get("num_bad_messages", 0) >= 4, 5)
+        assert d.num_bad_messages == 1
+        peer.close()
+        push.close()
+
+
+def test_dead_engine_is_an_error_not_a_hang():
+    with topology(topology_name="single") as h:
+        client = h.clients["E"]
+        os.kill(client.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
+            for _ in range(100):
+                h.router.poll(0.05)
+        assert time.monotonic() - start < 1.0
+
+
+def test_shutdown_leaves_no_process_socket_or_segment():
+    shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("kvdrain")}
+    with topology() as h:
+        h.collect(send_all(h, 2))
+        pids = [c.process.pid for c in h.clients.values()]
+        pids += [h.stats(c.engine_id).counts["connector_worker_pid"] for c in h.clients.values()]
+        run_dir = h.router.run_dir
+    for pid in pids:
+        assert not _alive(pid), f"process {pid} survived shutdown"
+    assert not os.path.exists(run_dir)
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("kvdrain")} <= shm_before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"  # a zombie is dead but not reaped by its parent
