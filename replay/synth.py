@@ -1,0 +1,69 @@
+"""Prompt token ids synthesised from trace requests. Runs in: frontend process.
+
+Deterministic in every process and every run: tokens are drawn from a SHAKE-128 stream
+keyed by a hash id or a request id (never Python's hash(), which is salted per process),
+and sent as token ids, never text, so no re-tokenisation can move a block edge.
+- hash_ids: block i holds the first `hash_block_size` tokens of the stream of id i; the
+  last block holds only `prompt_len - (n - 1) * hash_block_size`. Requests that share
+  leading ids therefore share exactly those tokens and hit the engine's prefix cache. An
+  id's stream does not depend on the block size, so a shorter block is a prefix of a
+  longer one (what `--scale-tokens` relies on).
+- Engine blocks are not hash blocks: a 512-token Mooncake block is 32 engine blocks of 16.
+  Every engine block size that divides the hash block size sees each shared hash block
+  as whole cached engine blocks; with any other size the engine block straddling the end
+  of the shared prefix misses, so the hits are floor(shared tokens / engine block size).
+- prompt_len only: `prompt_len` tokens of the request id's stream, unique to the request.
+- prompt_token_ids: used as given; each must be below vocab_size.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+from array import array
+
+from replay.trace import TraceRequest
+
+# Blocks kept by the memo below; a 512-token block takes 2 KiB, so 16 MiB at most.
+BLOCK_CACHE_SIZE = 8192
+
+
+def _stream(key: bytes, num_tokens: int, vocab_size: int) -> array:
+    """The first `num_tokens` tokens of the stream named by `key`, each < vocab_size."""
+    words = struct.unpack(f"<{num_tokens}I", hashlib.shake_128(key).digest(4 * num_tokens))
+    return array("I", [w % vocab_size for w in words])
+
+
+@functools.lru_cache(maxsize=BLOCK_CACHE_SIZE)
+def _hash_block(hash_id: int, block_size: int, vocab_size: int) -> array:
+    # A pure function's memo (never mutated by callers), so sharing it across runs is safe.
+    return _stream(b"kvdrain/hash/%d" % hash_id, block_size, vocab_size)
+
+
+def _hash_prompt(req: TraceRequest, vocab_size: int) -> array:
+    hash_ids, block = req.hash_ids or (), req.hash_block_size
+    tail = req.prompt_len - (len(hash_ids) - 1) * block
+    if not hash_ids or not 1 <= tail <= block:
+        raise ValueError(f"hash_ids: request {req.req_id!r}: {len(hash_ids)} ids of "
+                         f"{block} tokens cannot hold {req.prompt_len} tokens")
+    tokens = array("I")
+    for hash_id in hash_ids[:-1]:
+        tokens.extend(_hash_block(hash_id, block, vocab_size))
+    tokens.extend(_hash_block(hash_ids[-1], block, vocab_size)[:tail])
+    return tokens
+
+
+def synth_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
+    """The prompt token ids of a trace request, all in [0, vocab_size)."""
+    if type(vocab_size) is not int or vocab_size < 1:
+        raise ValueError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
+    if req.prompt_token_ids is not None:
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: request {req.req_id!r}: token {bad[0]} is "
+                             f"outside [0, vocab_size={vocab_size})")
+        return list(req.prompt_token_ids)
+    if req.hash_ids is not None:
+        return _hash_prompt(req, vocab_size).tolist()
+    key = b"kvdrain/request/" + req.req_id.encode()
+    return _stream(key, req.prompt_len, vocab_size).tolist()
