@@ -1,0 +1,127 @@
+"""Replay timeline: per-engine samples and per-request records over time. Runs in: frontend process.
+
+Both replay drivers produce one: the virtual clock (replay/simulate.py) from in-process
+engines, the wall clock (replay/driver.py) from the real processes. Times are seconds
+from the replay's origin. `to_dict`/`from_dict` give plain JSON-ready data and back.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+LOOP_STATES = ("stepping", "polling", "blocked")
+
+
+@dataclass(slots=True)
+class EngineSample:
+    """One engine's KV pool and queues at `t` (block counts exclude the null block)."""
+
+    t: float
+    engine: str
+    num_used_blocks: int  # held by requests (ref > 0)
+    num_cached_blocks: int  # free (ref 0) but still holding a prefix hash
+    num_free_blocks: int  # ref 0, cached ones included
+    num_blocks: int  # usable blocks: used + free
+    num_waiting: int
+    num_skipped_waiting: int
+    num_waiting_for_remote_kvs: int
+    num_running: int
+    num_finished_awaiting_free: int  # finished, blocks held for the connector
+    loop_state: str  # "stepping" | "polling" | "blocked"
+    num_steps: int  # engine steps so far
+    num_wakeups: int  # transitions out of blocked, plus poll sleeps, so far
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One client request from arrival to its final output (the client's view)."""
+
+    req_id: str
+    arrival_t: float  # when the trace says it arrives
+    send_t: float  # when the driver sent it
+    send_lateness_s: float  # send_t - arrival_t (0 under the virtual clock)
+    first_token_t: float | None
+    end_t: float | None  # None: never finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_prefix_hit_tokens: int  # prefix-cache hits where the prompt was computed
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "ignored"
+    error: str | None = None
+    # sha256 of the comma-joined output token ids, 16 hex digits: compares runs cheaply.
+    output_digest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRecord:
+    """The client aborted `req_id` at `t`."""
+
+    t: float
+    req_id: str
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Everything a replay observed; the input of verify() and the reports."""
+
+    engines: list[str]
+    num_blocks: dict[str, int]  # usable blocks per engine
+    samples: list[EngineSample]  # in time order
+    requests: list[RequestRecord]  # in arrival order
+    arrivals: list[float]  # request arrival times, non-decreasing
+    aborts: list[AbortRecord]
+    end_t: float  # the replay stopped observing here
+    # Per-engine totals at end_t (num_steps, num_wakeups, num_expired, ...).
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # How the timeline was made (driver, liveness, topology, options), JSON-ready.
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def samples_for(self, engine: str) -> list[EngineSample]:
+        """This engine's samples, in time order."""
+        if engine not in self.engines:
+            raise ValueError(f"engine: unknown engine {engine!r}, have {self.engines}")
+        return [s for s in self.samples if s.engine == engine]
+
+    def request(self, req_id: str) -> RequestRecord:
+        for record in self.requests:
+            if record.req_id == req_id:
+                return record
+        raise KeyError(req_id)
+
+    def to_dict(self) -> dict:
+        """Plain dicts and lists, ready for json.dumps."""
+        return {
+            "engines": list(self.engines),
+            "num_blocks": dict(self.num_blocks),
+            "samples": [asdict(s) for s in self.samples],
+            "requests": [asdict(r) for r in self.requests],
+            "arrivals": list(self.arrivals),
+            "aborts": [asdict(a) for a in self.aborts],
+            "end_t": self.end_t,
+            "counters": {k: dict(v) for k, v in self.counters.items()},
+            "meta": dict(self.meta),
+        }
+
+    @staticmethod
+    def from_dict(data: dict) -> Timeline:
+        """The inverse of to_dict; a missing or unknown field raises ValueError."""
+        try:
+            return Timeline(
+                engines=list(data["engines"]),
+                num_blocks={str(k): int(v) for k, v in data["num_blocks"].items()},
+                samples=[_build(EngineSample, s) for s in data["samples"]],
+                requests=[_build(RequestRecord, r) for r in data["requests"]],
+                arrivals=[float(t) for t in data["arrivals"]],
+                aborts=[_build(AbortRecord, a) for a in data["aborts"]],
+                end_t=float(data["end_t"]),
+                counters={k: dict(v) for k, v in data.get("counters", {}).items()},
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"timeline: malformed data: {e!r}") from None
+
+
+def _build(cls: type, data: dict) -> object:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(data.keys() - names)
+    if unknown:
+        raise ValueError(f"timeline: {cls.__name__}: unknown field {unknown[0]!r}")
+    return cls(**data)

@@ -1,0 +1,203 @@
+"""Verification of a replay timeline: conservation, drain in idle windows, recorded snapshots. Runs in: frontend process.
+
+Pure functions of a Timeline (from either replay driver) and the trace's snapshots.
+- conservation: at every sample used + free == num_blocks (usable blocks).
+- idle windows, from the client's view: after every request sent so far has ended,
+  until the next arrival, when that is at least idle_threshold_s away; plus the tail
+  after the last request until the timeline ends. In each window every engine must
+  drain: used blocks (held by requests; ref-0 cached blocks count as free) reach 0
+  within drain_deadline_s and stay 0 until the window ends. A blip that is gone by
+  the deadline is fine (a step still running when the client gave up publishes its
+  blocks late); blocks taken later are a leak. A window shorter than the deadline
+  that ends undrained is "undecided", not a violation.
+- snapshots: the nearest sample at or before each recorded snapshot matches its used,
+  free (and cached, when recorded) counts within snapshot_tolerance_blocks.
+- a request that never ended is a violation too ("unfinished").
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from replay.timeline import EngineSample, Timeline
+from replay.trace import TraceSnapshot
+
+VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOptions:
+    idle_threshold_s: float = 1.0
+    drain_deadline_s: float = 0.5
+    snapshot_tolerance_blocks: int = 0  # 0 for the virtual clock
+
+    def __post_init__(self) -> None:
+        for name in ("idle_threshold_s", "drain_deadline_s", "snapshot_tolerance_blocks"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class IdleWindow:
+    """One engine over one idle window."""
+
+    engine: str
+    start: float
+    end: float
+    is_tail: bool
+    num_used_at_start: int
+    time_to_drain: float | None  # seconds from start until used blocks stay 0; None: never
+    verdict: str  # "drained" | "leak" | "undecided"
+    num_blocks_held: int  # used blocks at the last sample that had any (0 if none did)
+
+    @property
+    def length(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    kind: str  # one of VIOLATION_KINDS
+    engine: str  # "" when it concerns no one engine
+    t: float
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    windows: tuple[IdleWindow, ...]
+    violations: tuple[Violation, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "exit_code": self.exit_code,
+                "windows": [dict(asdict(w), length=w.length) for w in self.windows],
+                "violations": [asdict(v) for v in self.violations]}
+
+
+def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[float, float, bool]]:
+    """(start, end, is_tail) of every client-side idle window, in time order."""
+    requests = sorted(timeline.requests, key=lambda r: r.arrival_t)
+    windows, quiet_from = [], float("-inf")
+    for i, record in enumerate(requests):
+        quiet_from = max(quiet_from, float("inf") if record.end_t is None else record.end_t)
+        next_arrival = requests[i + 1].arrival_t if i + 1 < len(requests) else None
+        if next_arrival is None:
+            if quiet_from < timeline.end_t:
+                windows.append((quiet_from, timeline.end_t, True))
+        elif next_arrival - quiet_from >= idle_threshold_s:
+            windows.append((quiet_from, next_arrival, False))
+    return windows
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSeries:
+    """One engine's samples in time order, with their times for bisection."""
+
+    engine: str
+    samples: list[EngineSample]
+    times: list[float]
+
+    @staticmethod
+    def of(timeline: Timeline, engine: str) -> EngineSeries:
+        samples = timeline.samples_for(engine)
+        return EngineSeries(engine, samples, [s.t for s in samples])
+
+
+def check_window(series: EngineSeries, window: tuple[float, float, bool],
+                 deadline_s: float) -> IdleWindow:
+    """Judge one engine over one (start, end, is_tail) window.
+
+    It drained at the first sample from which used blocks stay 0 until the window
+    ends (the sample at or before `start` counts as the window's first).
+    """
+    (start, end, is_tail), samples, times = window, series.samples, series.times
+    lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
+    first = max(lo - 1, 0)
+    at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
+    last_held = next((i for i in range(hi - 1, first - 1, -1) if samples[i].num_used_blocks),
+                     None)
+    if last_held is None:
+        drained_at, held = start, 0
+    else:
+        drained_at = samples[last_held + 1].t if last_held + 1 < hi else None
+        held = samples[last_held].num_used_blocks
+    if drained_at is not None and drained_at - start <= deadline_s:
+        verdict = "drained"
+    else:
+        verdict = "undecided" if drained_at is None and end - start < deadline_s else "leak"
+    return IdleWindow(series.engine, start, end, is_tail, at_start,
+                      None if drained_at is None else drained_at - start, verdict, held)
+
+
+def _window_violation(w: IdleWindow) -> Violation:
+    where = "tail" if w.is_tail else "idle window"
+    if w.time_to_drain is None:
+        detail = f"{where} of {w.length:.3f} s: {w.num_blocks_held} blocks still held " \
+                 f"(of {w.num_used_at_start} at its start), never drained"
+    else:
+        detail = f"{where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.6f} s " \
+                 f"after its start (deadline exceeded)"
+    return Violation("leak", w.engine, w.start, detail)
+
+
+def _check_conservation(timeline: Timeline) -> list[Violation]:
+    out = []
+    for s in timeline.samples:
+        total = timeline.num_blocks.get(s.engine)
+        if s.num_used_blocks + s.num_free_blocks != s.num_blocks or s.num_blocks != total:
+            out.append(Violation("conservation", s.engine, s.t,
+                                 f"used {s.num_used_blocks} + free {s.num_free_blocks} != "
+                                 f"{total} blocks (sample says {s.num_blocks})"))
+    return out
+
+
+def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
+                    tolerance: int) -> list[Violation]:
+    out = []
+    for engine, counts in sorted(snap.kv.items()):
+        if engine not in by_engine:
+            out.append(Violation("snapshot", engine, snap.t, "no such engine in the replay"))
+            continue
+        series = by_engine[engine]
+        at = bisect.bisect_right(series.times, snap.t) - 1
+        if at < 0:
+            out.append(Violation("snapshot", engine, snap.t, "no sample at or before it"))
+            continue
+        sample = series.samples[at]
+        got = {"used": sample.num_used_blocks, "free": sample.num_free_blocks,
+               "cached": sample.num_cached_blocks}
+        bad = [f"{k} {got[k]} != recorded {v}" for k, v in sorted(counts.items())
+               if abs(got[k] - v) > tolerance]
+        if bad:
+            out.append(Violation("snapshot", engine, snap.t,
+                                 f"sample at {sample.t:.6f} s (line {snap.line}): "
+                                 + ", ".join(bad) + f" (tolerance {tolerance})"))
+    return out
+
+
+def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
+           options: VerifyOptions = VerifyOptions()) -> Verdict:
+    """Check conservation, idle-window drain and recorded snapshots."""
+    violations = _check_conservation(timeline)
+    by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
+    windows = []
+    for window in idle_windows(timeline, options.idle_threshold_s):
+        for series in by_engine.values():
+            w = check_window(series, window, options.drain_deadline_s)
+            windows.append(w)
+            if w.verdict == "leak":
+                violations.append(_window_violation(w))
+    for snap in trace_snapshots:
+        violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
+    violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
+                   for r in timeline.requests if r.end_t is None]
+    return Verdict(tuple(windows), tuple(violations))

@@ -1,0 +1,245 @@
+"""The virtual-clock replay (replay/simulate.py) and its verification (replay/verify.py)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from replay.shaping import ShapingOptions, shape
+from replay.simulate import SimOptions, simulate
+from replay.timeline import EngineSample, RequestRecord, Timeline
+from replay.trace import TraceRecord, TraceSnapshot, read_trace
+from replay.verify import VerifyOptions, idle_windows, verify
+
+TRACES = Path(os.environ.get("KVDRAIN_TRACES",
+                             Path(__file__).resolve().parents[2] / "shared" / "traces"))
+MOONCAKE = TRACES / "conversation_trace.jsonl"
+NUM_BLOCKS = 512
+
+
+def bursts(num_bursts: int = 3, per_burst: int = 3, spacing: float = 0.3,
+           shared_prefix: bool = False, pd: bool = True) -> list[dict]:
+    """Bursts of requests `spacing` apart, 3 s of idle between bursts."""
+    lines: list[dict] = [{"kvdrain_trace": 1, "name": "bursts"}]
+    t = 0.0
+    for b in range(num_bursts):
+        for i in range(per_burst):
+            own = [1000 + 100 * b + 10 * i + j for j in range(8)]
+            hash_ids = [1, 2, 3, 4] + own[4:] if shared_prefix else own
+            lines.append({"t": round(t, 6), "id": f"b{b}-r{i}", "hash_ids": hash_ids,
+                          "prompt_len": 120, "max_tokens": 4 + i, "pd": pd})
+            t += spacing
+        t += 3.0
+    return lines
+
+
+def load(tmp_path: Path, lines: list[dict]) -> list[TraceRecord]:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return list(read_trace(path))
+
+
+def run(records: list[TraceRecord], liveness: str, **overrides) -> Timeline:
+    return simulate(records, SimOptions(liveness=liveness, num_blocks=NUM_BLOCKS, **overrides))
+
+
+def hold_intervals(timeline: Timeline, engine: str) -> list[float]:
+    """Lengths of the spans in which the engine held blocks of finished requests."""
+    spans, since = [], None
+    for s in timeline.samples_for(engine):
+        if s.num_finished_awaiting_free and since is None:
+            since = s.t
+        elif not s.num_finished_awaiting_free and since is not None:
+            spans.append(s.t - since)
+            since = None
+    return spans + ([timeline.end_t - since] if since is not None else [])
+
+
+def dump(timeline: Timeline) -> str:
+    return json.dumps(timeline.to_dict(), sort_keys=True)
+
+
+def test_legacy_holds_prefill_blocks_through_idle_gaps(tmp_path):
+    timeline = run(load(tmp_path, bursts()), "legacy")
+    verdict = verify(timeline, [], VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    assert verdict.exit_code == 1 and not verdict.ok
+    leaks = [v for v in verdict.violations if v.kind == "leak"]
+    assert {v.engine for v in leaks} == {"P"} and len(leaks) == 3  # 2 gaps + the tail
+    for w in verdict.windows:
+        if w.engine == "P":
+            assert w.verdict == "leak" and w.num_blocks_held == 8 and w.time_to_drain is None
+        else:
+            assert w.verdict == "drained"
+    # Parked on its input with the delayed free: the connector's report is never read.
+    gap_sample = next(s for s in timeline.samples_for("P") if s.t > 2.0)
+    assert gap_sample.loop_state == "blocked" and gap_sample.num_finished_awaiting_free == 1
+    assert min(hold_intervals(timeline, "P")) > 2.5
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_fixed_policies_drain_within_milliseconds(tmp_path, liveness):
+    timeline = run(load(tmp_path, bursts()), liveness)
+    verdict = verify(timeline, [], VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    assert verdict.exit_code == 0, verdict.violations
+    assert len(verdict.windows) == 6  # 2 gaps + the tail, for P and D
+    assert all(w.verdict == "drained" and w.time_to_drain <= 0.005 for w in verdict.windows)
+    # Pull (2 ms + 8 blocks) + read done (0.5 ms) + a D step and a poll at most.
+    assert max(hold_intervals(timeline, "P")) < 0.015
+
+
+def test_event_wakes_far_less_than_poll(tmp_path):
+    records = load(tmp_path, bursts())
+    poll = run(records, "poll", pull_delay_s=0.05)
+    event = run(records, "event", pull_delay_s=0.05)
+    for engine in ("P", "D"):
+        assert event.counters[engine]["num_wakeups"] * 5 < poll.counters[engine]["num_wakeups"]
+    assert poll.counters["P"]["num_wakeups"] >= 9 * 40  # ~1 per ms while a pull is pending
+
+
+def test_same_trace_and_options_give_identical_timelines(tmp_path):
+    records = load(tmp_path, bursts(shared_prefix=True))
+    for liveness in ("legacy", "poll", "event"):
+        assert dump(run(records, liveness)) == dump(run(records, liveness))
+
+
+def test_shared_hash_ids_hit_the_prefix_cache(tmp_path):
+    lines = bursts(num_bursts=1, per_burst=2, spacing=0.0, shared_prefix=True)
+    shared = run(load(tmp_path, lines), "poll")
+    hits = [r.num_prefix_hit_tokens for r in shared.requests]
+    assert hits == [0, 64]  # hash ids 1-4: four 16-token engine blocks
+    assert shared.counters["P"]["num_prefix_hit_tokens"] == 64
+    unique = run(load(tmp_path, bursts(num_bursts=1, per_burst=2, spacing=0.0)), "poll")
+    peak = {name: max(s.num_used_blocks for s in tl.samples_for("P"))
+            for name, tl in (("shared", shared), ("unique", unique))}
+    assert peak == {"shared": 12, "unique": 16}
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
+    records = load(tmp_path, bursts(spacing=0.8))  # sends never overlap
+    timeline = run(records, liveness, drop_read_done=True, kv_expiry_s=0.5)
+    assert timeline.counters["P"]["num_expired"] == 9
+    verdict = verify(timeline, [], VerifyOptions(drain_deadline_s=1.0))
+    assert verdict.exit_code == 0, verdict.violations
+    p_windows = [w for w in verdict.windows if w.engine == "P"]
+    # The window opens when D's last request ends, a few tens of ms after P finished.
+    assert len(p_windows) == 3 and all(0.4 < w.time_to_drain <= 0.5 for w in p_windows)
+    assert all(0.5 <= span < 0.502 for span in hold_intervals(timeline, "P"))
+    strict = verify(timeline, [], VerifyOptions(drain_deadline_s=0.2))
+    assert strict.exit_code == 1
+
+
+def test_legacy_with_dropped_read_done_keeps_expired_blocks(tmp_path):
+    timeline = run(load(tmp_path, bursts()), "legacy", drop_read_done=True, kv_expiry_s=0.5)
+    assert timeline.counters["P"]["num_expired"] == 9  # reported, but never collected
+    assert verify(timeline, [], VerifyOptions(drain_deadline_s=1.0)).exit_code == 1
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_single_topology_drains_under_every_policy(tmp_path, liveness):
+    timeline = run(load(tmp_path, bursts(pd=False)), liveness, topology="single")
+    assert timeline.engines == ["E"]
+    verdict = verify(timeline, [], VerifyOptions())
+    assert verdict.exit_code == 0 and len(verdict.windows) == 3
+    assert all(r.finish_reason == "length" for r in timeline.requests)
+
+
+@pytest.mark.parametrize("liveness,spacing,overrides", [
+    ("poll", 0.3, {"drop_read_done": True, "kv_expiry_s": 0.7}),  # ~600 idle polls a request
+    ("poll", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P waits for blocks too
+    ("legacy", 0.3, {"pull_delay_s": 0.0231}),  # D spins on pending loads
+    ("legacy", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P spins waiting for blocks
+    ("event", 0.3, {"drop_read_done": True, "kv_expiry_s": 0.7}),
+])
+def test_fast_forward_equals_stepping_one_by_one(tmp_path, liveness, spacing, overrides):
+    records = load(tmp_path, bursts(spacing=spacing, shared_prefix=True))
+    options = SimOptions(liveness=liveness, sample_interval_s=0.0371, tail_s=2.0, **overrides)
+    fast, slow = simulate(records, options), simulate(records, replace(options, fast_forward=False))
+    fast.meta.pop("fast_forward"), slow.meta.pop("fast_forward")
+    assert dump(fast) == dump(slow)
+    assert fast.counters == slow.counters
+
+
+def test_decode_tokens_equal_a_single_engine(tmp_path):
+    records = load(tmp_path, bursts(shared_prefix=True))
+    pd = run(records, "poll")
+    single = run(records, "poll", topology="single")
+    assert [(r.req_id, r.num_output_tokens, r.output_digest) for r in pd.requests] == \
+        [(r.req_id, r.num_output_tokens, r.output_digest) for r in single.requests]
+    assert all(r.num_output_tokens == 4 + int(r.req_id[-1]) for r in pd.requests)
+
+
+def test_event_decode_starts_right_after_its_pull(tmp_path):
+    timeline = run(load(tmp_path, bursts()), "event")
+    assert all(r.first_token_t is not None for r in timeline.requests)
+    assert max(r.first_token_t - r.arrival_t for r in timeline.requests) < 0.05
+
+
+@pytest.mark.parametrize("at,chunked,num_expired", [
+    (0.002, True, 0),  # on P between two prefill chunks: P frees at once
+    (0.012, False, 0),  # on D: D's pull still completes and tells P
+    (0.002, False, 1),  # lands while P's last step runs: P keeps the send until expiry
+])
+def test_abort_reaches_the_engine_holding_the_request(tmp_path, at, chunked, num_expired):
+    lines = bursts(num_bursts=1, per_burst=1) + [{"t": at, "abort": "b0-r0"}]
+    timeline = run(load(tmp_path, lines), "poll", kv_expiry_s=1.0,
+                   max_num_batched_tokens=64 if chunked else 2048)
+    (record,) = timeline.requests
+    assert record.finish_reason == "abort" and record.end_t == at
+    assert [(a.t, a.req_id) for a in timeline.aborts] == [(at, "b0-r0")]
+    assert timeline.counters["P"]["num_expired"] == num_expired
+    assert verify(timeline, [], VerifyOptions(drain_deadline_s=1.5)).exit_code == 0
+    assert verify(timeline, [], VerifyOptions()).exit_code == num_expired
+
+
+def test_snapshots_match_exactly_or_within_tolerance(tmp_path):
+    timeline = run(load(tmp_path, bursts()), "legacy")
+    free = NUM_BLOCKS - 1
+    good = TraceSnapshot(2.0, {"P": {"used": 8, "free": free - 8}, "D": {"used": 0, "free": free}})
+    off = TraceSnapshot(2.0, {"P": {"used": 7, "free": free - 7}})
+    ok = verify(timeline, [good], VerifyOptions())
+    assert not [v for v in ok.violations if v.kind == "snapshot"]
+    bad = verify(timeline, [off, TraceSnapshot(2.0, {"X": {"used": 0, "free": 0}})])
+    assert [(v.kind, v.engine) for v in bad.violations if v.kind == "snapshot"] == \
+        [("snapshot", "P"), ("snapshot", "X")]
+    loose = verify(timeline, [off], VerifyOptions(snapshot_tolerance_blocks=1))
+    assert not [v for v in loose.violations if v.kind == "snapshot"]
+
+
+def test_conservation_and_unfinished_requests_are_violations(tmp_path):
+    timeline = run(load(tmp_path, bursts(num_bursts=1)), "poll")
+    data = timeline.to_dict()
+    assert Timeline.from_dict(json.loads(json.dumps(data))).to_dict() == data
+    broken = Timeline.from_dict(data)
+    sample = broken.samples[3]
+    broken.samples[3] = EngineSample(**{**data["samples"][3], "num_free_blocks": 0})
+    broken.requests[0].end_t = None
+    kinds = sorted(v.kind for v in verify(broken, []).violations)
+    assert kinds == ["conservation", "unfinished"] and sample.num_free_blocks > 0
+
+
+def test_idle_windows_follow_the_clients_view():
+    timeline = Timeline(["E"], {"E": 10}, [], [], [], [], end_t=20.0)
+    timeline.requests = [_record("a", 0.0, 5.0), _record("b", 1.0, 2.0), _record("c", 6.0, 7.0),
+                         _record("d", 6.5, 9.0)]
+    assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False), (9.0, 20.0, True)]
+    assert idle_windows(timeline, 1.5) == [(9.0, 20.0, True)]
+    timeline.requests[2].end_t = None  # never ends: no window after it, and a violation
+    assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False)]
+
+
+def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
+    return RequestRecord(req_id, arrival, arrival, 0.0, None, end, 1, 1, 0, "length")
+
+
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"public traces not at {TRACES}")
+@pytest.mark.parametrize("liveness,exit_code", [("legacy", 1), ("poll", 0), ("event", 0)])
+def test_mooncake_slice(liveness, exit_code):
+    shaping = ShapingOptions(scale_tokens=0.03125, max_requests=300)
+    timeline = simulate(shape(read_trace(MOONCAKE), shaping), SimOptions(liveness=liveness))
+    assert len(timeline.requests) == 300
+    verdict = verify(timeline, [], VerifyOptions())
+    assert verdict.exit_code == exit_code and len(verdict.windows) > 10
