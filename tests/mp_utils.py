@@ -79,9 +79,9 @@ class Harness:
 
 @contextlib.contextmanager
 def topology(liveness: str = "event", topology_name: str = "pd", policy: str = "recompute",
-             **kv_options):
+             runner: str = "mock", device: str = "cpu", **kv_options):
     base = EngineConfig(num_blocks=128, block_size=4, liveness=liveness,
-                        kv_load_failure_policy=policy)
+                        kv_load_failure_policy=policy, runner=runner, device=device)
     router = start_topology(base, KVTransferConfig(**kv_options), topology_name)
     try:
         yield Harness(router)
