@@ -1,13 +1,212 @@
 """The kvdrain command line: thin click commands that parse, build configs and delegate. Runs in: frontend process."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
+from rich.console import Console
+
+from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
+                           RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
+
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
+
+
+def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
+    """EngineConfig and KVTransferConfig from the shared options; bad values -> usage error."""
+    try:
+        engine = EngineConfig(
+            num_blocks=o["num_blocks"], block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
+            max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
+            liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
+            runner=o["runner"], device=o["device"], model=MODEL_PRESETS[o["model"]])
+        kv = KVTransferConfig(transport=o["transport"], kv_expiry_s=o["kv_expiry_s"],
+                              pull_delay_ms=o["pull_delay_ms"], drop_read_done=o["drop_read_done"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return engine, kv
+
+
+ENGINE_OPTIONS = [
+    click.option("--topology", type=click.Choice(["pd", "single"]), default="pd", show_default=True,
+                 help="pd: a prefill and a decode engine with connectors; single: one engine."),
+    click.option("--liveness", type=click.Choice(LIVENESS_POLICIES), default="event", show_default=True,
+                 help="Engine loop: legacy (the pre-#43433 leak), poll (vLLM's 1 ms fix), event."),
+    click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
+                 help="torch: the real model; mock: deterministic tokens, no torch work."),
+    click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+    click.option("--model", type=click.Choice(sorted(MODEL_PRESETS)), default="tiny", show_default=True),
+    click.option("--num-blocks", type=click.IntRange(2), default=512, show_default=True,
+                 help="KV blocks per engine, the null block included."),
+    click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
+    click.option("--max-num-seqs", type=click.IntRange(1), default=64, show_default=True),
+    click.option("--max-num-batched-tokens", type=click.IntRange(1), default=2048, show_default=True),
+    click.option("--max-model-len", type=click.IntRange(2), default=4096, show_default=True),
+    click.option("--transport", type=click.Choice(TRANSPORTS), default="shm", show_default=True,
+                 help="How the decode side pulls blocks: shared memory or bytes over ZMQ."),
+    click.option("--kv-expiry-s", type=click.FloatRange(min=0, min_open=True), default=480.0,
+                 show_default=True, help="P frees an unread request's blocks after this."),
+    click.option("--pull-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                 help="D waits this long before reading (a fault knob)."),
+    click.option("--drop-read-done", is_flag=True, help="P never hears 'read done'; only expiry frees."),
+    click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
+                 default="recompute", show_default=True),
+]
+
+
+def engine_options(func):
+    for option in reversed(ENGINE_OPTIONS):
+        func = option(func)
+    return func
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvdrain")
 def cli() -> None:
-    """kvdrain: replay traces against a miniature vLLM v1 engine and find KV-block leaks."""
+    """kvdrain: replay traces against a miniature vLLM v1 engine and find KV-block leaks.
+
+    \b
+    kvdrain replay examples/pd_idle.jsonl            # live view, real processes
+    kvdrain replay TRACE --clock virtual --liveness legacy
+    kvdrain serve --record traffic.jsonl             # then: kvdrain top --connect ADDR
+    kvdrain inspect ../shared/traces/AzureLLMInferenceTrace_code.csv
+    """
+
+
+@cli.command(name="inspect")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["kvdrain", "mooncake", "azure"]), default=None,
+              help="Trace format (default: detected).")
+@click.option("--idle-threshold", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="List gaps between arrivals at least this long (seconds).")
+def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
+    """What TRACE holds: format, requests, duration, rate, tokens, idle gaps, prefix reuse.
+
+    \b
+    Example: kvdrain inspect examples/pd_idle.jsonl --idle-threshold 2
+    """
+    from replay.inspect import format_inspection, inspect_trace
+    from replay.trace import TraceError
+    try:
+        for line in format_inspection(inspect_trace(trace, fmt, idle_threshold)):
+            click.echo(line)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+
+
+SHAPING_OPTIONS = [
+    click.option("--format", "fmt", type=click.Choice(["kvdrain", "mooncake", "azure"]), default=None,
+                 help="Trace format (default: detected from the content)."),
+    click.option("--skip-bad-lines", is_flag=True, help="Count bad lines instead of stopping."),
+    click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True),
+    click.option("--start", type=float, default=None, help="Trace window start (trace seconds)."),
+    click.option("--end", type=float, default=None, help="Trace window end (trace seconds)."),
+    click.option("--max-requests", type=click.IntRange(1), default=None),
+    click.option("--max-gap", type=click.FloatRange(min=0), default=None,
+                 help="Cap idle gaps between arrivals to this many seconds."),
+    click.option("--insert-idle", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Insert this many seconds of idle (with --insert-idle-every or --insert-idle-at)."),
+    click.option("--insert-idle-every", type=click.IntRange(1), default=None, help="... every N requests."),
+    click.option("--insert-idle-at", type=float, multiple=True, help="... at these trace times."),
+    click.option("--scale-tokens", type=click.FloatRange(min=0, min_open=True), default=1.0,
+                 show_default=True, help="Multiply prompt and output lengths (shrink for a CPU)."),
+]
+
+
+def shaping_options(func):
+    for option in reversed(SHAPING_OPTIONS):
+        func = option(func)
+    return func
+
+
+@cli.command(name="replay")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--clock", type=click.Choice(["wall", "virtual"]), default="wall", show_default=True,
+              help="wall: real processes in real time; virtual: in-process, deterministic, fast.")
+@engine_options
+@shaping_options
+@click.option("--idle-threshold", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="A gap with nothing in flight at least this long is an idle window (s).")
+@click.option("--drain-deadline", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="Every engine must hold no blocks this long into an idle window (s).")
+@click.option("--snapshot-tolerance", type=click.IntRange(0), default=None,
+              help="Blocks of slack when matching recorded snapshots (default: 0 virtual, 2 wall).")
+@click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds observed after the last request (default: covers the drain deadline).")
+@click.option("--target", default=None, help="Replay against a running `kvdrain serve` at ADDRESS.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the machine-readable report (JSON).")
+@click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Write one JSON line per request.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG of blocks used over time, idle windows shaded.")
+@click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
+def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
+               snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
+               report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
+               live: bool, **options) -> None:
+    """Replay TRACE and verify every engine's KV blocks drain in idle periods.
+
+    \b
+    Exit status: 0 verified, 1 a violation, 2 bad usage or input.
+    Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
+    """
+    from replay.app import ReportPaths, replay_main
+    from replay.runner import ReplayConfig
+    from replay.shaping import ShapingOptions
+    from replay.verify import VerifyOptions
+    engine, kv = _build_configs(options)
+    try:
+        config = ReplayConfig(
+            trace=trace, fmt=options["fmt"], skip_bad_lines=options["skip_bad_lines"], clock=clock,
+            topology=options["topology"], engine=engine, kv=kv, tail_s=tail_s, target=target,
+            shaping=ShapingOptions(
+                speedup=options["speedup"], start=options["start"], end=options["end"],
+                max_requests=options["max_requests"], max_gap=options["max_gap"],
+                insert_idle=options["insert_idle"], insert_idle_every=options["insert_idle_every"],
+                insert_idle_at=tuple(options["insert_idle_at"]), scale_tokens=options["scale_tokens"]),
+            verify=VerifyOptions(idle_threshold, drain_deadline,
+                                 snapshot_tolerance if snapshot_tolerance is not None
+                                 else (0 if clock == "virtual" else 2)))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    paths = ReportPaths(report_path, requests_path, plot_path)
+    sys.exit(replay_main(config, paths, live, Console()))
+
+
+@cli.command(name="serve")
+@engine_options
+@click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
+              help="Where clients connect (port 0: any free port, printed at start-up).")
+@click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Record the requests received and idle-time block counts as a kvdrain trace.")
+@click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
+def serve_cmd(address: str, record_path: Path | None, live: bool, **options) -> None:
+    """Start the engines and accept requests from clients until Ctrl-C.
+
+    \b
+    Example: kvdrain serve --liveness legacy --record traffic.jsonl
+             kvdrain replay examples/pd_idle.jsonl --target tcp://127.0.0.1:PORT
+             kvdrain top --connect tcp://127.0.0.1:PORT
+    """
+    from replay.app import serve_main
+    engine, kv = _build_configs(options)
+    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console()))
+
+
+@cli.command(name="top")
+@click.option("--connect", "address", required=True, help="The address a `kvdrain serve` printed.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this long (default: until Ctrl-C).")
+def top_cmd(address: str, seconds: float | None) -> None:
+    """Attach the live dashboard to a running `kvdrain serve`.
+
+    \b
+    Example: kvdrain top --connect tcp://127.0.0.1:5555
+    """
+    from replay.app import top_main
+    sys.exit(top_main(address, seconds, Console()))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 
 import zmq
 
+from connector.routing import (PREFILL_MAX_TOKENS, TOPOLOGIES, decode_params,  # noqa: F401 (re-exported)
+                               engine_roles, prefill_params)
 from engine.client import EngineClient, InprocClient, MPClient, make_run_dir
 from engine.config import EngineConfig, KVTransferConfig
 from engine.outputs import RequestOutput
-
-TOPOLOGIES = ("pd", "single")
 
 
 @dataclass(slots=True)
@@ -29,13 +29,9 @@ class _Pending:
 def engine_configs(base: EngineConfig, kv: KVTransferConfig, topology: str,
                    run_dir: str) -> list[EngineConfig]:
     """One config per engine, with addresses in the private run directory."""
-    if topology == "single":
-        return [replace(base, engine_id="E", kv_transfer=None)]
-    if topology != "pd":
-        raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {topology!r}")
-    return [replace(base, engine_id=name, kv_transfer=replace(
+    return [replace(base, engine_id=name, kv_transfer=None if role is None else replace(
         kv, kv_role=role, kv_addr=f"ipc://{run_dir}/{name}-kv", agent_addr=f"ipc://{run_dir}/{name}-agent"))
-        for name, role in (("P", "kv_producer"), ("D", "kv_consumer"))]
+        for name, role in engine_roles(topology)]
 
 
 class PDRouter:
@@ -47,13 +43,37 @@ class PDRouter:
         self.pending: dict[str, _Pending] = {}
         self.errors: list[tuple[str, str]] = []
 
+    @property
+    def engines(self) -> list[str]:
+        return list(self.clients)
+
+    @property
+    def vocab_size(self) -> int:
+        client = self.prefill
+        if isinstance(client, MPClient) and client.ready is not None:
+            return client.ready.vocab_size
+        return client.core.config.model.vocab_size
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def request_stats(self) -> None:
+        for client in self.clients.values():
+            if isinstance(client, MPClient):
+                client.request_stats()
+
+    def take_stats(self) -> list:
+        """Stats snapshots that arrived since the last call, every engine's."""
+        return [s for c in self.clients.values() if isinstance(c, MPClient) for s in c.take_stats()]
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         if self.decode is None:
             self.prefill.add_request(req_id, prompt_token_ids, max_tokens)
             self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "decode")
             return
         self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "prefill")
-        self.prefill.add_request(req_id, prompt_token_ids, 1, {"do_remote_decode": True})
+        self.prefill.add_request(req_id, prompt_token_ids, PREFILL_MAX_TOKENS, prefill_params())
 
     def abort(self, req_id: str) -> None:
         pending = self.pending.get(req_id)
@@ -88,10 +108,11 @@ class PDRouter:
         if client is self.prefill and self.decode is not None:
             if pending.stage != "prefill" or not output.finished:
                 return []
-            if output.finish_reason == "length" and output.kv_transfer_params:
+            params = decode_params(output)
+            if params is not None:
                 pending.stage = "decode"
                 self.decode.add_request(output.req_id, pending.prompt_token_ids,
-                                        pending.max_tokens, output.kv_transfer_params)
+                                        pending.max_tokens, params)
                 return []
         if output.finished:
             del self.pending[output.req_id]

@@ -98,7 +98,7 @@ class MPClient:
             target=run_engine_core, args=(config, self.addrs), name=f"kvdrain-engine-{self.engine_id}")
         self.process.start()
         self.latest_stats: StatsSnapshot | None = None
-        self.stats_history: list[StatsSnapshot] = []
+        self.new_stats: list[StatsSnapshot] = []  # since the last take_stats()
         self.errors: list[str] = []
         self.num_bad_messages = 0
         self.ready: Ready | None = None
@@ -147,6 +147,10 @@ class MPClient:
     def abort(self, req_ids: list[str]) -> None:
         self.input.send(encode(Abort(list(req_ids))))
 
+    def take_stats(self) -> list[StatsSnapshot]:
+        stats, self.new_stats = self.new_stats, []
+        return stats
+
     def request_stats(self) -> None:
         self.input.send(encode(GetStats()))
 
@@ -167,7 +171,7 @@ class MPClient:
                                   o.num_cached_tokens, o.error) for o in msg.outputs]
         if isinstance(msg, StatsSnapshot):
             self.latest_stats = msg
-            self.stats_history.append(msg)
+            self.new_stats.append(msg)
         elif isinstance(msg, EngineError):
             self.errors.append(msg.message)
         return []

@@ -48,6 +48,25 @@ class ModelConfig:
                  "dtype", f"unknown dtype {self.dtype!r}")
 
 
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Replays on 2 CPU cores in seconds.
+    "tiny": ModelConfig(),
+    # A few times the tiny model's work per token; still fine on a CPU.
+    "small": ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
+                         num_kv_heads=2, head_dim=32, intermediate_size=768),
+    # About 0.3 B parameters: for GPUs.
+    "medium": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16,
+                          num_kv_heads=4, head_dim=64, intermediate_size=2816),
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransferConfig:
     """Which connector the engine core runs and how its worker moves blocks.

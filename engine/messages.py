@@ -169,7 +169,20 @@ class EngineError:
     message: str
 
 
-MESSAGES = (AddRequest, Abort, Shutdown, GetStats, Ready, RequestOutputs, StatsSnapshot, EngineError)
+@dataclass(frozen=True, slots=True)
+class ServeInfo:
+    """`kvdrain serve` -> a client that subscribed (GetStats): what is being served."""
+
+    engines: list[str]
+    topology: str
+    liveness: str
+    vocab_size: int
+    block_size: int
+
+
+# Append only: a message's tag is its index here.
+MESSAGES = (AddRequest, Abort, Shutdown, GetStats, Ready, RequestOutputs, StatsSnapshot, EngineError,
+            ServeInfo)
 CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
 encode = CODEC.encode
 decode = CODEC.decode

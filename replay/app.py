@@ -1,0 +1,175 @@
+"""What each CLI verb does, once its options are parsed: replay, serve, top. Runs in: frontend process."""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from connector.router import start_topology
+from engine.client import EngineDeadError
+from engine.config import EngineConfig, KVTransferConfig
+from engine.messages import ServeInfo
+from replay.monitor import ReplayMonitor
+from replay.remote import RemoteRouter
+from replay.report import build_report, print_summary, write_plot, write_report, write_requests
+from replay.runner import ReplayConfig, ReplayResult, run_replay
+from replay.serve import Server, ServeOptions
+from replay.trace import TraceError, validate_trace
+from replay.tui import DashboardState, LiveView, ReplayProgress, WindowVerdict
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPaths:
+    report: Path | None = None
+    requests: Path | None = None
+    plot: Path | None = None
+
+
+class _NoView:
+    """--no-live: no dashboard at all, only the final summary."""
+
+    def __enter__(self) -> _NoView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def tick(self, force: bool = False) -> None:
+        return None
+
+
+def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
+    try:
+        summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines)
+    except TraceError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return EXIT_USAGE
+    for message in summary.bad_line_messages:
+        console.print(f"[yellow]skipped:[/] {message}", highlight=False)
+    state = _replay_state(config, summary.num_requests, summary.duration)
+    view = LiveView(state, console) if live else _NoView()
+    monitor = ReplayMonitor(state, view, config.verify)
+    try:
+        with view:
+            result = run_replay(config, monitor.on_tick, summary)
+            _show_final(state, result)
+            view.tick(force=True)
+    except (EngineDeadError, ConnectionError, RuntimeError) as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return EXIT_VIOLATION
+    return _report(result, paths, console)
+
+
+def _replay_state(config: ReplayConfig, num_requests: int, duration: float) -> DashboardState:
+    state = DashboardState(title=f"kvdrain replay {config.trace.name}")
+    total = min(num_requests, config.shaping.max_requests or num_requests)
+    state.progress = ReplayProgress(config.trace.name, total, duration / config.shaping.speedup,
+                                    config.clock, config.engine.liveness, config.shaping.speedup)
+    return state
+
+
+def _show_final(state: DashboardState, result: ReplayResult) -> None:
+    """The final picture: every engine's last sample and every window's verdict."""
+    last = {s.engine: s for s in result.timeline.samples}
+    for sample in last.values():
+        state.apply_sample(sample)
+    state.windows = [WindowVerdict.of(w) for w in result.verdict.windows]
+    if state.progress is not None:
+        state.progress.num_sent = len(result.timeline.requests)
+        state.progress.trace_t = result.timeline.end_t
+
+
+def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
+    s = result.summary
+    trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
+             "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
+    report = build_report(result.timeline, result.verdict, result.settings(), trace,
+                          result.shaping_log.lines())
+    print_summary(console, report)
+    if paths.report is not None:
+        write_report(paths.report, report)
+    if paths.requests is not None:
+        write_requests(paths.requests, result.timeline)
+    if paths.plot is not None:
+        try:
+            write_plot(paths.plot, result.timeline, result.verdict)
+        except RuntimeError as e:
+            console.print(f"[red]error:[/] {e}", highlight=False)
+            return EXIT_USAGE
+    return result.verdict.exit_code
+
+
+class _StopFlag:
+    """Set by SIGTERM (Ctrl-C raises KeyboardInterrupt as usual)."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.stop = True
+
+    def __call__(self) -> bool:
+        return self.stop
+
+
+def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
+               record: Path | None, live: bool, console) -> int:
+    stop = _StopFlag()
+    router = start_topology(engine, kv, topology)
+    try:
+        info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size)
+        server = Server(router, ServeOptions(address, record), info)
+    except Exception:
+        router.shutdown()
+        raise
+    print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
+          f"{server.address}", flush=True)
+    state = DashboardState(title=f"kvdrain serve {server.address}")
+    start = time.monotonic()
+
+    def on_tick(srv: Server) -> None:
+        state.elapsed_s = time.monotonic() - start
+        for snapshot in srv.latest.values():
+            if state.view(snapshot.engine_id).monotonic != snapshot.monotonic:
+                state.apply_snapshot(snapshot)
+        view.tick()
+
+    view = LiveView(state, console) if live else _NoView()
+    try:
+        with view:
+            server.serve_forever(on_tick, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        router.shutdown()
+    print(f"kvdrain serve: stopped after {server.num_requests} requests", flush=True)
+    return EXIT_OK
+
+
+def top_main(address: str, seconds: float | None, console) -> int:
+    try:
+        remote = RemoteRouter(address)
+    except ConnectionError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return EXIT_USAGE
+    state = DashboardState(title=f"kvdrain top {address} ({remote.info.topology}, "
+                                 f"{remote.info.liveness})")
+    start = time.monotonic()
+    try:
+        with LiveView(state, console) as view:
+            while seconds is None or time.monotonic() - start < seconds:
+                remote.poll(0.1)
+                for snapshot in remote.take_stats():
+                    state.apply_snapshot(snapshot)
+                state.elapsed_s = time.monotonic() - start
+                view.tick()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        remote.shutdown()
+    return EXIT_OK

@@ -1,0 +1,171 @@
+"""The wall-clock replay driver: real engine processes, real time. Runs in: frontend process.
+
+Each request is sent at origin + t, from one monotonic origin (never by adding up
+sleeps), and its lateness is recorded. Every engine publishes a stats snapshot when
+its counts or loop state change; the driver turns them into timeline samples on the
+same clock (time.monotonic() is shared by processes on one host). An engine that does
+not publish has not changed (nothing frees blocks without a step), so between
+snapshots the driver repeats the last one at a regular interval: the timeline then
+shows idle periods as they are, including the legacy policy's parked engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+from engine.messages import StatsSnapshot
+from engine.outputs import RequestOutput
+from replay.synth import synth_prompt
+from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline
+from replay.trace import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
+
+LEAD_IN_S = 0.1  # between start-up and the trace's t = 0
+
+
+class Router(Protocol):
+    """What the driver needs of a topology, local (PDRouter) or remote (a serve)."""
+
+    engines: list[str]
+    vocab_size: int
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None: ...
+    def abort(self, req_id: str) -> None: ...
+    def poll(self, timeout_s: float) -> list[RequestOutput]: ...
+    def take_stats(self) -> list[StatsSnapshot]: ...
+    def request_stats(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WallOptions:
+    tail_s: float = 3.0  # observed after the last request ends
+    sample_interval_s: float = 0.25  # repeat the last snapshot this often
+    request_timeout_s: float = 120.0  # a request still open this long after the tail: given up
+
+    def __post_init__(self) -> None:
+        for name in ("tail_s", "sample_interval_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
+
+
+def sample_from_snapshot(t: float, snap: StatsSnapshot) -> EngineSample:
+    c = snap.counts
+    return EngineSample(
+        t=t, engine=snap.engine_id, num_used_blocks=c["num_used_blocks"],
+        num_cached_blocks=c["num_cached_blocks"], num_free_blocks=c["num_free_blocks"],
+        num_blocks=c["num_blocks"], num_waiting=c["num_waiting"],
+        num_skipped_waiting=c["num_skipped_waiting"],
+        num_waiting_for_remote_kvs=c["num_waiting_for_remote_kvs"], num_running=c["num_running"],
+        num_finished_awaiting_free=c["num_finished_awaiting_free"],
+        loop_state=snap.loop_state, num_steps=snap.num_steps, num_wakeups=snap.num_wakeups)
+
+
+class WallClockReplay:
+    def __init__(self, router: Router, options: WallOptions,
+                 on_tick: Callable[[WallClockReplay], None] | None = None) -> None:
+        self.router = router
+        self.options = options
+        self.on_tick = on_tick
+        self.origin = time.monotonic() + LEAD_IN_S
+        self.samples: list[EngineSample] = []
+        self.latest: dict[str, StatsSnapshot] = {}
+        self.requests: dict[str, RequestRecord] = {}
+        self.open: set[str] = set()
+        self.arrivals: list[float] = []
+        self.aborts: list[AbortRecord] = []
+        self.snapshots: list[TraceSnapshot] = []
+        self._digests: dict = {}  # req_id -> running sha256 of its tokens
+        self._last_repeat = 0.0
+        self.num_sent = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    def run(self, records: Iterable[TraceRecord]) -> Timeline:
+        self.router.request_stats()
+        for record in records:
+            if isinstance(record, (TraceRequest, TraceAbort)):
+                self._wait_until(record.t)
+            if isinstance(record, TraceRequest):
+                self._send(record)
+            elif isinstance(record, TraceAbort):
+                self.router.abort(record.req_id)
+                self.aborts.append(AbortRecord(self.now(), record.req_id))
+            elif isinstance(record, TraceSnapshot):
+                self.snapshots.append(record)
+        self._finish()
+        return self._timeline()
+
+    def _wait_until(self, t: float) -> None:
+        while (left := t - self.now()) > 0:
+            self._pump(min(left, 0.05))
+
+    def _send(self, req: TraceRequest) -> None:
+        prompt = synth_prompt(req, self.router.vocab_size)
+        self.router.add_request(req.req_id, prompt, req.max_tokens)
+        sent = self.now()
+        self.num_sent += 1
+        self.arrivals.append(req.t)
+        self.open.add(req.req_id)
+        self.requests[req.req_id] = RequestRecord(
+            req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
+        self._digests[req.req_id] = hashlib.sha256()
+
+    def _pump(self, timeout_s: float) -> None:
+        """Receive outputs and stats for up to timeout_s."""
+        for output in self.router.poll(timeout_s):
+            self._on_output(output)
+        now = self.now()
+        for snap in self.router.take_stats():
+            self.latest[snap.engine_id] = snap
+            self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
+        if now - self._last_repeat >= self.options.sample_interval_s:
+            self._last_repeat = now
+            self.samples.extend(sample_from_snapshot(now, s) for s in self.latest.values())
+            if self.on_tick is not None:
+                self.on_tick(self)
+
+    def _on_output(self, output: RequestOutput) -> None:
+        record = self.requests.get(output.req_id)
+        if record is None or record.end_t is not None:
+            return
+        now = self.now()
+        if output.new_token_ids:
+            if record.first_token_t is None:
+                record.first_token_t = now
+            record.num_output_tokens += len(output.new_token_ids)
+            self._digests[output.req_id].update(",".join(map(str, output.new_token_ids)).encode() + b",")
+            record.num_prefix_hit_tokens = max(record.num_prefix_hit_tokens, output.num_cached_tokens)
+        if output.finished:
+            record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
+            record.output_digest = self._digests.pop(output.req_id).hexdigest()[:16]
+            self.open.discard(output.req_id)
+
+    def _finish(self) -> None:
+        """Wait for open requests (bounded), then observe the tail."""
+        deadline = self.now() + self.options.request_timeout_s
+        while self.open and self.now() < deadline:
+            self._pump(0.05)
+        tail_end = self.now() + self.options.tail_s
+        while self.now() < tail_end:
+            self._pump(min(tail_end - self.now(), 0.05))
+        self.router.request_stats()  # a last reading, on the same clock
+        final = self.now() + 1.0
+        while self.now() < final and not self._have_fresh_stats(tail_end):
+            self._pump(0.05)
+        self.end_t = self.now()
+
+    def _have_fresh_stats(self, since: float) -> bool:
+        return all(s.monotonic - self.origin >= since for s in self.latest.values()) and \
+            set(self.latest) >= set(self.router.engines)
+
+    def _timeline(self) -> Timeline:
+        self.samples.sort(key=lambda s: s.t)
+        num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
+        counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
+                    for e, s in self.latest.items()}
+        return Timeline(engines=list(self.router.engines), num_blocks=num_blocks,
+                        samples=self.samples, requests=list(self.requests.values()),
+                        arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
+                        counters=counters, meta={"driver": "wall"})

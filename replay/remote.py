@@ -1,0 +1,88 @@
+"""A client of `kvdrain serve`: the router interface over one DEALER socket. Runs in: frontend process.
+
+Used by `replay --target` (it sends requests and reads outputs and stats) and by
+`top` (it only subscribes to stats). Every wait is bounded; the serve's death shows
+as silence, reported after a timeout.
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
+                             StatsSnapshot, decode, encode)
+from engine.outputs import RequestOutput
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class RemoteRouter:
+    def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.address = address
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.new_stats: list[StatsSnapshot] = []
+        self.latest: dict[str, StatsSnapshot] = {}
+        self.num_bad_messages = 0
+        self.info = self._subscribe(timeout_s)
+
+    def _subscribe(self, timeout_s: float) -> ServeInfo:
+        self.socket.send(encode(GetStats()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.socket.poll(50, zmq.POLLIN):
+                msg = self._recv()
+                if isinstance(msg, ServeInfo):
+                    return msg
+        self.socket.close(linger=0)
+        raise ConnectionError(f"no kvdrain serve answered at {self.address} within {timeout_s} s")
+
+    @property
+    def engines(self) -> list[str]:
+        return list(self.info.engines)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def _recv(self) -> object | None:
+        try:
+            msg = decode(self.socket.recv())
+        except DecodeError:
+            self.num_bad_messages += 1
+            return None
+        if isinstance(msg, StatsSnapshot):
+            self.latest[msg.engine_id] = msg
+            self.new_stats.append(msg)
+        return msg
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        self.socket.send(encode(AddRequest(req_id, list(prompt_token_ids), max_tokens)))
+
+    def abort(self, req_id: str) -> None:
+        self.socket.send(encode(Abort([req_id])))
+
+    def request_stats(self) -> None:
+        self.socket.send(encode(GetStats()))
+
+    def take_stats(self) -> list[StatsSnapshot]:
+        stats, self.new_stats = self.new_stats, []
+        return stats
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return outputs
+        while self.socket.poll(0, zmq.POLLIN):
+            msg = self._recv()
+            if isinstance(msg, RequestOutputs):
+                outputs.extend(RequestOutput(o.req_id, o.new_token_ids, o.finish_reason,
+                                             o.kv_transfer_params, o.num_cached_tokens, o.error)
+                               for o in msg.outputs)
+        return outputs
+
+    def shutdown(self) -> None:
+        """Disconnect; the serve keeps running."""
+        self.socket.close(linger=0)

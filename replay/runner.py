@@ -1,0 +1,122 @@
+"""One replay from a trace file to a verdict: validate, shape, drive, verify. Runs in: frontend process.
+
+The CLI parses options into a ReplayConfig and calls run_replay; the live view (if
+any) is notified on every tick. A bad trace raises TraceError before anything is
+sent (the CLI's exit status 2); a verdict's exit code is 0 or 1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+from connector.router import start_topology
+from engine.config import EngineConfig, KVTransferConfig, config_to_dict
+from replay.driver import WallClockReplay, WallOptions
+from replay.shaping import ShapingLog, ShapingOptions, shape
+from replay.simulate import SimOptions, simulate
+from replay.timeline import Timeline
+from replay.trace import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
+from replay.verify import Verdict, VerifyOptions, verify
+
+CLOCKS = ("virtual", "wall")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    trace: Path
+    fmt: str | None = None
+    skip_bad_lines: bool = False
+    clock: str = "wall"
+    topology: str = "pd"
+    engine: EngineConfig = field(default_factory=EngineConfig)  # liveness, sizes, runner
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    shaping: ShapingOptions = field(default_factory=ShapingOptions)
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+    tail_s: float | None = None  # None: long enough to cover the drain deadline
+    target: str | None = None  # replay against a running `kvdrain serve`
+
+    def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock: must be one of {CLOCKS}, got {self.clock!r}")
+        if self.tail_s is not None and self.tail_s <= 0:
+            raise ValueError(f"tail: must be > 0, got {self.tail_s}")
+
+    def effective_tail_s(self) -> float:
+        return self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    config: ReplayConfig
+    summary: TraceSummary
+    shaping_log: ShapingLog
+    timeline: Timeline
+    verdict: Verdict
+    wall_s: float
+
+    def settings(self) -> dict:
+        c = self.config
+        return {"trace": str(c.trace), "format": self.summary.format, "clock": c.clock,
+                "topology": c.topology, "target": c.target, "tail_s": c.effective_tail_s(),
+                "engine": config_to_dict(c.engine), "kv_transfer": config_to_dict(c.kv),
+                "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
+                "wall_s": round(self.wall_s, 3)}
+
+
+def _keep_snapshots(records: Iterator[TraceRecord], into: list[TraceSnapshot]) -> Iterator[TraceRecord]:
+    for record in records:
+        if isinstance(record, TraceSnapshot):
+            into.append(record)
+        yield record
+
+
+def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = None,
+               summary: TraceSummary | None = None) -> ReplayResult:
+    """Validate (unless a summary of that pass is given), shape, drive, verify."""
+    if summary is None:
+        summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines)
+    log = ShapingLog()
+    snapshots: list[TraceSnapshot] = []
+    records = _keep_snapshots(shape(read_trace(config.trace, config.fmt, config.skip_bad_lines),
+                                    config.shaping, log), snapshots)
+    start = time.monotonic()
+    if config.clock == "virtual":
+        timeline = simulate(records, _sim_options(config))
+    else:
+        timeline = _replay_wall(config, records, on_tick)
+    verdict = verify(timeline, snapshots, config.verify)
+    return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
+
+
+def _sim_options(config: ReplayConfig) -> SimOptions:
+    e, kv = config.engine, config.kv
+    pull_delay = {"pull_delay_s": kv.pull_delay_ms / 1000} if kv.pull_delay_ms > 0 else {}
+    return SimOptions(liveness=e.liveness, topology=config.topology, num_blocks=e.num_blocks,
+                      block_size=e.block_size, max_num_seqs=e.max_num_seqs,
+                      max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+                      enable_prefix_caching=e.enable_prefix_caching, kv_expiry_s=kv.kv_expiry_s,
+                      drop_read_done=kv.drop_read_done, poll_interval_s=e.poll_interval_s,
+                      tail_s=config.effective_tail_s(), **pull_delay)
+
+
+def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
+                 on_tick: Callable[[object], None] | None) -> Timeline:
+    options = WallOptions(tail_s=config.effective_tail_s())
+    if config.target is not None:
+        from replay.remote import RemoteRouter
+        router = RemoteRouter(config.target)
+    else:
+        router = start_topology(config.engine, config.kv, config.topology)
+    try:
+        replay = WallClockReplay(router, options, on_tick)
+        timeline = replay.run(records)
+    finally:
+        router.shutdown()
+    timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology})
+    return timeline
+
+
+def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:
+    return replace(config, engine=replace(config.engine, liveness=liveness))

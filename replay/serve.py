@@ -1,0 +1,129 @@
+"""`kvdrain serve`: the topology behind a client socket, with recording and stats fan-out. Runs in: frontend process.
+
+Clients (replay --target, top) connect a DEALER to the serve's ROUTER. AddRequest and
+Abort go to the P/D router; a client's outputs come back to it as RequestOutputs.
+GetStats subscribes a client to every engine's stats snapshots (ServeInfo first).
+Garbage is counted and dropped. Binds 127.0.0.1 (or an ipc path) by default.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import zmq
+
+from connector.router import PDRouter
+from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputMsg,
+                             RequestOutputs, ServeInfo, StatsSnapshot, decode, encode)
+from engine.outputs import RequestOutput
+from replay.record import TraceRecorder
+
+SNAPSHOT_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    address: str = "tcp://127.0.0.1:0"  # port 0: any free port, printed at start-up
+    record: Path | None = None
+
+
+class Server:
+    def __init__(self, router: PDRouter, options: ServeOptions, info: ServeInfo) -> None:
+        self.router = router
+        self.info = info
+        self.ctx = zmq.Context.instance()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(options.address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.owners: dict[str, bytes] = {}  # req_id -> the client that sent it
+        self.subscribers: set[bytes] = set()
+        self.latest: dict[str, StatsSnapshot] = {}
+        self.num_bad_messages = 0
+        self.num_requests = 0
+        self.recorder = TraceRecorder(options.record, {
+            "topology": info.topology, "liveness": info.liveness,
+            "block_size": info.block_size}) if options.record else None
+        self._last_snapshot = 0.0
+
+    def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
+                      should_stop: Callable[[], bool] = lambda: False) -> None:
+        self.router.request_stats()
+        while not should_stop():
+            if self.socket.poll(10, zmq.POLLIN):
+                self._drain_clients()
+            for output in self.router.poll(0):
+                self._forward(output)
+            for snap in self.router.take_stats():
+                self._fan_out(snap)
+            self._maybe_record_snapshot()
+            if on_tick is not None:
+                on_tick(self)
+
+    def _drain_clients(self) -> None:
+        while self.socket.poll(0, zmq.POLLIN):
+            frames = self.socket.recv_multipart()
+            try:
+                if len(frames) != 2:
+                    raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
+                self._handle(frames[0], decode(frames[1]))
+            except DecodeError:
+                self.num_bad_messages += 1
+
+    def _handle(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            self.owners[msg.req_id] = identity
+            self.num_requests += 1
+            self.router.add_request(msg.req_id, msg.prompt_token_ids, msg.max_tokens)
+            if self.recorder is not None:
+                self.recorder.request(msg.req_id, msg.prompt_token_ids, msg.max_tokens)
+        elif isinstance(msg, Abort):
+            for req_id in msg.req_ids:
+                self.router.abort(req_id)
+                if self.recorder is not None:
+                    self.recorder.abort(req_id)
+        elif isinstance(msg, GetStats):
+            self.subscribers.add(identity)
+            self._send(identity, self.info)
+            for snap in self.latest.values():
+                self._send(identity, snap)
+            self.router.request_stats()
+        else:
+            self.num_bad_messages += 1
+
+    def _send(self, identity: bytes, msg: object) -> None:
+        self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+
+    def _forward(self, output: RequestOutput) -> None:
+        identity = self.owners.get(output.req_id)
+        if identity is None:
+            return
+        if output.finished:
+            del self.owners[output.req_id]
+        msg = RequestOutputs("serve", [RequestOutputMsg(
+            output.req_id, output.new_token_ids, output.finish_reason, output.kv_transfer_params,
+            output.num_cached_tokens, output.error)])
+        self._send(identity, msg)
+
+    def _fan_out(self, snap: StatsSnapshot) -> None:
+        self.latest[snap.engine_id] = snap
+        for identity in list(self.subscribers):
+            try:
+                self._send(identity, snap)
+            except zmq.ZMQError:
+                self.subscribers.discard(identity)  # gone (or too slow): drop it
+
+    def _maybe_record_snapshot(self) -> None:
+        if self.recorder is None or self.router.has_pending or not self.latest:
+            return
+        now = time.monotonic()
+        if now - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
+            self._last_snapshot = now
+            self.recorder.snapshot(self.latest)
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        self.socket.close(linger=0)

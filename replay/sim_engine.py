@@ -1,0 +1,235 @@
+"""One simulated engine: EngineCore's busy loop on the virtual clock. Runs in: frontend process.
+
+Each engine is an EngineCore driven as engine/core_proc.py drives it. A step starts by
+draining the frontend input and runs at that instant; its outputs and its stats are
+published `cost` later (step_base_s + step_per_token_s * tokens; zero_step_s with no
+tokens). Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
+WAIT_INPUT (only an input wakes it: connector reports pile up unread); WAIT_ANY (an
+input or a report wakes it). Each wake from a wait is a wake-up, as in core_proc.
+
+Fast-forward (SimOptions.fast_forward). A step is a no-op when it scheduled, shipped
+(finished ids, connector metadata) and collected (reports) nothing, drained no input,
+output nothing and left the stats unchanged. The scheduler is a pure function of its
+state, so with nothing new in the input queue or the connector inbox the next step is
+the same no-op. So after a no-op step whose action is SLEEP (poll) or STEP (legacy
+spinning on a pending load), with both queues empty, the engine schedules no events and
+keeps (s0, p): its steps would start at s0 + i*p, p = zero_step_s (+ poll_interval_s
+when polling). Only an input or a report can change anything; when one arrives at T the
+k = ceil((T - s0) / p) steps that started before T are counted (and, polling, the sleeps
+that began by T as wake-ups); if step k-1 is still running at T, its step-end event is
+scheduled as usual, else the step at s0 + k*p is. Samples meanwhile count the same way.
+Integer time makes s0 + k*p exactly what k additions give, so timelines are identical
+with the shortcut off (tests/test_simulate.py compares both).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from connector.pd import PDConnector
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.liveness import LOOP_STATES, LoopAction, next_action
+from engine.mock_runner import MockModelRunner
+from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from replay.sim_worker import NS, STEP_END, STEP_START, SimKVWorker, to_ns
+from replay.timeline import EngineSample
+
+if TYPE_CHECKING:
+    from replay.simulate import Simulation
+
+_WAITS = (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY)
+
+
+class _TimedRunner:
+    """The mock runner, noting what the cost model and the no-op test need."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = MockModelRunner(config)
+        self.num_tokens = 0
+        self.is_noop = False
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        meta = sched_out.kv_connector_metadata
+        self.num_tokens = sched_out.total_num_scheduled_tokens
+        self.is_noop = not (self.num_tokens or sched_out.scheduled or sched_out.preempted_req_ids
+                            or sched_out.finished_req_ids or (meta is not None and not meta.is_empty()))
+        return self.runner.execute(sched_out)
+
+
+@dataclass(frozen=True, slots=True)
+class AddInput:
+    """A request for the engine's input queue (as the frontend's AddRequest)."""
+
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    kv_transfer_params: dict | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortInput:
+    """An abort for the engine's input queue (as the frontend's Abort)."""
+
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    """What a step hands to its end event: outputs and the liveness inputs."""
+
+    outputs: list[RequestOutput]
+    model_executed: bool
+    got_kv_reports: bool
+    noop: bool  # changed nothing: the next step from here is the same no-op
+    stats: SchedulerStats  # published at the step's end
+
+
+class SimEngine:
+    """One engine's busy loop on the virtual clock, following engine/liveness.py."""
+
+    def __init__(self, sim: Simulation, name: str, rank: int, role: str | None) -> None:
+        opts, self.sim, self.name, self.rank, self.loop = sim.options, sim, name, rank, sim.loop
+        config = opts.engine_config(name, role)
+        self.worker = None if role is None else SimKVWorker(name, sim.loop, opts, sim.workers)
+        if self.worker is not None:
+            self.worker.on_report = self.on_report
+        self.runner = _TimedRunner(config)
+        self.core = EngineCore(config, self.runner, PDConnector(config) if role else None,
+                               self.worker)
+        self.zero, self.poll = to_ns(opts.zero_step_s), to_ns(opts.poll_interval_s)
+        self.base, self.per_token = to_ns(opts.step_base_s), to_ns(opts.step_per_token_s)
+        self.input: deque[AddInput | AbortInput] = deque()
+        self.blocked_on: LoopAction | None = LoopAction.WAIT_INPUT
+        self.state = "blocked"
+        self.num_steps = self.num_wakeups = 0
+        self.ff: tuple[int, int, int] | None = None  # (next step start, period, wakeups/step)
+        self.stats = self.core.make_stats()  # as last published: at a step's end, or a drain
+        self.sampled: tuple | None = None
+
+    def deliver(self, msg: AddInput | AbortInput) -> None:
+        self.input.append(msg)
+        if self.blocked_on is not None:
+            self._wake()
+        elif self.ff is not None:
+            self._leave_ff()
+
+    def on_report(self) -> None:
+        if self.blocked_on is LoopAction.WAIT_ANY:
+            self._wake()
+        elif self.ff is not None:
+            self._leave_ff()
+
+    def _wake(self) -> None:
+        self.blocked_on = None
+        self.num_wakeups += 1
+        self._enter("stepping")
+        self.loop.push(self.loop.now, STEP_START, self.rank, self._step_start)
+
+    def _drain(self) -> list[RequestOutput]:
+        outputs = []
+        while self.input:
+            msg = self.input.popleft()
+            if isinstance(msg, AddInput):
+                outputs += self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens,
+                                                 msg.kv_transfer_params)
+            else:
+                outputs += self.core.abort_requests([msg.req_id])
+        return outputs
+
+    def _step_start(self, _: object) -> None:
+        num_inputs = len(self.input)
+        drained = self._drain()
+        if drained:
+            self.sim.router.on_outputs(self.name, drained)
+        if not self.core.has_work():
+            self.stats = self.core.make_stats()
+            self._block(LoopAction.WAIT_INPUT)
+            return
+        self.num_steps += 1
+        outputs, model_executed = self.core.step()
+        stats = self.core.make_stats()  # published when the step ends, with its outputs
+        reports = self.core.got_kv_reports
+        noop = (self.runner.is_noop and not outputs and not num_inputs and not reports
+                and stats == self.stats)
+        tokens = self.runner.num_tokens
+        cost = self.base + self.per_token * tokens if tokens else self.zero
+        self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
+                       _StepResult(outputs, model_executed, reports, noop, stats))
+
+    def _step_end(self, result: _StepResult) -> None:
+        self.stats = result.stats
+        if result.outputs:
+            self.sim.router.on_outputs(self.name, result.outputs)
+        action = next_action(self.core.config.liveness, self.core.has_work(),
+                             result.model_executed, result.got_kv_reports)
+        reports = self.worker is not None and self.worker.has_reports()
+        if action in _WAITS:
+            if not (self.input or (action is LoopAction.WAIT_ANY and reports)):
+                self._block(action)
+                return
+            self.num_wakeups += 1  # the poller returns at once, as in core_proc's _wait
+            action = LoopAction.STEP
+        nxt = self.loop.now
+        if action is LoopAction.SLEEP:
+            self.num_wakeups += 1
+            nxt += self.poll
+        self._enter(LOOP_STATES[action])
+        if result.noop and self.sim.options.fast_forward and not self.input and not reports:
+            polling = action is LoopAction.SLEEP
+            self.ff = (nxt, self.zero + (self.poll if polling else 0), int(polling))
+        else:
+            self.loop.push(nxt, STEP_START, self.rank, self._step_start)
+
+    def _leave_ff(self) -> None:
+        """An input or report arrived at `now`: resume real steps (module docstring)."""
+        (s0, period, wakeups), now = self.ff, self.loop.now
+        self.ff = None
+        k = -(-(now - s0) // period) if now > s0 else 0
+        if k == 0:
+            self.loop.push(s0, STEP_START, self.rank, self._step_start)
+            return
+        self.num_steps += k
+        last_end = s0 + (k - 1) * period + self.zero
+        self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
+        if last_end > now:  # that step is still running: let its end decide, as it would
+            self.loop.push(last_end, STEP_END, self.rank, self._step_end,
+                           _StepResult([], False, False, True, self.stats))
+        else:
+            self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
+
+    def _block(self, action: LoopAction) -> None:
+        self.blocked_on = action
+        self._enter("blocked")
+
+    def _enter(self, state: str) -> None:
+        self.state = state
+        if (self.stats, state) != self.sampled:
+            self.sample()
+
+    def sample(self) -> EngineSample:
+        t, s = self.loop.now, self.stats
+        steps, wakeups = self.num_steps, self.num_wakeups
+        if self.ff is not None:  # the skipped steps that started (and ended) by t
+            s0, period, per_step = self.ff
+            steps += (t - s0) // period + 1 if t >= s0 else 0
+            wakeups += per_step * ((t - s0 - self.zero) // period + 1) if t >= s0 + self.zero else 0
+        self.sampled = (s, self.state)
+        sample = EngineSample(
+            t / NS, self.name, s.num_used_blocks, s.num_cached_blocks, s.num_free_blocks,
+            s.num_blocks, s.num_waiting, s.num_skipped_waiting, s.num_waiting_for_remote_kvs,
+            s.num_running, s.num_finished_awaiting_free, self.state, steps, wakeups)
+        self.sim.samples.append(sample)
+        return sample
+
+    def counters(self, last: EngineSample) -> dict[str, int]:
+        """Totals at the end, from its final sample."""
+        w = self.worker
+        return {"num_steps": last.num_steps, "num_wakeups": last.num_wakeups,
+                "num_model_steps": self.core.num_model_steps,
+                "num_expired": w.num_expired if w else 0,
+                "num_reads_after_expiry": w.num_reads_after_expiry if w else 0,
+                "num_stale_kv_reports": self.stats.num_stale_kv_reports,
+                "num_preemptions": self.stats.num_preemptions,
+                "num_prefix_hit_tokens": self.stats.num_prefix_hit_tokens}

@@ -1,0 +1,403 @@
+"""The live dashboard of a replay or a running serve: state, a pure render, a LiveView. Runs in: frontend process.
+
+The state objects are plain dataclasses fed from StatsSnapshots (wall clock) or
+EngineSamples (virtual clock); `render(state)` is a pure function of them. LiveView
+renders on the caller's thread only, from `tick()`, at most 4 times a second on a
+terminal (so it never races the state it reads and never slows an engine); without a
+terminal it prints one `plain_line` a second at most. Both leave a final summary.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.layout import Layout
+from rich.live import Live
+from rich.measure import Measurement
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from engine.messages import StatsSnapshot
+from replay.timeline import EngineSample
+from replay.verify import IdleWindow
+
+HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
+NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
+NUM_MESSAGE_ROWS = 3
+SPARKS = "▁▂▃▄▅▆▇█"
+LOOP_STYLES = {"stepping": "bold green", "polling": "bold yellow", "blocked": "bold cyan", "stopped": "bold red"}
+SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
+                 "num_finished_awaiting_free", "num_blocks", "num_used_blocks", "num_cached_blocks",
+                 "num_free_blocks")
+ALARM_KEYS = ("num_expired", "num_failed_recvs")
+VERDICT_STYLES = {"drained": "bold green", "leak": "bold red", "undecided": "bold yellow"}
+
+
+@dataclass(slots=True)
+class EngineView:
+    """One engine as last reported, with its step / wake-up rates and used-blocks history."""
+
+    engine_id: str
+    counts: dict[str, int] = field(default_factory=dict)
+    loop_state: str = "stepping"
+    monotonic: float | None = None  # time of the last update, in the feeder's clock
+    num_steps: int = 0
+    num_wakeups: int = 0
+    steps_per_s: float = 0.0
+    wakeups_per_s: float = 0.0
+    used_history: deque[int] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+
+    def update(self, engine_id: str, monotonic: float, loop_state: str, num_steps: int,
+               num_wakeups: int, counts: dict[str, int]) -> None:
+        """Take one report; rates come from this one and the previous one."""
+        if engine_id != self.engine_id:
+            raise ValueError(f"engine_id: view of {self.engine_id!r} got {engine_id!r}")
+        if self.monotonic is not None and monotonic > self.monotonic:
+            dt = monotonic - self.monotonic
+            # A counter that went back means a restarted engine: no rate from that pair.
+            self.steps_per_s = max(num_steps - self.num_steps, 0) / dt
+            self.wakeups_per_s = max(num_wakeups - self.num_wakeups, 0) / dt
+        self.monotonic, self.loop_state = monotonic, loop_state
+        self.num_steps, self.num_wakeups = num_steps, num_wakeups
+        self.counts = dict(counts)
+        self.used_history.append(int(counts.get("num_used_blocks", 0)))
+
+    @property
+    def has_connector(self) -> bool:
+        return "num_sent" in self.counts or "num_sends_pending" in self.counts
+
+
+def sample_counts(sample: EngineSample) -> dict[str, int]:
+    """The counts dict of a virtual-clock sample, keyed like StatsSnapshot.counts."""
+    return {name: getattr(sample, name) for name in SAMPLE_COUNTS}
+
+
+@dataclass(slots=True)
+class ReplayProgress:
+    """Where the replay is: requests sent, trace time, how late the sends were."""
+
+    trace_name: str
+    num_total: int
+    duration_s: float
+    clock: str = "virtual"  # "wall" | "virtual"
+    liveness: str = ""
+    speedup: float = 1.0
+    num_sent: int = 0
+    trace_t: float = 0.0
+    lateness_s: list[float] = field(default_factory=list)
+
+    def record_send(self, lateness_s: float) -> None:
+        self.num_sent += 1
+        self.lateness_s.append(lateness_s)
+
+    def lateness_percentile_s(self, q: float) -> float | None:
+        """Nearest-rank percentile of the send lateness so far; None before the first send."""
+        ordered = sorted(self.lateness_s)
+        return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowVerdict:
+    """One closed idle window of one engine, as the dashboard lists it."""
+
+    engine: str
+    start: float
+    length: float
+    num_used_at_start: int
+    time_to_drain: float | None  # None: never drained
+    verdict: str  # "drained" | "leak" | "undecided"
+
+    @staticmethod
+    def of(window: IdleWindow) -> WindowVerdict:
+        return WindowVerdict(window.engine, window.start, window.length, window.num_used_at_start,
+                             window.time_to_drain, window.verdict)
+
+
+@dataclass(slots=True)
+class DashboardState:
+    """Everything the dashboard shows; the frontend mutates it, render() reads it."""
+
+    engines: dict[str, EngineView] = field(default_factory=dict)
+    progress: ReplayProgress | None = None
+    windows: list[WindowVerdict] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # errors, e.g. a dead connector worker
+    title: str = "kvdrain"
+    elapsed_s: float = 0.0  # since the frontend started, in its clock
+
+    def view(self, engine_id: str) -> EngineView:
+        """The view of `engine_id`, made on first use."""
+        if engine_id not in self.engines:
+            self.engines[engine_id] = EngineView(engine_id)
+        return self.engines[engine_id]
+
+    def apply_snapshot(self, snapshot: StatsSnapshot) -> None:
+        self.view(snapshot.engine_id).update(snapshot.engine_id, snapshot.monotonic, snapshot.loop_state,
+                                             snapshot.num_steps, snapshot.num_wakeups, snapshot.counts)
+
+    def apply_sample(self, sample: EngineSample) -> None:
+        self.view(sample.engine).update(sample.engine, sample.t, sample.loop_state,
+                                        sample.num_steps, sample.num_wakeups, sample_counts(sample))
+
+
+# ---- pure text helpers ---------------------------------------------------------------
+
+def sparkline(values: Iterable[int], width: int) -> str:
+    """The last `width` values as bars scaled to their peak; 0 is the lowest bar, any use is higher."""
+    points = list(values)[-width:] if width > 0 else []
+    peak = max(points, default=0)
+    if peak <= 0:
+        return SPARKS[0] * len(points)
+    return "".join(SPARKS[0] if v <= 0 else SPARKS[1 + round((len(SPARKS) - 2) * v / peak)]
+                   for v in points)
+
+
+def _rate(x: float) -> str:
+    return f"{x:.1f}" if x < 10 else f"{x:.0f}" if x < 1000 else f"{x / 1000:.1f}k"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f}ms" if seconds < 1 else f"{seconds:.1f}s"
+
+
+def _window_counts(windows: list[WindowVerdict]) -> dict[str, int]:
+    counts = {"drained": 0, "leak": 0, "undecided": 0}
+    for w in windows:
+        counts[w.verdict] = counts.get(w.verdict, 0) + 1
+    return counts
+
+
+def plain_line(state: DashboardState) -> str:
+    """One progress line for logs: time, sends, each engine's used blocks and loop, verdicts."""
+    p = state.progress
+    parts = [f"t={p.trace_t if p else state.elapsed_s:.1f}s"
+             + (f" sent {p.num_sent}/{p.num_total}" if p else "")]
+    for view in state.engines.values():
+        c = view.counts
+        parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
+                     f" {view.loop_state}")
+    counts = _window_counts(state.windows)
+    parts.append(f"windows {counts['drained']} drained {counts['leak']} leak"
+                 + (f" {counts['undecided']} undecided" if counts["undecided"] else ""))
+    return " | ".join(parts)
+
+
+def summary_text(state: DashboardState) -> str:
+    """The plain final summary: the last line, every idle window, every message."""
+    lines = [f"final {plain_line(state)}"]
+    for w in state.windows:
+        drain = "never drained" if w.time_to_drain is None else f"drained in {_ms(w.time_to_drain)}"
+        lines.append(f"  window {w.engine} {w.start:.2f}s +{w.length:.2f}s: "
+                     f"{w.num_used_at_start} used at start, {drain}: {w.verdict}")
+    lines += [f"  ! {m}" for m in state.messages]
+    return "\n".join(lines)
+
+
+# ---- rich render -----------------------------------------------------------------------
+
+class _Fit:
+    """A one-line renderable drawn to whatever width it is given (bars, sparklines)."""
+
+    def __init__(self, draw: Callable[[int], Text]) -> None:
+        self.draw = draw
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.draw(options.max_width)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(1, options.max_width)
+
+
+def _kv_bar(counts: dict[str, int], width: int) -> Text:
+    """used | cached (free, still hashed) | free, in cells proportional to blocks."""
+    total = max(counts.get("num_blocks", 0), 1)
+    used, cached = counts.get("num_used_blocks", 0), counts.get("num_cached_blocks", 0)
+    num_used = min(max(round(width * used / total), 1 if used else 0), width)
+    num_cached = min(round(width * (used + cached) / total), width) - num_used
+    return Text.assemble(("█" * num_used, "magenta"), ("▒" * max(num_cached, 0), "blue"),
+                         ("░" * (width - num_used - max(num_cached, 0)), "grey37"))
+
+
+def _pair_grid(c: dict[str, int], rows: tuple[tuple[str, str, str, str], ...]) -> Table:
+    """Two label/value pairs per row; a value is a count key or a preformatted string."""
+    grid = Table.grid(padding=(0, 1), expand=True)
+    for justify in ("left", "right", "left", "right"):
+        grid.add_column(justify=justify, no_wrap=True)
+    for a, ka, b, kb in rows:
+        grid.add_row(Text(a, "dim"), _cell(c, ka), Text(b, "dim"), _cell(c, kb))
+    return grid
+
+
+def _cell(c: dict[str, int], key: str) -> Text:
+    if not key.startswith("num_"):
+        return Text(key)
+    value = c.get(key, 0)
+    return Text(str(value), "bold red" if value and key in ALARM_KEYS else "")
+
+
+def _queue_grid(c: dict[str, int]) -> Table:
+    return _pair_grid(c, (("waiting", "num_waiting", "skipped", "num_skipped_waiting"),
+                          ("remote KVs", "num_waiting_for_remote_kvs", "running", "num_running"),
+                          ("fin-await-free", "num_finished_awaiting_free", "preempted", "num_preemptions"),
+                          ("cached blocks", "num_cached_blocks", "free", "num_free_blocks")))
+
+
+def _connector_grid(c: dict[str, int]) -> Table:
+    age = _ms(c.get("oldest_send_age_ms", 0) / 1000 if c.get("num_sends_pending", 0) else None)
+    return _pair_grid(c, (("sends pending", "num_sends_pending", "oldest", age),
+                          ("sent", "num_sent", "expired", "num_expired"),
+                          ("recvs in flight", "num_recvs_in_flight", "failed", "num_failed_recvs")))
+
+
+def _detail_grid(view: EngineView) -> Table:
+    c, history = view.counts, list(view.used_history)
+    used = f" {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
+    grid = Table.grid(padding=(0, 1), expand=True)
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+    grid.add_row("KV", _Fit(lambda w: _kv_bar(c, w - len(used)) + Text(used, "magenta")))
+    grid.add_row("used", _Fit(lambda w: Text(sparkline(history, w), "magenta")))
+    grid.add_row("loop", Text.assemble((view.loop_state, LOOP_STYLES.get(view.loop_state, "bold")),
+                                       f" {_rate(view.steps_per_s)} steps/s",
+                                       f" {_rate(view.wakeups_per_s)} wake/s"))
+    return grid
+
+
+def _engine_panel(view: EngineView) -> Panel:
+    pid = view.counts.get("connector_worker_pid")
+    parts = [_queue_grid(view.counts), _detail_grid(view)]
+    if view.has_connector:
+        parts.append(_connector_grid(view.counts))
+    return Panel(Group(*parts), title=Text(f"engine {view.engine_id}", "bold"), title_align="left",
+                 subtitle=f"worker pid {pid}" if pid else None, subtitle_align="right")
+
+
+def _engine_height(view: EngineView) -> int:
+    return 4 + 3 + (3 if view.has_connector else 0) + 2  # queue + detail + connector + border
+
+
+def _render_header(state: DashboardState) -> Table:
+    p = state.progress
+    info = [f"clock {p.clock}", f"liveness {p.liveness or '-'}"] if p else []
+    if p and p.clock == "wall":
+        info.append(f"speed ×{p.speedup:g}")
+    grid = Table.grid(expand=True, padding=(0, 1))
+    grid.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+    grid.add_column(no_wrap=True, justify="right")
+    grid.add_row(Text(state.title, "bold"), "  ".join(info + [f"elapsed {state.elapsed_s:.1f}s"]))
+    grid.style = "on grey23"
+    return grid
+
+
+class _WindowsPanel:
+    """The last idle windows, as many as the region's height allows (NUM_WINDOW_ROWS unbounded)."""
+
+    def __init__(self, windows: list[WindowVerdict]) -> None:
+        self.windows = windows
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        num_rows = NUM_WINDOW_ROWS if options.height is None else max(options.height - 3, 0)
+        table = Table(expand=True, box=None, padding=(0, 1), header_style="dim")
+        for name, justify in (("engine", "left"), ("start", "right"), ("length", "right"),
+                              ("used at start", "right"), ("drain", "right"), ("verdict", "left")):
+            table.add_column(name, justify=justify, no_wrap=True)
+        for w in self.windows[-num_rows:] if num_rows else []:
+            drain = Text("never", "red") if w.time_to_drain is None else Text(_ms(w.time_to_drain))
+            table.add_row(w.engine, f"{w.start:.2f}s", f"{w.length:.2f}s", str(w.num_used_at_start),
+                          drain, Text(w.verdict, VERDICT_STYLES.get(w.verdict, "")))
+        counts = _window_counts(self.windows)
+        title = (f"idle windows {len(self.windows)}  [green]{counts['drained']} drained[/]"
+                 f"  [red]{counts['leak']} leak[/]"
+                 + (f"  [yellow]{counts['undecided']} undecided[/]" if counts["undecided"] else ""))
+        yield Panel(table, title=title, title_align="left", height=options.height)
+
+
+def _render_footer(state: DashboardState) -> Group:
+    p = state.progress
+    lines: list = []
+    if p is not None:
+        grid = Table.grid(expand=True, padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(ratio=1)
+        grid.add_row(f"sent {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
+                     f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}",
+                     ProgressBar(total=max(p.num_total, 1), completed=p.num_sent))
+        lines.append(grid)
+    lines += [Text(f"! {m}", "bold red", no_wrap=True, overflow="ellipsis")
+              for m in state.messages[-NUM_MESSAGE_ROWS:]]
+    return Group(*lines)
+
+
+def render(state: DashboardState) -> Layout:
+    """The whole dashboard: regions "header", "engines", "windows", "footer"."""
+    views = list(state.engines.values())
+    engines = Layout(name="engines", size=max((_engine_height(v) for v in views), default=3))
+    if views:
+        engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
+    else:
+        engines.update(Panel(Text("waiting for the first stats…", "dim")))
+    footer_size = (1 if state.progress else 0) + min(len(state.messages), NUM_MESSAGE_ROWS)
+    layout = Layout(name="root")
+    layout.split_column(Layout(_render_header(state), name="header", size=1), engines,
+                        Layout(_WindowsPanel(state.windows), name="windows", minimum_size=3),
+                        Layout(_render_footer(state), name="footer", size=max(footer_size, 1)))
+    return layout
+
+
+# ---- the view --------------------------------------------------------------------------
+
+class LiveView:
+    """Shows `state` while the frontend runs: a rich Live on a terminal, plain lines otherwise.
+
+    Call `tick()` from the frontend's loop after updating the state; it renders only
+    when due (4/s on a terminal, `plain_interval_s` otherwise), so it costs nothing else.
+    """
+
+    def __init__(self, state: DashboardState, console: Console | None = None,
+                 plain_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state, self.console, self.clock = state, console or Console(), clock
+        self.is_live = self.console.is_terminal
+        self.interval_s = 0.25 if self.is_live else plain_interval_s
+        self._last_t = -math.inf
+        self._num_messages_printed = 0
+        # auto_refresh=False: rich's refresh thread would render while the frontend
+        # mutates the state; tick() refreshes on the frontend's thread instead.
+        self._live = Live(console=self.console, refresh_per_second=4, auto_refresh=False,
+                          transient=False, get_renderable=lambda: render(self.state)) if self.is_live else None
+
+    def __enter__(self) -> LiveView:
+        if self._live is not None:
+            self._live.start(refresh=True)
+        return self
+
+    def tick(self, force: bool = False) -> None:
+        """Redraw (terminal) or print a plain line (no terminal) if one is due."""
+        now = self.clock()
+        if not force and now - self._last_t < self.interval_s:
+            return
+        self._last_t = now
+        if self._live is not None:
+            self._live.refresh()
+            return
+        self._print_new_messages()
+        self._print(plain_line(self.state))
+
+    def _print_new_messages(self) -> None:
+        for message in self.state.messages[self._num_messages_printed:]:
+            self._print(f"! {message}")
+        self._num_messages_printed = len(self.state.messages)
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:  # the last frame stays on screen (transient=False)
+            self._live.refresh()
+            self._live.stop()
+            return
+        self._print(summary_text(self.state))
