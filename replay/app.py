@@ -28,6 +28,11 @@ class ReportPaths:
     plot: Path | None = None
 
 
+def _error(console, error: object) -> None:
+    """One unwrapped line, so a file:line stays whole for editors and grep."""
+    console.print(f"[red]error:[/] {error}", highlight=False, soft_wrap=True)
+
+
 class _NoView:
     """--no-live: no dashboard at all, only the final summary."""
 
@@ -45,10 +50,10 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
     try:
         summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines)
     except TraceError as e:
-        console.print(f"[red]error:[/] {e}", highlight=False)
+        _error(console, e)
         return EXIT_USAGE
     for message in summary.bad_line_messages:
-        console.print(f"[yellow]skipped:[/] {message}", highlight=False)
+        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     state = _replay_state(config, summary.num_requests, summary.duration)
     view = LiveView(state, console) if live else _NoView()
     monitor = ReplayMonitor(state, view, config.verify)
@@ -58,7 +63,7 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
             _show_final(state, result)
             view.tick(force=True)
     except (EngineDeadError, ConnectionError, RuntimeError) as e:
-        console.print(f"[red]error:[/] {e}", highlight=False)
+        _error(console, e)
         return EXIT_VIOLATION
     return _report(result, paths, console)
 
@@ -97,7 +102,7 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         try:
             write_plot(paths.plot, result.timeline, result.verdict)
         except RuntimeError as e:
-            console.print(f"[red]error:[/] {e}", highlight=False)
+            _error(console, e)
             return EXIT_USAGE
     return result.verdict.exit_code
 
@@ -155,7 +160,7 @@ def top_main(address: str, seconds: float | None, console) -> int:
     try:
         remote = RemoteRouter(address)
     except ConnectionError as e:
-        console.print(f"[red]error:[/] {e}", highlight=False)
+        _error(console, e)
         return EXIT_USAGE
     state = DashboardState(title=f"kvdrain top {address} ({remote.info.topology}, "
                                  f"{remote.info.liveness})")

@@ -1,0 +1,203 @@
+"""The kvdrain command line: every verb's happy path and its usage errors."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import EXAMPLE, cli
+
+FAST = ["--runner", "mock", "--num-blocks", "256", "--no-live"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_help_of_every_command_has_an_example():
+    for command in ("inspect", "replay", "serve", "top"):
+        result = invoke(command, "--help")
+        assert result.exit_code == 0 and "Example" in result.output
+
+
+def test_inspect_bundled_example():
+    result = invoke("inspect", str(EXAMPLE), "--idle-threshold", "2")
+    assert result.exit_code == 0
+    assert "kvdrain" in result.output and "32" in result.output
+
+
+def test_usage_errors_exit_2():
+    assert invoke("replay", "no-such-file.jsonl").exit_code == 2
+    result = invoke("replay", str(EXAMPLE), "--liveness", "sometimes")
+    assert result.exit_code == 2 and "sometimes" in result.output
+    result = invoke("replay", str(EXAMPLE), "--speedup", "0")
+    assert result.exit_code == 2 and "speedup" in result.output
+    assert invoke("replay", str(EXAMPLE), "--block-size", "0").exit_code == 2
+    assert invoke("top").exit_code == 2  # --connect is required
+
+
+def test_bad_trace_is_exit_2_with_file_and_line(tmp_path: Path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}\n'
+                     '{"t": 1, "id": "b", "prompt_len": 4, "max_tokens": "x"}\n')
+    result = invoke("replay", str(trace), "--clock", "virtual", *FAST)
+    assert result.exit_code == 2
+    assert "bad.jsonl:2: max_tokens" in result.output
+
+
+@pytest.mark.parametrize("liveness,code", [("legacy", 1), ("poll", 0), ("event", 0)])
+def test_virtual_replay_verdicts(liveness: str, code: int, tmp_path: Path):
+    report = tmp_path / "report.json"
+    requests = tmp_path / "requests.jsonl"
+    result = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--liveness", liveness,
+                    "--report", str(report), "--requests", str(requests), *FAST)
+    assert result.exit_code == code, result.output
+    data = json.loads(report.read_text())
+    assert data["exit_code"] == code and data["trace"]["sha256"]
+    assert len(requests.read_text().splitlines()) == 32
+    assert ("VIOLATIONS" in result.output) == (code == 1)
+
+
+def test_plot_is_written(tmp_path: Path):
+    plot = tmp_path / "usage.png"
+    result = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--plot", str(plot), *FAST)
+    assert result.exit_code == 0 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("liveness,code", [("legacy", 1), ("event", 0)])
+def test_wall_clock_replay_matches_the_virtual_verdict(liveness: str, code: int, tmp_path: Path):
+    report = tmp_path / "report.json"
+    result = invoke("replay", str(EXAMPLE), "--clock", "wall", "--liveness", liveness,
+                    "--speedup", "2", "--report", str(report), *FAST)
+    assert result.exit_code == code, result.output
+    virtual = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--liveness", liveness,
+                     "--speedup", "2", *FAST)
+    assert virtual.exit_code == code
+    windows = json.loads(report.read_text())["windows"]
+    assert {w["verdict"] for w in windows if w["engine"] == "P"} == {"leak" if code else "drained"}
+
+
+class Serve:
+    """`kvdrain serve` in a child process; its printed lines arrive on a queue."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "cli", "serve", "--runner", "mock", "--num-blocks", "256",
+               "--no-live", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=Path(__file__).resolve().parent.parent)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.address = self.wait_for(r"listening on (\S+)", 60).group(1)
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        seen = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            seen.append(line)
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"serve never printed {pattern!r}; got {seen}")
+
+    def stop(self) -> int:
+        """Ctrl-C, then a bounded wait; kill only if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise AssertionError("serve did not stop on Ctrl-C") from None
+
+
+@pytest.mark.slow
+def test_record_with_serve_then_replay_the_recording(tmp_path: Path):
+    recording = tmp_path / "recorded.jsonl"
+    serve = Serve("--liveness", "event", "--record", str(recording))
+    try:
+        result = invoke("replay", str(EXAMPLE), "--target", serve.address, "--speedup", "2",
+                        "--no-live")
+        assert result.exit_code == 0, result.output
+    finally:
+        assert serve.stop() == 0
+    serve.wait_for(r"stopped after 32 requests", 10)
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    assert lines[0]["kvdrain_trace"] == 1
+    assert sum("id" in line for line in lines) == 32
+    snapshots = [line for line in lines if "kv" in line]
+    assert snapshots and all(s["kv"]["P"]["used"] == 0 for s in snapshots)
+    # Replaying the recording reproduces the recorded idle-time counts.
+    report = tmp_path / "report.json"
+    result = invoke("replay", str(recording), "--report", str(report), *FAST)
+    assert result.exit_code == 0, result.output
+    assert not [v for v in json.loads(report.read_text())["violations"] if v["kind"] == "snapshot"]
+
+
+@pytest.mark.slow
+def test_top_shows_counts_changing_while_a_replay_drives_serve(tmp_path: Path):
+    serve = Serve("--liveness", "legacy")
+    try:
+        top = subprocess.Popen([sys.executable, "-m", "cli", "top", "--connect", serve.address,
+                                "--seconds", "8"], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parent.parent)
+        result = invoke("replay", str(EXAMPLE), "--target", serve.address, "--speedup", "4",
+                        "--max-requests", "16", "--no-live")
+        out, _ = top.communicate(timeout=30)
+    finally:
+        serve.stop()
+    assert result.exit_code == 1  # legacy leaks on P
+    used = [int(m) for m in re.findall(r"P used (\d+)/", out)]
+    assert len(used) >= 3 and len(set(used)) > 1, out
+    assert max(used) > 0
+
+
+@pytest.mark.slow
+def test_live_view_on_a_real_terminal():
+    """Run the main job under a pseudo-terminal and read the screen it drew."""
+    import pty
+    cmd = [sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock", "--speedup", "4",
+           "--liveness", "legacy"]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(Path(__file__).resolve().parent.parent)
+        os.environ.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
+        os.execv(sys.executable, cmd)
+    chunks, deadline = [], time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                break  # the child closed the terminal
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        _, status = os.waitpid(pid, 0)
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    assert os.waitstatus_to_exitcode(status) == 1
+    for text in ("engine P", "engine D", "idle windows", "leak", "drained", "VIOLATIONS"):
+        assert text in screen, text
