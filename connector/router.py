@@ -67,9 +67,12 @@ class PDRouter:
         """Stats snapshots that arrived since the last call, every engine's."""
         return [s for c in self.clients.values() if isinstance(c, MPClient) for s in c.take_stats()]
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
-        if self.decode is None:
-            self.prefill.add_request(req_id, prompt_token_ids, max_tokens)
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    pd: bool | None = None) -> None:
+        """pd=False sends a request of a pd topology to the decode engine alone."""
+        if self.decode is None or pd is False:
+            engine = self.prefill if self.decode is None else self.decode
+            engine.add_request(req_id, prompt_token_ids, max_tokens)
             self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "decode")
             return
         self.pending[req_id] = _Pending(prompt_token_ids, max_tokens, "prefill")

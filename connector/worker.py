@@ -27,6 +27,11 @@ from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 
 
+# How long an early read waits for its request to be registered: less than the decode
+# side's 2 s read timeout (connector/transfer.py), so it gets an answer either way.
+EARLY_HOLD_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorWorkerConfig:
     engine_id: str
@@ -47,6 +52,9 @@ class ConnectorWorker:
         self.puller = Puller(self.ctx, config.transport)
         self.kv_cache: KVCache | None = None
         self.sends: dict[str, tuple[list[int], float]] = {}  # req_id -> (blocks, since)
+        # Reads and "read done"s that arrived before their request was registered.
+        self.early_reads: dict[str, list[tuple[zmq.Frame, ReadBlocks]]] = {}
+        self.early_read_done: dict[str, float] = {}
         self.timers: list[tuple[float, int, str, object]] = []  # (due, seq, kind, payload)
         self._seq = 0
         self.report = KVReport([], [], [], {})
@@ -102,13 +110,28 @@ class ConnectorWorker:
         elif isinstance(msg, StepMeta):
             now = time.monotonic()
             for req_id, block_ids in msg.reqs_to_send.items():
-                self.sends[req_id] = (block_ids, now)
-                self._add_timer(now + self.config.kv_expiry_s, "expire", req_id)
+                self._register_send(req_id, block_ids, now)
             for spec in msg.reqs_to_recv:
                 self.counters["num_recvs_in_flight"] += 1
                 self._add_timer(now + self.config.pull_delay_ms / 1000, "pull", spec)
         else:
             raise DecodeError(f"unexpected {type(msg).__name__} from the engine core")
+
+    def _register_send(self, req_id: str, block_ids: list[int], now: float) -> None:
+        """P's engine says: these blocks wait for a remote read.
+
+        The decode side can get there first: P's final output reaches the frontend at
+        the end of the step in which the request finished, but its blocks are
+        registered here only in P's next step. A read or a "read done" that arrived
+        early was kept for this moment (vLLM's NIXL keeps early notifications too).
+        """
+        self.sends[req_id] = (block_ids, now)
+        for identity, read in self.early_reads.pop(req_id, []):
+            self._serve_read(identity, read)
+        if self.early_read_done.pop(req_id, None) is not None:
+            self._finish_send(req_id, expired=False)
+        else:
+            self._add_timer(now + self.config.kv_expiry_s, "expire", req_id)
 
     def _add_timer(self, due: float, kind: str, payload: object) -> None:
         self._seq += 1
@@ -120,6 +143,8 @@ class ConnectorWorker:
             _, _, kind, payload = heapq.heappop(self.timers)
             if kind == "expire":
                 self._finish_send(payload, expired=True)
+            elif kind == "forget_early":
+                self._forget_early(payload)
             else:
                 self._pull(payload)
 
@@ -169,8 +194,12 @@ class ConnectorWorker:
         if isinstance(msg, ReadDone):
             if self.config.drop_read_done:
                 self.counters["num_read_done_dropped"] += 1
-            else:
+            elif msg.req_id in self.sends:
                 self._finish_send(msg.req_id, expired=False)
+            else:
+                # Held as long as a send could wait: P registers it in its next step.
+                self._keep_early(msg.req_id, self.early_read_done, time.monotonic(),
+                                 self.config.kv_expiry_s)
         elif isinstance(msg, ReadBlocks):
             self._serve_read(identity, msg)
         elif isinstance(msg, GetKVHandle) and self.kv_cache is not None:
@@ -179,8 +208,27 @@ class ConnectorWorker:
         else:
             raise DecodeError(f"unexpected {type(msg).__name__} from a peer")
 
+    def _keep_early(self, req_id: str, into: dict, value: object, hold_s: float) -> None:
+        """Hold something that came before its request was registered, for hold_s."""
+        if req_id not in self.early_reads and req_id not in self.early_read_done:
+            self._add_timer(time.monotonic() + hold_s, "forget_early", req_id)
+        if into is self.early_reads:
+            into.setdefault(req_id, []).append(value)
+        else:
+            into[req_id] = value
+
+    def _forget_early(self, req_id: str) -> None:
+        """The request never got registered (aborted on P, or a stranger's id)."""
+        self.early_read_done.pop(req_id, None)
+        for identity, read in self.early_reads.pop(req_id, []):
+            reply = BlockData(read.req_id, False, "unknown or expired request")
+            self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
+
     def _serve_read(self, identity: zmq.Frame, msg: ReadBlocks) -> None:
         send = self.sends.get(msg.req_id)
+        if send is None and self.kv_cache is not None:
+            self._keep_early(msg.req_id, self.early_reads, (identity, msg), EARLY_HOLD_S)
+            return
         if send is None or self.kv_cache is None:
             reply = BlockData(msg.req_id, False, "unknown or expired request")
             self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])

@@ -29,8 +29,19 @@ from engine.mock_runner import MockModelRunner
 from engine.outputs import RequestOutput
 
 
-class ShutdownRequested(Exception):
-    """SIGTERM arrived: leave the loop and shut down gracefully."""
+class SignalWakeup:
+    """SIGTERM sets a flag and writes to a pipe the loop's poller watches, so a blocked
+    loop wakes at once and the shutdown starts between steps, never inside one."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.requested = True
 
 
 def import_factory(name: str):
@@ -59,8 +70,10 @@ def build_engine_core(config: EngineConfig):
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses) -> None:
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses,
+                 wakeup: SignalWakeup | None = None) -> None:
         self.config = config
+        self.wakeup = wakeup
         self.ctx = zmq.Context()
         self.input = self._socket(zmq.PULL, addrs.input)
         self.output = self._socket(zmq.PUSH, addrs.output)
@@ -93,6 +106,9 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         liveness = self.config.liveness
         while self.shutdown_timeout_s is None:
+            if self.wakeup is not None and self.wakeup.requested:
+                self.shutdown_timeout_s = 5.0  # SIGTERM: the same graceful path as Shutdown
+                break
             self._process_input()
             if self.shutdown_timeout_s is not None:
                 break
@@ -113,6 +129,8 @@ class EngineCoreProc:
     def _wait(self, with_connector: bool, timeout_ms: int | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        if self.wakeup is not None:
+            poller.register(self.wakeup.read_fd, zmq.POLLIN)
         if self.parent is not None:
             poller.register(self.parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
         if with_connector and self.core.connector_worker is not None:
@@ -120,6 +138,8 @@ class EngineCoreProc:
                 poller.register(handle, zmq.POLLIN | zmq.POLLERR)
         ready = dict(poller.poll(timeout_ms))
         self.num_wakeups += 1
+        if self.wakeup is not None and self.wakeup.read_fd in ready:
+            os.read(self.wakeup.read_fd, 512)  # drain the signal bytes
         if self.parent is not None and self.parent.sentinel in ready:
             raise SystemExit("the frontend is gone")
 
@@ -199,21 +219,14 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _raise_shutdown(signum: int, frame: object) -> None:
-    raise ShutdownRequested()
-
-
 def run_engine_core(config: EngineConfig, addrs: EngineAddresses) -> None:
     """Process entry point: build the core, send Ready, loop until Shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
-    signal.signal(signal.SIGTERM, _raise_shutdown)
+    wakeup = SignalWakeup()
     proc = None
     try:
-        proc = EngineCoreProc(config, addrs)
-        try:
-            proc.run_busy_loop()
-        except ShutdownRequested:
-            pass
+        proc = EngineCoreProc(config, addrs, wakeup)
+        proc.run_busy_loop()
         proc.shutdown()
     except SystemExit:
         pass

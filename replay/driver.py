@@ -30,7 +30,8 @@ class Router(Protocol):
     engines: list[str]
     vocab_size: int
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None: ...
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    pd: bool | None = None) -> None: ...
     def abort(self, req_id: str) -> None: ...
     def poll(self, timeout_s: float) -> list[RequestOutput]: ...
     def take_stats(self) -> list[StatsSnapshot]: ...
@@ -103,7 +104,7 @@ class WallClockReplay:
 
     def _send(self, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.router.vocab_size)
-        self.router.add_request(req.req_id, prompt, req.max_tokens)
+        self.router.add_request(req.req_id, prompt, req.max_tokens, req.pd)
         sent = self.now()
         self.num_sent += 1
         self.arrivals.append(req.t)

@@ -58,7 +58,9 @@ class RemoteRouter:
             self.new_stats.append(msg)
         return msg
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    pd: bool | None = None) -> None:
+        """pd is the serve's to decide (its topology); a per-request flag is not sent."""
         self.socket.send(encode(AddRequest(req_id, list(prompt_token_ids), max_tokens)))
 
     def abort(self, req_id: str) -> None:

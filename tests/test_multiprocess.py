@@ -190,3 +190,17 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"  # a zombie is dead but not reaped by its parent
+
+
+def test_sigterm_shuts_an_engine_down_gracefully():
+    """SIGTERM wakes a blocked engine, aborts what is in flight and exits cleanly."""
+    with topology(topology_name="single") as h:
+        client = h.clients["E"]
+        h.add_request("long", list(range(10)), 10_000)
+        assert h.wait_for_stats("E", lambda s: s.counts["num_running"] == 1, 5)
+        os.kill(client.process.pid, signal.SIGTERM)
+        client.process.join(10)
+        assert client.process.exitcode == 0
+        h.poll(0.2)
+        assert [o.finish_reason for o in h.backlog if o.finished] == ["abort"]
+        assert client.latest_stats.loop_state == "stopped"
