@@ -1,0 +1,153 @@
+"""Replay speed: the virtual clock over a whole public trace, the wall clock's send lateness. Runs in: a bench process.
+
+Usage: .venv/bin/python bench/replay_speed.py [--traces DIR_OR_FILE] [--scale-tokens F]
+1. Virtual clock (run_replay, clock="virtual"): the whole Mooncake conversation trace
+   (12,031 requests over about 1 h; --traces, else $KVDRAIN_TRACES, else ../shared/traces;
+   skipped with a message if absent), P/D topology, once per liveness policy, tokens
+   scaled by --scale-tokens (default 1/32: the 512-token hash blocks become 16 tokens).
+   Per policy: wall seconds (read + shape + simulate + verify; the validating pass is
+   done once up front and timed on its own), simulated seconds, simulated steps (P + D,
+   from timeline.counters), steps per wall second, speed-up over real time (simulated
+   seconds / wall seconds), the verdict's exit code and its leak windows (engine x window).
+2. Wall clock (run_replay, clock="wall"): examples/pd_idle.jsonl with real processes,
+   the mock runner and the event policy, at --speedup 10 and 1: send lateness (the time
+   a request was sent minus the time the trace says; request_summary's p50 and p99) and
+   the verdict, WALL_RUNS runs each.
+Aim: the whole trace in under 60 s per policy on two CPU cores; the whole run in ~3 min.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import LIVENESS_POLICIES, EngineConfig  # noqa: E402
+from replay.report import request_summary  # noqa: E402
+from replay.runner import ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
+from replay.shaping import ShapingOptions  # noqa: E402
+from replay.trace import validate_trace  # noqa: E402
+from replay.verify import VerifyOptions  # noqa: E402
+
+MOONCAKE_NAME = "conversation_trace.jsonl"
+DEFAULT_TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT.parent / "shared" / "traces"))
+EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
+SCALE_TOKENS = 0.03125
+SPEEDUPS = (10.0, 1.0)
+WALL_RUNS = 2  # per speedup: lateness on two shared cores is noisy
+AIM_WALL_S = 60.0
+# The CLI's sizes (kvdrain replay: 512 blocks of 16 tokens per engine), the mock runner
+# (the virtual clock steps the mock runner whatever the config says).
+BASE = EngineConfig(num_blocks=512, block_size=16, runner="mock")
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of an aligned table: the first column left, the others right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def num_steps(result: ReplayResult) -> int:
+    """Both engines' steps: timeline.counters, else each engine's last sample."""
+    timeline, total = result.timeline, 0
+    for engine in timeline.engines:
+        counters = timeline.counters.get(engine, {})
+        if "num_steps" in counters:
+            total += counters["num_steps"]
+        else:
+            samples = timeline.samples_for(engine)
+            total += samples[-1].num_steps if samples else 0
+    return total
+
+
+def num_leak_windows(result: ReplayResult) -> int:
+    return sum(w.verdict == "leak" for w in result.verdict.windows)
+
+
+def virtual_row(result: ReplayResult) -> list[str]:
+    wall_s, sim_s, steps = result.wall_s, result.timeline.end_t, num_steps(result)
+    return [result.config.engine.liveness, f"{wall_s:.2f}", f"{sim_s:.1f}", f"{steps:,}",
+            f"{steps / wall_s:,.0f}", f"{sim_s / wall_s:,.0f}x", str(result.verdict.exit_code),
+            f"{num_leak_windows(result)}/{len(result.verdict.windows)}"]
+
+
+def find_trace(traces: Path) -> Path:
+    return traces if traces.is_file() else traces / MOONCAKE_NAME
+
+
+def bench_virtual(trace: Path, scale_tokens: float) -> None:
+    print(f"== 1. virtual clock: {trace}")
+    if not trace.is_file():
+        print(f"skipped: no trace at {trace} (pass --traces DIR_OR_FILE or set $KVDRAIN_TRACES)")
+        return
+    start = time.monotonic()
+    summary = validate_trace(trace)
+    print(f"{summary.num_requests:,} requests over {summary.duration:,.1f} s ({summary.format}); "
+          f"validated in {time.monotonic() - start:.2f} s (once, not in the rows below)")
+    print(f"P/D, {BASE.num_blocks} blocks x {BASE.block_size} tokens per engine, "
+          f"--scale-tokens {scale_tokens:g}; leak windows = engine x idle window")
+    config = ReplayConfig(trace=trace, clock="virtual", engine=BASE,
+                          shaping=ShapingOptions(scale_tokens=scale_tokens),
+                          verify=VerifyOptions(snapshot_tolerance_blocks=0))
+    header = ["policy", "wall s", "sim s", "steps (P+D)", "steps/wall s", "speed-up", "exit",
+              "leak windows"]
+    rows, slowest = [], 0.0
+    for liveness in LIVENESS_POLICIES:
+        result = run_replay(with_liveness(config, liveness), summary=summary)
+        rows.append(virtual_row(result))
+        slowest = max(slowest, result.wall_s)
+    print("\n".join(format_table(header, rows)))
+    verdict = "met" if slowest < AIM_WALL_S else "MISSED"
+    print(f"aim: whole trace < {AIM_WALL_S:.0f} s per policy: {verdict} "
+          f"(slowest {slowest:.2f} s)")
+
+
+def wall_row(speedup: float, run: int, result: ReplayResult) -> list[str]:
+    r = request_summary(result.timeline)
+    return [f"{speedup:g}", str(run), f"{r['num_finished']}/{r['num_requests']}",
+            f"{result.timeline.end_t:.2f}", f"{result.wall_s:.2f}",
+            f"{r['send_lateness_p50_ms']:.3f}", f"{r['send_lateness_p99_ms']:.3f}",
+            str(result.verdict.exit_code),
+            f"{num_leak_windows(result)}/{len(result.verdict.windows)}"]
+
+
+def bench_wall() -> None:
+    print(f"== 2. wall clock: {EXAMPLE.relative_to(ROOT)}, P/D, mock runner, event policy")
+    engine = replace(BASE, liveness="event")
+    header = ["speedup", "run", "finished", "replay s", "wall s", "late p50 ms", "late p99 ms",
+              "exit", "leak windows"]
+    rows = []
+    for speedup in SPEEDUPS:
+        config = ReplayConfig(trace=EXAMPLE, clock="wall", engine=engine,
+                              shaping=ShapingOptions(speedup=speedup),
+                              verify=VerifyOptions(snapshot_tolerance_blocks=2))
+        rows += [wall_row(speedup, run, run_replay(config)) for run in range(1, WALL_RUNS + 1)]
+    print("\n".join(format_table(header, rows)))
+    print("replay s: the timeline (trace / speedup + lead-in + tail); wall s adds engine "
+          "start-up and shutdown. With 32 requests p99 is the latest send.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES,
+                        help=f"directory holding {MOONCAKE_NAME}, or the file itself")
+    parser.add_argument("--scale-tokens", type=float, default=SCALE_TOKENS)
+    args = parser.parse_args()
+    start = time.monotonic()
+    bench_virtual(find_trace(args.traces), args.scale_tokens)
+    print()
+    bench_wall()
+    print(f"\ntotal {time.monotonic() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
