@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from connector.messages import CONNECTOR_CODEC, KVReport, RecvSpec, RegisterKVCache, StepMeta, WorkerReady
+from connector.messages import CONNECTOR_CODEC, KVReport, RegisterKVCache, StepMeta, WorkerReady
 from connector.pd import PDConnectorMetadata
 from connector.worker import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
@@ -65,8 +65,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         if metadata is None or metadata.is_empty():
             return
         self.pending_sends.update(metadata.reqs_to_send)
-        specs = [RecvSpec(r.req_id, r.local_block_ids, r.remote_block_ids, r.remote_engine_id,
-                          r.remote_request_id, r.remote_addr) for r in metadata.reqs_to_recv.values()]
+        specs = list(metadata.reqs_to_recv.values())
         self.pending_recvs.update((s.req_id, s.local_block_ids) for s in specs)
         if self.error is None:
             self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs, [])))

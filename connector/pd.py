@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from connector.messages import RecvSpec  # one load: pull remote_block_ids into local_block_ids
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole,
@@ -18,22 +19,10 @@ from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
 
-@dataclass(frozen=True, slots=True)
-class ReqToRecv:
-    """One remote load: pull `remote_block_ids` of P into `local_block_ids` of D."""
-
-    req_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    remote_engine_id: str
-    remote_request_id: str
-    remote_addr: str
-
-
 @dataclass(slots=True)
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
-    reqs_to_recv: dict[str, ReqToRecv] = field(default_factory=dict)
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.reqs_to_send or self.reqs_to_recv)
@@ -45,7 +34,7 @@ class PDConnector(KVConnectorBase):
         self.block_size = config.block_size
         self.kv_addr = config.kv_transfer.kv_addr if config.kv_transfer else ""
         self._reqs_need_send: dict[str, list[int]] = {}
-        self._reqs_need_recv: dict[str, ReqToRecv] = {}
+        self._reqs_need_recv: dict[str, RecvSpec] = {}
         self.num_bad_params = 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -73,7 +62,7 @@ class PDConnector(KVConnectorBase):
         if num_external_tokens > 0:
             # Local prefix hits are whole blocks, so the external tokens fill the tail.
             n = cdiv(num_external_tokens, self.block_size)
-            self._reqs_need_recv[request.req_id] = ReqToRecv(
+            self._reqs_need_recv[request.req_id] = RecvSpec(
                 req_id=request.req_id,
                 local_block_ids=block_ids[-n:],
                 remote_block_ids=list(params["remote_block_ids"][-n:]),

@@ -11,7 +11,8 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from connector.pd import PDConnectorMetadata, ReqToRecv
+from connector.messages import RecvSpec
+from connector.pd import PDConnectorMetadata
 from engine.kv_connector import KVConnectorWorkerBase
 from engine.outputs import KVConnectorOutput
 
@@ -100,7 +101,7 @@ class SimKVWorker(KVConnectorWorkerBase):
         self.num_expired += 1
         self._report(self.inbox_sending, req_id)
 
-    def _pull_done(self, recv: ReqToRecv) -> None:
+    def _pull_done(self, recv: RecvSpec) -> None:
         self._report(self.inbox_recving, recv.req_id)
         peer = self.peers.get(recv.remote_engine_id)
         if peer is not None and not self.options.drop_read_done:
