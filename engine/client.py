@@ -20,7 +20,6 @@ from typing import Protocol
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
-from engine.core import EngineCore
 from engine.core_proc import build_engine_core, run_engine_core
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode)

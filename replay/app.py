@@ -16,7 +16,8 @@ from replay.report import build_report, print_summary, write_plot, write_report,
 from replay.runner import ReplayConfig, ReplayResult, run_replay
 from replay.serve import Server, ServeOptions
 from replay.trace import TraceError, validate_trace
-from replay.tui import DashboardState, LiveView, ReplayProgress, WindowVerdict
+from replay.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.tui import LiveView
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 

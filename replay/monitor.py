@@ -10,7 +10,8 @@ import time
 
 from replay.driver import WallClockReplay
 from replay.timeline import Timeline
-from replay.tui import DashboardState, LiveView, ReplayProgress, WindowVerdict
+from replay.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.tui import LiveView
 from replay.verify import EngineSeries, VerifyOptions, check_window, idle_windows
 
 WINDOW_CHECK_INTERVAL_S = 1.0

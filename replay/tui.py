@@ -1,7 +1,7 @@
-"""The live dashboard of a replay or a running serve: state, a pure render, a LiveView. Runs in: frontend process.
+"""The live dashboard of a replay or a running serve: a pure render and a LiveView. Runs in: frontend process.
 
-The state objects are plain dataclasses fed from StatsSnapshots (wall clock) or
-EngineSamples (virtual clock); `render(state)` is a pure function of them. LiveView
+The state objects (replay/dashboard.py) are plain dataclasses fed from StatsSnapshots
+(wall clock) or EngineSamples (virtual clock); `render(state)` is a pure function of them. LiveView
 renders on the caller's thread only, from `tick()`, at most 4 times a second on a
 terminal (so it never races the state it reads and never slows an engine); without a
 terminal it prints one `plain_line` a second at most. Both leave a final summary.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.layout import Layout
@@ -23,126 +21,14 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from engine.messages import StatsSnapshot
-from replay.timeline import EngineSample
-from replay.verify import IdleWindow
+from replay.dashboard import DashboardState, EngineView, WindowVerdict
 
-HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3
 SPARKS = "▁▂▃▄▅▆▇█"
 LOOP_STYLES = {"stepping": "bold green", "polling": "bold yellow", "blocked": "bold cyan", "stopped": "bold red"}
-SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-                 "num_finished_awaiting_free", "num_blocks", "num_used_blocks", "num_cached_blocks",
-                 "num_free_blocks")
 ALARM_KEYS = ("num_expired", "num_failed_recvs")
 VERDICT_STYLES = {"drained": "bold green", "leak": "bold red", "undecided": "bold yellow"}
-
-
-@dataclass(slots=True)
-class EngineView:
-    """One engine as last reported, with its step / wake-up rates and used-blocks history."""
-
-    engine_id: str
-    counts: dict[str, int] = field(default_factory=dict)
-    loop_state: str = "stepping"
-    monotonic: float | None = None  # time of the last update, in the feeder's clock
-    num_steps: int = 0
-    num_wakeups: int = 0
-    steps_per_s: float = 0.0
-    wakeups_per_s: float = 0.0
-    used_history: deque[int] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
-
-    def update(self, engine_id: str, monotonic: float, loop_state: str, num_steps: int,
-               num_wakeups: int, counts: dict[str, int]) -> None:
-        """Take one report; rates come from this one and the previous one."""
-        if engine_id != self.engine_id:
-            raise ValueError(f"engine_id: view of {self.engine_id!r} got {engine_id!r}")
-        if self.monotonic is not None and monotonic > self.monotonic:
-            dt = monotonic - self.monotonic
-            # A counter that went back means a restarted engine: no rate from that pair.
-            self.steps_per_s = max(num_steps - self.num_steps, 0) / dt
-            self.wakeups_per_s = max(num_wakeups - self.num_wakeups, 0) / dt
-        self.monotonic, self.loop_state = monotonic, loop_state
-        self.num_steps, self.num_wakeups = num_steps, num_wakeups
-        self.counts = dict(counts)
-        self.used_history.append(int(counts.get("num_used_blocks", 0)))
-
-    @property
-    def has_connector(self) -> bool:
-        return "num_sent" in self.counts or "num_sends_pending" in self.counts
-
-
-def sample_counts(sample: EngineSample) -> dict[str, int]:
-    """The counts dict of a virtual-clock sample, keyed like StatsSnapshot.counts."""
-    return {name: getattr(sample, name) for name in SAMPLE_COUNTS}
-
-
-@dataclass(slots=True)
-class ReplayProgress:
-    """Where the replay is: requests sent, trace time, how late the sends were."""
-
-    trace_name: str
-    num_total: int
-    duration_s: float
-    clock: str = "virtual"  # "wall" | "virtual"
-    liveness: str = ""
-    speedup: float = 1.0
-    num_sent: int = 0
-    trace_t: float = 0.0
-    lateness_s: list[float] = field(default_factory=list)
-
-    def record_send(self, lateness_s: float) -> None:
-        self.num_sent += 1
-        self.lateness_s.append(lateness_s)
-
-    def lateness_percentile_s(self, q: float) -> float | None:
-        """Nearest-rank percentile of the send lateness so far; None before the first send."""
-        ordered = sorted(self.lateness_s)
-        return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
-
-
-@dataclass(frozen=True, slots=True)
-class WindowVerdict:
-    """One closed idle window of one engine, as the dashboard lists it."""
-
-    engine: str
-    start: float
-    length: float
-    num_used_at_start: int
-    time_to_drain: float | None  # None: never drained
-    verdict: str  # "drained" | "leak" | "undecided"
-
-    @staticmethod
-    def of(window: IdleWindow) -> WindowVerdict:
-        return WindowVerdict(window.engine, window.start, window.length, window.num_used_at_start,
-                             window.time_to_drain, window.verdict)
-
-
-@dataclass(slots=True)
-class DashboardState:
-    """Everything the dashboard shows; the frontend mutates it, render() reads it."""
-
-    engines: dict[str, EngineView] = field(default_factory=dict)
-    progress: ReplayProgress | None = None
-    windows: list[WindowVerdict] = field(default_factory=list)
-    messages: list[str] = field(default_factory=list)  # errors, e.g. a dead connector worker
-    title: str = "kvdrain"
-    elapsed_s: float = 0.0  # since the frontend started, in its clock
-
-    def view(self, engine_id: str) -> EngineView:
-        """The view of `engine_id`, made on first use."""
-        if engine_id not in self.engines:
-            self.engines[engine_id] = EngineView(engine_id)
-        return self.engines[engine_id]
-
-    def apply_snapshot(self, snapshot: StatsSnapshot) -> None:
-        self.view(snapshot.engine_id).update(snapshot.engine_id, snapshot.monotonic, snapshot.loop_state,
-                                             snapshot.num_steps, snapshot.num_wakeups, snapshot.counts)
-
-    def apply_sample(self, sample: EngineSample) -> None:
-        self.view(sample.engine).update(sample.engine, sample.t, sample.loop_state,
-                                        sample.num_steps, sample.num_wakeups, sample_counts(sample))
 
 
 # ---- pure text helpers ---------------------------------------------------------------

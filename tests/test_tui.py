@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 
 from engine.messages import StatsSnapshot
+from replay.dashboard import DashboardState, EngineView, ReplayProgress, WindowVerdict
 from replay.timeline import EngineSample
-from replay.tui import (DashboardState, EngineView, LiveView, ReplayProgress, WindowVerdict,
-                        plain_line, render, sparkline, summary_text)
+from replay.tui import LiveView, plain_line, render, sparkline, summary_text
 from replay.verify import IdleWindow
 
 CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, num_recvs_in_flight=0,
