@@ -32,7 +32,9 @@ class EngineCore:
         self.connector_worker = connector_worker
         self.num_steps = 0
         self.num_model_steps = 0
-        # Whether the last step consumed connector reports (see liveness.next_action).
+        # After the last step (see liveness.next_action): could the next step do work
+        # without a new report, and did it consume connector reports.
+        self.can_progress = False
         self.got_kv_reports = False
 
     def add_request(
@@ -59,7 +61,7 @@ class EngineCore:
         A zero-token step is still a full round trip: finished ids and connector
         metadata reach the worker side, and its reports come back.
         """
-        self.got_kv_reports = False
+        self.can_progress = self.got_kv_reports = False
         if not self.scheduler.has_requests():
             return [], False
         sched_out = self.scheduler.schedule()
@@ -72,10 +74,16 @@ class EngineCore:
             runner_out.kv_connector_output = kv_out
             self.got_kv_reports = not kv_out.is_empty()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self.can_progress = (self.got_kv_reports or bool(sched_out.preempted_req_ids)
+                             or self.scheduler.has_pending_updates())
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed
         return outputs, model_executed
+
+    def must_poll(self) -> bool:
+        """A connector deferred a request and will not say when to ask again."""
+        return self.scheduler.has_deferred_requests()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

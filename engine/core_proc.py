@@ -117,7 +117,7 @@ class EngineCoreProc:
                 outputs, model_executed = self.core.step()
                 self._send_outputs(outputs)
             action = next_action(liveness, self.core.has_work(), model_executed,
-                                 self.core.got_kv_reports)
+                                 self.core.can_progress, self.core.must_poll())
             self.loop_state = LOOP_STATES[action]
             self._publish_stats()
             if action is LoopAction.SLEEP:

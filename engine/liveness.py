@@ -36,13 +36,15 @@ LOOP_STATES = {
 
 
 def next_action(liveness: str, has_work: bool, model_executed: bool,
-                got_kv_reports: bool = False) -> LoopAction:
+                can_progress: bool = False, must_poll: bool = False) -> LoopAction:
     """What the loop does after a step.
 
-    got_kv_reports: the step consumed connector reports. Under `event` the loop steps
-    again at once, since a report can make work runnable (a finished receive is
-    promoted by the next schedule()) and nothing else would wake it. `poll` keeps
-    vLLM's exact behaviour: it sleeps first.
+    can_progress: the next schedule() has work it can do without any new report (it
+    consumed reports, preempted, or has finished ids to ship or finished receives to
+    promote). must_poll: a connector deferred a request ("ask again later") and will
+    send nothing to wake us. Under `event` the first steps at once and the second
+    polls; otherwise nothing could change before a report or an input arrives, so the
+    loop blocks on both. `poll` keeps vLLM's exact behaviour: it always sleeps first.
     """
     if not has_work:
         return LoopAction.WAIT_INPUT
@@ -51,5 +53,7 @@ def next_action(liveness: str, has_work: bool, model_executed: bool,
     if liveness == "poll":
         return LoopAction.SLEEP
     if liveness == "event":
-        return LoopAction.STEP if got_kv_reports else LoopAction.WAIT_ANY
+        if can_progress:
+            return LoopAction.STEP
+        return LoopAction.SLEEP if must_poll else LoopAction.WAIT_ANY
     raise ValueError(f"liveness: unknown policy {liveness!r}")

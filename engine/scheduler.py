@@ -290,6 +290,15 @@ class Scheduler(KVTransferMixin):
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
+    def has_pending_updates(self) -> bool:
+        """Work for the next schedule() that needs no new report: finished ids to ship,
+        finished receives to promote."""
+        return bool(self.finished_req_ids or self.finished_recving_kv_req_ids)
+
+    def has_deferred_requests(self) -> bool:
+        """Requests a connector told to ask again later (parked, but not for a load)."""
+        return any(r.status == RequestStatus.WAITING for r in self.skipped_waiting)
+
     def make_stats(self) -> SchedulerStats:
         pool = self.block_pool
         num_remote = sum(1 for r in self.skipped_waiting

@@ -81,7 +81,8 @@ class _StepResult:
 
     outputs: list[RequestOutput]
     model_executed: bool
-    got_kv_reports: bool
+    can_progress: bool  # see engine/liveness.next_action
+    must_poll: bool
     noop: bool  # changed nothing: the next step from here is the same no-op
     stats: SchedulerStats  # published at the step's end
 
@@ -152,18 +153,19 @@ class SimEngine:
         stats = self.core.make_stats()  # published when the step ends, with its outputs
         reports = self.core.got_kv_reports
         noop = (self.runner.is_noop and not outputs and not num_inputs and not reports
-                and stats == self.stats)
+                and not self.core.can_progress and stats == self.stats)
         tokens = self.runner.num_tokens
         cost = self.base + self.per_token * tokens if tokens else self.zero
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
-                       _StepResult(outputs, model_executed, reports, noop, stats))
+                       _StepResult(outputs, model_executed, self.core.can_progress,
+                                   self.core.must_poll(), noop, stats))
 
     def _step_end(self, result: _StepResult) -> None:
         self.stats = result.stats
         if result.outputs:
             self.sim.router.on_outputs(self.name, result.outputs)
         action = next_action(self.core.config.liveness, self.core.has_work(),
-                             result.model_executed, result.got_kv_reports)
+                             result.model_executed, result.can_progress, result.must_poll)
         reports = self.worker is not None and self.worker.has_reports()
         if action in _WAITS:
             if not (self.input or (action is LoopAction.WAIT_ANY and reports)):
@@ -195,7 +197,7 @@ class SimEngine:
         self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
         if last_end > now:  # that step is still running: let its end decide, as it would
             self.loop.push(last_end, STEP_END, self.rank, self._step_end,
-                           _StepResult([], False, False, True, self.stats))
+                           _StepResult([], False, False, self.core.must_poll(), True, self.stats))
         else:
             self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
 

@@ -26,7 +26,7 @@ def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction
     for _ in range(max_steps):
         _, model_executed = core.step()
         action = next_action(core.config.liveness, core.has_work(), model_executed,
-                             core.got_kv_reports)
+                             core.can_progress, core.must_poll())
         actions.append(action)
         if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
             if action == LoopAction.WAIT_ANY and core.connector_worker.pending_send:
@@ -83,8 +83,9 @@ def test_next_action_table():
     assert next_action("legacy", True, False) == LoopAction.STEP
     assert next_action("poll", True, False) == LoopAction.SLEEP
     assert next_action("event", True, False) == LoopAction.WAIT_ANY
-    assert next_action("event", True, False, got_kv_reports=True) == LoopAction.STEP
-    assert next_action("poll", True, False, got_kv_reports=True) == LoopAction.SLEEP
+    assert next_action("event", True, False, can_progress=True) == LoopAction.STEP
+    assert next_action("event", True, False, must_poll=True) == LoopAction.SLEEP
+    assert next_action("poll", True, False, can_progress=True) == LoopAction.SLEEP
     for policy in ("legacy", "poll", "event"):
         assert next_action(policy, True, True) == LoopAction.STEP
         assert next_action(policy, False, False) == LoopAction.WAIT_INPUT

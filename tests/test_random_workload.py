@@ -7,6 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.liveness import LoopAction, next_action
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput
 from engine.request import RequestStatus
 from tests.utils import assert_scheduler_empty, make_request, make_scheduler
@@ -63,13 +64,19 @@ def make_random_request(rng: random.Random, i: int):
     return make_request(f"r{i}", max_tokens=max_tokens, params=params, prompt=prompt)
 
 
-def one_step(sched, world: FakeWorld, flush: bool = False) -> None:
+def one_step(sched, world: FakeWorld, flush: bool = False) -> LoopAction:
+    """One engine step, then what the liveness rule says the loop does next."""
     out = sched.schedule()
     world.register(out.kv_connector_metadata)
     sampled = {s.req_id: (s.token_ids[-1] + 1) % 512 for s in out.scheduled if s.sample}
-    sched.update_from_output(out, ModelRunnerOutput(sampled, {}, world.reports(flush)))
+    reports = world.reports(flush)
+    sched.update_from_output(out, ModelRunnerOutput(sampled, {}, reports))
     sched.block_pool.check_invariants()
     world.now += 1
+    can_progress = (not reports.is_empty() or bool(out.preempted_req_ids)
+                    or sched.has_pending_updates())
+    return next_action(sched.config.liveness, sched.has_requests(),
+                       out.total_num_scheduled_tokens > 0, can_progress, sched.has_deferred_requests())
 
 
 @settings(max_examples=60, deadline=None)
@@ -86,11 +93,17 @@ def test_random_workload_releases_everything(seed, liveness, policy):
             sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
         for _ in range(rng.randint(0, 3)):
             one_step(sched, world)
-    # Quiescence: no more arrivals; step while the policy says there is work.
+    # Quiescence: no more arrivals. Follow the liveness rule exactly: a loop that may
+    # block on its input parks for good; one that blocks on the connector too must
+    # have a report coming, or it would hang with work pending.
+    action = LoopAction.STEP
     for _ in range(2000):
-        if not sched.has_requests():
+        if action is LoopAction.WAIT_INPUT:
             break
-        one_step(sched, world, flush=rng.random() < 0.1)
+        if action is LoopAction.WAIT_ANY:
+            assert world.pending, "blocked on the connector with no report to come: a hang"
+            world.now = min(p[0] for p in world.pending)  # sleep until the next report
+        action = one_step(sched, world, flush=rng.random() < 0.1)
     else:
         raise AssertionError("never quiesced")
     if liveness == "legacy":
