@@ -42,8 +42,7 @@ class PDConnector(KVConnectorBase):
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if not self._remote_params_fit(request, params):
-            self.num_bad_params += 1
-            params["do_remote_prefill"] = False  # compute locally instead
+            self.num_bad_params += 1  # computed locally instead
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -52,6 +51,9 @@ class PDConnector(KVConnectorBase):
         remote_block_ids = params.get("remote_block_ids")
         return (isinstance(remote_block_ids, list)
                 and len(remote_block_ids) == cdiv(request.num_prompt_tokens, self.block_size)
+                and all(type(b) is int and b > 0 for b in remote_block_ids)
+                and all(isinstance(params.get(k, ""), str)
+                        for k in ("remote_request_id", "remote_engine_id", "remote_addr"))
                 and isinstance(params.get("remote_request_id"), str))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],

@@ -26,6 +26,7 @@ from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetSta
 from engine.outputs import RequestOutput
 
 READY_TIMEOUT_S = 120.0
+SEND_TIMEOUT_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -139,19 +140,33 @@ class MPClient:
             self.num_bad_messages += 1
             return None
 
+    def _send(self, msg: object) -> None:
+        """Send, or raise EngineDeadError: a PUSH to a dead child would block forever."""
+        data = encode(msg)
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            try:
+                self.input.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"engine {self.engine_id} takes no input for "
+                                          f"{SEND_TIMEOUT_S} s") from None
+                self.input.poll(50, zmq.POLLOUT)
+
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
-        self.input.send(encode(AddRequest(req_id, list(prompt_token_ids), max_tokens,
-                                          kv_transfer_params)))
+        self._send(AddRequest(req_id, list(prompt_token_ids), max_tokens, kv_transfer_params))
 
     def abort(self, req_ids: list[str]) -> None:
-        self.input.send(encode(Abort(list(req_ids))))
+        self._send(Abort(list(req_ids)))
 
     def take_stats(self) -> list[StatsSnapshot]:
         stats, self.new_stats = self.new_stats, []
         return stats
 
     def request_stats(self) -> None:
-        self.input.send(encode(GetStats()))
+        self._send(GetStats())
 
     def get_outputs(self, timeout_s: float) -> list[RequestOutput]:
         """Outputs that arrive within timeout_s (stats snapshots are kept aside)."""

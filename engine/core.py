@@ -41,11 +41,18 @@ class EngineCore:
         self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
         kv_transfer_params: dict | None = None, stop_token_ids: tuple[int, ...] = (),
     ) -> list[RequestOutput]:
-        """Queue a request; returns an output at once only if it can never run."""
-        request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
-                          eos_token_id=self.config.eos_token_id,
-                          stop_token_ids=tuple(stop_token_ids),
-                          kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+        """Queue a request; returns an output at once only if it can never run.
+
+        A malformed request (empty prompt, max_tokens < 1) fails alone, like vLLM's
+        per-request errors: the engine keeps serving the others.
+        """
+        try:
+            request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
+                              eos_token_id=self.config.eos_token_id,
+                              stop_token_ids=tuple(stop_token_ids),
+                              kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+        except ValueError as e:
+            return [RequestOutput(req_id, [], "error", error=str(e))]
         output = self.scheduler.add_request(request)
         return [output] if output is not None else []
 

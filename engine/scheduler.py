@@ -58,9 +58,12 @@ class Scheduler(KVTransferMixin):
         if request.num_prompt_tokens >= self.config.max_model_len:
             return (f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                     f"{self.config.max_model_len}")
-        need = self.kv_cache_manager.get_num_blocks_to_allocate(request.num_prompt_tokens + 1)
+        # Its longest possible life must fit the pool alone, or it would wait forever.
+        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len)
         if need > self.config.num_blocks - 1:
-            return f"prompt needs {need} KV blocks; the pool has {self.config.num_blocks - 1}"
+            return (f"up to {max_len} tokens need {need} KV blocks; the pool has "
+                    f"{self.config.num_blocks - 1}")
         return None
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:

@@ -91,3 +91,16 @@ def test_next_action_table():
         assert next_action(policy, False, False) == LoopAction.WAIT_INPUT
     with pytest.raises(ValueError):
         next_action("nope", True, False)
+
+
+def test_malformed_request_fails_alone():
+    core = make_core("event", connector=False)
+    (empty,) = core.add_request("empty", [], 4)
+    (zero,) = core.add_request("zero", [1, 2], 0)
+    assert (empty.finish_reason, zero.finish_reason) == ("error", "error")
+    assert "prompt" in empty.error and "max_tokens" in zero.error
+    core.add_request("ok", [1, 2, 3], 2)
+    tokens = []
+    while core.has_work():
+        tokens += [t for o in core.step()[0] for t in o.new_token_ids]
+    assert tokens == [4, 5]

@@ -204,3 +204,15 @@ def test_sigterm_shuts_an_engine_down_gracefully():
         h.poll(0.2)
         assert [o.finish_reason for o in h.backlog if o.finished] == ["abort"]
         assert client.latest_stats.loop_state == "stopped"
+
+
+def test_sending_to_a_dead_engine_raises_instead_of_blocking():
+    with topology() as h:
+        d = h.clients["D"]
+        os.kill(d.process.pid, signal.SIGKILL)
+        d.process.join(5)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="engine core D"):
+            for i in range(2000):  # more than a socket's high-water mark
+                d.add_request(f"x{i}", [1, 2, 3], 2)
+        assert time.monotonic() - start < 2.0

@@ -124,3 +124,10 @@ def test_runner_failure_fails_only_that_request():
     assert by_id["good"].new_token_ids == [7] and not by_id["good"].finished
     run_to_completion(sched)
     assert_scheduler_empty(sched)
+
+
+def test_request_that_could_never_fit_the_pool_is_ignored_not_wedged():
+    sched = make_scheduler(num_blocks=5, max_model_len=64)  # 4 blocks of 4 tokens
+    out = sched.add_request(make_request("grows", num_tokens=10, max_tokens=20))
+    assert out.finish_reason == "ignored" and "pool has 4" in out.error
+    assert sched.add_request(make_request("fits", num_tokens=10, max_tokens=6)) is None
