@@ -1,0 +1,304 @@
+"""What the prefill engine pays while it holds delayed frees, per liveness policy. Runs in: a bench process.
+
+Usage: .venv/bin/python bench/liveness.py   (columns: bench/README.md)
+Every policy (legacy, poll, event) in one run. Requests of 4 blocks are read 1 s after
+P finished them, then WINDOW_S passes without traffic; over it, for P: CPU of its
+engine-core process and connector worker (/proc/<pid>/task/*/schedstat, all threads;
+/proc/<pid>/stat ticks as a cross-check), loop wake-ups per second (num_wakeups), blocks
+held at the end. A: the P/D topology, both engines on the policy, 32 requests in one
+burst, KVTransferConfig(pull_delay_ms=1000). B: P alone and this process in the role of
+D's connector worker (the same Puller over shm, the same ReadDone), requests 20 ms apart;
+free latency = P's snapshot with the k-th free minus when the k-th ReadDone was sent.
+(D's own stats cannot stand in for the report time: on two cores D's engine and P's
+worker race for a CPU, and D reports a batch of pulls once, after the last one.)
+Aim: event frees as fast as poll or faster with <= 5% of poll's CPU; legacy holds.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from connector.messages import ReadDone, RecvSpec  # noqa: E402
+from connector.router import engine_configs, start_topology  # noqa: E402
+from connector.transfer import Puller  # noqa: E402
+from engine.client import MPClient, make_run_dir  # noqa: E402
+from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.messages import StatsSnapshot  # noqa: E402
+from engine.outputs import RequestOutput  # noqa: E402
+
+POLICIES = ("legacy", "poll", "event")
+NUM_REQUESTS = 32
+SEND_GAP_S = 0.02  # part B
+BLOCK_SIZE = 16
+PROMPT_LEN = 64  # 4 blocks per request
+MAX_TOKENS = 4
+PULL_DELAY_S = 1.0
+WINDOW_S = 3.0
+NUM_CACHE_BLOCKS = 256
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """CPU seconds that processes outside this process tree used meanwhile (from /proc/stat)."""
+
+    def __init__(self) -> None:
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        own = os.times()
+        return busy / CLK_TCK, own.user + own.system + own.children_user + own.children_system
+
+    def report(self) -> str:
+        (busy0, own0), (busy1, own1) = self.start, self._now()
+        other = max(0.0, (busy1 - busy0) - (own1 - own0))
+        return (f"other processes used ~{other:.1f} CPU s during this run"
+                + (": on 2 cores that disturbs these numbers, rerun on an idle machine" if other > 1.0 else ""))
+
+
+@dataclass(slots=True)
+class Result:
+    policy: str
+    cpu_s: dict[str, float]  # "P", "worker", maybe "D": schedstat, all threads
+    ticks_s: dict[str, float]  # the same from /proc/<pid>/stat (10 ms resolution)
+    wakeups_per_s: float  # over the window
+    held_s: float  # window open -> the snapshot of the last free (the window if never)
+    held_wakeups_per_s: float  # over held_s
+    num_freed: int
+    num_done: int  # A: user requests D finished; B: reads done
+    blocks_held: int
+    latencies_ms: list[float] | None = None  # B only
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(schedstat run time of all threads, stat utime+stime) of one process, in seconds."""
+    run_ns = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                run_ns += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that exited between glob and open
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    return run_ns / 1e9, (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def prompt(i: int) -> list[int]:
+    return [i] + [(7 * i + j) % 500 for j in range(PROMPT_LEN - 1)]  # no shared prefixes
+
+
+@dataclass(slots=True)
+class Observer:
+    """The frontend's view: outputs (handed to on_output) and every stats snapshot."""
+
+    poll_outputs: Callable[[float], list[RequestOutput]]
+    take_stats: Callable[[], list[StatsSnapshot]]
+    request_stats: Callable[[], None]  # asks P
+    on_output: Callable[[RequestOutput], None]
+    history: dict[str, list[StatsSnapshot]] = field(default_factory=lambda: {"P": [], "D": []})
+
+    def poll(self, timeout_s: float) -> None:
+        for output in self.poll_outputs(timeout_s):
+            self.on_output(output)
+        for snap in self.take_stats():
+            self.history[snap.engine_id].append(snap)
+
+    def poll_until(self, deadline: float, tick: Callable[[], float] | None = None) -> None:
+        """Poll until deadline; tick() does due work and says when it is next due."""
+        while (left := deadline - time.monotonic()) > 0:
+            due = tick() if tick is not None else deadline
+            self.poll(max(0.0, min(left, 0.1, due - time.monotonic())))
+
+    def stats_of_p(self, timeout_s: float = 5.0) -> StatsSnapshot:
+        """A snapshot of P taken after this call (by its clock, the same as ours); bounded."""
+        history = self.history["P"]
+        asked = time.monotonic()
+        self.request_stats()
+        while not history or history[-1].monotonic < asked:
+            if time.monotonic() > asked + timeout_s:
+                raise TimeoutError(f"no stats from engine P in {timeout_s} s")
+            self.poll(0.02)
+        return history[-1]
+
+
+def num_freed(snap: StatsSnapshot) -> int:
+    return snap.counts.get("num_sent", 0) + snap.counts.get("num_expired", 0)
+
+
+def free_times(history: list[StatsSnapshot], n: int) -> list[float]:
+    """times[k]: monotonic of P's first snapshot in which more than k requests were freed."""
+    times: list[float] = []
+    for snap in history:
+        while len(times) < min(num_freed(snap), n):
+            times.append(snap.monotonic)
+    return times
+
+
+def measure_window(obs: Observer, policy: str, pids: dict[str, int],
+                   tick: Callable[[], float] | None = None) -> Result:
+    """Traffic has stopped: WINDOW_S of polling, bracketed by snapshots and CPU readings."""
+    snap0 = obs.stats_of_p()
+    pids = dict(pids, worker=snap0.counts["connector_worker_pid"])
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    obs.poll_until(time.monotonic() + WINDOW_S, tick)
+    cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    snap1 = obs.stats_of_p()
+    last = next((s for s in obs.history["P"] if s.seq > snap0.seq and num_freed(s) >= NUM_REQUESTS),
+                snap1)
+
+    def rate(a: StatsSnapshot, b: StatsSnapshot) -> float:
+        return (b.num_wakeups - a.num_wakeups) / (b.monotonic - a.monotonic)
+    return Result(policy, {n: cpu1[n][0] - cpu0[n][0] for n in pids},
+                  {n: cpu1[n][1] - cpu0[n][1] for n in pids}, rate(snap0, snap1),
+                  last.monotonic - snap0.monotonic, rate(snap0, last), num_freed(snap1), 0,
+                  snap1.counts["num_used_blocks"])
+
+
+def measure_topology(policy: str) -> Result:
+    kv = KVTransferConfig(pull_delay_ms=1000 * PULL_DELAY_S)
+    router = start_topology(EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE,
+                                         liveness=policy), kv, "pd")
+    try:
+        done: set[str] = set()
+        obs = Observer(router.poll, router.take_stats, router.clients["P"].request_stats,
+                       lambda o: done.add(o.req_id) if o.finished else None)
+        for i in range(NUM_REQUESTS):
+            router.add_request(f"r{i}", prompt(i), MAX_TOKENS)
+        pids = {name: router.clients[name].process.pid for name in ("P", "D")}
+        result = measure_window(obs, policy, pids)
+        result.num_done = len(done)
+        return result
+    finally:
+        router.shutdown()
+
+
+@dataclass(slots=True)
+class Reader:
+    """D's connector worker's _pull, in this process: pull over shm, then ReadDone."""
+
+    local: KVCache
+    puller: Puller
+    due: list[tuple[float, dict]] = field(default_factory=list)  # (read at, P's params)
+    sent_at: list[float] = field(default_factory=list)  # when each ReadDone was sent
+
+    def on_output(self, output: RequestOutput) -> None:
+        if output.finished and output.kv_transfer_params:
+            self.due.append((time.monotonic() + PULL_DELAY_S, output.kv_transfer_params))
+
+    def tick(self) -> float:
+        """Reads what is due; returns when the next read is due."""
+        while self.due and self.due[0][0] <= time.monotonic():
+            _, params = self.due.pop(0)
+            block_ids = params["remote_block_ids"]
+            local_ids = list(range(1, len(block_ids) + 1))
+            self.puller.pull(self.local, RecvSpec(params["remote_request_id"], local_ids, block_ids,
+                                                  params["remote_engine_id"], params["remote_request_id"],
+                                                  params["remote_addr"]))
+            self.sent_at.append(time.monotonic())
+            self.puller.link(params["remote_addr"]).send(ReadDone(params["remote_request_id"]))
+        return self.due[0][0] if self.due else time.monotonic() + 1.0
+
+
+def measure_reads(policy: str) -> Result:
+    run_dir = make_run_dir()
+    config = engine_configs(EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE,
+                                         liveness=policy), KVTransferConfig(), "pd", run_dir)[0]
+    reader = Reader(KVCache.allocate(config.model, 8, BLOCK_SIZE, "cpu"),
+                    Puller(zmq.Context.instance(), "shm"))
+    client = None
+    try:
+        client = MPClient(config, run_dir)
+        obs = Observer(client.get_outputs, client.take_stats, client.request_stats, reader.on_output)
+        start = time.monotonic()
+        for i in range(NUM_REQUESTS):
+            obs.poll_until(start + i * SEND_GAP_S, reader.tick)
+            client.add_request(f"r{i}", prompt(i), 1, {"do_remote_decode": True})
+        result = measure_window(obs, policy, {"P": client.process.pid}, reader.tick)
+        freed = free_times(obs.history["P"], NUM_REQUESTS)
+        result.latencies_ms = [1000 * (f - s) for s, f in zip(reader.sent_at, freed)]
+        result.num_done = len(reader.sent_at)
+        return result
+    finally:
+        reader.puller.close()
+        reader.local.close()
+        if client is not None:
+            client.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def print_table(title: str, results: list[Result], done_name: str) -> None:
+    print(f"\n{title}")
+    has_d = "D" in results[0].cpu_s
+    print(f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}" + (f" {'D cpu ms':>9}" if has_d else "")
+          + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10} {'free p50 ms':>12} {'free p99 ms':>12}"
+          f" {'freed':>6} {done_name:>7} {'P blocks held':>14}")
+    for r in results:
+        cpu = {name: f"{1000 * s:.1f}" for name, s in r.cpu_s.items()}
+        print(f"{r.policy:<8} {cpu['P']:>9} {cpu['worker']:>10}" + (f" {cpu['D']:>9}" if has_d else "")
+              + f" {r.wakeups_per_s:>10.1f} {r.held_s:>7.2f} {r.held_wakeups_per_s:>10.1f}"
+              f" {_latency(r, 50):>12} {_latency(r, 99):>12} {r.num_freed:>3}/{NUM_REQUESTS:<2}"
+              f" {r.num_done:>4}/{NUM_REQUESTS:<2} {r.blocks_held:>14}")
+    print_ratios({r.policy: r for r in results})
+    print("cross-check, utime+stime from /proc/<pid>/stat, 10 ms ticks (P / worker ms): " + ", ".join(
+        f"{r.policy} {1000 * r.ticks_s['P']:.0f} / {1000 * r.ticks_s['worker']:.0f}" for r in results))
+
+
+def print_ratios(by: dict[str, Result]) -> None:
+    poll, event = by["poll"], by["event"]
+    p_and_worker = [r.cpu_s["P"] + r.cpu_s["worker"] for r in (event, poll)]
+    ratios = [f"P cpu {event.cpu_s['P'] / poll.cpu_s['P']:.3f}",
+              f"P+worker cpu {p_and_worker[0] / p_and_worker[1]:.3f}",
+              f"wake-ups {event.wakeups_per_s / poll.wakeups_per_s:.4f}"]
+    if event.latencies_ms and poll.latencies_ms:
+        ratios += [f"free p{q} {percentile(event.latencies_ms, q) / percentile(poll.latencies_ms, q):.2f}"
+                   for q in (50, 99)]
+    print("event/poll: " + ", ".join(ratios))
+
+
+def _latency(r: Result, q: float) -> str:
+    if r.latencies_ms is None:
+        return "-"
+    return f"{percentile(r.latencies_ms, q):.3f}" if r.latencies_ms else "never"
+
+
+def main() -> None:
+    load = OtherLoad()
+    print(f"mock runner, shm transport; {NUM_REQUESTS} requests of {PROMPT_LEN // BLOCK_SIZE} blocks; "
+          f"each read {PULL_DELAY_S:g} s after P finished it; then {WINDOW_S:g} s of no traffic, "
+          "measured on P")
+    print_table("A. P/D topology, 32 requests in one burst, D pulls with pull_delay_ms=1000 "
+                "(free latency: see B)", [measure_topology(p) for p in POLICIES], "D done")
+    # B's reads run torch ops in this process. With more than one thread, OpenMP's idle
+    # threads spin after each op and, on two cores, keep P's worker and engine core off
+    # the CPU just when they should handle the ReadDone that was sent: that would be
+    # measured as P's latency. The reads are 16 KiB: one thread is plenty.
+    torch.set_num_threads(1)
+    print_table(f"B. P alone, this process reads as D's worker would; requests "
+                f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
+                "free latency = P's free snapshot - ReadDone sent",
+                [measure_reads(p) for p in POLICIES], "read")
+    print(load.report())
+
+
+if __name__ == "__main__":
+    main()
