@@ -81,6 +81,15 @@ class PDConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and self._remote_params_fit(request, params):
+            # Finished before its load was ever scheduled (aborted while waiting): P still
+            # holds the blocks for us, so ask the worker to tell P "read done" without
+            # reading (vLLM NIXL queues an empty receive for this).
+            self._reqs_need_recv[request.req_id] = RecvSpec(
+                request.req_id, [], [], str(params.get("remote_engine_id", "")),
+                params["remote_request_id"], str(params.get("remote_addr", "")))
+            params["do_remote_prefill"] = False
+            return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:

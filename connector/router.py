@@ -10,11 +10,9 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, replace
 
-import zmq
-
-from connector.routing import (PREFILL_MAX_TOKENS, TOPOLOGIES, decode_params,  # noqa: F401 (re-exported)
-                               engine_roles, prefill_params)
-from engine.client import EngineClient, InprocClient, MPClient, make_run_dir
+from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, TOPOLOGIES,  # noqa: F401
+                               after_prefill, engine_roles, prefill_params)
+from engine.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
 from engine.config import EngineConfig, KVTransferConfig
 from engine.outputs import RequestOutput
 
@@ -24,6 +22,7 @@ class _Pending:
     prompt_token_ids: list[int]
     max_tokens: int
     stage: str  # "prefill" | "decode"
+    aborted: bool = False  # the client gave up while P was prefilling
 
 
 def engine_configs(base: EngineConfig, kv: KVTransferConfig, topology: str,
@@ -80,9 +79,13 @@ class PDRouter:
 
     def abort(self, req_id: str) -> None:
         pending = self.pending.get(req_id)
-        if pending is not None:
-            engine = self.prefill if pending.stage == "prefill" or self.decode is None else self.decode
-            engine.abort([req_id])
+        if pending is None:
+            return
+        if pending.stage == "prefill":
+            pending.aborted = True  # P may finish first; see routing.after_prefill
+            self.prefill.abort([req_id])
+        else:
+            (self.decode or self.prefill).abort([req_id])
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """The user-facing outputs (the decode engine's tokens) that arrive within timeout_s."""
@@ -97,25 +100,24 @@ class PDRouter:
         return outputs
 
     def _wait(self, timeout_s: float) -> None:
-        sockets = [c.output for c in self.clients.values() if isinstance(c, MPClient)]
-        if len(sockets) == len(self.clients) and timeout_s > 0:
-            poller = zmq.Poller()
-            for sock in sockets:
-                poller.register(sock, zmq.POLLIN)
-            poller.poll(int(timeout_s * 1000))
+        clients = list(self.clients.values())
+        if timeout_s > 0 and all(isinstance(c, MPClient) for c in clients):
+            wait_for_output(clients, timeout_s)
 
     def _route(self, client: EngineClient, output: RequestOutput) -> list[RequestOutput]:
         pending = self.pending.get(output.req_id)
         if pending is None:
             return []
-        if client is self.prefill and self.decode is not None:
-            if pending.stage != "prefill" or not output.finished:
+        if client is self.prefill and self.decode is not None and pending.stage == "prefill":
+            if not output.finished:
                 return []
-            params = decode_params(output)
-            if params is not None:
+            action, params = after_prefill(output, pending.aborted)
+            if action != END:
                 pending.stage = "decode"
                 self.decode.add_request(output.req_id, pending.prompt_token_ids,
                                         pending.max_tokens, params)
+                if action == RELEASE:
+                    self.decode.abort([output.req_id])
                 return []
         if output.finished:
             del self.pending[output.req_id]

@@ -33,8 +33,21 @@ def prefill_params() -> dict[str, object]:
     return {"do_remote_decode": True}
 
 
-def decode_params(prefill_output: RequestOutput) -> dict | None:
-    """The params to send P's request on to D with; None when P's output ends the request."""
-    if prefill_output.finished and prefill_output.finish_reason == "length":
-        return prefill_output.kv_transfer_params or None
-    return None
+DECODE, RELEASE, LOCAL, END = "decode", "release", "local", "end"
+
+
+def after_prefill(prefill_output: RequestOutput, aborted: bool) -> tuple[str, dict | None]:
+    """What the router does once P finished a request: (action, params for D).
+
+    DECODE: send it to D with P's params. RELEASE: the client aborted while P was
+    prefilling and P finished anyway, holding blocks for D: send it to D with the params
+    and abort it there at once, so D's connector tells P to free them (vLLM's
+    abort_immediately) instead of P holding them until expiry. LOCAL: P finished but
+    offered no KV (its connector could not): D prefills itself. END: P's output ends it.
+    """
+    if not prefill_output.finished or prefill_output.finish_reason != "length":
+        return END, None
+    params = prefill_output.kv_transfer_params or None
+    if aborted:
+        return (RELEASE, params) if params else (END, None)
+    return (DECODE, params) if params else (LOCAL, None)

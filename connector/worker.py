@@ -112,6 +112,9 @@ class ConnectorWorker:
             for req_id, block_ids in msg.reqs_to_send.items():
                 self._register_send(req_id, block_ids, now)
             for spec in msg.reqs_to_recv:
+                if not spec.local_block_ids:  # nothing to read: just release P's blocks
+                    self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+                    continue
                 self.counters["num_recvs_in_flight"] += 1
                 self._add_timer(now + self.config.pull_delay_ms / 1000, "pull", spec)
         else:

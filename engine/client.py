@@ -222,6 +222,14 @@ class MPClient:
 
 
 
+def wait_for_output(clients: list[MPClient], timeout_s: float) -> None:
+    """Block until any client's engine has sent something, or timeout_s passes."""
+    poller = zmq.Poller()
+    for client in clients:
+        poller.register(client.output, zmq.POLLIN)
+    poller.poll(int(timeout_s * 1000))
+
+
 def _remove_kv_segments(pid: int | None) -> None:
     """Unlink KV-cache segments a dead child could not (SIGKILL skips its cleanup).
 

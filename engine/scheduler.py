@@ -94,14 +94,14 @@ class Scheduler(KVTransferMixin):
     def _free_request(self, request: Request, hold_for_recv: bool = False) -> dict | None:
         """A request just finished: ask the connector whether to delay freeing its blocks."""
         delay_free, params = False, None
-        if self.connector is not None and not hold_for_recv:
+        if self.connector is not None:  # always asked: a connector may hold state for it
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             delay_free, params = self.connector.request_finished(request, block_ids)
         self.finished_req_ids.add(request.req_id)
         self.finished_recving_kv_req_ids.discard(request.req_id)
         if not hold_for_recv:
             self.failed_recving_kv_req_ids.pop(request.req_id, None)
-        if hold_for_recv:
+        if hold_for_recv:  # the receive's report frees it, whatever the connector said
             self.held_for_recv.add(request.req_id)
         elif delay_free:
             self.held_for_send.add(request.req_id)

@@ -10,7 +10,6 @@ shows idle periods as they are, including the legacy policy's parked engine.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
@@ -18,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
 from replay.synth import synth_prompt
-from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline
+from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 
 LEAD_IN_S = 0.1  # between start-up and the trace's t = 0
@@ -76,7 +75,7 @@ class WallClockReplay:
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
         self.snapshots: list[TraceSnapshot] = []
-        self._digests: dict = {}  # req_id -> running sha256 of its tokens
+        self._tokens: dict[str, list[int]] = {}  # open request -> its tokens so far
         self._last_repeat = 0.0
         self.num_sent = 0
 
@@ -111,7 +110,7 @@ class WallClockReplay:
         self.open.add(req.req_id)
         self.requests[req.req_id] = RequestRecord(
             req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
-        self._digests[req.req_id] = hashlib.sha256()
+        self._tokens[req.req_id] = []
 
     def _pump(self, timeout_s: float) -> None:
         """Receive outputs and stats for up to timeout_s."""
@@ -136,11 +135,11 @@ class WallClockReplay:
             if record.first_token_t is None:
                 record.first_token_t = now
             record.num_output_tokens += len(output.new_token_ids)
-            self._digests[output.req_id].update(",".join(map(str, output.new_token_ids)).encode() + b",")
+            self._tokens[output.req_id].extend(output.new_token_ids)
             record.num_prefix_hit_tokens = max(record.num_prefix_hit_tokens, output.num_cached_tokens)
         if output.finished:
             record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
-            record.output_digest = self._digests.pop(output.req_id).hexdigest()[:16]
+            record.output_digest = output_digest(self._tokens.pop(output.req_id))
             self.open.discard(output.req_id)
 
     def _finish(self) -> None:

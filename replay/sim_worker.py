@@ -76,6 +76,9 @@ class SimKVWorker(KVConnectorWorkerBase):
             self.sending.add(req_id)
             self.loop.push(now + to_ns(opts.kv_expiry_s), DELIVER, 0, self._expire, req_id)
         for recv in metadata.reqs_to_recv.values():
+            if not recv.local_block_ids:  # nothing to read: just release P's blocks
+                self._send_read_done(recv)
+                continue
             done = (now + to_ns(opts.pull_delay_s)
                     + len(recv.local_block_ids) * to_ns(opts.per_block_s))
             self.loop.push(done, DELIVER, 0, self._pull_done, recv)
@@ -103,6 +106,9 @@ class SimKVWorker(KVConnectorWorkerBase):
 
     def _pull_done(self, recv: RecvSpec) -> None:
         self._report(self.inbox_recving, recv.req_id)
+        self._send_read_done(recv)
+
+    def _send_read_done(self, recv: RecvSpec) -> None:
         peer = self.peers.get(recv.remote_engine_id)
         if peer is not None and not self.options.drop_read_done:
             self.loop.push(self.loop.now + to_ns(self.options.read_done_latency_s), DELIVER, 0,

@@ -9,18 +9,17 @@ names them), and the run that feeds the trace one record at a time.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from connector.routing import (PREFILL_MAX_TOKENS, TOPOLOGIES, decode_params, engine_roles,
+from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, TOPOLOGIES, after_prefill, engine_roles,
                                prefill_params)
 from engine.config import EngineConfig, KVTransferConfig
 from engine.outputs import RequestOutput
 from replay.sim_engine import AbortInput, AddInput, SimEngine
 from replay.sim_worker import DELIVER, NS, TICK, EventLoop, SimKVWorker, to_ns
 from replay.synth import synth_prompt
-from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline
+from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace import TraceAbort, TraceHeader, TraceRecord, TraceRequest
 
 __all__ = ["TOPOLOGIES", "SimKVWorker", "SimOptions", "simulate"]
@@ -84,6 +83,7 @@ class _Flight:
     engine: str  # where it is now
     via_prefill: bool
     tokens: list[int] = field(default_factory=list)
+    aborted: bool = False  # over for the client; the engines may still be finishing it
 
 
 class _Router:
@@ -116,15 +116,23 @@ class _Router:
     def on_abort(self, abort: TraceAbort) -> None:
         flight = self.flights.get(abort.req_id)
         self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))
-        if flight is not None:  # the client is done at once; the engine hears next step
+        if flight is not None and not flight.aborted:
+            # The client is done at once; the engine hears next step, and P's late
+            # output, if any, is still routed (connector/routing.after_prefill).
             self._end(flight, "abort", None)
+            flight.aborted = True
+            self.flights[abort.req_id] = flight
             self.sim.engines[flight.engine].deliver(AbortInput(abort.req_id))
 
     def on_outputs(self, engine: str, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             flight = self.flights.get(out.req_id)
             if flight is None:
-                continue  # finished or aborted from the client's view already
+                continue  # finished already
+            if flight.aborted and (engine != "P" or flight.engine != "P"):
+                if out.finished:  # the engines are done with a request the client left
+                    del self.flights[out.req_id]
+                continue
             if engine == "P":
                 self._on_prefilled(flight, out)
             else:
@@ -134,13 +142,18 @@ class _Router:
         if not out.finished:
             return
         flight.record.num_prefix_hit_tokens = out.num_cached_tokens
-        params = decode_params(out)
-        if params is None:
-            self._end(flight, out.finish_reason, out.error or "prefill returned no KV params")
+        action, params = after_prefill(out, flight.aborted)
+        if action == END:
+            if flight.aborted:
+                del self.flights[out.req_id]
+            else:
+                self._end(flight, out.finish_reason, out.error)
             return
         flight.engine = "D"  # P's token is dropped: D samples the first token itself
-        self.sim.engines["D"].deliver(AddInput(out.req_id, flight.prompt, flight.max_tokens,
-                                               params))
+        d = self.sim.engines["D"]
+        d.deliver(AddInput(out.req_id, flight.prompt, flight.max_tokens, params))
+        if action == RELEASE:
+            d.deliver(AbortInput(out.req_id))
 
     def _on_tokens(self, flight: _Flight, out: RequestOutput) -> None:
         if out.new_token_ids:
@@ -156,8 +169,7 @@ class _Router:
         record = flight.record
         record.end_t, record.finish_reason, record.error = self.sim.loop.now / NS, reason, error
         record.num_output_tokens = len(flight.tokens)
-        text = ",".join(map(str, flight.tokens)).encode()
-        record.output_digest = hashlib.sha256(text).hexdigest()[:16]
+        record.output_digest = output_digest(flight.tokens)
         del self.flights[record.req_id]
 
 

@@ -6,6 +6,7 @@ from the replay's origin. `to_dict`/`from_dict` give plain JSON-ready data and b
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field, fields
 
 LOOP_STATES = ("stepping", "polling", "blocked")
@@ -48,6 +49,11 @@ class RequestRecord:
     error: str | None = None
     # sha256 of the comma-joined output token ids, 16 hex digits: compares runs cheaply.
     output_digest: str = ""
+
+
+def output_digest(token_ids: list[int]) -> str:
+    """16 hex digits of sha256 over the comma-joined token ids: compares runs cheaply."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,3 +195,17 @@ def test_runner_output_helper_matches_sampling():
     sched.add_request(make_request("a", 5, max_tokens=1))
     out = sched.schedule()
     assert runner_output(out).sampled_token_ids == {"a": 5}
+
+
+def test_abort_before_admission_tells_prefill_to_free():
+    """A D request aborted while still waiting: its connector queues an empty receive,
+    so the worker tells P "read done" without reading (vLLM NIXL does the same)."""
+    sched = make_scheduler(use_kv_connector=True, max_num_seqs=1)
+    sched.add_request(make_request("busy", 10, max_tokens=50))
+    step(sched)  # "busy" holds the only seat: the next request waits
+    sched.add_request(make_request("d", 10, params=remote_prefill_params(10)))
+    sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    (release,) = out.kv_connector_metadata.reqs_to_recv.values()
+    assert release.req_id == "d" and release.local_block_ids == [] and release.remote_request_id == "x"
+    assert "d" not in sched.requests
