@@ -178,8 +178,11 @@ class ConnectorWorker:
             return
         counters = dict(self.counters, num_sends_pending=len(self.sends),
                         oldest_send_age_ms=self._oldest_send_age_ms())
-        self.agent.send(CONNECTOR_CODEC.encode(KVReport(r.finished_sending, r.finished_recving,
-                                                        r.invalid_block_ids, counters)))
+        report = KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids, counters)
+        try:
+            self.agent.send(CONNECTOR_CODEC.encode(report), zmq.NOBLOCK)
+        except zmq.Again:  # the engine core is gone (a PAIR with no peer): so are we
+            raise SystemExit(0) from None
         self.report = KVReport([], [], [], {})
 
     def _oldest_send_age_ms(self) -> int:
@@ -257,6 +260,9 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def run_connector_worker(config: ConnectorWorkerConfig) -> None:
     """Process entry point (spawned by the engine core's connector agent)."""
+    import torch
+    torch.set_num_threads(1)  # block copies are memory-bound; idle OpenMP spinners
+    # would steal the CPU from the engines on a small machine
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
     worker = ConnectorWorker(config)

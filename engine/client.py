@@ -197,18 +197,21 @@ class MPClient:
                 self.input.send(encode(Shutdown(timeout_s)), zmq.NOBLOCK)
                 deadline = time.monotonic() + timeout_s + 5
                 while self.process.is_alive() and time.monotonic() < deadline:
-                    self._drain_quietly()
+                    self.drain()
                     self.process.join(0.05)
         except zmq.ZMQError:
             pass
         finally:
             self.kill()
 
-    def _drain_quietly(self) -> None:
+    def drain(self) -> list[RequestOutput]:
+        """Whatever has arrived, without waiting and without raising for a dead child."""
+        outputs: list[RequestOutput] = []
         msg = self._recv(0)
         while msg is not None:
-            self._on_message(msg)
+            outputs.extend(self._on_message(msg))
             msg = self._recv(0)
+        return outputs
 
     def kill(self) -> None:
         if self.process.is_alive():

@@ -84,6 +84,8 @@ class EngineCoreProc:
         self.loop_state = "stepping"
         self.shutdown_timeout_s: float | None = None
         self._stats_seq = 0
+        self._error_sent = False
+        self.poll_interval_ms = max(1, round(config.poll_interval_s * 1000))
         self._last_published: tuple | None = None
         self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
                          config.max_model_len, config.model.vocab_size, self._device()))
@@ -120,15 +122,20 @@ class EngineCoreProc:
                                  self.core.can_progress, self.core.must_poll())
             self.loop_state = LOOP_STATES[action]
             self._publish_stats()
-            if action is LoopAction.SLEEP:
-                time.sleep(self.config.poll_interval_s)
-                self.num_wakeups += 1
+            if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
+                self._wait(with_connector=False, timeout_ms=self.poll_interval_ms, with_input=False)
             elif action is not LoopAction.STEP:
                 self._wait(with_connector=action is LoopAction.WAIT_ANY)
 
-    def _wait(self, with_connector: bool, timeout_ms: int | None = None) -> None:
+    def _wait(self, with_connector: bool, timeout_ms: int | None = None,
+              with_input: bool = True) -> None:
+        """Block until a watched socket or fd is ready (or timeout_ms); counts a wake-up.
+
+        The parent's sentinel and the SIGTERM wakeup fd are always watched.
+        """
         poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
+        if with_input:
+            poller.register(self.input, zmq.POLLIN)
         if self.wakeup is not None:
             poller.register(self.wakeup.read_fd, zmq.POLLIN)
         if self.parent is not None:
@@ -187,7 +194,7 @@ class EngineCoreProc:
         self._stats_seq += 1
         self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
                                  self.loop_state, self.core.num_steps, self.num_wakeups, counts))
-        if worker is not None and worker.error is not None and not getattr(self, "_error_sent", False):
+        if worker is not None and worker.error is not None and not self._error_sent:
             self._error_sent = True
             self._send(EngineError(self.config.engine_id, worker.error))
 
@@ -196,11 +203,12 @@ class EngineCoreProc:
     def shutdown(self) -> None:
         """Abort what is in flight, wait (bounded) for outstanding connector reports."""
         timeout = self.shutdown_timeout_s if self.shutdown_timeout_s is not None else 5.0
-        scheduler = self.core.scheduler
-        unfinished = [r.req_id for r in scheduler.requests.values() if not r.is_finished()]
+        unfinished = [r.req_id for r in self.core.scheduler.requests.values() if not r.is_finished()]
         self._send_outputs(self.core.abort_requests(unfinished))
         deadline = time.monotonic() + timeout
-        while scheduler.requests and time.monotonic() < deadline:
+        # Like vLLM: drain while has_work(). Under legacy that excludes delayed frees, so
+        # a legacy engine exits with them still held, as vLLM did before #43433.
+        while self.core.has_work() and time.monotonic() < deadline:
             _, model_executed = self.core.step()
             if not model_executed:
                 self._wait(with_connector=True, timeout_ms=10)

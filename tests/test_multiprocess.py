@@ -193,17 +193,20 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_shuts_an_engine_down_gracefully():
-    """SIGTERM wakes a blocked engine, aborts what is in flight and exits cleanly."""
-    with topology(topology_name="single") as h:
-        client = h.clients["E"]
-        h.add_request("long", list(range(10)), 10_000)
-        assert h.wait_for_stats("E", lambda s: s.counts["num_running"] == 1, 5)
-        os.kill(client.process.pid, signal.SIGTERM)
-        client.process.join(10)
-        assert client.process.exitcode == 0
-        h.poll(0.2)
-        assert [o.finish_reason for o in h.backlog if o.finished] == ["abort"]
-        assert client.latest_stats.loop_state == "stopped"
+    """SIGTERM wakes a blocked engine, aborts what is in flight, waits (bounded) for the
+    receive still writing into its blocks, and exits cleanly."""
+    with topology(pull_delay_ms=1500) as h:
+        d = h.clients["D"]
+        h.add_request("r", list(range(10)), 5)
+        assert h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 1, 10)
+        os.kill(d.process.pid, signal.SIGTERM)
+        d.process.join(10)
+        assert d.process.exitcode == 0
+        outputs = h.backlog + d.drain()  # the abort and the final stats
+        assert [o.finish_reason for o in outputs if o.finished] == ["abort"]
+        assert d.latest_stats.loop_state == "stopped"
+        assert d.latest_stats.counts["num_used_blocks"] == 0  # the receive ended first
+
 
 
 def test_sending_to_a_dead_engine_raises_instead_of_blocking():
