@@ -134,7 +134,8 @@ class ConnectorWorker:
         if self.early_read_done.pop(req_id, None) is not None:
             self._finish_send(req_id, expired=False)
         else:
-            self._add_timer(now + self.config.kv_expiry_s, "expire", req_id)
+            # Keyed by (id, registration time): a reused id must not inherit an old timer.
+            self._add_timer(now + self.config.kv_expiry_s, "expire", (req_id, now))
 
     def _add_timer(self, due: float, kind: str, payload: object) -> None:
         self._seq += 1
@@ -145,7 +146,10 @@ class ConnectorWorker:
         while self.timers and self.timers[0][0] <= now:
             _, _, kind, payload = heapq.heappop(self.timers)
             if kind == "expire":
-                self._finish_send(payload, expired=True)
+                req_id, since = payload
+                send = self.sends.get(req_id)
+                if send is not None and send[1] == since:
+                    self._finish_send(req_id, expired=True)
             elif kind == "forget_early":
                 self._forget_early(payload)
             else:

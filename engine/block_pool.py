@@ -86,6 +86,9 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_cached_free_blocks = 0  # free blocks that still hold a hash
+        # Blocks with ref_cnt > 0, counted apart from the free queue, so that
+        # used + free == num_blocks - 1 is a real check, not an identity.
+        self.num_used_blocks = 0
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -99,6 +102,7 @@ class BlockPool:
             self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
             blocks.append(block)
+        self.num_used_blocks += num_blocks
         return blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
@@ -113,6 +117,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0 and block is not self.null_block:
                 self.free_block_queue.remove(block)
+                self.num_used_blocks += 1
                 if block.block_hash is not None:
                     self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
@@ -127,6 +132,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                self.num_used_blocks -= 1
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
 
@@ -161,7 +167,7 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     def get_num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - self.free_block_queue.num_free_blocks
+        return self.num_used_blocks
 
     def get_usage(self) -> float:
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
@@ -178,6 +184,8 @@ class BlockPool:
             raise AssertionError("negative ref count")
         if set(free_ids) & {b.block_id for b in referenced}:
             raise AssertionError("a block is both free and referenced")
+        if len(referenced) != self.num_used_blocks:
+            raise AssertionError(f"used counter {self.num_used_blocks} != {len(referenced)} referenced")
         if len(free_ids) + len(referenced) != self.num_blocks - 1:
             raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_blocks - 1}")
         for block_hash, block in self.cached_block_hash_to_block.items():

@@ -63,7 +63,7 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
             result = run_replay(config, monitor.on_tick, summary)
             _show_final(state, result)
             view.tick(force=True)
-    except (EngineDeadError, ConnectionError, RuntimeError) as e:
+    except (EngineDeadError, ConnectionError) as e:
         _error(console, e)
         return EXIT_VIOLATION
     return _report(result, paths, console)

@@ -4,9 +4,9 @@ Each request is sent at origin + t, from one monotonic origin (never by adding u
 sleeps), and its lateness is recorded. Every engine publishes a stats snapshot when
 its counts or loop state change; the driver turns them into timeline samples on the
 same clock (time.monotonic() is shared by processes on one host). An engine that does
-not publish has not changed (nothing frees blocks without a step), so between
-snapshots the driver repeats the last one at a regular interval: the timeline then
-shows idle periods as they are, including the legacy policy's parked engine.
+not publish has not changed (nothing frees blocks without a step), so a sample holds
+until the next one: the timeline shows idle periods as they are, including the legacy
+policy's parked engine, which publishes nothing at all.
 """
 from __future__ import annotations
 
@@ -40,11 +40,11 @@ class Router(Protocol):
 @dataclass(frozen=True, slots=True)
 class WallOptions:
     tail_s: float = 3.0  # observed after the last request ends
-    sample_interval_s: float = 0.25  # repeat the last snapshot this often
+    tick_interval_s: float = 0.25  # how often on_tick (the live view) is called
     request_timeout_s: float = 120.0  # a request still open this long after the tail: given up
 
     def __post_init__(self) -> None:
-        for name in ("tail_s", "sample_interval_s", "request_timeout_s"):
+        for name in ("tail_s", "tick_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
 
@@ -76,7 +76,7 @@ class WallClockReplay:
         self.aborts: list[AbortRecord] = []
         self.snapshots: list[TraceSnapshot] = []
         self._tokens: dict[str, list[int]] = {}  # open request -> its tokens so far
-        self._last_repeat = 0.0
+        self._last_tick = 0.0
         self.num_sent = 0
 
     def now(self) -> float:
@@ -116,15 +116,13 @@ class WallClockReplay:
         """Receive outputs and stats for up to timeout_s."""
         for output in self.router.poll(timeout_s):
             self._on_output(output)
-        now = self.now()
         for snap in self.router.take_stats():
             self.latest[snap.engine_id] = snap
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
-        if now - self._last_repeat >= self.options.sample_interval_s:
-            self._last_repeat = now
-            self.samples.extend(sample_from_snapshot(now, s) for s in self.latest.values())
-            if self.on_tick is not None:
-                self.on_tick(self)
+        now = self.now()
+        if self.on_tick is not None and now - self._last_tick >= self.options.tick_interval_s:
+            self._last_tick = now
+            self.on_tick(self)
 
     def _on_output(self, output: RequestOutput) -> None:
         record = self.requests.get(output.req_id)

@@ -38,7 +38,10 @@ class Server:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(options.address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.owners: dict[str, bytes] = {}  # req_id -> the client that sent it
+        # Clients choose their ids, and two replays of one trace reuse them, so each
+        # request gets a serve-wide unique id: internal id -> (client, client's id).
+        self.owners: dict[str, tuple[bytes, str]] = {}
+        self.internal_ids: dict[tuple[bytes, str], str] = {}
         self.subscribers: set[bytes] = set()
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
@@ -74,13 +77,18 @@ class Server:
 
     def _handle(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, AddRequest):
-            self.owners[msg.req_id] = identity
             self.num_requests += 1
-            self.router.add_request(msg.req_id, msg.prompt_token_ids, msg.max_tokens)
+            req_id = f"{msg.req_id}@{self.num_requests}"
+            self.owners[req_id] = (identity, msg.req_id)
+            self.internal_ids[(identity, msg.req_id)] = req_id
+            self.router.add_request(req_id, msg.prompt_token_ids, msg.max_tokens)
             if self.recorder is not None:
-                self.recorder.request(msg.req_id, msg.prompt_token_ids, msg.max_tokens)
+                self.recorder.request(req_id, msg.prompt_token_ids, msg.max_tokens)
         elif isinstance(msg, Abort):
-            for req_id in msg.req_ids:
+            for client_req_id in msg.req_ids:
+                req_id = self.internal_ids.get((identity, client_req_id))
+                if req_id is None:
+                    continue
                 self.router.abort(req_id)
                 if self.recorder is not None:
                     self.recorder.abort(req_id)
@@ -97,23 +105,22 @@ class Server:
         self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
 
     def _forward(self, output: RequestOutput) -> None:
-        identity = self.owners.get(output.req_id)
-        if identity is None:
+        owner = self.owners.get(output.req_id)
+        if owner is None:
             return
+        identity, client_req_id = owner
         if output.finished:
             del self.owners[output.req_id]
+            self.internal_ids.pop(owner, None)
         msg = RequestOutputs("serve", [RequestOutputMsg(
-            output.req_id, output.new_token_ids, output.finish_reason, output.kv_transfer_params,
+            client_req_id, output.new_token_ids, output.finish_reason, output.kv_transfer_params,
             output.num_cached_tokens, output.error)])
         self._send(identity, msg)
 
     def _fan_out(self, snap: StatsSnapshot) -> None:
         self.latest[snap.engine_id] = snap
-        for identity in list(self.subscribers):
-            try:
-                self._send(identity, snap)
-            except zmq.ZMQError:
-                self.subscribers.discard(identity)  # gone (or too slow): drop it
+        for identity in self.subscribers:  # a gone client's messages are dropped by zmq
+            self._send(identity, snap)
 
     def _maybe_record_snapshot(self) -> None:
         if self.recorder is None or self.router.has_pending or not self.latest:

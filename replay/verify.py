@@ -120,6 +120,8 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
     ends (the sample at or before `start` counts as the window's first).
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
+    if not times or times[0] > end:  # nothing known about this engine in the window
+        return IdleWindow(series.engine, start, end, is_tail, 0, None, "undecided", 0)
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
     first = max(lo - 1, 0)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0

@@ -51,10 +51,10 @@ class Harness:
     def stats(self, engine: str, timeout_s: float = 5.0) -> StatsSnapshot:
         """Ask an engine for a snapshot and wait (bounded) until a newer one arrives."""
         client = self.clients[engine]
-        before = client.latest_stats.seq if client.latest_stats else -1
+        asked = time.monotonic()  # one host, one clock: the answer is stamped after this
         client.request_stats()
-        deadline = time.monotonic() + timeout_s
-        while client.latest_stats is None or client.latest_stats.seq <= before:
+        deadline = asked + timeout_s
+        while client.latest_stats is None or client.latest_stats.monotonic < asked:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no stats from engine {engine} in {timeout_s} s")
             self.poll(0.02)

@@ -102,3 +102,19 @@ def test_garbage_from_a_peer_is_dropped_and_counted(tmp_path):
     finally:
         stranger.close()
         worker.close()
+
+
+def test_a_reused_request_id_does_not_inherit_an_old_expiry(tmp_path):
+    worker = make_worker(tmp_path, kv_expiry_s=60)
+    try:
+        agent_says(worker, StepMeta({"r1": [1]}, [], []))
+        peer_says(worker, ReadDone("r1"))
+        agent_says(worker, StepMeta({"r1": [2]}, [], []))  # the id comes back
+        old_due, _, _, payload = worker.timers[0]
+        assert payload[0] == "r1"
+        worker.timers[0] = (0.0, *worker.timers[0][1:])  # make the first timer due now
+        worker._fire_timers()
+        assert worker.report.finished_sending == ["r1"] and "r1" in worker.sends
+        assert worker.counters["num_expired"] == 0
+    finally:
+        worker.close()
