@@ -106,7 +106,7 @@ class PrefillWorker:
         if not isinstance(CONNECTOR_CODEC.decode(self.agent.recv()), WorkerReady):
             raise RuntimeError("connector worker did not say WorkerReady first")
         held = list(range(1, cache.num_blocks))
-        for msg in (RegisterKVCache("P", cache.handle.to_dict()), StepMeta({"bench": held}, [], [])):
+        for msg in (RegisterKVCache("P", cache.handle.to_dict()), StepMeta({"bench": held}, [])):
             self.agent.send(CONNECTOR_CODEC.encode(msg))
         self._wait_serving()
 

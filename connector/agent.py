@@ -68,7 +68,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         specs = list(metadata.reqs_to_recv.values())
         self.pending_recvs.update((s.req_id, s.local_block_ids) for s in specs)
         if self.error is None:
-            self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs, [])))
+            self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -82,6 +82,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
                           f"died with exit code {self.process.exitcode}")
         if self.error is not None:
             self._resolve_orphans(out)
+            out.worker_error = self.error
         return out
 
     def _merge(self, data: bytes, out: KVConnectorOutput) -> None:

@@ -41,7 +41,6 @@ class StepMeta:
 
     reqs_to_send: dict[str, list[int]]
     reqs_to_recv: list[RecvSpec]
-    finished_req_ids: list[str]
 
 
 @dataclass(frozen=True, slots=True)

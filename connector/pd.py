@@ -36,6 +36,9 @@ class PDConnector(KVConnectorBase):
         self._reqs_need_send: dict[str, list[int]] = {}
         self._reqs_need_recv: dict[str, RecvSpec] = {}
         self.num_bad_params = 0
+        # Once the worker side is gone nobody serves reads: offer no KV to decode any
+        # more (the router then lets D prefill itself), or D could read freed blocks.
+        self.worker_error: str | None = None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -94,6 +97,8 @@ class PDConnector(KVConnectorBase):
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             return False, None  # aborted or failed: nothing for the decode side to read
+        if self.worker_error is not None:
+            return False, None
         self._reqs_need_send[request.req_id] = list(block_ids)
         return True, {
             "do_remote_prefill": True,
@@ -105,7 +110,8 @@ class PDConnector(KVConnectorBase):
         }
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return None
+        if connector_output.worker_error is not None:
+            self.worker_error = connector_output.worker_error
 
 
 def make_pd_connector(config: EngineConfig, role: KVConnectorRole,

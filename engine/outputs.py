@@ -36,6 +36,8 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # What died on the worker side (say, the connector worker process); None: healthy.
+    worker_error: str | None = None
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
@@ -82,3 +84,4 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_stale_kv_reports: int = 0
     num_prefix_hit_tokens: int = 0
+    num_kv_load_failures: int = 0

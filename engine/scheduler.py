@@ -268,7 +268,7 @@ class Scheduler(KVTransferMixin):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         last = request.output_token_ids[-1]
-        if last == self.config.eos_token_id or last in request.stop_token_ids:
+        if last == request.eos_token_id or last in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
@@ -319,4 +319,5 @@ class Scheduler(KVTransferMixin):
             num_preemptions=self.num_preemptions,
             num_stale_kv_reports=self.num_stale_kv_reports,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_kv_load_failures=self.num_kv_load_failures,
         )

@@ -33,7 +33,7 @@ def test_read_done_before_the_send_is_registered_still_frees(tmp_path):
     try:
         peer_says(worker, ReadDone("r1"))
         assert worker.report.finished_sending == []
-        agent_says(worker, StepMeta({"r1": [1, 2]}, [], []))
+        agent_says(worker, StepMeta({"r1": [1, 2]}, []))
         assert worker.report.finished_sending == ["r1"]
         assert worker.counters["num_sent"] == 1 and "r1" not in worker.sends
         assert not worker.early_read_done
@@ -55,7 +55,7 @@ def test_early_read_is_served_once_registered_and_a_stranger_gets_refused(tmp_pa
         assert worker.peers.poll(2000)
         worker._drain(worker.peers, worker._on_peer_message)
         assert not client.poll(50)  # held: neither is registered yet
-        agent_says(worker, StepMeta({"r1": [3]}, [], []))
+        agent_says(worker, StepMeta({"r1": [3]}, []))
         assert client.poll(2000)
         reply, data = client.recv_multipart()
         assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "")
@@ -71,12 +71,12 @@ def test_early_read_is_served_once_registered_and_a_stranger_gets_refused(tmp_pa
 def test_expiry_reports_once_and_a_late_read_done_is_stale(tmp_path):
     worker = make_worker(tmp_path, kv_expiry_s=0.001)
     try:
-        agent_says(worker, StepMeta({"r1": [1]}, [], []))
+        agent_says(worker, StepMeta({"r1": [1]}, []))
         while worker.timers and worker.timers[0][2] == "expire":
             worker._fire_timers()
         assert worker.report.finished_sending == ["r1"] and worker.counters["num_expired"] == 1
         peer_says(worker, ReadDone("r1"))  # too late: kept as early, then forgotten
-        agent_says(worker, StepMeta({}, [], []))
+        agent_says(worker, StepMeta({}, []))
         assert worker.report.finished_sending == ["r1"]
     finally:
         worker.close()
@@ -90,7 +90,7 @@ def test_garbage_from_a_peer_is_dropped_and_counted(tmp_path):
         stranger.connect(worker.config.kv_addr)
         stranger.send(b"\xc1 not msgpack")
         stranger.send_multipart([b"two", b"frames"])
-        stranger.send(CONNECTOR_CODEC.encode(StepMeta({}, [], [])))  # valid, wrong socket
+        stranger.send(CONNECTOR_CODEC.encode(StepMeta({}, [])))  # valid, wrong socket
         stranger.send(CONNECTOR_CODEC.encode(ReadDone("r9")))  # and one good message
         for _ in range(4):
             assert worker.peers.poll(2000)
@@ -107,9 +107,9 @@ def test_garbage_from_a_peer_is_dropped_and_counted(tmp_path):
 def test_a_reused_request_id_does_not_inherit_an_old_expiry(tmp_path):
     worker = make_worker(tmp_path, kv_expiry_s=60)
     try:
-        agent_says(worker, StepMeta({"r1": [1]}, [], []))
+        agent_says(worker, StepMeta({"r1": [1]}, []))
         peer_says(worker, ReadDone("r1"))
-        agent_says(worker, StepMeta({"r1": [2]}, [], []))  # the id comes back
+        agent_says(worker, StepMeta({"r1": [2]}, []))  # the id comes back
         old_due, _, _, payload = worker.timers[0]
         assert payload[0] == "r1"
         worker.timers[0] = (0.0, *worker.timers[0][1:])  # make the first timer due now

@@ -109,6 +109,11 @@ def test_killing_prefill_connector_worker_mid_transfer(policy):
         result = h.collect(set(PROMPTS), timeout_s=30)
         assert any("connector worker of engine P" in why and "died" in why
                    for engine, why in h.router.errors)
+        # P's connector now offers no KV: new requests are prefilled on D, held nowhere.
+        h.add_request("after", PROMPTS["r0"], 3)
+        after = h.collect({"after"}, timeout_s=10)
+        assert after["tokens"]["after"] == mock_tokens(PROMPTS["r0"], 3)
+        assert h.stats("P").counts["num_used_blocks"] == 0
     # D's pulls failed (P's worker is gone): recompute gives the right tokens; fail fails.
     if policy == "recompute":
         assert result["tokens"] == {r: mock_tokens(p, 3) for r, p in PROMPTS.items()}
