@@ -1,0 +1,115 @@
+"""Every wire type round-trips; garbage is a clear DecodeError; the serve socket drops it."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+
+from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, GetKVHandle,
+                                KVHandle, KVReport, ReadBlocks, ReadDone, RecvSpec,
+                                RegisterKVCache, StepMeta, WorkerReady)
+from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, DecodeError, EngineError, GetStats,
+                             Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
+                             StatsSnapshot)
+
+SAMPLES = {
+    AddRequest: AddRequest("r1", [1, 2, 3], 16, {"do_remote_decode": True}, [7]),
+    Abort: Abort(["r1", "r2"]),
+    Shutdown: Shutdown(2.5),
+    GetStats: GetStats(),
+    Ready: Ready("P", 123, 512, 16, 4096, 512, "cpu"),
+    RequestOutputs: RequestOutputs("D", [RequestOutputMsg("r1", [5], "length", {"a": [1]}, 32, None),
+                                         RequestOutputMsg("r2", [], None, None, 0, "boom")]),
+    StatsSnapshot: StatsSnapshot("P", 7, 12.5, "blocked", 100, 3, {"num_used_blocks": 4}),
+    EngineError: EngineError("P", "connector worker died"),
+    ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16),
+    RegisterKVCache: RegisterKVCache("P", {"kind": "shm", "shape": [1, 2], "cuda_handle": b"\x00"}),
+    WorkerReady: WorkerReady("P", 42, "ipc:///tmp/x/P-kv"),
+    StepMeta: StepMeta({"r1": [1, 2]}, [RecvSpec("r2", [3], [9], "P", "r2", "ipc:///tmp/x")]),
+    KVReport: KVReport(["r1"], ["r2"], [3, 4], {"num_sent": 1}),
+    GetKVHandle: GetKVHandle("P"),
+    KVHandle: KVHandle("P", {"kind": "shm"}),
+    ReadBlocks: ReadBlocks("r1", [1, 2]),
+    BlockData: BlockData("r1", True, ""),
+    ReadDone: ReadDone("r1"),
+}
+
+
+def test_every_message_type_round_trips():
+    assert set(SAMPLES) == set(MESSAGES) | set(CONNECTOR_MESSAGES)
+    for cls, msg in SAMPLES.items():
+        codec = CODEC if cls in MESSAGES else CONNECTOR_CODEC
+        assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_tags_are_stable():
+    """Tags are positions: append new types, never reorder (old peers decode by them)."""
+    assert [cls.__name__ for cls in MESSAGES[:8]] == [
+        "AddRequest", "Abort", "Shutdown", "GetStats", "Ready", "RequestOutputs",
+        "StatsSnapshot", "EngineError"]
+    assert CODEC.encode(Abort(["x"]))[1] == 1
+
+
+@pytest.mark.parametrize("frame,why", [
+    (b"\xc1", "not msgpack"),
+    (CODEC.encode(SAMPLES[AddRequest])[:-2], "not msgpack"),
+    (msgpack.packb({"tag": 0}), "expected [tag"),
+    (msgpack.packb([]), "expected [tag"),
+    (msgpack.packb([True, "x"]), "expected [tag"),
+    (msgpack.packb([99]), "unknown message tag 99"),
+    (msgpack.packb([1]), "Abort: expected 1 fields, got 0"),
+    (msgpack.packb([1, ["a"], "extra"]), "Abort: expected 1 fields, got 2"),
+    (msgpack.packb([0, "r", [1, "2"], 3, None, None]), "AddRequest.prompt_token_ids: expected int"),
+    (msgpack.packb([0, "r", [1], True, None, None]), "AddRequest.max_tokens: expected int, got bool"),
+    (msgpack.packb([5, "P", [["r", [1], None, None, 0]]]), "RequestOutputMsg: expected 6 fields"),
+])
+def test_garbage_is_a_clear_decode_error(frame: bytes, why: str):
+    with pytest.raises(DecodeError, match=why.replace("[", r"\[")):
+        CODEC.decode(frame)
+
+
+def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
+    from connector.router import PDRouter
+    from engine.client import InprocClient
+    from engine.config import EngineConfig
+    from replay.serve import Server, ServeOptions
+    router = PDRouter([InprocClient(EngineConfig(engine_id="E", num_blocks=64, block_size=4))])
+    server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"),
+                    ServeInfo(["E"], "single", "event", 512, 4))
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    try:
+        client.connect(server.address)
+        for frame in (b"junk", msgpack.packb([0, 1, 2]), CODEC.encode(Shutdown(1.0))):
+            client.send(frame)
+        client.send(CODEC.encode(AddRequest("a", [1, 2, 3], 2)))
+        outputs = []
+        for _ in range(200):
+            if server.socket.poll(50):
+                server._drain_clients()
+            for output in router.poll(0):
+                server._forward(output)
+            while client.poll(0):
+                outputs.extend(CODEC.decode(client.recv()).outputs)
+            if outputs and outputs[-1].finish_reason:
+                break
+        assert server.num_bad_messages == 3
+        assert [t for o in outputs for t in o.new_token_ids] == [4, 5]
+    finally:
+        client.close()
+        server.close()
+        router.shutdown()
+
+
+def test_agent_drops_garbage_reports():
+    """The engine core's side of the connector socket: bad reports are counted, not fatal."""
+    from connector.agent import PDConnectorAgent
+    from engine.outputs import KVConnectorOutput
+    agent = object.__new__(PDConnectorAgent)  # no worker process: just the handler
+    agent.counters, agent.pending_sends, agent.pending_recvs = {"num_bad_reports": 0}, {"r1"}, {}
+    out = KVConnectorOutput()
+    for data in (b"junk", CONNECTOR_CODEC.encode(ReadDone("r1")),
+                 CONNECTOR_CODEC.encode(KVReport(["r1"], [], [], {"num_sent": 1}))):
+        agent._merge(data, out)
+    assert agent.counters["num_bad_reports"] == 2
+    assert out.finished_sending == {"r1"} and not agent.pending_sends
