@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import OtherLoad  # noqa: E402  (bench/common.py)
 from connector.router import start_topology  # noqa: E402
 from engine.client import InprocClient, MPClient  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
@@ -37,27 +38,6 @@ TIMEOUT_S = 60.0
 CONFIG = EngineConfig(engine_id="E", num_blocks=4096, block_size=16, max_num_seqs=256,
                       max_num_batched_tokens=8192)
 VOCAB = CONFIG.model.vocab_size
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-class OtherLoad:
-    """CPU seconds that processes outside this process tree used meanwhile (from /proc/stat)."""
-
-    def __init__(self) -> None:
-        self.start = self._now()
-
-    @staticmethod
-    def _now() -> tuple[float, float]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-        own = os.times()
-        return busy / CLK_TCK, own.user + own.system + own.children_user + own.children_system
-
-    def report(self) -> str:
-        (busy0, own0), (busy1, own1) = self.start, self._now()
-        other = max(0.0, (busy1 - busy0) - (own1 - own0))
-        return (f"other processes used ~{other:.1f} CPU s during this run"
-                + (": on 2 cores that disturbs these numbers, rerun on an idle machine" if other > 1.0 else ""))
 
 
 

@@ -28,6 +28,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import ReadDone, RecvSpec  # noqa: E402
 from connector.router import engine_configs, start_topology  # noqa: E402
 from connector.transfer import Puller  # noqa: E402
@@ -46,28 +47,6 @@ MAX_TOKENS = 4
 PULL_DELAY_S = 1.0
 WINDOW_S = 3.0
 NUM_CACHE_BLOCKS = 256
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class OtherLoad:
-    """CPU seconds that processes outside this process tree used meanwhile (from /proc/stat)."""
-
-    def __init__(self) -> None:
-        self.start = self._now()
-
-    @staticmethod
-    def _now() -> tuple[float, float]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-        own = os.times()
-        return busy / CLK_TCK, own.user + own.system + own.children_user + own.children_system
-
-    def report(self) -> str:
-        (busy0, own0), (busy1, own1) = self.start, self._now()
-        other = max(0.0, (busy1 - busy0) - (own1 - own0))
-        return (f"other processes used ~{other:.1f} CPU s during this run"
-                + (": on 2 cores that disturbs these numbers, rerun on an idle machine" if other > 1.0 else ""))
 
 
 @dataclass(slots=True)

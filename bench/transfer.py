@@ -37,6 +37,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec,  # noqa: E402
                                 RegisterKVCache, StepMeta, WorkerReady)
 from connector.transfer import PeerLink, Puller  # noqa: E402
@@ -56,27 +57,6 @@ LAYOUTS = (
     ("8 layers x 8 KV heads x 64, bf16", ModelConfig(num_layers=8, num_heads=8, num_kv_heads=8,
                                                      head_dim=64), torch.bfloat16),
 )
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-class OtherLoad:
-    """CPU seconds that processes outside this process tree used meanwhile (from /proc/stat)."""
-
-    def __init__(self) -> None:
-        self.start = self._now()
-
-    @staticmethod
-    def _now() -> tuple[float, float]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-        own = os.times()
-        return busy / CLK_TCK, own.user + own.system + own.children_user + own.children_system
-
-    def report(self) -> str:
-        (busy0, own0), (busy1, own1) = self.start, self._now()
-        other = max(0.0, (busy1 - busy0) - (own1 - own0))
-        return (f"other processes used ~{other:.1f} CPU s during this run"
-                + (": on 2 cores that disturbs these numbers, rerun on an idle machine" if other > 1.0 else ""))
 
 
 
