@@ -247,7 +247,7 @@ class ConnectorWorker:
             reply = BlockData(msg.req_id, False, "blocks not held for this request")
             self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
             return
-        data = self.kv_cache.read_blocks(msg.block_ids)
+        data = self.kv_cache.gather_blocks(msg.block_ids).numpy()  # sent without a copy
         self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(BlockData(msg.req_id, True, "")),
                                    data], copy=False)
 

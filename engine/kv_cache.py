@@ -195,11 +195,16 @@ class KVCache:
         itemsize = getattr(torch, self.handle.dtype).itemsize
         return _numel(self.handle.shape) // self.num_blocks * itemsize
 
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' contents as one contiguous uint8 CPU tensor, block-major, in one
+        copy (advanced indexing of the block-major view gathers straight into it)."""
+        index = self._block_index(block_ids)
+        blocks = self.tensor.permute(2, 0, 1, 3, 4, 5)[index]
+        return blocks.view(torch.uint8).reshape(-1).cpu()
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """The blocks' contents as bytes, block-major (see the class docstring)."""
-        index = self._block_index(block_ids)
-        blocks = self.tensor.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return blocks.view(torch.uint8).cpu().numpy().tobytes()
+        return self.gather_blocks(block_ids).numpy().tobytes()
 
     def write_blocks(self, block_ids: list[int], data: bytes | bytearray | memoryview) -> None:
         """Overwrite the blocks with read_blocks() bytes of a cache of the same layout.
