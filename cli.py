@@ -123,7 +123,8 @@ def shaping_options(func):
 @cli.command(name="replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--clock", type=click.Choice(["wall", "virtual"]), default="wall", show_default=True,
-              help="wall: real processes in real time; virtual: in-process, deterministic, fast.")
+              help="wall: real processes in real time; virtual: in-process, deterministic, fast "
+                   "(always the mock runner, with a step-cost and transfer-latency model).")
 @engine_options
 @shaping_options
 @click.option("--idle-threshold", type=click.FloatRange(min=0), default=1.0, show_default=True,
