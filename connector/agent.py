@@ -33,6 +33,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
         worker_config = ConnectorWorkerConfig(
             config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_expiry_s,
             kv.pull_delay_ms, kv.drop_read_done)
@@ -66,7 +67,8 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             return
         self.pending_sends.update(metadata.reqs_to_send)
         specs = list(metadata.reqs_to_recv.values())
-        self.pending_recvs.update((s.req_id, s.local_block_ids) for s in specs)
+        # Empty receives only tell P "read done"; no finished_recving ever comes for them.
+        self.pending_recvs.update((s.req_id, s.local_block_ids) for s in specs if s.local_block_ids)
         if self.error is None:
             self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs)))
 

@@ -44,6 +44,8 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if self.worker_error is not None:
+            return 0, False  # nobody could load it: prefill locally
         if not self._remote_params_fit(request, params):
             self.num_bad_params += 1  # computed locally instead
             return 0, False

@@ -69,6 +69,8 @@ class PDRouter:
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     pd: bool | None = None) -> None:
         """pd=False sends a request of a pd topology to the decode engine alone."""
+        if req_id in self.pending:
+            raise ValueError(f"request id {req_id!r} is already in flight")
         if self.decode is None or pd is False:
             engine = self.prefill if self.decode is None else self.decode
             engine.add_request(req_id, prompt_token_ids, max_tokens)
@@ -112,6 +114,9 @@ class PDRouter:
             if not output.finished:
                 return []
             action, params = after_prefill(output, pending.aborted)
+            if action == END and pending.aborted:  # the client asked: it ends as an abort
+                del self.pending[output.req_id]
+                return [RequestOutput(output.req_id, [], "abort")]
             if action != END:
                 pending.stage = "decode"
                 self.decode.add_request(output.req_id, pending.prompt_token_ids,

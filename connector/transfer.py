@@ -35,11 +35,17 @@ class PeerLink:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(addr)
 
-    def send(self, msg: object) -> None:
-        self.socket.send(CONNECTOR_CODEC.encode(msg))
+    def send(self, msg: object) -> bool:
+        """Fire and forget; False if the peer's queue is full or it is gone."""
+        try:
+            self.socket.send(CONNECTOR_CODEC.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def request(self, msg: object) -> tuple[object, list[zmq.Frame]]:
-        self.send(msg)
+        if not self.send(msg):
+            raise PeerTimeout(f"{self.addr} takes no requests")
         if not self.socket.poll(self.timeout_ms, zmq.POLLIN):
             # The socket may now hold a late reply; a fresh one keeps replies in step.
             raise PeerTimeout(f"no reply from {self.addr} within {self.timeout_ms} ms")
@@ -93,11 +99,14 @@ class Puller:
         self.num_bytes_pulled += local.num_bytes_per_block * len(spec.local_block_ids)
 
     def _pull_shm(self, local: KVCache, spec: RecvSpec) -> None:
+        # The handshake runs before every pull, not once: a peer whose worker died has
+        # released the blocks it held, and a copy from its still-mapped memory would
+        # read blocks that may be reused (a round trip on ipc is ~0.1 ms).
+        reply, _ = self.link(spec.remote_addr).request(GetKVHandle(spec.remote_engine_id))
+        if not isinstance(reply, KVHandle):
+            raise TransferError(f"handshake with {spec.remote_addr} got {type(reply).__name__}")
         peer = self.peer_caches.get(spec.remote_addr)
-        if peer is None:
-            reply, _ = self.link(spec.remote_addr).request(GetKVHandle(spec.remote_engine_id))
-            if not isinstance(reply, KVHandle):
-                raise TransferError(f"handshake with {spec.remote_addr} got {type(reply).__name__}")
+        if peer is None or peer.handle.to_dict() != reply.handle:
             try:
                 peer = KVCache.open(KVCacheHandle.from_dict(reply.handle))
             except (ValueError, OSError) as e:

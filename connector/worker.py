@@ -47,7 +47,9 @@ class ConnectorWorker:
     def __init__(self, config: ConnectorWorkerConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
-        self.agent = self._bind(zmq.PAIR, config.agent_addr)
+        # No high-water mark: a parked (legacy) engine reads no reports for as long as
+        # it likes, and a full queue must not look like a dead engine.
+        self.agent = self._bind(zmq.PAIR, config.agent_addr, hwm=0)
         self.peers = self._bind(zmq.ROUTER, config.kv_addr)
         self.puller = Puller(self.ctx, config.transport)
         self.kv_cache: KVCache | None = None
@@ -55,17 +57,22 @@ class ConnectorWorker:
         # Reads and "read done"s that arrived before their request was registered.
         self.early_reads: dict[str, list[tuple[zmq.Frame, ReadBlocks]]] = {}
         self.early_read_done: dict[str, float] = {}
+        self.early_since: dict[str, float] = {}  # req_id -> when its first early item came
+        self.expired: set[str] = set()  # sends that expired unread (a late "read done" is stale)
         self.timers: list[tuple[float, int, str, object]] = []  # (due, seq, kind, payload)
         self._seq = 0
         self.report = KVReport([], [], [], {})
         self.counters = dict.fromkeys(("num_sent", "num_expired", "num_recved", "num_failed_recvs",
                                        "num_recvs_in_flight", "num_bad_messages",
-                                       "num_read_done_dropped", "num_bytes_pulled"), 0)
+                                       "num_read_done_dropped", "num_bytes_pulled",
+                                       "num_reads_after_expiry"), 0)
         self.last_error = ""
 
-    def _bind(self, kind: int, addr: str) -> zmq.Socket:
+    def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
         sock.bind(addr)
         return sock
 
@@ -129,6 +136,8 @@ class ConnectorWorker:
         early was kept for this moment (vLLM's NIXL keeps early notifications too).
         """
         self.sends[req_id] = (block_ids, now)
+        self.expired.discard(req_id)
+        self.early_since.pop(req_id, None)
         for identity, read in self.early_reads.pop(req_id, []):
             self._serve_read(identity, read)
         if self.early_read_done.pop(req_id, None) is not None:
@@ -159,6 +168,8 @@ class ConnectorWorker:
         if self.sends.pop(req_id, None) is None:
             return  # already read (a stale expiry) or never registered
         self.counters["num_expired" if expired else "num_sent"] += 1
+        if expired:
+            self.expired.add(req_id)
         self.report.finished_sending.append(req_id)
 
     def _pull(self, spec: RecvSpec) -> None:
@@ -206,6 +217,9 @@ class ConnectorWorker:
                 self.counters["num_read_done_dropped"] += 1
             elif msg.req_id in self.sends:
                 self._finish_send(msg.req_id, expired=False)
+            elif msg.req_id in self.expired:
+                self.expired.discard(msg.req_id)
+                self.counters["num_reads_after_expiry"] += 1  # P freed them already
             else:
                 # Held as long as a send could wait: P registers it in its next step.
                 self._keep_early(msg.req_id, self.early_read_done, time.monotonic(),
@@ -220,15 +234,20 @@ class ConnectorWorker:
 
     def _keep_early(self, req_id: str, into: dict, value: object, hold_s: float) -> None:
         """Hold something that came before its request was registered, for hold_s."""
-        if req_id not in self.early_reads and req_id not in self.early_read_done:
-            self._add_timer(time.monotonic() + hold_s, "forget_early", req_id)
+        if req_id not in self.early_since:
+            since = self.early_since[req_id] = time.monotonic()
+            self._add_timer(since + hold_s, "forget_early", (req_id, since))
         if into is self.early_reads:
             into.setdefault(req_id, []).append(value)
         else:
             into[req_id] = value
 
-    def _forget_early(self, req_id: str) -> None:
+    def _forget_early(self, key: tuple[str, float]) -> None:
         """The request never got registered (aborted on P, or a stranger's id)."""
+        req_id, since = key
+        if self.early_since.get(req_id) != since:
+            return  # registered meanwhile (and perhaps held again): not this hold
+        del self.early_since[req_id]
         self.early_read_done.pop(req_id, None)
         for identity, read in self.early_reads.pop(req_id, []):
             reply = BlockData(read.req_id, False, "unknown or expired request")

@@ -26,7 +26,7 @@ from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetSta
 from engine.outputs import RequestOutput
 
 READY_TIMEOUT_S = 120.0
-SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well before this
 
 
 class EngineDeadError(RuntimeError):

@@ -47,6 +47,12 @@ class Scheduler(KVTransferMixin):
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             request.stop_reason = reason
+            if self.connector is not None:
+                # It may carry a remote prefill whose blocks P holds for us: the connector
+                # must hear of it (it tells P to free them), and the id must reach the
+                # worker side in a step, so it goes out like any finished id.
+                self.connector.request_finished(request, [])
+                self.finished_req_ids.add(request.req_id)
             return RequestOutput(request.req_id, [], "ignored", error=reason)
         self.requests[request.req_id] = request
         self.waiting.append(request)
@@ -229,6 +235,9 @@ class Scheduler(KVTransferMixin):
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        kv_out = runner_out.kv_connector_output or KVConnectorOutput()
+        if self.connector is not None:  # first: it may say the worker side is gone
+            self.connector.update_connector_output(kv_out)
         for sched_req in sched_out.scheduled:
             request = self.requests.get(sched_req.req_id)
             if request is None or request.is_finished():
@@ -238,9 +247,6 @@ class Scheduler(KVTransferMixin):
                 outputs.append(output)
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
-        kv_out = runner_out.kv_connector_output or KVConnectorOutput()
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_out)
         outputs.extend(self._update_from_kv_xfer_finished(kv_out))
         return outputs
 

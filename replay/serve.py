@@ -111,7 +111,8 @@ class Server:
         identity, client_req_id = owner
         if output.finished:
             del self.owners[output.req_id]
-            self.internal_ids.pop(owner, None)
+            if self.internal_ids.get(owner) == output.req_id:  # the id may be reused since
+                del self.internal_ids[owner]
         msg = RequestOutputs("serve", [RequestOutputMsg(
             client_req_id, output.new_token_ids, output.finish_reason, output.kv_transfer_params,
             output.num_cached_tokens, output.error)])

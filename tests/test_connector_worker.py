@@ -60,7 +60,8 @@ def test_early_read_is_served_once_registered_and_a_stranger_gets_refused(tmp_pa
         reply, data = client.recv_multipart()
         assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "")
         assert len(data) == cache.num_bytes_per_block and set(data[:4]) != {0}
-        worker._forget_early("ghost")  # what the hold timer does
+        worker._forget_early(("ghost", worker.early_since["ghost"]))  # what the hold timer does
+        assert client.poll(2000)
         assert CONNECTOR_CODEC.decode(client.recv()).ok is False
     finally:
         client.close()
@@ -75,8 +76,8 @@ def test_expiry_reports_once_and_a_late_read_done_is_stale(tmp_path):
         while worker.timers and worker.timers[0][2] == "expire":
             worker._fire_timers()
         assert worker.report.finished_sending == ["r1"] and worker.counters["num_expired"] == 1
-        peer_says(worker, ReadDone("r1"))  # too late: kept as early, then forgotten
-        agent_says(worker, StepMeta({}, []))
+        peer_says(worker, ReadDone("r1"))  # too late: P freed the blocks already
+        assert worker.counters["num_reads_after_expiry"] == 1 and not worker.early_read_done
         assert worker.report.finished_sending == ["r1"]
     finally:
         worker.close()

@@ -209,3 +209,15 @@ def test_abort_before_admission_tells_prefill_to_free():
     (release,) = out.kv_connector_metadata.reqs_to_recv.values()
     assert release.req_id == "d" and release.local_block_ids == [] and release.remote_request_id == "x"
     assert "d" not in sched.requests
+
+
+def test_decode_side_that_ignores_a_request_still_releases_prefill():
+    """D cannot fit it: P holds its blocks for D all the same, so D must say "read done"."""
+    sched = make_scheduler(use_kv_connector=True, num_blocks=5)
+    output = sched.add_request(make_request("d", 10, max_tokens=50, params=remote_prefill_params(10)))
+    assert output.finish_reason == "ignored"
+    assert sched.has_requests()  # the id still has to reach the worker side
+    out, _ = step(sched)
+    (release,) = out.kv_connector_metadata.reqs_to_recv.values()
+    assert release.local_block_ids == [] and release.remote_request_id == "x"
+    assert not sched.has_requests()

@@ -91,14 +91,14 @@ def test_expiry_frees_blocks_when_read_done_is_dropped(liveness):
         p = h.clients["P"]
         stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
         elapsed = time.monotonic() - start
-        assert stats is not None and 0.9 <= elapsed <= 3.0
+        assert stats is not None and 0.9 <= elapsed <= 6.0
         assert stats.counts["num_expired"] == 8 and stats.counts["num_sent"] == 0
         assert stats.counts["num_read_done_dropped"] == 8
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_killing_prefill_connector_worker_mid_transfer(policy):
-    with topology(policy=policy, pull_delay_ms=1500) as h:
+    with topology(policy=policy, pull_delay_ms=3000) as h:
         send_all(h, 3)
         p = h.clients["P"]
         held = h.wait_for_stats("P", lambda s: s.counts["num_finished_awaiting_free"] == 8, 10)
@@ -122,7 +122,7 @@ def test_killing_prefill_connector_worker_mid_transfer(policy):
 
 
 def test_killing_decode_connector_worker_with_fail_policy():
-    with topology(policy="fail", pull_delay_ms=1500, kv_expiry_s=1.0) as h:
+    with topology(policy="fail", pull_delay_ms=3000, kv_expiry_s=1.0) as h:
         send_all(h, 3)
         waiting = h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 8, 10)
         assert waiting is not None
@@ -200,7 +200,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_shuts_an_engine_down_gracefully():
     """SIGTERM wakes a blocked engine, aborts what is in flight, waits (bounded) for the
     receive still writing into its blocks, and exits cleanly."""
-    with topology(pull_delay_ms=1500) as h:
+    with topology(pull_delay_ms=3000) as h:
         d = h.clients["D"]
         h.add_request("r", list(range(10)), 5)
         assert h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 1, 10)
@@ -223,4 +223,4 @@ def test_sending_to_a_dead_engine_raises_instead_of_blocking():
         with pytest.raises(EngineDeadError, match="engine core D"):
             for i in range(2000):  # more than a socket's high-water mark
                 d.add_request(f"x{i}", [1, 2, 3], 2)
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 5.0
