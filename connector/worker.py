@@ -66,7 +66,6 @@ class ConnectorWorker:
                                        "num_recvs_in_flight", "num_bad_messages",
                                        "num_read_done_dropped", "num_bytes_pulled",
                                        "num_reads_after_expiry"), 0)
-        self.last_error = ""
 
     def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -104,9 +103,8 @@ class ConnectorWorker:
             frames = sock.recv_multipart(copy=False)
             try:
                 handle(frames)
-            except (DecodeError, ValueError) as e:
+            except (DecodeError, ValueError):
                 self.counters["num_bad_messages"] += 1
-                self.last_error = str(e)
 
     # ---- engine side ---------------------------------------------------------------
 

@@ -58,9 +58,6 @@ class FreeKVCacheBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None
-
     def __iter__(self):
         block = self._head.next_free
         while block is not None and block is not self._tail:

@@ -67,10 +67,6 @@ class InprocClient:
             outputs.extend(self.core.step()[0])
         return outputs
 
-    def get_stats(self) -> dict[str, int]:
-        from dataclasses import asdict
-        return asdict(self.core.make_stats())
-
     def shutdown(self) -> None:
         self.core.shutdown()
         if self.kv_cache is not None:
