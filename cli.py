@@ -86,8 +86,8 @@ def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
     \b
     Example: kvdrain inspect examples/pd_idle.jsonl --idle-threshold 2
     """
-    from replay.inspect import format_inspection, inspect_trace
-    from replay.trace import TraceError
+    from replay.trace.inspect import format_inspection, inspect_trace
+    from replay.trace.reader import TraceError
     try:
         for line in format_inspection(inspect_trace(trace, fmt, idle_threshold)):
             click.echo(line)
@@ -153,10 +153,10 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     Exit status: 0 verified, 1 a violation, 2 bad usage or input.
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
     """
-    from replay.app import ReportPaths, replay_main
-    from replay.runner import ReplayConfig
-    from replay.shaping import ShapingOptions
-    from replay.verify import VerifyOptions
+    from replay.commands import ReportPaths, replay_main
+    from replay.pipeline import ReplayConfig
+    from replay.trace.shaping import ShapingOptions
+    from replay.verify.rules import VerifyOptions
     engine, kv = _build_configs(options)
     try:
         config = ReplayConfig(
@@ -191,7 +191,7 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, **options) -> 
              kvdrain replay examples/pd_idle.jsonl --target tcp://127.0.0.1:PORT
              kvdrain top --connect tcp://127.0.0.1:PORT
     """
-    from replay.app import serve_main
+    from replay.commands import serve_main
     engine, kv = _build_configs(options)
     sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console()))
 
@@ -206,7 +206,7 @@ def top_cmd(address: str, seconds: float | None) -> None:
     \b
     Example: kvdrain top --connect tcp://127.0.0.1:5555
     """
-    from replay.app import top_main
+    from replay.commands import top_main
     sys.exit(top_main(address, seconds, Console()))
 
 

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import LIVENESS_POLICIES, EngineConfig  # noqa: E402
-from replay.report import request_summary  # noqa: E402
-from replay.runner import ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
-from replay.shaping import ShapingOptions  # noqa: E402
-from replay.trace import validate_trace  # noqa: E402
-from replay.verify import VerifyOptions  # noqa: E402
+from replay.verify.report import request_summary  # noqa: E402
+from replay.pipeline import ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
+from replay.trace.shaping import ShapingOptions  # noqa: E402
+from replay.trace.reader import validate_trace  # noqa: E402
+from replay.verify.rules import VerifyOptions  # noqa: E402
 
 MOONCAKE_NAME = "conversation_trace.jsonl"
 DEFAULT_TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT.parent / "shared" / "traces"))

@@ -1,7 +1,7 @@
 """P/D routing decisions: a topology's engines and a request's way from P to D. Runs in: frontend process.
 
 vLLM's disaggregated proxy, as the decisions that the live router (connector/router.py)
-and the virtual-clock simulator (replay/simulate.py) share, so that both route alike.
+and the virtual-clock simulator (replay/sim/simulation.py) share, so that both route alike.
 Pure: no zmq, no clock, no I/O, so the simulator imports it without the live stack.
 
 `pd`: engines P (kv_producer) and D (kv_consumer). A request goes to P with

@@ -72,7 +72,7 @@ def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
     from connector.router import PDRouter
     from engine.client import InprocClient
     from engine.config import EngineConfig
-    from replay.serve import Server, ServeOptions
+    from replay.live.serve import Server, ServeOptions
     router = PDRouter([InprocClient(EngineConfig(engine_id="E", num_blocks=64, block_size=4))])
     server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"),
                     ServeInfo(["E"], "single", "event", 512, 4))

@@ -1,4 +1,4 @@
-"""The virtual-clock replay (replay/simulate.py) and its verification (replay/verify.py)."""
+"""The virtual-clock replay (replay/sim/simulation.py) and its verification (replay/verify/rules.py)."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from replay.shaping import ShapingOptions, shape
-from replay.simulate import SimOptions, simulate
-from replay.timeline import EngineSample, RequestRecord, Timeline
-from replay.trace import TraceRecord, TraceSnapshot, read_trace
-from replay.verify import VerifyOptions, idle_windows, verify
+from replay.trace.shaping import ShapingOptions, shape
+from replay.sim.simulation import SimOptions, simulate
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
+from replay.trace.reader import TraceRecord, TraceSnapshot, read_trace
+from replay.verify.rules import VerifyOptions, idle_windows, verify
 
 TRACES = Path(os.environ.get("KVDRAIN_TRACES",
                              Path(__file__).resolve().parents[2] / "shared" / "traces"))

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.inspect import format_inspection, inspect_trace
-from replay.shaping import ShapingLog, ShapingOptions, scale_request, shape
-from replay.synth import synth_prompt
-from replay.trace import (TraceAbort, TraceError, TraceHeader, TraceRequest, TraceSnapshot,
+from replay.trace.inspect import format_inspection, inspect_trace
+from replay.trace.shaping import ShapingLog, ShapingOptions, scale_request, shape
+from replay.trace.synth import synth_prompt
+from replay.trace.reader import (TraceAbort, TraceError, TraceHeader, TraceRequest, TraceSnapshot,
                           detect_format, read_trace, validate_trace)
 
 # The public traces live beside the repository (../shared/traces), never inside it.

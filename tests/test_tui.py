@@ -8,10 +8,10 @@ import pytest
 from rich.console import Console
 
 from engine.messages import StatsSnapshot
-from replay.dashboard import DashboardState, EngineView, ReplayProgress, WindowVerdict
-from replay.timeline import EngineSample
-from replay.tui import LiveView, plain_line, render, sparkline, summary_text
-from replay.verify import IdleWindow
+from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, WindowVerdict
+from replay.verify.timeline import EngineSample
+from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
+from replay.verify.rules import IdleWindow
 
 CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, num_recvs_in_flight=0,
                  num_sends_pending=3, oldest_send_age_ms=120, num_read_done_dropped=0,

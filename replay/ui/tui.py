@@ -1,6 +1,6 @@
 """The live dashboard of a replay or a running serve: a pure render and a LiveView. Runs in: frontend process.
 
-The state objects (replay/dashboard.py) are plain dataclasses fed from StatsSnapshots
+The state objects (replay/ui/dashboard.py) are plain dataclasses fed from StatsSnapshots
 (wall clock) or EngineSamples (virtual clock); `render(state)` is a pure function of them. LiveView
 renders on the caller's thread only, from `tick()`, at most 4 times a second on a
 terminal (so it never races the state it reads and never slows an engine); without a
@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from replay.dashboard import DashboardState, EngineView, WindowVerdict
+from replay.ui.dashboard import DashboardState, EngineView, WindowVerdict
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3

@@ -1,8 +1,8 @@
 """Virtual-clock replay: P/D or single engines on a deterministic discrete-event loop. Runs in: frontend process.
 
-No sleeping and no wall clock: replay/sim_worker.py holds the event loop (integer
+No sleeping and no wall clock: replay/sim/kv_worker.py holds the event loop (integer
 nanoseconds, ties resolved the same way every run) and the simulated KV connector worker;
-replay/sim_engine.py drives each engine's EngineCore as engine/core_proc.py does, with a
+replay/sim/engine.py drives each engine's EngineCore as engine/core_proc.py does, with a
 step cost model and the fast-forward over provably idle steps. Here: the options, the
 frontend and P/D proxy (routing as connector/routing.py decides, engines named as it
 names them), and the run that feeds the trace one record at a time.
@@ -16,11 +16,11 @@ from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, TOPOLOGIES, aft
                                prefill_params)
 from engine.config import EngineConfig, KVTransferConfig
 from engine.outputs import RequestOutput
-from replay.sim_engine import AbortInput, AddInput, SimEngine
-from replay.sim_worker import DELIVER, NS, TICK, EventLoop, SimKVWorker, to_ns
-from replay.synth import synth_prompt
-from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
-from replay.trace import TraceAbort, TraceHeader, TraceRecord, TraceRequest
+from replay.sim.engine import AbortInput, AddInput, SimEngine
+from replay.sim.kv_worker import DELIVER, NS, TICK, EventLoop, SimKVWorker, to_ns
+from replay.trace.synth import synth_prompt
+from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
+from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
 
 __all__ = ["TOPOLOGIES", "SimKVWorker", "SimOptions", "simulate"]
 
@@ -48,7 +48,7 @@ class SimOptions:
     zero_step_s: float = 0.0001  # a step with no forward: the worker round trip
     sample_interval_s: float = 0.1
     tail_s: float = 5.0  # observed after the last request ends
-    fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim_engine.py)
+    fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim/engine.py)
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:

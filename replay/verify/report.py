@@ -9,8 +9,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from replay.timeline import Timeline
-from replay.verify import Verdict
+from replay.verify.timeline import Timeline
+from replay.verify.rules import Verdict
 
 MAX_VIOLATIONS_SHOWN = 12
 

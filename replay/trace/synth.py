@@ -22,7 +22,7 @@ import hashlib
 import struct
 from array import array
 
-from replay.trace import TraceRequest
+from replay.trace.reader import TraceRequest
 
 # Blocks kept by the memo below; a 512-token block takes 2 KiB, so 16 MiB at most.
 BLOCK_CACHE_SIZE = 8192

@@ -1,6 +1,6 @@
 """Trace line parsers: kvdrain JSONL, Mooncake JSONL and Azure CSV. Runs in: frontend process.
 
-The formats themselves are described in replay/trace.py's docstring, which also owns what
+The formats themselves are described in replay/trace/reader.py's docstring, which also owns what
 spans lines (format detection, headers, time order, unique ids). A bad field raises
 FieldError("name", "what is wrong"); the reader adds the file and line.
 """
@@ -11,7 +11,7 @@ import math
 import re
 from datetime import datetime, timedelta, timezone
 
-from replay.trace_records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceRecord, TraceRequest,
+from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceRecord, TraceRequest,
                                   TraceSnapshot)
 
 MOONCAKE_BLOCK_SIZE = 512

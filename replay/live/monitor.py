@@ -1,6 +1,6 @@
 """Feeds the live dashboard from a running replay or serve. Runs in: frontend process.
 
-Glue between the drivers (which know nothing of the screen) and replay/tui.py (which
+Glue between the drivers (which know nothing of the screen) and replay/ui/tui.py (which
 knows nothing of engines): on each tick it copies the newest snapshots, the progress
 and the idle windows that have closed into a DashboardState and lets the view redraw.
 """
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
-from replay.driver import WallClockReplay
-from replay.timeline import Timeline
-from replay.dashboard import DashboardState, ReplayProgress, WindowVerdict
-from replay.tui import LiveView
-from replay.verify import EngineSeries, VerifyOptions, check_window, idle_windows
+from replay.live.driver import WallClockReplay
+from replay.verify.timeline import Timeline
+from replay.ui.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.ui.tui import LiveView
+from replay.verify.rules import EngineSeries, VerifyOptions, check_window, idle_windows
 
 WINDOW_CHECK_INTERVAL_S = 1.0
 

@@ -1,7 +1,7 @@
 """Replay timeline: per-engine samples and per-request records over time. Runs in: frontend process.
 
-Both replay drivers produce one: the virtual clock (replay/simulate.py) from in-process
-engines, the wall clock (replay/driver.py) from the real processes. Times are seconds
+Both replay drivers produce one: the virtual clock (replay/sim/simulation.py) from in-process
+engines, the wall clock (replay/live/driver.py) from the real processes. Times are seconds
 from the replay's origin. `to_dict`/`from_dict` give plain JSON-ready data and back.
 """
 from __future__ import annotations

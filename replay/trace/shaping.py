@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from replay.trace import TraceAbort, TraceHeader, TraceRecord, TraceRequest, TraceSnapshot
+from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest, TraceSnapshot
 
 LOG_EXAMPLES = 3
 

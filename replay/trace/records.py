@@ -1,8 +1,8 @@
 """Trace records: what one line of a trace means, whatever its format. Runs in: frontend process.
 
-The readers (replay/trace.py, replay/trace_formats.py) yield these in file order; the
-shaping, synthesis, simulation and verification code consume them. replay/trace.py
-re-exports every name here, so `from replay.trace import TraceRequest` is the usual import.
+The readers (replay/trace/reader.py, replay/trace/formats.py) yield these in file order; the
+shaping, synthesis, simulation and verification code consume them. replay/trace/reader.py
+re-exports every name here, so `from replay.trace.reader import TraceRequest` is the usual import.
 """
 from __future__ import annotations
 

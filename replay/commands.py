@@ -10,14 +10,14 @@ from connector.router import start_topology
 from engine.client import EngineDeadError
 from engine.config import EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
-from replay.monitor import ReplayMonitor
-from replay.remote import RemoteRouter
-from replay.report import build_report, print_summary, write_plot, write_report, write_requests
-from replay.runner import ReplayConfig, ReplayResult, run_replay
-from replay.serve import Server, ServeOptions
-from replay.trace import TraceError, validate_trace
-from replay.dashboard import DashboardState, ReplayProgress, WindowVerdict
-from replay.tui import LiveView
+from replay.live.monitor import ReplayMonitor
+from replay.live.serve_client import RemoteRouter
+from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
+from replay.pipeline import ReplayConfig, ReplayResult, run_replay
+from replay.live.serve import Server, ServeOptions
+from replay.trace.reader import TraceError, validate_trace
+from replay.ui.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.ui.tui import LiveView
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 

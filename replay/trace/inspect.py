@@ -5,7 +5,7 @@ import heapq
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.trace import TraceAbort, TraceRequest, TraceSnapshot, detect_format, read_trace
+from replay.trace.reader import TraceAbort, TraceRequest, TraceSnapshot, detect_format, read_trace
 
 TOP_GAPS = 5
 

@@ -33,11 +33,11 @@ from engine.core import EngineCore
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
-from replay.sim_worker import NS, STEP_END, STEP_START, SimKVWorker, to_ns
-from replay.timeline import EngineSample
+from replay.sim.kv_worker import NS, STEP_END, STEP_START, SimKVWorker, to_ns
+from replay.verify.timeline import EngineSample
 
 if TYPE_CHECKING:
-    from replay.simulate import Simulation
+    from replay.sim.simulation import Simulation
 
 _WAITS = (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY)
 

@@ -16,9 +16,9 @@ from typing import Callable, Iterable, Protocol
 
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
-from replay.synth import synth_prompt
-from replay.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
-from replay.trace import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
+from replay.trace.synth import synth_prompt
+from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
+from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 
 LEAD_IN_S = 0.1  # between start-up and the trace's t = 0
 

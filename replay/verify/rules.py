@@ -20,8 +20,8 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from replay.timeline import EngineSample, Timeline
-from replay.trace import TraceSnapshot
+from replay.verify.timeline import EngineSample, Timeline
+from replay.trace.reader import TraceSnapshot
 
 VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished")
 

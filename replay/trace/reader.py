@@ -45,9 +45,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.trace_formats import (AZURE_COLUMNS, MOONCAKE_BLOCK_SIZE, AzureRows, FieldError,
+from replay.trace.formats import (AZURE_COLUMNS, MOONCAKE_BLOCK_SIZE, AzureRows, FieldError,
                                   parse_json, parse_kvdrain, parse_mooncake, show)
-from replay.trace_records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceHeader, TraceRecord,
+from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceHeader, TraceRecord,
                                   TraceRequest, TraceSnapshot)
 
 __all__ = ["DEFAULT_HASH_BLOCK_SIZE", "FORMATS", "MAX_BAD_LINE_MESSAGES", "MOONCAKE_BLOCK_SIZE",

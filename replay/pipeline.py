@@ -13,12 +13,12 @@ from typing import Callable, Iterator
 
 from connector.router import start_topology
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
-from replay.driver import WallClockReplay, WallOptions
-from replay.shaping import ShapingLog, ShapingOptions, shape
-from replay.simulate import SimOptions, simulate
-from replay.timeline import Timeline
-from replay.trace import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
-from replay.verify import Verdict, VerifyOptions, verify
+from replay.live.driver import WallClockReplay, WallOptions
+from replay.trace.shaping import ShapingLog, ShapingOptions, shape
+from replay.sim.simulation import SimOptions, simulate
+from replay.verify.timeline import Timeline
+from replay.trace.reader import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
+from replay.verify.rules import Verdict, VerifyOptions, verify
 
 CLOCKS = ("virtual", "wall")
 
@@ -105,7 +105,7 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
                  on_tick: Callable[[object], None] | None) -> Timeline:
     options = WallOptions(tail_s=config.effective_tail_s())
     if config.target is not None:
-        from replay.remote import RemoteRouter
+        from replay.live.serve_client import RemoteRouter
         router = RemoteRouter(config.target)
     else:
         router = start_topology(config.engine, config.kv, config.topology)

@@ -17,7 +17,7 @@ from engine.kv_connector import KVConnectorWorkerBase
 from engine.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
-    from replay.simulate import SimOptions
+    from replay.sim.simulation import SimOptions
 
 NS = 1_000_000_000
 DELIVER, STEP_END, STEP_START, TICK = range(4)  # event classes, in tie order

@@ -6,8 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.messages import StatsSnapshot
-from replay.timeline import EngineSample
-from replay.verify import IdleWindow
+from replay.verify.timeline import EngineSample
+from replay.verify.rules import IdleWindow
 
 HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
 SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",

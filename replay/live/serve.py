@@ -18,7 +18,7 @@ from connector.router import PDRouter
 from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputMsg,
                              RequestOutputs, ServeInfo, StatsSnapshot, decode, encode)
 from engine.outputs import RequestOutput
-from replay.record import TraceRecorder
+from replay.live.recorder import TraceRecorder
 
 SNAPSHOT_INTERVAL_S = 0.5
 

@@ -1,0 +1,1 @@
+"""The live dashboard: its state as plain data and its rich rendering. Runs in: frontend process."""
