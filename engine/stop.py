@@ -1,0 +1,23 @@
+"""Stop conditions: when a request that just sampled a token is finished. Runs in: engine-core process.
+
+vLLM's vllm/v1/core/sched/utils.py `check_stop`: pure, so the scheduler only asks.
+"""
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set the finished status and return True if the request must stop.
+
+    vLLM's order: length caps (max_tokens, max_model_len), then EOS, then stop ids.
+    """
+    if (request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= max_model_len):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    last = request.output_token_ids[-1]
+    if last == request.eos_token_id or last in request.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    return False
