@@ -25,8 +25,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# NANO_VLLM=DIR (a checkout of GeeeekExplorer/nano-vllm) runs its scheduler beside ours.
 bench: $(STAMP)
-	$(PY) bench/scheduler_step.py
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/scheduler_step.py $(if $(NANO_VLLM),--nano-vllm $(NANO_VLLM))
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

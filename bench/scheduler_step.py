@@ -1,13 +1,26 @@
-"""Cost of one schedule() + update_from_output() with the mock runner.
+"""Cost of one schedule() + update_from_output() with the mock runner, beside nano-vllm's.
 
-Prints microseconds per step and scheduled requests per second at 1, 64 and 256
-running decode requests, with and without an 8k-token prefill in the mix (chunked
-by the 2k token budget). Aim: under 1 ms per step at 256 running requests.
+Workload (issue 14): N running decode requests (prompt 128 tokens, block 16, token
+budget 8192), optionally with an 8k-token prefill chunked into the mix; the runner is
+not timed. With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
+workload runs through nano-vllm's Scheduler + BlockManager (imported without its model
+stack: its Config is replaced by a plain record) in interleaved rounds, and the table
+prints both medians and the ratio kvdrain / nano-vllm. nano-vllm lacks most of what
+kvdrain models (connector hooks, skipped_waiting, stop ids, vLLM's preemption order and
+prefix-cache semantics), so the ratio is the price of fidelity. Needs `xxhash` for
+nano-vllm (`make bench` installs it).
+
+    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7]
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import statistics
 import sys
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -18,52 +31,137 @@ from engine.request import Request  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
 BLOCK_SIZE = 16
+PROMPT_LEN = 128
+TOKEN_BUDGET = 8192
+PREFILL_LEN = 8192
+NUM_BLOCKS = 80_000
+MAX_NUM_SEQS = 2048
 
 
-def make_scheduler(num_running: int, with_prefill: bool) -> tuple[Scheduler, MockModelRunner]:
-    config = EngineConfig(num_blocks=40_000, block_size=BLOCK_SIZE, max_num_seqs=512,
-                          max_num_batched_tokens=2048, max_model_len=32_768)
-    sched = Scheduler(config)
-    for i in range(num_running):
-        prompt = [(i * 7 + j) % 500 for j in range(128)]
-        sched.add_request(Request(f"d{i}", prompt, 100_000, BLOCK_SIZE))
-    runner = MockModelRunner(config)
-    while sched.waiting:  # prefill everyone, so the measured steps are decodes
-        out = sched.schedule()
-        sched.update_from_output(out, runner.execute(out))
-    if with_prefill:
-        sched.add_request(Request("prefill", [j % 500 for j in range(8192)], 1, BLOCK_SIZE))
-    return sched, runner
+def prompt(i: int) -> list[int]:
+    return [(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN)]
 
 
-def time_steps(num_running: int, with_prefill: bool, num_steps: int = 200) -> tuple[float, float]:
-    sched, runner = make_scheduler(num_running, with_prefill)
-    num_scheduled = 0
-    elapsed = 0.0
-    for _ in range(num_steps):
-        out = sched.schedule()
-        runner_out = runner.execute(out)  # not timed: the scheduler's cost only
+class KvdrainBench:
+    """kvdrain's Scheduler: decodes running, optionally a chunked 8k prefill waiting."""
+
+    name = "kvdrain"
+
+    def __init__(self, num_running: int, with_prefill: bool) -> None:
+        config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
+                              max_num_batched_tokens=TOKEN_BUDGET, max_model_len=1 << 20)
+        self.sched = Scheduler(config)
+        self.runner = MockModelRunner(config)
+        for i in range(num_running):
+            self.sched.add_request(Request(f"d{i}", prompt(i), 1 << 30, BLOCK_SIZE))
+        while self.sched.waiting:  # prefill everyone, so the measured steps are decodes
+            self._step()
+        if with_prefill:
+            self.sched.add_request(Request("prefill", [j % 500 + 1 for j in range(PREFILL_LEN)],
+                                           1 << 30, BLOCK_SIZE))
+
+    def _step(self) -> None:
+        out = self.sched.schedule()
+        self.sched.update_from_output(out, self.runner.execute(out))
+
+    def timed_step(self) -> float:
         start = time.perf_counter()
-        sched.update_from_output(out, runner_out)
-        elapsed += time.perf_counter() - start
-        num_scheduled += len(out.scheduled)
-    # schedule() is timed separately so that the runner is excluded.
-    sched, runner = make_scheduler(num_running, with_prefill)
-    for _ in range(num_steps):
+        out = self.sched.schedule()
+        elapsed = time.perf_counter() - start
+        runner_out = self.runner.execute(out)  # not timed: the scheduler's cost only
         start = time.perf_counter()
-        out = sched.schedule()
-        elapsed += time.perf_counter() - start
-        sched.update_from_output(out, runner.execute(out))
-    per_step = elapsed / num_steps
-    return per_step * 1e6, num_scheduled / num_steps / per_step
+        self.sched.update_from_output(out, runner_out)
+        return elapsed + time.perf_counter() - start
+
+
+def load_nano_vllm(root: Path) -> types.SimpleNamespace:
+    """nano-vllm's scheduler modules, loaded by path with a stub Config (no transformers)."""
+    pkg = root / "nanovllm"
+    if not (pkg / "engine" / "scheduler.py").is_file():
+        raise SystemExit(f"--nano-vllm: {root} is not a nano-vllm checkout (no nanovllm/engine/scheduler.py)")
+    for name in ("nanovllm", "nanovllm.engine"):
+        module = types.ModuleType(name)
+        module.__path__ = []
+        sys.modules[name] = module
+    config = types.ModuleType("nanovllm.config")
+    config.Config = types.SimpleNamespace  # the scheduler only reads plain fields
+    sys.modules["nanovllm.config"] = config
+    loaded = {}
+    for name in ("sampling_params", "engine.sequence", "engine.block_manager", "engine.scheduler"):
+        path = pkg / (name.replace(".", "/") + ".py")
+        spec = importlib.util.spec_from_file_location(f"nanovllm.{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        loaded[name.rpartition(".")[2]] = module
+    loaded["sequence"].Sequence.block_size = BLOCK_SIZE
+    return types.SimpleNamespace(**loaded)
+
+
+class NanoBench:
+    """nano-vllm's Scheduler on the same workload; token ids are made outside the timing."""
+
+    name = "nano-vllm"
+    nano: types.SimpleNamespace
+
+    def __init__(self, num_running: int, with_prefill: bool) -> None:
+        nano = self.nano
+        config = types.SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
+                                       eos=-1, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=NUM_BLOCKS)
+        self.sched = nano.scheduler.Scheduler(config)
+        params = nano.sampling_params.SamplingParams(max_tokens=1 << 30, ignore_eos=True)
+        for i in range(num_running):
+            self.sched.add(nano.sequence.Sequence(prompt(i), params))
+        while self.sched.waiting:
+            self.timed_step()
+        if with_prefill:
+            self.sched.add(nano.sequence.Sequence([j % 500 + 1 for j in range(PREFILL_LEN)], params))
+
+    def timed_step(self) -> float:
+        start = time.perf_counter()
+        seqs, is_prefill = self.sched.schedule()
+        elapsed = time.perf_counter() - start
+        token_ids = [7] * len(seqs)  # the "model": not timed
+        start = time.perf_counter()
+        self.sched.postprocess(seqs, token_ids, is_prefill)
+        return elapsed + time.perf_counter() - start
+
+
+def median_us(make: Callable[[], object], num_steps: int) -> float:
+    bench = make()
+    return 1e6 * statistics.median(bench.timed_step() for _ in range(num_steps))
+
+
+def run(sizes: list[int], rounds: int, num_steps: int, with_nano: bool) -> None:
+    benches = [KvdrainBench] + ([NanoBench] if with_nano else [])
+    header = f"{'running':>8} {'+8k prefill':>12} {'kvdrain us':>11}"
+    print(header + (f" {'nano-vllm us':>13} {'ratio':>6}" if with_nano else f" {'sched req/s':>12}"))
+    for num_running in sizes:
+        for with_prefill in (False, True):
+            samples: dict[str, list[float]] = {b.name: [] for b in benches}
+            for _ in range(rounds):  # interleaved, so drift hits both alike
+                for cls in benches:
+                    samples[cls.name].append(median_us(lambda: cls(num_running, with_prefill), num_steps))
+            ours = statistics.median(samples["kvdrain"])
+            line = f"{num_running:>8} {str(with_prefill):>12} {ours:>11.1f}"
+            if with_nano:
+                theirs = statistics.median(samples["nano-vllm"])
+                line += f" {theirs:>13.1f} {ours / theirs:>5.2f}x"
+            else:
+                line += f" {(num_running + with_prefill) / ours * 1e6:>12,.0f}"
+            print(line, flush=True)
 
 
 def main() -> None:
-    print(f"{'running':>8} {'+8k prefill':>12} {'us/step':>10} {'sched req/s':>14}")
-    for num_running in (1, 64, 256):
-        for with_prefill in (False, True):
-            us, rps = time_steps(num_running, with_prefill)
-            print(f"{num_running:>8} {str(with_prefill):>12} {us:>10.1f} {rps:>14,.0f}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nano-vllm", type=Path, help="a checkout of GeeeekExplorer/nano-vllm")
+    parser.add_argument("--sizes", default="1,64,256,1024", help="running decodes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per round")
+    args = parser.parse_args()
+    if args.nano_vllm is not None:
+        NanoBench.nano = load_nano_vllm(args.nano_vllm)
+    run([int(s) for s in args.sizes.split(",")], args.rounds, args.steps, args.nano_vllm is not None)
 
 
 if __name__ == "__main__":
