@@ -64,7 +64,7 @@ class InprocClient:
     def get_outputs(self, timeout_s: float = 0.0) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.core.has_work():
-            outputs.extend(self.core.step()[0])
+            outputs.extend(self.core.step().outputs)
         return outputs
 
     def shutdown(self) -> None:

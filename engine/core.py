@@ -5,6 +5,7 @@ class, so the simulator reproduces the real engine's decisions exactly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
@@ -14,15 +15,34 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
 
-class ModelRunner(Protocol):
+class ModelRunnerProtocol(Protocol):
+    """What EngineCore needs from a model runner: one forward pass per scheduler output.
+
+    Satisfied structurally by engine/model_runner.ModelRunner (torch) and
+    engine/mock_runner.MockModelRunner (deterministic tokens, no torch).
+    """
+
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStepResult:
+    """What one step did, for the loop's liveness question (engine/liveness.next_action)."""
+
+    outputs: list[RequestOutput]
+    model_executed: bool  # some tokens were scheduled
+    # The next schedule() has work it can do without a new report: the step consumed
+    # connector reports, preempted, or left finished ids or finished receives behind.
+    can_progress: bool
+    got_kv_reports: bool  # the step consumed connector reports
+
 
 
 class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        model_runner: ModelRunner,
+        model_runner: ModelRunnerProtocol,
         connector: KVConnectorBase | None = None,
         connector_worker: KVConnectorWorkerBase | None = None,
     ) -> None:
@@ -32,10 +52,6 @@ class EngineCore:
         self.connector_worker = connector_worker
         self.num_steps = 0
         self.num_model_steps = 0
-        # After the last step (see liveness.next_action): could the next step do work
-        # without a new report, and did it consume connector reports.
-        self.can_progress = False
-        self.got_kv_reports = False
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -62,31 +78,31 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 
-    def step(self) -> tuple[list[RequestOutput], bool]:
-        """schedule -> execute -> update; returns (outputs, whether a model ran).
+    def step(self) -> EngineStepResult:
+        """schedule -> execute -> update; the outputs and what the step did.
 
         A zero-token step is still a full round trip: finished ids and connector
         metadata reach the worker side, and its reports come back.
         """
-        self.can_progress = self.got_kv_reports = False
         if not self.scheduler.has_requests():
-            return [], False
+            return EngineStepResult([], False, False, False)
         sched_out = self.scheduler.schedule()
         worker = self.connector_worker
         if worker is not None:
             worker.start_load_kv(sched_out.kv_connector_metadata)
         runner_out = self.model_runner.execute(sched_out)
+        got_kv_reports = False
         if worker is not None:
             kv_out = worker.get_finished(sched_out.finished_req_ids)
             runner_out.kv_connector_output = kv_out
-            self.got_kv_reports = not kv_out.is_empty()
+            got_kv_reports = not kv_out.is_empty()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        self.can_progress = (self.got_kv_reports or bool(sched_out.preempted_req_ids)
-                             or self.scheduler.has_pending_updates())
+        can_progress = (got_kv_reports or bool(sched_out.preempted_req_ids)
+                        or self.scheduler.has_pending_updates())
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed
-        return outputs, model_executed
+        return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
 
     def must_poll(self) -> bool:
         """A connector deferred a request and will not say when to ask again."""

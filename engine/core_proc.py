@@ -114,12 +114,13 @@ class EngineCoreProc:
             self._process_input()
             if self.shutdown_timeout_s is not None:
                 break
-            model_executed = False
+            model_executed = can_progress = False
             if self.core.has_work():
-                outputs, model_executed = self.core.step()
-                self._send_outputs(outputs)
+                result = self.core.step()
+                self._send_outputs(result.outputs)
+                model_executed, can_progress = result.model_executed, result.can_progress
             action = next_action(liveness, self.core.has_work(), model_executed,
-                                 self.core.can_progress, self.core.must_poll())
+                                 can_progress, self.core.must_poll())
             self.loop_state = LOOP_STATES[action]
             self._publish_stats()
             if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
@@ -209,8 +210,7 @@ class EngineCoreProc:
         # Like vLLM: drain while has_work(). Under legacy that excludes delayed frees, so
         # a legacy engine exits with them still held, as vLLM did before #43433.
         while self.core.has_work() and time.monotonic() < deadline:
-            _, model_executed = self.core.step()
-            if not model_executed:
+            if not self.core.step().model_executed:
                 self._wait(with_connector=True, timeout_ms=10)
         self.loop_state = "stopped"
         self._publish_stats(force=True)

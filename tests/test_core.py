@@ -5,7 +5,7 @@ import pytest
 
 from connector.pd import PDConnector
 from engine.config import KVTransferConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, EngineStepResult
 from engine.liveness import LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from tests.fake_kv_worker import FakeKVWorker
@@ -24,9 +24,9 @@ def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction
     """The busy loop, minus the sockets: step until the policy says block."""
     actions = []
     for _ in range(max_steps):
-        _, model_executed = core.step()
-        action = next_action(core.config.liveness, core.has_work(), model_executed,
-                             core.can_progress, core.must_poll())
+        result = core.step()
+        action = next_action(core.config.liveness, core.has_work(), result.model_executed,
+                             result.can_progress, core.must_poll())
         actions.append(action)
         if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
             if action == LoopAction.WAIT_ANY and core.connector_worker.pending_send:
@@ -60,12 +60,16 @@ def test_engine_loop_collects_delayed_free_only_when_fixed(liveness):
 def test_zero_token_steps_still_carry_finished_ids_and_metadata():
     core = make_core("poll", send_after=1)
     core.add_request("r", list(range(8)), 1, {"do_remote_decode": True})
-    core.step()
+    first = core.step()
+    assert first.model_executed and not first.got_kv_reports
     assert core.scheduler.finished_req_ids == {"r"}
-    _, model_executed = core.step()
-    assert not model_executed
+    second = core.step()
+    assert second == EngineStepResult([], model_executed=False, can_progress=True,
+                                      got_kv_reports=True)
     assert core.connector_worker.num_polls == 2
     assert not core.scheduler.requests  # the report came back in the zero-token step
+    assert core.step() == EngineStepResult([], False, False, False)  # no work: no step
+    assert core.num_steps == 2
 
 
 def test_no_connector_engine_blocks_when_done():
@@ -73,8 +77,7 @@ def test_no_connector_engine_blocks_when_done():
     core.add_request("r", list(range(8)), 3)
     outputs = []
     while core.has_work():
-        out, _ = core.step()
-        outputs.extend(out)
+        outputs.extend(core.step().outputs)
     assert [t for o in outputs for t in o.new_token_ids] == [8, 9, 10]
     assert core.make_stats().num_used_blocks == 0
 
@@ -102,5 +105,5 @@ def test_malformed_request_fails_alone():
     core.add_request("ok", [1, 2, 3], 2)
     tokens = []
     while core.has_work():
-        tokens += [t for o in core.step()[0] for t in o.new_token_ids]
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
     assert tokens == [4, 5]

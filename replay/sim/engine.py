@@ -149,15 +149,15 @@ class SimEngine:
             self._block(LoopAction.WAIT_INPUT)
             return
         self.num_steps += 1
-        outputs, model_executed = self.core.step()
+        step = self.core.step()
+        outputs = step.outputs
         stats = self.core.make_stats()  # published when the step ends, with its outputs
-        reports = self.core.got_kv_reports
-        noop = (self.runner.is_noop and not outputs and not num_inputs and not reports
-                and not self.core.can_progress and stats == self.stats)
+        noop = (self.runner.is_noop and not outputs and not num_inputs and not step.got_kv_reports
+                and not step.can_progress and stats == self.stats)
         tokens = self.runner.num_tokens
         cost = self.base + self.per_token * tokens if tokens else self.zero
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
-                       _StepResult(outputs, model_executed, self.core.can_progress,
+                       _StepResult(outputs, step.model_executed, step.can_progress,
                                    self.core.must_poll(), noop, stats))
 
     def _step_end(self, result: _StepResult) -> None:
