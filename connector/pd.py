@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from connector.messages import RecvSpec  # one load: pull remote_block_ids into local_block_ids
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
-from engine.kv_connector import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole,
-                                 KVConnectorWorkerBase)
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -115,13 +114,3 @@ class PDConnector(KVConnectorBase):
         if connector_output.worker_error is not None:
             self.worker_error = connector_output.worker_error
 
-
-def make_pd_connector(config: EngineConfig, role: KVConnectorRole,
-                      kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase:
-    """Factory named by KVTransferConfig.kv_connector ("connector.pd:make_pd_connector")."""
-    if role is KVConnectorRole.SCHEDULER:
-        return PDConnector(config)
-    from connector.agent import PDConnectorAgent  # zmq and a process: worker role only
-    if kv_cache_handle is None:
-        raise ValueError("kv_cache_handle: the worker role needs the engine's KV cache handle")
-    return PDConnectorAgent(config, kv_cache_handle)

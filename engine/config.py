@@ -75,7 +75,7 @@ class KVTransferConfig:
     name at start-up, so the engine never imports a connector package itself.
     """
 
-    kv_connector: str = "connector.pd:make_pd_connector"
+    kv_connector: str = "connector.factory:make_pd_connector"
     kv_role: str = "kv_both"
     transport: str = "shm"
     kv_expiry_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
