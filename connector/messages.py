@@ -88,6 +88,16 @@ class ReadDone:
     req_id: str
 
 
-CONNECTOR_MESSAGES = (RegisterKVCache, WorkerReady, StepMeta, KVReport, GetKVHandle,
-                      KVHandle, ReadBlocks, BlockData, ReadDone)
+# Wire tags: fixed forever (peers decode by them); a new type takes a new number.
+CONNECTOR_MESSAGES: dict[int, type] = {
+    0: RegisterKVCache,
+    1: WorkerReady,
+    2: StepMeta,
+    3: KVReport,
+    4: GetKVHandle,
+    5: KVHandle,
+    6: ReadBlocks,
+    7: BlockData,
+    8: ReadDone,
+}
 CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec,))

@@ -22,7 +22,7 @@ import zmq
 from engine.config import EngineAddresses, EngineConfig
 from engine.core_proc import build_engine_core, run_engine_core
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
-                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode)
+                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
 
 READY_TIMEOUT_S = 120.0
@@ -177,8 +177,7 @@ class MPClient:
 
     def _on_message(self, msg: object) -> list[RequestOutput]:
         if isinstance(msg, RequestOutputs):
-            return [RequestOutput(o.req_id, o.new_token_ids, o.finish_reason, o.kv_transfer_params,
-                                  o.num_cached_tokens, o.error) for o in msg.outputs]
+            return [output_from_msg(o) for o in msg.outputs]
         if isinstance(msg, StatsSnapshot):
             self.latest_stats = msg
             self.new_stats.append(msg)

@@ -24,7 +24,7 @@ from engine.core import EngineCore
 from engine.kv_connector import KVConnectorRole
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
-                             RequestOutputMsg, RequestOutputs, Shutdown, StatsSnapshot, decode, encode)
+                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
 from engine.mock_runner import MockModelRunner
 from engine.outputs import RequestOutput
 
@@ -177,9 +177,7 @@ class EngineCoreProc:
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         if outputs:
-            self._send(RequestOutputs(self.config.engine_id, [
-                RequestOutputMsg(o.req_id, o.new_token_ids, o.finish_reason, o.kv_transfer_params,
-                                 o.num_cached_tokens, o.error) for o in outputs]))
+            self._send(RequestOutputs(self.config.engine_id, [output_to_msg(o) for o in outputs]))
 
     def _publish_stats(self, force: bool = False) -> None:
         """A snapshot whenever counts or the loop state changed (and on request)."""

@@ -1,10 +1,10 @@
 """Wire types between frontend and engine core, and the msgpack codec every socket uses. Runs in: every process.
 
-Each message is a frozen dataclass with a stable numeric tag, encoded as
+Each message is a frozen dataclass under a fixed numeric tag (MESSAGES), encoded as
 msgpack([tag, field, ...]). Decoding checks the tag, the arity and every field's type
 against the dataclass annotations and raises DecodeError saying what is wrong. No
 pickle: a peer can only ever make us build one of the registered types.
-stdlib + msgpack only, so anything can import this cheaply.
+stdlib, msgpack and the pure engine/outputs.py only, so anything can import this cheaply.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Union
 
 import msgpack
+
+from engine.outputs import RequestOutput
 
 
 class DecodeError(ValueError):
@@ -57,13 +59,17 @@ def _expect(v: Any, tp: type) -> Any:
 
 
 class Codec:
-    """Encodes and strictly decodes the messages of one protocol; the index is the tag."""
+    """Encodes and strictly decodes the messages of one protocol, each under its fixed tag."""
 
-    def __init__(self, messages: tuple[type, ...], nested: tuple[type, ...] = ()) -> None:
-        self.messages = messages
-        self._tags = {cls: tag for tag, cls in enumerate(messages)}
+    def __init__(self, messages: dict[int, type], nested: tuple[type, ...] = ()) -> None:
+        if len(set(messages.values())) != len(messages):
+            raise ValueError("a message type is registered under two tags")
+        if any(not isinstance(tag, int) or isinstance(tag, bool) or tag < 0 for tag in messages):
+            raise ValueError("message tags must be non-negative ints")
+        self.messages = dict(messages)
+        self._tags = {cls: tag for tag, cls in messages.items()}
         self._checks: dict[type, list[tuple[str, Callable]]] = {}
-        for cls in messages + nested:
+        for cls in (*messages.values(), *nested):
             hints = typing.get_type_hints(cls)
             self._checks[cls] = [(f.name, _make_check(hints[f.name], self)) for f in fields(cls)]
 
@@ -94,9 +100,10 @@ class Codec:
             raise DecodeError(f"not msgpack: {e}") from None
         if not isinstance(obj, list) or not obj or not isinstance(obj[0], int) or isinstance(obj[0], bool):
             raise DecodeError("expected [tag, field, ...]")
-        if not 0 <= obj[0] < len(self.messages):
+        cls = self.messages.get(obj[0])
+        if cls is None:
             raise DecodeError(f"unknown message tag {obj[0]}")
-        return self.from_fields(self.messages[obj[0]], obj[1:])
+        return self.from_fields(cls, obj[1:])
 
 
 # ---- frontend <-> engine core ------------------------------------------------------
@@ -146,6 +153,18 @@ class RequestOutputMsg:
     error: str | None
 
 
+def output_to_msg(output: RequestOutput, req_id: str | None = None) -> RequestOutputMsg:
+    """The wire form of one output; req_id replaces the output's (serve's client ids)."""
+    return RequestOutputMsg(output.req_id if req_id is None else req_id, output.new_token_ids,
+                            output.finish_reason, output.kv_transfer_params,
+                            output.num_cached_tokens, output.error)
+
+
+def output_from_msg(msg: RequestOutputMsg) -> RequestOutput:
+    return RequestOutput(msg.req_id, msg.new_token_ids, msg.finish_reason, msg.kv_transfer_params,
+                         msg.num_cached_tokens, msg.error)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutputs:
     engine_id: str
@@ -180,9 +199,18 @@ class ServeInfo:
     block_size: int
 
 
-# Append only: a message's tag is its index here.
-MESSAGES = (AddRequest, Abort, Shutdown, GetStats, Ready, RequestOutputs, StatsSnapshot, EngineError,
-            ServeInfo)
+# Wire tags: fixed forever (peers decode by them); a new type takes a new number.
+MESSAGES: dict[int, type] = {
+    0: AddRequest,
+    1: Abort,
+    2: Shutdown,
+    3: GetStats,
+    4: Ready,
+    5: RequestOutputs,
+    6: StatsSnapshot,
+    7: EngineError,
+    8: ServeInfo,
+}
 CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
 encode = CODEC.encode
 decode = CODEC.decode

@@ -1,6 +1,8 @@
 """Every wire type round-trips; garbage is a clear DecodeError; the serve socket drops it."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import msgpack
 import pytest
 import zmq
@@ -8,9 +10,10 @@ import zmq
 from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, GetKVHandle,
                                 KVHandle, KVReport, ReadBlocks, ReadDone, RecvSpec,
                                 RegisterKVCache, StepMeta, WorkerReady)
-from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, DecodeError, EngineError, GetStats,
-                             Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
-                             StatsSnapshot)
+from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
+                             GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
+                             StatsSnapshot, output_from_msg, output_to_msg)
+from engine.outputs import RequestOutput
 
 SAMPLES = {
     AddRequest: AddRequest("r1", [1, 2, 3], 16, {"do_remote_decode": True}, [7]),
@@ -35,19 +38,50 @@ SAMPLES = {
 }
 
 
+# Every wire tag, pinned: peers decode by them, so a tag never changes or moves.
+ENGINE_TAGS = {
+    "AddRequest": 0, "Abort": 1, "Shutdown": 2, "GetStats": 3, "Ready": 4, "RequestOutputs": 5,
+    "StatsSnapshot": 6, "EngineError": 7, "ServeInfo": 8,
+}
+CONNECTOR_TAGS = {
+    "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
+    "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8,
+}
+
+
 def test_every_message_type_round_trips():
-    assert set(SAMPLES) == set(MESSAGES) | set(CONNECTOR_MESSAGES)
+    assert set(SAMPLES) == set(MESSAGES.values()) | set(CONNECTOR_MESSAGES.values())
     for cls, msg in SAMPLES.items():
-        codec = CODEC if cls in MESSAGES else CONNECTOR_CODEC
+        codec = CODEC if cls in MESSAGES.values() else CONNECTOR_CODEC
         assert codec.decode(codec.encode(msg)) == msg
 
 
-def test_tags_are_stable():
-    """Tags are positions: append new types, never reorder (old peers decode by them)."""
-    assert [cls.__name__ for cls in MESSAGES[:8]] == [
-        "AddRequest", "Abort", "Shutdown", "GetStats", "Ready", "RequestOutputs",
-        "StatsSnapshot", "EngineError"]
-    assert CODEC.encode(Abort(["x"]))[1] == 1
+@pytest.mark.parametrize("codec,registry,pinned", [
+    (CODEC, MESSAGES, ENGINE_TAGS), (CONNECTOR_CODEC, CONNECTOR_MESSAGES, CONNECTOR_TAGS)])
+def test_tags_are_pinned_and_unique(codec: Codec, registry: dict, pinned: dict):
+    assert {cls.__name__: tag for tag, cls in registry.items()} == pinned
+    assert len(set(pinned.values())) == len(pinned) == len(set(registry.values()))
+    for tag, cls in registry.items():
+        assert msgpack.unpackb(codec.encode(SAMPLES[cls]))[0] == tag
+
+
+def test_codec_refuses_ambiguous_tags():
+    with pytest.raises(ValueError, match="two tags"):
+        Codec({0: Abort, 1: Abort})
+    with pytest.raises(ValueError, match="non-negative"):
+        Codec({-1: Abort})
+
+
+def test_output_wire_conversion_round_trips():
+    # One field on the wire per field of the record: a new field needs both.
+    assert [f.name for f in fields(RequestOutputMsg)] == [f.name for f in fields(RequestOutput)]
+    output = RequestOutput("r1", [5, 6], "length", {"do_remote_prefill": True}, 32, None)
+    msg = output_to_msg(output)
+    assert msg == RequestOutputMsg("r1", [5, 6], "length", {"do_remote_prefill": True}, 32, None)
+    assert output_from_msg(CODEC.decode(CODEC.encode(RequestOutputs("P", [msg]))).outputs[0]) == output
+    assert output_to_msg(output, "client-7").req_id == "client-7"
+    error = RequestOutput("r2", [], "error", error="boom")
+    assert output_from_msg(output_to_msg(error)) == error
 
 
 @pytest.mark.parametrize("frame,why", [

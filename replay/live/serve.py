@@ -15,8 +15,8 @@ from typing import Callable
 import zmq
 
 from connector.router import PDRouter
-from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputMsg,
-                             RequestOutputs, ServeInfo, StatsSnapshot, decode, encode)
+from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
+                             StatsSnapshot, decode, encode, output_to_msg)
 from engine.outputs import RequestOutput
 from replay.live.recorder import TraceRecorder
 
@@ -113,10 +113,7 @@ class Server:
             del self.owners[output.req_id]
             if self.internal_ids.get(owner) == output.req_id:  # the id may be reused since
                 del self.internal_ids[owner]
-        msg = RequestOutputs("serve", [RequestOutputMsg(
-            client_req_id, output.new_token_ids, output.finish_reason, output.kv_transfer_params,
-            output.num_cached_tokens, output.error)])
-        self._send(identity, msg)
+        self._send(identity, RequestOutputs("serve", [output_to_msg(output, client_req_id)]))
 
     def _fan_out(self, snap: StatsSnapshot) -> None:
         self.latest[snap.engine_id] = snap

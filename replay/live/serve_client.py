@@ -11,7 +11,7 @@ import time
 import zmq
 
 from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
-                             StatsSnapshot, decode, encode)
+                             StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
 
 CONNECT_TIMEOUT_S = 5.0
@@ -80,9 +80,7 @@ class RemoteRouter:
         while self.socket.poll(0, zmq.POLLIN):
             msg = self._recv()
             if isinstance(msg, RequestOutputs):
-                outputs.extend(RequestOutput(o.req_id, o.new_token_ids, o.finish_reason,
-                                             o.kv_transfer_params, o.num_cached_tokens, o.error)
-                               for o in msg.outputs)
+                outputs.extend(output_from_msg(o) for o in msg.outputs)
         return outputs
 
     def shutdown(self) -> None:
