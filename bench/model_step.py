@@ -29,6 +29,7 @@ from engine.kv_cache import resolve_device  # noqa: E402
 from engine.model import get_model_config  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from engine.utils import cdiv  # noqa: E402
 
 BLOCK_SIZE = 16
 WARMUP = 3  # untimed steps before each measurement
@@ -79,7 +80,7 @@ def timed_pair(paged: Callable[[int], None], dense: Callable[[int], None], num_w
 def paged_decode(runner: ModelRunner, batch: int, context: int,
                  steps: int) -> Callable[[int], None]:
     """Requests at `context` tokens, blocks scattered over the cache; one token per call."""
-    blocks_per_req = -(-(context + steps) // BLOCK_SIZE)
+    blocks_per_req = cdiv(context + steps, BLOCK_SIZE)
     free = random.Random(0).sample(range(1, runner.config.num_blocks), batch * blocks_per_req)
     tables = [free[i * blocks_per_req:(i + 1) * blocks_per_req] for i in range(batch)]
     runner.kv_cache.tensor.normal_()
@@ -113,7 +114,7 @@ def dense_decode(runner: ModelRunner, batch: int, context: int,
 
 def paged_prefill(runner: ModelRunner, batch: int, prompt_len: int) -> Callable[[int], None]:
     """`batch` fresh prompts in one step; each call finishes the previous call's requests."""
-    blocks_per_req = -(-prompt_len // BLOCK_SIZE)
+    blocks_per_req = cdiv(prompt_len, BLOCK_SIZE)
     vocab = runner.config.model.vocab_size
     prompts = [[random.Random(r).randrange(vocab) for _ in range(prompt_len)] for r in range(batch)]
 
@@ -171,8 +172,8 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     args.preset = args.preset or ("medium" if device.startswith("cuda") else "small")
     max_len = args.context + WARMUP + args.steps
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    num_blocks = 1 + max(max(batch_sizes) * -(-max_len // BLOCK_SIZE),
-                         args.prefill_batch * -(-args.context // BLOCK_SIZE))
+    num_blocks = 1 + max(max(batch_sizes) * cdiv(max_len, BLOCK_SIZE),
+                         args.prefill_batch * cdiv(args.context, BLOCK_SIZE))
     return ModelRunner(EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, runner="torch",
                                     device=device, model=get_model_config(args.preset),
                                     max_model_len=max_len + 1))

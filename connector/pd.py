@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from connector.messages import RecvSpec  # one load: pull remote_block_ids into local_block_ids
 from engine.config import EngineConfig
-from engine.kv_cache_manager import cdiv
+from engine.utils import cdiv
 from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 from engine.outputs import KVConnectorOutput, SchedulerOutput
 from engine.request import Request, RequestStatus

@@ -7,6 +7,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.utils import cdiv
+
 
 class AttentionMetadata(Protocol):
     """What a layer needs to attend: how the step's packed tokens map onto KV memory."""
@@ -99,7 +101,7 @@ class PagedAttentionMetadata:
                  mask: torch.Tensor) -> torch.Tensor:
         """One request's chunk after cached context: queries see keys at positions <= theirs."""
         seq_len, block_size = self.seq_lens[row], kv_layer.shape[2]
-        k, v = self._gather(kv_layer, self.block_tables[row, :-(-seq_len // block_size)])
+        k, v = self._gather(kv_layer, self.block_tables[row, :cdiv(seq_len, block_size)])
         return _attention(q, k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len], mask)
 
 
@@ -146,7 +148,7 @@ class PagedAttentionBuilder:
         decode_mask = self._decode_mask(seq_lens[:num_decodes])
         num_decode_blocks = 0 if decode_mask is None else decode_mask.shape[-1] // block_size
         # Only prefill chunks after cached context gather; fresh prompts use their own K/V.
-        prefill_blocks = [-(-s // block_size) for q, s in
+        prefill_blocks = [cdiv(s, block_size) for q, s in
                           zip(query_lens[num_decodes:], seq_lens[num_decodes:]) if q != s]
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         starts = torch.zeros(num_reqs + 1, dtype=torch.long)
@@ -170,7 +172,7 @@ class PagedAttentionBuilder:
         """Key-validity mask [D, 1, 1, max_ctx] of the batched decode rows (None when none)."""
         if not seq_lens:
             return None
-        max_ctx = -(-max(seq_lens) // self.block_size) * self.block_size
+        max_ctx = cdiv(max(seq_lens), self.block_size) * self.block_size
         lens = torch.tensor(seq_lens, dtype=torch.long)
         valid = torch.arange(max_ctx)[None, :] < lens[:, None]
         # Additive (0 / -inf) rather than boolean: SDPA would convert a boolean mask per layer.

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from engine.utils import cdiv
 
 
 class KVCacheManager:

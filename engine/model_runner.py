@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, kv_cache_shape, resolve_device, resolve_dtype
 from engine.model import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.utils import cdiv
 
 
 class ModelRunner:
@@ -81,7 +82,7 @@ class ModelRunner:
 
     def _check_block_table(self, table: list[int], seq_len: int) -> str | None:
         block_size, num_blocks = self.config.block_size, self.kv_cache.num_blocks
-        num_needed = -(-seq_len // block_size)
+        num_needed = cdiv(seq_len, block_size)
         if len(table) < num_needed:
             return (f"block table of {len(table)} blocks holds {len(table) * block_size} "
                     f"tokens, {seq_len} needed")

@@ -5,6 +5,7 @@ import pytest
 from engine.block_hash import hash_block_tokens, hash_request_blocks
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
+from engine.utils import cdiv
 from tests.utils import make_request
 
 
@@ -122,3 +123,9 @@ def test_reset_prefix_cache_refused_while_in_use():
     assert mgr.block_pool.reset_prefix_cache()
     assert mgr.block_pool.num_cached_free_blocks == 0
     mgr.block_pool.check_invariants()
+
+
+def test_cdiv_is_ceiling_division():
+    for a in range(0, 40):
+        for b in range(1, 9):
+            assert cdiv(a, b) == (a + b - 1) // b

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import RequestStatus
+from engine.utils import cdiv
 from tests.utils import (BLOCK_SIZE, assert_scheduler_empty, make_request, make_scheduler,
                          runner_output, step)
 
@@ -11,7 +12,7 @@ REMOTE_DECODE = {"do_remote_decode": True}
 
 
 def remote_prefill_params(num_tokens: int, first_block: int = 100) -> dict:
-    n = -(-num_tokens // BLOCK_SIZE)
+    n = cdiv(num_tokens, BLOCK_SIZE)
     return {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "x",
             "remote_block_ids": list(range(first_block, first_block + n)), "remote_addr": "ipc://p"}
 

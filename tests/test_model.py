@@ -21,6 +21,7 @@ from engine.kv_cache import KVCache, KVCacheHandle, resolve_device
 from engine.model import MODEL_PRESETS, LlamaForCausalLM, get_model_config
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.utils import cdiv
 
 # KVDRAIN_TEST_DEVICE=cuda runs the same tests on a GPU (bench/gpu_check.sh).
 DEVICE = os.environ.get("KVDRAIN_TEST_DEVICE", "cpu")
@@ -91,7 +92,7 @@ class ToyScheduler:
             table = self.block_ids[req_id]
             is_new = req_id not in self.scheduled_once
             self.scheduled_once.add(req_id)
-            new = [self.free_block_ids.pop(0) for _ in range(-(-end // BLOCK_SIZE) - len(table))]
+            new = [self.free_block_ids.pop(0) for _ in range(cdiv(end, BLOCK_SIZE) - len(table))]
             table.extend(new)
             out.scheduled.append(ScheduledRequest(req_id, tokens[start:end], start,
                                                   list(table) if is_new else new, is_new,
@@ -175,7 +176,7 @@ def paged_hidden(model: LlamaForCausalLM, prompts: list[list[int]], chunks: list
     cache = KVCache.allocate(model.config, 64, BLOCK_SIZE, DEVICE, torch.float64)
     builder = PagedAttentionBuilder(cache.tensor)
     free = rng.sample(range(1, 64), 63)
-    tables = [[free.pop() for _ in range(-(-len(p) // BLOCK_SIZE))] for p in prompts]
+    tables = [[free.pop() for _ in range(cdiv(len(p), BLOCK_SIZE))] for p in prompts]
     num_done, hidden = [0] * len(prompts), [[] for _ in prompts]
     try:
         for step in itertools.count():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from engine.liveness import LoopAction, next_action
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput
 from engine.request import RequestStatus
+from engine.utils import cdiv
 from tests.utils import assert_scheduler_empty, make_request, make_scheduler
 
 PREFIXES = [[7] * 8, [9] * 12, list(range(40, 52))]
@@ -55,7 +56,7 @@ def make_random_request(rng: random.Random, i: int):
     if kind < 0.3:
         params, max_tokens = {"do_remote_decode": True}, 1
     elif kind < 0.55:
-        n = -(-len(prompt) // 4)
+        n = cdiv(len(prompt), 4)
         params = {"do_remote_prefill": True, "remote_request_id": f"p{i}", "remote_engine_id": "P",
                   "remote_block_ids": list(range(1000, 1000 + n)), "remote_addr": ""}
         max_tokens = rng.randint(1, 8)

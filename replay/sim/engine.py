@@ -33,6 +33,7 @@ from engine.core import EngineCore
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.utils import cdiv
 from replay.sim.kv_worker import NS, STEP_END, STEP_START, SimKVWorker, to_ns
 from replay.verify.timeline import EngineSample
 
@@ -188,7 +189,7 @@ class SimEngine:
         """An input or report arrived at `now`: resume real steps (module docstring)."""
         (s0, period, wakeups), now = self.ff, self.loop.now
         self.ff = None
-        k = -(-(now - s0) // period) if now > s0 else 0
+        k = cdiv(now - s0, period) if now > s0 else 0
         if k == 0:
             self.loop.push(s0, STEP_START, self.rank, self._step_start)
             return

@@ -11,6 +11,7 @@ import math
 import re
 from datetime import datetime, timedelta, timezone
 
+from engine.utils import cdiv
 from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceRecord, TraceRequest,
                                   TraceSnapshot)
 
@@ -63,7 +64,7 @@ def _seconds(value: object, name: str, per_second: int = 1) -> float:
 
 
 def _check_cover(length: int, hash_ids: tuple[int, ...], block: int, name: str) -> None:
-    need = -(-length // block)
+    need = cdiv(length, block)
     if need != len(hash_ids):
         raise FieldError("hash_ids", f"has {len(hash_ids)} ids but ceil({name} {length} "
                                      f"/ {block}) = {need}")

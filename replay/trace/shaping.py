@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from engine.utils import cdiv
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest, TraceSnapshot
 
 LOG_EXAMPLES = 3
@@ -107,7 +108,7 @@ def scale_request(req: TraceRequest, factor: float) -> TraceRequest:
                                    hash_block_size=block)
     token_ids = req.prompt_token_ids
     if token_ids is not None:
-        token_ids = (token_ids * -(-length // len(token_ids)))[:length]
+        token_ids = (token_ids * cdiv(length, len(token_ids)))[:length]
     return dataclasses.replace(req, max_tokens=max_tokens, prompt_len=length,
                                prompt_token_ids=token_ids)
 
