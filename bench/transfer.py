@@ -1,7 +1,7 @@
 """KV block pull throughput of the connector transports, against a plain in-process copy. Runs in: a bench process.
 
 Usage: .venv/bin/python bench/transfer.py
-A real connector worker process (connector.worker.run_connector_worker) plays the
+A real connector worker process (connector.worker_proc.run_connector_worker) plays the
 prefill side: this process registers a KV cache with it (RegisterKVCache) and a held
 send of every block (StepMeta.reqs_to_send), as P's engine core would. This process
 then pulls NUM_BLOCKS scattered blocks into scattered blocks of its own cache with
@@ -41,7 +41,7 @@ from common import OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec,  # noqa: E402
                                 RegisterKVCache, StepMeta, WorkerReady)
 from connector.transfer import PeerLink, Puller  # noqa: E402
-from connector.worker import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
+from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model import get_model_config  # noqa: E402

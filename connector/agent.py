@@ -16,13 +16,55 @@ import zmq
 
 from connector.messages import CONNECTOR_CODEC, KVReport, RegisterKVCache, StepMeta, WorkerReady
 from connector.pd import PDConnectorMetadata
-from connector.worker import ConnectorWorkerConfig, run_connector_worker
+from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorWorkerBase
 from engine.messages import DecodeError
 from engine.outputs import KVConnectorOutput
 
 READY_TIMEOUT_S = 60.0
+
+
+class PendingTransfers:
+    """The transfers the worker process owns, as the agent sees them: its reports merge
+    in, and a dead worker's are resolved (held sends released, pending loads failed)."""
+
+    def __init__(self) -> None:
+        self.sends: set[str] = set()
+        self.recvs: dict[str, list[int]] = {}  # req_id -> the local blocks it fills
+        self.counters: dict[str, int] = {"num_bad_reports": 0}
+
+    def start(self, metadata: PDConnectorMetadata) -> None:
+        self.sends.update(metadata.reqs_to_send)
+        # Empty receives only tell P "read done"; no finished_recving ever comes for them.
+        self.recvs.update((s.req_id, s.local_block_ids)
+                          for s in metadata.reqs_to_recv.values() if s.local_block_ids)
+
+    def merge(self, data: bytes, out: KVConnectorOutput) -> None:
+        """One report from the worker into `out`; garbage is counted and dropped."""
+        try:
+            report = CONNECTOR_CODEC.decode(data)
+            if not isinstance(report, KVReport):
+                raise DecodeError(f"unexpected {type(report).__name__}")
+        except DecodeError:
+            self.counters["num_bad_reports"] += 1
+            return
+        out.finished_sending.update(report.finished_sending)
+        out.finished_recving.update(report.finished_recving)
+        out.invalid_block_ids.update(report.invalid_block_ids)
+        self.sends.difference_update(report.finished_sending)
+        for req_id in report.finished_recving:
+            self.recvs.pop(req_id, None)
+        self.counters.update(report.counters)
+
+    def resolve_orphans(self, out: KVConnectorOutput) -> None:
+        """The worker is dead: every transfer it owned ends now, loads as failures."""
+        out.finished_sending.update(self.sends)
+        out.finished_recving.update(self.recvs)
+        for block_ids in self.recvs.values():
+            out.invalid_block_ids.update(block_ids)
+        self.sends.clear()
+        self.recvs.clear()
 
 
 class PDConnectorAgent(KVConnectorWorkerBase):
@@ -44,9 +86,8 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         worker_pid = self._wait_ready()
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
         # Transfers the worker owns, so a dead worker's can be resolved here.
-        self.pending_sends: set[str] = set()
-        self.pending_recvs: dict[str, list[int]] = {}
-        self.counters: dict[str, int] = {"num_bad_reports": 0, "connector_worker_pid": worker_pid}
+        self.pending = PendingTransfers()
+        self.pending.counters["connector_worker_pid"] = worker_pid
         self.error: str | None = None
 
     def _wait_ready(self) -> int:
@@ -65,17 +106,15 @@ class PDConnectorAgent(KVConnectorWorkerBase):
     def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:
         if metadata is None or metadata.is_empty():
             return
-        self.pending_sends.update(metadata.reqs_to_send)
-        specs = list(metadata.reqs_to_recv.values())
-        # Empty receives only tell P "read done"; no finished_recving ever comes for them.
-        self.pending_recvs.update((s.req_id, s.local_block_ids) for s in specs if s.local_block_ids)
+        self.pending.start(metadata)
         if self.error is None:
+            specs = list(metadata.reqs_to_recv.values())
             self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
         while self.error is None and self.socket.poll(0, zmq.POLLIN):
-            self._merge(self.socket.recv(), out)
+            self.pending.merge(self.socket.recv(), out)
         # The sentinel (not is_alive) decides: it is readable as soon as the worker's
         # fds close, a moment before waitpid can reap it.
         if self.error is None and multiprocessing.connection.wait([self.process.sentinel], 0):
@@ -83,36 +122,12 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
                           f"died with exit code {self.process.exitcode}")
         if self.error is not None:
-            self._resolve_orphans(out)
+            self.pending.resolve_orphans(out)
             out.worker_error = self.error
         return out
 
-    def _merge(self, data: bytes, out: KVConnectorOutput) -> None:
-        try:
-            report = CONNECTOR_CODEC.decode(data)
-            if not isinstance(report, KVReport):
-                raise DecodeError(f"unexpected {type(report).__name__}")
-        except DecodeError:
-            self.counters["num_bad_reports"] += 1
-            return
-        out.finished_sending.update(report.finished_sending)
-        out.finished_recving.update(report.finished_recving)
-        out.invalid_block_ids.update(report.invalid_block_ids)
-        self.pending_sends.difference_update(report.finished_sending)
-        for req_id in report.finished_recving:
-            self.pending_recvs.pop(req_id, None)
-        self.counters.update(report.counters)
-
-    def _resolve_orphans(self, out: KVConnectorOutput) -> None:
-        out.finished_sending.update(self.pending_sends)
-        out.finished_recving.update(self.pending_recvs)
-        for block_ids in self.pending_recvs.values():
-            out.invalid_block_ids.update(block_ids)
-        self.pending_sends.clear()
-        self.pending_recvs.clear()
-
     def get_counters(self) -> dict[str, int]:
-        return self.counters
+        return self.pending.counters
 
     def wait_handles(self) -> list[object]:
         """What an event-driven loop blocks on: reports, and the worker's death."""

@@ -137,13 +137,14 @@ def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
 
 def test_agent_drops_garbage_reports():
     """The engine core's side of the connector socket: bad reports are counted, not fatal."""
-    from connector.agent import PDConnectorAgent
+    from connector.agent import PendingTransfers  # no worker process: just the bookkeeping
+    from connector.pd import PDConnectorMetadata
     from engine.outputs import KVConnectorOutput
-    agent = object.__new__(PDConnectorAgent)  # no worker process: just the handler
-    agent.counters, agent.pending_sends, agent.pending_recvs = {"num_bad_reports": 0}, {"r1"}, {}
+    pending = PendingTransfers()
+    pending.start(PDConnectorMetadata(reqs_to_send={"r1": [1]}))
     out = KVConnectorOutput()
     for data in (b"junk", CONNECTOR_CODEC.encode(ReadDone("r1")),
                  CONNECTOR_CODEC.encode(KVReport(["r1"], [], [], {"num_sent": 1}))):
-        agent._merge(data, out)
-    assert agent.counters["num_bad_reports"] == 2
-    assert out.finished_sending == {"r1"} and not agent.pending_sends
+        pending.merge(data, out)
+    assert pending.counters == {"num_bad_reports": 2, "num_sent": 1}
+    assert out.finished_sending == {"r1"} and not pending.sends

@@ -1,0 +1,222 @@
+"""The connector worker process: one per engine; moves KV blocks and reports completions. Runs in: connector-worker process.
+
+Prefill side: the sockets and the monotonic clock around connector/send_ledger.py,
+which decides what is held, until when, and how a read is answered; here reads are
+served (zmq transport), the shm handshake is answered, and finished_sending is
+reported when the ledger ends a send ("read done" or expiry). Decode side: pulls
+remote blocks into its engine's blocks, tells the prefill worker, and reports
+finished_recving (with invalid_block_ids when a pull fails). Reports go to the engine
+core at once; whether the engine reads them is the engine loop's liveness policy.
+"""
+from __future__ import annotations
+
+import heapq
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, KVHandle, KVReport,
+                                ReadBlocks, ReadDone, RecvSpec, RegisterKVCache, StepMeta,
+                                WorkerReady)
+from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
+from connector.transfer import Puller, TransferError
+from engine.kv_cache import KVCache, KVCacheHandle
+from engine.messages import DecodeError
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorWorkerConfig:
+    engine_id: str
+    agent_addr: str  # PAIR with the engine core's agent
+    kv_addr: str  # ROUTER for peer workers
+    transport: str = "shm"
+    kv_expiry_s: float = 480.0
+    pull_delay_ms: float = 0.0
+    drop_read_done: bool = False
+
+
+class ConnectorWorkerProc:
+    """The connector worker process's loop and sockets (vLLM's EngineCoreProc, for the connector)."""
+
+    def __init__(self, config: ConnectorWorkerConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        # No high-water mark: a parked (legacy) engine reads no reports for as long as
+        # it likes, and a full queue must not look like a dead engine.
+        self.agent = self._bind(zmq.PAIR, config.agent_addr, hwm=0)
+        self.peers = self._bind(zmq.ROUTER, config.kv_addr)
+        self.puller = Puller(self.ctx, config.transport)
+        self.kv_cache: KVCache | None = None
+        # Time is time.monotonic_ns() throughout: the ledger's clock.
+        self.ledger = SendLedger(round(config.kv_expiry_s * 1e9), config.drop_read_done)
+        self.pulls: list[tuple[int, int, RecvSpec]] = []  # heap of (due, seq, spec)
+        self._seq = 0
+        self.report = KVReport([], [], [], {})
+        self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
+                                       "num_bad_messages", "num_bytes_pulled"), 0)
+
+    def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.bind(addr)
+        return sock
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.agent.send(CONNECTOR_CODEC.encode(
+            WorkerReady(self.config.engine_id, os.getpid(), self.config.kv_addr)))
+        poller = zmq.Poller()
+        poller.register(self.agent, zmq.POLLIN)
+        poller.register(self.peers, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
+        while True:
+            ready = dict(poller.poll(self._poll_timeout_ms()))
+            if parent is not None and parent.sentinel in ready:
+                return  # the engine core is gone
+            if self.agent in ready:
+                self._drain(self.agent, self._on_agent_message)
+            if self.peers in ready:
+                self._drain(self.peers, self._on_peer_message)
+            self._fire_timers()
+            self._flush_report()
+
+    def _poll_timeout_ms(self) -> float | None:
+        """Until the next deadline (the ledger's or a pull's); None: block."""
+        dues = [t for t in (self.ledger.next_deadline(), self.pulls[0][0] if self.pulls else None)
+                if t is not None]
+        return None if not dues else max(0, (min(dues) - time.monotonic_ns()) / 1e6)
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        while sock.poll(0, zmq.POLLIN):
+            frames = sock.recv_multipart(copy=False)
+            try:
+                handle(frames)
+            except (DecodeError, ValueError):
+                self.counters["num_bad_messages"] += 1
+
+    def _fire_timers(self) -> None:
+        now = time.monotonic_ns()
+        self._apply(self.ledger.expire(now))
+        while self.pulls and self.pulls[0][0] <= now:
+            self._pull(heapq.heappop(self.pulls)[2])
+
+    # ---- engine side ---------------------------------------------------------------
+
+    def _on_agent_message(self, frames: list[zmq.Frame]) -> None:
+        msg = CONNECTOR_CODEC.decode(frames[0].bytes)
+        if isinstance(msg, RegisterKVCache):
+            self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
+        elif isinstance(msg, StepMeta):
+            now = time.monotonic_ns()
+            for req_id, block_ids in msg.reqs_to_send.items():
+                self._apply(self.ledger.register(req_id, block_ids, now))
+            for spec in msg.reqs_to_recv:
+                if not spec.local_block_ids:  # nothing to read: just release P's blocks
+                    self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+                    continue
+                self.counters["num_recvs_in_flight"] += 1
+                self._seq += 1
+                due = now + round(self.config.pull_delay_ms * 1e6)
+                heapq.heappush(self.pulls, (due, self._seq, spec))
+        else:
+            raise DecodeError(f"unexpected {type(msg).__name__} from the engine core")
+
+    def _apply(self, out: LedgerOutput) -> None:
+        """Do what the ledger decided: report finished sends, answer reads."""
+        self.report.finished_sending.extend(out.finished_sending)
+        for reply in out.replies:
+            self._reply(reply)
+
+    def _pull(self, spec: RecvSpec) -> None:
+        self.counters["num_recvs_in_flight"] -= 1
+        try:
+            if self.kv_cache is None:
+                raise TransferError("no KV cache registered")
+            self.puller.pull(self.kv_cache, spec)
+        except TransferError:
+            self.counters["num_failed_recvs"] += 1
+            self.report.invalid_block_ids.extend(spec.local_block_ids)
+        else:
+            self.counters["num_recved"] += 1
+            self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+        self.counters["num_bytes_pulled"] = self.puller.num_bytes_pulled
+        self.report.finished_recving.append(spec.req_id)
+
+    def _flush_report(self) -> None:
+        r = self.report
+        if not (r.finished_sending or r.finished_recving or r.invalid_block_ids):
+            return
+        counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
+                        oldest_send_age_ms=self._oldest_send_age_ms())
+        report = KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids, counters)
+        try:
+            self.agent.send(CONNECTOR_CODEC.encode(report), zmq.NOBLOCK)
+        except zmq.Again:  # the engine core is gone (a PAIR with no peer): so are we
+            raise SystemExit(0) from None
+        self.report = KVReport([], [], [], {})
+
+    def _oldest_send_age_ms(self) -> int:
+        oldest = self.ledger.oldest_registration()
+        return 0 if oldest is None else (time.monotonic_ns() - oldest) // 1_000_000
+
+    # ---- peer side -----------------------------------------------------------------
+
+    def _on_peer_message(self, frames: list[zmq.Frame]) -> None:
+        identity, payload = frames[0], frames[-1]
+        if len(frames) != 2:
+            raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
+        msg = CONNECTOR_CODEC.decode(payload.bytes)
+        if isinstance(msg, ReadDone):
+            self._apply(self.ledger.read_done(msg.req_id, time.monotonic_ns()))
+        elif isinstance(msg, ReadBlocks):
+            if self.kv_cache is None:  # nothing to read from: no hold either
+                self._reply(ReadReply(identity, msg.req_id, msg.block_ids, UNKNOWN_REQUEST))
+            else:
+                self._apply(self.ledger.read(identity, msg.req_id, msg.block_ids, time.monotonic_ns()))
+        elif isinstance(msg, GetKVHandle) and self.kv_cache is not None:
+            reply = KVHandle(self.config.engine_id, self.kv_cache.handle.to_dict())
+            self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
+        else:
+            raise DecodeError(f"unexpected {type(msg).__name__} from a peer")
+
+    def _reply(self, reply: ReadReply) -> None:
+        if not reply.ok or self.kv_cache is None:
+            msg = BlockData(reply.req_id, False, reply.error or UNKNOWN_REQUEST)
+            self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(msg)])
+            return
+        data = self.kv_cache.gather_blocks(reply.block_ids).numpy()  # sent without a copy
+        self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(BlockData(reply.req_id, True, "")),
+                                   data], copy=False)
+
+    def close(self) -> None:
+        self.puller.close()
+        self.agent.close(linger=0)
+        self.peers.close(linger=0)
+        self.ctx.term()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_connector_worker(config: ConnectorWorkerConfig) -> None:
+    """Process entry point (spawned by the engine core's connector agent)."""
+    import torch
+    torch.set_num_threads(1)  # block copies are memory-bound; idle OpenMP spinners
+    # would steal the CPU from the engines on a small machine
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    proc = ConnectorWorkerProc(config)
+    try:
+        proc.run()
+    finally:
+        proc.close()
