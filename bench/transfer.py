@@ -42,9 +42,8 @@ from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec
                                 RegisterKVCache, StepMeta, WorkerReady)
 from connector.transfer import PeerLink, Puller  # noqa: E402
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
+from engine.config import ModelConfig, get_model_config  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
-from engine.model import get_model_config  # noqa: E402
 
 NUM_BLOCKS = 64  # per pull
 CACHE_BLOCKS = 256  # per cache, block 0 is the null block

@@ -166,9 +166,6 @@ class BlockPool:
     def get_num_used_blocks(self) -> int:
         return self.num_used_blocks
 
-    def get_usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
-
     def check_invariants(self) -> None:
         """free + referenced == num_blocks - 1; no block both; hashes consistent."""
         free_ids = [b.block_id for b in self.free_block_queue]

@@ -16,17 +16,21 @@ import signal
 import time
 import traceback
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
 from engine.core import EngineCore
-from engine.kv_connector import KVConnectorRole
+from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
 from engine.mock_runner import MockModelRunner
 from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 
 class SignalWakeup:
@@ -44,12 +48,13 @@ class SignalWakeup:
         self.requested = True
 
 
-def import_factory(name: str):
+def import_factory(name: str) -> KVConnectorFactory:
+    """The connector factory named "module:function" (KVTransferConfig.kv_connector)."""
     module_name, _, attr = name.partition(":")
     return getattr(importlib.import_module(module_name), attr)
 
 
-def build_engine_core(config: EngineConfig):
+def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]:
     """The runner, the KV cache and both connector halves, composed from the config."""
     kv_cache = None
     if config.runner == "torch":

@@ -89,8 +89,10 @@ class KVConnectorRole(enum.Enum):
 
 
 class KVConnectorFactory(Protocol):
-    """Named in KVTransferConfig.kv_connector as "module:function" and imported by name
-    in the engine-core process, so the engine never imports a connector package."""
+    """The type of a connector factory: named in KVTransferConfig.kv_connector as
+    "module:function" and imported by name in the engine-core process (core_proc.
+    import_factory), which calls it once per role, so the engine never imports a
+    connector package."""
 
     def __call__(self, config: EngineConfig, role: KVConnectorRole,
                  kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase: ...

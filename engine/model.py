@@ -8,11 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, CausalAttentionMetadata
-from engine.config import MODEL_PRESETS, ModelConfig, get_model_config  # noqa: F401 (re-exported)
+from engine.config import ModelConfig
 
 EMBED_STD = 0.1  # small next to the layers' outputs, so a token does not just predict itself
-
-
 
 
 class RMSNorm(nn.Module):

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import PagedAttentionBuilder
-from engine.config import EngineConfig, ModelConfig
+from engine.config import MODEL_PRESETS, EngineConfig, ModelConfig, get_model_config
 from engine.kv_cache import KVCache, KVCacheHandle, resolve_device
-from engine.model import MODEL_PRESETS, LlamaForCausalLM, get_model_config
+from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv
