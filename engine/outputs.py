@@ -84,4 +84,5 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_stale_kv_reports: int = 0
     num_prefix_hit_tokens: int = 0
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (once per request)
     num_kv_load_failures: int = 0

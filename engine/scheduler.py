@@ -37,6 +37,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0  # vLLM's prefix_cache_queries: tokens looked up
         # ---- KV transfer state (see the KV transfer section below)
         self.finished_recving_kv_req_ids: set[str] = set()
         # Remote loads that lost blocks: req_id -> tokens still valid (a block boundary).
@@ -212,6 +213,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_local
             self.num_prefix_hit_tokens += num_local
+            self.num_prefix_query_tokens += request.num_tokens
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             self.connector.update_state_after_alloc(request, block_ids, num_external)
@@ -418,5 +420,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_stale_kv_reports=self.num_stale_kv_reports,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_prefix_query_tokens=self.num_prefix_query_tokens,
             num_kv_load_failures=self.num_kv_load_failures,
         )

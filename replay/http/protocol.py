@@ -1,0 +1,217 @@
+"""The OpenAI completions protocol as kvdrain's HTTP front speaks it: request checks and response bodies. Runs in: frontend process.
+
+Shapes follow vLLM 0.32 (vllm/entrypoints/openai/completion/protocol.py, serving.py,
+serve/engine/protocol.py): errors are {"error": {"message", "type", "param", "code"}};
+a stream is `data: <chunk>` events and `data: [DONE]`, the last chunk before it carrying
+only usage when `stream_options.include_usage` is true. Every check runs here, once, with
+the engines' limits, before anything reaches an engine:
+- `prompt`: a list of token ids, each below the vocabulary, or a string (see
+  tokenizer.py); not empty; at most max_model_len - 1 tokens (vLLM answers 400 "This
+  model's maximum context length is ..."). `max_tokens` >= 1 (default 16, vLLM's), cut
+  to what max_model_len leaves, as vLLM does.
+- `model`, when given, must be the served name (404 like vLLM).
+- types are checked strictly (400, `param` names the field); fields vLLM knows but
+  kvdrain's greedy engines cannot honour (n > 1, echo, logprobs, best_of, stop strings,
+  beam search) are refused (422); fields that are neither OpenAI's nor vLLM's are refused
+  (422: vLLM ignores them, but a verifier should not guess what `max_token` meant).
+  Sampling knobs that cannot change a greedy answer (temperature, top_p, seed, ...) are
+  accepted and ignored.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from replay.http.tokenizer import WordTokenizer
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
+               413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+# Accepted and ignored: cannot change what a greedy engine answers.
+_IGNORED = frozenset((
+    "temperature", "top_p", "top_k", "min_p", "seed", "user", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "logit_bias", "length_penalty",
+    "skip_special_tokens", "spaces_between_special_tokens", "priority", "suffix",
+    "include_stop_str_in_output", "add_special_tokens"))
+# vLLM's fields that would change the answer in ways kvdrain does not model -> the values
+# that change nothing (vLLM's defaults).
+_UNSUPPORTED = {"n": (1,), "best_of": (None, 1), "echo": (False, None), "logprobs": (None,),
+                "stop": (None, []), "use_beam_search": (False,), "min_tokens": (0,),
+                "prompt_logprobs": (None,), "stop_token_ids": (None, []),
+                "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,)}
+_KNOWN = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos",
+                    "kv_transfer_params", "request_id", "return_token_ids")) | _IGNORED | set(_UNSUPPORTED)
+
+
+class ApiError(Exception):
+    """A request the front refuses: an HTTP status and vLLM's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the front serves and the limits every request is checked against."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    engines: tuple[str, ...]
+    topology: str = "single"
+    liveness: str = ""
+
+    def card(self) -> dict:
+        """One /v1/models entry (vLLM's ModelCard, plus kvdrain's own facts)."""
+        return {"id": self.name, "object": "model", "created": int(time.time()),
+                "owned_by": "kvdrain", "root": self.name, "parent": None,
+                "max_model_len": self.max_model_len, "permission": [],
+                "kvdrain": {"vocab_size": self.vocab_size, "block_size": self.block_size,
+                            "engines": list(self.engines), "topology": self.topology,
+                            "liveness": self.liveness}}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionParams:
+    """A checked completion request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool  # vLLM's extension: token ids beside the text
+    kv_transfer_params: dict | None
+
+
+def _expect(body: dict, name: str, types: tuple[type, ...], default: object) -> object:
+    value = body.get(name, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join(t.__name__ for t in types)
+        raise ApiError(400, f"{name}: expected {names}, got {type(value).__name__}", name)
+    return value
+
+
+def parse_completion(body: object, model: ServedModel) -> CompletionParams:
+    """Check a decoded JSON body; raises ApiError saying what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"expected a JSON object, got {type(body).__name__}")
+    _check_fields(body)
+    name = _expect(body, "model", (str,), None)
+    if name is not None and name != model.name:
+        raise ApiError(404, f"The model `{name}` does not exist. Valid aliases: {model.name}.",
+                       "model")
+    prompt = _prompt_ids(body, model)
+    max_tokens = _expect(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    stream = _expect(body, "stream", (bool,), False)
+    include_usage = _include_usage(body, stream)
+    _expect(body, "ignore_eos", (bool,), False)  # kvdrain's engines have no EOS by default
+    return_token_ids = _expect(body, "return_token_ids", (bool,), False)
+    params = _expect(body, "kv_transfer_params", (dict,), None)
+    request_id = _expect(body, "request_id", (str,), None) or f"cmpl-{uuid.uuid4().hex}"
+    return CompletionParams(request_id, prompt, min(max_tokens, model.max_model_len - len(prompt)),
+                            stream, include_usage, return_token_ids, params)
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = _expect(body, "stream_options", (dict,), None)
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.",
+                       "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "stream_options.include_usage: expected bool", "stream_options")
+    return include_usage
+
+
+def _check_fields(body: dict) -> None:
+    for key in body:
+        if key not in _KNOWN:
+            raise ApiError(422, f"unknown field {key!r}", key)
+    for key, ok in _UNSUPPORTED.items():
+        value = body.get(key, ok[0])
+        if not any(value == v and type(value) is type(v) for v in ok):
+            raise ApiError(422, f"{key}={value!r} is not supported by kvdrain's engines "
+                                f"(greedy, one sequence, no stop strings)", key)
+
+
+def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
+    if "prompt" not in body:
+        raise ApiError(400, "prompt: field required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        if model.vocab_size < 256:
+            raise ApiError(422, "text prompts need a vocabulary of 256 tokens or more; "
+                                "send token ids", "prompt")
+        ids = WordTokenizer(model.vocab_size).encode(prompt)
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError(400, "prompt: expected a string or a list of token ids", "prompt")
+    if not ids:
+        raise ApiError(400, "The prompt cannot be empty.", "prompt")
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"Token id {bad} is out of vocabulary (vocab_size "
+                            f"{model.vocab_size}).", "prompt")
+    if len(ids) >= model.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {model.max_model_len} "
+                            f"tokens. However, your prompt contains {len(ids)} input tokens, "
+                            f"which leaves no room for an output token. Please reduce the "
+                            f"length of the input prompt.", "input_tokens")
+    return ids
+
+
+# ---- responses --------------------------------------------------------------------
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens + num_output_tokens,
+            "completion_tokens": num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def stream_chunk(request_id: str, model: str, created: int, text: str,
+                 token_ids: list[int] | None, finish_reason: str | None) -> dict:
+    """One streamed delta (vLLM's CompletionStreamResponse, exclude_unset)."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None, "token_ids": token_ids}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, usage_info: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [], "usage": usage_info}
+
+
+def completion(request_id: str, model: str, created: int, text: str,
+               token_ids: list[int] | None, finish_reason: str | None, usage_info: dict, kv_transfer_params: dict | None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None, "token_ids": token_ids}],
+            "usage": usage_info, "kv_transfer_params": kv_transfer_params}
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """kvdrain's "ignored" is vLLM's FINISHED_IGNORED, reported as "length"."""
+    return "length" if reason == "ignored" else reason
+
+
+def status_phrase(status: int) -> str:
+    return HTTPStatus(status).phrase
