@@ -9,7 +9,17 @@ STAMP := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH ?= $(if $(HAS_GPU),torch>=2.1,torch==2.13.0)
 
-.PHONY: run test install bench clean
+# `make parity` (never part of `make test`): vLLM 0.32.0's real v1 Scheduler beside
+# kvdrain's, step by step, in a separate venv (about 2 GB; see
+# ../shared/reference/vllm-parity.md). kvdrain is imported from the repo root, not
+# installed. PYTHONHASHSEED=0: vLLM iterates some sets, so fix their order.
+PARITY_VENV := .venv-parity
+PARITY_PY := $(PARITY_VENV)/bin/python
+PARITY_STAMP := $(PARITY_VENV)/.installed
+PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
+PARITY_ARGS ?= --seeds 10 --workload all
+
+.PHONY: run test install bench clean parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +40,16 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/scheduler_step.py $(if $(NANO_VLLM),--nano-vllm $(NANO_VLLM))
 
+$(PARITY_STAMP): $(PARITY_REQS)
+	$(PYTHON) -m venv $(PARITY_VENV)
+	$(PARITY_PY) -m pip install -q torch==2.13.0
+	$(PARITY_PY) -m pip install -q --no-deps vllm==0.32.0
+	$(PARITY_PY) -m pip install -q --no-deps -r $(PARITY_REQS)
+	touch $@
+
+parity: $(PARITY_STAMP)
+	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 \
+		$(PARITY_PY) -m tests.parity.run $(PARITY_ARGS)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PARITY_VENV) *.egg-info .pytest_cache .hypothesis

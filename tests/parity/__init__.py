@@ -1,0 +1,7 @@
+"""vLLM 0.32.0 parity harness: kvdrain's pure core beside vLLM's real v1 Scheduler (`make parity`)."""
+
+import os
+
+# Before anything imports vLLM: offline, and quiet (its load-failure warnings are expected).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

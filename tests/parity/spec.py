@@ -1,0 +1,109 @@
+"""Plain records shared by both sides of the parity harness: configs, requests, snapshots.
+
+Runs in: the parity venv only (imports neither vLLM nor kvdrain).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VOCAB_SIZE = 512  # kvdrain's default model vocabulary; tokens stay below it
+
+
+@dataclass(frozen=True, slots=True)
+class SchedConfig:
+    """What both schedulers are built from (kvdrain's EngineConfig fields)."""
+
+    num_blocks: int = 64  # includes the null block 0, on both sides
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    eos_token_id: int | None = None
+    role: str | None = None  # None: no connector; "P": kv_producer; "D": kv_consumer
+    legacy: bool = False  # pre-#43433 liveness on both sides
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    remote: str | None = None  # "decode" (P side) or "prefill" (D side)
+
+    def kv_transfer_params(self, block_size: int) -> dict | None:
+        """Fresh params (both schedulers mutate them), like a router would send."""
+        if self.remote == "decode":
+            return {"do_remote_decode": True}
+        if self.remote != "prefill":
+            return None
+        num_blocks = -(-len(self.prompt) // block_size)
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": "P",
+            "remote_request_id": f"p-{self.req_id}",
+            "remote_block_ids": list(range(1, num_blocks + 1)),
+            "remote_host": "localhost",  # vLLM's NIXL needs host, port and tp_size
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_addr": "",  # kvdrain's name for the host
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    tick: int
+    spec: RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    tick: int
+    req_id: str
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    seed: int
+    config: SchedConfig
+    events: list[Arrival | Abort]
+    eos_prob: float = 0.0  # chance that a sampled token is EOS
+    stop_prob: float = 0.0  # chance that a sampled token is one of the request's stop ids
+    max_report_delay: int = 0  # ticks before the fake connector worker reports a transfer
+    load_failure_prob: float = 0.0  # chance that a remote load loses one block
+    num_ticks: int = 200
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One request's output of one step, as the frontend sees it."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything compared after a tick; equal snapshots mean the sides agree."""
+
+    stepped: bool = False
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    outputs: list[StepOutput] = field(default_factory=list)
+    free: int = 0
+    used: int = 0
+    cached_free: int = 0  # free blocks that still hold a prefix hash (evictable)
+    running: int = 0
+    waiting: int = 0  # every unfinished request not running (all waiting queues)
+    waiting_for_remote_kvs: int = 0
+    held: int = 0  # finished but blocks still held (delayed free, aborted load)
+    evictions: int = 0
+    preemptions: int = 0
+    has_requests: bool = False
+    has_unfinished_requests: bool = False
+    block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def diff(self, other: Snapshot) -> list[str]:
+        """Names of the fields that differ."""
+        return [name for name in self.__slots__ if getattr(self, name) != getattr(other, name)]

@@ -1,0 +1,221 @@
+"""vLLM 0.32.0's real v1 Scheduler, built offline on the CPU, behind the harness's side API.
+
+Runs in: the parity venv (.venv-parity), never in the default test run. Recipe from
+shared/reference/vllm-parity.md: a tiny Llama config.json in a temp dir, HF_HUB_OFFLINE,
+async_scheduling=False (the synchronous Scheduler), a hand-made KVCacheConfig and, for
+P/D, the NIXL connector's scheduler half (no NIXL library needed).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig,  # noqa: E402
+                         ModelConfig, SchedulerConfig, VllmConfig)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from tests.parity.fakes import FakeKVWorker, FakeModel  # noqa: E402
+from tests.parity.spec import RequestSpec, SchedConfig, Snapshot, StepOutput  # noqa: E402
+from tests.parity.switches import VllmSwitches, apply  # noqa: E402
+
+# Expected events (a failed load, recovered or failed) are not news here.
+logging.getLogger("vllm").setLevel(logging.CRITICAL)
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+}
+KV_ROLES = {"P": "kv_producer", "D": "kv_consumer"}
+
+
+def _model_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "kvdrain-parity-tiny-llama")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return path
+
+
+def build_vllm_config(config: SchedConfig, switches: VllmSwitches) -> VllmConfig:
+    model = ModelConfig(model=_model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
+                        max_model_len=config.max_model_len)
+    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=config.max_model_len, enable_chunked_prefill=True,
+                            is_encoder_decoder=False, async_scheduling=False,
+                            scheduler_reserve_full_isl=switches.reserve_full_isl)
+    kv_transfer = None
+    if config.role is not None:
+        kv_transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=KV_ROLES[config.role],
+                                       engine_id=config.role,
+                                       kv_load_failure_policy=switches.kv_load_failure_policy)
+    vllm_config = VllmConfig(model_config=model, scheduler_config=sched,
+                             cache_config=CacheConfig(block_size=config.block_size,
+                                                      enable_prefix_caching=True),
+                             device_config=DeviceConfig("cpu"), kv_transfer_config=kv_transfer)
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    return vllm_config
+
+
+def build_scheduler(config: SchedConfig, switches: VllmSwitches) -> Scheduler:
+    vllm_config = build_vllm_config(config, switches)
+    spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=config.block_size)
+
+
+def patch_legacy_liveness(scheduler: Scheduler) -> None:
+    """vLLM before #43433: only finished ids not yet shipped count as finished work."""
+    scheduler.has_finished_requests = lambda: bool(scheduler.finished_req_ids)
+
+
+class SortedSet(set):
+    """A set that iterates in sorted order.
+
+    vLLM frees finished_sending (and promotes finished_recving) in set iteration order,
+    which depends on PYTHONHASHSEED; kvdrain sorts. Iterating sorted feeds vLLM the
+    same order, so the comparison is about scheduling, not about hash seeds.
+    """
+
+    def __iter__(self):
+        return iter(sorted(set.__iter__(self)))
+
+
+class EvictionCounter:
+    """Counts prefix-cache evictions (a hashed block reused for new data)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.count = 0
+        original = pool._maybe_evict_cached_block
+
+        def counting(block):
+            evicted = original(block)
+            self.count += bool(evicted)
+            return evicted
+
+        pool._maybe_evict_cached_block = counting
+
+
+class VllmSide:
+    name = "vllm"
+
+    def __init__(self, config: SchedConfig, model: FakeModel, worker: FakeKVWorker,
+                 switches: VllmSwitches = VllmSwitches()) -> None:
+        init_none_hash(sha256)
+        self.config = config
+        self.model = model
+        self.worker = worker
+        self.scheduler = build_scheduler(config, switches)
+        apply(self.scheduler, switches)
+        if config.legacy:
+            patch_legacy_liveness(self.scheduler)
+        self.block_hasher = get_request_block_hasher(config.block_size, sha256)
+        self.evictions = EvictionCounter(self.scheduler.kv_cache_manager.block_pool)
+        self.num_preemptions = 0
+        self.stop_ids: dict[str, tuple[int, ...]] = {}
+
+    def add(self, spec: RequestSpec) -> None:
+        params = SamplingParams(max_tokens=spec.max_tokens,
+                                stop_token_ids=list(spec.stop_token_ids) or None)
+        params.update_from_generation_config({}, self.config.eos_token_id)
+        request = Request(spec.req_id, list(spec.prompt), params, None,
+                          block_hasher=self.block_hasher)
+        request.kv_transfer_params = spec.kv_transfer_params(self.config.block_size)
+        self.stop_ids[spec.req_id] = spec.stop_token_ids
+        self.scheduler.add_request(request)
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    def step(self, now: int) -> Snapshot:
+        """EngineCore.step(): nothing when has_requests() is false (the loop would block)."""
+        if not self.scheduler.has_requests():
+            return self.snapshot(Snapshot())
+        sched_out = self.scheduler.schedule()
+        self.num_preemptions += len(sched_out.preempted_req_ids)
+        self._register_transfers(now, sched_out.kv_connector_metadata)
+        runner_out = self._run_model(sched_out, now)
+        engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        snap = Snapshot(stepped=True, num_scheduled=dict(sched_out.num_scheduled_tokens))
+        for eco in engine_outputs.values():
+            snap.outputs.extend(StepOutput(o.request_id, tuple(o.new_token_ids),
+                                           str(o.finish_reason) if o.finish_reason is not None else None)
+                                for o in eco.outputs)
+        snap.outputs.sort(key=lambda o: o.req_id)
+        return self.snapshot(snap)
+
+    def _register_transfers(self, now: int, meta) -> None:
+        if meta is None:
+            return
+        sends = sorted(meta.reqs_to_send)
+        # Only loads the scheduler parked in WAITING_FOR_REMOTE_KVS are reported back;
+        # a notify-only receive (an aborted request's empty read) is not (awaiting_kvs).
+        recvs = {req_id: list(m.local_block_ids[0]) for req_id, m in meta.reqs_to_recv.items()
+                 if m.awaiting_kvs}
+        self.worker.register(now, sends, recvs)
+
+    def _run_model(self, sched_out, now: int) -> ModelRunnerOutput:
+        req_ids = list(sched_out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            done = request.num_computed_tokens >= request.num_tokens
+            token = self.model.token(req_id, request.num_output_tokens, self.stop_ids[req_id])
+            sampled.append([token] if done else [])
+        out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        reports = self.worker.reports(now)
+        if self.config.role is not None:
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=SortedSet(reports.finished_sending) or None,
+                finished_recving=SortedSet(reports.finished_recving) or None,
+                invalid_block_ids=set(reports.invalid_block_ids))
+        return out
+
+    def snapshot(self, snap: Snapshot) -> Snapshot:
+        sched = self.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        free_blocks = list(_iter_free(pool))
+        snap.free = pool.get_num_free_blocks()
+        snap.used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        snap.cached_free = sum(1 for b in free_blocks if b.block_hash is not None)
+        num_running, num_waiting = sched.get_request_counts()
+        snap.running, snap.waiting = num_running, num_waiting
+        snap.waiting_for_remote_kvs = sum(1 for r in sched.requests.values()
+                                          if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        snap.held = len(sched.requests) - num_running - num_waiting
+        snap.evictions = self.evictions.count
+        snap.preemptions = self.num_preemptions
+        snap.has_requests = sched.has_requests()
+        snap.has_unfinished_requests = sched.has_unfinished_requests()
+        snap.block_tables = {req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id)[0])
+                             for req_id in sorted(sched.requests)}
+        return snap
+
+
+def _iter_free(pool: BlockPool):
+    block = pool.free_block_queue.fake_free_list_head.next_free_block
+    while block is not None and block is not pool.free_block_queue.fake_free_list_tail:
+        yield block
+        block = block.next_free_block
