@@ -1,0 +1,358 @@
+"""The replay target over HTTP: a trace sent to any OpenAI-compatible server, its /metrics scraped. Runs in: frontend process.
+
+`replay --target http://HOST:PORT` (vLLM, SGLang, a P/D proxy, kvdrain's `serve --http`):
+- every request is sent at origin + t/speedup (the shaping's times) from one monotonic
+  origin, as a streaming POST /v1/completions with max_tokens, ignore_eos and
+  stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
+  them) or, with --prompt-format text, those ids as the word tokenizer's text;
+- per request: send lateness, TTFT, inter-token latencies, end-to-end latency, tokens
+  (the final usage chunk, else what streamed), errors (HTTP status and message);
+- every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
+  EngineSample records the other drivers produce, so replay/verify/rules.py judges the
+  idle windows from the server's own metrics.
+The result is a Timeline; `meta["http"]` holds the server's identity, each URL's scrape
+status and the latency summary; `http_verdict` turns it and the Verdict into verified,
+violation or inconclusive.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import aiohttp
+
+from replay.http.scrape import MetricsSource, Scraper
+from replay.http.tokenizer import WordTokenizer
+from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest
+from replay.trace.synth import synth_prompt
+from replay.verify.timeline import AbortRecord, RequestRecord, Timeline, output_digest
+
+LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
+DEFAULT_VOCAB_SIZE = 32000  # token ids below this are valid for Llama-2/Mistral and larger
+PROMPT_FORMATS = ("ids", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpTargetOptions:
+    base_url: str  # http://HOST:PORT (a trailing /v1 is fine)
+    metrics: tuple[MetricsSource, ...] = ()
+    model: str | None = None  # None: the first model /v1/models lists
+    prompt_format: str = "ids"
+    scrape_interval_s: float = 0.1
+    api_key: str | None = None
+    vocab_size: int | None = None  # None: the server's (kvdrain says it), else DEFAULT_VOCAB_SIZE
+    tail_s: float = 3.0
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format: must be one of {PROMPT_FORMATS}")
+        for name in ("scrape_interval_s", "tail_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
+
+
+@dataclass(slots=True)
+class ServerIdentity:
+    """Who answered: what /v1/models and the Server header say."""
+
+    base_url: str
+    model: str
+    server_header: str | None
+    owned_by: str | None
+    max_model_len: int | None
+    vocab_size: int
+    models: list[str] = field(default_factory=list)
+    kvdrain: dict | None = None  # kvdrain's own facts (engines, topology, liveness)
+
+    def to_dict(self) -> dict:
+        return {"base_url": self.base_url, "model": self.model, "server": self.server_header,
+                "owned_by": self.owned_by, "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size, "models": self.models, "kvdrain": self.kvdrain}
+
+
+def api_root(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> ServerIdentity:
+    """GET /v1/models; ConnectionError when nothing usable answers."""
+    url = api_root(options.base_url) + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
+            body = await response.json(content_type=None)
+            if response.status != 200:
+                raise ConnectionError(f"{url}: HTTP {response.status}: {_error_message(body)}")
+            server = response.headers.get("Server")
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) for c in cards):
+        raise ConnectionError(f"{url}: no models listed")
+    names = [str(c.get("id")) for c in cards]
+    model = options.model or names[0]
+    card = cards[names.index(model)] if model in names else {}
+    extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
+    vocab = options.vocab_size or (extra or {}).get("vocab_size") or DEFAULT_VOCAB_SIZE
+    return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
+                          card.get("max_model_len"), int(vocab), names, extra)
+
+
+def _error_message(body: object) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    return str(body)[:200]
+
+
+@dataclass(slots=True)
+class _Stream:
+    """What one streamed response said."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # replay seconds of each content chunk
+    finish_reason: str | None = None
+    usage_completion_tokens: int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class HttpReplay:
+    def __init__(self, options: HttpTargetOptions) -> None:
+        self.options = options
+        self.origin = 0.0
+        self.identity: ServerIdentity | None = None
+        self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
+        self.requests: dict[str, RequestRecord] = {}
+        self.itls: dict[str, list[float]] = {}
+        self.arrivals: list[float] = []
+        self.aborts: list[AbortRecord] = []
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.aborted: set[str] = set()  # aborted by the trace (not given up on)
+        self.end_t = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    def run(self, records: Iterable[TraceRecord]) -> Timeline:
+        return asyncio.run(self.run_async(records))
+
+    async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
+        headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+            self.identity = await probe(session, self.options)
+            self.origin = time.monotonic() + LEAD_IN_S
+            for scraper in self.scrapers:
+                scraper.origin = self.origin
+                await scraper.scrape(session)  # picks the metric and names the engines
+            scraping = asyncio.create_task(self._scrape_loop(session))
+            try:
+                await self._send_all(session, records)
+                await self._finish()
+            finally:
+                scraping.cancel()
+                await asyncio.gather(scraping, return_exceptions=True)
+            for scraper in self.scrapers:  # a last reading, after the tail
+                await scraper.scrape(session)
+            self.end_t = self.now()
+        return self._timeline()
+
+    async def _send_all(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
+        for record in records:
+            if isinstance(record, (TraceRequest, TraceAbort)):
+                delay = record.t - self.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            if isinstance(record, TraceRequest):
+                self._start(session, record)
+            elif isinstance(record, TraceAbort):
+                task = self.tasks.get(record.req_id)
+                if task is not None and not task.done():
+                    self.aborted.add(record.req_id)
+                    task.cancel()  # the connection closes: the server aborts it
+                self.aborts.append(AbortRecord(self.now(), record.req_id))
+
+    def _start(self, session: aiohttp.ClientSession, req: TraceRequest) -> None:
+        prompt = synth_prompt(req, self.identity.vocab_size)
+        record = RequestRecord(req.req_id, req.t, 0.0, 0.0, None, None, len(prompt), 0, 0, None)
+        self.requests[req.req_id] = record
+        self.arrivals.append(req.t)
+        self.tasks[req.req_id] = asyncio.create_task(self._request(session, req, prompt, record))
+
+    async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
+        interval, k = self.options.scrape_interval_s, 0
+        while True:
+            k += 1
+            delay = k * interval - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:  # fell behind (a slow server): skip the missed slots
+                k = int(self.now() / interval)
+            await asyncio.gather(*(s.scrape(session) for s in self.scrapers))
+
+    async def _finish(self) -> None:
+        """Wait for open requests (bounded), then observe the tail."""
+        open_tasks = [t for t in self.tasks.values() if not t.done()]
+        if open_tasks:
+            await asyncio.wait(open_tasks, timeout=self.options.request_timeout_s)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.sleep(self.options.tail_s)
+
+    # ---- one request -------------------------------------------------------------------
+
+    def _payload(self, req: TraceRequest, prompt: list[int]) -> dict:
+        identity = self.identity
+        text = self.options.prompt_format == "text"
+        payload = {"model": identity.model,
+                   "prompt": WordTokenizer(max(identity.vocab_size, 256)).decode(prompt) if text else prompt,
+                   "max_tokens": req.max_tokens, "stream": True,
+                   "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if identity.owned_by in ("vllm", "kvdrain"):
+            payload["return_token_ids"] = True  # vLLM's extension: token ids for the digest
+        return payload
+
+    async def _request(self, session: aiohttp.ClientSession, req: TraceRequest,
+                       prompt: list[int], record: RequestRecord) -> None:
+        url = api_root(self.options.base_url) + "/v1/completions"
+        stream = _Stream()
+        record.send_t = self.now()
+        record.send_lateness_s = record.send_t - req.t
+        try:
+            async with session.post(url, json=self._payload(req, prompt)) as response:
+                if response.status != 200:
+                    body = await response.read()
+                    stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"
+                else:
+                    await self._read_stream(response, stream)
+        except asyncio.CancelledError:
+            if record.req_id not in self.aborted:
+                return  # given up after request_timeout_s: it never ended
+            stream.finish_reason = "abort"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            stream.error = f"{type(e).__name__}: {e}"
+        self._close(record, stream)
+
+    async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
+        async for line in response.content:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                stream.error = _error_message(chunk)
+                continue
+            _apply_chunk(stream, chunk, self.now())
+
+    def _close(self, record: RequestRecord, stream: _Stream) -> None:
+        record.end_t = self.now()
+        times = stream.chunk_times
+        record.first_token_t = times[0] if times else None
+        self.itls[record.req_id] = [b - a for a, b in zip(times, times[1:])]
+        record.num_output_tokens = stream.usage_completion_tokens if \
+            stream.usage_completion_tokens is not None else len(stream.tokens) or len(times)
+        record.num_prefix_hit_tokens = stream.num_cached_tokens
+        record.finish_reason = "error" if stream.error else (stream.finish_reason or "error")
+        record.error = stream.error or (None if stream.finish_reason else "stream ended without a finish_reason")
+        record.output_digest = output_digest(stream.tokens) if stream.tokens else \
+            output_digest([]) if not stream.text else _text_digest(stream.text)
+
+    # ---- the result ------------------------------------------------------------------
+
+    def _timeline(self) -> Timeline:
+        samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
+        engines = list(dict.fromkeys(s.engine for s in samples))
+        num_blocks = {s.engine: s.num_blocks for s in samples}
+        meta = {"driver": "http", "target": self.options.base_url,
+                "http": {"server": self.identity.to_dict() if self.identity else None,
+                         "metrics": [s.status() for s in self.scrapers],
+                         "prompt_format": self.options.prompt_format,
+                         "scrape_interval_s": self.options.scrape_interval_s,
+                         "latency": latency_summary(self.requests.values(), self.itls)}}
+        return Timeline(engines=engines, num_blocks=num_blocks, samples=samples,
+                        requests=list(self.requests.values()), arrivals=self.arrivals,
+                        aborts=self.aborts, end_t=self.end_t, counters={}, meta=meta)
+
+
+def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        stream.usage_completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        stream.num_cached_tokens = int(details.get("cached_tokens") or 0)
+    for choice in chunk.get("choices") or ():
+        token_ids = choice.get("token_ids") or []
+        text = choice.get("text") or ""
+        if token_ids or text:
+            stream.chunk_times.append(now)
+            stream.tokens.extend(token_ids)
+            stream.text.append(text)
+        if choice.get("finish_reason") is not None:
+            stream.finish_reason = choice["finish_reason"]
+
+
+def _json_or_text(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
+
+
+def _text_digest(pieces: list[str]) -> str:
+    return hashlib.sha256("".join(pieces).encode()).hexdigest()[:16]
+
+
+def latency_summary(records, itls: dict[str, list[float]]) -> dict:
+    """vllm bench serve's keys (ms): mean, median and p99 of TTFT, TPOT, ITL and E2E."""
+    done = [r for r in records if r.end_t is not None and r.error is None and r.finish_reason != "abort"]
+    ttft = [r.first_token_t - r.send_t for r in done if r.first_token_t is not None]
+    e2e = [r.end_t - r.send_t for r in done]
+    tpot = [(r.end_t - r.first_token_t) / (r.num_output_tokens - 1) for r in done
+            if r.first_token_t is not None and r.num_output_tokens > 1]
+    itl = [x for r in done for x in itls.get(r.req_id, ())]
+    out: dict[str, float | int] = {"completed": len(done)}
+    for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        values = sorted(values)
+        out[f"mean_{key}_ms"] = 1000 * sum(values) / len(values) if values else 0.0
+        out[f"median_{key}_ms"] = 1000 * values[len(values) // 2] if values else 0.0
+        out[f"p99_{key}_ms"] = 1000 * values[min(len(values) - 1, int(0.99 * len(values)))] if values else 0.0
+    return out
+
+
+EXIT_CODES = {"verified": 0, "violation": 1, "inconclusive": 3}
+
+
+def http_verdict(timeline: Timeline, verdict) -> tuple[str, list[str]]:
+    """verified | violation | inconclusive, and why it is inconclusive.
+
+    A leak seen in the server's own metrics is a violation whatever else went wrong;
+    otherwise the run proves nothing (inconclusive) when KV usage was not observed
+    throughout: no metrics URL, no KV-usage metric, a failed scrape, a metric that never
+    moved (always one value: the check would be vacuous), or no idle window at all.
+    """
+    if not verdict.ok:
+        return "violation", []
+    http = timeline.meta.get("http", {})
+    reasons = [] if http.get("metrics") else ["no --metrics URL: KV usage was not observed"]
+    for status in http.get("metrics", []):
+        if status["metric"] is None:
+            reasons.append(f"{status['url']}: no KV-usage metric ({status['errors'][:1]})")
+        elif status["num_failures"]:
+            reasons.append(f"{status['url']}: {status['num_failures']} of {status['num_scrapes']} "
+                           f"scrapes failed (first: {status['errors'][0]})")
+    for engine in timeline.engines:
+        values = {s.num_used_blocks for s in timeline.samples_for(engine)}
+        if len(values) <= 1:
+            reasons.append(f"{engine}: KV usage never moved (always {next(iter(values), 0)})")
+    if timeline.engines and not verdict.windows:
+        reasons.append("no idle window to check")
+    return ("inconclusive" if reasons else "verified"), reasons

@@ -1,0 +1,227 @@
+"""Scraping Prometheus metrics URLs into per-engine KV-usage samples. Runs in: frontend process.
+
+Each --metrics URL is fetched (aiohttp) and parsed with prometheus_client's parser.
+The KV-usage metric is the first of KV_METRICS the server exposes:
+- `vllm:kv_cache_usage_perc` (vLLM >= 0.10), `vllm:gpu_cache_usage_perc` (older vLLM):
+  a fraction of the usable blocks. When `vllm:cache_config_info` says num_gpu_blocks
+  (vLLM and kvdrain do), usage becomes blocks (num_gpu_blocks - 1 usable: the null
+  block); otherwise parts per million of the pool.
+- `sglang:token_usage`: a fraction of the token pool, as tokens when
+  `sglang:max_total_num_tokens` is there, otherwise parts per million.
+- `kvdrain:kv_blocks_used` with `kvdrain:kv_blocks_free`: blocks.
+A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a leak).
+Series are told apart by their `engine` label; a URL given as NAME=URL names its
+engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
+loop state and step counts are read where the server has them (kvdrain), else 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from replay.verify.timeline import EngineSample
+
+KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+              "kvdrain:kv_blocks_used")
+PPM = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSource:
+    """One --metrics argument: NAME=URL or URL."""
+
+    url: str
+    name: str | None = None
+
+    @staticmethod
+    def parse(arg: str) -> MetricsSource:
+        name, sep, url = arg.partition("=")
+        if not sep or "://" in name:
+            name, url = None, arg
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"--metrics: expected [NAME=]http://HOST:PORT/metrics, got {arg!r}")
+        return MetricsSource(url, name or None)
+
+
+def parse_metrics(text: str) -> dict[str, list]:
+    """Sample name -> its samples (prometheus_client Sample: name, labels, value)."""
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def family_names(samples: dict[str, list]) -> list[str]:
+    """The vllm:, sglang: and kvdrain: metric families among `samples`."""
+    names = set()
+    for name in samples:
+        for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
+            name = name.removesuffix(suffix)
+        if name.split(":")[0] in ("vllm", "sglang", "kvdrain"):
+            names.add(name)
+    return sorted(names)
+
+
+def choose_metric(samples: dict[str, list]) -> str | None:
+    return next((name for name in KV_METRICS if name in samples), None)
+
+
+@dataclass(slots=True)
+class Scraped:
+    """One engine's reading from one scrape."""
+
+    engine_label: str
+    used: int
+    free: int
+    cached: int
+    unit: str  # "blocks" | "tokens" | "ppm"
+    labels: dict[str, float] = field(default_factory=dict)  # other gauges by sample name
+
+
+def read_engines(samples: dict[str, list], metric: str) -> list[Scraped]:
+    """Every engine's KV usage in `samples` per `metric` (see the module docstring)."""
+    out = []
+    for sample in samples.get(metric, []):
+        engine = sample.labels.get("engine", "")
+        used, total, unit = _usage(samples, metric, sample.value, engine)
+        cached = int(_gauge(samples, "kvdrain:kv_blocks_cached", engine)) if unit == "blocks" else 0
+        extra = {name: _gauge(samples, name, engine) for name in _EXTRA}
+        out.append(Scraped(engine, used, max(total - used, 0), cached, unit, extra))
+    return out
+
+
+_EXTRA = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+          "kvdrain:requests_waiting_for_remote_kvs", "kvdrain:delayed_free_requests",
+          "kvdrain:engine_steps_total", "kvdrain:engine_wakeups_total")
+
+
+def _usage(samples: dict[str, list], metric: str, value: float, engine: str) -> tuple[int, int, str]:
+    if metric == "kvdrain:kv_blocks_used":
+        used = int(value)
+        return used, used + int(_gauge(samples, "kvdrain:kv_blocks_free", engine)), "blocks"
+    if metric == "sglang:token_usage":
+        total, unit = int(_gauge(samples, "sglang:max_total_num_tokens", engine)), "tokens"
+    else:
+        total = _num_gpu_blocks(samples, engine) - 1
+        unit = "blocks"
+    if total <= 0:
+        total, unit = PPM, "ppm"
+    used = min(total, round(value * total))
+    if value > 0 and used == 0:
+        used = 1
+    return used, total, unit
+
+
+def _num_gpu_blocks(samples: dict[str, list], engine: str) -> int:
+    for sample in samples.get("vllm:cache_config_info", []):
+        if sample.labels.get("engine", "") in (engine, ""):
+            try:
+                return int(sample.labels.get("num_gpu_blocks", "0"))
+            except ValueError:  # "None" before the profile run
+                return 0
+    return 0
+
+
+def _gauge(samples: dict[str, list], name: str, engine: str) -> float:
+    return next((s.value for s in samples.get(name, []) if s.labels.get("engine", "") == engine),
+                0.0)
+
+
+def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
+    """The name one series gets in the timeline."""
+    if source.name is not None:
+        return source.name if num_labels == 1 else f"{source.name}:{label}"
+    if num_labels > 1 or (label and not label.isdigit()):
+        return label
+    return urlsplit(source.url).netloc + (f":{label}" if label and label != "0" else "")
+
+
+def to_sample(t: float, engine: str, scraped: Scraped, loop_state: str) -> EngineSample:
+    g = scraped.labels
+    return EngineSample(
+        t=t, engine=engine, num_used_blocks=scraped.used, num_cached_blocks=scraped.cached,
+        num_free_blocks=scraped.free, num_blocks=scraped.used + scraped.free,
+        num_waiting=int(g.get("vllm:num_requests_waiting", 0)), num_skipped_waiting=0,
+        num_waiting_for_remote_kvs=int(g.get("kvdrain:requests_waiting_for_remote_kvs", 0)),
+        num_running=int(g.get("vllm:num_requests_running", 0)),
+        num_finished_awaiting_free=int(g.get("kvdrain:delayed_free_requests", 0)),
+        loop_state=loop_state, num_steps=int(g.get("kvdrain:engine_steps_total", 0)),
+        num_wakeups=int(g.get("kvdrain:engine_wakeups_total", 0)))
+
+
+def loop_state(samples: dict[str, list], engine: str) -> str:
+    """kvdrain's loop state, or "unknown" for servers that do not say."""
+    for sample in samples.get("kvdrain:loop_state", []):
+        if sample.labels.get("engine") == engine and sample.value == 1:
+            return sample.labels.get("state", "unknown")
+    return "unknown"
+
+
+
+@dataclass(slots=True)
+class Scraper:
+    """One metrics URL over a replay: its samples on the replay's clock, and what went wrong."""
+
+    source: MetricsSource
+    origin: float  # time.monotonic() of the replay's t = 0
+    timeout_s: float = 2.0
+    metric: str | None = None
+    unit: str | None = None
+    names_found: list[str] = field(default_factory=list)  # vllm:/sglang:/kvdrain: families
+    engines: dict[str, str] = field(default_factory=dict)  # engine label -> timeline name
+    samples: list[EngineSample] = field(default_factory=list)
+    num_scrapes: int = 0
+    num_failures: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few failures, in order
+
+    async def scrape(self, session: aiohttp.ClientSession) -> bool:
+        """One scrape; False (and a counted failure) if it gave no usable KV reading."""
+        self.num_scrapes += 1
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            async with session.get(self.source.url, timeout=timeout) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+            t = time.monotonic() - self.origin
+            return self._read(parse_metrics(text), t)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as e:
+            return self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+
+    def _fail(self, error: str) -> bool:
+        self.num_failures += 1
+        if len(self.errors) < 5:
+            self.errors.append(error)
+        return False
+
+    def _read(self, samples: dict[str, list], t: float) -> bool:
+        if self.metric is None:
+            self.metric = choose_metric(samples)
+            self.names_found = family_names(samples)
+            if self.metric is None:
+                return self._fail(f"none of {', '.join(KV_METRICS)} is exposed")
+        readings = read_engines(samples, self.metric)
+        if not readings:
+            return self._fail(f"{self.metric} is gone")
+        for scraped in readings:
+            name = self.engines.get(scraped.engine_label)
+            if name is None:
+                name = engine_name(self.source, scraped.engine_label, len(readings))
+                self.engines[scraped.engine_label] = name
+            self.unit = scraped.unit
+            self.samples.append(to_sample(t, name, scraped, loop_state(samples, scraped.engine_label)))
+        return True
+
+    def status(self) -> dict:
+        """For the report: which metric, in what unit, what was found, what failed."""
+        return {"url": self.source.url, "metric": self.metric, "unit": self.unit,
+                "engines": dict(self.engines), "metric_names_found": self.names_found,
+                "num_scrapes": self.num_scrapes, "num_failures": self.num_failures,
+                "errors": list(self.errors)}

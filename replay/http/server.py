@@ -1,0 +1,314 @@
+"""kvdrain's OpenAI-compatible HTTP front (`serve --http`): completions, models, health, metrics. Runs in: frontend process.
+
+One asyncio thread owns everything: aiohttp's handlers call the router directly (it is
+not thread-safe, and needs no lock here), and a pump task polls the router for outputs
+(every millisecond while requests are open, every 10 ms otherwise) and hands each to
+its request's queue, and keeps the latest stats snapshot of every engine for /metrics.
+Outputs of requests the front does not own (a zmq `serve` client's, when both fronts
+share the router) wait in `other_outputs` / `other_stats` for their owner; `on_tick`
+runs once per pump round for such a co-tenant.
+
+A client that disconnects aborts its request (aiohttp cancels the handler, as vLLM
+aborts on disconnect). Nothing a client sends reaches an engine unchecked (protocol.py);
+errors are vLLM's JSON error bodies with their status codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import itertools
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+from engine.messages import StatsSnapshot
+from engine.outputs import RequestOutput
+from replay.http import protocol
+from replay.http.metrics import EngineCollector, FrontStats
+from replay.http.protocol import ApiError, CompletionParams, ServedModel
+from replay.http.tokenizer import WordTokenizer
+
+POLL_BUSY_S = 0.001
+POLL_IDLE_S = 0.010
+SERVER_HEADER = "kvdrain (aiohttp)"
+GUARDED_PREFIX = "/v1"  # like vLLM's --api-key: /health and /metrics stay open
+
+
+@dataclass(frozen=True, slots=True)
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (HttpFront.port says which)
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20  # larger bodies: 413
+
+
+@dataclass(slots=True)
+class _Open:
+    """A request between its POST and its final output."""
+
+    client_id: str
+    params: CompletionParams
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_t: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finished: bool = False  # its final output arrived
+
+
+class HttpFront:
+    def __init__(self, router, model: ServedModel, options: HttpOptions = HttpOptions(),
+                 on_tick: Callable[[HttpFront], None] | None = None) -> None:
+        self.router = router
+        self.model = model
+        self.options = options
+        self.on_tick = on_tick
+        self.open: dict[str, _Open] = {}  # internal id -> request
+        self.client_ids: dict[str, str] = {}  # client's request id -> internal id
+        self.latest: dict[str, StatsSnapshot] = {}
+        self.front = {engine: FrontStats() for engine in model.engines}
+        self.answering_engine = model.engines[-1]  # D in a P/D topology
+        self.other_outputs: list[RequestOutput] = []
+        self.other_stats: list[StatsSnapshot] = []
+        self.num_requests = 0
+        self.num_errors: dict[int, int] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(model.name, list(model.engines), model.block_size,
+                                               self.latest, self.front))
+        self._ids = itertools.count(1)
+        self._takes_params = "kv_transfer_params" in inspect.signature(router.add_request).parameters
+        self._wake = asyncio.Event()
+        self._pump_task: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self.pump_error: BaseException | None = None
+        self.port = 0
+
+    # ---- life cycle ----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.options.max_body_bytes,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.router.request_stats()
+        self._pump_task = asyncio.create_task(self._pump())
+
+    async def stop(self) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            await asyncio.gather(self._pump_task, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- the pump ------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                self.poll_once()
+                if self.open:
+                    await asyncio.sleep(POLL_BUSY_S)
+                    continue
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), POLL_IDLE_S)
+                except asyncio.TimeoutError:
+                    pass
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # an engine died: /health says so, requests fail
+            self.pump_error = e
+            for request in self.open.values():
+                request.queue.put_nowait(RequestOutput("", [], "error", error=f"engine: {e}"))
+            print(f"kvdrain serve --http: {e}", file=sys.stderr, flush=True)
+
+    def poll_once(self) -> None:
+        for output in self.router.poll(0):
+            request = self.open.get(output.req_id)
+            if request is None:
+                self.other_outputs.append(output)
+            else:
+                request.queue.put_nowait(output)
+        for snap in self.router.take_stats():
+            self.latest[snap.engine_id] = snap
+            self.other_stats.append(snap)
+        if self.on_tick is not None:
+            self.on_tick(self)
+
+    # ---- middlewares -----------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = _error_response(e)
+        except web.HTTPException as e:  # unknown path (404), wrong method (405), 413
+            if e.status < 400:
+                raise
+            response = _error_response(ApiError(e.status, e.text or e.reason, None))
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away; its request was aborted
+        except Exception as e:  # a bug: say so, keep serving
+            print(f"kvdrain serve --http: {request.path}: {e!r}", file=sys.stderr, flush=True)
+            response = _error_response(ApiError(500, f"internal error: {e!r}"))
+        response.headers["Server"] = SERVER_HEADER
+        if response.status >= 400:
+            self.num_errors[response.status] = self.num_errors.get(response.status, 0) + 1
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.options.api_key
+        if key is not None and request.path.startswith(GUARDED_PREFIX):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+                raise ApiError(401, "Unauthorized")
+        return await handler(request)
+
+    # ---- handlers ------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.pump_error is not None:
+            raise ApiError(503, f"engine failure: {self.pump_error}")
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.model.card()]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encoder(self.registry))
+        response.headers["Content-Type"] = content_type
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from None
+        params = protocol.parse_completion(body, self.model)
+        client_id = request.headers.get("X-Request-Id") or params.request_id
+        internal_id = self._submit(client_id, params)
+        try:
+            if params.stream:
+                return await self._stream(request, internal_id)
+            return await self._complete(internal_id)
+        finally:
+            self._release(internal_id)
+
+    # ---- request life ----------------------------------------------------------------
+
+    def _submit(self, client_id: str, params: CompletionParams) -> str:
+        if self.pump_error is not None:
+            raise ApiError(503, f"engine failure: {self.pump_error}")
+        if client_id in self.client_ids:
+            raise ApiError(400, f"request id {client_id!r} is already in flight", "request_id")
+        internal_id = f"{client_id}@http{next(self._ids)}"
+        extra = {"kv_transfer_params": params.kv_transfer_params} \
+            if self._takes_params and params.kv_transfer_params is not None else {}
+        self.router.add_request(internal_id, params.prompt_token_ids, params.max_tokens, **extra)
+        self.num_requests += 1
+        self.open[internal_id] = _Open(client_id, params, time.monotonic())
+        self.client_ids[client_id] = internal_id
+        self._wake.set()
+        return internal_id
+
+    def _release(self, internal_id: str) -> None:
+        """The handler is done (finished, failed or cancelled): abort what still runs."""
+        request = self.open.pop(internal_id, None)
+        if request is None:
+            return
+        del self.client_ids[request.client_id]
+        if not request.finished:
+            self.router.abort(internal_id)
+            self.front[self.answering_engine].on_finished("abort", time.monotonic() - request.arrival)
+
+    async def _next(self, internal_id: str) -> RequestOutput:
+        request = self.open[internal_id]
+        output = await request.queue.get()
+        now = time.monotonic()
+        stats = self.front[self.answering_engine]
+        if output.new_token_ids and request.first_token_t is None:
+            request.first_token_t = now
+            stats.ttft.observe(now - request.arrival)
+        request.num_output_tokens += len(output.new_token_ids)
+        request.num_cached_tokens = max(request.num_cached_tokens, output.num_cached_tokens)
+        if output.finished:
+            request.finished = True
+            stats.on_finished(output.finish_reason, now - request.arrival)
+        return output
+
+    def _usage(self, internal_id: str) -> dict:
+        r = self.open[internal_id]
+        return protocol.usage(len(r.params.prompt_token_ids), r.num_output_tokens, r.num_cached_tokens)
+
+    async def _complete(self, internal_id: str) -> web.Response:
+        request = self.open[internal_id]
+        tokens: list[int] = []
+        while True:
+            output = await self._next(internal_id)
+            tokens.extend(output.new_token_ids)
+            if output.finished:
+                break
+        if output.finish_reason == "error":
+            raise ApiError(500, f"request failed in the engine: {output.error}")
+        created = int(time.time())
+        return web.json_response(protocol.completion(
+            "cmpl-" + request.client_id, self.model.name, created, WordTokenizer.decode(tokens),
+            tokens if request.params.return_token_ids else None,
+            protocol.openai_finish_reason(output.finish_reason), self._usage(internal_id),
+            output.kv_transfer_params))
+
+    async def _stream(self, http_request: web.Request, internal_id: str) -> web.StreamResponse:
+        request = self.open[internal_id]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", "Server": SERVER_HEADER})
+        await response.prepare(http_request)
+        response_id, created, first = "cmpl-" + request.client_id, int(time.time()), True
+        while True:
+            output = await self._next(internal_id)
+            if output.finish_reason == "error":
+                error = ApiError(500, f"request failed in the engine: {output.error}")
+                await _send_event(response, error.body())
+                break
+            if output.new_token_ids or output.finished:
+                text = WordTokenizer.decode(output.new_token_ids, first)
+                first = first and not output.new_token_ids
+                await _send_event(response, protocol.stream_chunk(
+                    response_id, self.model.name, created, text,
+                    output.new_token_ids if request.params.return_token_ids else None,
+                    protocol.openai_finish_reason(output.finish_reason)))
+            if output.finished:
+                if request.params.include_usage:
+                    await _send_event(response, protocol.usage_chunk(
+                        response_id, self.model.name, created, self._usage(internal_id)))
+                break
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _send_event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
