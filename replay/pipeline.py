@@ -15,7 +15,8 @@ from connector.router import start_topology
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
 from replay.live.driver import WallClockReplay, WallOptions
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
-from replay.sim.simulation import SimOptions, simulate
+from replay.sim.options import SimOptions
+from replay.sim.simulation import simulate
 from replay.verify.timeline import Timeline
 from replay.trace.reader import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
 from replay.verify.rules import Verdict, VerifyOptions, verify
@@ -91,14 +92,9 @@ def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = 
 
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
-    e, kv = config.engine, config.kv
-    pull_delay = {"pull_delay_s": kv.pull_delay_ms / 1000} if kv.pull_delay_ms > 0 else {}
-    return SimOptions(liveness=e.liveness, topology=config.topology, num_blocks=e.num_blocks,
-                      block_size=e.block_size, max_num_seqs=e.max_num_seqs,
-                      max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
-                      enable_prefix_caching=e.enable_prefix_caching, kv_expiry_s=kv.kv_expiry_s,
-                      drop_read_done=kv.drop_read_done, poll_interval_s=e.poll_interval_s,
-                      tail_s=config.effective_tail_s(), **pull_delay)
+    """The same engine and KV-transfer config; the latency model keeps its defaults."""
+    return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology,
+                      tail_s=config.effective_tail_s())
 
 
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],

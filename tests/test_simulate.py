@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
+from connector.factory import make_pd_connector
+from connector.messages import RecvSpec
+from connector.pd import PDConnectorMetadata
+from engine.config import EngineConfig, KVTransferConfig
+from replay.sim.clock import EventLoop, to_ns
+from replay.sim.kv_worker import SimKVWorker
+from replay.sim.options import SimOptions
 from replay.trace.shaping import ShapingOptions, shape
-from replay.sim.simulation import SimOptions, simulate
+from replay.sim.simulation import simulate
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.trace.reader import TraceRecord, TraceSnapshot, read_trace
 from replay.verify.rules import VerifyOptions, idle_windows, verify
@@ -42,8 +49,19 @@ def load(tmp_path: Path, lines: list[dict]) -> list[TraceRecord]:
     return list(read_trace(path))
 
 
+def sim_options(**overrides) -> SimOptions:
+    """SimOptions from flat overrides, each going where its name lives: the engine's
+    config, the KV-transfer config, or the simulator's own latency model."""
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    kv_keys = {f.name for f in fields(KVTransferConfig)}
+    engine = replace(SimOptions().engine, **{k: v for k, v in overrides.items() if k in engine_keys})
+    kv = replace(KVTransferConfig(), **{k: v for k, v in overrides.items() if k in kv_keys})
+    own = {k: v for k, v in overrides.items() if k not in engine_keys | kv_keys}
+    return SimOptions(engine=engine, kv=kv, **own)
+
+
 def run(records: list[TraceRecord], liveness: str, **overrides) -> Timeline:
-    return simulate(records, SimOptions(liveness=liveness, num_blocks=NUM_BLOCKS, **overrides))
+    return simulate(records, sim_options(liveness=liveness, num_blocks=NUM_BLOCKS, **overrides))
 
 
 def hold_intervals(timeline: Timeline, engine: str) -> list[float]:
@@ -122,6 +140,7 @@ def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     records = load(tmp_path, bursts(spacing=0.8))  # sends never overlap
     timeline = run(records, liveness, drop_read_done=True, kv_expiry_s=0.5)
     assert timeline.counters["P"]["num_expired"] == 9
+    assert timeline.counters["P"]["num_read_done_dropped"] == 9  # D sends it; P drops it
     verdict = verify(timeline, [], VerifyOptions(drain_deadline_s=1.0))
     assert verdict.exit_code == 0, verdict.violations
     p_windows = [w for w in verdict.windows if w.engine == "P"]
@@ -156,7 +175,7 @@ def test_single_topology_drains_under_every_policy(tmp_path, liveness):
 ])
 def test_fast_forward_equals_stepping_one_by_one(tmp_path, liveness, spacing, overrides):
     records = load(tmp_path, bursts(spacing=spacing, shared_prefix=True))
-    options = SimOptions(liveness=liveness, sample_interval_s=0.0371, tail_s=2.0, **overrides)
+    options = sim_options(liveness=liveness, sample_interval_s=0.0371, tail_s=2.0, **overrides)
     fast, slow = simulate(records, options), simulate(records, replace(options, fast_forward=False))
     fast.meta.pop("fast_forward"), slow.meta.pop("fast_forward")
     assert dump(fast) == dump(slow)
@@ -241,7 +260,68 @@ def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
 @pytest.mark.parametrize("liveness,exit_code", [("legacy", 1), ("poll", 0), ("event", 0)])
 def test_mooncake_slice(liveness, exit_code):
     shaping = ShapingOptions(scale_tokens=0.03125, max_requests=300)
-    timeline = simulate(shape(read_trace(MOONCAKE), shaping), SimOptions(liveness=liveness))
+    timeline = simulate(shape(read_trace(MOONCAKE), shaping), sim_options(liveness=liveness))
     assert len(timeline.requests) == 300
     verdict = verify(timeline, [], VerifyOptions())
     assert verdict.exit_code == exit_code and len(verdict.windows) > 10
+
+
+def _run_until(loop: EventLoop, t: int) -> None:
+    while loop.heap and loop.heap[0][0] <= t:
+        fn, arg = loop.pop()
+        fn(arg)
+    loop.now = t
+
+
+def test_sim_worker_expiry_belongs_to_one_registration():
+    """The simulator drives the process's SendLedger: a re-used id keeps its own deadline."""
+    loop, peers = EventLoop(), {}
+    options = sim_options(kv_expiry_s=1.0, read_done_latency_s=0.0)
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    p.start_load_kv(PDConnectorMetadata({"r1": [1]}))
+    # An empty receive on D only says "read done" to P.
+    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"x": RecvSpec("x", [], [], "P", "r1", "")}))
+    _run_until(loop, to_ns(0.5))
+    assert p.get_finished(set()).finished_sending == {"r1"}
+    p.start_load_kv(PDConnectorMetadata({"r1": [2]}))  # the id comes back at 0.5 s
+    _run_until(loop, to_ns(1.4))
+    assert p.get_finished(set()).finished_sending == set()  # the first deadline (1 s) is not its
+    _run_until(loop, to_ns(1.5))
+    assert p.get_finished(set()).finished_sending == {"r1"}
+    assert p.get_counters()["num_expired"] == 1 and p.get_counters()["num_sent"] == 1
+
+
+def test_sim_worker_forgets_an_early_read_done_after_the_expiry():
+    """As the process does: an early "read done" is held for the expiry, then dropped."""
+    loop, peers = EventLoop(), {}
+    options = sim_options(kv_expiry_s=1.0, read_done_latency_s=0.0)
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"x": RecvSpec("x", [], [], "P", "r1", "")}))
+    _run_until(loop, to_ns(0.2))
+    p.start_load_kv(PDConnectorMetadata({"r1": [1]}))  # within the hold: freed at once
+    assert p.get_finished(set()).finished_sending == {"r1"}
+    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"y": RecvSpec("y", [], [], "P", "r2", "")}))
+    _run_until(loop, to_ns(1.3))  # r2's hold ended at 1.2 s
+    p.start_load_kv(PDConnectorMetadata({"r2": [2]}))
+    assert p.get_finished(set()).finished_sending == set()
+    _run_until(loop, to_ns(2.3))
+    assert p.get_finished(set()).finished_sending == {"r2"} and p.get_counters()["num_expired"] == 1
+
+
+FACTORY_CALLS: list[tuple[str, str]] = []
+
+
+def recording_factory(config, role, kv_cache_handle=None):
+    FACTORY_CALLS.append((config.engine_id, role.value))
+    return make_pd_connector(config, role, kv_cache_handle)
+
+
+def test_engines_build_their_connector_through_the_configured_factory(tmp_path):
+    records = load(tmp_path, bursts(num_bursts=1))
+    FACTORY_CALLS.clear()
+    named = run(records, "event", kv_connector="tests.test_simulate:recording_factory")
+    assert FACTORY_CALLS == [("P", "scheduler"), ("D", "scheduler")]  # the worker side is simulated
+    named.meta.clear()
+    default = run(records, "event")
+    default.meta.clear()
+    assert dump(named) == dump(default)

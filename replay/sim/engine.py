@@ -24,21 +24,21 @@ with the shortcut off (tests/test_simulate.py compares both).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from connector.pd import PDConnector
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.core_proc import import_factory
+from engine.kv_connector import KVConnectorBase, KVConnectorRole
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.utils import cdiv
-from replay.sim.kv_worker import NS, STEP_END, STEP_START, SimKVWorker, to_ns
+from replay.sim.clock import NS, STEP_END, STEP_START, EventLoop, to_ns
+from replay.sim.kv_worker import SimKVWorker
+from replay.sim.options import SimOptions
 from replay.verify.timeline import EngineSample
-
-if TYPE_CHECKING:
-    from replay.sim.simulation import Simulation
 
 _WAITS = (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY)
 
@@ -77,6 +77,22 @@ class AbortInput:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSlot:
+    """Where an engine sits in the simulation: its rank in ties, and who hears it."""
+
+    rank: int
+    on_outputs: Callable[[str, list[RequestOutput]], None]  # the router
+    on_sample: Callable[[EngineSample], None]  # the timeline
+
+
+def build_connector(config: EngineConfig) -> KVConnectorBase | None:
+    """The scheduler side, from the factory the config names (as engine/core_proc.py builds it)."""
+    if config.kv_transfer is None:
+        return None
+    return import_factory(config.kv_transfer.kv_connector)(config, KVConnectorRole.SCHEDULER)
+
+
+@dataclass(frozen=True, slots=True)
 class _StepResult:
     """What a step hands to its end event: outputs and the liveness inputs."""
 
@@ -91,17 +107,18 @@ class _StepResult:
 class SimEngine:
     """One engine's busy loop on the virtual clock, following engine/liveness.py."""
 
-    def __init__(self, sim: Simulation, name: str, rank: int, role: str | None) -> None:
-        opts, self.sim, self.name, self.rank, self.loop = sim.options, sim, name, rank, sim.loop
-        config = opts.engine_config(name, role)
-        self.worker = None if role is None else SimKVWorker(name, sim.loop, opts, sim.workers)
-        if self.worker is not None:
-            self.worker.on_report = self.on_report
+    def __init__(self, config: EngineConfig, slot: EngineSlot, loop: EventLoop,
+                 options: SimOptions, worker: SimKVWorker | None = None) -> None:
+        """`worker` is the connector's worker side; with one, config must name a connector."""
+        self.options, self.slot, self.loop = options, slot, loop
+        self.name, self.rank = config.engine_id, slot.rank
+        self.worker = worker
+        if worker is not None:
+            worker.on_report = self.on_report
         self.runner = _TimedRunner(config)
-        self.core = EngineCore(config, self.runner, PDConnector(config) if role else None,
-                               self.worker)
-        self.zero, self.poll = to_ns(opts.zero_step_s), to_ns(opts.poll_interval_s)
-        self.base, self.per_token = to_ns(opts.step_base_s), to_ns(opts.step_per_token_s)
+        self.core = EngineCore(config, self.runner, build_connector(config), worker)
+        self.zero, self.poll = to_ns(options.zero_step_s), to_ns(config.poll_interval_s)
+        self.base, self.per_token = to_ns(options.step_base_s), to_ns(options.step_per_token_s)
         self.input: deque[AddInput | AbortInput] = deque()
         self.blocked_on: LoopAction | None = LoopAction.WAIT_INPUT
         self.state = "blocked"
@@ -144,7 +161,7 @@ class SimEngine:
         num_inputs = len(self.input)
         drained = self._drain()
         if drained:
-            self.sim.router.on_outputs(self.name, drained)
+            self.slot.on_outputs(self.name, drained)
         if not self.core.has_work():
             self.stats = self.core.make_stats()
             self._block(LoopAction.WAIT_INPUT)
@@ -164,7 +181,7 @@ class SimEngine:
     def _step_end(self, result: _StepResult) -> None:
         self.stats = result.stats
         if result.outputs:
-            self.sim.router.on_outputs(self.name, result.outputs)
+            self.slot.on_outputs(self.name, result.outputs)
         action = next_action(self.core.config.liveness, self.core.has_work(),
                              result.model_executed, result.can_progress, result.must_poll)
         reports = self.worker is not None and self.worker.has_reports()
@@ -179,7 +196,7 @@ class SimEngine:
             self.num_wakeups += 1
             nxt += self.poll
         self._enter(LOOP_STATES[action])
-        if result.noop and self.sim.options.fast_forward and not self.input and not reports:
+        if result.noop and self.options.fast_forward and not self.input and not reports:
             polling = action is LoopAction.SLEEP
             self.ff = (nxt, self.zero + (self.poll if polling else 0), int(polling))
         else:
@@ -223,16 +240,17 @@ class SimEngine:
             t / NS, self.name, s.num_used_blocks, s.num_cached_blocks, s.num_free_blocks,
             s.num_blocks, s.num_waiting, s.num_skipped_waiting, s.num_waiting_for_remote_kvs,
             s.num_running, s.num_finished_awaiting_free, self.state, steps, wakeups)
-        self.sim.samples.append(sample)
+        self.slot.on_sample(sample)
         return sample
 
     def counters(self, last: EngineSample) -> dict[str, int]:
         """Totals at the end, from its final sample."""
-        w = self.worker
+        sends = self.worker.get_counters() if self.worker is not None else {}
         return {"num_steps": last.num_steps, "num_wakeups": last.num_wakeups,
                 "num_model_steps": self.core.num_model_steps,
-                "num_expired": w.num_expired if w else 0,
-                "num_reads_after_expiry": w.num_reads_after_expiry if w else 0,
+                "num_expired": sends.get("num_expired", 0),
+                "num_reads_after_expiry": sends.get("num_reads_after_expiry", 0),
+                "num_read_done_dropped": sends.get("num_read_done_dropped", 0),
                 "num_stale_kv_reports": self.stats.num_stale_kv_reports,
                 "num_preemptions": self.stats.num_preemptions,
                 "num_prefix_hit_tokens": self.stats.num_prefix_hit_tokens}

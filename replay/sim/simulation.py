@@ -1,77 +1,28 @@
 """Virtual-clock replay: P/D or single engines on a deterministic discrete-event loop. Runs in: frontend process.
 
-No sleeping and no wall clock: replay/sim/kv_worker.py holds the event loop (integer
-nanoseconds, ties resolved the same way every run) and the simulated KV connector worker;
-replay/sim/engine.py drives each engine's EngineCore as engine/core_proc.py does, with a
-step cost model and the fast-forward over provably idle steps. Here: the options, the
-frontend and P/D proxy (routing as connector/routing.py decides, engines named as it
-names them), and the run that feeds the trace one record at a time.
+No sleeping and no wall clock: replay/sim/clock.py is the event loop (integer
+nanoseconds, ties resolved the same way every run); replay/sim/kv_worker.py the KV
+connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
+engine/core_proc.py does, with a step cost model and the fast-forward over provably
+idle steps; replay/sim/options.py is what a run is set by. Here: the frontend and P/D
+proxy (routing as connector/routing.py decides, engines named as it names them), and
+the run that feeds the trace one record at a time.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, TOPOLOGIES, after_prefill, engine_roles,
+from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, after_prefill, engine_roles,
                                prefill_params)
-from engine.config import EngineConfig, KVTransferConfig
 from engine.outputs import RequestOutput
-from replay.sim.engine import AbortInput, AddInput, SimEngine
-from replay.sim.kv_worker import DELIVER, NS, TICK, EventLoop, SimKVWorker, to_ns
+from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
+from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
+from replay.sim.kv_worker import SimKVWorker
+from replay.sim.options import SimOptions
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
-
-__all__ = ["TOPOLOGIES", "SimKVWorker", "SimOptions", "simulate"]
-
-
-@dataclass(frozen=True, slots=True)
-class SimOptions:
-    """Topology, engine sizes, liveness policy, and the latency model (seconds)."""
-
-    liveness: str = "event"
-    topology: str = "pd"
-    num_blocks: int = 4096  # per engine, the null block included
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    kv_expiry_s: float = 480.0  # P frees an unread send after this
-    pull_delay_s: float = 0.002  # D waits before reading
-    per_block_s: float = 0.00005  # D's read time per block
-    read_done_latency_s: float = 0.0005  # D's worker -> P's worker
-    drop_read_done: bool = False  # P never hears back; only expiry frees
-    poll_interval_s: float = 0.001
-    step_base_s: float = 0.004
-    step_per_token_s: float = 0.00002
-    zero_step_s: float = 0.0001  # a step with no forward: the worker round trip
-    sample_interval_s: float = 0.1
-    tail_s: float = 5.0  # observed after the last request ends
-    fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim/engine.py)
-
-    def __post_init__(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {self.topology!r}")
-        for name in ("zero_step_s", "sample_interval_s"):
-            if not getattr(self, name) >= 1e-9:
-                raise ValueError(f"{name}: must be >= 1e-9 s, got {getattr(self, name)!r}")
-        for name in ("pull_delay_s", "per_block_s", "read_done_latency_s", "step_base_s",
-                     "step_per_token_s", "tail_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
-
-    def engine_config(self, name: str, role: str | None) -> EngineConfig:
-        """The config of engine `name`; role None means no connector."""
-        kv = None if role is None else KVTransferConfig(
-            kv_role=role, kv_expiry_s=self.kv_expiry_s, pull_delay_ms=self.pull_delay_s * 1e3,
-            drop_read_done=self.drop_read_done, kv_addr=f"sim://{name}")
-        return EngineConfig(
-            engine_id=name, num_blocks=self.num_blocks, block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-            liveness=self.liveness, poll_interval_s=self.poll_interval_s, kv_transfer=kv)
-
 
 @dataclass(slots=True)
 class _Flight:
@@ -89,12 +40,12 @@ class _Flight:
 class _Router:
     """The frontend and vLLM's P/D proxy: P with max_tokens=1, then D with P's params."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim
         self.flights: dict[str, _Flight] = {}
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
-        self.vocab_size = next(iter(sim.engines.values())).core.config.model.vocab_size
+        self.vocab_size = vocab_size
 
     def on_request(self, req: TraceRequest) -> None:
         if req.req_id in self.seen:
@@ -183,11 +134,17 @@ class Simulation:
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
         self.workers: dict[str, SimKVWorker] = {}
-        self.engines = {name: SimEngine(self, name, rank, role)
+        self.router = _Router(self, options.engine.model.vocab_size)
+        self.engines = {name: self._engine(name, rank, role)
                         for rank, (name, role) in enumerate(engine_roles(options.topology))}
-        self.router = _Router(self)
         self.end: int | None = None
         self.last_tick = -1
+
+    def _engine(self, name: str, rank: int, role: str | None) -> SimEngine:
+        config = self.options.engine_config(name, role)
+        worker = None if role is None else SimKVWorker(name, self.loop, self.options, self.workers)
+        slot = EngineSlot(rank, self.router.on_outputs, self.samples.append)
+        return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
         self._feed()
@@ -240,7 +197,7 @@ class Simulation:
                 next(s for s in reversed(self.samples) if s.engine == name)
             counters[name] = engine.counters(last)
         return Timeline(
-            engines=list(self.engines), num_blocks={n: self.options.num_blocks - 1
+            engines=list(self.engines), num_blocks={n: self.options.engine.num_blocks - 1
                                                     for n in self.engines},
             samples=self.samples, requests=self.router.records, arrivals=self.arrivals,
             aborts=self.aborts, end_t=self.loop.now / NS, counters=counters,

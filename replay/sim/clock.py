@@ -1,0 +1,40 @@
+"""The virtual clock: a deterministic discrete-event loop. Runs in: frontend process.
+
+No sleeping and no wall clock: time is integer nanoseconds; events sit in a heap keyed
+(time, class, engine rank, seq), seq a counter, so ties resolve the same way every run.
+At one instant: deliveries (trace records, transfers, reports), then step ends (P before
+D), then step starts, then samples (the event classes below, in that order).
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+NS = 1_000_000_000
+DELIVER, STEP_END, STEP_START, TICK = range(4)  # event classes, in tie order
+
+
+def to_ns(seconds: float) -> int:
+    """Seconds as integer nanoseconds of virtual time."""
+    return round(seconds * NS)
+
+
+class EventLoop:
+    """The event heap and the virtual time `now` (of the event being handled)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0
+        self.num_pending = 0  # events other than sample ticks
+
+    def push(self, t: int, cls: int, rank: int, fn: Callable, arg: object = None) -> None:
+        self.seq += 1
+        self.num_pending += cls != TICK
+        heapq.heappush(self.heap, (t, cls, rank, self.seq, fn, arg))
+
+    def pop(self) -> tuple[Callable, object]:
+        t, cls, _, _, fn, arg = heapq.heappop(self.heap)
+        self.now = t
+        self.num_pending -= cls != TICK
+        return fn, arg
