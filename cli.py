@@ -7,8 +7,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from connector.routing import TOPOLOGIES
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
+from replay.pipeline import CLOCKS
+from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 
@@ -29,7 +32,7 @@ def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
 
 
 ENGINE_OPTIONS = [
-    click.option("--topology", type=click.Choice(["pd", "single"]), default="pd", show_default=True,
+    click.option("--topology", type=click.Choice(TOPOLOGIES), default="pd", show_default=True,
                  help="pd: a prefill and a decode engine with connectors; single: one engine."),
     click.option("--liveness", type=click.Choice(LIVENESS_POLICIES), default="event", show_default=True,
                  help="Engine loop: legacy (the pre-#43433 leak), poll (vLLM's 1 ms fix), event."),
@@ -76,7 +79,7 @@ def cli() -> None:
 
 @cli.command(name="inspect")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["kvdrain", "mooncake", "azure"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="Trace format (default: detected).")
 @click.option("--idle-threshold", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="List gaps between arrivals at least this long (seconds).")
@@ -96,7 +99,7 @@ def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
 
 
 SHAPING_OPTIONS = [
-    click.option("--format", "fmt", type=click.Choice(["kvdrain", "mooncake", "azure"]), default=None,
+    click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
                  help="Trace format (default: detected from the content)."),
     click.option("--skip-bad-lines", is_flag=True, help="Count bad lines instead of stopping."),
     click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True),
@@ -122,7 +125,7 @@ def shaping_options(func):
 
 @cli.command(name="replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--clock", type=click.Choice(["wall", "virtual"]), default="wall", show_default=True,
+@click.option("--clock", type=click.Choice(CLOCKS), default="wall", show_default=True,
               help="wall: real processes in real time; virtual: in-process, deterministic, fast "
                    "(always the mock runner, with a step-cost and transfer-latency model).")
 @engine_options

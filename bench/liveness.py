@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import ReadDone, RecvSpec  # noqa: E402
-from connector.router import engine_configs, start_topology  # noqa: E402
+from connector.topology import engine_configs, start_topology  # noqa: E402
 from connector.transfer import Puller  # noqa: E402
 from engine.client import MPClient, make_run_dir  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402

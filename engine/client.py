@@ -1,6 +1,7 @@
 """EngineClient: the frontend's handle on one engine core, in-process or in its own process. Runs in: frontend process.
 
-Both implementations speak the same four verbs plus stats. The multiprocess one
+Both implement the EngineClient protocol (start-up info, the four verbs, stats, what
+to wait on), so no caller branches on the kind. The multiprocess one
 spawns run_engine_core, binds the two sockets (ipc in a private directory by
 default), waits for Ready with a timeout, and notices a dead child through its
 process sentinel: every wait is bounded and a death is an EngineDeadError, never a
@@ -34,7 +35,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient(Protocol):
+    """The frontend's handle on one engine core; no caller needs to know which kind."""
+
     engine_id: str
+    errors: list[str]  # fatal errors the engine reported, oldest first; callers pop them
+
+    def wait_ready(self) -> Ready: ...
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     kv_transfer_params: dict | None = None) -> None: ...
@@ -42,6 +48,12 @@ class EngineClient(Protocol):
     def abort(self, req_ids: list[str]) -> None: ...
 
     def get_outputs(self, timeout_s: float) -> list[RequestOutput]: ...
+
+    def wait_handles(self) -> list[zmq.Socket]: ...
+
+    def request_stats(self) -> None: ...
+
+    def take_stats(self) -> list[StatsSnapshot]: ...
 
     def shutdown(self) -> None: ...
 
@@ -53,6 +65,14 @@ class InprocClient:
         self.engine_id = config.engine_id
         self.core, self.kv_cache = build_engine_core(config)
         self._pending: list[RequestOutput] = []
+        self.errors: list[str] = []  # stays empty: an in-process engine's failure raises here
+        tensor = getattr(self.kv_cache, "tensor", None)
+        device = str(tensor.device) if tensor is not None and config.runner == "torch" else "cpu"
+        self.ready = Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
+                           config.max_model_len, config.model.vocab_size, device)
+
+    def wait_ready(self) -> Ready:
+        return self.ready
 
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
         self._pending.extend(self.core.add_request(req_id, prompt_token_ids, max_tokens,
@@ -66,6 +86,16 @@ class InprocClient:
         if self.core.has_work():
             outputs.extend(self.core.step().outputs)
         return outputs
+
+    def wait_handles(self) -> list[zmq.Socket]:
+        """Empty: output comes only from get_outputs stepping the core; nothing to wait on."""
+        return []
+
+    def request_stats(self) -> None:
+        """No-op: an in-process engine has no busy loop to publish snapshots from."""
+
+    def take_stats(self) -> list[StatsSnapshot]:
+        return []
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -109,6 +139,8 @@ class MPClient:
 
     def wait_ready(self) -> Ready:
         """Wait (bounded) for the child's Ready; several children may start at once."""
+        if self.ready is not None:
+            return self.ready
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             msg = self._recv(timeout_s=0.1)
@@ -156,6 +188,9 @@ class MPClient:
 
     def abort(self, req_ids: list[str]) -> None:
         self._send(Abort(list(req_ids)))
+
+    def wait_handles(self) -> list[zmq.Socket]:
+        return [self.output]
 
     def take_stats(self) -> list[StatsSnapshot]:
         stats, self.new_stats = self.new_stats, []
@@ -220,11 +255,17 @@ class MPClient:
 
 
 
-def wait_for_output(clients: list[MPClient], timeout_s: float) -> None:
-    """Block until any client's engine has sent something, or timeout_s passes."""
+def wait_for_output(clients: list[EngineClient], timeout_s: float) -> None:
+    """Block until any client's engine has sent something, or timeout_s passes.
+
+    Returns at once if a client has nothing to wait on (in-process: its get_outputs steps).
+    """
+    handles = [client.wait_handles() for client in clients]
+    if timeout_s <= 0 or not all(handles):
+        return
     poller = zmq.Poller()
-    for client in clients:
-        poller.register(client.output, zmq.POLLIN)
+    for handle in (h for client_handles in handles for h in client_handles):
+        poller.register(handle, zmq.POLLIN)
     poller.poll(int(timeout_s * 1000))
 
 

@@ -6,18 +6,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.router import start_topology
+from connector.topology import start_topology
 from engine.client import EngineDeadError
 from engine.config import EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
-from replay.live.monitor import ReplayMonitor
-from replay.live.serve_client import RemoteRouter
-from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
-from replay.pipeline import ReplayConfig, ReplayResult, run_replay
+from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
 from replay.live.serve import Server, ServeOptions
+from replay.live.serve_client import ServeClient
+from replay.pipeline import ReplayConfig, ReplayResult, run_replay
 from replay.trace.reader import TraceError, validate_trace
-from replay.ui.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.ui.dashboard import DashboardState
 from replay.ui.tui import LiveView
+from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
@@ -55,37 +55,18 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
         return EXIT_USAGE
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
-    state = _replay_state(config, summary.num_requests, summary.duration)
+    state = replay_state(config, summary.num_requests, summary.duration)
     view = LiveView(state, console) if live else _NoView()
     monitor = ReplayMonitor(state, view, config.verify)
     try:
         with view:
             result = run_replay(config, monitor.on_tick, summary)
-            _show_final(state, result)
+            monitor.show_final(result)
             view.tick(force=True)
     except (EngineDeadError, ConnectionError) as e:
         _error(console, e)
         return EXIT_VIOLATION
     return _report(result, paths, console)
-
-
-def _replay_state(config: ReplayConfig, num_requests: int, duration: float) -> DashboardState:
-    state = DashboardState(title=f"kvdrain replay {config.trace.name}")
-    total = min(num_requests, config.shaping.max_requests or num_requests)
-    state.progress = ReplayProgress(config.trace.name, total, duration / config.shaping.speedup,
-                                    config.clock, config.engine.liveness, config.shaping.speedup)
-    return state
-
-
-def _show_final(state: DashboardState, result: ReplayResult) -> None:
-    """The final picture: every engine's last sample and every window's verdict."""
-    last = {s.engine: s for s in result.timeline.samples}
-    for sample in last.values():
-        state.apply_sample(sample)
-    state.windows = [WindowVerdict.of(w) for w in result.verdict.windows]
-    if state.progress is not None:
-        state.progress.num_sent = len(result.timeline.requests)
-        state.progress.trace_t = result.timeline.end_t
 
 
 def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
@@ -135,19 +116,11 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
           f"{server.address}", flush=True)
     state = DashboardState(title=f"kvdrain serve {server.address}")
-    start = time.monotonic()
-
-    def on_tick(srv: Server) -> None:
-        state.elapsed_s = time.monotonic() - start
-        for snapshot in srv.latest.values():
-            if state.view(snapshot.engine_id).monotonic != snapshot.monotonic:
-                state.apply_snapshot(snapshot)
-        view.tick()
-
     view = LiveView(state, console) if live else _NoView()
+    monitor = ServeMonitor(state, view)
     try:
         with view:
-            server.serve_forever(on_tick, stop)
+            server.serve_forever(monitor.on_tick, stop)
     except KeyboardInterrupt:
         pass
     finally:
@@ -159,23 +132,21 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
 
 def top_main(address: str, seconds: float | None, console) -> int:
     try:
-        remote = RemoteRouter(address)
+        client = ServeClient(address)
     except ConnectionError as e:
         _error(console, e)
         return EXIT_USAGE
-    state = DashboardState(title=f"kvdrain top {address} ({remote.info.topology}, "
-                                 f"{remote.info.liveness})")
-    start = time.monotonic()
+    state = DashboardState(title=f"kvdrain top {address} ({client.info.topology}, "
+                                 f"{client.info.liveness})")
     try:
-        with LiveView(state, console) as view:
-            while seconds is None or time.monotonic() - start < seconds:
-                remote.poll(0.1)
-                for snapshot in remote.take_stats():
-                    state.apply_snapshot(snapshot)
-                state.elapsed_s = time.monotonic() - start
-                view.tick()
+        view = LiveView(state, console)
+        monitor = ServeMonitor(state, view)
+        with view:
+            while seconds is None or time.monotonic() - monitor.start < seconds:
+                client.poll(0.1)
+                monitor.on_snapshots(client.take_stats())
     except KeyboardInterrupt:
         pass
     finally:
-        remote.shutdown()
+        client.shutdown()
     return EXIT_OK

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from connector.router import start_topology
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
-from replay.live.driver import WallClockReplay, WallOptions
+from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate
@@ -21,7 +20,7 @@ from replay.verify.timeline import Timeline
 from replay.trace.reader import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
-CLOCKS = ("virtual", "wall")
+CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,18 +99,23 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
                  on_tick: Callable[[object], None] | None) -> Timeline:
     options = WallOptions(tail_s=config.effective_tail_s())
-    if config.target is not None:
-        from replay.live.serve_client import RemoteRouter
-        router = RemoteRouter(config.target)
-    else:
-        router = start_topology(config.engine, config.kv, config.topology)
+    target = _start_target(config)
     try:
-        replay = WallClockReplay(router, options, on_tick)
+        replay = WallClockReplay(target, options, on_tick)
         timeline = replay.run(records)
     finally:
-        router.shutdown()
+        target.shutdown()
     timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology})
     return timeline
+
+
+def _start_target(config: ReplayConfig) -> ReplayTarget:
+    """A running serve's client (--target), else a fresh local topology."""
+    if config.target is not None:
+        from replay.live.serve_client import ServeClient
+        return ServeClient(config.target)
+    from connector.topology import start_topology  # engine processes only for a wall replay
+    return start_topology(config.engine, config.kv, config.topology)
 
 
 def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:

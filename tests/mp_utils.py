@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from connector.router import PDRouter, start_topology
+from connector.router import PDRouter
+from connector.topology import start_topology
 from engine.config import EngineConfig, KVTransferConfig
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput

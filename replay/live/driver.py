@@ -23,11 +23,12 @@ from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnap
 LEAD_IN_S = 0.1  # between start-up and the trace's t = 0
 
 
-class Router(Protocol):
-    """What the driver needs of a topology, local (PDRouter) or remote (a serve)."""
+class ReplayTarget(Protocol):
+    """What the driver sends a trace to: a local topology (PDRouter) or a serve (ServeClient)."""
 
     engines: list[str]
     vocab_size: int
+    errors: list[tuple[str, str]]  # (engine, message), oldest first
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     pd: bool | None = None) -> None: ...
@@ -35,6 +36,7 @@ class Router(Protocol):
     def poll(self, timeout_s: float) -> list[RequestOutput]: ...
     def take_stats(self) -> list[StatsSnapshot]: ...
     def request_stats(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +64,9 @@ def sample_from_snapshot(t: float, snap: StatsSnapshot) -> EngineSample:
 
 
 class WallClockReplay:
-    def __init__(self, router: Router, options: WallOptions,
+    def __init__(self, target: ReplayTarget, options: WallOptions,
                  on_tick: Callable[[WallClockReplay], None] | None = None) -> None:
-        self.router = router
+        self.target = target
         self.options = options
         self.on_tick = on_tick
         self.origin = time.monotonic() + LEAD_IN_S
@@ -83,14 +85,14 @@ class WallClockReplay:
         return time.monotonic() - self.origin
 
     def run(self, records: Iterable[TraceRecord]) -> Timeline:
-        self.router.request_stats()
+        self.target.request_stats()
         for record in records:
             if isinstance(record, (TraceRequest, TraceAbort)):
                 self._wait_until(record.t)
             if isinstance(record, TraceRequest):
                 self._send(record)
             elif isinstance(record, TraceAbort):
-                self.router.abort(record.req_id)
+                self.target.abort(record.req_id)
                 self.aborts.append(AbortRecord(self.now(), record.req_id))
             elif isinstance(record, TraceSnapshot):
                 self.snapshots.append(record)
@@ -102,8 +104,8 @@ class WallClockReplay:
             self._pump(min(left, 0.05))
 
     def _send(self, req: TraceRequest) -> None:
-        prompt = synth_prompt(req, self.router.vocab_size)
-        self.router.add_request(req.req_id, prompt, req.max_tokens, req.pd)
+        prompt = synth_prompt(req, self.target.vocab_size)
+        self.target.add_request(req.req_id, prompt, req.max_tokens, req.pd)
         sent = self.now()
         self.num_sent += 1
         self.arrivals.append(req.t)
@@ -114,9 +116,9 @@ class WallClockReplay:
 
     def _pump(self, timeout_s: float) -> None:
         """Receive outputs and stats for up to timeout_s."""
-        for output in self.router.poll(timeout_s):
+        for output in self.target.poll(timeout_s):
             self._on_output(output)
-        for snap in self.router.take_stats():
+        for snap in self.target.take_stats():
             self.latest[snap.engine_id] = snap
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
         now = self.now()
@@ -148,7 +150,7 @@ class WallClockReplay:
         tail_end = self.now() + self.options.tail_s
         while self.now() < tail_end:
             self._pump(min(tail_end - self.now(), 0.05))
-        self.router.request_stats()  # a last reading, on the same clock
+        self.target.request_stats()  # a last reading, on the same clock
         final = self.now() + 1.0
         while self.now() < final and not self._have_fresh_stats(tail_end):
             self._pump(0.05)
@@ -156,14 +158,14 @@ class WallClockReplay:
 
     def _have_fresh_stats(self, since: float) -> bool:
         return all(s.monotonic - self.origin >= since for s in self.latest.values()) and \
-            set(self.latest) >= set(self.router.engines)
+            set(self.latest) >= set(self.target.engines)
 
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
         num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
         counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
                     for e, s in self.latest.items()}
-        return Timeline(engines=list(self.router.engines), num_blocks=num_blocks,
+        return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
                         counters=counters, meta={"driver": "wall"})

@@ -1,7 +1,8 @@
-"""A client of `kvdrain serve`: the router interface over one DEALER socket. Runs in: frontend process.
+"""ServeClient: a client of `kvdrain serve` over one DEALER socket. Runs in: frontend process.
 
-Used by `replay --target` (it sends requests and reads outputs and stats) and by
-`top` (it only subscribes to stats). Every wait is bounded; the serve's death shows
+A replay target like the local PDRouter (replay/live/driver.py's ReplayTarget). Used by
+`replay --target` (it sends requests and reads outputs and stats) and by `top` (it only
+subscribes to stats). Every wait is bounded; the serve's death shows
 as silence, reported after a timeout.
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from engine.outputs import RequestOutput
 CONNECT_TIMEOUT_S = 5.0
 
 
-class RemoteRouter:
+class ServeClient:
     def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.address = address
+        self.errors: list[tuple[str, str]] = []  # stays empty: the serve does not forward its engines' errors
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
