@@ -1,0 +1,144 @@
+"""The project's structure, checked from the source: no import circle, layers point one way, the pure core stays pure."""
+from __future__ import annotations
+
+import ast
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "connector", "replay")
+# What each layer may import (DESIGN.md: cli -> replay -> {connector, engine}, connector -> engine).
+LAYERS = {"engine": {"engine"}, "connector": {"engine", "connector"},
+          "replay": {"engine", "connector", "replay"}, "cli": {"engine", "connector", "replay", "cli"}}
+MAX_FLAT_REPLAY_MODULES = 6  # the rest of replay/ lives in one subpackage per concern
+# The scheduling core and the routing decisions: the simulator drives them on a virtual clock.
+PURE_CORE = ("engine.request", "engine.block_pool", "engine.kv_cache_manager", "engine.scheduler",
+             "engine.outputs", "engine.kv_connector", "engine.core", "engine.liveness",
+             "connector.routing")
+IMPURE = {"torch", "numpy", "zmq", "msgpack", "time", "random", "socket", "selectors", "asyncio",
+          "multiprocessing", "threading", "subprocess", "signal"}
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of engine/, connector/, replay/ and cli.py, by dotted name (a package by its own)."""
+    modules = {"cli": ROOT / "cli.py"}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = project_modules()
+
+
+def imported_names(module: str) -> set[str]:
+    """Every dotted name `module` imports anywhere in it, function-level and TYPE_CHECKING included."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: climb level - 1 packages from this module's package
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def owner(name: str) -> str | None:
+    """The project module that defines `name` (its longest module prefix); None: not ours."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        targets = {owner(name) for name in imported_names(module)}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+GRAPH = import_graph()
+
+
+def layer(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def shortest_circle(start: str) -> list[str] | None:
+    """The shortest import path from `start` back to itself, or None."""
+    paths = {start: [start]}
+    queue = deque([start])
+    while queue:
+        module = queue.popleft()
+        for target in sorted(GRAPH[module]):
+            if target == start:
+                return paths[module] + [start]
+            if target not in paths:
+                paths[target] = paths[module] + [target]
+                queue.append(target)
+    return None
+
+
+def test_the_scan_sees_the_project():
+    assert {"cli", "engine.core", "connector.router", "replay.pipeline"} <= set(MODULES)
+    assert "engine.outputs" in GRAPH["engine.core"]  # a plain from-import is an edge
+    assert owner("replay.verify.timeline.Timeline") == "replay.verify.timeline"
+    assert owner("zmq.Socket") is None
+
+
+def test_no_import_circle():
+    circles = {tuple(c) for m in MODULES if (c := shortest_circle(m)) is not None}
+    unique = {frozenset(c): c for c in circles}
+    assert not unique, "import circles:\n" + "\n".join(" -> ".join(c) for c in unique.values())
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_imports_point_down(name):
+    """engine imports nothing above it; connector only engine; replay no cli."""
+    upward = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if layer(m) == name
+                    for t in targets if layer(t) not in LAYERS[name])
+    assert not upward, f"{name} imports upward:\n" + "\n".join(upward)
+
+
+def test_replay_is_subpackages_with_few_flat_modules():
+    flat = sorted(p.name for p in (ROOT / "replay").glob("*.py") if p.name != "__init__.py")
+    assert len(flat) <= MAX_FLAT_REPLAY_MODULES, f"flat modules in replay/: {flat}"
+
+
+def pure_closure() -> set[str]:
+    """The pure core's modules and every project module they import, transitively."""
+    seen, todo = set(), list(PURE_CORE)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(GRAPH[module])
+    return seen
+
+
+def test_pure_core_imports_no_torch_zmq_clock_or_randomness():
+    assert set(PURE_CORE) <= set(MODULES)
+    closure = pure_closure()
+    impure = sorted(f"{m} imports {name}" for m in closure for name in imported_names(m)
+                    if owner(name) is None and name.partition(".")[0] in IMPURE)
+    assert not impure, "\n".join(impure)
+    assert all(layer(m) in ("engine", "connector") for m in closure)
+
+
+def test_packages_say_what_they_are_for():
+    """Every package's __init__ has a docstring of more than its name."""
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            assert len(doc.split()) > 4, f"{module}: {doc!r}"
