@@ -202,7 +202,7 @@ class Scraper:
         return False
 
     def _read(self, samples: dict[str, list], t: float) -> bool:
-        if self.metric is None:
+        if self.metric is None:  # chosen by the first scrape that has one
             self.metric = choose_metric(samples)
             self.names_found = family_names(samples)
             if self.metric is None:

@@ -37,6 +37,7 @@ from replay.http.tokenizer import WordTokenizer
 
 POLL_BUSY_S = 0.001
 POLL_IDLE_S = 0.010
+FIRST_STATS_TIMEOUT_S = 10.0
 SERVER_HEADER = "kvdrain (aiohttp)"
 GUARDED_PREFIX = "/v1"  # like vLLM's --api-key: /health and /metrics stay open
 
@@ -108,7 +109,15 @@ class HttpFront:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.router.request_stats()
+        await self._first_stats()
         self._pump_task = asyncio.create_task(self._pump())
+
+    async def _first_stats(self) -> None:
+        """Until every engine has published once (bounded): /metrics is whole from the start."""
+        deadline = time.monotonic() + FIRST_STATS_TIMEOUT_S
+        while set(self.model.engines) - set(self.latest) and time.monotonic() < deadline:
+            self.poll_once()
+            await asyncio.sleep(POLL_BUSY_S)
 
     async def stop(self) -> None:
         if self._pump_task is not None:

@@ -1,0 +1,58 @@
+"""Helpers for the HTTP tests: kvdrain's HTTP front on a free loopback port, in a thread of its own."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from connector.topology import start_topology
+from engine.config import EngineConfig, KVTransferConfig
+from replay.http.protocol import ServedModel
+from replay.http.server import HttpFront, HttpOptions
+
+MODEL_NAME = "kvdrain-mock"
+
+
+def served_model(router, config: EngineConfig, topology: str) -> ServedModel:
+    return ServedModel(MODEL_NAME, config.max_model_len, router.vocab_size, config.block_size,
+                       tuple(router.engines), topology, config.liveness)
+
+
+@contextlib.contextmanager
+def engines(liveness: str = "event", topology: str = "pd", **overrides):
+    config = EngineConfig(runner="mock", num_blocks=256, liveness=liveness, **overrides)
+    router = start_topology(config, KVTransferConfig(), topology)
+    try:
+        yield router, served_model(router, config, topology)
+    finally:
+        router.shutdown()
+
+
+@contextlib.contextmanager
+def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions()):
+    """The front serving `router` from a thread with its own event loop; yields it (port set)."""
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        front = HttpFront(router, model, options)
+        await front.start()
+        box["front"], box["stop"], box["loop"] = front, asyncio.Event(), asyncio.get_running_loop()
+        ready.set()
+        await box["stop"].wait()
+        await front.stop()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=run, name="http-front", daemon=True)
+    thread.start()
+    assert ready.wait(30) and "front" in box, "the HTTP front did not start"
+    try:
+        yield box["front"]
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        assert not thread.is_alive(), "the HTTP front did not stop"

@@ -1,0 +1,80 @@
+"""Replays over HTTP judged from /metrics alone: the leak found, the fix verified, no metrics inconclusive.
+
+Plus the scraper's reading of vLLM, older vLLM, SGLang and kvdrain expositions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.http.client import HttpReplay, HttpTargetOptions, http_verdict
+from replay.http.scrape import MetricsSource, choose_metric, parse_metrics, read_engines
+from replay.trace.reader import read_trace
+from replay.trace.shaping import ShapingOptions, shape
+from replay.verify.rules import VerifyOptions, verify
+from tests.http_utils import engines, running_front
+
+pytestmark = pytest.mark.timeout(120)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pd_idle.jsonl"
+VERIFY = VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3)
+
+
+def replay_over_http(port: int, metrics_path: str | None = "/metrics", max_requests: int | None = None):
+    metrics = () if metrics_path is None else (
+        MetricsSource.parse(f"http://127.0.0.1:{port}{metrics_path}"),)
+    options = HttpTargetOptions(f"http://127.0.0.1:{port}", metrics, scrape_interval_s=0.05,
+                                tail_s=1.0)
+    shaping = ShapingOptions(speedup=4.0, max_requests=max_requests)
+    timeline = HttpReplay(options).run(shape(read_trace(EXAMPLE), shaping))
+    verdict = verify(timeline, [], VERIFY)
+    return timeline, verdict, http_verdict(timeline, verdict)
+
+
+def test_legacy_leak_is_found_from_metrics_alone():
+    with engines("legacy", "pd") as (router, model), running_front(router, model) as front:
+        timeline, verdict, (status, reasons) = replay_over_http(front.port)
+    assert status == "violation"
+    leaks = [w for w in verdict.windows if w.verdict == "leak"]
+    assert leaks and {w.engine for w in leaks} == {"P"}
+    assert all(w.num_blocks_held > 0 for w in leaks)
+    scrape = timeline.meta["http"]["metrics"][0]
+    assert scrape["metric"] == "vllm:kv_cache_usage_perc" and scrape["unit"] == "blocks"
+    assert scrape["num_failures"] == 0 and timeline.engines == ["P", "D"]
+    records = timeline.requests
+    assert len(records) == 32 and all(r.finish_reason == "length" and r.error is None for r in records)
+    assert all(r.first_token_t is not None and r.send_lateness_s < 0.5 for r in records)
+
+
+VLLM = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.00001
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="200001"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+"""
+
+
+def test_scraper_reads_vllm_older_vllm_sglang_and_kvdrain():
+    samples = parse_metrics(VLLM)
+    assert choose_metric(samples) == "vllm:kv_cache_usage_perc"
+    (reading,) = read_engines(samples, "vllm:kv_cache_usage_perc")
+    assert (reading.used, reading.free, reading.unit) == (2, 199998, "blocks")
+    assert reading.labels["vllm:num_requests_waiting"] == 3
+    old = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    assert choose_metric(old) == "vllm:gpu_cache_usage_perc"
+    (reading,) = read_engines(old, "vllm:gpu_cache_usage_perc")
+    assert (reading.used, reading.unit) == (500000, "ppm")
+    tiny = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 1e-9\n')
+    assert read_engines(tiny, "vllm:gpu_cache_usage_perc")[0].used == 1  # never rounds to 0
+    sglang = parse_metrics('sglang:token_usage{tp_rank="0"} 0.25\nsglang:max_total_num_tokens 4000\n')
+    assert choose_metric(sglang) == "sglang:token_usage"
+    assert read_engines(sglang, "sglang:token_usage")[0].used == 1000
+    assert choose_metric(parse_metrics("process_cpu_seconds_total 3\n")) is None
+
+
+def test_metrics_source_names():
+    assert MetricsSource.parse("P=http://h:8100/metrics") == MetricsSource("http://h:8100/metrics", "P")
+    assert MetricsSource.parse("http://h:8100/metrics").name is None
+    with pytest.raises(ValueError):
+        MetricsSource.parse("h:8100/metrics")
