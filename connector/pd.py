@@ -114,3 +114,6 @@ class PDConnector(KVConnectorBase):
         if connector_output.worker_error is not None:
             self.worker_error = connector_output.worker_error
 
+    def get_counters(self) -> dict[str, int]:
+        return {"num_bad_params": self.num_bad_params}
+

@@ -187,7 +187,9 @@ class EngineCoreProc:
     def _publish_stats(self, force: bool = False) -> None:
         """A snapshot whenever counts or the loop state changed (and on request)."""
         counts = asdict(self.core.make_stats())
-        worker = self.core.connector_worker
+        connector, worker = self.core.scheduler.connector, self.core.connector_worker
+        if connector is not None:
+            counts.update(connector.get_counters())
         if worker is not None:
             counts.update(worker.get_counters())
         counts["num_bad_messages"] = self.num_bad_messages

@@ -56,6 +56,10 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Observe the worker side's reports (counters, leases). Default: nothing."""
 
+    def get_counters(self) -> dict[str, int]:
+        """Scheduler-side counters for stats (say, rejected transfer params)."""
+        return {}
+
 
 class KVConnectorWorkerBase(ABC):
     """Worker side, inside the engine-core process next to the model runner."""

@@ -181,6 +181,7 @@ def test_remote_params_that_do_not_fit_fall_back_to_local_prefill():
     out, outputs = step(sched)
     assert out.total_num_scheduled_tokens == 10 and outputs[0].finished
     assert sched.connector.num_bad_params == 1
+    assert sched.connector.get_counters() == {"num_bad_params": 1}  # published with the stats
 
 
 def test_legacy_counts_waiting_for_remote_kvs_as_unfinished():

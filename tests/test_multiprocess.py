@@ -224,3 +224,14 @@ def test_sending_to_a_dead_engine_raises_instead_of_blocking():
             for i in range(2000):  # more than a socket's high-water mark
                 d.add_request(f"x{i}", [1, 2, 3], 2)
         assert time.monotonic() - start < 5.0
+
+
+def test_rejected_transfer_params_reach_the_stats_snapshot():
+    """PDConnector.num_bad_params (D prefills locally instead) is published with the counts."""
+    with topology() as h:
+        assert h.stats("D").counts["num_bad_params"] == 0
+        bad = {"do_remote_prefill": True, "remote_block_ids": [5], "remote_request_id": "x",
+               "remote_engine_id": "P", "remote_addr": ""}  # too few blocks for the prompt
+        h.clients["D"].add_request("bad", list(range(18)), 2, bad)
+        stats = h.wait_for_stats("D", lambda s: s.counts["num_bad_params"] == 1, 5)
+        assert stats is not None, h.stats("D").counts

@@ -245,12 +245,13 @@ class SimEngine:
 
     def counters(self, last: EngineSample) -> dict[str, int]:
         """Totals at the end, from its final sample."""
-        sends = self.worker.get_counters() if self.worker is not None else {}
+        connector, worker = self.core.scheduler.connector, self.worker
+        kv = {**(connector.get_counters() if connector is not None else {}),
+              **(worker.get_counters() if worker is not None else {})}
         return {"num_steps": last.num_steps, "num_wakeups": last.num_wakeups,
                 "num_model_steps": self.core.num_model_steps,
-                "num_expired": sends.get("num_expired", 0),
-                "num_reads_after_expiry": sends.get("num_reads_after_expiry", 0),
-                "num_read_done_dropped": sends.get("num_read_done_dropped", 0),
+                **{name: kv.get(name, 0) for name in ("num_expired", "num_reads_after_expiry",
+                                                      "num_read_done_dropped", "num_bad_params")},
                 "num_stale_kv_reports": self.stats.num_stale_kv_reports,
                 "num_preemptions": self.stats.num_preemptions,
                 "num_prefix_hit_tokens": self.stats.num_prefix_hit_tokens}
