@@ -4,17 +4,16 @@ No sleeping and no wall clock: replay/sim/clock.py is the event loop (integer
 nanoseconds, ties resolved the same way every run); replay/sim/kv_worker.py the KV
 connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
 engine/core_proc.py does, with a step cost model and the fast-forward over provably
-idle steps; replay/sim/options.py is what a run is set by. Here: the frontend and P/D
-proxy (routing as connector/routing.py decides, engines named as it names them), and
-the run that feeds the trace one record at a time.
+idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (its
+request records; the P/D proxy is connector/routing.py's Routing, the live router's
+too), and the run that feeds the trace one record at a time.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from connector.routing import (END, PREFILL_MAX_TOKENS, RELEASE, after_prefill, engine_roles,
-                               prefill_params)
+from connector.routing import END, AddTo, Command, Routing, engine_roles
 from engine.outputs import RequestOutput
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
@@ -26,23 +25,19 @@ from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceReque
 
 @dataclass(slots=True)
 class _Flight:
-    """A request the router has not finished yet."""
+    """What the client sees of a request the engines have not finished yet."""
 
     record: RequestRecord
-    prompt: list[int]
-    max_tokens: int
-    engine: str  # where it is now
-    via_prefill: bool
     tokens: list[int] = field(default_factory=list)
-    aborted: bool = False  # over for the client; the engines may still be finishing it
 
 
-class _Router:
-    """The frontend and vLLM's P/D proxy: P with max_tokens=1, then D with P's params."""
+class _Frontend:
+    """The client side: trace records in, routed by connector/routing.py, request records out."""
 
     def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim
-        self.flights: dict[str, _Flight] = {}
+        self.routing = Routing([name for name, _ in engine_roles(sim.options.topology)])
+        self.flights: dict[str, _Flight] = {}  # one per route in flight
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
         self.vocab_size = vocab_size
@@ -54,64 +49,51 @@ class _Router:
         prompt, t = synth_prompt(req, self.vocab_size), self.sim.loop.now / NS
         record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
         self.records.append(record)
-        pd = self.sim.options.topology == "pd"
-        via_prefill = pd and req.pd is not False
-        engine = "P" if via_prefill else "D" if pd else "E"
-        self.flights[req.req_id] = _Flight(record, prompt, req.max_tokens, engine, via_prefill)
-        if via_prefill:
-            self.sim.engines["P"].deliver(AddInput(req.req_id, prompt, PREFILL_MAX_TOKENS,
-                                                   prefill_params()))
-        else:
-            self.sim.engines[engine].deliver(AddInput(req.req_id, prompt, req.max_tokens, None))
+        self.flights[req.req_id] = _Flight(record)
+        self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd))
 
     def on_abort(self, abort: TraceAbort) -> None:
-        flight = self.flights.get(abort.req_id)
         self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))
-        if flight is not None and not flight.aborted:
+        commands = self.routing.abort(abort.req_id)
+        if commands:
             # The client is done at once; the engine hears next step, and P's late
             # output, if any, is still routed (connector/routing.after_prefill).
-            self._end(flight, "abort", None)
-            flight.aborted = True
-            self.flights[abort.req_id] = flight
-            self.sim.engines[flight.engine].deliver(AbortInput(abort.req_id))
+            self._end(self.flights[abort.req_id], "abort", None)
+            self._send(commands)
 
     def on_outputs(self, engine: str, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            flight = self.flights.get(out.req_id)
-            if flight is None:
+            route = self.routing.routes.get(out.req_id)
+            if route is None:
                 continue  # finished already
-            if flight.aborted and (engine != "P" or flight.engine != "P"):
-                if out.finished:  # the engines are done with a request the client left
-                    del self.flights[out.req_id]
-                continue
-            if engine == "P":
-                self._on_prefilled(flight, out)
-            else:
-                self._on_tokens(flight, out)
-
-    def _on_prefilled(self, flight: _Flight, out: RequestOutput) -> None:
-        if not out.finished:
-            return
-        flight.record.num_prefix_hit_tokens = out.num_cached_tokens
-        action, params = after_prefill(out, flight.aborted)
-        if action == END:
-            if flight.aborted:
+            flight = self.flights[out.req_id]
+            routed = self.routing.on_output(engine, out)
+            self._send(routed.commands)
+            if routed.action is not None:  # P's final output
+                flight.record.num_prefix_hit_tokens = out.num_cached_tokens
+            if routed.output is not None and not route.aborted:  # aborted: ended for the client
+                if routed.action == END:  # P's token is dropped: D samples the first token
+                    self._end(flight, out.finish_reason, out.error)
+                else:
+                    self._on_tokens(flight, out, route.via_prefill)
+            if out.req_id not in self.routing.routes:
                 del self.flights[out.req_id]
-            else:
-                self._end(flight, out.finish_reason, out.error)
-            return
-        flight.engine = "D"  # P's token is dropped: D samples the first token itself
-        d = self.sim.engines["D"]
-        d.deliver(AddInput(out.req_id, flight.prompt, flight.max_tokens, params))
-        if action == RELEASE:
-            d.deliver(AbortInput(out.req_id))
 
-    def _on_tokens(self, flight: _Flight, out: RequestOutput) -> None:
+    def _send(self, commands: list[Command] | tuple[Command, ...]) -> None:
+        for command in commands:
+            engine = self.sim.engines[command.engine]
+            if isinstance(command, AddTo):
+                engine.deliver(AddInput(command.req_id, command.prompt_token_ids, command.max_tokens,
+                                        command.kv_transfer_params))
+            else:
+                engine.deliver(AbortInput(command.req_id))
+
+    def _on_tokens(self, flight: _Flight, out: RequestOutput, via_prefill: bool) -> None:
         if out.new_token_ids:
             if flight.record.first_token_t is None:
                 flight.record.first_token_t = self.sim.loop.now / NS
             flight.tokens += out.new_token_ids
-        if not flight.via_prefill:
+        if not via_prefill:
             flight.record.num_prefix_hit_tokens = out.num_cached_tokens
         if out.finished:
             self._end(flight, out.finish_reason, out.error)
@@ -121,11 +103,10 @@ class _Router:
         record.end_t, record.finish_reason, record.error = self.sim.loop.now / NS, reason, error
         record.num_output_tokens = len(flight.tokens)
         record.output_digest = output_digest(flight.tokens)
-        del self.flights[record.req_id]
 
 
 class Simulation:
-    """One run: the trace fed a record at a time, the engines, the router, the sample ticks."""
+    """One run: the trace fed a record at a time, the engines, the frontend, the sample ticks."""
 
     def __init__(self, records: Iterable[TraceRecord], options: SimOptions) -> None:
         self.options, self.loop = options, EventLoop()
@@ -134,7 +115,7 @@ class Simulation:
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
         self.workers: dict[str, SimKVWorker] = {}
-        self.router = _Router(self, options.engine.model.vocab_size)
+        self.frontend = _Frontend(self, options.engine.model.vocab_size)
         self.engines = {name: self._engine(name, rank, role)
                         for rank, (name, role) in enumerate(engine_roles(options.topology))}
         self.end: int | None = None
@@ -143,7 +124,7 @@ class Simulation:
     def _engine(self, name: str, rank: int, role: str | None) -> SimEngine:
         config = self.options.engine_config(name, role)
         worker = None if role is None else SimKVWorker(name, self.loop, self.options, self.workers)
-        slot = EngineSlot(rank, self.router.on_outputs, self.samples.append)
+        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append)
         return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
@@ -154,7 +135,7 @@ class Simulation:
             fn, arg = loop.pop()
             fn(arg)
             if self.end is None and self.trace_done and (
-                    not self.router.flights or loop.num_pending == 0):
+                    not self.frontend.flights or loop.num_pending == 0):
                 self.end = loop.now + to_ns(self.options.tail_s)
         return self._finish()
 
@@ -176,9 +157,9 @@ class Simulation:
     def _on_record(self, rec: TraceRecord) -> None:
         if isinstance(rec, TraceRequest):
             self.arrivals.append(self.loop.now / NS)
-            self.router.on_request(rec)
+            self.frontend.on_request(rec)
         elif isinstance(rec, TraceAbort):
-            self.router.on_abort(rec)
+            self.frontend.on_abort(rec)
         self._feed()  # snapshots are verify()'s business
 
     def _tick(self, _: object) -> None:
@@ -199,7 +180,7 @@ class Simulation:
         return Timeline(
             engines=list(self.engines), num_blocks={n: self.options.engine.num_blocks - 1
                                                     for n in self.engines},
-            samples=self.samples, requests=self.router.records, arrivals=self.arrivals,
+            samples=self.samples, requests=self.frontend.records, arrivals=self.arrivals,
             aborts=self.aborts, end_t=self.loop.now / NS, counters=counters,
             meta={"driver": "virtual", **asdict(self.options)})
 
