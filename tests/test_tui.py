@@ -1,17 +1,19 @@
-"""The live dashboard: pure render at 80 and 160 columns, plain lines, rates, LiveView without a terminal."""
+"""The live dashboard: pure render at 80 and 160 columns, plain lines, rates, LiveView without a terminal, its feeds."""
 from __future__ import annotations
 
 import io
 import re
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from engine.messages import StatsSnapshot
+from replay.live.monitor import ReplayMonitor, ServeMonitor
 from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, WindowVerdict
-from replay.verify.timeline import EngineSample
+from replay.verify.timeline import EngineSample, RequestRecord
 from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
-from replay.verify.rules import IdleWindow
+from replay.verify.rules import IdleWindow, VerifyOptions
 
 CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, num_recvs_in_flight=0,
                  num_sends_pending=3, oldest_send_age_ms=120, num_read_done_dropped=0,
@@ -146,3 +148,57 @@ def test_live_view_on_a_terminal_keeps_the_last_frame():
         assert view.is_live
         state.windows.append(WindowVerdict("P", 9.0, 1.0, 0, 0.0, "drained"))
     assert "idle windows 3" in out.getvalue()  # the exit refresh drew the final state
+
+
+class CountingView:
+    """A LiveView stand-in: counts redraws."""
+
+    def __init__(self) -> None:
+        self.num_ticks = 0
+
+    def tick(self, force: bool = False) -> None:
+        self.num_ticks += 1
+
+
+def test_serve_feed_applies_each_engines_newest_snapshot_once():
+    state, view = DashboardState(), CountingView()
+    monitor = ServeMonitor(state, view)
+    server = SimpleNamespace(latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())})
+    monitor.on_tick(server)
+    monitor.on_tick(server)  # the same snapshot again: no second update, so no zero-time rate
+    assert state.engines["P"].num_steps == 10 and len(state.engines["P"].used_history) == 1
+    server.latest["P"] = StatsSnapshot("P", 2, 3.0, "polling", 50, 5, make_counts(num_used_blocks=7))
+    monitor.on_tick(server)
+    p = state.engines["P"]
+    assert p.steps_per_s == pytest.approx(20.0) and list(p.used_history) == [40, 7]
+    assert p.loop_state == "polling" and view.num_ticks == 3
+
+
+def test_top_feed_applies_every_snapshot_in_order():
+    state, view = DashboardState(), CountingView()
+    ServeMonitor(state, view).on_snapshots([StatsSnapshot("D", 1, 1.0, "stepping", 0, 0, make_counts()),
+                                            StatsSnapshot("D", 2, 2.0, "blocked", 30, 4, make_counts())])
+    assert state.engines["D"].steps_per_s == pytest.approx(30.0) and view.num_ticks == 1
+
+
+def test_replay_feed_copies_progress_errors_and_the_final_picture():
+    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=2, duration_s=4.0, clock="wall"))
+    view = CountingView()
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    records = {r: RequestRecord(r, t, t + 0.003, 0.003, None, None, 8, 0, 0, None)
+               for r, t in (("r0", 0.0), ("r1", 0.5))}
+    replay = SimpleNamespace(latest={}, requests=records, samples=[], arrivals=[0.0, 0.5], aborts=[],
+                             target=SimpleNamespace(errors=[("D", "engine D died\ntraceback")]),
+                             now=lambda: 1.5)
+    monitor.on_tick(replay)
+    monitor.on_tick(replay)  # nothing new: no second send, no repeated message
+    assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
+    assert state.progress.trace_t == 1.5 and state.messages == ["D: engine D died"]
+    final = SimpleNamespace(
+        timeline=SimpleNamespace(samples=[EngineSample(t, "P", used, 0, 127 - used, 127, 0, 0, 0, 0, 0,
+                                                       "blocked", 9, 2) for t, used in ((1.0, 5), (2.0, 0))],
+                                 requests=list(records.values()), end_t=6.0),
+        verdict=SimpleNamespace(windows=[IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)]))
+    monitor.show_final(final)
+    assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
+    assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
