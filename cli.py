@@ -23,12 +23,19 @@ def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
             num_blocks=o["num_blocks"], block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
             max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
             liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
-            runner=o["runner"], device=o["device"], model=MODEL_PRESETS[o["model"]])
+            runner=o["runner"], device=o["device"], model=_model_preset(o["model"]))
         kv = KVTransferConfig(transport=o["transport"], kv_expiry_s=o["kv_expiry_s"],
                               pull_delay_ms=o["pull_delay_ms"], drop_read_done=o["drop_read_done"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     return engine, kv
+
+
+def _model_preset(name: str):
+    if name not in MODEL_PRESETS:
+        raise click.UsageError(f"--model: {name!r} is not a preset ({', '.join(sorted(MODEL_PRESETS))});"
+                               f" a served model's name goes with --target http:// only")
+    return MODEL_PRESETS[name]
 
 
 ENGINE_OPTIONS = [
@@ -39,7 +46,9 @@ ENGINE_OPTIONS = [
     click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
                  help="torch: the real model; mock: deterministic tokens, no torch work."),
     click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-    click.option("--model", type=click.Choice(sorted(MODEL_PRESETS)), default="tiny", show_default=True),
+    click.option("--model", default="tiny", show_default=True,
+                 help=f"Model preset ({', '.join(sorted(MODEL_PRESETS))}); with --target http:// "
+                      f"the served model's name (default: the first /v1/models lists)."),
     click.option("--num-blocks", type=click.IntRange(2), default=512, show_default=True,
                  help="KV blocks per engine, the null block included."),
     click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
@@ -138,7 +147,17 @@ def shaping_options(func):
               help="Blocks of slack when matching recorded snapshots (default: 0 virtual, 2 wall).")
 @click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds observed after the last request (default: covers the drain deadline).")
-@click.option("--target", default=None, help="Replay against a running `kvdrain serve` at ADDRESS.")
+@click.option("--target", default=None,
+              help="Replay against a running `kvdrain serve` at ADDRESS (tcp://...), or any "
+                   "OpenAI-compatible server at http://HOST:PORT (vLLM, SGLang, a P/D proxy).")
+@click.option("--metrics", "metrics_urls", multiple=True, metavar="[NAME=]URL",
+              help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
+                   "P's and D's; NAME names the engine).")
+@click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids", show_default=True,
+              help="With --target http://: prompts as token ids, or as kvdrain's word-tokenizer text.")
+@click.option("--scrape-interval", type=click.FloatRange(min=0, min_open=True), default=0.1,
+              show_default=True, help="With --target http://: seconds between scrapes.")
+@click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the machine-readable report (JSON).")
 @click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -149,22 +168,26 @@ def shaping_options(func):
 def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
                snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
-               live: bool, **options) -> None:
+               live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
+               scrape_interval: float, api_key: str | None, **options) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
 
     \b
-    Exit status: 0 verified, 1 a violation, 2 bad usage or input.
+    Exit status: 0 verified, 1 a violation, 2 bad usage or input, 3 inconclusive
+    (--target http:// when KV usage was not observed throughout).
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
+             kvdrain replay TRACE --target http://HOST:8000 --metrics P=http://P:8100/metrics
     """
     from replay.commands import ReportPaths, replay_main
     from replay.pipeline import ReplayConfig
     from replay.trace.shaping import ShapingOptions
     from replay.verify.rules import VerifyOptions
+    http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
     engine, kv = _build_configs(options)
     try:
         config = ReplayConfig(
             trace=trace, fmt=options["fmt"], skip_bad_lines=options["skip_bad_lines"], clock=clock,
-            topology=options["topology"], engine=engine, kv=kv, tail_s=tail_s, target=target,
+            topology=options["topology"], engine=engine, kv=kv, tail_s=tail_s, target=target, http=http,
             shaping=ShapingOptions(
                 speedup=options["speedup"], start=options["start"], end=options["end"],
                 max_requests=options["max_requests"], max_gap=options["max_gap"],
@@ -179,6 +202,26 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     sys.exit(replay_main(config, paths, live, Console()))
 
 
+def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_format: str,
+                 scrape_interval: float, api_key: str | None, options: dict):
+    """HttpTargetOptions for --target http://...; None for other targets (HTTP options refused)."""
+    if target is None or not target.startswith(("http://", "https://")):
+        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key)) if v]
+        if given:
+            raise click.UsageError(f"{given[0]}: only with --target http://")
+        return None
+    from replay.http.client import HttpTargetOptions
+    from replay.http.scrape import MetricsSource
+    source = click.get_current_context().get_parameter_source("model")
+    served = options["model"] if source is not click.core.ParameterSource.DEFAULT else None
+    options["model"] = "tiny"  # the engine options do not apply to someone else's server
+    try:
+        return HttpTargetOptions(target, tuple(MetricsSource.parse(m) for m in metrics_urls),
+                                 served, prompt_format, scrape_interval, api_key)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 @cli.command(name="serve")
 @engine_options
 @click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
@@ -186,17 +229,34 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
 @click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the requests received and idle-time block counts as a kvdrain trace.")
 @click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
-def serve_cmd(address: str, record_path: Path | None, live: bool, **options) -> None:
+@click.option("--http", "http_address", default=None, metavar="[HOST:]PORT",
+              help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, /health, "
+                   "/metrics) here; host 127.0.0.1 by default, port 0 picks a free one.")
+@click.option("--api-key", default=None, help="With --http: require 'Authorization: Bearer KEY' on /v1.")
+def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: str | None,
+              api_key: str | None, **options) -> None:
     """Start the engines and accept requests from clients until Ctrl-C.
 
     \b
     Example: kvdrain serve --liveness legacy --record traffic.jsonl
              kvdrain replay examples/pd_idle.jsonl --target tcp://127.0.0.1:PORT
              kvdrain top --connect tcp://127.0.0.1:PORT
+             kvdrain serve --http 8000   (then --target http://127.0.0.1:8000)
     """
     from replay.commands import serve_main
     engine, kv = _build_configs(options)
-    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console()))
+    http = None
+    if http_address is not None:
+        from replay.http.serve import HttpServe, parse_http_address
+        from replay.http.server import HttpOptions
+        try:
+            host, port = parse_http_address(http_address)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{options['model']}")
+    elif api_key is not None:
+        raise click.UsageError("--api-key: only with --http")
+    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console(), http))
 
 
 @cli.command(name="top")

@@ -75,7 +75,14 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
              "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
     report = build_report(result.timeline, result.verdict, result.settings(), trace,
                           result.shaping_log.lines())
+    http = _http_outcome(result)
+    if http is not None:
+        report["http"] = http
     print_summary(console, report)
+    if http is not None:
+        from replay.http.outcome import outcome_lines
+        for line in outcome_lines(http):
+            console.print(line, highlight=False, soft_wrap=True)
     if paths.report is not None:
         write_report(paths.report, report)
     if paths.requests is not None:
@@ -86,7 +93,15 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         except RuntimeError as e:
             _error(console, e)
             return EXIT_USAGE
-    return result.verdict.exit_code
+    return result.verdict.exit_code if http is None else http["exit_code"]
+
+
+def _http_outcome(result: ReplayResult) -> dict | None:
+    """--target http://: the server, its metrics, latency and a verdict that can be inconclusive."""
+    if result.config.http is None:
+        return None
+    from replay.http.outcome import http_outcome
+    return http_outcome(result.timeline, result.verdict)
 
 
 class _StopFlag:
@@ -104,12 +119,14 @@ class _StopFlag:
 
 
 def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
-               record: Path | None, live: bool, console) -> int:
+               record: Path | None, live: bool, console, http=None) -> int:
+    """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq."""
     stop = _StopFlag()
     router = start_topology(engine, kv, topology)
     try:
         info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size)
-        server = Server(router, ServeOptions(address, record), info)
+        shared = router if http is None else http.share(router)
+        server = Server(shared, ServeOptions(address, record), info)
     except Exception:
         router.shutdown()
         raise
@@ -120,7 +137,10 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     monitor = ServeMonitor(state, view)
     try:
         with view:
-            server.serve_forever(monitor.on_tick, stop)
+            if http is None:
+                server.serve_forever(monitor.on_tick, stop)
+            else:
+                http.run(router, server, engine, topology, monitor.on_tick, stop)
     except KeyboardInterrupt:
         pass
     finally:

@@ -36,6 +36,7 @@ class ReplayConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     tail_s: float | None = None  # None: long enough to cover the drain deadline
     target: str | None = None  # replay against a running `kvdrain serve`
+    http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -98,6 +99,9 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
 
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
                  on_tick: Callable[[object], None] | None) -> Timeline:
+    if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
+        from replay.http.client import HttpReplay
+        return HttpReplay(replace(config.http, tail_s=config.effective_tail_s())).run(records)
     options = WallOptions(tail_s=config.effective_tail_s())
     target = _start_target(config)
     try:

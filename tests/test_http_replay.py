@@ -1,19 +1,17 @@
-"""Replays over HTTP judged from /metrics alone: the leak found, the fix verified, no metrics inconclusive.
-
-Plus the scraper's reading of vLLM, older vLLM, SGLang and kvdrain expositions.
-"""
+"""The HTTP replay's parts: one replay over HTTP (used by the server and CLI tests), and the
+scraper's reading of vLLM, older vLLM, SGLang and kvdrain expositions."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from replay.http.client import HttpReplay, HttpTargetOptions, http_verdict
+from replay.http.client import HttpReplay, HttpTargetOptions
+from replay.http.outcome import http_verdict
 from replay.http.scrape import MetricsSource, choose_metric, parse_metrics, read_engines
 from replay.trace.reader import read_trace
 from replay.trace.shaping import ShapingOptions, shape
 from replay.verify.rules import VerifyOptions, verify
-from tests.http_utils import engines, running_front
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pd_idle.jsonl"
@@ -29,21 +27,6 @@ def replay_over_http(port: int, metrics_path: str | None = "/metrics", max_reque
     timeline = HttpReplay(options).run(shape(read_trace(EXAMPLE), shaping))
     verdict = verify(timeline, [], VERIFY)
     return timeline, verdict, http_verdict(timeline, verdict)
-
-
-def test_legacy_leak_is_found_from_metrics_alone():
-    with engines("legacy", "pd") as (router, model), running_front(router, model) as front:
-        timeline, verdict, (status, reasons) = replay_over_http(front.port)
-    assert status == "violation"
-    leaks = [w for w in verdict.windows if w.verdict == "leak"]
-    assert leaks and {w.engine for w in leaks} == {"P"}
-    assert all(w.num_blocks_held > 0 for w in leaks)
-    scrape = timeline.meta["http"]["metrics"][0]
-    assert scrape["metric"] == "vllm:kv_cache_usage_perc" and scrape["unit"] == "blocks"
-    assert scrape["num_failures"] == 0 and timeline.engines == ["P", "D"]
-    records = timeline.requests
-    assert len(records) == 32 and all(r.finish_reason == "length" and r.error is None for r in records)
-    assert all(r.first_token_t is not None and r.send_lateness_s < 0.5 for r in records)
 
 
 VLLM = """# TYPE vllm:kv_cache_usage_perc gauge

@@ -11,8 +11,8 @@
   EngineSample records the other drivers produce, so replay/verify/rules.py judges the
   idle windows from the server's own metrics.
 The result is a Timeline; `meta["http"]` holds the server's identity, each URL's scrape
-status and the latency summary; `http_verdict` turns it and the Verdict into verified,
-violation or inconclusive.
+status and the latency summary (replay/http/outcome.py turns it and the Verdict into
+verified, violation or inconclusive).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import Iterable
 
 import aiohttp
 
+from replay.http.outcome import latency_summary
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest
@@ -95,7 +96,9 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
         raise ConnectionError(f"{url}: no models listed")
     names = [str(c.get("id")) for c in cards]
     model = options.model or names[0]
-    card = cards[names.index(model)] if model in names else {}
+    if model not in names:
+        raise ConnectionError(f"{url}: --model {model!r} is not served here; it lists {names}")
+    card = cards[names.index(model)]
     extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
     vocab = options.vocab_size or (extra or {}).get("vocab_size") or DEFAULT_VOCAB_SIZE
     return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
@@ -309,50 +312,3 @@ def _json_or_text(body: bytes) -> object:
 
 def _text_digest(pieces: list[str]) -> str:
     return hashlib.sha256("".join(pieces).encode()).hexdigest()[:16]
-
-
-def latency_summary(records, itls: dict[str, list[float]]) -> dict:
-    """vllm bench serve's keys (ms): mean, median and p99 of TTFT, TPOT, ITL and E2E."""
-    done = [r for r in records if r.end_t is not None and r.error is None and r.finish_reason != "abort"]
-    ttft = [r.first_token_t - r.send_t for r in done if r.first_token_t is not None]
-    e2e = [r.end_t - r.send_t for r in done]
-    tpot = [(r.end_t - r.first_token_t) / (r.num_output_tokens - 1) for r in done
-            if r.first_token_t is not None and r.num_output_tokens > 1]
-    itl = [x for r in done for x in itls.get(r.req_id, ())]
-    out: dict[str, float | int] = {"completed": len(done)}
-    for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        values = sorted(values)
-        out[f"mean_{key}_ms"] = 1000 * sum(values) / len(values) if values else 0.0
-        out[f"median_{key}_ms"] = 1000 * values[len(values) // 2] if values else 0.0
-        out[f"p99_{key}_ms"] = 1000 * values[min(len(values) - 1, int(0.99 * len(values)))] if values else 0.0
-    return out
-
-
-EXIT_CODES = {"verified": 0, "violation": 1, "inconclusive": 3}
-
-
-def http_verdict(timeline: Timeline, verdict) -> tuple[str, list[str]]:
-    """verified | violation | inconclusive, and why it is inconclusive.
-
-    A leak seen in the server's own metrics is a violation whatever else went wrong;
-    otherwise the run proves nothing (inconclusive) when KV usage was not observed
-    throughout: no metrics URL, no KV-usage metric, a failed scrape, a metric that never
-    moved (always one value: the check would be vacuous), or no idle window at all.
-    """
-    if not verdict.ok:
-        return "violation", []
-    http = timeline.meta.get("http", {})
-    reasons = [] if http.get("metrics") else ["no --metrics URL: KV usage was not observed"]
-    for status in http.get("metrics", []):
-        if status["metric"] is None:
-            reasons.append(f"{status['url']}: no KV-usage metric ({status['errors'][:1]})")
-        elif status["num_failures"]:
-            reasons.append(f"{status['url']}: {status['num_failures']} of {status['num_scrapes']} "
-                           f"scrapes failed (first: {status['errors'][0]})")
-    for engine in timeline.engines:
-        values = {s.num_used_blocks for s in timeline.samples_for(engine)}
-        if len(values) <= 1:
-            reasons.append(f"{engine}: KV usage never moved (always {next(iter(values), 0)})")
-    if timeline.engines and not verdict.windows:
-        reasons.append("no idle window to check")
-    return ("inconclusive" if reasons else "verified"), reasons

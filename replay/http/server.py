@@ -4,9 +4,9 @@ One asyncio thread owns everything: aiohttp's handlers call the router directly 
 not thread-safe, and needs no lock here), and a pump task polls the router for outputs
 (every millisecond while requests are open, every 10 ms otherwise) and hands each to
 its request's queue, and keeps the latest stats snapshot of every engine for /metrics.
-Outputs of requests the front does not own (a zmq `serve` client's, when both fronts
-share the router) wait in `other_outputs` / `other_stats` for their owner; `on_tick`
-runs once per pump round for such a co-tenant.
+When the zmq serve shares the router (replay/http/serve.py), the outputs of requests
+the front does not own and every stats snapshot go to that SharedRouter for it, and
+`on_tick` runs once per pump round to let it work.
 
 A client that disconnects aborts its request (aiohttp cancels the handler, as vLLM
 aborts on disconnect). Nothing a client sends reaches an engine unchecked (protocol.py);
@@ -66,8 +66,9 @@ class _Open:
 
 class HttpFront:
     def __init__(self, router, model: ServedModel, options: HttpOptions = HttpOptions(),
-                 on_tick: Callable[[HttpFront], None] | None = None) -> None:
+                 on_tick: Callable[[HttpFront], None] | None = None, shared=None) -> None:
         self.router = router
+        self.shared = shared  # a SharedRouter: the co-tenant's outputs and stats go there
         self.model = model
         self.options = options
         self.on_tick = on_tick
@@ -76,8 +77,6 @@ class HttpFront:
         self.latest: dict[str, StatsSnapshot] = {}
         self.front = {engine: FrontStats() for engine in model.engines}
         self.answering_engine = model.engines[-1]  # D in a P/D topology
-        self.other_outputs: list[RequestOutput] = []
-        self.other_stats: list[StatsSnapshot] = []
         self.num_requests = 0
         self.num_errors: dict[int, int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -132,7 +131,7 @@ class HttpFront:
         try:
             while True:
                 self.poll_once()
-                if self.open:
+                if self.open or getattr(self.router, "has_pending", False):
                     await asyncio.sleep(POLL_BUSY_S)
                     continue
                 self._wake.clear()
@@ -151,13 +150,14 @@ class HttpFront:
     def poll_once(self) -> None:
         for output in self.router.poll(0):
             request = self.open.get(output.req_id)
-            if request is None:
-                self.other_outputs.append(output)
-            else:
+            if request is not None:
                 request.queue.put_nowait(output)
+            elif self.shared is not None:
+                self.shared.outputs.append(output)
         for snap in self.router.take_stats():
             self.latest[snap.engine_id] = snap
-            self.other_stats.append(snap)
+            if self.shared is not None:
+                self.shared.stats.append(snap)
         if self.on_tick is not None:
             self.on_tick(self)
 

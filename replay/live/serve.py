@@ -55,15 +55,21 @@ class Server:
                       should_stop: Callable[[], bool] = lambda: False) -> None:
         self.router.request_stats()
         while not should_stop():
-            if self.socket.poll(10, zmq.POLLIN):
-                self._drain_clients()
-            for output in self.router.poll(0):
-                self._forward(output)
-            for snap in self.router.take_stats():
-                self._fan_out(snap)
-            self._maybe_record_snapshot()
+            self.run_once(10)
             if on_tick is not None:
                 on_tick(self)
+
+    def run_once(self, timeout_ms: int) -> None:
+        """One round: clients' messages (waiting up to timeout_ms), outputs, stats, recording.
+
+        `serve --http` calls it from the HTTP front's loop (replay/http/serve.py)."""
+        if self.socket.poll(timeout_ms, zmq.POLLIN):
+            self._drain_clients()
+        for output in self.router.poll(0):
+            self._forward(output)
+        for snap in self.router.take_stats():
+            self._fan_out(snap)
+        self._maybe_record_snapshot()
 
     def _drain_clients(self) -> None:
         while self.socket.poll(0, zmq.POLLIN):
