@@ -13,8 +13,8 @@ from engine.messages import ServeInfo
 from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
 from replay.live.serve import Server, ServeOptions
 from replay.live.serve_client import ServeClient
-from replay.pipeline import ReplayConfig, ReplayResult, run_replay
-from replay.trace.reader import TraceError, validate_trace
+from replay.pipeline import ReplayConfig, ReplayResult, run_replay, validate_replay_trace
+from replay.trace.reader import TraceError
 from replay.ui.dashboard import DashboardState
 from replay.ui.tui import LiveView
 from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
@@ -49,12 +49,17 @@ class _NoView:
 
 def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
     try:
-        summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines)
+        summary = validate_replay_trace(config)
     except TraceError as e:
         _error(console, e)
         return EXIT_USAGE
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
+    if summary.num_capped:
+        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
+                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
+                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
+                      soft_wrap=True)
     state = replay_state(config, summary.num_requests, summary.duration)
     view = LiveView(state, console) if live else _NoView()
     monitor = ReplayMonitor(state, view, config.verify)

@@ -17,7 +17,8 @@ from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate
 from replay.verify.timeline import Timeline
-from replay.trace.reader import TraceRecord, TraceSnapshot, TraceSummary, read_trace, validate_trace
+from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
+                                 validate_trace)
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
@@ -73,15 +74,32 @@ def _keep_snapshots(records: Iterator[TraceRecord], into: list[TraceSnapshot]) -
         yield record
 
 
+def trace_limits(config: ReplayConfig) -> TraceLimits:
+    """What the engines accept, for checking the trace before anything starts.
+
+    Both clocks run config.engine's sizes; with --target (zmq or http) the server's limits
+    are not known before connecting, so only the reader's own caps (after scaling) apply.
+    """
+    scale = config.shaping.scale_tokens
+    if config.target is not None or config.http is not None:
+        return TraceLimits(scale_tokens=scale)
+    return TraceLimits(config.engine.max_model_len, config.engine.model.vocab_size, scale)
+
+
+def validate_replay_trace(config: ReplayConfig) -> TraceSummary:
+    """The validating pass over config's trace, against the engines' limits; TraceError if bad."""
+    return validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+
+
 def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = None,
                summary: TraceSummary | None = None) -> ReplayResult:
     """Validate (unless a summary of that pass is given), shape, drive, verify."""
     if summary is None:
-        summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines)
+        summary = validate_replay_trace(config)
     log = ShapingLog()
     snapshots: list[TraceSnapshot] = []
-    records = _keep_snapshots(shape(read_trace(config.trace, config.fmt, config.skip_bad_lines),
-                                    config.shaping, log), snapshots)
+    trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    records = _keep_snapshots(shape(trace, config.shaping, log), snapshots)
     start = time.monotonic()
     if config.clock == "virtual":
         timeline = simulate(records, _sim_options(config))

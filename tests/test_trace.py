@@ -1,6 +1,7 @@
 """Tests of trace reading, prompt synthesis, shaping and inspection."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -12,9 +13,12 @@ from hypothesis import strategies as st
 
 from replay.trace.inspect import format_inspection, inspect_trace
 from replay.trace.shaping import ShapingLog, ShapingOptions, scale_request, shape
+from replay.trace import synth
 from replay.trace.synth import synth_prompt
-from replay.trace.reader import (TraceAbort, TraceError, TraceHeader, TraceRequest, TraceSnapshot,
-                          detect_format, read_trace, validate_trace)
+from replay.trace.reader import (FORMATS, TraceAbort, TraceError, TraceHeader, TraceLimits,
+                                 TraceRequest, TraceSnapshot, detect_format, read_trace,
+                                 validate_trace)
+from replay.trace.records import MAX_LINE_BYTES
 
 # The public traces live beside the repository (../shared/traces), never inside it.
 TRACES = Path(os.environ.get("KVDRAIN_TRACES",
@@ -321,3 +325,180 @@ def test_inspect_small_file_and_bundled_example(tmp_path):
     example = inspect_trace(EXAMPLE, idle_threshold=3)
     assert example.num_requests == 32 and example.num_idle_gaps == 3 and example.duration < 20
     assert {r.pd for r in requests(read_trace(EXAMPLE))} == {True}
+
+
+# ---- bounded reading (issue 11, finding 4): each case was measured to traceback, hang or
+# blow up memory before the caps; now each is `file:line: field: what`, before any send.
+
+GOOD = '{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}'
+LIMITS = TraceLimits(max_model_len=4096, vocab_size=512)
+
+
+def error_of(path: Path, **kwargs) -> str:
+    with pytest.raises(TraceError) as e:
+        validate_trace(path, **kwargs)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"t": %s, "id": "b", "prompt_len": 4, "max_tokens": 2}' % ("9" * 400),
+     "t: must be at most 10000000 seconds (the reader's cap), got an integer of 400 digits"),
+    ('{"t": %s, "id": "b", "prompt_len": 4, "max_tokens": 2}' % ("9" * 5001),
+     "json: invalid JSON: Exceeds the limit (4300 digits)"),
+    ('{"t": 1e300, "id": "b", "prompt_len": 4, "max_tokens": 2}',
+     "t: must be at most 10000000 seconds (the reader's cap), got 1e+300"),
+    ('{"t": NaN, "id": "b", "prompt_len": 4, "max_tokens": 2}', "t: must be a number >= 0"),
+    ("[" * 100_000, "json: nested deeper than 64 levels"),
+    ('{"t": 1, "x": ' + "[" * 65 + "]" * 65 + "}", "json: nested deeper than 64 levels"),
+    ('{"t": 1, "id": "b\\ud800", "prompt_len": 4, "max_tokens": 2}',
+     "id: not valid UTF-8: a lone surrogate \\ud800 at character 1"),
+    ('{"t": 1, "id": "b", "prompt_len": 1000000000000, "max_tokens": 2}',
+     "prompt_len: must be at most 1,048,576 (the reader's cap), got 1000000000000"),
+    ('{"t": 1, "id": "b", "prompt_len": 300000000, "max_tokens": 2}',  # 123 bytes, >2 GB
+     "prompt_len: must be at most 1,048,576 (the reader's cap), got 300000000"),
+    ('{"t": 1, "id": "b", "hash_ids": [1], "prompt_len": 5, "hash_block_size": 1000000000000, '
+     '"max_tokens": 2}', "hash_block_size: must be at most 1,048,576 (the reader's cap)"),
+    ('{"t": 1, "id": "b", "hash_ids": [%s], "max_tokens": 2}' % ",".join(["0"] * 2_000_000),
+     "hash_ids: has 2,000,000 entries, at most 1,048,576 (the reader's cap)"),
+    ('{"t": 1, "id": "b", "hash_ids": [%s], "max_tokens": 2}' % ",".join(["0"] * 70_000),
+     "hash_ids: must be at most 1,048,576 (the reader's cap), got 1120000"),
+    ('{"t": 1, "id": "b", "prompt_len": 4, "max_tokens": 1000000000000}',
+     "max_tokens: must be at most 1,048,576 (the reader's cap), got 1000000000000"),
+    ('{"t": 1, "id": "%s", "prompt_len": 4, "max_tokens": 2}' % ("x" * 257),
+     "id: has 257 characters, at most 256"),
+    ('{"t": 1, "id": "b", "prompt_token_ids": [4294967296], "max_tokens": 2}',
+     "prompt_token_ids: must be a non-empty list of integers from 0 to 2,147,483,647"),
+])
+def test_hostile_kvdrain_line_is_a_field_error(tmp_path, line, message):
+    path = write(tmp_path, "h.jsonl", [GOOD, line])
+    assert error_of(path).startswith(f"{path}:2: {message}")
+    assert error_of(path, fmt="kvdrain", limits=LIMITS).startswith(f"{path}:2: {message}")
+
+
+@pytest.mark.parametrize("first", ["[" * 100_000, "{" * 100_000, '{"t": %s}' % ("9" * 5001),
+                                   "x" * 140_000, '"' + "x" * 140_000])
+def test_hostile_first_line_is_sniffed_without_a_traceback(tmp_path, first):
+    path = write(tmp_path, "f.txt", [first, GOOD])
+    with pytest.raises(TraceError, match=r"f.txt:1: format: unknown; .* \(the line: "):
+        detect_format(path)
+    for fmt in FORMATS:  # named: the first line is bad in that format, never a traceback
+        with pytest.raises(TraceError, match=r"f.txt:1: "):
+            validate_trace(path, fmt=fmt)
+
+
+def test_out_of_vocabulary_or_overlong_prompt_is_found_before_line_1_is_sent(tmp_path):
+    over = {"t": 1, "id": "b", "prompt_len": 4096, "max_tokens": 2}
+    path = write(tmp_path, "v.jsonl", [GOOD, {"t": 1, "id": "b", "prompt_token_ids": [99999],
+                                              "max_tokens": 2}])
+    assert error_of(path, limits=LIMITS) == (f"{path}:2: prompt_token_ids: token 99999 is "
+                                             f"outside the vocabulary [0, 512)")
+    path = write(tmp_path, "l.jsonl", [GOOD, over])
+    assert error_of(path, limits=LIMITS).startswith(
+        f"{path}:2: prompt_len: a prompt of 4,096 tokens does not fit max_model_len 4,096")
+    path = write(tmp_path, "m.jsonl", [GOOD, {**over, "prompt_len": 8, "max_tokens": 4096}])
+    assert error_of(path, limits=LIMITS).startswith(
+        f"{path}:2: max_tokens: 4,096 tokens can never be generated: max_model_len 4,096")
+    s = validate_trace(path, skip_bad_lines=True, limits=LIMITS)  # skipped, counted
+    assert (s.num_requests, s.num_bad_lines) == (1, 1)
+    assert validate_trace(path).num_requests == 2  # no engines named, no engine limits
+
+
+def test_limits_apply_to_scaled_lengths_and_count_capped_outputs(tmp_path):
+    path = write(tmp_path, "s.jsonl", [
+        {"t": 0, "id": "a", "prompt_len": 6000, "max_tokens": 10},
+        {"t": 1, "id": "b", "prompt_len": 3000, "max_tokens": 4500},
+        {"t": 2, "id": "c", "hash_ids": list(range(14)), "hash_block_size": 512,
+         "prompt_len": 6758, "max_tokens": 500}])
+    half = validate_trace(path, limits=TraceLimits(4096, 512, scale_tokens=0.5))
+    assert (half.num_requests, half.num_capped) == (3, 0)
+    assert validate_trace(path, limits=TraceLimits(8192, 512)).num_capped == 0
+    assert validate_trace(path, limits=TraceLimits(7000, 512)).num_capped == 2  # b and c
+    assert error_of(path, limits=TraceLimits(4096, 512, scale_tokens=2.0)).startswith(
+        f"{path}:1: prompt_len: a prompt of 12,000 tokens (scaled by 2) does not fit")
+    assert error_of(path, limits=TraceLimits(scale_tokens=1000.0)).startswith(
+        f"{path}:1: prompt_len: 6,000,000 tokens (scaled by 1000), more than the reader's cap")
+
+
+@pytest.mark.parametrize("fmt, lines, message", [
+    ("mooncake", ['{"timestamp": 1e300, "input_length": 5, "output_length": 1, "hash_ids": [1]}'],
+     "timestamp: must be at most 10000000000 milliseconds (the reader's cap)"),
+    ("mooncake", ['{"timestamp": 0, "input_length": 1073741824, "output_length": 1, '
+                  '"hash_ids": [1]}'], "input_length: must be at most 1,048,576"),
+    ("azure", [AZ_HEADER, "2023-11-16 18:17:03,10,2", "9999-11-16 18:17:03,10,2"],
+     "TIMESTAMP: 251,698,233,600 s after the first row, at most 10000000 s"),
+    ("azure", [AZ_HEADER, "2023-11-16 18:17:03,%s,2" % ("9" * 5001)],
+     "ContextTokens: must be at most 1,048,576 (the reader's cap)"),
+    ("azure", [AZ_HEADER, "2023-11-16 18:17:03,%s1,2" % ("0" * 5001)], None),
+    ("azure", [AZ_HEADER, "2023-11-16 18:17:03,10,%s" % ("9" * 140_000)],
+     "row: not valid CSV: field larger than field limit (131072)"),
+])
+def test_hostile_public_format_rows(tmp_path, fmt, lines, message):
+    path = write(tmp_path, "p.txt", lines)
+    if message is None:  # leading zeros of any length are still a small number
+        assert validate_trace(path, fmt=fmt).total_prompt_tokens == 1
+        return
+    assert error_of(path, fmt=fmt).startswith(f"{path}:{len(lines)}: {message}")
+
+
+def test_a_line_over_the_cap_is_an_error_and_is_never_held_whole(tmp_path, monkeypatch):
+    import tracemalloc
+    import replay.trace.reader as reader
+    tail = [{"t": 1, "id": "z", "prompt_len": 4, "max_tokens": 1}]
+    path = tmp_path / "long.jsonl"  # just over the real cap: 8 MiB of one JSON string
+    path.write_text(GOOD + "\n" + '{"t": 1, "x": "' + "x" * MAX_LINE_BYTES + '"}\n'
+                    + json.dumps(tail[0]) + "\n")
+    assert error_of(path) == f"{path}:2: line: longer than 8,388,608 bytes (the reader's cap)"
+    s = validate_trace(path, skip_bad_lines=True)
+    assert (s.num_requests, s.num_bad_lines) == (2, 1)
+    assert s.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # every byte hashed
+    monkeypatch.setattr(reader, "MAX_LINE_BYTES", 64 << 10)  # a 1 MiB line, a 64 KiB cap
+    path.write_text(GOOD + "\n" + "[" * (1 << 20) + "\n" + json.dumps(tail[0]) + "\n")
+    tracemalloc.start()
+    try:
+        s = validate_trace(path, skip_bad_lines=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert s.num_requests == 2 and "line: longer than 65,536 bytes" in s.bad_line_messages[0]
+    assert peak < 512 << 10
+
+
+def test_invalid_utf8_and_surrogates_anywhere_are_named(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(GOOD.encode() + b'\n{"t": 1, "id": "b\xff", "prompt_len": 4, "max_tokens": 2}\n')
+    assert error_of(path) == f"{path}:2: line: not valid UTF-8 at byte 18"
+    path = write(tmp_path, "k.jsonl", [GOOD, '{"t": 1, "kv": {"P\\udfff": {"used": 1, "free": 2}}}'])
+    assert "k.jsonl:2: kv: not valid UTF-8: a lone surrogate \\udfff" in error_of(path)
+    pair = write(tmp_path, "p.jsonl", [GOOD, '{"t": 1, "id": "\\ud83d\\ude00", "prompt_len": 4, '
+                                             '"max_tokens": 2}'])
+    assert validate_trace(pair).num_requests == 2  # a valid pair is one character
+
+
+def test_replay_of_a_trace_bad_on_line_2_starts_nothing(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import replay.pipeline as pipeline
+    from cli import cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("engines started")
+    monkeypatch.setattr(pipeline, "simulate", never)
+    path = write(tmp_path, "r.jsonl", [GOOD, {"t": 1, "id": "b", "prompt_len": 5000,
+                                              "max_tokens": 2}])
+    for clock in ("virtual", "wall"):
+        result = CliRunner().invoke(cli, ["replay", str(path), "--clock", clock, "--no-live",
+                                          "--runner", "mock"], catch_exceptions=False)
+        assert result.exit_code == 2, result.output
+        assert "r.jsonl:2: prompt_len: a prompt of 5,000 tokens does not fit max_model_len" \
+            in result.output.replace("\n", "")
+    with pytest.raises(TraceError, match="r.jsonl:2: prompt_len"):
+        pipeline.run_replay(pipeline.ReplayConfig(trace=path, clock="virtual"))
+
+
+def test_synth_memo_keeps_only_small_blocks():
+    memo = synth._memo_block
+    before = memo.cache_info().currsize
+    assert len(synth_prompt(mk("big", (1, 2), 2 * 4096, block=4096), 100)) == 8192
+    assert memo.cache_info().currsize == before
+    synth_prompt(mk("small", (10**6 + 1,), 16), 100)
+    assert memo.cache_info().currsize == before + 1

@@ -2,20 +2,23 @@
 
 The formats themselves are described in replay/trace/reader.py's docstring, which also owns what
 spans lines (format detection, headers, time order, unique ids). A bad field raises
-FieldError("name", "what is wrong"); the reader adds the file and line.
+FieldError("name", "what is wrong"); the reader adds the file and line. Every number is
+range-checked against the caps in replay/trace/records.py before anything is built from it.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 from datetime import datetime, timedelta, timezone
 
 from engine.utils import cdiv
-from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceRecord, TraceRequest,
-                                  TraceSnapshot)
+from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_COUNT, MAX_ENGINES, MAX_ID_CHARS,
+                                  MAX_JSON_DEPTH, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS,
+                                  MAX_TOKEN_ID, MAX_TRACE_T, TraceAbort, TraceRecord,
+                                  TraceRequest, TraceSnapshot)
 
 MOONCAKE_BLOCK_SIZE = 512
+_MOONCAKE_MAX_IDS = -(-MAX_PROMPT_TOKENS // MOONCAKE_BLOCK_SIZE)
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _AZURE_TIME = re.compile(
     r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:?\d\d)?")
@@ -32,35 +35,67 @@ class FieldError(Exception):
 
 
 def show(value: object) -> str:
-    """A value as JSON, cut to 40 characters, for error messages."""
+    """A value as JSON, cut to 40 characters, for error messages (never dumps much)."""
+    if isinstance(value, (str, list)):
+        value = value[:40]
+    elif isinstance(value, dict):
+        value = dict(list(value.items())[:8]) if len(value) > 8 else value
+    elif isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of {len(str(value))} digits"
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _int(obj: dict[str, object], name: str, minimum: int, label: str = "") -> int:
+def _at_most(value: int, maximum: int, label: str) -> int:
+    if value > maximum:
+        raise FieldError(label, f"must be at most {maximum:,} (the reader's cap), got "
+                                f"{show(value)}")
+    return value
+
+
+def _int(obj: dict[str, object], name: str, minimum: int, maximum: int,
+         label: str = "") -> int:
     if name not in obj:
         raise FieldError(label or name, f"missing, must be an integer >= {minimum}")
     value = obj[name]
     if type(value) is not int or value < minimum:
         raise FieldError(label or name, f"must be an integer >= {minimum}, got {show(value)}")
-    return value
+    return value if value <= maximum else _at_most(value, maximum, label or name)
 
 
-def _ints(obj: dict[str, object], name: str, minimum: int | None) -> tuple[int, ...]:
+def _ints(obj: dict[str, object], name: str, max_len: int,
+          bounds: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """A non-empty list of at most max_len integers, each within `bounds` if given."""
     value = obj.get(name)
-    if not isinstance(value, list) or not value or not all(
-            type(x) is int and (minimum is None or x >= minimum) for x in value):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise FieldError(name, f"must be a non-empty list of integers{bound}, "
+    if isinstance(value, list) and len(value) > max_len:
+        raise FieldError(name, f"has {len(value):,} entries, at most {max_len:,} (the "
+                               f"reader's cap)")
+    if not isinstance(value, list) or not value or set(map(type, value)) != {int} or (
+            bounds is not None and not bounds[0] <= min(value) <= max(value) <= bounds[1]):
+        within = "" if bounds is None else f" from {bounds[0]:,} to {bounds[1]:,}"
+        raise FieldError(name, f"must be a non-empty list of integers{within}, "
                                f"got {show(value)}")
     return tuple(value)
 
 
 def _seconds(value: object, name: str, per_second: int = 1) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        unit = "milliseconds" if per_second == 1000 else "seconds"
+    # Comparisons, not math.isfinite: exact for ints of any size; NaN fails them too.
+    unit = "milliseconds" if per_second == 1000 else "seconds"
+    if type(value) not in (int, float) or not value >= 0:
         raise FieldError(name, f"must be a number >= 0 ({unit}), got {show(value)}")
+    if not value <= MAX_TRACE_T * per_second:
+        raise FieldError(name, f"must be at most {MAX_TRACE_T * per_second:.0f} {unit} (the "
+                               f"reader's cap), got {show(value)}")
     return value / per_second
+
+
+def _string(value: object, name: str) -> str:
+    """A request id: a non-empty string of at most MAX_ID_CHARS characters."""
+    if not isinstance(value, str) or not value:
+        raise FieldError(name, f"must be a non-empty string, got {show(value)}")
+    if len(value) > MAX_ID_CHARS:
+        raise FieldError(name, f"has {len(value):,} characters, at most {MAX_ID_CHARS}")
+    return value
 
 
 def _check_cover(length: int, hash_ids: tuple[int, ...], block: int, name: str) -> None:
@@ -71,14 +106,56 @@ def _check_cover(length: int, hash_ids: tuple[int, ...], block: int, name: str) 
 
 
 def parse_json(text: str) -> dict[str, object]:
-    """The JSON object of one JSONL line."""
+    """The JSON object of one JSONL line: nesting, numbers and strings bounded and valid."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise FieldError("json", f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise FieldError("json", f"invalid JSON: {str(e)[:80]}") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(obj) > MAX_JSON_DEPTH:
+        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(obj, dict):
         raise FieldError("json", f"must be a JSON object, got {show(obj)}")
     return obj
+
+
+def check_strings(text: str, obj: dict[str, object]) -> None:
+    """Every string of a line's object (keys too) encodes as UTF-8: no lone surrogate."""
+    if "\\u" in text:  # only an escape can make one
+        _check_utf8(obj, "")
+
+
+def _depth(obj: object) -> int:
+    """How deeply arrays and objects nest in `obj`, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict)
+                                                  else value))
+    return deepest
+
+
+def _check_utf8(value: object, name: str) -> None:
+    """Every string (keys too) encodes as UTF-8: no lone surrogate from a \\u escape."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise FieldError(name or "json", f"not valid UTF-8: a lone surrogate "
+                                             f"\\u{ord(value[e.start]):04x} at character "
+                                             f"{e.start}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_utf8(key, name)
+            _check_utf8(item, f"{name}.{key}" if name else key)
+    elif isinstance(value, list):
+        for item in value:
+            _check_utf8(item, name)
 
 
 def _kvdrain_prompt(obj: dict[str, object]) -> tuple[int, tuple[int, ...] | None,
@@ -89,20 +166,23 @@ def _kvdrain_prompt(obj: dict[str, object]) -> tuple[int, tuple[int, ...] | None
         if obj.keys() & {"prompt_len", "hash_ids", "hash_block_size"}:
             raise FieldError("prompt_token_ids", "cannot be combined with prompt_len, "
                                                  "hash_ids or hash_block_size")
-        token_ids = _ints(obj, "prompt_token_ids", 0)
+        token_ids = _ints(obj, "prompt_token_ids", MAX_PROMPT_TOKENS, (0, MAX_TOKEN_ID))
         return len(token_ids), token_ids, None, block
     if "hash_ids" in obj:
-        hash_ids = _ints(obj, "hash_ids", None)
-        block = _int(obj, "hash_block_size", 1) if "hash_block_size" in obj else block
+        hash_ids = _ints(obj, "hash_ids", MAX_PROMPT_TOKENS)
+        if "hash_block_size" in obj:
+            block = _int(obj, "hash_block_size", 1, MAX_PROMPT_TOKENS)
         if "prompt_len" not in obj:
-            return len(hash_ids) * block, None, hash_ids, block
-        _check_cover(length := _int(obj, "prompt_len", 1), hash_ids, block, "prompt_len")
+            length = _at_most(len(hash_ids) * block, MAX_PROMPT_TOKENS, "hash_ids")
+            return length, None, hash_ids, block
+        length = _int(obj, "prompt_len", 1, MAX_PROMPT_TOKENS)
+        _check_cover(length, hash_ids, block, "prompt_len")
         return length, None, hash_ids, block
     if "hash_block_size" in obj:
         raise FieldError("hash_block_size", "needs hash_ids")
     if "prompt_len" not in obj:
         raise FieldError("prompt_len", "missing: give prompt_len, prompt_token_ids or hash_ids")
-    return _int(obj, "prompt_len", 1), None, None, block
+    return _int(obj, "prompt_len", 1, MAX_PROMPT_TOKENS), None, None, block
 
 
 def _engine_counts(value: object, name: str, required: tuple[str, ...],
@@ -110,11 +190,14 @@ def _engine_counts(value: object, name: str, required: tuple[str, ...],
     """{engine: {count name: integer >= 0}}, as in a snapshot's kv and queues."""
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
         raise FieldError(name, f"must be an object of engine -> counts, got {show(value)}")
+    if len(value) > MAX_ENGINES or any(len(c) > MAX_ENGINES for c in value.values()):
+        raise FieldError(name, f"more than {MAX_ENGINES} engines or counts (the reader's cap)")
     for engine, counts in value.items():
+        _string(engine, f"{name} engine")
         for key in set(required) | counts.keys():
             if allowed is not None and key not in allowed:
                 raise FieldError(f"{name}.{engine}.{key}", "unknown count")
-            _int(counts, key, 0, f"{name}.{engine}.{key}")
+            _int(counts, key, 0, MAX_COUNT, f"{name}.{engine}.{_string(key, name)}")
     return value
 
 
@@ -130,17 +213,15 @@ def parse_kvdrain(obj: dict[str, object], line: int) -> TraceRecord:
     if kind == "abort":
         if not isinstance(obj["abort"], str) or not obj["abort"]:
             raise FieldError("abort", f"must be a request id, got {show(obj['abort'])}")
-        return TraceAbort(t, obj["abort"], line)
+        return TraceAbort(t, _string(obj["abort"], "abort"), line)
     if kind == "snapshot":
         kv = _engine_counts(obj["kv"], "kv", ("used", "free"), {"used", "free", "cached"})
         queues = _engine_counts(obj.get("queues", {}), "queues", (), None)
         return TraceSnapshot(t, kv, queues, line)
-    req_id, pd = obj.get("id"), obj.get("pd")
-    if not isinstance(req_id, str) or not req_id:
-        raise FieldError("id", f"must be a non-empty string, got {show(req_id)}")
+    req_id, pd = _string(obj.get("id"), "id"), obj.get("pd")
     if pd is not None and not isinstance(pd, bool):
         raise FieldError("pd", f"must be true or false, got {show(pd)}")
-    max_tokens = _int(obj, "max_tokens", 1)
+    max_tokens = _int(obj, "max_tokens", 1, MAX_OUTPUT_TOKENS)
     length, token_ids, hash_ids, block = _kvdrain_prompt(obj)
     return TraceRequest(t, req_id, max_tokens, length, token_ids, hash_ids, block, pd, line)
 
@@ -148,10 +229,11 @@ def parse_kvdrain(obj: dict[str, object], line: int) -> TraceRecord:
 def parse_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:
     """The request of a Mooncake line, or None for a zero-length row."""
     t = _seconds(obj.get("timestamp"), "timestamp", 1000)
-    num_in, num_out = _int(obj, "input_length", 0), _int(obj, "output_length", 0)
+    num_in = _int(obj, "input_length", 0, MAX_PROMPT_TOKENS)
+    num_out = _int(obj, "output_length", 0, MAX_OUTPUT_TOKENS)
     if num_in == 0 or num_out == 0:
         return None
-    hash_ids = _ints(obj, "hash_ids", None)
+    hash_ids = _ints(obj, "hash_ids", _MOONCAKE_MAX_IDS)
     _check_cover(num_in, hash_ids, MOONCAKE_BLOCK_SIZE, "input_length")
     return TraceRequest(t, f"mc-{line}", num_out, num_in, None, hash_ids,
                         MOONCAKE_BLOCK_SIZE, None, line)
@@ -173,11 +255,14 @@ def _azure_ns(text: str) -> int:
     return int(whole.timestamp()) * 10**9 + int((m[7] or "").ljust(9, "0"))
 
 
-def _csv_int(cell: str, name: str) -> int:
+def _csv_int(cell: str, name: str, maximum: int) -> int:
     text = cell.strip()
     if not (text.isascii() and text.isdigit()):
         raise FieldError(name, f"must be an integer >= 0, got {show(cell)}")
-    return int(text)
+    if len(text) > 18 and len(text.lstrip("0")) > 18:  # never int() a huge digit string
+        raise FieldError(name, f"must be at most {maximum:,} (the reader's cap), got {show(cell)}")
+    value = int(text.lstrip("0") or "0") if len(text) > 18 else int(text)
+    return value if value <= maximum else _at_most(value, maximum, name)
 
 
 class AzureRows:
@@ -196,9 +281,13 @@ class AzureRows:
         if len(cells) != self.width:
             raise FieldError("row", f"has {len(cells)} columns, the header has {self.width}")
         ns = _azure_ns(cells[self.columns[0]])
-        num_in = _csv_int(cells[self.columns[1]], "ContextTokens")
-        num_out = _csv_int(cells[self.columns[2]], "GeneratedTokens")
+        num_in = _csv_int(cells[self.columns[1]], "ContextTokens", MAX_PROMPT_TOKENS)
+        num_out = _csv_int(cells[self.columns[2]], "GeneratedTokens", MAX_OUTPUT_TOKENS)
+        t = (ns - (ns if self.t0_ns is None else self.t0_ns)) / 1e9
+        if t > MAX_TRACE_T:
+            raise FieldError("TIMESTAMP", f"{t:,.0f} s after the first row, at most "
+                                          f"{MAX_TRACE_T:.0f} s (the reader's cap)")
         self.t0_ns = ns if self.t0_ns is None else self.t0_ns
         if num_in == 0 or num_out == 0:
             return None
-        return TraceRequest((ns - self.t0_ns) / 1e9, f"az-{line}", num_out, num_in, line=line)
+        return TraceRequest(t, f"az-{line}", num_out, num_in, line=line)

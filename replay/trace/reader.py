@@ -35,23 +35,30 @@ optional `.` and 1 to 9 fractional digits, optional `Z` or `+HH:MM` zone, no zon
 `ContextTokens`, `GeneratedTokens`; t = seconds since the first row; request ids are
 "az-<line>" (the header is line 1). In both public formats a row with zero input or
 output tokens (a failed request) is skipped and counted (`num_skipped`), not an error.
+
+Reading is bounded (the caps are in replay/trace/records.py): a line is at most 8 MiB (a
+longer one is an error and is never held whole), UTF-8, JSON nested at most 64 deep; t is at
+most 1e7 s; prompts, max_tokens and hash blocks at most 2**20 tokens; ids 256 characters.
+Given TraceLimits, each request is also checked against the engines' limits after token
+scaling, before any token is synthesised (replay/trace/limits.py); `num_capped` counts
+those whose prompt + max_tokens exceed max_model_len (the engine stops them there).
 """
 from __future__ import annotations
 
 import csv
 import hashlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from replay.trace.formats import (AZURE_COLUMNS, MOONCAKE_BLOCK_SIZE, AzureRows, FieldError,
-                                  parse_json, parse_kvdrain, parse_mooncake, show)
-from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, TraceAbort, TraceHeader, TraceRecord,
-                                  TraceRequest, TraceSnapshot)
+                                  check_strings, parse_json, parse_kvdrain, parse_mooncake, show)
+from replay.trace.limits import TraceLimits, check_request
+from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_LINE_BYTES, TraceAbort, TraceHeader,
+                                  TraceRecord, TraceRequest, TraceSnapshot)
 
 __all__ = ["DEFAULT_HASH_BLOCK_SIZE", "FORMATS", "MAX_BAD_LINE_MESSAGES", "MOONCAKE_BLOCK_SIZE",
-           "TRACE_VERSION", "TraceAbort", "TraceError", "TraceHeader", "TraceRecord",
+           "TRACE_VERSION", "TraceAbort", "TraceError", "TraceHeader", "TraceLimits", "TraceRecord",
            "TraceRequest", "TraceSnapshot", "TraceSummary", "detect_format", "read_trace",
            "validate_trace"]
 
@@ -82,22 +89,57 @@ class TraceSummary:
     num_bad_lines: int
     bad_line_messages: tuple[str, ...]  # the first MAX_BAD_LINE_MESSAGES
     sha256: str  # of the file's bytes
+    num_capped: int = 0  # requests whose prompt + max_tokens exceed max_model_len
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes, str]]:
-    """(line number, raw bytes, stripped text) of every line, streaming."""
+def _lines(path: Path, sha256=None) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw bytes) of every line, streaming, each read with a size bound.
+
+    A line over MAX_LINE_BYTES comes as None: its bytes are hashed and skipped in
+    bounded chunks, never held whole.
+    """
     with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            yield line, raw, raw.decode("utf-8", "replace").strip().lstrip("\ufeff")
+        line = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            line += 1
+            if sha256 is not None:
+                sha256.update(raw)
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while rest := f.readline(MAX_LINE_BYTES):
+                    if sha256 is not None:
+                        sha256.update(rest)
+                    if rest.endswith(b"\n"):
+                        break
+                yield line, None
+                continue
+            yield line, raw
+
+
+def _text(raw: bytes | None) -> str:
+    """The stripped text of a line; a FieldError if it is too long or not UTF-8."""
+    if raw is None:
+        raise FieldError("line", f"longer than {MAX_LINE_BYTES:,} bytes (the reader's cap)")
+    try:
+        return raw.decode("utf-8").strip().lstrip("\ufeff")
+    except UnicodeDecodeError as e:
+        raise FieldError("line", f"not valid UTF-8 at byte {e.start + 1}") from None
+
+
+def _csv_cells(text: str) -> list[str]:
+    try:
+        return next(csv.reader([text]))
+    except csv.Error as e:  # a field over the csv module's limit, a NUL byte
+        raise FieldError("row", f"not valid CSV: {e}") from None
 
 
 class _Scan:
     """One streaming pass over a trace file: parse, check order and ids, count, hash."""
 
-    def __init__(self, path: Path, fmt: str, skip_bad_lines: bool) -> None:
-        self.path, self.fmt, self.skip_bad_lines = path, fmt, skip_bad_lines
+    def __init__(self, path: Path, fmt: str, skip_bad_lines: bool,
+                 limits: TraceLimits | None) -> None:
+        self.path, self.fmt, self.skip_bad_lines, self.limits = path, fmt, skip_bad_lines, limits
         self.sha256 = hashlib.sha256()
-        self.num_skipped = self.num_bad_lines = 0
+        self.num_skipped = self.num_bad_lines = self.num_capped = 0
         self.bad_line_messages: list[str] = []
         self.last_t = 0.0
         self.req_lines: dict[str, int] = {}  # kvdrain: request id -> its line
@@ -105,15 +147,17 @@ class _Scan:
 
     def records(self) -> Iterator[TraceRecord]:
         first = True
-        for line, raw, text in _lines(self.path):
-            self.sha256.update(raw)
-            if not text:
-                continue
+        for line, raw in _lines(self.path, self.sha256):
             try:
+                text = _text(raw)
+                if not text:
+                    continue
                 record = self._parse(text, line, first)
                 if record is not None:
                     self._check(record)
             except FieldError as e:
+                if first and self.fmt == "azure":  # fatal: every row needs the header
+                    raise TraceError(f"{self.path}:{line}: {e}") from None
                 self._bad(f"{self.path}:{line}: {e}")
                 record = None
             first = False
@@ -132,13 +176,15 @@ class _Scan:
     def _parse(self, text: str, line: int, first: bool) -> TraceRecord | None:
         """The line's record; None for the Azure header and for skipped zero-length rows."""
         if self.fmt == "azure":
-            cells = next(csv.reader([text]))
+            cells = _csv_cells(text)
             if first:
                 self.azure = self._azure_header(cells, line)
                 return None
             record = self.azure.parse(cells, line)
         else:
             obj = parse_json(text)
+            if self.fmt == "kvdrain":  # the format whose strings are used (ids, names)
+                check_strings(text, obj)
             if first and self.fmt == "kvdrain" and "kvdrain_trace" in obj:
                 return self._kvdrain_header(obj, line)
             parse = parse_mooncake if self.fmt == "mooncake" else parse_kvdrain
@@ -173,27 +219,45 @@ class _Scan:
                                        f"(first on line {first})")
         if isinstance(record, TraceAbort) and record.req_id not in self.req_lines:
             raise FieldError("abort", f"no earlier request with id {show(record.req_id)}")
+        if isinstance(record, TraceRequest) and self.limits is not None:
+            self.num_capped += check_request(record, self.fmt, self.limits)
         self.last_t = record.t
+
+
+def _first_line(path: Path) -> tuple[int, str]:
+    """The number and text of the first non-empty line."""
+    for line, raw in _lines(path):
+        try:
+            text = _text(raw)
+        except FieldError as e:
+            raise TraceError(f"{path}:{line}: {e}") from None
+        if text:
+            return line, text
+    raise TraceError(f"{path}: file: empty, no records")
+
+
+def _sniff(text: str) -> str | None:
+    """The format a first line is in, or None; a FieldError if it cannot be parsed."""
+    if text.startswith(("{", "[")):
+        obj = parse_json(text)
+        if "kvdrain_trace" in obj or "t" in obj:
+            return "kvdrain"
+        return "mooncake" if "timestamp" in obj and "input_length" in obj else None
+    return "azure" if set(AZURE_COLUMNS) <= {c.strip() for c in _csv_cells(text)} else None
 
 
 def detect_format(path: str | Path) -> str:
     """The format of a trace ("kvdrain", "mooncake" or "azure"), from its first non-empty line."""
-    line, text = next(((n, s) for n, _, s in _lines(Path(path)) if s), (0, ""))
-    if not text:
-        raise TraceError(f"{path}: file: empty, no records")
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict) and ("kvdrain_trace" in obj or "t" in obj):
-            return "kvdrain"
-        if isinstance(obj, dict) and "timestamp" in obj and "input_length" in obj:
-            return "mooncake"
-    elif set(AZURE_COLUMNS) <= {c.strip() for c in next(csv.reader([text]))}:
-        return "azure"
-    raise TraceError(f"{path}:{line}: format: unknown; expected a kvdrain header or record, "
-                     f"a Mooncake line or an Azure CSV header; name the format to override")
+    line, text = _first_line(Path(path))
+    try:
+        fmt, why = _sniff(text), ""
+    except FieldError as e:
+        fmt, why = None, f" (the line: {e})"
+    if fmt is None:
+        raise TraceError(f"{path}:{line}: format: unknown; expected a kvdrain header or record, "
+                         f"a Mooncake line or an Azure CSV header; name the format to "
+                         f"override{why}")
+    return fmt
 
 
 def _resolve_format(path: str | Path, fmt: str | None) -> str:
@@ -204,16 +268,19 @@ def _resolve_format(path: str | Path, fmt: str | None) -> str:
     return fmt
 
 
-def read_trace(path: str | Path, fmt: str | None = None,
-               skip_bad_lines: bool = False) -> Iterator[TraceRecord]:
+def read_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: bool = False,
+               limits: TraceLimits | None = None) -> Iterator[TraceRecord]:
     """Stream a trace's records in file order (its header first when it has one)."""
-    return _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines).records()
+    return _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits).records()
 
 
-def validate_trace(path: str | Path, fmt: str | None = None,
-                   skip_bad_lines: bool = False) -> TraceSummary:
-    """Read a whole trace once, streaming, and summarise it; a bad line raises TraceError."""
-    scan = _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines)
+def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: bool = False,
+                   limits: TraceLimits | None = None) -> TraceSummary:
+    """Read a whole trace once, streaming, and summarise it; a bad line raises TraceError.
+
+    With `limits`, every request is also checked against the engines' limits (see above).
+    """
+    scan = _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits)
     counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0}
     header, first_t, last_t, prompt, output = None, None, 0.0, 0, 0
     for record in scan.records():
@@ -230,4 +297,4 @@ def validate_trace(path: str | Path, fmt: str | None = None,
     return TraceSummary(str(path), scan.fmt, header, counts[TraceRequest], counts[TraceAbort],
                         counts[TraceSnapshot], scan.num_skipped, last_t - (first_t or 0.0),
                         prompt, output, scan.num_bad_lines, tuple(scan.bad_line_messages),
-                        scan.sha256.hexdigest())
+                        scan.sha256.hexdigest(), scan.num_capped)

@@ -10,6 +10,17 @@ from dataclasses import dataclass, field
 
 DEFAULT_HASH_BLOCK_SIZE = 16
 
+# The reader's caps, whatever the engines: they bound what one line can make us allocate.
+MAX_LINE_BYTES = 8 << 20  # one line; holds a prompt of MAX_PROMPT_TOKENS ids below 10**6
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in one JSONL line
+MAX_TRACE_T = 1e7  # seconds (about 116 days) from the trace start
+MAX_PROMPT_TOKENS = 1 << 20  # prompt length, and the tokens of one hash block
+MAX_OUTPUT_TOKENS = 1 << 20  # max_tokens
+MAX_ID_CHARS = 256  # a request id
+MAX_TOKEN_ID = (1 << 31) - 1  # a prompt token id, before the vocabulary check
+MAX_COUNT = (1 << 31) - 1  # a snapshot's block or queue count
+MAX_ENGINES = 64  # engines in a snapshot's kv or queues
+
 
 @dataclass(frozen=True, slots=True)
 class TraceHeader:
@@ -55,3 +66,23 @@ class TraceSnapshot:
 
 
 TraceRecord = TraceHeader | TraceRequest | TraceAbort | TraceSnapshot
+
+
+def scaled(n: int, factor: float) -> int:
+    """A token count times `factor`, rounded, at least 1."""
+    return max(1, int(n * factor + 0.5))
+
+
+def scaled_lengths(req: TraceRequest, factor: float) -> tuple[int, int, int]:
+    """(prompt_len, max_tokens, hash_block_size) of `req` after token scaling.
+
+    A hash-id prompt scales its block size the same way and its length is clamped into
+    what its ids cover, ((n-1)*block, n*block], so every shared block stays shared.
+    """
+    if factor == 1.0:
+        return req.prompt_len, req.max_tokens, req.hash_block_size
+    length, block = scaled(req.prompt_len, factor), req.hash_block_size
+    if req.hash_ids is not None:
+        block, n = scaled(block, factor), len(req.hash_ids)
+        length = min(max(length, (n - 1) * block + 1), n * block)
+    return length, scaled(req.max_tokens, factor), block

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.utils import cdiv
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest, TraceSnapshot
+from replay.trace.records import scaled_lengths
 
 LOG_EXAMPLES = 3
 
@@ -94,16 +95,10 @@ class ShapingLog:
                 for kind, n in self.counts.items()]
 
 
-def _scaled(n: int, factor: float) -> int:
-    return max(1, int(n * factor + 0.5))
-
-
 def scale_request(req: TraceRequest, factor: float) -> TraceRequest:
     """`req` with its prompt and output lengths scaled, keeping its prefix structure."""
-    max_tokens, length = _scaled(req.max_tokens, factor), _scaled(req.prompt_len, factor)
+    length, max_tokens, block = scaled_lengths(req, factor)
     if req.hash_ids is not None:
-        block, n = _scaled(req.hash_block_size, factor), len(req.hash_ids)
-        length = min(max(length, (n - 1) * block + 1), n * block)
         return dataclasses.replace(req, max_tokens=max_tokens, prompt_len=length,
                                    hash_block_size=block)
     token_ids = req.prompt_token_ids

@@ -24,8 +24,10 @@ from array import array
 
 from replay.trace.reader import TraceRequest
 
-# Blocks kept by the memo below; a 512-token block takes 2 KiB, so 16 MiB at most.
+# Blocks kept by the memo below, each of at most MEMO_MAX_BLOCK tokens (2 KiB), so 16 MiB
+# at most; longer blocks (the reader allows up to 2**20 tokens) are made afresh each time.
 BLOCK_CACHE_SIZE = 8192
+MEMO_MAX_BLOCK = 512
 
 
 def _stream(key: bytes, num_tokens: int, vocab_size: int) -> array:
@@ -34,8 +36,14 @@ def _stream(key: bytes, num_tokens: int, vocab_size: int) -> array:
     return array("I", [w % vocab_size for w in words])
 
 
-@functools.lru_cache(maxsize=BLOCK_CACHE_SIZE)
 def _hash_block(hash_id: int, block_size: int, vocab_size: int) -> array:
+    if block_size <= MEMO_MAX_BLOCK:
+        return _memo_block(hash_id, block_size, vocab_size)
+    return _stream(b"kvdrain/hash/%d" % hash_id, block_size, vocab_size)
+
+
+@functools.lru_cache(maxsize=BLOCK_CACHE_SIZE)
+def _memo_block(hash_id: int, block_size: int, vocab_size: int) -> array:
     # A pure function's memo (never mutated by callers), so sharing it across runs is safe.
     return _stream(b"kvdrain/hash/%d" % hash_id, block_size, vocab_size)
 
