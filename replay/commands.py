@@ -18,8 +18,8 @@ from replay.trace.reader import TraceError
 from replay.ui.dashboard import DashboardState
 from replay.ui.tui import LiveView
 from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
-
-EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
+from replay.verify.verdict import (EXIT_FAULT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                                   EXIT_TERMINATED, EXIT_USAGE, EXIT_VIOLATION)
 
 
 @dataclass(frozen=True, slots=True)
