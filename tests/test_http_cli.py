@@ -42,8 +42,20 @@ def test_serve_http_legacy_leak_found_from_metrics_alone(tmp_path: Path):
 
         zmq = invoke("replay", str(EXAMPLE), "--target", serve.address, "--max-requests", "8", *FAST[:-2])
         assert zmq.exit_code == 1, zmq.output  # the zmq serve still works beside HTTP
+        _burst_over_zmq_loses_nothing(serve.address, tmp_path)
     finally:
         assert serve.stop() == 0
+
+
+def _burst_over_zmq_loses_nothing(address: str, tmp_path: Path) -> None:
+    """A burst outruns a client still sending: the serve's ROUTER once dropped outputs at its HWM."""
+    trace, requests = tmp_path / "burst.jsonl", tmp_path / "requests.jsonl"
+    trace.write_text("".join(json.dumps({"t": 0, "id": f"b{i}", "prompt_len": 16, "max_tokens": 16}) + "\n"
+                             for i in range(600)))
+    result = invoke("replay", str(trace), "--target", address, "--no-live", "--tail", "0.5",
+                    "--requests", str(requests))
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert len(records) == 600 and all(r["num_output_tokens"] == 16 for r in records), result.output
 
 
 def test_http_options_are_usage_errors_elsewhere():

@@ -36,6 +36,9 @@ class Server:
         self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
+        # (a burst of requests outruns a client still sending), so no high-water mark.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.bind(options.address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # Clients choose their ids, and two replays of one trace reuse them, so each

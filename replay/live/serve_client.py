@@ -24,6 +24,7 @@ class ServeClient:
         self.errors: list[tuple[str, str]] = []  # stays empty: the serve does not forward its engines' errors
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)  # the serve's ROUTER would drop what we cannot queue
         self.socket.connect(address)
         self.new_stats: list[StatsSnapshot] = []
         self.latest: dict[str, StatsSnapshot] = {}

@@ -1,0 +1,118 @@
+"""Requests/s of one trace through `serve --http` (OpenAI HTTP, streaming) vs the zmq serve protocol. Runs in: a bench process.
+
+Usage: .venv/bin/python bench/http_throughput.py  (not bench/http.py: that name would shadow
+the standard library's http package for every script in bench/)
+One `kvdrain serve --http 0` child (mock runner, P/D topology, event policy) serves both
+protocols on the same engines. The same synthetic trace (NUM_REQUESTS requests of
+PROMPT_LEN-token prompts, max_tokens MAX_TOKENS, all at t = 0: a saturating burst) is
+replayed through each: the zmq protocol with the wall-clock driver and a ServeClient
+(`replay --target tcp://`), HTTP with the HTTP replay client (`replay --target http://`:
+one streaming POST per request, aiohttp, usage in the last chunk). Requests/s = requests
+/ (last end - first send); REPEATS runs each, alternating, the median kept. Every request
+must finish with all its tokens. Prints both rows and the ratio HTTP / zmq.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import OtherLoad  # noqa: E402  (bench/common.py)
+from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
+from replay.live.driver import WallClockReplay, WallOptions  # noqa: E402
+from replay.live.serve_client import ServeClient  # noqa: E402
+from replay.trace.reader import read_trace  # noqa: E402
+
+NUM_REQUESTS = 1000
+PROMPT_LEN = 32
+MAX_TOKENS = 16
+REPEATS = 3
+SERVE = ["--runner", "mock", "--num-blocks", "8192", "--max-num-seqs", "256",
+         "--max-num-batched-tokens", "8192", "--no-live", "--http", "0"]
+
+
+def write_trace(path: Path, run: int) -> None:
+    """Prompts are keyed by request id: a fresh id per run, so no run hits the prefix cache."""
+    with path.open("w") as f:
+        for i in range(NUM_REQUESTS):
+            f.write(json.dumps({"t": 0.0, "id": f"run{run}-r{i}", "prompt_len": PROMPT_LEN,
+                                "max_tokens": MAX_TOKENS}) + "\n")
+
+
+def start_serve() -> tuple[subprocess.Popen, str, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *SERVE], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    zmq_address = http_url = None
+    deadline = time.monotonic() + 120
+    while (zmq_address is None or http_url is None) and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if m := re.search(r"listening on (\S+)", line):
+            zmq_address = m.group(1)
+        if m := re.search(r"HTTP on (http://\S+)", line):
+            http_url = m.group(1)
+    if zmq_address is None or http_url is None:
+        proc.kill()
+        raise RuntimeError("kvdrain serve --http did not start")
+    return proc, zmq_address, http_url
+
+
+def rate(timeline) -> float:
+    records = timeline.requests
+    bad = [r for r in records if r.end_t is None or r.num_output_tokens != MAX_TOKENS or r.error]
+    if len(records) != NUM_REQUESTS or bad:
+        raise AssertionError(f"{len(bad)} of {len(records)} requests incomplete, e.g. {bad[:1]}")
+    return len(records) / (max(r.end_t for r in records) - min(r.send_t for r in records))
+
+
+def run_zmq(address: str, trace: Path) -> float:
+    client = ServeClient(address)
+    try:
+        return rate(WallClockReplay(client, WallOptions(tail_s=0.01)).run(read_trace(trace)))
+    finally:
+        client.shutdown()
+
+
+def run_http(url: str, trace: Path) -> float:
+    options = HttpTargetOptions(url, tail_s=0.01)
+    return rate(HttpReplay(options).run(read_trace(trace)))
+
+
+def main() -> None:
+    load = OtherLoad()
+    proc, zmq_address, http_url = start_serve()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            traces = [Path(tmp) / f"burst-{run}.jsonl" for run in range(2 * REPEATS + 2)]
+            for run, trace in enumerate(traces):
+                write_trace(trace, run)
+            run_zmq(zmq_address, traces[0]), run_http(http_url, traces[1])  # warm-up
+            zmq_rates, http_rates = [], []
+            for k in range(REPEATS):
+                zmq_rates.append(run_zmq(zmq_address, traces[2 + 2 * k]))
+                http_rates.append(run_http(http_url, traces[3 + 2 * k]))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    zmq_rate, http_rate = statistics.median(zmq_rates), statistics.median(http_rates)
+    print(f"mock runner, P/D, event; {NUM_REQUESTS} requests at t=0, {PROMPT_LEN}-token prompts, "
+          f"max_tokens {MAX_TOKENS}; one serve, both protocols; median of {REPEATS}")
+    print(f"{'protocol':<44} {'req/s':>8} {'out tok/s':>10}")
+    print(f"{'zmq serve protocol (replay --target tcp://)':<44} {zmq_rate:>8.0f} {zmq_rate * MAX_TOKENS:>10.0f}")
+    print(f"{'HTTP, streaming (replay --target http://)':<44} {http_rate:>8.0f} {http_rate * MAX_TOKENS:>10.0f}")
+    print(f"ratio HTTP / zmq: {http_rate / zmq_rate:.2f}x (aim >= 0.5x)")
+    print(load.report())
+
+
+if __name__ == "__main__":
+    main()
