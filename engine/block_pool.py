@@ -23,7 +23,8 @@ class KVCacheBlock:
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks in eviction order (LRU at the head).
 
-    O(1) popleft, remove from the middle (a prefix hit revives a free block) and append.
+    O(1) popleft, remove from the middle (a prefix hit revives a free block), append
+    and prepend.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -58,11 +59,82 @@ class FreeKVCacheBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the head, in list order (the first is popped first)."""
+        if not blocks:
+            return
+        first = self._head.next_free
+        assert first is not None
+        prev = self._head
+        for block in blocks:
+            prev.next_free, block.prev_free = block, prev
+            prev = block
+        prev.next_free, first.prev_free = first, prev
+        self.num_free_blocks += len(blocks)
+
     def __iter__(self):
         block = self._head.next_free
         while block is not None and block is not self._tail:
             yield block
             block = block.next_free
+
+
+class BlockHashToBlockMap:
+    """Prefix hash -> the cached blocks holding it (vLLM's BlockHashToBlockMap).
+
+    Not de-duplicated: two requests that compute the same prefix at once each cache
+    their own block under the hash (block tables stay append-only), so a hash maps to
+    one block or, rarely, to {block_id: block} in insertion order. A hit takes the
+    earliest surviving one; an eviction removes only the evicted block.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        blocks = self._cache.get(block_hash)
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        blocks = self._cache.get(block_hash)
+        if blocks is None:
+            self._cache[block_hash] = block
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[block_hash] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+
+    def pop(self, block_hash: BlockHash, block_id: int) -> KVCacheBlock | None:
+        """Remove `block_id` from under `block_hash`; the others stay cached."""
+        blocks = self._cache.get(block_hash)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id != block_id:
+                return None
+            del self._cache[block_hash]
+            return blocks
+        block = blocks.pop(block_id, None)
+        if len(blocks) == 1:
+            (self._cache[block_hash],) = blocks.values()
+        return block
+
+    def items(self):
+        """(hash, block) for every cached block."""
+        for block_hash, blocks in self._cache.items():
+            if isinstance(blocks, KVCacheBlock):
+                yield block_hash, blocks
+            else:
+                for block in blocks.values():
+                    yield block_hash, block
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 class BlockPool:
@@ -81,14 +153,14 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever, never in the free queue
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.num_cached_free_blocks = 0  # free blocks that still hold a hash
         # Blocks with ref_cnt > 0, counted apart from the free queue, so that
         # used + free == num_blocks - 1 is a real check, not an identity.
         self.num_used_blocks = 0
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.get_num_free_blocks():
@@ -102,12 +174,20 @@ class BlockPool:
         self.num_used_blocks += num_blocks
         return blocks
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop the block's hash from the cache (this block only); True if it had one."""
         if block.block_hash is None:
-            return
-        del self.cached_block_hash_to_block[block.block_hash]
+            return False
+        self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
         block.block_hash = None
-        self.num_cached_free_blocks -= 1
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks -= 1
+        return True
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop these blocks' hashes (their KV is bad); blocks in use stay in use."""
+        for block_id in block_ids:
+            self._maybe_evict_cached_block(self.blocks[block_id])
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """ref++ on prefix-hit blocks; a hit on a free (ref 0) block takes it off the queue."""
@@ -120,7 +200,10 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
-        """ref--; blocks reaching 0 join the free queue's tail in the given order."""
+        """ref--, blocks in eviction order (the first is evicted first); like vLLM,
+        blocks reaching 0 without a hash go to the free queue's head (reused first, in
+        the given order), hashed ones to its tail (kept for prefix hits, LRU)."""
+        evict_first, evict_last = [], []
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
@@ -128,33 +211,39 @@ class BlockPool:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
                 self.num_used_blocks -= 1
-                if block.block_hash is not None:
+                if block.block_hash is None:
+                    evict_first.append(block)
+                else:
+                    evict_last.append(block)
                     self.num_cached_free_blocks += 1
+        self.free_block_queue.prepend_n(evict_first)
+        for block in evict_last:
+            self.free_block_queue.append(block)
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
         num_cached_blocks: int, num_full_blocks: int,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] their prefix hashes."""
+        """Give blocks[num_cached_blocks:num_full_blocks] their prefix hashes.
+
+        A hash that is already cached on another block is cached again on this one
+        (vLLM does not de-duplicate; see BlockHashToBlockMap).
+        """
         if not self.enable_caching:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None:
                 continue  # a prefix hit: already cached under this hash
-            # Two requests may compute the same prefix at once; the first block keeps
-            # the hash (vLLM keeps both; one is enough for hit-or-miss semantics).
-            if block_hash not in self.cached_block_hash_to_block:
-                block.block_hash = block_hash
-                self.cached_block_hash_to_block[block_hash] = block
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.insert(block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash; refused (False) while any block is in use, like vLLM."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
-        for block in self.cached_block_hash_to_block.values():
+        for _, block in self.cached_block_hash_to_block.items():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         self.num_cached_free_blocks = 0
@@ -182,12 +271,13 @@ class BlockPool:
             raise AssertionError(f"used counter {self.num_used_blocks} != {len(referenced)} referenced")
         if len(free_ids) + len(referenced) != self.num_blocks - 1:
             raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_blocks - 1}")
-        for block_hash, block in self.cached_block_hash_to_block.items():
+        cached = list(self.cached_block_hash_to_block.items())
+        for block_hash, block in cached:
             if block.block_hash != block_hash:
                 raise AssertionError(f"hash map points at {block} with another hash")
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
-        if hashed != len(self.cached_block_hash_to_block):
-            raise AssertionError("a block holds a hash the map does not know")
+        if hashed != len(cached) or len({b.block_id for _, b in cached}) != len(cached):
+            raise AssertionError("a block holds a hash the map does not know, or twice")
         cached_free = sum(1 for b in self.free_block_queue if b.block_hash is not None)
         if cached_free != self.num_cached_free_blocks:
             raise AssertionError("cached-free counter is off")

@@ -7,8 +7,11 @@ from engine.utils import cdiv
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 max_model_len: int | None = None) -> None:
         self.block_size = block_size
+        # Caps the full-sequence admission check (None: no cap).
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -38,6 +41,7 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_external_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Blocks for this step's tokens, or None (nothing changed) when the pool is short.
 
@@ -49,20 +53,28 @@ class KVCacheManager:
 
         delay_cache_blocks: the external region is loaded asynchronously, so its
         blocks get their hashes only once the load has finished.
+        full_sequence_must_fit: first refuse unless blocks for the request's whole
+        current sequence (num_tokens: the prompt plus outputs so far, capped at
+        max_model_len; not future tokens) are free (vLLM's admission with
+        scheduler_reserve_full_isl). Local prefix hits count as held; tokens the
+        connector will load do not.
         """
         hits = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request.req_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request.req_id] = []
-        num_total = (request.num_computed_tokens + len(hits) * self.block_size
-                     + num_external_tokens + num_new_tokens)
-        num_new_blocks = max(cdiv(num_total, self.block_size) - len(req_blocks) - len(hits), 0)
+        req_blocks = self.req_to_blocks.get(request.req_id, ())
         # A hit on a free block takes it off the free queue too.
         num_revived = sum(1 for block in hits if block.ref_cnt == 0) if hits else 0
-        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
-            if not req_blocks:
-                del self.req_to_blocks[request.req_id]
+        num_free = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            need = self._num_new_blocks(full_num_tokens, len(req_blocks) + len(hits))
+            if need + num_revived > num_free:
+                return None
+        num_total = (request.num_computed_tokens + len(hits) * self.block_size
+                     + num_external_tokens + num_new_tokens)
+        num_new_blocks = self._num_new_blocks(num_total, len(req_blocks) + len(hits))
+        if num_new_blocks + num_revived > num_free:
             return None
+        req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         if hits:
             self.block_pool.touch(hits)
             req_blocks.extend(hits)
@@ -71,6 +83,9 @@ class KVCacheManager:
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_total, request.num_tokens))
         return new_blocks
+
+    def _num_new_blocks(self, num_tokens: int, num_held_blocks: int) -> int:
+        return max(cdiv(num_tokens, self.block_size) - num_held_blocks, 0)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's full blocks up to `num_computed_tokens`."""
@@ -89,6 +104,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.num_cached_block.pop(request.req_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop these blocks' prefix hashes (a failed load wrote bad KV into them)."""
+        self.block_pool.evict_blocks(block_ids)
 
     def has_blocks(self, req_id: str) -> bool:
         return bool(self.req_to_blocks.get(req_id))

@@ -20,14 +20,15 @@ def test_null_block_is_never_handed_out():
     pool.check_invariants()
 
 
-def test_free_queue_order_is_eviction_order():
+def test_freed_blocks_without_a_hash_are_reused_first():
+    """vLLM's free_blocks: unhashed blocks go to the free queue's head, in order."""
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)
     pool.free_blocks(list(reversed(a)))
     pool.check_invariants()
-    # Untouched blocks 4, 5 first, then the freed ones tail-first.
     order = [b.block_id for b in pool.free_block_queue]
-    assert order == [4, 5, 3, 2, 1]
+    assert order == [3, 2, 1, 4, 5]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
 
 
 def test_double_free_raises():
@@ -46,15 +47,18 @@ def test_hashes_are_deterministic_and_chained():
     assert len(hashes) == 2 and hashes[1] == hash_block_tokens(hashes[0], [4, 5, 6, 7])
 
 
-def test_allocate_and_reverse_order_free():
+def test_free_sends_unhashed_blocks_to_the_head_and_hashed_to_the_tail():
+    """vLLM (block_pool.free_blocks over reversed(req_blocks)): the request's unhashed
+    blocks are reused next, last one first; its hashed blocks wait at the tail for
+    prefix hits, last one first (evicted before its parents)."""
     mgr = KVCacheManager(num_blocks=10, block_size=4)
-    req = make_request("a", num_tokens=10)
+    req = make_request("a", num_tokens=10)  # blocks 1, 2 full (hashed), 3 partial
     blocks = mgr.allocate_slots(req, 10)
     assert [b.block_id for b in blocks] == [1, 2, 3]
     mgr.free(req)
     mgr.block_pool.check_invariants()
     free = [b.block_id for b in mgr.block_pool.free_block_queue]
-    assert free[-3:] == [3, 2, 1]  # the tail block is evicted first
+    assert free == [3, 4, 5, 6, 7, 8, 9, 2, 1]
 
 
 def test_prefix_hit_across_requests_and_capped_at_num_tokens_minus_one():
@@ -129,3 +133,70 @@ def test_cdiv_is_ceiling_division():
     for a in range(0, 40):
         for b in range(1, 9):
             assert cdiv(a, b) == (a + b - 1) // b
+
+
+def test_a_hash_computed_twice_keeps_both_blocks_and_hits_take_the_first():
+    """vLLM's BlockHashToBlockMap: no de-duplication; eviction is per block."""
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    pool = mgr.block_pool
+    a, b = make_request("a", num_tokens=9), make_request("b", num_tokens=9)
+    mgr.allocate_slots(a, 9)
+    mgr.allocate_slots(b, 9)  # the same prefix, computed at the same time: no hit
+    a_ids, b_ids = mgr.get_block_ids("a"), mgr.get_block_ids("b")
+    assert sum(blk.block_hash is not None for blk in pool.blocks) == 4
+    c = make_request("c", num_tokens=9)
+    hits, num_hit = mgr.get_computed_blocks(c)
+    assert num_hit == 8 and [blk.block_id for blk in hits] == a_ids[:2]
+    mgr.free(a)
+    # Evict a's cached blocks: b's copies still serve the whole prefix.
+    pool.evict_blocks(set(a_ids[:2]))
+    assert [blk.block_hash for blk in pool.blocks if blk.block_id in a_ids] == [None] * 3
+    hits, num_hit = mgr.get_computed_blocks(c)
+    assert num_hit == 8 and [blk.block_id for blk in hits] == b_ids[:2]
+    pool.check_invariants()
+
+
+def test_eviction_on_reuse_drops_only_the_reused_block():
+    mgr = KVCacheManager(num_blocks=7, block_size=4)
+    pool = mgr.block_pool
+    a, b = make_request("a", num_tokens=8), make_request("b", num_tokens=8)
+    mgr.allocate_slots(a, 8)
+    mgr.allocate_slots(b, 8)
+    mgr.free(a)  # a's two hashed blocks join the tail, behind the untouched ones
+    mgr.allocate_slots(make_request("x", num_tokens=16, start=100), 16)  # 2 untouched + a's 2
+    assert pool.get_cached_block(a.block_hashes[0]).block_id == mgr.get_block_ids("b")[0]
+    assert pool.get_cached_block(a.block_hashes[1]).block_id == mgr.get_block_ids("b")[1]
+    pool.check_invariants()
+
+
+def test_evict_blocks_keeps_blocks_in_use():
+    mgr = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request("a", num_tokens=8)
+    mgr.allocate_slots(a, 8)
+    mgr.evict_blocks(set(mgr.get_block_ids("a")))
+    pool = mgr.block_pool
+    assert pool.get_cached_block(a.block_hashes[0]) is None
+    assert pool.get_num_used_blocks() == 2 and pool.num_cached_free_blocks == 0
+    mgr.free(a)
+    assert [blk.block_id for blk in pool.free_block_queue][:2] == [2, 1]  # unhashed now
+    pool.check_invariants()
+
+
+def test_full_sequence_must_fit_counts_the_whole_current_sequence():
+    """vLLM's admission check (scheduler_reserve_full_isl): blocks for num_tokens, not
+    for this step's chunk; local prefix hits count as held."""
+    mgr = KVCacheManager(num_blocks=6, block_size=4)  # 5 usable
+    req = make_request("a", num_tokens=24)  # 6 blocks in all
+    assert mgr.allocate_slots(req, 8, full_sequence_must_fit=True) is None
+    assert not mgr.has_blocks("a") and mgr.block_pool.get_num_free_blocks() == 5
+    assert len(mgr.allocate_slots(req, 8)) == 2  # the first chunk alone fits
+    # A preempted request resumes with its outputs: they count too (not max_tokens).
+    mgr = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable
+    resumed = make_request("r", num_tokens=4, max_tokens=100)
+    for token in range(9):
+        resumed.append_output_token_ids(token)
+    assert mgr.allocate_slots(resumed, 4, full_sequence_must_fit=True) is None  # 13 tokens: 4
+    resumed = make_request("s", num_tokens=4, max_tokens=100)
+    for token in range(8):
+        resumed.append_output_token_ids(token)
+    assert len(mgr.allocate_slots(resumed, 4, full_sequence_must_fit=True)) == 1  # 12: 3
