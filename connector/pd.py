@@ -96,8 +96,11 @@ class PDConnector(KVConnectorBase):
             return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
-            return False, None  # aborted or failed: nothing for the decode side to read
+        if (request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+                or not block_ids):
+            # Aborted or failed: nothing for the decode side to read. A stop (its one
+            # token was EOS) is held like a length cap, as vLLM 0.32's NIXL does.
+            return False, None
         if self.worker_error is not None:
             return False, None
         self._reqs_need_send[request.req_id] = list(block_ids)

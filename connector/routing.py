@@ -50,9 +50,11 @@ def after_prefill(prefill_output: RequestOutput, aborted: bool) -> tuple[str, di
     abort_immediately) instead of P holding them until expiry. LOCAL: P finished but
     offered no KV (its connector could not): D prefills itself. END: P's output ends it.
     """
-    if not prefill_output.finished or prefill_output.finish_reason != "length":
+    if not prefill_output.finished or prefill_output.finish_reason not in ("length", "stop"):
         return END, None
     params = prefill_output.kv_transfer_params or None
+    if prefill_output.finish_reason == "stop" and not params:
+        return END, None  # its one token was EOS and P holds nothing for D
     if aborted:
         return (RELEASE, params) if params else (END, None)
     return (DECODE, params) if params else (LOCAL, None)

@@ -10,14 +10,16 @@ from engine.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set the finished status and return True if the request must stop.
 
-    vLLM's order: length caps (max_tokens, max_model_len), then EOS, then stop ids.
+    vLLM's order: EOS, then stop ids (both FINISHED_STOPPED), then the length caps
+    (max_model_len, max_tokens: FINISHED_LENGTH_CAPPED). So EOS on the last allowed
+    token is a stop, not a length cap.
     """
-    if (request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= max_model_len):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
     last = request.output_token_ids[-1]
     if last == request.eos_token_id or last in request.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if (request.num_tokens >= max_model_len
+            or request.num_output_tokens >= request.max_tokens):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

@@ -21,6 +21,9 @@ PROMPT = [1, 2, 3]
     ("length", PARAMS, True, (RELEASE, PARAMS)),  # P finished anyway: D releases its blocks
     ("length", None, False, (LOCAL, None)),  # P offered no KV: D prefills itself
     ("length", None, True, (END, None)),
+    ("stop", PARAMS, False, (DECODE, PARAMS)),  # EOS at P: P holds its blocks all the same
+    ("stop", PARAMS, True, (RELEASE, PARAMS)),
+    ("stop", None, False, (END, None)),
     ("abort", None, True, (END, None)),
     ("error", None, False, (END, None)),
 ])
