@@ -108,7 +108,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     liveness: str = "event"
     poll_interval_s: float = 0.001  # vLLM #43433's time.sleep(0.001)
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: str = "fail"  # vLLM 0.32's default (config/kv_transfer.py)
+    # vLLM 0.32's admission rule (SchedulerConfig.scheduler_reserve_full_isl): admit a
+    # waiting request only if blocks for its whole current sequence are free, not
+    # just its first chunk's.
+    scheduler_reserve_full_isl: bool = True
     eos_token_id: int | None = None
     runner: str = "mock"
     device: str = "auto"

@@ -58,7 +58,7 @@ class RequestOutput:
 
     req_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "ignored"
+    finish_reason: str | None = None  # "stop" | "length" (also ignored) | "abort" | "error"
     kv_transfer_params: dict | None = None
     num_cached_tokens: int = 0
     error: str | None = None

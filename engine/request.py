@@ -28,7 +28,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "ignored",
+    RequestStatus.FINISHED_IGNORED: "length",  # vLLM's _FINISHED_REASON_MAP
     RequestStatus.FINISHED_ERROR: "error",
 }
 

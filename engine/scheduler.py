@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 from engine.config import EngineConfig
+from engine.invalid_blocks import cut_back_to_valid_prefix
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
@@ -24,15 +25,20 @@ class Scheduler:
         self.connector = connector
         self.block_size = config.block_size
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching)
+            config.num_blocks, config.block_size, config.enable_prefix_caching,
+            config.max_model_len)
         self.block_pool = self.kv_cache_manager.block_pool
         # Every request not yet fully released, including finished ones whose
         # blocks a connector still holds (delayed free).
         self.requests: dict[str, Request] = {}
+        # Waiting requests that hold no KV blocks: new, preempted, deferred by the connector.
         self.waiting: deque[Request] = deque()
-        # Blocked waiting requests: WAITING_FOR_REMOTE_KVS, or deferred by the connector.
+        # Waiting requests that hold KV blocks (vLLM 0.32's kv_holding_waiting): in
+        # WAITING_FOR_REMOTE_KVS, or loaded and not yet admitted. Admitted before `waiting`.
         self.skipped_waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Ids the connector told to ask again later (get_num_new_matched_tokens None).
+        self.deferred_req_ids: set[str] = set()
         # Finished since the last schedule(); shipped to the worker side, then reset.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -40,8 +46,9 @@ class Scheduler:
         self.num_prefix_query_tokens = 0  # vLLM's prefix_cache_queries: tokens looked up
         # ---- KV transfer state (see the KV transfer section below)
         self.finished_recving_kv_req_ids: set[str] = set()
-        # Remote loads that lost blocks: req_id -> tokens still valid (a block boundary).
-        self.failed_recving_kv_req_ids: dict[str, int] = {}
+        # Remote loads that lost blocks (policy recompute); num_computed_tokens already
+        # cut back to the valid prefix.
+        self.failed_recving_kv_req_ids: set[str] = set()
         self.held_for_send: set[str] = set()
         self.held_for_recv: set[str] = set()
         self.num_stale_kv_reports = 0
@@ -50,7 +57,15 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> RequestOutput | None:
-        """Queue a request; one that can never run finishes FINISHED_IGNORED at once."""
+        """Queue a request; one that can never run finishes FINISHED_IGNORED at once.
+
+        A duplicate id fails alone ("error") and nothing of the original is touched:
+        no connector call, no finished id (the worker side would drop the original's
+        state). vLLM never sees one: its front makes ids unique (a random suffix).
+        """
+        if request.req_id in self.requests:
+            why = f"duplicate request id {request.req_id!r}"
+            return RequestOutput(request.req_id, [], "error", error=why)
         reason = self._why_unschedulable(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
@@ -61,18 +76,19 @@ class Scheduler:
                 # worker side in a step, so it goes out like any finished id.
                 self.connector.request_finished(request, [])
                 self.finished_req_ids.add(request.req_id)
-            return RequestOutput(request.req_id, [], "ignored", error=reason)
+            # vLLM reports FINISHED_IGNORED as "length"; the reason is in `error`.
+            return RequestOutput(request.req_id, [], request.get_finished_reason(), error=reason)
         self.requests[request.req_id] = request
         self.waiting.append(request)
         return None
 
     def _why_unschedulable(self, request: Request) -> str | None:
-        if request.req_id in self.requests:
-            return f"duplicate request id {request.req_id!r}"
+        # vLLM's front rejects these prompts (input_processor); kvdrain ignores them.
         if request.num_prompt_tokens >= self.config.max_model_len:
             return (f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                     f"{self.config.max_model_len}")
         # Its longest possible life must fit the pool alone, or it would wait forever.
+        # vLLM has no counterpart: there such a request waits (or is preempted) forever.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len)
         if need > self.config.num_blocks - 1:
@@ -89,8 +105,11 @@ class Scheduler:
                 continue
             self._remove_from_queues(request)
             # vLLM #32255: an in-flight remote load may still write into these blocks.
-            hold_for_recv = (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                             and req_id not in self.finished_recving_kv_req_ids)
+            hold_for_recv = False
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                hold_for_recv = req_id not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(req_id)
+                self.failed_recving_kv_req_ids.discard(req_id)
             request.status = status
             params = self._free_request(request, hold_for_recv)
             outputs.append(RequestOutput(req_id, [], request.get_finished_reason(),
@@ -112,9 +131,7 @@ class Scheduler:
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             delay_free, params = self.connector.request_finished(request, block_ids)
         self.finished_req_ids.add(request.req_id)
-        self.finished_recving_kv_req_ids.discard(request.req_id)
-        if not hold_for_recv:
-            self.failed_recving_kv_req_ids.pop(request.req_id, None)
+        self.deferred_req_ids.discard(request.req_id)
         if hold_for_recv:  # the receive's report frees it, whatever the connector said
             self.held_for_recv.add(request.req_id)
         elif delay_free:
@@ -132,9 +149,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        # Like vLLM: no new admissions in a step that had to preempt.
+        # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
         if not out.preempted_req_ids:
-            self._promote_skipped_waiting()
             self._schedule_waiting(out, budget)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
@@ -179,35 +195,62 @@ class Scheduler:
         out.preempted_req_ids.add(request.req_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """vLLM's admission loop: requests holding KV blocks first, then `waiting`, in order.
+
+        A finished remote load is promoted only here, when the loop reaches it with a
+        seat and budget left. A skipped request (load in flight, connector not ready,
+        load just started) goes back to the head of its queue, in order, at the end.
+        """
+        skipped_holding: list[Request] = []
+        skipped: list[Request] = []
+        while budget > 0:
+            queue = self.skipped_waiting or self.waiting
+            if not queue or len(self.running) >= self.config.max_num_seqs:
+                break
+            request = queue[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.req_id not in self.finished_recving_kv_req_ids:
+                    skipped_holding.append(queue.popleft())
+                    continue
+                self._update_waiting_for_remote_kv(request)
             admitted = self._try_admit(request, budget)
             if admitted is None:
                 break  # not enough free blocks: wait, never preempt for a newcomer
-            self.waiting.popleft()
-            if admitted < 0:
-                continue  # parked in skipped_waiting
+            queue.popleft()
+            if admitted < 0:  # skipped: a load started, or the connector can't tell yet
+                holds_blocks = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                (skipped_holding if holds_blocks else skipped).append(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             self._add_scheduled(out, request, admitted, block_ids, True)
             budget -= admitted
+        self.skipped_waiting.extendleft(reversed(skipped_holding))
+        self.waiting.extendleft(reversed(skipped))
 
     def _try_admit(self, request: Request, budget: int) -> int | None:
-        """Tokens to schedule for a waiting request; -1 if it was parked; None if no room."""
-        hits, num_local = [], request.num_computed_tokens
-        num_external, load_async = 0, False
-        if not self.kv_cache_manager.has_blocks(request.req_id):
+        """Tokens to schedule for a waiting request; -1 if it was skipped; None if no room."""
+        hits, num_local, num_external, load_async = [], 0, 0, False
+        num_computed = request.num_computed_tokens  # > 0: its remote load has landed
+        if num_computed == 0:
             hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 if num_external is None:  # the connector can't tell yet: ask next step
-                    self.skipped_waiting.append(request)
+                    self.deferred_req_ids.add(request.req_id)
                     return -1
-        num_computed = num_local + num_external
+                self.deferred_req_ids.discard(request.req_id)
+            num_computed = num_local + num_external
         num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        # vLLM also admits an async load only if it leaves the blocks that in-flight
+        # prefills still need free (_inflight_prefill_reserved_blocks). With its
+        # synchronous scheduler that reservation is always 0 here: a prefill stays in
+        # flight only when the budget cut its chunk, and then no admission follows in
+        # that step; so kvdrain leaves it out.
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new, hits, num_external, delay_cache_blocks=load_async)
+            request, num_new, hits, num_external, delay_cache_blocks=load_async,
+            full_sequence_must_fit=self.config.scheduler_reserve_full_isl)
         if new_blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -217,11 +260,10 @@ class Scheduler:
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             self.connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens = num_computed
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self.skipped_waiting.append(request)
             return -1
-        request.num_computed_tokens = num_computed
         return num_new
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
@@ -247,16 +289,21 @@ class Scheduler:
         kv_out = runner_out.kv_connector_output or KVConnectorOutput()
         if self.connector is not None:  # first: it may say the worker side is gone
             self.connector.update_connector_output(kv_out)
+        failed_ids: set[str] = set()
+        if kv_out.invalid_block_ids:  # before the tokens, like vLLM
+            failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
         for sched_req in sched_out.scheduled:
             request = self.requests.get(sched_req.req_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
+            if request is None or request.is_finished() or sched_req.req_id in failed_ids:
+                continue  # aborted while the step ran, or its KV turned out bad
             output = self._update_request(request, runner_out)
             if output is not None:
                 outputs.append(output)
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
-        outputs.extend(self._update_from_kv_xfer_finished(kv_out))
+        if failed_ids and self.config.kv_load_failure_policy == "fail":
+            outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
+        self._update_from_kv_xfer_finished(kv_out)
         return outputs
 
     def _update_request(self, request: Request, runner_out: ModelRunnerOutput) -> RequestOutput | None:
@@ -276,103 +323,89 @@ class Scheduler:
         return RequestOutput(request.req_id, [token], request.get_finished_reason(), params,
                              num_cached_tokens=max(request.num_cached_tokens, 0))
 
+    def _fail_requests(self, req_ids: list[str], why: str) -> list[RequestOutput]:
+        for req_id in req_ids:
+            self.requests[req_id].stop_reason = why
+        outputs = self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        for output in outputs:
+            output.error = why
+        return outputs
+
     # ---- KV transfer: remote loads, delayed frees, reports ----------------------
     # Reports come from the worker side through the runner output. Each finished
     # request that still holds blocks waits for exactly one report: `held_for_send`
     # (the connector delayed its free) for finished_sending, `held_for_recv` (aborted
     # while its remote load was in flight, vLLM #32255) for finished_recving. Anything
-    # else is stale or a duplicate (vLLM #46240, #25067): counted and ignored.
+    # else is stale or a duplicate (vLLM #46240, #25067): counted and ignored (vLLM
+    # asserts). Reports are handled in sorted id order, the same in every process;
+    # vLLM iterates its sets, an order that depends on PYTHONHASHSEED.
 
-    def _promote_skipped_waiting(self) -> None:
-        """Blocked requests whose wait is over go back to the head of `waiting`, in order."""
-        if not self.skipped_waiting:
-            return
-        still_blocked, ready = [], []
-        for request in self.skipped_waiting:
-            if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                    and not self._update_waiting_for_remote_kv(request)):
-                still_blocked.append(request)
-                continue
-            request.status = RequestStatus.WAITING
-            ready.append(request)
-        self.skipped_waiting.clear()
-        self.skipped_waiting.extend(still_blocked)
-        self.waiting.extendleft(reversed(ready))
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """Promote a request whose remote load finished (vLLM's lazy promotion).
 
-    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """True once the remote load finished; sets num_computed_tokens and caches blocks."""
+        Caches the loaded blocks (a failed load: only its valid prefix; with none
+        valid it frees them and starts over, with a fresh prefix lookup), then, if
+        the whole sequence is there, recomputes the last token to sample from it.
+        """
         req_id = request.req_id
-        if req_id not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.remove(req_id)
         if req_id in self.failed_recving_kv_req_ids:
-            num_computed = self.failed_recving_kv_req_ids.pop(req_id)
+            self.failed_recving_kv_req_ids.remove(req_id)
+            if request.num_computed_tokens:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                self.kv_cache_manager.free(request)
         else:
-            num_blocks = len(self.kv_cache_manager.get_block_ids(req_id))
-            num_computed = min(num_blocks * self.block_size, request.num_tokens)
-        # The last prompt token is always recomputed locally, to sample from its logits.
-        num_computed = min(num_computed, request.num_tokens - 1)
-        self.kv_cache_manager.cache_blocks(request, num_computed)
-        request.num_computed_tokens = num_computed
-        return True
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.remove(req_id)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
 
-    def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if kv_out.invalid_block_ids:
-            self._handle_invalid_blocks(kv_out.invalid_block_ids)
-        for req_id in sorted(kv_out.finished_recving):  # sorted: same order in every process
-            output = self._on_finished_recving(req_id)
-            if output is not None:
-                outputs.append(output)
+    def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> None:
+        for req_id in sorted(kv_out.finished_recving):
+            self._on_finished_recving(req_id)
         for req_id in sorted(kv_out.finished_sending):
             if req_id in self.held_for_send:
                 self.held_for_send.remove(req_id)
                 self._free_blocks(self.requests[req_id])
             else:
                 self.num_stale_kv_reports += 1
-        return outputs
 
-    def _on_finished_recving(self, req_id: str) -> RequestOutput | None:
+    def _on_finished_recving(self, req_id: str) -> None:
         if req_id in self.held_for_recv:
             self.held_for_recv.remove(req_id)
-            self.failed_recving_kv_req_ids.pop(req_id, None)
             self._free_blocks(self.requests[req_id])
-            return None
+            return
         request = self.requests.get(req_id)
         if (request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
                 or req_id in self.finished_recving_kv_req_ids):
             self.num_stale_kv_reports += 1
-            return None
-        if req_id in self.failed_recving_kv_req_ids and self.config.kv_load_failure_policy == "fail":
-            self.failed_recving_kv_req_ids.pop(req_id)
-            return self._fail_request(request, "KV load from the remote engine failed")
+            return
         self.finished_recving_kv_req_ids.add(req_id)
-        return None
 
-    def _fail_request(self, request: Request, why: str) -> RequestOutput:
-        self._remove_from_queues(request)
-        request.status = RequestStatus.FINISHED_ERROR
-        request.stop_reason = why
-        params = self._free_request(request)
-        return RequestOutput(request.req_id, [], "error", params, error=why)
-
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
-        """Loads that lost blocks keep only the valid prefix before the first lost block."""
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], sched_out: SchedulerOutput) -> set[str]:
+        """vLLM's _handle_invalid_blocks: requests whose KV lost blocks keep only the
+        valid prefix before the first lost block. Loads in flight (WAITING_FOR_REMOTE_KVS)
+        and running requests are both cut back. Returns the ids the token loop skips:
+        all of them under policy "fail" (they then fail), the running ones under
+        "recompute" (they recompute next step; the loads retry on promotion)."""
+        num_scheduled = {s.req_id: len(s.token_ids) for s in sched_out.scheduled}
         matched: set[int] = set()
-        for request in self._loading_requests():
-            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
-            bad = [i for i, block_id in enumerate(block_ids) if block_id in invalid_block_ids]
-            if not bad:
-                continue
-            matched.update(block_ids[i] for i in bad)
-            self.num_kv_load_failures += 1
-            self.failed_recving_kv_req_ids[request.req_id] = bad[0] * self.block_size
-        self.num_stale_kv_reports += len(invalid_block_ids - matched)
-
-    def _loading_requests(self) -> list[Request]:
         loading = [r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        loading.extend(self.requests[req_id] for req_id in self.held_for_recv)
-        return loading
+        kv = self.kv_cache_manager
+        async_failed, _ = cut_back_to_valid_prefix(loading, invalid_block_ids, num_scheduled, kv, matched)
+        sync_failed, to_evict = cut_back_to_valid_prefix(self.running, invalid_block_ids, num_scheduled,
+                                                         kv, matched)
+        for req_id in self.held_for_recv:  # an aborted load's report: expected, not stale
+            matched.update(self.kv_cache_manager.get_block_ids(req_id))
+        self.num_stale_kv_reports += len(invalid_block_ids - matched)
+        self.num_kv_load_failures += len(async_failed) + len(sync_failed)
+        if self.config.kv_load_failure_policy == "fail":
+            # The bad KV and everything after it must not serve prefix hits.
+            self.kv_cache_manager.evict_blocks(to_evict)
+            return async_failed | sync_failed
+        self.failed_recving_kv_req_ids |= async_failed
+        return sync_failed
 
     # ---- liveness --------------------------------------------------------------
 
@@ -395,13 +428,17 @@ class Scheduler:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     def has_pending_updates(self) -> bool:
-        """Work for the next schedule() that needs no new report: finished ids to ship,
-        finished receives to promote."""
-        return bool(self.finished_req_ids or self.finished_recving_kv_req_ids)
+        """Work for the next schedule() that needs no new report: finished ids to ship.
+
+        Not finished receives: the step after their report tries to promote them, and
+        one it cannot promote (no seat, no blocks) waits for something else to change
+        (a running request's step, a report, an input), or an event loop would spin.
+        """
+        return bool(self.finished_req_ids)
 
     def has_deferred_requests(self) -> bool:
-        """Requests a connector told to ask again later (parked, but not for a load)."""
-        return any(r.status == RequestStatus.WAITING for r in self.skipped_waiting)
+        """Requests a connector told to ask again later."""
+        return bool(self.deferred_req_ids)
 
     def make_stats(self) -> SchedulerStats:
         pool = self.block_pool

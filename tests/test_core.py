@@ -107,3 +107,19 @@ def test_malformed_request_fails_alone():
     while core.has_work():
         tokens += [t for o in core.step().outputs for t in o.new_token_ids]
     assert tokens == [4, 5]
+
+
+def test_duplicate_request_id_fails_alone_and_the_original_finishes():
+    """A duplicate id is refused with an error output; the original is untouched (vLLM's
+    front makes ids unique instead, so its core never sees one)."""
+    core = make_core("event", connector=False)
+    assert core.add_request("r", [1, 2, 3], 3) == []
+    core.step()
+    (dup,) = core.add_request("r", [7, 8], 2)
+    assert (dup.req_id, dup.new_token_ids, dup.finish_reason) == ("r", [], "error")
+    assert "duplicate" in dup.error
+    tokens = []
+    while core.has_work():
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+    assert tokens == [5, 6]  # the original's last two tokens (4 came in the first step)
+    assert core.make_stats().num_used_blocks == 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.request import RequestStatus
 from engine.utils import cdiv
 from tests.utils import (BLOCK_SIZE, assert_scheduler_empty, make_request, make_scheduler,
@@ -217,9 +218,146 @@ def test_decode_side_that_ignores_a_request_still_releases_prefill():
     """D cannot fit it: P holds its blocks for D all the same, so D must say "read done"."""
     sched = make_scheduler(use_kv_connector=True, num_blocks=5)
     output = sched.add_request(make_request("d", 10, max_tokens=50, params=remote_prefill_params(10)))
-    assert output.finish_reason == "ignored"
+    assert output.finish_reason == "length"  # FINISHED_IGNORED, as vLLM reports it
     assert sched.has_requests()  # the id still has to reach the worker side
     out, _ = step(sched)
     (release,) = out.kv_connector_metadata.reqs_to_recv.values()
     assert release.local_block_ids == [] and release.remote_request_id == "x"
     assert not sched.has_requests()
+
+
+def test_prefill_stopped_by_eos_still_holds_its_blocks_for_decode():
+    """vLLM 0.32's NIXL request_finished delays the free for FINISHED_STOPPED too (P's
+    one token was EOS: stop order puts EOS before the length cap)."""
+    sched = make_scheduler(use_kv_connector=True, eos_token_id=10)
+    sched.add_request(make_request("p", 10, max_tokens=1, eos_token_id=10,
+                                   params=dict(REMOTE_DECODE)))
+    _, (output,) = step(sched)  # prompt 0..9 samples 10 = EOS
+    assert output.finish_reason == "stop"
+    assert output.kv_transfer_params["remote_block_ids"] == [1, 2, 3]
+    assert sched.held_for_send == {"p"} and sched.block_pool.get_num_used_blocks() == 3
+    step(sched, finished_sending={"p"})
+    assert_scheduler_empty(sched)
+
+
+def test_default_policies_are_vllm_0_32s():
+    config = EngineConfig()
+    assert config.kv_load_failure_policy == "fail" and config.scheduler_reserve_full_isl
+
+
+def _start_loads(sched, *req_ids, num_tokens=10):
+    for i, req_id in enumerate(req_ids):
+        sched.add_request(make_request(req_id, num_tokens, max_tokens=2, start=50 * i,
+                                       params=remote_prefill_params(num_tokens)))
+    out, _ = step(sched)
+    assert set(out.kv_connector_metadata.reqs_to_recv) == set(req_ids)
+    return [sched.requests[req_id] for req_id in req_ids]
+
+
+def test_finished_load_is_promoted_only_when_admission_reaches_it_with_a_seat():
+    """vLLM's lazy promotion: a finished receive only marks the id; the admission loop
+    promotes it when it gets there with a seat free, first come first served."""
+    sched = make_scheduler(use_kv_connector=True, max_num_seqs=2)
+    d1, d2 = _start_loads(sched, "d1", "d2")  # loads hold blocks, not seats
+    for i in (1, 2):
+        sched.add_request(make_request(f"l{i}", 4, max_tokens=50, start=200 + 10 * i))
+    step(sched)  # l1 and l2 take both seats
+    step(sched, finished_recving={"d2", "d1"})
+    out, _ = step(sched)  # no seat: nothing promoted, nothing cached yet
+    assert d1.status == d2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert sched.block_pool.get_cached_block(d1.block_hashes[0]) is None
+    assert list(sched.skipped_waiting) == [d1, d2]
+    sched.finish_requests(["l1"], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)  # one seat: the first load to arrive goes first
+    assert [(s.req_id, s.num_computed_tokens) for s in out.scheduled if s.is_new] == [("d1", 9)]
+    assert d2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and list(sched.skipped_waiting) == [d2]
+    sched.finish_requests(["l2"], RequestStatus.FINISHED_ABORTED)
+    while sched.has_requests():
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_no_promotion_in_a_step_that_preempted():
+    sched = make_scheduler(use_kv_connector=True, num_blocks=6, max_num_seqs=1)  # 5 usable
+    sched.add_request(make_request("d", 8, max_tokens=2, params=remote_prefill_params(8)))
+    sched.add_request(make_request("r", 4, max_tokens=16, start=100))  # 5 blocks at most
+    out, _ = step(sched)  # d's load holds 2 blocks; r takes the seat
+    d = sched.requests["d"]
+    step(sched, finished_recving={"d"})
+    while not out.preempted_req_ids:  # r grows until the pool runs dry
+        assert d.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # r holds the only seat
+        out, _ = step(sched)
+    assert out.preempted_req_ids == {"r"} and not out.scheduled
+    assert d.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # the seat is free, but not now
+    out, _ = step(sched)
+    assert [(s.req_id, s.num_computed_tokens) for s in out.scheduled] == [("d", 7)]
+
+
+def test_promotion_caches_every_loaded_block_then_recomputes_the_last_token():
+    """vLLM's _update_waiting_for_remote_kv: cache_blocks over all loaded tokens (the
+    full last block too), only then num_computed_tokens = num_tokens - 1."""
+    sched = make_scheduler(use_kv_connector=True)
+    (d,) = _start_loads(sched, "d", num_tokens=8)  # exactly two full blocks
+    step(sched, finished_recving={"d"})
+    sched._update_waiting_for_remote_kv(d)  # what the admission loop does on reaching it
+    pool = sched.block_pool
+    assert [pool.get_cached_block(h).block_id for h in d.block_hashes[:2]] == [1, 2]
+    assert d.num_computed_tokens == 7 and d.status == RequestStatus.WAITING
+
+
+def test_failed_load_with_no_valid_tokens_frees_its_blocks_and_starts_over():
+    sched = make_scheduler(use_kv_connector=True, kv_load_failure_policy="recompute")
+    _start_loads(sched, "d")  # blocks 1, 2, 3
+    step(sched, finished_recving={"d"}, invalid_block_ids={1})
+    out, _ = step(sched)
+    # Freed (unhashed: to the free queue's head, tail first), looked up afresh,
+    # prefilled locally in the blocks it just gave back.
+    (s,) = out.scheduled
+    assert (s.num_computed_tokens, len(s.token_ids), s.new_block_ids) == (0, 10, [3, 2, 1])
+    while sched.has_requests():
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_invalid_blocks_cut_back_running_requests_too(policy):
+    """vLLM's _handle_invalid_blocks also scans `running`: a running request whose
+    computed KV lost a block recomputes from there (or fails, evicting that KV)."""
+    sched = make_scheduler(use_kv_connector=True, kv_load_failure_policy=policy)
+    sched.add_request(make_request("r", 12, max_tokens=4))
+    step(sched)  # blocks 1, 2, 3, all full and cached
+    r = sched.requests["r"]
+    out, outputs = step(sched, invalid_block_ids={2})
+    assert out.scheduled[0].num_computed_tokens == 12  # this step's decode is thrown away
+    if policy == "fail":
+        assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("r", [], "error")]
+        pool = sched.block_pool
+        # Blocks 2 on (4 was this step's) lost their hashes: reused first; 1 stays cached.
+        assert [b.block_id for b in pool.free_block_queue][:3] == [4, 3, 2]
+        assert pool.get_cached_block(r.block_hashes[0]).block_id == 1
+        assert pool.get_cached_block(r.block_hashes[1]) is None
+        assert_scheduler_empty(sched)
+        return
+    assert not outputs and r.num_computed_tokens == BLOCK_SIZE and r.output_token_ids == [12]
+    out, outputs = step(sched)
+    assert [(s.num_computed_tokens, len(s.token_ids)) for s in out.scheduled] == [(4, 9)]
+    assert outputs[0].new_token_ids == [13]  # the thrown-away token, sampled again
+    while sched.has_requests():
+        step(sched)
+    assert r.output_token_ids == [12, 13, 14, 15]
+    assert_scheduler_empty(sched)
+
+
+def test_duplicate_id_leaves_the_original_load_alone():
+    """A duplicate of a D request must not tell P to free blocks D is still pulling."""
+    sched = make_scheduler(use_kv_connector=True)
+    (d,) = _start_loads(sched, "d")
+    dup = sched.add_request(make_request("d", 10, params=remote_prefill_params(10)))
+    assert dup.finish_reason == "error" and "duplicate" in dup.error
+    out, _ = step(sched)
+    assert not out.finished_req_ids and not out.kv_connector_metadata.reqs_to_recv
+    assert sched.requests["d"] is d and d.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(sched, finished_recving={"d"})
+    while sched.has_requests():
+        step(sched)
+    assert_scheduler_empty(sched)

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import pytest
+
 from engine.request import RequestStatus
+from engine.stop import check_stop
 from tests.utils import assert_scheduler_empty, make_request, make_scheduler, step
 
 
@@ -79,11 +82,14 @@ def test_stop_on_eos_and_stop_ids_and_max_model_len():
 
 
 def test_prompt_too_long_finishes_ignored_with_a_reason():
+    """FINISHED_IGNORED is reported as vLLM does: finish reason "length"."""
     sched = make_scheduler(max_model_len=16)
-    out = sched.add_request(make_request("big", num_tokens=16))
-    assert out.finish_reason == "ignored" and "max_model_len" in out.error
+    big = make_request("big", num_tokens=16)
+    out = sched.add_request(big)
+    assert big.status == RequestStatus.FINISHED_IGNORED
+    assert out.finish_reason == "length" and "max_model_len" in out.error
     out = make_scheduler(num_blocks=3).add_request(make_request("huge", num_tokens=12))
-    assert out.finish_reason == "ignored" and "KV blocks" in out.error
+    assert out.finish_reason == "length" and "KV blocks" in out.error
 
 
 def test_abort_waiting_and_running():
@@ -129,5 +135,63 @@ def test_runner_failure_fails_only_that_request():
 def test_request_that_could_never_fit_the_pool_is_ignored_not_wedged():
     sched = make_scheduler(num_blocks=5, max_model_len=64)  # 4 blocks of 4 tokens
     out = sched.add_request(make_request("grows", num_tokens=10, max_tokens=20))
-    assert out.finish_reason == "ignored" and "pool has 4" in out.error
+    assert out.finish_reason == "length" and "pool has 4" in out.error
     assert sched.add_request(make_request("fits", num_tokens=10, max_tokens=6)) is None
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_admission_needs_blocks_for_the_whole_sequence(reserve_full_isl):
+    """vLLM 0.32 (scheduler_reserve_full_isl, its default): a waiting request is admitted
+    only if blocks for its whole current sequence are free, even when its first chunk
+    would fit; it waits at the head, and nothing is preempted for it."""
+    sched = make_scheduler(num_blocks=9, max_num_batched_tokens=8,  # 8 usable blocks
+                           scheduler_reserve_full_isl=reserve_full_isl)
+    sched.add_request(make_request("r0", num_tokens=12, max_tokens=3))
+    sched.add_request(make_request("r1", num_tokens=24, max_tokens=2, start=100))  # 6 blocks now
+    out, _ = step(sched)
+    assert {s.req_id: len(s.token_ids) for s in out.scheduled} == {"r0": 8}
+    out, _ = step(sched)  # r0 holds 3 blocks: 5 free, r1's first chunk needs only 1
+    scheduled = {s.req_id: len(s.token_ids) for s in out.scheduled}
+    if reserve_full_isl:
+        assert scheduled == {"r0": 4} and list(sched.waiting) == [sched.requests["r1"]]
+    else:
+        assert scheduled == {"r0": 4, "r1": 4}
+    assert sched.num_preemptions == 0
+    run_to_completion(sched)
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("last", ["eos", "stop_id"])
+def test_stop_beats_length_on_the_last_allowed_token(last):
+    """vLLM's check_stop: EOS and stop ids come before max_tokens."""
+    sched = make_scheduler(eos_token_id=12)
+    req = make_request("r", num_tokens=4, start=8, max_tokens=1, eos_token_id=12)
+    if last == "stop_id":
+        req.eos_token_id, req.stop_token_ids = None, (12,)
+    sched.add_request(req)
+    _, outputs = step(sched)  # prompt 8..11 -> samples 12
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([12], "stop")]
+    assert req.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_check_stop_order():
+    req = make_request("r", num_tokens=15, max_tokens=1, eos_token_id=3)
+    req.append_output_token_ids(3)  # EOS, the last allowed token and max_model_len at once
+    assert check_stop(req, max_model_len=16) and req.status == RequestStatus.FINISHED_STOPPED
+    req = make_request("r", num_tokens=15, max_tokens=1, eos_token_id=3)
+    req.append_output_token_ids(4)
+    assert check_stop(req, max_model_len=16) and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_duplicate_request_id_is_refused_and_the_original_runs_on():
+    sched = make_scheduler()
+    original = make_request("r", num_tokens=6, max_tokens=2)
+    assert sched.add_request(original) is None
+    step(sched)
+    out = sched.add_request(make_request("r", num_tokens=3, start=40))
+    assert out.finish_reason == "error" and "duplicate" in out.error
+    assert sched.requests["r"] is original and sched.running == [original]
+    assert not sched.finished_req_ids
+    tokens = run_to_completion(sched)
+    assert tokens["r"] == [7] and original.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_scheduler_empty(sched)
