@@ -26,7 +26,9 @@ def build_engine_config(config: SchedConfig) -> EngineConfig:
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=config.max_model_len, eos_token_id=config.eos_token_id,
-                        liveness="legacy" if config.legacy else "poll", kv_transfer=kv_transfer)
+                        liveness="legacy" if config.legacy else "poll", kv_transfer=kv_transfer,
+                        scheduler_reserve_full_isl=config.reserve_full_isl,
+                        kv_load_failure_policy=config.kv_load_failure_policy)
 
 
 class EvictionCounter:

@@ -107,15 +107,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workload", default="all", choices=["all", *WORKLOADS])
     parser.add_argument("--steps", type=int, default=None, help="ticks per run (default: per workload)")
     parser.add_argument("--no-reserve-full-isl", action="store_true",
-                        help="vLLM side: scheduler_reserve_full_isl=False (removes cause 1)")
-    parser.add_argument("--vllm-load-failure-policy", default="fail", choices=["fail", "recompute"],
-                        help="vLLM side: kv_load_failure_policy (0.32 default: fail)")
+                        help="vLLM side only: scheduler_reserve_full_isl=False (shows cause 1)")
+    parser.add_argument("--vllm-load-failure-policy", default=None, choices=["fail", "recompute"],
+                        help="vLLM side only: kv_load_failure_policy (default: the workload's, "
+                             "which both sides use)")
     parser.add_argument("--append-all-frees", action="store_true",
-                        help="vLLM side: freed blocks all join the free queue's tail (removes cause 2)")
+                        help="vLLM side: freed blocks all join the free queue's tail (shows cause 2)")
     parser.add_argument("--one-block-per-hash", action="store_true",
-                        help="vLLM side: never cache a second block under a cached hash (removes cause 3)")
+                        help="vLLM side: never cache a second block under a cached hash (shows cause 3)")
     parser.add_argument("--length-before-stop", action="store_true",
-                        help="vLLM side: check_stop tests length before EOS/stop ids (removes cause 7)")
+                        help="vLLM side: check_stop tests length before EOS/stop ids (shows cause 7)")
     parser.add_argument("--ignore", nargs="*", default=[], choices=Snapshot.__slots__,
                         help="snapshot fields not to compare (say, block_tables)")
     parser.add_argument("--show-all", action="store_true", help="print every seed's first difference")

@@ -21,6 +21,8 @@ class SchedConfig:
     eos_token_id: int | None = None
     role: str | None = None  # None: no connector; "P": kv_producer; "D": kv_consumer
     legacy: bool = False  # pre-#43433 liveness on both sides
+    reserve_full_isl: bool = True  # vLLM's scheduler_reserve_full_isl (its default)
+    kv_load_failure_policy: str = "fail"  # vLLM 0.32's default
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """Switches that remove one known divergence on the vLLM side, to confirm each cause alone.
 
-Runs in: the parity venv. Each switch makes vLLM 0.32.0 behave like kvdrain does today
-on one point (they document kvdrain's current behaviour as much as they test it); all
-off (the default) is vLLM as shipped. Patches are per Scheduler instance where vLLM
-allows it, module-level only for check_stop (restored by nobody: one process, one run).
+Runs in: the parity venv. Each switch makes vLLM 0.32.0 behave like kvdrain did before
+issue 10 on one point (kvdrain now follows vLLM, so a switch turned on shows that cause
+as a difference); all off (the default) is vLLM as shipped. Patches are per Scheduler
+instance where vLLM allows it, module-level only for check_stop (restored by nobody:
+one process, one run).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from vllm.v1.request import RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class VllmSwitches:
-    reserve_full_isl: bool = True  # False: scheduler_reserve_full_isl=False (cause 1)
-    kv_load_failure_policy: str = "fail"  # "recompute": kvdrain's default (cause 4b)
+    reserve_full_isl: bool = True  # False: scheduler_reserve_full_isl=False, vLLM only (cause 1)
+    kv_load_failure_policy: str | None = None  # None: the workload's (both sides)
     append_all_frees: bool = False  # free_blocks appends unhashed blocks too (cause 2)
     one_block_per_hash: bool = False  # no duplicate cached blocks (cause 3)
     length_before_stop: bool = False  # check_stop tests length before EOS/stop ids (cause 7)

@@ -60,12 +60,14 @@ def build_vllm_config(config: SchedConfig, switches: VllmSwitches) -> VllmConfig
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=config.max_model_len, enable_chunked_prefill=True,
                             is_encoder_decoder=False, async_scheduling=False,
-                            scheduler_reserve_full_isl=switches.reserve_full_isl)
+                            scheduler_reserve_full_isl=(config.reserve_full_isl
+                                                        and switches.reserve_full_isl))
     kv_transfer = None
     if config.role is not None:
         kv_transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=KV_ROLES[config.role],
                                        engine_id=config.role,
-                                       kv_load_failure_policy=switches.kv_load_failure_policy)
+                                       kv_load_failure_policy=(switches.kv_load_failure_policy
+                                                               or config.kv_load_failure_policy))
     vllm_config = VllmConfig(model_config=model, scheduler_config=sched,
                              cache_config=CacheConfig(block_size=config.block_size,
                                                       enable_prefix_caching=True),

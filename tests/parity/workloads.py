@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from tests.parity.spec import Abort, Arrival, RequestSpec, SchedConfig, Workload
 
@@ -131,6 +132,42 @@ def d_side(seed: int, legacy: bool = False) -> Workload:
                     max_report_delay=6 if not legacy else 20, load_failure_prob=0.3, num_ticks=300)
 
 
+def d_pressure(seed: int) -> Workload:
+    """Decode side, small pool: local prompts prefill in chunks beside remote loads of
+    shared heads; loads are admitted under the full-sequence rule, finished loads wait
+    for a seat (lazy promotion), preemptions and evictions follow."""
+    rng = random.Random(seed)
+    config = SchedConfig(num_blocks=36, max_num_batched_tokens=48, max_num_seqs=5, role="D")
+    prefixes = _prefixes(rng, 2, config.block_size)
+
+    def make(i: int) -> RequestSpec:
+        if rng.random() < 0.5:
+            return RequestSpec(f"d{i}", _prompt(rng, 5, 80, prefixes), rng.randint(1, 16),
+                               remote="prefill")
+        return RequestSpec(f"l{i}", _prompt(rng, 40, 160), rng.randint(1, 16))
+    arrivals = _arrivals(rng, 28, 60, make)
+    events: list = list(arrivals)
+    events += [Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1]
+    return Workload("d_pressure", seed, config, _sorted(events), max_report_delay=10,
+                    load_failure_prob=0.2, num_ticks=400)
+
+
+def d_recompute(seed: int) -> Workload:
+    """d_side with kv_load_failure_policy=recompute on both sides: failed loads retry
+    from their valid prefix, or from scratch with a fresh prefix lookup."""
+    workload = d_side(seed)
+    config = replace(workload.config, kv_load_failure_policy="recompute")
+    return replace(workload, name="d_recompute", config=config, load_failure_prob=0.5)
+
+
+def pressure_no_reserve(seed: int) -> Workload:
+    """pressure with scheduler_reserve_full_isl=False on both sides: admit when the
+    first chunk fits."""
+    workload = pressure(seed)
+    config = replace(workload.config, reserve_full_isl=False)
+    return replace(workload, name="pressure_no_reserve", config=config)
+
+
 def legacy_p(seed: int) -> Workload:
     """Pre-#43433 vLLM (has_finished_requests patched back) against kvdrain's legacy."""
     return p_side(seed, legacy=True)
@@ -148,6 +185,9 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "stops": stops,
     "p_side": p_side,
     "d_side": d_side,
+    "d_pressure": d_pressure,
+    "d_recompute": d_recompute,
+    "pressure_no_reserve": pressure_no_reserve,
     "legacy_p": legacy_p,
     "legacy_d": legacy_d,
 }
