@@ -145,7 +145,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
             if http is None:
                 server.serve_forever(monitor.on_tick, stop)
             else:
-                http.run(router, server, engine, topology, monitor.on_tick, stop)
+                http.run(server, engine, topology, monitor.on_tick, stop)
     except KeyboardInterrupt:
         pass
     finally:

@@ -61,3 +61,33 @@ def test_metrics_source_names():
     assert MetricsSource.parse("http://h:8100/metrics").name is None
     with pytest.raises(ValueError):
         MetricsSource.parse("h:8100/metrics")
+
+
+def test_probe_accepts_a_proxy_without_models_when_the_model_is_named():
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from replay.http.client import probe
+
+    async def go():
+        app = web.Application()  # no routes: /v1/models is a 404, like vLLM's toy P/D proxy
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                named = await probe(session, HttpTargetOptions(url, model="m"))
+                try:
+                    await probe(session, HttpTargetOptions(url))
+                except ConnectionError as e:
+                    return named, str(e)
+        finally:
+            await runner.cleanup()
+
+    named, error = asyncio.run(go())
+    assert named.model == "m" and named.models == [] and named.vocab_size == 32000
+    assert "--model" in error

@@ -81,19 +81,33 @@ def api_root(base_url: str) -> str:
 
 
 async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> ServerIdentity:
-    """GET /v1/models; ConnectionError when nothing usable answers."""
+    """GET /v1/models: who answers and what it serves.
+
+    A proxy without /v1/models (vLLM's toy P/D proxy) is fine when --model names the
+    model; a server that does not answer, or lists models without the one asked for,
+    is a ConnectionError.
+    """
     url = api_root(options.base_url) + "/v1/models"
+    body = None
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200:
-                raise ConnectionError(f"{url}: HTTP {response.status}: {_error_message(body)}")
             server = response.headers.get("Server")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            if response.status == 200:
+                body = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+    except ValueError:  # not JSON: as if there were no list
+        pass
     cards = body.get("data") if isinstance(body, dict) else None
     if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) for c in cards):
-        raise ConnectionError(f"{url}: no models listed")
+        if options.model is None:
+            raise ConnectionError(f"{url}: lists no models; name the model with --model")
+        return ServerIdentity(options.base_url, options.model, server, None, None,
+                              options.vocab_size or DEFAULT_VOCAB_SIZE)
+    return _identity(options, url, server, cards)
+
+
+def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]) -> ServerIdentity:
     names = [str(c.get("id")) for c in cards]
     model = options.model or names[0]
     if model not in names:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from http import HTTPStatus
 
 from replay.http.tokenizer import WordTokenizer
 
@@ -187,31 +186,32 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def stream_chunk(request_id: str, model: str, created: int, text: str,
-                 token_ids: list[int] | None, finish_reason: str | None) -> dict:
-    """One streamed delta (vLLM's CompletionStreamResponse, exclude_unset)."""
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": None, "token_ids": token_ids}]}
+def head(response_id: str, model: str, created: int) -> dict:
+    """The fields every completion body and chunk starts with."""
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model}
 
 
-def usage_chunk(request_id: str, model: str, created: int, usage_info: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [], "usage": usage_info}
+def choice(text: str, token_ids: list[int] | None, finish_reason: str | None) -> dict:
+    """choices[0] (vLLM's exclude_unset dump: logprobs and stop_reason are null here)."""
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": None, "token_ids": token_ids}
 
 
-def completion(request_id: str, model: str, created: int, text: str,
-               token_ids: list[int] | None, finish_reason: str | None, usage_info: dict, kv_transfer_params: dict | None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": None, "token_ids": token_ids}],
-            "usage": usage_info, "kv_transfer_params": kv_transfer_params}
+def stream_chunk(first: dict, delta: dict) -> dict:
+    """One streamed delta (vLLM's CompletionStreamResponse); first: head(...)."""
+    return {**first, "choices": [delta]}
+
+
+def usage_chunk(first: dict, usage_info: dict) -> dict:
+    """The last chunk before [DONE] with stream_options.include_usage."""
+    return {**first, "choices": [], "usage": usage_info}
+
+
+def completion(first: dict, answer: dict, usage_info: dict, kv_transfer_params: dict | None) -> dict:
+    """A whole (non-streamed) answer; kv_transfer_params as vLLM returns them."""
+    return {**first, "choices": [answer], "usage": usage_info, "kv_transfer_params": kv_transfer_params}
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
     """kvdrain's "ignored" is vLLM's FINISHED_IGNORED, reported as "length"."""
     return "length" if reason == "ignored" else reason
-
-
-def status_phrase(status: int) -> str:
-    return HTTPStatus(status).phrase

@@ -73,32 +73,6 @@ def parse_http_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def serve_http(router, shared: SharedRouter, server, model: ServedModel, options: HttpOptions,
-               on_round: Callable[[object], None], should_stop: Callable[[], bool],
-               announce: Callable[[str], None]) -> None:
-    """Serve both fronts until should_stop() (or Ctrl-C); `server` is the zmq serve on `shared`."""
-    asyncio.run(_serve(HttpFront(router, model, options, shared=shared),
-                       server, on_round, should_stop, announce))
-
-
-async def _serve(front: HttpFront, server, on_round, should_stop, announce) -> None:
-    def tick(_: HttpFront) -> None:
-        server.run_once(0)
-        on_round(server)
-
-    front.on_tick = tick
-    await front.start()
-    host = front.options.host
-    announce(f"http://{'[' + host + ']' if ':' in host else host}:{front.port}")
-    try:
-        while not should_stop() and front.pump_error is None:
-            await asyncio.sleep(STOP_CHECK_S)
-    finally:
-        await front.stop()
-    if front.pump_error is not None:  # an engine died: the serve ends, as vLLM's does
-        raise front.pump_error
-
-
 def served_model(router, engine, topology: str, name: str) -> ServedModel:
     """What `serve --http` serves: the engines' limits (engine: their EngineConfig)."""
     return ServedModel(name, engine.max_model_len, router.vocab_size, engine.block_size,
@@ -114,12 +88,33 @@ class HttpServe:
         self.shared: SharedRouter | None = None
 
     def share(self, router) -> SharedRouter:
+        """The router the zmq serve gets (call first)."""
         self.shared = SharedRouter(router)
         return self.shared
 
-    def run(self, router, server, engine, topology: str, on_round: Callable[[object], None],
+    def run(self, server, engine, topology: str, on_round: Callable[[object], None],
             should_stop: Callable[[], bool]) -> None:
-        model = served_model(router, engine, topology, self.model_name)
-        serve_http(router, self.shared, server, model, self.options, on_round, should_stop,
-                   lambda url: print(f"kvdrain serve: OpenAI-compatible HTTP on {url} "
-                                     f"(model {self.model_name!r}; /metrics)", flush=True))
+        """Serve both fronts until should_stop() (or Ctrl-C); `server` is the zmq serve."""
+        router = self.shared.router
+        front = HttpFront(router, served_model(router, engine, topology, self.model_name),
+                          self.options, shared=self.shared)
+        asyncio.run(self._serve(front, server, on_round, should_stop))
+
+    async def _serve(self, front: HttpFront, server, on_round, should_stop) -> None:
+        def tick(_: HttpFront) -> None:
+            server.run_once(0)
+            on_round(server)
+
+        front.on_tick = tick
+        await front.start()
+        host = front.options.host
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{front.port}"
+        print(f"kvdrain serve: OpenAI-compatible HTTP on {url} (model {self.model_name!r}; "
+              f"/metrics)", flush=True)
+        try:
+            while not should_stop() and front.pump_error is None:
+                await asyncio.sleep(STOP_CHECK_S)
+        finally:
+            await front.stop()
+        if front.pump_error is not None:  # an engine died: the serve ends, as vLLM's does
+            raise front.pump_error

@@ -279,19 +279,20 @@ class HttpFront:
                 break
         if output.finish_reason == "error":
             raise ApiError(500, f"request failed in the engine: {output.error}")
-        created = int(time.time())
-        return web.json_response(protocol.completion(
-            "cmpl-" + request.client_id, self.model.name, created, WordTokenizer.decode(tokens),
-            tokens if request.params.return_token_ids else None,
-            protocol.openai_finish_reason(output.finish_reason), self._usage(internal_id),
-            output.kv_transfer_params))
+        first = protocol.head("cmpl-" + request.client_id, self.model.name, int(time.time()))
+        answer = protocol.choice(WordTokenizer.decode(tokens),
+                                 tokens if request.params.return_token_ids else None,
+                                 protocol.openai_finish_reason(output.finish_reason))
+        return web.json_response(protocol.completion(first, answer, self._usage(internal_id),
+                                                     output.kv_transfer_params))
 
     async def _stream(self, http_request: web.Request, internal_id: str) -> web.StreamResponse:
         request = self.open[internal_id]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", "Server": SERVER_HEADER})
         await response.prepare(http_request)
-        response_id, created, first = "cmpl-" + request.client_id, int(time.time()), True
+        first_chunk = protocol.head("cmpl-" + request.client_id, self.model.name, int(time.time()))
+        first = True
         while True:
             output = await self._next(internal_id)
             if output.finish_reason == "error":
@@ -301,14 +302,13 @@ class HttpFront:
             if output.new_token_ids or output.finished:
                 text = WordTokenizer.decode(output.new_token_ids, first)
                 first = first and not output.new_token_ids
-                await _send_event(response, protocol.stream_chunk(
-                    response_id, self.model.name, created, text,
-                    output.new_token_ids if request.params.return_token_ids else None,
-                    protocol.openai_finish_reason(output.finish_reason)))
+                await _send_event(response, protocol.stream_chunk(first_chunk, protocol.choice(
+                    text, output.new_token_ids if request.params.return_token_ids else None,
+                    protocol.openai_finish_reason(output.finish_reason))))
             if output.finished:
                 if request.params.include_usage:
-                    await _send_event(response, protocol.usage_chunk(
-                        response_id, self.model.name, created, self._usage(internal_id)))
+                    await _send_event(response, protocol.usage_chunk(first_chunk,
+                                                                     self._usage(internal_id)))
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
