@@ -7,6 +7,7 @@ starts the engines and hands their clients here.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 from connector.routing import AddTo, Command, Routing
@@ -75,8 +76,10 @@ class PDRouter:
                 client.abort([command.req_id])
 
     def shutdown(self) -> None:
-        # Decode first: its reads release the prefill engine's held blocks.
-        for client in reversed(list(self.clients.values())):
-            client.shutdown()
-        if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        """Every client's shutdown runs, and then the run dir goes, even if one raises
+        (a Ctrl-C during another's shutdown): an ExitStack runs them all."""
+        with contextlib.ExitStack() as stack:
+            if self.run_dir is not None:
+                stack.callback(shutil.rmtree, self.run_dir, ignore_errors=True)
+            for client in self.clients.values():  # last in, first out: decode first, its
+                stack.callback(client.shutdown)  # reads release the prefill engine's blocks

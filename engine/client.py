@@ -25,6 +25,7 @@ from engine.core_proc import build_engine_core, run_engine_core
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
+from engine.run_dir import make_run_dir
 
 READY_TIMEOUT_S = 120.0
 SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well before this
@@ -103,9 +104,6 @@ class InprocClient:
             self.kv_cache.close()
 
 
-def make_run_dir() -> str:
-    """A private directory for ipc socket files (short paths: the limit is ~100 chars)."""
-    return tempfile.mkdtemp(prefix="kvdrain-", dir="/tmp")
 
 
 class MPClient:
@@ -244,14 +242,16 @@ class MPClient:
         return outputs
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        _remove_kv_segments(self.process.pid)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        if self._own_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        try:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        finally:  # even if a signal cut the join short
+            _remove_kv_segments(self.process.pid)
+            self.input.close(linger=0)
+            self.output.close(linger=0)
+            if self._own_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 

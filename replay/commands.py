@@ -10,6 +10,7 @@ from connector.topology import start_topology
 from engine.client import EngineDeadError
 from engine.config import EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
+from replay.live.interrupt import Interrupted, interruptible
 from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
 from replay.live.serve import Server, ServeOptions
 from replay.live.serve_client import ServeClient
@@ -48,6 +49,17 @@ class _NoView:
 
 
 def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
+    """Ctrl-C and SIGTERM stop the replay alike: the engines shut down, the run dir goes,
+    the partial verdict is printed, and the exit status is 130 or 143."""
+    with interruptible():
+        try:
+            return _replay_main(config, paths, live, console)
+        except Interrupted as e:
+            _error(console, f"interrupted by {e.name}; nothing is left running")
+            return e.exit_code
+
+
+def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
     try:
         summary = validate_replay_trace(config)
     except TraceError as e:
@@ -88,6 +100,7 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         from replay.http.outcome import outcome_lines
         for line in outcome_lines(http):
             console.print(line, highlight=False, soft_wrap=True)
+    interrupted = _interruption(result, report, console)
     if paths.report is not None:
         write_report(paths.report, report)
     if paths.requests is not None:
@@ -98,7 +111,25 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         except RuntimeError as e:
             _error(console, e)
             return EXIT_USAGE
+    if interrupted is not None:
+        return interrupted.exit_code
     return result.verdict.exit_code if http is None else http["exit_code"]
+
+
+def _interruption(result: ReplayResult, report: dict, console) -> Interrupted | None:
+    """A run stopped by a signal: say so under its partial verdict, and in the report."""
+    name = result.timeline.meta.get("interrupted")
+    if name is None:
+        return None
+    interrupted = Interrupted(signal.Signals[name])
+    report["interrupted"] = name
+    report["exit_code"] = interrupted.exit_code
+    sent = len(result.timeline.requests)
+    console.print(f"[yellow]interrupted:[/] {name} after {result.timeline.end_t:.1f} s and "
+                  f"{sent:,} of {result.summary.num_requests:,} requests; the engines were shut "
+                  f"down; the verdict above covers only that part (exit {interrupted.exit_code})",
+                  highlight=False, soft_wrap=True)
+    return interrupted
 
 
 def _http_outcome(result: ReplayResult) -> dict | None:

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Protocol
 
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
+from replay.live.interrupt import Interrupted
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
@@ -80,11 +81,23 @@ class WallClockReplay:
         self._tokens: dict[str, list[int]] = {}  # open request -> its tokens so far
         self._last_tick = 0.0
         self.num_sent = 0
+        self.interrupted: str | None = None  # the signal that stopped the run early
 
     def now(self) -> float:
         return time.monotonic() - self.origin
 
     def run(self, records: Iterable[TraceRecord]) -> Timeline:
+        """Send the trace and observe; on Ctrl-C or SIGTERM, stop there and return what was seen
+        (meta "interrupted" names the signal; the caller shuts the target down)."""
+        try:
+            self._drive(records)
+            self._finish()
+        except Interrupted as e:
+            self.interrupted = e.name
+            self.end_t = self.now()
+        return self._timeline()
+
+    def _drive(self, records: Iterable[TraceRecord]) -> None:
         self.target.request_stats()
         for record in records:
             if isinstance(record, (TraceRequest, TraceAbort)):
@@ -96,8 +109,6 @@ class WallClockReplay:
                 self.aborts.append(AbortRecord(self.now(), record.req_id))
             elif isinstance(record, TraceSnapshot):
                 self.snapshots.append(record)
-        self._finish()
-        return self._timeline()
 
     def _wait_until(self, t: float) -> None:
         while (left := t - self.now()) > 0:
@@ -132,8 +143,7 @@ class WallClockReplay:
             return
         now = self.now()
         if output.new_token_ids:
-            if record.first_token_t is None:
-                record.first_token_t = now
+            record.on_tokens(now)
             record.num_output_tokens += len(output.new_token_ids)
             self._tokens[output.req_id].extend(output.new_token_ids)
             record.num_prefix_hit_tokens = max(record.num_prefix_hit_tokens, output.num_cached_tokens)
@@ -168,4 +178,5 @@ class WallClockReplay:
         return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
-                        counters=counters, meta={"driver": "wall"})
+                        counters=counters, meta={"driver": "wall", **(
+                            {"interrupted": self.interrupted} if self.interrupted else {})})

@@ -1,0 +1,208 @@
+"""Signals, bounded resources, credentials and errors before start (issue 11, findings 5-8)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cli import EXAMPLE
+from engine.run_dir import is_alive, make_run_dir, process_start_time, read_owner, sweep_dead_runs
+from replay.live.interrupt import Interrupted, interruptible
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+def descendants(pid: int) -> list[tuple[int, str | None]]:
+    """Every process below pid, as (pid, start time), from /proc; multiprocessing's
+    resource tracker is left out (it exits on its own when its parent's pipe closes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if b"resource_tracker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    continue
+            except OSError:
+                continue
+            found.append((child, process_start_time(child)))
+    return found
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling an outside condition (/proc), not syncing with our own code
+    raise TimeoutError(f"{what} not within {timeout_s} s")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def run_root(monkeypatch):
+    """A private root for run directories (short: ipc paths must stay under ~100 chars)."""
+    root = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    monkeypatch.setenv("KVDRAIN_RUN_ROOT", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- finding 5: signals, the run dir, leftovers ------------------------------------------
+
+def test_interruptible_raises_once_then_only_counts():
+    with interruptible() as handler:
+        with pytest.raises(Interrupted) as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this returns
+        assert caught.value.exit_code == 143 and caught.value.name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)  # during cleanup: noted, not raised
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.num_ignored == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert Interrupted(signal.SIGINT).exit_code == 130
+
+
+def test_run_dir_records_its_owner_and_is_private(run_root):
+    path = make_run_dir()
+    assert os.path.dirname(path) == run_root
+    assert os.stat(path).st_mode & 0o777 == 0o700  # only this uid reaches the ipc sockets
+    assert read_owner(path) == (os.getpid(), process_start_time(os.getpid()))
+
+
+def test_next_start_sweeps_leftovers_of_dead_runs(run_root):
+    dead = dead_pid()
+    stale = Path(run_root, "kvdrain-stale")
+    stale.mkdir()
+    (stale / "owner").write_text(f"{dead} 1\n")
+    (stale / "P-in").write_text("")
+    reused = Path(run_root, "kvdrain-reused")  # the owner's pid runs again, another process
+    reused.mkdir()
+    (reused / "owner").write_text(f"{os.getpid()} 0\n")
+    live = Path(make_run_dir())
+    foreign = Path(run_root, "kvdrain-noowner")  # not ours to judge: no owner record
+    foreign.mkdir()
+    segment_dir = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    dead_segment = Path(segment_dir, f"kvdrain-kv-{dead}-0123456789ab")
+    live_segment = Path(segment_dir, f"kvdrain-kv-{os.getpid()}-0123456789ab")
+    dead_segment.write_bytes(b"x")
+    live_segment.write_bytes(b"x")
+    try:
+        make_run_dir()
+        assert not stale.exists() and not reused.exists() and not dead_segment.exists()
+        assert live.exists() and foreign.exists() and live_segment.exists()
+        assert sweep_dead_runs() == []
+    finally:
+        for path in (dead_segment, live_segment):
+            path.unlink(missing_ok=True)
+    assert not is_alive(dead) and is_alive(os.getpid())
+
+
+def _replay_process(run_root: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, KVDRAIN_RUN_ROOT=run_root)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock", "--no-live",
+         "--num-blocks", "256", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _leftovers(run_root: str, children: list[tuple[int, str | None]]) -> dict:
+    segments = [p for pid, _ in children for d in ("/dev/shm", tempfile.gettempdir())
+                for p in Path(d).glob(f"kvdrain-kv-{pid}-*")]
+    return {"processes": [pid for pid, start in children if is_alive(pid, start)],
+            "run dirs": os.listdir(run_root), "segments": segments}
+
+
+def _kill_all(proc: subprocess.Popen, children: list[tuple[int, str | None]]) -> None:
+    for pid, start in [(proc.pid, None), *children]:
+        if is_alive(pid, start):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_replay_shuts_engines_down_and_removes_the_run_dir(run_root):
+    proc = _replay_process(run_root)
+    children: list[tuple[int, str | None]] = []
+    try:  # two engines, each with its connector worker, and their ipc sockets
+        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
+                              90, "4 child processes")
+        wait_until(lambda: any(Path(run_root).glob("kvdrain-*/D-kv")), 90, "the workers' sockets")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        leftovers = _leftovers(run_root, children)  # at once: nothing may linger after exit
+    finally:
+        _kill_all(proc, children)
+    assert proc.returncode == 143, out
+    assert "interrupted" in out and "SIGTERM" in out, out
+    assert "Traceback" not in out, out
+    assert leftovers == {"processes": [], "run dirs": [], "segments": []}
+
+
+@pytest.mark.slow
+def test_sigkill_leftovers_are_swept_by_the_next_start(run_root):
+    proc = _replay_process(run_root)
+    children: list[tuple[int, str | None]] = []
+    try:
+        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
+                              90, "4 child processes")
+        wait_until(lambda: any(Path(run_root).glob("kvdrain-*/D-kv")), 90, "the workers' sockets")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        # The children notice their parent is gone (its sentinel) and exit on their own.
+        wait_until(lambda: not _leftovers(run_root, children)["processes"], 30, "children exit")
+        assert os.listdir(run_root)  # a SIGKILL runs no cleanup: the run dir stays ...
+        make_run_dir()  # ... until the next start
+        assert len(os.listdir(run_root)) == 1
+    finally:
+        _kill_all(proc, children)
+    assert not _leftovers(run_root, children)["segments"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, monkeypatch):
+    """SIGTERM once the first output arrived: the verdict of what ran, report says so, 143."""
+    from click.testing import CliRunner
+
+    from cli import cli
+    from replay.live.driver import WallClockReplay
+    on_output = WallClockReplay._on_output
+
+    def signal_on_first_output(self, output):
+        on_output(self, output)
+        if output.finished and not self.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(WallClockReplay, "_on_output", signal_on_first_output)
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--runner", "mock", "--no-live",
+                                      "--num-blocks", "256", "--report", str(report)])
+    assert result.exit_code == 143, result.output
+    assert "interrupted: SIGTERM after" in result.output and "of 32 requests" in result.output
+    data = json.loads(report.read_text())
+    assert data["interrupted"] == "SIGTERM" and data["exit_code"] == 143
+    assert os.listdir(run_root) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
