@@ -10,10 +10,14 @@ from rich.console import Console
 from connector.routing import TOPOLOGIES
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
+from click.core import ParameterSource
+
+from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
 from replay.pipeline import CLOCKS
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
+MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 
 
 def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
@@ -164,17 +168,32 @@ def shaping_options(func):
               default=None, help="Write one JSON line per request.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG of blocks used over time, idle windows shaded.")
+@click.option("--series", "series_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the plot's time series (every engine sample) as CSV.")
+@click.option("--profile", "profile_name", type=click.Choice(sorted(PROFILES)), default=None,
+              help=f"Size the engines like a real deployment (KV blocks from GPU memory as vLLM "
+                   f"does, max_model_len, batch limits); explicit size options win. Default: "
+                   f"{DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the wall clock.")
+@click.option("--allow-ignored", is_flag=True,
+              help="Do not call the run inconclusive when over 1% of requests were ignored "
+                   "(prompt over max_model_len, or never fits the pool); they are still counted.")
+@click.option("--all-windows", is_flag=True, help="List every idle window at the end (default: "
+              "the first few and a count).")
+@click.option("--explain", is_flag=True, help="Print what the verdicts, columns and units mean.")
 @click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
 def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
                snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
-               live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
+               series_path: Path | None, profile_name: str | None, allow_ignored: bool,
+               all_windows: bool, explain: bool, live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
                scrape_interval: float, api_key: str | None, **options) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
 
     \b
-    Exit status: 0 verified, 1 a violation, 2 bad usage or input, 3 inconclusive
-    (--target http:// when KV usage was not observed throughout).
+    Exit status: 0 verified, 1 a violation, 2 bad usage, input or an unreachable
+    target, 3 inconclusive (an expected idle window not observed, over 1% of requests
+    ignored, KV usage not observable), 4 an engine or connector-worker fault,
+    130 Ctrl-C, 143 SIGTERM (--explain says more).
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
              kvdrain replay TRACE --target http://HOST:8000 --metrics P=http://P:8100/metrics
     """
@@ -182,8 +201,11 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     from replay.pipeline import ReplayConfig
     from replay.trace.shaping import ShapingOptions
     from replay.verify.rules import VerifyOptions
+    target = _normalize_target(target, clock)
     http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
     engine, kv = _build_configs(options)
+    engine = _apply_profile(engine, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
+                                                     else None))
     try:
         config = ReplayConfig(
             trace=trace, fmt=options["fmt"], skip_bad_lines=options["skip_bad_lines"], clock=clock,
@@ -195,11 +217,61 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
                 insert_idle_at=tuple(options["insert_idle_at"]), scale_tokens=options["scale_tokens"]),
             verify=VerifyOptions(idle_threshold, drain_deadline,
                                  snapshot_tolerance if snapshot_tolerance is not None
-                                 else (0 if clock == "virtual" else 2)))
+                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    paths = ReportPaths(report_path, requests_path, plot_path)
+    paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,
+                        None if all_windows else MAX_WINDOW_LINES)
     sys.exit(replay_main(config, paths, live, Console()))
+
+
+# Explicit engine options that a running server ignores: refused with --target.
+SERVER_SIDE = ("topology", "liveness", "runner", "device", "model", "num_blocks", "block_size",
+               "max_num_seqs", "max_num_batched_tokens", "max_model_len", "transport", "kv_lease_s",
+               "kv_expiry_s", "pull_delay_ms", "drop_read_done", "kv_load_failure_policy",
+               "profile_name")
+
+
+def _normalize_target(target: str | None, clock: str) -> str | None:
+    """tcp://, ipc:// or http(s):// as given; a plain HOST:PORT means tcp://. Options set on
+    the command line that only the server's engines could honour are refused."""
+    if target is None:
+        return None
+    if clock == "virtual":
+        raise click.UsageError("--target: replays against a running server in real time; "
+                               "not with --clock virtual")
+    if "://" not in target:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise click.UsageError(f"--target: {target!r} is not tcp://HOST:PORT, HOST:PORT, "
+                                   f"ipc://PATH or http://HOST:PORT")
+        target = f"tcp://{target}"
+    elif not target.startswith(("tcp://", "ipc://", "http://", "https://")):
+        raise click.UsageError(f"--target: {target!r}: the scheme must be tcp, ipc, http or https")
+    ctx = click.get_current_context()
+    explicit = [name for name in SERVER_SIDE if name in ctx.params
+                and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                                       ParameterSource.ENVIRONMENT)
+                and not (name == "model" and target.startswith("http"))]
+    if explicit:
+        flag = "--profile" if explicit[0] == "profile_name" else "--" + explicit[0].replace("_", "-")
+        raise click.UsageError(f"{flag}: does not apply with --target: the server runs its own "
+                               f"engines (set it on `kvdrain serve`); the report records the "
+                               f"server's own configuration")
+    return target
+
+
+def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
+    """The profile's sizes, except where a size option was given on the command line."""
+    if name is None:
+        return engine
+    ctx = click.get_current_context()
+    keep = frozenset(k for k in PROFILES[name].sizes()
+                     if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT)
+    try:
+        return PROFILES[name].apply(engine, keep)
+    except ValueError as e:
+        raise click.UsageError(f"--profile {name}: {e}") from None
 
 
 def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_format: str,

@@ -197,6 +197,11 @@ class ServeInfo:
     liveness: str
     vocab_size: int
     block_size: int
+    # Appended (issue 12): the rest of what the serve's engines run with, for the report.
+    runner: str = ""
+    max_model_len: int = 0
+    num_blocks: int = 0  # per engine, the null block included
+    model: str = ""  # the model preset's name
 
 
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.

@@ -8,19 +8,20 @@ from pathlib import Path
 
 from connector.topology import start_topology
 from engine.client import EngineDeadError
-from engine.config import EngineConfig, KVTransferConfig
+from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
 from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
 from replay.live.serve import Server, ServeOptions
-from replay.live.serve_client import ServeClient
+from replay.live.serve_client import ServeClient, TargetLostError
 from replay.pipeline import ReplayConfig, ReplayResult, run_replay, validate_replay_trace
 from replay.trace.reader import TraceError
 from replay.ui.dashboard import DashboardState
 from replay.ui.tui import LiveView
-from replay.verify.report import build_report, print_summary, write_plot, write_report, write_requests
+from replay.verify.plot import plot_title, write_plot, write_series
+from replay.verify.report import build_report, print_summary, set_status, write_report, write_requests
 from replay.verify.verdict import (EXIT_FAULT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                                   EXIT_TERMINATED, EXIT_USAGE, EXIT_VIOLATION)
+                                   EXIT_TERMINATED, EXIT_USAGE, EXIT_VIOLATION, status_for, worst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,9 @@ class ReportPaths:
     report: Path | None = None
     requests: Path | None = None
     plot: Path | None = None
+    series: Path | None = None  # the plot's time series as CSV
+    explain: bool = False  # print the legend of verdicts, columns and units
+    max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
 
 
 def _error(console, error: object) -> None:
@@ -73,16 +77,22 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
     state = replay_state(config, summary.num_requests, summary.duration)
-    view = LiveView(state, console) if live else _NoView()
+    view = LiveView(state, console, max_window_lines=paths.max_window_lines) if live else _NoView()
     monitor = ReplayMonitor(state, view, config.verify)
     try:
         with view:
             result = run_replay(config, monitor.on_tick, summary)
             monitor.show_final(result)
             view.tick(force=True)
-    except (EngineDeadError, ConnectionError) as e:
+    except EngineDeadError as e:  # an engine or its connector worker died: a fault
+        _error(console, f"fault: {e}")
+        return EXIT_FAULT
+    except TargetLostError as e:  # the serve answered, then went silent mid-run
+        _error(console, f"fault: {e}")
+        return EXIT_FAULT
+    except ConnectionError as e:  # nothing answered at --target
         _error(console, e)
-        return EXIT_VIOLATION
+        return EXIT_USAGE
     return _report(result, paths, console)
 
 
@@ -95,25 +105,36 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
     http = _http_outcome(result)
     if http is not None:
         report["http"] = http
-    print_summary(console, report)
-    if http is not None:
         from replay.http.outcome import outcome_lines
         for line in outcome_lines(http):
             console.print(line, highlight=False, soft_wrap=True)
+        if worst(report["status"], http["verdict"]) != report["status"]:
+            set_status(report, http["verdict"])
+            report["reasons"] = [*report["reasons"], *http["reasons"]]
+    print_summary(console, report, paths.explain)
     interrupted = _interruption(result, report, console)
     if paths.report is not None:
         write_report(paths.report, report)
     if paths.requests is not None:
         write_requests(paths.requests, result.timeline)
+    if paths.series is not None:
+        write_series(paths.series, result.timeline)
     if paths.plot is not None:
         try:
-            write_plot(paths.plot, result.timeline, result.verdict)
+            write_plot(paths.plot, result.timeline, result.verdict, _plot_title(result, report),
+                       result.config.verify.drain_deadline_s)
         except RuntimeError as e:
             _error(console, e)
             return EXIT_USAGE
     if interrupted is not None:
         return interrupted.exit_code
-    return result.verdict.exit_code if http is None else http["exit_code"]
+    return report["exit_code"]
+
+
+def _plot_title(result: ReplayResult, report: dict) -> str:
+    liveness = report["settings"].get("engine", {}).get("liveness", "?")
+    return plot_title(result.config.trace.name, str(liveness), result.config.clock,
+                      report["status"], report["exit_code"])
 
 
 def _interruption(result: ReplayResult, report: dict, console) -> Interrupted | None:
@@ -123,7 +144,7 @@ def _interruption(result: ReplayResult, report: dict, console) -> Interrupted | 
         return None
     interrupted = Interrupted(signal.Signals[name])
     report["interrupted"] = name
-    report["exit_code"] = interrupted.exit_code
+    set_status(report, status_for(interrupted.exit_code))
     sent = len(result.timeline.requests)
     console.print(f"[yellow]interrupted:[/] {name} after {result.timeline.end_t:.1f} s and "
                   f"{sent:,} of {result.summary.num_requests:,} requests; the engines were shut "
@@ -160,7 +181,8 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     stop = _StopFlag()
     router = start_topology(engine, kv, topology)
     try:
-        info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size)
+        info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
+                         engine.runner, engine.max_model_len, engine.num_blocks, _preset_name(engine))
         shared = router if http is None else http.share(router)
         server = Server(shared, ServeOptions(address, record), info)
     except Exception:
@@ -184,6 +206,10 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         router.shutdown()
     print(f"kvdrain serve: stopped after {server.num_requests} requests", flush=True)
     return EXIT_OK
+
+
+def _preset_name(engine: EngineConfig) -> str:
+    return next((name for name, m in MODEL_PRESETS.items() if m == engine.model), "custom")
 
 
 def top_main(address: str, seconds: float | None, console) -> int:

@@ -2,12 +2,12 @@
 
 The CLI parses options into a ReplayConfig and calls run_replay; the live view (if
 any) is notified on every tick. A bad trace raises TraceError before anything is
-sent (the CLI's exit status 2); a verdict's exit code is 0 or 1.
+sent (the CLI's exit status 2); a verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,6 +19,7 @@ from replay.sim.simulation import simulate
 from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
+from replay.verify.coverage import expected_windows
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
@@ -61,10 +62,26 @@ class ReplayResult:
     def settings(self) -> dict:
         c = self.config
         return {"trace": str(c.trace), "format": self.summary.format, "clock": c.clock,
-                "topology": c.topology, "target": c.target, "tail_s": c.effective_tail_s(),
-                "engine": config_to_dict(c.engine), "kv_transfer": config_to_dict(c.kv),
+                "topology": self.timeline.meta.get("topology", c.topology), "target": c.target,
+                "tail_s": c.effective_tail_s(),
+                "engine": self.engine_settings(), "kv_transfer": config_to_dict(c.kv),
                 "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
                 "wall_s": round(self.wall_s, 3)}
+
+
+    def engine_settings(self) -> dict:
+        """What really ran: the server's own configuration with --target, "mock" as the
+        runner under the virtual clock, else the engine config given."""
+        c = self.config
+        if c.http is not None:
+            return {"source": "http server (see http.server)"}
+        server = self.timeline.meta.get("server")
+        if server is not None:
+            return {"source": "server", **server}
+        engine = config_to_dict(c.engine)
+        if c.clock == "virtual":
+            engine["runner"] = "mock"  # replay/sim/ always runs the mock runner
+        return engine
 
 
 def _keep_snapshots(records: Iterator[TraceRecord], into: list[TraceSnapshot]) -> Iterator[TraceRecord]:
@@ -102,11 +119,24 @@ def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = 
     records = _keep_snapshots(shape(trace, config.shaping, log), snapshots)
     start = time.monotonic()
     if config.clock == "virtual":
-        timeline = simulate(records, _sim_options(config))
+        timeline = model = simulate(records, _sim_options(config))
     else:
+        model = model_timeline(config)  # before running: which idle windows to expect
         timeline = _replay_wall(config, records, on_tick)
-    verdict = verify(timeline, snapshots, config.verify)
+    arrivals = timeline.arrivals if model is None else model.arrivals
+    expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
+    verdict = verify(timeline, snapshots, config.verify, expected)
     return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
+
+
+def model_timeline(config: ReplayConfig) -> Timeline | None:
+    """The virtual clock over the same shaped trace: the model of which gaps become idle
+    windows (replay/verify/coverage.py); None if it cannot run (then every gap counts)."""
+    trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    try:
+        return simulate(shape(trace, config.shaping, ShapingLog()), _sim_options(config))
+    except (ValueError, RuntimeError):
+        return None
 
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
@@ -127,7 +157,12 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
         timeline = replay.run(records)
     finally:
         target.shutdown()
-    timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology})
+    info = getattr(target, "info", None)  # a serve's ServeInfo: its own configuration
+    if info is not None:
+        server = {f.name: getattr(info, f.name) for f in fields(info)}
+        timeline.meta.update({"liveness": info.liveness, "topology": info.topology, "server": server})
+    else:
+        timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology})
     return timeline
 
 

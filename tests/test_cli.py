@@ -66,7 +66,7 @@ def test_virtual_replay_verdicts(liveness: str, code: int, tmp_path: Path):
     data = json.loads(report.read_text())
     assert data["exit_code"] == code and data["trace"]["sha256"]
     assert len(requests.read_text().splitlines()) == 32
-    assert ("VIOLATIONS" in result.output) == (code == 1)
+    assert ("VIOLATION:" in result.output) == (code == 1)
 
 
 def test_plot_is_written(tmp_path: Path):

@@ -25,7 +25,7 @@ SAMPLES = {
                                          RequestOutputMsg("r2", [], None, None, 0, "boom")]),
     StatsSnapshot: StatsSnapshot("P", 7, 12.5, "blocked", 100, 3, {"num_used_blocks": 4}),
     EngineError: EngineError("P", "connector worker died"),
-    ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16),
+    ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16, "mock", 4096, 512, "tiny"),
     RegisterKVCache: RegisterKVCache("P", {"kind": "shm", "shape": [1, 2], "cuda_handle": b"\x00"}),
     WorkerReady: WorkerReady("P", 42, "ipc:///tmp/x/P-kv"),
     StepMeta: StepMeta({"r1": [1, 2]}, [RecvSpec("r2", [3], [9], "P", "r2", "ipc:///tmp/x")]),

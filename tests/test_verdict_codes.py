@@ -16,3 +16,11 @@ def test_the_table():
         assert exit_code_for(status) == code and status_for(code) == status
     with pytest.raises(ValueError):
         exit_code_for("fine")
+
+
+def test_worst_status_wins():
+    from replay.verify.verdict import worst
+    assert worst("verified", "inconclusive") == "inconclusive"
+    assert worst("inconclusive", "violation", "verified") == "violation"
+    assert worst("violation", "fault") == "fault"
+    assert worst("verified") == "verified"

@@ -16,16 +16,29 @@ from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOu
 from engine.outputs import RequestOutput
 
 CONNECT_TIMEOUT_S = 5.0
+PING_AFTER_S = 1.0  # silent this long: ask for stats (the serve answers at once)
+LOST_AFTER_S = 10.0  # silent this long despite the pings: the serve is gone
+
+
+class TargetLostError(ConnectionError):
+    """The serve answered at first, then stopped answering (it died or hangs)."""
 
 
 class ServeClient:
-    def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S,
+                 lost_after_s: float = LOST_AFTER_S) -> None:
         self.address = address
+        self.lost_after_s = lost_after_s
+        self.last_heard = self.last_ping = time.monotonic()
         self.errors: list[tuple[str, str]] = []  # stays empty: the serve does not forward its engines' errors
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # the serve's ROUTER would drop what we cannot queue
-        self.socket.connect(address)
+        try:
+            self.socket.connect(address)
+        except zmq.ZMQError as e:
+            self.socket.close(linger=0)
+            raise ConnectionError(f"cannot connect to {address!r}: {e}") from None
         self.new_stats: list[StatsSnapshot] = []
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
@@ -51,6 +64,7 @@ class ServeClient:
         return self.info.vocab_size
 
     def _recv(self) -> object | None:
+        self.last_heard = time.monotonic()
         try:
             msg = decode(self.socket.recv())
         except DecodeError:
@@ -79,12 +93,24 @@ class ServeClient:
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            self._check_alive()
             return outputs
         while self.socket.poll(0, zmq.POLLIN):
             msg = self._recv()
             if isinstance(msg, RequestOutputs):
                 outputs.extend(output_from_msg(o) for o in msg.outputs)
         return outputs
+
+    def _check_alive(self) -> None:
+        """Ping a silent serve; raise TargetLostError when it stays silent."""
+        now = time.monotonic()
+        silent = now - self.last_heard
+        if silent > self.lost_after_s:
+            raise TargetLostError(f"the kvdrain serve at {self.address} stopped answering "
+                                  f"({silent:.0f} s without a message); did it stop?")
+        if silent > PING_AFTER_S and now - self.last_ping > PING_AFTER_S:
+            self.last_ping = now
+            self.socket.send(encode(GetStats()))
 
     def shutdown(self) -> None:
         """Disconnect; the serve keeps running."""

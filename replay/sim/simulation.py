@@ -90,8 +90,7 @@ class _Frontend:
 
     def _on_tokens(self, flight: _Flight, out: RequestOutput, via_prefill: bool) -> None:
         if out.new_token_ids:
-            if flight.record.first_token_t is None:
-                flight.record.first_token_t = self.sim.loop.now / NS
+            flight.record.on_tokens(self.sim.loop.now / NS)
             flight.tokens += out.new_token_ids
         if not via_prefill:
             flight.record.num_prefix_hit_tokens = out.num_cached_tokens

@@ -58,12 +58,21 @@ def _window_counts(windows: list[WindowVerdict]) -> dict[str, int]:
     return counts
 
 
+def engine_order(engine_id: str) -> tuple[int, str]:
+    """P before D, then the rest by name: the same order whichever engine reported first."""
+    return ({"P": 0, "D": 1}.get(engine_id, 2), engine_id)
+
+
+def ordered_views(state: DashboardState) -> list[EngineView]:
+    return [state.engines[e] for e in sorted(state.engines, key=engine_order)]
+
+
 def plain_line(state: DashboardState) -> str:
     """One progress line for logs: time, sends, each engine's used blocks and loop, verdicts."""
     p = state.progress
     parts = [f"t={p.trace_t if p else state.elapsed_s:.1f}s"
              + (f" sent {p.num_sent}/{p.num_total}" if p else "")]
-    for view in state.engines.values():
+    for view in ordered_views(state):
         c = view.counts
         parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
                      f" {view.loop_state}")
@@ -73,13 +82,20 @@ def plain_line(state: DashboardState) -> str:
     return " | ".join(parts)
 
 
-def summary_text(state: DashboardState) -> str:
-    """The plain final summary: the last line, every idle window, every message."""
+def summary_text(state: DashboardState, max_windows: int | None = None) -> str:
+    """The plain final summary: the last line, the idle windows (leaks first, at most
+    `max_windows` lines, then a count; None: all), every message."""
     lines = [f"final {plain_line(state)}"]
-    for w in state.windows:
+    windows = sorted(state.windows, key=lambda w: (w.verdict == "drained", w.start,
+                                                   engine_order(w.engine)))
+    shown = windows if max_windows is None else windows[:max_windows]
+    for w in shown:
         drain = "never drained" if w.time_to_drain is None else f"drained in {_ms(w.time_to_drain)}"
         lines.append(f"  window {w.engine} {w.start:.2f}s +{w.length:.2f}s: "
                      f"{w.num_used_at_start} used at start, {drain}: {w.verdict}")
+    if len(shown) < len(windows):
+        lines.append(f"  ... and {len(windows) - len(shown):,} more "
+                     f"window{'s' if len(windows) - len(shown) != 1 else ''} (--all-windows, --report)")
     lines += [f"  ! {m}" for m in state.messages]
     return "\n".join(lines)
 
@@ -221,7 +237,7 @@ def _render_footer(state: DashboardState) -> Group:
 
 def render(state: DashboardState) -> Layout:
     """The whole dashboard: regions "header", "engines", "windows", "footer"."""
-    views = list(state.engines.values())
+    views = ordered_views(state)
     engines = Layout(name="engines", size=max((_engine_height(v) for v in views), default=3))
     if views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
@@ -245,8 +261,10 @@ class LiveView:
     """
 
     def __init__(self, state: DashboardState, console: Console | None = None,
-                 plain_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 plain_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 max_window_lines: int | None = 10) -> None:
         self.state, self.console, self.clock = state, console or Console(), clock
+        self.max_window_lines = max_window_lines
         self.is_live = self.console.is_terminal
         self.interval_s = 0.25 if self.is_live else plain_interval_s
         self._last_t = -math.inf
@@ -286,4 +304,4 @@ class LiveView:
             self._live.refresh()
             self._live.stop()
             return
-        self._print(summary_text(self.state))
+        self._print(summary_text(self.state, self.max_window_lines))

@@ -1,18 +1,52 @@
-"""Replay reports: the terminal summary, the JSON report, per-request JSONL and the usage plot. Runs in: frontend process."""
+"""Replay reports: the terminal summary, the JSON report and per-request JSONL. Runs in: frontend process.
+
+The summary is plain lines, never a table drawn to a terminal's width: piped into a
+file or a pager it neither wraps nor truncates. Its last line is the verdict, with the
+status and exit code of replay/verify/verdict.py's table. The plot is replay/verify/plot.py.
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
 from pathlib import Path
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
-from replay.verify.timeline import Timeline
+from replay.verify.coverage import ignored_cause
+from replay.verify.latency import latency_lines, latency_summary
 from replay.verify.rules import Verdict
+from replay.verify.timeline import Timeline
+from replay.verify.verdict import EXIT_CODES
 
 MAX_VIOLATIONS_SHOWN = 12
+MAX_REASONS_SHOWN = 8
+ENGINE_COLUMNS = ("engine", "peak", "end", "windows", "drained", "leak", "max drain", "steps",
+                  "wakes", "expired")
+LEGEND = """\
+Verdicts (exit status):
+  VERIFIED (0)      every expected idle window was observed and every engine drained in it
+  VIOLATION (1)     a leak (blocks held past the drain deadline), a conservation or snapshot
+                    mismatch, or a request that never ended
+  error (2)         bad usage or input, or a target that cannot be reached; nothing ran
+  INCONCLUSIVE (3)  the run proves nothing either way: an expected idle window was not
+                    observed (the engines lagged the model), too many requests were ignored,
+                    a window was undecided, or KV usage was not observable (--target http://)
+  fault (4)         an engine or connector worker died or stopped answering mid-run
+  interrupted (130), terminated (143): Ctrl-C or SIGTERM; the verdict covers only what ran
+Idle windows: after every request sent so far has ended, until the next arrival at least
+  --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
+  model of these engines) finds idle; busy: gaps the trace's own work fills, even in the model.
+Columns: peak = most used KV blocks / usable blocks (the null block excluded); end = used
+  blocks at the end; windows = idle windows seen; drained / leak = their verdicts; max
+  drain = longest time from a window's start to no used blocks (ms); steps, wakes = engine
+  steps and wake-ups from blocking or polling; expired = P's sends freed by lease expiry.
+Latency (ms) as vllm bench serve: TTFT to the first token, TPOT per token after it, ITL
+  between streamed outputs, E2EL send to last token; virtual clock: model seconds."""
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """'1 window', '2 windows', '1,234 requests'."""
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
 
 
 def engine_summary(timeline: Timeline, verdict: Verdict, engine: str) -> dict:
@@ -41,6 +75,7 @@ def request_summary(timeline: Timeline) -> dict:
     return {
         "num_requests": len(records),
         "num_finished": sum(r.end_t is not None for r in records),
+        "num_ignored": sum(ignored_cause(r) is not None for r in records),
         "finish_reasons": _count(r.finish_reason or "unfinished" for r in records),
         "num_prompt_tokens": sum(r.num_prompt_tokens for r in records),
         "num_output_tokens": sum(r.num_output_tokens for r in records),
@@ -54,7 +89,7 @@ def _count(items) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
         out[item] = out.get(item, 0) + 1
-    return out
+    return dict(sorted(out.items()))
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -63,19 +98,26 @@ def _quantile(values: list[float], q: float) -> float:
 
 def build_report(timeline: Timeline, verdict: Verdict, settings: dict, trace: dict,
                  shaping: list[str]) -> dict:
-    """The machine-readable report (--report FILE.json)."""
+    """The machine-readable report (--report FILE.json): status and exit_code first."""
     return {
         "kvdrain_report": 1,
-        "ok": verdict.ok,
-        "exit_code": verdict.exit_code,
+        **verdict.to_dict(),
         "settings": settings,
         "trace": trace,
         "shaping": shaping,
         "requests": request_summary(timeline),
+        "latency": latency_summary(timeline.requests),
         "engines": [engine_summary(timeline, verdict, e) for e in timeline.engines],
         "counters": timeline.counters,
-        **verdict.to_dict(),
     }
+
+
+def set_status(report: dict, status: str, reason: str | None = None) -> None:
+    """Change the report's status (a worse one found after verify: http, a fault...)."""
+    report["status"], report["exit_code"] = status, EXIT_CODES[status]
+    report["ok"] = status == "verified"
+    if reason is not None:
+        report["reasons"] = [*report.get("reasons", []), reason]
 
 
 def write_report(path: Path, report: dict) -> None:
@@ -88,61 +130,92 @@ def write_requests(path: Path, timeline: Timeline) -> None:
             f.write(json.dumps(asdict(record)) + "\n")
 
 
-def render_summary(report: dict) -> Group:
-    """The terminal summary: per engine, then the violations."""
-    engines = Table(title="KV blocks per engine (idle windows: drained / leak)", title_justify="left")
-    for col in ("engine", "peak", "end", "drained", "leak", "max drain", "steps", "wakes", "expired"):
-        engines.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
+def _engine_rows(report: dict) -> list[str]:
+    """The per-engine table as aligned plain text (widths from the content, never cut)."""
+    rows = [list(ENGINE_COLUMNS)]
     for e in report["engines"]:
         drain = e["max_time_to_drain_s"]
-        engines.add_row(e["engine"], f"{e['peak_used_blocks']}/{e['num_blocks']}",
-                        str(e["final_used_blocks"]), str(e["num_drained"]),
-                        Text(str(e["num_leaks"]), style="bold red" if e["num_leaks"] else "green"),
-                        "-" if drain is None else f"{1000 * drain:.1f}ms",
-                        str(e["num_steps"]), str(e["num_wakeups"]), str(e["num_expired"]))
+        rows.append([e["engine"], f"{e['peak_used_blocks']:,}/{e['num_blocks']:,}",
+                     f"{e['final_used_blocks']:,}", f"{e['num_windows']:,}", f"{e['num_drained']:,}",
+                     f"{e['num_leaks']:,}", "-" if drain is None else f"{1000 * drain:.1f} ms",
+                     f"{e['num_steps']:,}", f"{e['num_wakeups']:,}", f"{e['num_expired']:,}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(ENGINE_COLUMNS))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def _request_line(report: dict) -> str:
     r = report["requests"]
-    lines = [Text(f"requests {r['num_finished']}/{r['num_requests']} finished "
-                  f"{r['finish_reasons']}; tokens in {r['num_prompt_tokens']}, out "
-                  f"{r['num_output_tokens']}, prefix hits {r['num_prefix_hit_tokens']}; "
-                  f"send lateness p50 {r['send_lateness_p50_ms']:.2f} ms, "
-                  f"p99 {r['send_lateness_p99_ms']:.2f} ms")]
+    reasons = ", ".join(f"{k} {v:,}" for k, v in r["finish_reasons"].items())
+    return (f"requests: {r['num_finished']:,} of {r['num_requests']:,} finished "
+            f"({reasons}); tokens in {r['num_prompt_tokens']:,}, out {r['num_output_tokens']:,}, "
+            f"prefix-cache hits {r['num_prefix_hit_tokens']:,}; send lateness p50 "
+            f"{r['send_lateness_p50_ms']:.2f} ms, p99 {r['send_lateness_p99_ms']:.2f} ms")
+
+
+def _coverage_line(report: dict) -> str:
+    busy = sum(c["state"] == "busy" for c in report.get("coverage", []))
+    line = (f"idle windows: {report['num_observed_windows']:,} of "
+            f"{report['num_expected_windows']:,} expected observed (the tail included)")
+    if busy:
+        line += f"; {plural(busy, 'gap')} of the trace filled by its own work (busy in the model too)"
+    return line
+
+
+def verdict_line(report: dict) -> str:
+    """The last line: the status in capitals, what it covered, the exit status."""
+    status, code = report["status"], report["exit_code"]
+    observed, expected = report["num_observed_windows"], report["num_expected_windows"]
+    if status == "verified":
+        what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
+                if expected else "every engine drained in every idle window")
+    elif status == "violation":
+        what = plural(len(report["violations"]), "violation")
+    elif status == "inconclusive":
+        what = (f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
+                f"{plural(len(report['reasons']), 'reason')}, below")
+    else:
+        what = report.get("reasons", [status])[-1] if report.get("reasons") else status
+    return f"{status.upper()}: {what} (exit {code})"
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The terminal summary as plain lines: engines, requests, ignored, latency, coverage, verdict."""
+    lines = _engine_rows(report) + [_request_line(report)]
+    if report.get("ignored"):
+        causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
+        lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
+                     f"({causes}); each request's cause is in --requests (error)")
+    lines += latency_lines(report["latency"])
+    if "coverage" in report and report["coverage"]:
+        lines.append(_coverage_line(report))
     for v in report["violations"][:MAX_VIOLATIONS_SHOWN]:
-        lines.append(Text(f"  {v['kind']:<12} {v['engine']:<3} t={v['t']:9.3f}s  {v['detail']}",
-                          style="red"))
+        lines.append(f"  {v['kind']:<12} {v['engine']:<3} t={v['t']:9.3f}s  {v['detail']}")
     hidden = len(report["violations"]) - MAX_VIOLATIONS_SHOWN
     if hidden > 0:
-        lines.append(Text(f"  ... and {hidden} more (see --report)", style="red"))
-    verdict = (Text("VERIFIED: every engine drained in every idle window", style="bold green")
-               if report["ok"] else
-               Text(f"VIOLATIONS: {len(report['violations'])}", style="bold red"))
-    return Group(engines, *lines, verdict)
+        lines.append(f"  ... and {hidden:,} more (see --report)")
+    lines.append(verdict_line(report))
+    reasons = report.get("reasons", [])
+    lines += [f"  - {r}" for r in reasons[:MAX_REASONS_SHOWN]]
+    if len(reasons) > MAX_REASONS_SHOWN:
+        lines.append(f"  - ... and {len(reasons) - MAX_REASONS_SHOWN:,} more (see --report)")
+    return lines
 
 
-def print_summary(console: Console, report: dict) -> None:
-    console.print(render_summary(report))
+STATUS_STYLES = {"verified": "bold green", "violation": "bold red", "inconclusive": "bold yellow"}
 
 
-def write_plot(path: Path, timeline: Timeline, verdict: Verdict) -> None:
-    """Blocks used over time per engine, idle windows shaded (needs the plot extra)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'kvdrain[plot]'") from None
-    fig, axes = plt.subplots(len(timeline.engines), 1, sharex=True, squeeze=False,
-                             figsize=(10, 2.6 * len(timeline.engines)))
-    for ax, engine in zip(axes[:, 0], timeline.engines):
-        samples = timeline.samples_for(engine)
-        ax.step([s.t for s in samples], [s.num_used_blocks for s in samples], where="post",
-                label="used")
-        ax.step([s.t for s in samples], [s.num_cached_blocks for s in samples], where="post",
-                label="cached (free)", alpha=0.6)
-        for w in (w for w in verdict.windows if w.engine == engine):
-            ax.axvspan(w.start, w.end, color="red" if w.verdict == "leak" else "green", alpha=0.12)
-        ax.set_ylabel(f"{engine} blocks")
-        ax.legend(loc="upper right")
-    axes[-1, 0].set_xlabel("replay time (s); shaded: idle windows (green drained, red leak)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+def print_summary(console: Console, report: dict, explain: bool = False) -> None:
+    """The summary, one unwrapped line each; the verdict line coloured on a terminal."""
+    verdict = verdict_line(report)
+    for line in summary_lines(report):
+        style = STATUS_STYLES.get(report["status"], "bold") if line == verdict else None
+        console.print(line, style=style, highlight=False, markup=False, soft_wrap=True)
+    if explain:
+        console.print(LEGEND, highlight=False, markup=False, soft_wrap=True)
+
+
+def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = "") -> None:
+    """Kept for callers: replay/verify/plot.py draws it."""
+    from replay.verify.plot import write_plot as draw
+    draw(path, timeline, verdict, title)

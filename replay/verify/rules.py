@@ -13,15 +13,22 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks.
 - a request that never ended is a violation too ("unfinished").
+The status (replay/verify/verdict.py's table): "violation" when any of the above
+failed; else "inconclusive" when the run does not cover what it should
+(replay/verify/coverage.py: an expected idle window not observed, too many requests
+ignored; an undecided window), with the reasons; else "verified".
 """
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from replay.verify.timeline import EngineSample, Timeline
 from replay.trace.reader import TraceSnapshot
+from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, ignored_by_cause,
+                                    missed_reason)
+from replay.verify.timeline import EngineSample, Timeline
+from replay.verify.verdict import exit_code_for
 
 VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished")
 
@@ -31,9 +38,12 @@ class VerifyOptions:
     idle_threshold_s: float = 1.0
     drain_deadline_s: float = 0.5
     snapshot_tolerance_blocks: int = 0  # 0 for the virtual clock
+    max_ignored_share: float = 0.01  # more ignored requests than this: inconclusive
+    allow_ignored: bool = False  # --allow-ignored: any share is fine (still counted)
 
     def __post_init__(self) -> None:
-        for name in ("idle_threshold_s", "drain_deadline_s", "snapshot_tolerance_blocks"):
+        for name in ("idle_threshold_s", "drain_deadline_s", "snapshot_tolerance_blocks",
+                     "max_ignored_share"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 
@@ -68,17 +78,36 @@ class Violation:
 class Verdict:
     windows: tuple[IdleWindow, ...]
     violations: tuple[Violation, ...]
+    coverage: tuple[WindowCoverage, ...] = ()  # every candidate gap; empty: not computed
+    reasons: tuple[str, ...] = ()  # why inconclusive (empty: it is not)
+    ignored: dict[str, int] | None = None  # ignored requests by cause
 
     @property
     def ok(self) -> bool:
+        """No violation (a run can still be inconclusive: see status)."""
         return not self.violations
 
     @property
+    def status(self) -> str:
+        """verified | violation | inconclusive (replay/verify/verdict.py)."""
+        return "violation" if self.violations else "inconclusive" if self.reasons else "verified"
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return exit_code_for(self.status)
+
+    def num_covered(self) -> tuple[int, int]:
+        """(observed, expected) idle windows, the tail included."""
+        expected = [c for c in self.coverage if c.state != "busy"]
+        return sum(c.state == "observed" for c in expected), len(expected)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "exit_code": self.exit_code,
+        observed, expected = self.num_covered()
+        return {"ok": self.status == "verified", "status": self.status, "exit_code": self.exit_code,
+                "reasons": list(self.reasons),
+                "num_expected_windows": expected, "num_observed_windows": observed,
+                "coverage": [asdict(c) for c in self.coverage],
+                "ignored": dict(self.ignored or {}),
                 "windows": [dict(asdict(w), length=w.length) for w in self.windows],
                 "violations": [asdict(v) for v in self.violations]}
 
@@ -187,12 +216,18 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
 
 
 def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
-           options: VerifyOptions = VerifyOptions()) -> Verdict:
-    """Check conservation, idle-window drain and recorded snapshots."""
+           options: VerifyOptions = VerifyOptions(),
+           expected: Sequence[ExpectedWindow] | None = None) -> Verdict:
+    """Check conservation, idle-window drain and recorded snapshots, then what was covered.
+
+    expected: the candidate windows (replay/verify/coverage.py expected_windows), computed
+    before the run; None checks only the windows the run observed.
+    """
     violations = _check_conservation(timeline)
     by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
     windows = []
-    for window in idle_windows(timeline, options.idle_threshold_s):
+    observed = idle_windows(timeline, options.idle_threshold_s)
+    for window in observed:
         for series in by_engine.values():
             w = check_window(series, window, options.drain_deadline_s)
             windows.append(w)
@@ -202,4 +237,28 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
-    return Verdict(tuple(windows), tuple(violations))
+    coverage = () if expected is None else cover(expected, timeline, observed)
+    ignored = ignored_by_cause(timeline.requests)
+    reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
+    return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored)
+
+
+def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[IdleWindow],
+                          ignored: dict[str, int], num_requests: int,
+                          options: VerifyOptions) -> list[str]:
+    """Why the run does not prove its engines drain (empty: it does)."""
+    reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage if c.state == "missed"]
+    undecided = [w for w in windows if w.verdict == "undecided"]
+    if undecided:
+        w = undecided[0]
+        reasons.append(f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
+                       f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
+                       f"no samples, or shorter than the drain deadline and not drained)")
+    num_ignored = sum(ignored.values())
+    if num_ignored and not options.allow_ignored and num_ignored > options.max_ignored_share * num_requests:
+        causes = ", ".join(f"{n:,} {cause}" for cause, n in ignored.items())
+        reasons.append(f"{num_ignored:,} of {num_requests:,} requests ignored by the engines "
+                       f"({100 * num_ignored / num_requests:.1f}% > "
+                       f"{100 * options.max_ignored_share:g}%): {causes}; size the engines for "
+                       f"the trace (--profile, --max-model-len, --num-blocks) or --allow-ignored")
+    return reasons

@@ -49,6 +49,17 @@ class RequestRecord:
     error: str | None = None
     # sha256 of the comma-joined output token ids, 16 hex digits: compares runs cheaply.
     output_digest: str = ""
+    # Seconds between consecutive outputs after the first (vllm bench's itl: one per chunk).
+    itls: list[float] = field(default_factory=list)
+    last_token_t: float | None = None  # when the latest tokens arrived
+
+    def on_tokens(self, t: float) -> None:
+        """Tokens arrived at t: the first-token time, else one more inter-token latency."""
+        if self.first_token_t is None:
+            self.first_token_t = t
+        else:
+            self.itls.append(t - self.last_token_t)
+        self.last_token_t = t
 
 
 def output_digest(token_ids: list[int]) -> str:

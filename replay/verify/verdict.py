@@ -49,3 +49,12 @@ def status_for(exit_code: int) -> str:
         if code == exit_code:
             return status
     raise ValueError(f"exit_code: not in the table: {exit_code!r}")
+
+
+# Which status a run ends with when several apply: the later, the stronger.
+SEVERITY = ("verified", "inconclusive", "violation", "fault", "error", "interrupted", "terminated")
+
+
+def worst(*statuses: str) -> str:
+    """The strongest of `statuses` (a leak seen beats a gap in coverage; a fault beats both)."""
+    return max(statuses, key=SEVERITY.index)

@@ -1,0 +1,151 @@
+"""What a replay covered: the idle windows it was expected to observe and did, and the requests the engines ignored. Runs in: frontend process.
+
+A verdict must say what it covered. Before a run, every gap between two arrivals of
+the shaped trace at least idle_threshold_s long (and the tail) is a candidate; the
+model of these engines (the virtual clock: the same EngineCore, the mock runner and its
+step-cost model, no lag by construction) says which candidates become idle windows:
+those where its requests have all ended at least idle_threshold_s before the next
+arrival. Those are the EXPECTED windows. After the run each candidate is
+- "observed": the run saw an idle window there;
+- "busy": the model itself is busy through the gap (the trace's own work fills it),
+  so it was never a window to check;
+- "missed": expected, but the run's requests were still in flight (the engines
+  lagged the model by `lag_s`), so the drain was never tested there. A missed window
+  makes the run inconclusive, never verified.
+Under the virtual clock the run is the model, so every expected window is observed.
+
+Ignored requests: the scheduler finishes a request it can never run at once
+(FINISHED_IGNORED, reported as finish reason "length" with no tokens and the cause in
+its error, as vLLM does); a share of them above max_ignored_share makes the run
+inconclusive (the trace was not replayed as written) unless allowed.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replay.verify.timeline import RequestRecord, Timeline
+
+COVERAGE_STATES = ("observed", "busy", "missed")
+IGNORED_CAUSES = {  # a substring of the scheduler's reason -> the cause's name
+    "max_model_len": "prompt longer than max_model_len",
+    "KV blocks; the pool has": "can never fit the KV pool",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedWindow:
+    """One candidate gap of the shaped trace and what the model says of it."""
+
+    start: float  # the arrival before the gap (replay seconds)
+    end: float  # the next arrival; math.inf for the tail
+    is_tail: bool
+    model_quiet_from: float | None  # when the model's requests sent before `end` had ended
+    is_expected: bool  # the model observes an idle window here (True when not modelled)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCoverage:
+    """One candidate after the run."""
+
+    start: float
+    end: float | None  # None for the tail
+    is_tail: bool
+    state: str  # one of COVERAGE_STATES
+    quiet_from: float | None  # when the run's requests sent before `end` had ended; None: never
+    lag_s: float | None  # quiet_from - the model's quiet_from (None when not modelled)
+
+
+def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[tuple[float, float]]:
+    """(previous arrival, next arrival) of every gap at least idle_threshold_s long."""
+    ordered = sorted(arrivals)
+    return [(a, b) for a, b in zip(ordered, ordered[1:]) if b - a >= idle_threshold_s]
+
+
+def quiet_from(requests: Sequence[RequestRecord], ends: Sequence[float]) -> list[float]:
+    """For each time in `ends`: when every request that arrived before it had ended (inf: never)."""
+    ordered = sorted(requests, key=lambda r: r.arrival_t)
+    arrivals = [r.arrival_t for r in ordered]
+    running, prefix = -math.inf, []
+    for r in ordered:
+        running = max(running, math.inf if r.end_t is None else r.end_t)
+        prefix.append(running)
+    out = []
+    for end in ends:
+        i = bisect.bisect_left(arrivals, end)
+        out.append(prefix[i - 1] if i > 0 else -math.inf)
+    return out
+
+
+def expected_windows(arrivals: Sequence[float], idle_threshold_s: float,
+                     model: Timeline | None) -> tuple[ExpectedWindow, ...]:
+    """The candidates and which of them the model (a virtual-clock timeline, or None) makes windows."""
+    gaps = candidate_gaps(arrivals, idle_threshold_s)
+    out = []
+    if model is None:
+        out = [ExpectedWindow(a, b, False, None, True) for a, b in gaps]
+    else:
+        quiet = quiet_from(model.requests, [b for _, b in gaps])
+        out = [ExpectedWindow(a, b, False, q, b - q >= idle_threshold_s)
+               for (a, b), q in zip(gaps, quiet)]
+    if arrivals:
+        last = max(arrivals)
+        tail_quiet = None if model is None else quiet_from(model.requests, [math.inf])[0]
+        out.append(ExpectedWindow(last, math.inf, True, tail_quiet,
+                                  model is None or tail_quiet < model.end_t))
+    return tuple(out)
+
+
+def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
+          observed: Sequence[tuple[float, float, bool]]) -> tuple[WindowCoverage, ...]:
+    """Each candidate's state after the run, from the run's own (start, end, is_tail) windows."""
+    ends = {round(end, 9) for _, end, is_tail in observed if not is_tail}
+    has_tail = any(is_tail for _, _, is_tail in observed)
+    quiet = quiet_from(timeline.requests, [w.end for w in expected])
+    out = []
+    for w, q in zip(expected, quiet):
+        seen = has_tail if w.is_tail else round(w.end, 9) in ends
+        state = "observed" if seen else "missed" if w.is_expected else "busy"
+        q_or_none = None if math.isinf(q) else q
+        lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
+        out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state,
+                                  q_or_none, lag))
+    return tuple(out)
+
+
+def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
+    """One line: which expected window was not observed, and why."""
+    where = "the tail" if w.is_tail else f"the idle gap {w.start:.3f}-{w.end:.3f} s"
+    if w.quiet_from is None:
+        busy = "requests still in flight when the replay stopped"
+    else:
+        busy = f"requests in flight until {w.quiet_from:.3f} s"
+        if not w.is_tail:
+            busy += f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold " \
+                    f"{idle_threshold_s:g} s"
+    lag = "" if w.lag_s is None else f"; the engines lagged the model by {w.lag_s:.3f} s"
+    return f"expected window not observed: {where}: {busy}{lag}"
+
+
+def ignored_cause(record: RequestRecord) -> str | None:
+    """Why the engines ignored this request, or None if they did not."""
+    if record.finish_reason not in ("ignored", "length") or record.num_output_tokens:
+        return None
+    if record.error is None:
+        return None
+    for needle, cause in IGNORED_CAUSES.items():
+        if needle in record.error:
+            return cause
+    return "other"
+
+
+def ignored_by_cause(requests: Sequence[RequestRecord]) -> dict[str, int]:
+    """Counts of ignored requests by cause, largest first."""
+    counts: dict[str, int] = {}
+    for record in requests:
+        cause = ignored_cause(record)
+        if cause is not None:
+            counts[cause] = counts.get(cause, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
