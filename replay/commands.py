@@ -12,7 +12,7 @@ from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
 from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
-from replay.live.serve import Server, ServeOptions
+from replay.live.serve import ServeError, Server, ServeOptions, open_front, recording_metadata
 from replay.live.serve_client import ServeClient, TargetLostError
 from replay.pipeline import ReplayConfig, ReplayResult, run_replay, validate_replay_trace
 from replay.trace.reader import TraceError
@@ -179,13 +179,24 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
                record: Path | None, live: bool, console, http=None) -> int:
     """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq."""
     stop = _StopFlag()
-    router = start_topology(engine, kv, topology)
+    try:  # the client socket and --record first: a bad one is an error before any engine starts
+        front = open_front(ServeOptions(address, record),
+                           recording_metadata(topology, engine.liveness, engine.block_size))
+    except ServeError as e:
+        _error(console, e)
+        return EXIT_USAGE
+    try:
+        router = start_topology(engine, kv, topology)
+    except BaseException:
+        front.close()
+        raise
     try:
         info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
                          engine.runner, engine.max_model_len, engine.num_blocks, _preset_name(engine))
         shared = router if http is None else http.share(router)
-        server = Server(shared, ServeOptions(address, record), info)
+        server = Server(shared, ServeOptions(address, record), info, front)
     except Exception:
+        front.close()
         router.shutdown()
         raise
     print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "

@@ -206,3 +206,42 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
     assert data["interrupted"] == "SIGTERM" and data["exit_code"] == 143
     assert os.listdir(run_root) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# ---- finding 8: errors before start ----------------------------------------------------
+
+def _serve_without_engines(monkeypatch, *args: str):
+    """`kvdrain serve ARGS`, failing the test if it gets as far as starting engines."""
+    from click.testing import CliRunner
+
+    import replay.commands
+    from cli import cli
+
+    def no_engines(*a, **k):
+        raise AssertionError("the engines were started before the check")
+    monkeypatch.setattr(replay.commands, "start_topology", no_engines)
+    return CliRunner().invoke(cli, ["serve", "--runner", "mock", "--no-live", *args],
+                              catch_exceptions=False)
+
+
+def test_serve_on_an_address_in_use_fails_before_any_engine_starts(monkeypatch):
+    import zmq
+    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    try:
+        taken.bind("tcp://127.0.0.1:0")
+        address = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        result = _serve_without_engines(monkeypatch, "--address", address)
+    finally:
+        taken.close()
+    assert result.exit_code == 2, result.output
+    assert f"--address {address}: Address already in use" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_serve_with_an_unwritable_record_path_fails_before_any_engine_starts(monkeypatch, tmp_path):
+    path = tmp_path / "no-such-dir" / "traffic.jsonl"
+    result = _serve_without_engines(monkeypatch, "--record", str(path))
+    assert result.exit_code == 2, result.output
+    assert f"--record {path}: cannot write: No such file or directory" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -29,18 +29,62 @@ class ServeOptions:
     record: Path | None = None
 
 
+class ServeError(Exception):
+    """The serve cannot start as asked (address in use, unwritable --record): one line."""
+
+
+@dataclass(slots=True)
+class ServeFront:
+    """What can fail before any engine starts: the bound client socket and the open recording."""
+
+    socket: zmq.Socket
+    address: str
+    recorder: TraceRecorder | None
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        self.socket.close(linger=0)
+
+
+def recording_metadata(topology: str, liveness: str, block_size: int) -> dict:
+    return {"topology": topology, "liveness": liveness, "block_size": block_size}
+
+
+def open_front(options: ServeOptions, metadata: dict) -> ServeFront:
+    """Bind the client socket and open --record for writing; ServeError if either fails.
+
+    `kvdrain serve` calls it before starting the engines, so a bad address or path is a
+    one-line error (exit 2) and nothing was started."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
+    # (a burst of requests outruns a client still sending), so no high-water mark.
+    socket.setsockopt(zmq.SNDHWM, 0)
+    try:
+        socket.bind(options.address)
+    except zmq.ZMQError as e:
+        socket.close(linger=0)
+        raise ServeError(f"--address {options.address}: {e.strerror}") from None
+    try:
+        recorder = TraceRecorder(options.record, metadata) if options.record else None
+    except OSError as e:
+        socket.close(linger=0)
+        raise ServeError(f"--record {options.record}: cannot write: {e.strerror}") from None
+    return ServeFront(socket, socket.getsockopt_string(zmq.LAST_ENDPOINT), recorder)
+
+
 class Server:
-    def __init__(self, router: PDRouter, options: ServeOptions, info: ServeInfo) -> None:
+    def __init__(self, router: PDRouter, options: ServeOptions, info: ServeInfo,
+                 front: ServeFront | None = None) -> None:
+        """front: open_front's, made before the engines started (opened here if None)."""
         self.router = router
         self.info = info
-        self.ctx = zmq.Context.instance()
-        self.socket = self.ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
-        # (a burst of requests outruns a client still sending), so no high-water mark.
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.bind(options.address)
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if front is None:
+            front = open_front(options, recording_metadata(info.topology, info.liveness,
+                                                           info.block_size))
+        self.front = front
+        self.socket, self.address, self.recorder = front.socket, front.address, front.recorder
         # Clients choose their ids, and two replays of one trace reuse them, so each
         # request gets a serve-wide unique id: internal id -> (client, client's id).
         self.owners: dict[str, tuple[bytes, str]] = {}
@@ -49,9 +93,6 @@ class Server:
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
         self.num_requests = 0
-        self.recorder = TraceRecorder(options.record, {
-            "topology": info.topology, "liveness": info.liveness,
-            "block_size": info.block_size}) if options.record else None
         self._last_snapshot = 0.0
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
@@ -138,6 +179,4 @@ class Server:
             self.recorder.snapshot(self.latest)
 
     def close(self) -> None:
-        if self.recorder is not None:
-            self.recorder.close()
-        self.socket.close(linger=0)
+        self.front.close()
