@@ -31,6 +31,8 @@ class ReportPaths:
     plot: Path | None = None
     series: Path | None = None  # the plot's time series as CSV
     explain: bool = False  # print the legend of verdicts, columns and units
+    series: Path | None = None  # the plot's time series as CSV
+    explain: bool = False  # print the legend of verdicts, columns and units
     max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
 
 
@@ -61,6 +63,9 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
         except Interrupted as e:
             _error(console, f"interrupted by {e.name}; nothing is left running")
             return e.exit_code
+        except KeyboardInterrupt:  # raised outside the handler's reach (not the main thread)
+            _error(console, "interrupted")
+            return EXIT_INTERRUPTED
 
 
 def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
@@ -223,6 +228,10 @@ def _preset_name(engine: EngineConfig) -> str:
     return next((name for name, m in MODEL_PRESETS.items() if m == engine.model), "custom")
 
 
+def _preset_name(engine: EngineConfig) -> str:
+    return next((name for name, m in MODEL_PRESETS.items() if m == engine.model), "custom")
+
+
 def top_main(address: str, seconds: float | None, console) -> int:
     try:
         client = ServeClient(address)
@@ -231,15 +240,29 @@ def top_main(address: str, seconds: float | None, console) -> int:
         return EXIT_USAGE
     state = DashboardState(title=f"kvdrain top {address} ({client.info.topology}, "
                                  f"{client.info.liveness})")
+    code = EXIT_OK
     try:
         view = LiveView(state, console)
         monitor = ServeMonitor(state, view)
         with view:
-            while seconds is None or time.monotonic() - monitor.start < seconds:
-                client.poll(0.1)
-                monitor.on_snapshots(client.take_stats())
-    except KeyboardInterrupt:
+            code = _watch(client, monitor, seconds)
+    except KeyboardInterrupt:  # Ctrl-C is how top is left
         pass
     finally:
         client.shutdown()
+    if code != EXIT_OK:
+        _error(console, f"disconnected: {state.messages[-1]}")
+    return code
+
+
+def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) -> int:
+    """Show the serve's stats until `seconds` pass; EXIT_FAULT once it stops answering."""
+    while seconds is None or time.monotonic() - monitor.start < seconds:
+        try:
+            client.poll(0.1)
+        except TargetLostError as e:
+            monitor.state.messages.append(str(e))
+            monitor.state.title += " (disconnected)"
+            return EXIT_FAULT
+        monitor.on_snapshots(client.take_stats())
     return EXIT_OK

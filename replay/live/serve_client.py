@@ -26,9 +26,9 @@ class TargetLostError(ConnectionError):
 
 class ServeClient:
     def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S,
-                 lost_after_s: float = LOST_AFTER_S) -> None:
+                 lost_after_s: float | None = None) -> None:
         self.address = address
-        self.lost_after_s = lost_after_s
+        self.lost_after_s = LOST_AFTER_S if lost_after_s is None else lost_after_s
         self.last_heard = self.last_ping = time.monotonic()
         self.errors: list[tuple[str, str]] = []  # stays empty: the serve does not forward its engines' errors
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
