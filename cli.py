@@ -162,6 +162,9 @@ def shaping_options(func):
 @click.option("--scrape-interval", type=click.FloatRange(min=0, min_open=True), default=0.1,
               show_default=True, help="With --target http://: seconds between scrapes.")
 @click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token.")
+@click.option("--cost-profile", "cost_profile_path", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --clock virtual: step costs measured by `kvdrain calibrate`.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the machine-readable report (JSON).")
 @click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -186,7 +189,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
                series_path: Path | None, profile_name: str | None, allow_ignored: bool,
                all_windows: bool, explain: bool, live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
-               scrape_interval: float, api_key: str | None, **options) -> None:
+               scrape_interval: float, api_key: str | None, cost_profile_path: Path | None,
+               **options) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
 
     \b
@@ -217,7 +221,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
                 insert_idle_at=tuple(options["insert_idle_at"]), scale_tokens=options["scale_tokens"]),
             verify=VerifyOptions(idle_threshold, drain_deadline,
                                  snapshot_tolerance if snapshot_tolerance is not None
-                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored))
+                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored),
+            cost_profile=_cost_profile(cost_profile_path))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,
@@ -329,6 +334,44 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
     elif api_key is not None:
         raise click.UsageError("--api-key: only with --http")
     sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console(), http))
+
+
+def _cost_profile(path: Path | None):
+    if path is None:
+        return None
+    from replay.sim.cost import CostProfile
+    try:
+        return CostProfile.load(path)
+    except ValueError as e:
+        raise click.UsageError(f"--cost-profile: {e}") from None
+
+
+@cli.command(name="calibrate")
+@click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
+              help="torch: the real model runner; mock: the engine core's own step cost.")
+@click.option("--model", type=click.Choice(sorted(MODEL_PRESETS)), default="tiny", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--reps", type=click.IntRange(1, 100), default=5, show_default=True,
+              help="Timed steps per grid point (the median counts).")
+@click.option("--loop-overhead/--no-loop-overhead", default=True, show_default=True,
+              help="Also time one real engine-core process and add its per-step loop cost.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("cost-profile.json"), show_default=True)
+def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead: bool,
+                  output: Path) -> None:
+    """Time the runner's steps on this device and write a cost profile for --clock virtual.
+
+    \b
+    Example: kvdrain calibrate --runner torch --model tiny -o tiny-cpu.json
+             kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
+    """
+    from replay.live.calibrate import CalibrateOptions, calibrate_main
+    try:
+        options = CalibrateOptions(runner=runner, model=model, device=device, num_reps=reps,
+                                   loop_overhead=loop_overhead)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(calibrate_main(options, output, click.echo))
 
 
 @cli.command(name="top")

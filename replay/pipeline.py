@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
 from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
+from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate
 from replay.verify.timeline import Timeline
@@ -39,12 +40,15 @@ class ReplayConfig:
     tail_s: float | None = None  # None: long enough to cover the drain deadline
     target: str | None = None  # replay against a running `kvdrain serve`
     http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
+    cost_profile: CostProfile | None = None  # the virtual clock's step costs (kvdrain calibrate)
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ValueError(f"clock: must be one of {CLOCKS}, got {self.clock!r}")
         if self.tail_s is not None and self.tail_s <= 0:
             raise ValueError(f"tail: must be > 0, got {self.tail_s}")
+        if self.cost_profile is not None and self.clock != "virtual":
+            raise ValueError("cost profile: only with the virtual clock (--clock virtual)")
 
     def effective_tail_s(self) -> float:
         return self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
@@ -66,7 +70,8 @@ class ReplayResult:
                 "tail_s": c.effective_tail_s(),
                 "engine": self.engine_settings(), "kv_transfer": config_to_dict(c.kv),
                 "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
-                "wall_s": round(self.wall_s, 3)}
+                "wall_s": round(self.wall_s, 3),
+                "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None}
 
 
     def engine_settings(self) -> dict:
@@ -140,9 +145,12 @@ def model_timeline(config: ReplayConfig) -> Timeline | None:
 
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
-    """The same engine and KV-transfer config; the latency model keeps its defaults."""
+    """The same engine and KV-transfer config; the latency model keeps its defaults
+    except the step cost, when a calibrated profile is given."""
+    profile = config.cost_profile
     return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology,
-                      tail_s=config.effective_tail_s())
+                      tail_s=config.effective_tail_s(),
+                      cost_model=profile.model if profile is not None else None)
 
 
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],

@@ -2,8 +2,9 @@
 
 Each engine is an EngineCore driven as engine/core_proc.py drives it. A step starts by
 draining the frontend input and runs at that instant; its outputs and its stats are
-published `cost` later (step_base_s + step_per_token_s * tokens; zero_step_s with no
-tokens). Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
+published `cost` later (step_base_s + step_per_token_s * tokens, or a calibrated
+CostModel's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
+Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
 WAIT_INPUT (only an input wakes it: connector reports pile up unread); WAIT_ANY (an
 input or a report wakes it). Each wake from a wait is a wake-up, as in core_proc.
 
@@ -36,6 +37,7 @@ from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.utils import cdiv
 from replay.sim.clock import NS, STEP_END, STEP_START, EventLoop, to_ns
+from replay.sim.cost import StepShape
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
 from replay.verify.timeline import EngineSample
@@ -54,6 +56,7 @@ class _TimedRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         meta = sched_out.kv_connector_metadata
         self.num_tokens = sched_out.total_num_scheduled_tokens
+        self.sched_out = sched_out  # its shape, for a calibrated cost model
         self.is_noop = not (self.num_tokens or sched_out.scheduled or sched_out.preempted_req_ids
                             or sched_out.finished_req_ids or (meta is not None and not meta.is_empty()))
         return self.runner.execute(sched_out)
@@ -173,10 +176,19 @@ class SimEngine:
         noop = (self.runner.is_noop and not outputs and not num_inputs and not step.got_kv_reports
                 and not step.can_progress and stats == self.stats)
         tokens = self.runner.num_tokens
-        cost = self.base + self.per_token * tokens if tokens else self.zero
+        cost = self._cost(tokens)
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
                        _StepResult(outputs, step.model_executed, step.can_progress,
                                    self.core.must_poll(), noop, stats))
+
+    def _cost(self, tokens: int) -> int:
+        """The step's virtual ns: zero_step_s without tokens, else the cost model's."""
+        model = self.options.cost_model
+        if not tokens:
+            return self.zero
+        if model is None:
+            return self.base + self.per_token * tokens
+        return to_ns(model.cost_s(StepShape.of(self.runner.sched_out)))
 
     def _step_end(self, result: _StepResult) -> None:
         self.stats = result.stats

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from connector.routing import TOPOLOGIES
 from engine.config import EngineConfig, KVTransferConfig
+from replay.sim.cost import CostModel
 
 
 def _default_engine() -> EngineConfig:
@@ -29,6 +30,9 @@ class SimOptions:
     step_base_s: float = 0.004
     step_per_token_s: float = 0.00002
     zero_step_s: float = 0.0001  # a step with no forward: the worker round trip
+    # A calibrated step cost (replay/sim/cost.py, `kvdrain calibrate`) in place of
+    # step_base_s + step_per_token_s * tokens; None: those two.
+    cost_model: CostModel | None = None
     sample_interval_s: float = 0.1
     tail_s: float = 5.0  # observed after the last request ends
     fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim/engine.py)
