@@ -275,6 +275,7 @@ class HttpReplay:
         times = stream.chunk_times
         record.first_token_t = times[0] if times else None
         self.itls[record.req_id] = [b - a for a, b in zip(times, times[1:])]
+        record.itls, record.last_token_t = self.itls[record.req_id], times[-1] if times else None
         record.num_output_tokens = stream.usage_completion_tokens if \
             stream.usage_completion_tokens is not None else len(stream.tokens) or len(times)
         record.num_prefix_hit_tokens = stream.num_cached_tokens
