@@ -213,5 +213,5 @@ def test_live_view_on_a_real_terminal():
         _, status = os.waitpid(pid, 0)
     screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
     assert os.waitstatus_to_exitcode(status) == 1
-    for text in ("engine P", "engine D", "idle windows", "leak", "drained", "VIOLATIONS"):
+    for text in ("engine P", "engine D", "idle windows", "leak", "drained", "VIOLATION:"):
         assert text in screen, text
