@@ -31,8 +31,6 @@ class ReportPaths:
     plot: Path | None = None
     series: Path | None = None  # the plot's time series as CSV
     explain: bool = False  # print the legend of verdicts, columns and units
-    series: Path | None = None  # the plot's time series as CSV
-    explain: bool = False  # print the legend of verdicts, columns and units
     max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
 
 
@@ -222,10 +220,6 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         router.shutdown()
     print(f"kvdrain serve: stopped after {server.num_requests} requests", flush=True)
     return EXIT_OK
-
-
-def _preset_name(engine: EngineConfig) -> str:
-    return next((name for name, m in MODEL_PRESETS.items() if m == engine.model), "custom")
 
 
 def _preset_name(engine: EngineConfig) -> str:
