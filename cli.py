@@ -67,7 +67,8 @@ ENGINE_OPTIONS = [
                  help="D waits this long before reading (a fault knob)."),
     click.option("--drop-read-done", is_flag=True, help="P never hears 'read done'; only expiry frees."),
     click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
-                 default="recompute", show_default=True),
+                 default=EngineConfig().kv_load_failure_policy, show_default=True,
+                 help="A failed remote load: fail the request (vLLM 0.32's default) or recompute it."),
 ]
 
 
