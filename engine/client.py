@@ -26,6 +26,8 @@ from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetSta
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
 from engine.run_dir import make_run_dir
+from engine.socket_limits import engine_output_bytes, set_max_message_size
+from engine.stats_check import snapshot_problem
 
 READY_TIMEOUT_S = 120.0
 SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well before this
@@ -117,7 +119,8 @@ class MPClient:
                                      output=f"ipc://{self.run_dir}/{self.engine_id}-out")
         self.ctx = zmq.Context.instance()
         self.input = self._bind(zmq.PUSH, self.addrs.input)
-        self.output = self._bind(zmq.PULL, self.addrs.output)
+        self.output = self._bind(zmq.PULL, self.addrs.output,
+                                 engine_output_bytes(config.max_model_len, config.max_num_seqs))
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config, self.addrs), name=f"kvdrain-engine-{self.engine_id}")
         self.process.start()
@@ -129,9 +132,10 @@ class MPClient:
         if wait:
             self.wait_ready()
 
-    def _bind(self, kind: int, addr: str) -> zmq.Socket:
+    def _bind(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        set_max_message_size(sock, max_message_bytes)
         sock.bind(addr)
         return sock
 
@@ -212,6 +216,9 @@ class MPClient:
         if isinstance(msg, RequestOutputs):
             return [output_from_msg(o) for o in msg.outputs]
         if isinstance(msg, StatsSnapshot):
+            if snapshot_problem(msg, (self.engine_id,)) is not None:  # forged or broken
+                self.num_bad_messages += 1
+                return []
             self.latest_stats = msg
             self.new_stats.append(msg)
         elif isinstance(msg, EngineError):

@@ -183,7 +183,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq."""
     stop = _StopFlag()
     try:  # the client socket and --record first: a bad one is an error before any engine starts
-        front = open_front(ServeOptions(address, record),
+        front = open_front(ServeOptions(address, record, engine.max_model_len),
                            recording_metadata(topology, engine.liveness, engine.block_size))
     except ServeError as e:
         _error(console, e)
@@ -197,7 +197,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
                          engine.runner, engine.max_model_len, engine.num_blocks, _preset_name(engine))
         shared = router if http is None else http.share(router)
-        server = Server(shared, ServeOptions(address, record), info, front)
+        server = Server(shared, ServeOptions(address, record, engine.max_model_len), info, front)
     except Exception:
         front.close()
         router.shutdown()

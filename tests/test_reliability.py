@@ -245,3 +245,197 @@ def test_serve_with_an_unwritable_record_path_fails_before_any_engine_starts(mon
     assert result.exit_code == 2, result.output
     assert f"--record {path}: cannot write: No such file or directory" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+# ---- finding 6: bounded resources --------------------------------------------------------
+
+class _QuietRouter:
+    """A router with no engines: the serve's client side alone."""
+
+    engines = ["P", "D"]
+    has_pending = False
+
+    def poll(self, timeout_s):
+        return []
+
+    def take_stats(self):
+        return []
+
+    def request_stats(self):
+        return None
+
+
+def _counts(num_blocks: int = 8, used: int = 0) -> dict[str, int]:
+    from engine.stats_check import REQUIRED_COUNTS
+    counts = dict.fromkeys(REQUIRED_COUNTS, 0)
+    counts.update(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used)
+    return counts
+
+
+def _serve(tmp_path, **options):
+    from engine.messages import ServeInfo
+    from replay.live.serve import Server, ServeOptions
+    return Server(_QuietRouter(), ServeOptions(f"ipc://{tmp_path}/serve", **options),
+                  ServeInfo(["P", "D"], "pd", "event", 512, 4))
+
+
+def _drive(server, until, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "the serve did not get there in time"
+        server.run_once(10)
+
+
+def _dealer(address: str):
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def test_serve_drops_stats_subscribers_that_left(tmp_path):
+    from engine.messages import GetStats, encode
+    server = _serve(tmp_path)
+    now = [1000.0]
+    server.clock = lambda: now[0]
+    clients = [_dealer(server.address) for _ in range(201)]
+    try:
+        for sock in clients:  # 200 subscribe and leave; the last one stays and renews
+            sock.send(encode(GetStats()))
+        _drive(server, lambda: len(server.subscribers) == 201)
+        for sock in clients[:200]:
+            sock.close()
+        now[0] += 31.0  # past SUBSCRIBER_TTL_S
+        clients[-1].send(encode(GetStats()))
+        _drive(server, lambda: server.num_expired_subscribers > 0)
+        assert server.num_expired_subscribers == 200
+        assert list(server.subscribers.values()) == [1031.0]
+    finally:
+        for sock in clients:
+            sock.close()
+        server.close()
+
+
+def _fake_serve(tmp_path):
+    import zmq
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.setsockopt(zmq.RCVTIMEO, 5000)  # every wait bounded
+    fake.bind(f"ipc://{tmp_path}/fake")
+    return fake
+
+
+def test_serve_client_renews_its_subscription(tmp_path, monkeypatch):
+    """ServeClient sends GetStats every SUBSCRIPTION_RENEW_S while it polls."""
+    import replay.live.serve_client as serve_client
+    from engine.messages import GetStats, decode
+    fake = _fake_serve(tmp_path)
+    client = None
+    try:
+        client, identity = _dealer_answering(fake, lambda: serve_client.ServeClient(f"ipc://{tmp_path}/fake"))
+        monkeypatch.setattr(serve_client, "SUBSCRIPTION_RENEW_S", 0.0)
+        client.poll(0)
+        assert fake.recv_multipart()[0] == identity
+    finally:
+        if client is not None:
+            client.shutdown()
+        fake.close()
+
+
+def test_forged_stats_are_dropped_and_counted_by_the_serve_client(tmp_path):
+    """A StatsSnapshot of an unknown engine or with counts missing never reaches the replay."""
+    from engine.messages import StatsSnapshot, encode
+    from replay.live.serve_client import ServeClient
+    fake = _fake_serve(tmp_path)
+    client = None
+    good = StatsSnapshot("P", 3, 1.0, "blocked", 5, 1, _counts(used=2))
+    try:
+        client, identity = _dealer_answering(fake, lambda: ServeClient(f"ipc://{tmp_path}/fake"))
+        for snap in (StatsSnapshot("X", 1, 1.0, "blocked", 5, 1, _counts()),
+                     StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {}),
+                     StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {**_counts(), "num_used_blocks": -1}),
+                     StatsSnapshot("P", 2, 1.0, "dancing", 5, 1, _counts()), good):
+            fake.send_multipart([identity, encode(snap)])
+        deadline = time.monotonic() + 10
+        while "P" not in client.latest and time.monotonic() < deadline:
+            client.poll(0.05)
+        assert client.take_stats() == [good] and client.num_bad_messages == 4
+    finally:
+        if client is not None:
+            client.shutdown()
+        fake.close()
+
+
+def _dealer_answering(fake, make_client):
+    """make_client() in a thread while fake answers its GetStats with a ServeInfo;
+    returns the client and its identity at the fake serve."""
+    import threading
+
+    from engine.messages import ServeInfo, encode
+    made: list = []
+    thread = threading.Thread(target=lambda: made.append(make_client()))
+    thread.start()
+    identity, _ = fake.recv_multipart()
+    fake.send_multipart([identity, encode(ServeInfo(["P", "D"], "pd", "event", 512, 4))])
+    thread.join(10)
+    return made[0], identity
+
+
+def test_a_frame_over_the_largest_request_drops_its_connection_unread(tmp_path):
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from engine.messages import AddRequest, encode
+    from engine.socket_limits import request_bytes
+    server = _serve(tmp_path, max_model_len=64)
+    assert server.socket.getsockopt(zmq.MAXMSGSIZE) == request_bytes(64)
+    monitor = server.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor.setsockopt(zmq.RCVTIMEO, 10000)
+    big = _dealer(server.address)
+    try:
+        big.send(b"\x00" * (request_bytes(64) + 1))  # never read whole: the connection goes
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        server.run_once(0)
+        assert server.num_bad_messages == 0 and server.num_requests == 0
+        legit = _dealer(server.address)  # the largest legitimate request still gets in
+        legit.send(encode(AddRequest("r", [7] * 64, 1)))
+        server.router.add_request = lambda *a: None
+        _drive(server, lambda: server.num_requests == 1)
+        legit.close()
+    finally:
+        big.close()
+        server.socket.disable_monitor()
+        monitor.close()
+        server.close()
+
+
+@pytest.mark.slow
+def test_forged_stats_on_an_engine_output_socket_are_dropped_and_counted(run_root):
+    import zmq
+
+    from engine.messages import StatsSnapshot, encode
+    from tests.mp_utils import topology
+    with topology() as h:
+        client = h.clients["P"]
+        forger = _dealer_like(zmq.PUSH, client.addrs.output)
+        try:  # stamped in the future, so a harness waiting for fresh stats would take them
+            for snap in (StatsSnapshot("P", 99, time.monotonic() + 1e6, "blocked", 1, 1, {}),
+                         StatsSnapshot("X", 99, time.monotonic() + 1e6, "blocked", 1, 1, _counts())):
+                forger.send(encode(snap))
+            deadline = time.monotonic() + 20
+            while client.num_bad_messages < 2 and time.monotonic() < deadline:
+                h.poll(0.05)
+        finally:
+            forger.close()
+        snap = h.stats("P")
+        assert client.num_bad_messages == 2
+        assert snap.engine_id == "P" and snap.counts["num_blocks"] == 127 and snap.monotonic < time.monotonic()
+
+
+def _dealer_like(kind: int, address: str):
+    import zmq
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock

@@ -2,8 +2,11 @@
 
 Clients (replay --target, top) connect a DEALER to the serve's ROUTER. AddRequest and
 Abort go to the P/D router; a client's outputs come back to it as RequestOutputs.
-GetStats subscribes a client to every engine's stats snapshots (ServeInfo first).
-Garbage is counted and dropped. Binds 127.0.0.1 (or an ipc path) by default.
+GetStats subscribes a client to every engine's stats snapshots (ServeInfo first);
+clients renew it (ServeClient sends GetStats every SUBSCRIPTION_RENEW_S), and a
+subscriber not heard from for SUBSCRIBER_TTL_S is dropped, so clients that left cost
+nothing. Garbage is counted and dropped; a frame over the largest legitimate request
+(engine/socket_limits.py) drops its connection. Binds 127.0.0.1 (or an ipc path) by default.
 """
 from __future__ import annotations
 
@@ -18,15 +21,19 @@ from connector.router import PDRouter
 from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_to_msg)
 from engine.outputs import RequestOutput
+from engine.socket_limits import request_bytes, set_max_message_size
 from replay.live.recorder import TraceRecorder
 
 SNAPSHOT_INTERVAL_S = 0.5
+SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
+SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
 
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     address: str = "tcp://127.0.0.1:0"  # port 0: any free port, printed at start-up
     record: Path | None = None
+    max_model_len: int = 4096  # the engines': sizes the largest request a client may send
 
 
 class ServeError(Exception):
@@ -61,6 +68,7 @@ def open_front(options: ServeOptions, metadata: dict) -> ServeFront:
     # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
     # (a burst of requests outruns a client still sending), so no high-water mark.
     socket.setsockopt(zmq.SNDHWM, 0)
+    set_max_message_size(socket, request_bytes(options.max_model_len))
     try:
         socket.bind(options.address)
     except zmq.ZMQError as e:
@@ -89,11 +97,13 @@ class Server:
         # request gets a serve-wide unique id: internal id -> (client, client's id).
         self.owners: dict[str, tuple[bytes, str]] = {}
         self.internal_ids: dict[tuple[bytes, str], str] = {}
-        self.subscribers: set[bytes] = set()
+        self.subscribers: dict[bytes, float] = {}  # identity -> when last heard from
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
         self.num_requests = 0
-        self._last_snapshot = 0.0
+        self.num_expired_subscribers = 0
+        self.clock: Callable[[], float] = time.monotonic
+        self._last_snapshot = self._last_expiry = 0.0
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -114,6 +124,18 @@ class Server:
         for snap in self.router.take_stats():
             self._fan_out(snap)
         self._maybe_record_snapshot()
+        self._expire_subscribers()
+
+    def _expire_subscribers(self) -> None:
+        """Drop subscribers not heard from for SUBSCRIBER_TTL_S (checked once a second)."""
+        now = self.clock()
+        if now - self._last_expiry < 1.0:
+            return
+        self._last_expiry = now
+        gone = [i for i, heard in self.subscribers.items() if now - heard > SUBSCRIBER_TTL_S]
+        for identity in gone:
+            del self.subscribers[identity]
+        self.num_expired_subscribers += len(gone)
 
     def _drain_clients(self) -> None:
         while self.socket.poll(0, zmq.POLLIN):
@@ -122,6 +144,8 @@ class Server:
                 if len(frames) != 2:
                     raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
                 self._handle(frames[0], decode(frames[1]))
+                if frames[0] in self.subscribers:  # any message says the client is still there
+                    self.subscribers[frames[0]] = self.clock()
             except DecodeError:
                 self.num_bad_messages += 1
 
@@ -143,7 +167,7 @@ class Server:
                 if self.recorder is not None:
                     self.recorder.abort(req_id)
         elif isinstance(msg, GetStats):
-            self.subscribers.add(identity)
+            self.subscribers[identity] = self.clock()
             self._send(identity, self.info)
             for snap in self.latest.values():
                 self._send(identity, snap)

@@ -14,6 +14,9 @@ import zmq
 from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
+from engine.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
+from engine.stats_check import snapshot_problem
+from replay.live.serve import SUBSCRIPTION_RENEW_S
 
 CONNECT_TIMEOUT_S = 5.0
 PING_AFTER_S = 1.0  # silent this long: ask for stats (the serve answers at once)
@@ -34,6 +37,7 @@ class ServeClient:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # the serve's ROUTER would drop what we cannot queue
+        set_max_message_size(self.socket, CLIENT_CAP_BYTES)
         try:
             self.socket.connect(address)
         except zmq.ZMQError as e:
@@ -42,6 +46,7 @@ class ServeClient:
         self.new_stats: list[StatsSnapshot] = []
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
+        self.info: ServeInfo | None = None  # snapshots before it are dropped: no engines to check against
         self.info = self._subscribe(timeout_s)
 
     def _subscribe(self, timeout_s: float) -> ServeInfo:
@@ -71,6 +76,9 @@ class ServeClient:
             self.num_bad_messages += 1
             return None
         if isinstance(msg, StatsSnapshot):
+            if self.info is None or snapshot_problem(msg, self.info.engines) is not None:
+                self.num_bad_messages += 1  # forged or broken: never used
+                return None
             self.latest[msg.engine_id] = msg
             self.new_stats.append(msg)
         return msg
@@ -84,6 +92,7 @@ class ServeClient:
         self.socket.send(encode(Abort([req_id])))
 
     def request_stats(self) -> None:
+        self.last_ping = time.monotonic()
         self.socket.send(encode(GetStats()))
 
     def take_stats(self) -> list[StatsSnapshot]:
@@ -92,6 +101,8 @@ class ServeClient:
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if time.monotonic() - self.last_ping > SUBSCRIPTION_RENEW_S:
+            self.request_stats()  # renews the subscription: the serve drops silent subscribers
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             self._check_alive()
             return outputs
