@@ -131,6 +131,34 @@ SHAPING_OPTIONS = [
 ]
 
 
+AUTH_OPTIONS = [
+    click.option("--curve-keys", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="CURVE keys made by `kvdrain keys DIR`: required to serve beyond loopback; "
+                      "a client needs client.key_secret and server.key from it."),
+    click.option("--token", envvar="KVDRAIN_TOKEN", default=None,
+                 help="A shared token every client must give (loopback; KVDRAIN_TOKEN keeps it "
+                      "out of `ps`)."),
+]
+
+
+def auth_options(func):
+    for option in reversed(AUTH_OPTIONS):
+        func = option(func)
+    return func
+
+
+def _auth(options: dict, insecure: bool = False):
+    """AuthOptions from --curve-keys / --token (popped from options); None if neither."""
+    from replay.live.auth import AuthError, AuthOptions
+    curve_keys, token = options.pop("curve_keys"), options.pop("token")
+    if curve_keys is None and token is None and not insecure:
+        return None
+    try:
+        return AuthOptions(curve_keys, token, insecure)
+    except AuthError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def shaping_options(func):
     for option in reversed(SHAPING_OPTIONS):
         func = option(func)
@@ -185,6 +213,7 @@ def shaping_options(func):
               "the first few and a count).")
 @click.option("--explain", is_flag=True, help="Print what the verdicts, columns and units mean.")
 @click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
+@auth_options
 def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
                snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
@@ -223,7 +252,7 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
             verify=VerifyOptions(idle_threshold, drain_deadline,
                                  snapshot_tolerance if snapshot_tolerance is not None
                                  else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored),
-            cost_profile=_cost_profile(cost_profile_path))
+            cost_profile=_cost_profile(cost_profile_path), target_auth=_target_auth(options, target))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,
@@ -311,6 +340,9 @@ def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_forma
               help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, /health, "
                    "/metrics) here; host 127.0.0.1 by default, port 0 picks a free one.")
 @click.option("--api-key", default=None, help="With --http: require 'Authorization: Bearer KEY' on /v1.")
+@auth_options
+@click.option("--insecure", is_flag=True,
+              help="Serve beyond loopback without --curve-keys (anyone who reaches it may submit work).")
 def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: str | None,
               api_key: str | None, **options) -> None:
     """Start the engines and accept requests from clients until Ctrl-C.
@@ -334,7 +366,37 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
         http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{options['model']}")
     elif api_key is not None:
         raise click.UsageError("--api-key: only with --http")
-    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console(), http))
+    auth = _auth(options, options.pop("insecure"))
+    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console(), http,
+                        auth))
+
+
+def _target_auth(options: dict, target: str | None):
+    """--curve-keys / --token for --target of a kvdrain serve (refused anywhere else)."""
+    auth = _auth(options)
+    if auth is not None and (target is None or target.startswith(("http://", "https://"))):
+        raise click.UsageError("--curve-keys/--token: only with --target of a kvdrain serve "
+                               "(an HTTP server takes --api-key)")
+    return auth
+
+
+@cli.command(name="keys")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+def keys_cmd(directory: Path) -> None:
+    """Make a CURVE key pair for a serve and one for its clients in DIRECTORY (0700).
+
+    \b
+    Example: kvdrain keys ~/.kvdrain-keys
+             kvdrain serve --address tcp://0.0.0.0:5555 --curve-keys ~/.kvdrain-keys
+             kvdrain top --connect tcp://HOST:5555 --curve-keys ~/.kvdrain-keys
+    A client machine needs only client.key_secret and server.key.
+    """
+    from replay.live.auth import AuthError, generate_keys
+    try:
+        for path in generate_keys(directory):
+            click.echo(str(path))
+    except (AuthError, OSError) as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _cost_profile(path: Path | None):
@@ -379,14 +441,15 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
 @click.option("--connect", "address", required=True, help="The address a `kvdrain serve` printed.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long (default: until Ctrl-C).")
-def top_cmd(address: str, seconds: float | None) -> None:
+@auth_options
+def top_cmd(address: str, seconds: float | None, **options) -> None:
     """Attach the live dashboard to a running `kvdrain serve`.
 
     \b
     Example: kvdrain top --connect tcp://127.0.0.1:5555
     """
     from replay.commands import top_main
-    sys.exit(top_main(address, seconds, Console()))
+    sys.exit(top_main(address, seconds, Console(), _auth(options)))
 
 
 if __name__ == "__main__":

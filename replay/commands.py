@@ -10,6 +10,7 @@ from connector.topology import start_topology
 from engine.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
+from replay.live.auth import AuthOptions
 from replay.live.interrupt import Interrupted, interruptible
 from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
 from replay.live.serve import ServeError, Server, ServeOptions, open_front, recording_metadata
@@ -179,15 +180,18 @@ class _StopFlag:
 
 
 def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
-               record: Path | None, live: bool, console, http=None) -> int:
-    """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq."""
+               record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None) -> int:
+    """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
+    auth: the credentials clients must give (replay/live/auth.py)."""
     stop = _StopFlag()
+    options = ServeOptions(address, record, engine.max_model_len, auth or AuthOptions())
     try:  # the client socket and --record first: a bad one is an error before any engine starts
-        front = open_front(ServeOptions(address, record, engine.max_model_len),
-                           recording_metadata(topology, engine.liveness, engine.block_size))
+        front = open_front(options, recording_metadata(topology, engine.liveness, engine.block_size))
     except ServeError as e:
         _error(console, e)
         return EXIT_USAGE
+    for warning in front.warnings:
+        console.print(f"[bold red]{warning}[/]", highlight=False, soft_wrap=True)
     try:
         router = start_topology(engine, kv, topology)
     except BaseException:
@@ -197,7 +201,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
                          engine.runner, engine.max_model_len, engine.num_blocks, _preset_name(engine))
         shared = router if http is None else http.share(router)
-        server = Server(shared, ServeOptions(address, record, engine.max_model_len), info, front)
+        server = Server(shared, options, info, front)
     except Exception:
         front.close()
         router.shutdown()
@@ -226,9 +230,9 @@ def _preset_name(engine: EngineConfig) -> str:
     return next((name for name, m in MODEL_PRESETS.items() if m == engine.model), "custom")
 
 
-def top_main(address: str, seconds: float | None, console) -> int:
+def top_main(address: str, seconds: float | None, console, auth: AuthOptions | None = None) -> int:
     try:
-        client = ServeClient(address)
+        client = ServeClient(address, auth=auth)
     except ConnectionError as e:
         _error(console, e)
         return EXIT_USAGE

@@ -39,6 +39,7 @@ class ReplayConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     tail_s: float | None = None  # None: long enough to cover the drain deadline
     target: str | None = None  # replay against a running `kvdrain serve`
+    target_auth: object | None = None  # its credentials: replay/live/auth.py AuthOptions
     http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
     cost_profile: CostProfile | None = None  # the virtual clock's step costs (kvdrain calibrate)
 
@@ -178,7 +179,7 @@ def _start_target(config: ReplayConfig) -> ReplayTarget:
     """A running serve's client (--target), else a fresh local topology."""
     if config.target is not None:
         from replay.live.serve_client import ServeClient
-        return ServeClient(config.target)
+        return ServeClient(config.target, auth=config.target_auth)
     from connector.topology import start_topology  # engine processes only for a wall replay
     return start_topology(config.engine, config.kv, config.topology)
 

@@ -272,10 +272,10 @@ def _counts(num_blocks: int = 8, used: int = 0) -> dict[str, int]:
     return counts
 
 
-def _serve(tmp_path, **options):
+def _serve(tmp_path, address: str | None = None, **options):
     from engine.messages import ServeInfo
     from replay.live.serve import Server, ServeOptions
-    return Server(_QuietRouter(), ServeOptions(f"ipc://{tmp_path}/serve", **options),
+    return Server(_QuietRouter(), ServeOptions(address or f"ipc://{tmp_path}/serve", **options),
                   ServeInfo(["P", "D"], "pd", "event", 512, 4))
 
 
@@ -439,3 +439,118 @@ def _dealer_like(kind: int, address: str):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
+
+
+# ---- finding 7: credentials -------------------------------------------------------------
+
+@pytest.mark.parametrize("address,local", [
+    ("tcp://127.0.0.1:0", True), ("tcp://127.9.9.9:5555", True), ("tcp://[::1]:5555", True),
+    ("tcp://localhost:5555", True), ("ipc:///tmp/x/serve", True), ("tcp://0.0.0.0:0", False),
+    ("tcp://*:5555", False), ("tcp://10.1.2.3:5555", False), ("tcp://eth0:5555", False),
+    ("tcp://example.com:5555", False)])
+def test_what_counts_as_loopback(address: str, local: bool):
+    from replay.live.auth import is_loopback
+    assert is_loopback(address) is local
+
+
+def test_serve_beyond_loopback_without_keys_is_refused_before_any_engine_starts(monkeypatch):
+    result = _serve_without_engines(monkeypatch, "--address", "tcp://0.0.0.0:0")
+    assert result.exit_code == 2, result.output
+    assert "listens beyond this machine: give --curve-keys DIR" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_insecure_serve_beyond_loopback_warns(tmp_path):
+    from replay.live.auth import AuthOptions
+    from replay.live.serve import ServeOptions, open_front
+    front = open_front(ServeOptions("tcp://0.0.0.0:0", auth=AuthOptions(insecure=True)), {})
+    try:
+        assert front.warnings and "WARNING: --insecure" in front.warnings[0]
+    finally:
+        front.close()
+
+
+def test_keys_command_makes_private_pairs_and_never_overwrites(tmp_path):
+    from click.testing import CliRunner
+
+    from cli import cli
+    keys = tmp_path / "keys"
+    result = CliRunner().invoke(cli, ["keys", str(keys)])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in keys.iterdir())
+    assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert keys.stat().st_mode & 0o777 == 0o700
+    assert all((keys / n).stat().st_mode & 0o077 == 0 for n in names if n.endswith("_secret"))
+    again = CliRunner().invoke(cli, ["keys", str(keys)])
+    assert again.exit_code == 2 and "not overwritten" in again.output
+
+
+class _Serving:
+    """A Server (no engines) run by a thread until the block ends."""
+
+    def __init__(self, server) -> None:
+        import threading
+        self.server = server
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.server.run_once(10)
+
+    def __enter__(self):
+        self.thread.start()
+        return self.server
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.server.close()
+
+
+def _try_client(address: str, auth) -> str:
+    from replay.live.serve_client import ServeClient
+    try:
+        client = ServeClient(address, timeout_s=1.5, auth=auth)
+    except ConnectionError as e:
+        return f"refused: {e}"
+    client.shutdown()
+    return "served"
+
+
+@pytest.mark.slow
+def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
+    from replay.live.auth import AuthOptions, generate_keys
+    generate_keys(tmp_path / "keys")
+    generate_keys(tmp_path / "other")
+    server = _serve(tmp_path, "tcp://0.0.0.0:0", auth=AuthOptions(curve_keys=tmp_path / "keys"))
+    with _Serving(server):  # listening on every interface; reached here over loopback
+        address = f"tcp://127.0.0.1:{server.address.rpartition(':')[2]}"
+        assert _try_client(address, AuthOptions(curve_keys=tmp_path / "keys")) == "served"
+        assert _try_client(address, None).startswith("refused: no kvdrain serve answered")
+        assert _try_client(address, AuthOptions(curve_keys=tmp_path / "other")).startswith("refused")
+        missing = _try_client(address, AuthOptions(curve_keys=tmp_path / "none"))
+        assert "cannot read client.key_secret" in missing
+
+
+@pytest.mark.slow
+def test_token_serve_answers_only_clients_with_the_token(tmp_path):
+    from replay.live.auth import AuthOptions
+    server = _serve(tmp_path, auth=AuthOptions(token="s3cret"))
+    with _Serving(server):
+        assert _try_client(server.address, AuthOptions(token="s3cret")) == "served"
+        assert _try_client(server.address, None).startswith("refused")
+        assert _try_client(server.address, AuthOptions(token="guess")).startswith("refused")
+    assert server.num_requests == 0 and server.num_bad_messages == 0
+
+
+def test_the_engines_sockets_are_reachable_by_this_uid_only(run_root):
+    """GetKVHandle answers whoever can connect to a worker's ipc socket: the run dir is 0700."""
+    from connector.topology import engine_configs
+    from engine.config import EngineConfig, KVTransferConfig
+    run_dir = make_run_dir()
+    configs = engine_configs(EngineConfig(), KVTransferConfig(), "pd", run_dir)
+    for config in configs:
+        for addr in (config.kv_transfer.kv_addr, config.kv_transfer.agent_addr):
+            assert os.path.dirname(addr.removeprefix("ipc://")) == run_dir
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700

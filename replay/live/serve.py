@@ -11,17 +11,19 @@ nothing. Garbage is counted and dropped; a frame over the largest legitimate req
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from connector.router import PDRouter
 from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_to_msg)
 from engine.outputs import RequestOutput
 from engine.socket_limits import request_bytes, set_max_message_size
+from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
 
 SNAPSHOT_INTERVAL_S = 0.5
@@ -34,10 +36,11 @@ class ServeOptions:
     address: str = "tcp://127.0.0.1:0"  # port 0: any free port, printed at start-up
     record: Path | None = None
     max_model_len: int = 4096  # the engines': sizes the largest request a client may send
+    auth: AuthOptions = field(default_factory=AuthOptions)  # replay/live/auth.py
 
 
 class ServeError(Exception):
-    """The serve cannot start as asked (address in use, unwritable --record): one line."""
+    """The serve cannot start as asked (address in use, unwritable --record, no keys): one line."""
 
 
 @dataclass(slots=True)
@@ -47,11 +50,18 @@ class ServeFront:
     socket: zmq.Socket
     address: str
     recorder: TraceRecorder | None
+    authenticator: ThreadAuthenticator | None = None  # with its own context, ended at close
+    warnings: list[str] = field(default_factory=list)  # to print at start-up (--insecure)
 
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
+        context = self.socket.context
         self.socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        if context is not zmq.Context.instance():  # a secured socket's own
+            context.term()
 
 
 def recording_metadata(topology: str, liveness: str, block_size: int) -> dict:
@@ -63,23 +73,41 @@ def open_front(options: ServeOptions, metadata: dict) -> ServeFront:
 
     `kvdrain serve` calls it before starting the engines, so a bad address or path is a
     one-line error (exit 2) and nothing was started."""
-    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    front = _bind(options)
+    try:
+        front.recorder = TraceRecorder(options.record, metadata) if options.record else None
+    except OSError as e:
+        front.close()
+        raise ServeError(f"--record {options.record}: cannot write: {e.strerror}") from None
+    return front
+
+
+def _bind(options: ServeOptions) -> ServeFront:
+    """The client socket, with its credentials (a context of its own when it has some:
+    one ZAP authenticator per context), bound to options.address."""
+    try:
+        warnings = check_listen(options.address, options.auth)
+    except AuthError as e:
+        raise ServeError(str(e)) from None
+    secured = options.auth.curve_keys is not None or options.auth.token is not None
+    socket = (zmq.Context() if secured else zmq.Context.instance()).socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
     # (a burst of requests outruns a client still sending), so no high-water mark.
     socket.setsockopt(zmq.SNDHWM, 0)
     set_max_message_size(socket, request_bytes(options.max_model_len))
+    front = ServeFront(socket, "", None, None, warnings)
     try:
+        front.authenticator = secure_server(socket, options.auth)
         socket.bind(options.address)
     except zmq.ZMQError as e:
-        socket.close(linger=0)
+        front.close()
         raise ServeError(f"--address {options.address}: {e.strerror}") from None
-    try:
-        recorder = TraceRecorder(options.record, metadata) if options.record else None
-    except OSError as e:
-        socket.close(linger=0)
-        raise ServeError(f"--record {options.record}: cannot write: {e.strerror}") from None
-    return ServeFront(socket, socket.getsockopt_string(zmq.LAST_ENDPOINT), recorder)
+    except AuthError as e:
+        front.close()
+        raise ServeError(str(e)) from None
+    front.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    return front
 
 
 class Server:

@@ -16,6 +16,7 @@ from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOu
 from engine.outputs import RequestOutput
 from engine.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
 from engine.stats_check import snapshot_problem
+from replay.live.auth import AuthError, AuthOptions, secure_client
 from replay.live.serve import SUBSCRIPTION_RENEW_S
 
 CONNECT_TIMEOUT_S = 5.0
@@ -29,7 +30,8 @@ class TargetLostError(ConnectionError):
 
 class ServeClient:
     def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S,
-                 lost_after_s: float | None = None) -> None:
+                 lost_after_s: float | None = None, auth: AuthOptions | None = None) -> None:
+        """auth: the credentials a serve that requires them checks (replay/live/auth.py)."""
         self.address = address
         self.lost_after_s = LOST_AFTER_S if lost_after_s is None else lost_after_s
         self.last_heard = self.last_ping = time.monotonic()
@@ -39,7 +41,11 @@ class ServeClient:
         self.socket.setsockopt(zmq.RCVHWM, 0)  # the serve's ROUTER would drop what we cannot queue
         set_max_message_size(self.socket, CLIENT_CAP_BYTES)
         try:
+            secure_client(self.socket, auth)
             self.socket.connect(address)
+        except AuthError as e:  # a usage error, reported like an unreachable target (exit 2)
+            self.socket.close(linger=0)
+            raise ConnectionError(str(e)) from None
         except zmq.ZMQError as e:
             self.socket.close(linger=0)
             raise ConnectionError(f"cannot connect to {address!r}: {e}") from None
@@ -58,7 +64,8 @@ class ServeClient:
                 if isinstance(msg, ServeInfo):
                     return msg
         self.socket.close(linger=0)
-        raise ConnectionError(f"no kvdrain serve answered at {self.address} within {timeout_s} s")
+        raise ConnectionError(f"no kvdrain serve answered at {self.address} within {timeout_s} s "
+                              f"(one that requires --curve-keys or --token ignores clients without them)")
 
     @property
     def engines(self) -> list[str]:
