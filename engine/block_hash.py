@@ -7,18 +7,29 @@ it. sha256 with a fixed seed gives the same hashes in every process and every ru
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
+from collections.abc import Callable
 
 BlockHash = bytes
 
 NONE_HASH: BlockHash = hashlib.sha256(b"kvdrain/none-hash/v1").digest()
 
+# Packs n token ids as native-order int64s (the bytes array("q", ids) holds), one
+# struct per block length: a block is hashed on every block boundary of every request.
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    pack = _PACKERS.get(num_tokens)
+    if pack is None:
+        pack = _PACKERS[num_tokens] = struct.Struct(f"={num_tokens}q").pack
+    return pack
+
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """Hash of one full block given its parent's hash."""
-    h = hashlib.sha256(parent_hash if parent_hash is not None else NONE_HASH)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()[:16]
+    """Hash of one full block given its parent's hash: sha256(parent + int64 token ids)."""
+    data = (parent_hash if parent_hash is not None else NONE_HASH) + _packer(len(token_ids))(*token_ids)
+    return hashlib.sha256(data).digest()[:16]
 
 
 def hash_request_blocks(

@@ -84,6 +84,26 @@ class KVCacheManager:
             self.cache_blocks(request, min(num_total, request.num_tokens))
         return new_blocks
 
+    def append_slot(self, req_id: str, num_computed_tokens: int) -> list[int] | None:
+        """allocate_slots(request, 1) for a running decode, without its bookkeeping.
+
+        The ids of the blocks appended to the table: none while the slot at
+        `num_computed_tokens` is in the table, else one from the pool. None when the
+        slow path must decide (no table, a table short by more than a block, an empty
+        pool: it preempts). The caller caches a block the token fills.
+        """
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            return None
+        capacity = len(blocks) * self.block_size
+        if num_computed_tokens < capacity:
+            return []
+        if num_computed_tokens >= capacity + self.block_size or not self.block_pool.get_num_free_blocks():
+            return None
+        (block,) = self.block_pool.get_new_blocks(1)
+        blocks.append(block)
+        return [block.block_id]
+
     def _num_new_blocks(self, num_tokens: int, num_held_blocks: int) -> int:
         return max(cdiv(num_tokens, self.block_size) - num_held_blocks, 0)
 

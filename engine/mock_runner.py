@@ -15,10 +15,16 @@ class MockModelRunner:
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
-        for sched_req in sched_out.scheduled:
-            bad = next((t for t in sched_req.token_ids if not 0 <= t < self.vocab_size), None)
+        tokens, vocab_size = sched_out.token_ids, self.vocab_size
+        all_valid = not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size)
+        sampled, partial = out.sampled_token_ids, sched_out.partial_req_ids
+        end = 0
+        for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
+            start, end = end, end + num_new
+            bad = None if all_valid else next(
+                (t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
             if bad is not None:
-                out.failed[sched_req.req_id] = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            elif sched_req.sample:
-                out.sampled_token_ids[sched_req.req_id] = (sched_req.token_ids[-1] + 1) % self.vocab_size
+                out.failed[req_id] = f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+            elif req_id not in partial:
+                sampled[req_id] = (tokens[end - 1] + 1) % vocab_size
         return out

@@ -1,6 +1,7 @@
 """Plain records that flow scheduler -> runner -> scheduler -> frontend. Runs in: engine-core process."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -19,14 +20,74 @@ class ScheduledRequest:
     sample: bool
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
+    """One step's plan: which requests compute which tokens, in scheduling order.
+
+    Columnar, like vLLM's CachedRequestData: entry i of `req_ids`,
+    `num_computed_tokens` and `num_scheduled_tokens` is the i-th scheduled request,
+    whose tokens are the next num_scheduled_tokens[i] of the flat `token_ids`. A
+    decode adds four list entries and no object. `scheduled` gives the same as
+    ScheduledRequest records, and the constructor takes records too.
+    """
+
+    req_ids: list[str]
+    num_computed_tokens: list[int]  # the first scheduled token's position
+    num_scheduled_tokens: list[int]
+    token_ids: list[int]  # every request's tokens, back to back
+    # Blocks appended to a request's block table this step; absent: none. For a
+    # request in `new_req_ids` the table starts over from these (first schedule, or
+    # resumed after preemption).
+    new_block_ids: dict[str, list[int]]
+    new_req_ids: set[str]
+    # Chunks that end before their request's known tokens do: nothing to sample.
+    partial_req_ids: set[str]
+    total_num_scheduled_tokens: int
     # Finished since the previous schedule(): the worker side drops their state.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: object | None = None
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    kv_connector_metadata: object | None
+
+    def __init__(self, scheduled: Iterable[ScheduledRequest] = (), total_num_scheduled_tokens: int = 0,
+                 finished_req_ids: set[str] | None = None, preempted_req_ids: set[str] | None = None,
+                 kv_connector_metadata: object | None = None) -> None:
+        self.req_ids, self.num_computed_tokens, self.num_scheduled_tokens = [], [], []
+        self.token_ids, self.new_block_ids = [], {}
+        self.new_req_ids, self.partial_req_ids = set(), set()
+        self.total_num_scheduled_tokens = total_num_scheduled_tokens
+        self.finished_req_ids = set() if finished_req_ids is None else finished_req_ids
+        self.preempted_req_ids = set() if preempted_req_ids is None else preempted_req_ids
+        self.kv_connector_metadata = kv_connector_metadata
+        for sched_req in scheduled:
+            self.add(sched_req)
+
+    def add(self, sched_req: ScheduledRequest) -> None:
+        """Append one request's share (does not count its tokens in the total)."""
+        req_id = sched_req.req_id
+        self.req_ids.append(req_id)
+        self.num_computed_tokens.append(sched_req.num_computed_tokens)
+        self.num_scheduled_tokens.append(len(sched_req.token_ids))
+        self.token_ids.extend(sched_req.token_ids)
+        if sched_req.new_block_ids or sched_req.is_new:
+            self.new_block_ids[req_id] = sched_req.new_block_ids
+        if sched_req.is_new:
+            self.new_req_ids.add(req_id)
+        if not sched_req.sample:
+            self.partial_req_ids.add(req_id)
+
+    @property
+    def scheduled(self) -> tuple[ScheduledRequest, ...]:
+        """The scheduled requests as records, in order: made on each call, read-only
+        (a tuple, so that an append meant for the output fails loudly; use add())."""
+        records, offset = [], 0
+        new_block_ids, new_req_ids, partial = self.new_block_ids, self.new_req_ids, self.partial_req_ids
+        for req_id, num_computed, num_new in zip(self.req_ids, self.num_computed_tokens,
+                                                 self.num_scheduled_tokens):
+            records.append(ScheduledRequest(
+                req_id, self.token_ids[offset:offset + num_new], num_computed,
+                new_block_ids.get(req_id, []), req_id in new_req_ids, req_id not in partial))
+            offset += num_new
+        return tuple(records)
 
 
 @dataclass(slots=True)
@@ -54,7 +115,11 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Per request per step, to the frontend (vLLM's EngineCoreOutput)."""
+    """Per request per step, to the frontend (vLLM's EngineCoreOutput).
+
+    The scheduler's decode loop makes these without __init__ (object.__new__ and one
+    store per slot: cheaper per request); a new field must be set there too.
+    """
 
     req_id: str
     new_token_ids: list[int]

@@ -50,6 +50,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: str | None = None  # why it finished, in words, for errors and ignores
+    # len(all_token_ids), kept as a plain int: the scheduler reads it per request per step.
+    num_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,11 +59,8 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.req_id!r} has an empty prompt")
         self.all_token_ids = list(self.prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)
         hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,8 +74,10 @@ class Request:
         return self.status > RequestStatus.PREEMPTED
 
     def append_output_token_ids(self, token_id: int) -> None:
+        """Append a sampled token; a block it fills gets its prefix hash now, once."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
         if self.num_tokens % self.block_size == 0:
             hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
 

@@ -94,9 +94,9 @@ class ToyScheduler:
             self.scheduled_once.add(req_id)
             new = [self.free_block_ids.pop(0) for _ in range(cdiv(end, BLOCK_SIZE) - len(table))]
             table.extend(new)
-            out.scheduled.append(ScheduledRequest(req_id, tokens[start:end], start,
-                                                  list(table) if is_new else new, is_new,
-                                                  sample=end == len(tokens)))
+            out.add(ScheduledRequest(req_id, tokens[start:end], start,
+                                     list(table) if is_new else new, is_new,
+                                     sample=end == len(tokens)))
         out.total_num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         return out
 
