@@ -28,7 +28,7 @@ def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
             max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
             liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
             runner=o["runner"], device=o["device"], model=_model_preset(o["model"]))
-        kv = KVTransferConfig(transport=o["transport"], kv_expiry_s=o["kv_expiry_s"],
+        kv = KVTransferConfig(transport=o["transport"], kv_lease_s=o["kv_lease_s"],
                               pull_delay_ms=o["pull_delay_ms"], drop_read_done=o["drop_read_done"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -61,11 +61,13 @@ ENGINE_OPTIONS = [
     click.option("--max-model-len", type=click.IntRange(2), default=4096, show_default=True),
     click.option("--transport", type=click.Choice(TRANSPORTS), default="shm", show_default=True,
                  help="How the decode side pulls blocks: shared memory or bytes over ZMQ."),
-    click.option("--kv-expiry-s", type=click.FloatRange(min=0, min_open=True), default=480.0,
-                 show_default=True, help="P frees an unread request's blocks after this."),
+    click.option("--kv-lease-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+                 show_default=True, help="P's lease on an unread request's blocks (vLLM 0.32 "
+                 "NIXL's kv_lease_duration): D's heartbeats extend it while D waits; P reaps "
+                 "it only when it steps."),
     click.option("--pull-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
                  help="D waits this long before reading (a fault knob)."),
-    click.option("--drop-read-done", is_flag=True, help="P never hears 'read done'; only expiry frees."),
+    click.option("--drop-read-done", is_flag=True, help="P never hears 'read done'; only the lease frees."),
     click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
                  default=EngineConfig().kv_load_failure_policy, show_default=True,
                  help="A failed remote load: fail the request (vLLM 0.32's default) or recompute it."),

@@ -6,12 +6,15 @@ P finished them, then WINDOW_S passes without traffic; over it, for P: CPU of it
 engine-core process and connector worker (/proc/<pid>/task/*/schedstat, all threads;
 /proc/<pid>/stat ticks as a cross-check), loop wake-ups per second (num_wakeups), blocks
 held at the end. A: the P/D topology, both engines on the policy, 32 requests in one
-burst, KVTransferConfig(pull_delay_ms=1000). B: P alone and this process in the role of
+burst, KVTransferConfig(pull_delay_ms=1000); also D's steps per second while its 32
+loads wait (legacy and poll sleep 1 ms per zero-token step, event blocks until a report
+or a heartbeat is due). B: P alone and this process in the role of
 D's connector worker (the same Puller over shm, the same ReadDone), requests 20 ms apart;
 free latency = P's snapshot with the k-th free minus when the k-th ReadDone was sent.
 (D's own stats cannot stand in for the report time: on two cores D's engine and P's
 worker race for a CPU, and D reports a batch of pulls once, after the last one.)
-Aim: event frees as fast as poll or faster with <= 5% of poll's CPU; legacy holds.
+Aim: event frees as fast as poll or faster with <= 5% of poll's CPU; legacy holds (its D
+sleeps, under 1,000 steps/s, while loads wait: vLLM before #43433 did not spin).
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class Result:
     num_done: int  # A: user requests D finished; B: reads done
     blocks_held: int
     latencies_ms: list[float] | None = None  # B only
+    d_wait_steps_per_s: float | None = None  # A only: D's steps/s while its loads wait
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -89,6 +93,7 @@ class Observer:
     take_stats: Callable[[], list[StatsSnapshot]]
     request_stats: Callable[[], None]  # asks P
     on_output: Callable[[RequestOutput], None]
+    request_stats_d: Callable[[], None] | None = None  # asks D (A only)
     history: dict[str, list[StatsSnapshot]] = field(default_factory=lambda: {"P": [], "D": []})
 
     def poll(self, timeout_s: float) -> None:
@@ -103,16 +108,26 @@ class Observer:
             due = tick() if tick is not None else deadline
             self.poll(max(0.0, min(left, 0.1, due - time.monotonic())))
 
-    def stats_of_p(self, timeout_s: float = 5.0) -> StatsSnapshot:
-        """A snapshot of P taken after this call (by its clock, the same as ours); bounded."""
-        history = self.history["P"]
+    def stats_of(self, engine: str = "P", timeout_s: float = 5.0) -> StatsSnapshot:
+        """A snapshot of P (or D) taken after this call (by its clock, the same as ours); bounded."""
+        history = self.history[engine]
         asked = time.monotonic()
-        self.request_stats()
+        (self.request_stats if engine == "P" else self.request_stats_d)()
         while not history or history[-1].monotonic < asked:
             if time.monotonic() > asked + timeout_s:
-                raise TimeoutError(f"no stats from engine P in {timeout_s} s")
+                raise TimeoutError(f"no stats from engine {engine} in {timeout_s} s")
             self.poll(0.02)
         return history[-1]
+
+    def wait_for_d(self, predicate: Callable[[StatsSnapshot], bool], timeout_s: float = 10.0) -> StatsSnapshot:
+        """D's first requested snapshot that satisfies predicate; bounded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.stats_of("D")
+            if predicate(snap):
+                return snap
+            self.poll(0.02)
+        raise TimeoutError(f"engine D never got there in {timeout_s} s")
 
 
 def num_freed(snap: StatsSnapshot) -> int:
@@ -131,12 +146,12 @@ def free_times(history: list[StatsSnapshot], n: int) -> list[float]:
 def measure_window(obs: Observer, policy: str, pids: dict[str, int],
                    tick: Callable[[], float] | None = None) -> Result:
     """Traffic has stopped: WINDOW_S of polling, bracketed by snapshots and CPU readings."""
-    snap0 = obs.stats_of_p()
+    snap0 = obs.stats_of()
     pids = dict(pids, worker=snap0.counts["connector_worker_pid"])
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     obs.poll_until(time.monotonic() + WINDOW_S, tick)
     cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    snap1 = obs.stats_of_p()
+    snap1 = obs.stats_of()
     last = next((s for s in obs.history["P"] if s.seq > snap0.seq and num_freed(s) >= NUM_REQUESTS),
                 snap1)
 
@@ -155,15 +170,26 @@ def measure_topology(policy: str) -> Result:
     try:
         done: set[str] = set()
         obs = Observer(router.poll, router.take_stats, router.clients["P"].request_stats,
-                       lambda o: done.add(o.req_id) if o.finished else None)
+                       lambda o: done.add(o.req_id) if o.finished else None,
+                       router.clients["D"].request_stats)
         for i in range(NUM_REQUESTS):
             router.add_request(f"r{i}", prompt(i), MAX_TOKENS)
+        waiting = obs.wait_for_d(lambda s: s.counts["num_waiting_for_remote_kvs"] == NUM_REQUESTS)
         pids = {name: router.clients[name].process.pid for name in ("P", "D")}
         result = measure_window(obs, policy, pids)
         result.num_done = len(done)
+        result.d_wait_steps_per_s = d_steps_per_s_while_waiting(obs.history["D"], waiting)
         return result
     finally:
         router.shutdown()
+
+
+def d_steps_per_s_while_waiting(history: list[StatsSnapshot], first: StatsSnapshot) -> float:
+    """D's steps per second from `first` (all loads waiting) to its first snapshot after
+    a load landed (D publishes one whenever its counts change)."""
+    landed = next(s for s in history if s.seq > first.seq
+                  and s.counts["num_waiting_for_remote_kvs"] < NUM_REQUESTS)
+    return (landed.num_steps - first.num_steps) / (landed.monotonic - first.monotonic)
 
 
 @dataclass(slots=True)
@@ -228,12 +254,13 @@ def percentile(values: list[float], q: float) -> float:
 def print_table(title: str, results: list[Result], done_name: str) -> None:
     print(f"\n{title}")
     has_d = "D" in results[0].cpu_s
-    print(f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}" + (f" {'D cpu ms':>9}" if has_d else "")
+    print(f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}" + (f" {'D cpu ms':>9} {'D wait st/s':>11}" if has_d else "")
           + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10} {'free p50 ms':>12} {'free p99 ms':>12}"
           f" {'freed':>6} {done_name:>7} {'P blocks held':>14}")
     for r in results:
         cpu = {name: f"{1000 * s:.1f}" for name, s in r.cpu_s.items()}
-        print(f"{r.policy:<8} {cpu['P']:>9} {cpu['worker']:>10}" + (f" {cpu['D']:>9}" if has_d else "")
+        print(f"{r.policy:<8} {cpu['P']:>9} {cpu['worker']:>10}"
+              + (f" {cpu['D']:>9} {r.d_wait_steps_per_s:>11.0f}" if has_d else "")
               + f" {r.wakeups_per_s:>10.1f} {r.held_s:>7.2f} {r.held_wakeups_per_s:>10.1f}"
               f" {_latency(r, 50):>12} {_latency(r, 99):>12} {r.num_freed:>3}/{NUM_REQUESTS:<2}"
               f" {r.num_done:>4}/{NUM_REQUESTS:<2} {r.blocks_held:>14}")

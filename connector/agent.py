@@ -2,7 +2,10 @@
 
 start_load_kv ships each step's metadata; get_finished drains the reports the worker
 has sent since (never blocking). Reports wait in the socket until then, so an engine
-that stops stepping never sees them. If the worker process dies, every transfer it
+that stops stepping never sees them. Leases too: once one may have passed (or
+heartbeats wait to be applied), get_finished asks the worker to reap and waits for its
+answer, so what expired comes back in the same get_finished, as in vLLM; an engine
+that stops stepping reaps nothing. If the worker process dies, every transfer it
 owned is resolved here: held sends are released, pending loads fail (their blocks
 become invalid and kv_load_failure_policy decides), and `error` says what died.
 """
@@ -14,8 +17,10 @@ import time
 
 import zmq
 
-from connector.messages import CONNECTOR_CODEC, KVReport, RegisterKVCache, StepMeta, WorkerReady
+from connector.messages import (CONNECTOR_CODEC, KVReport, LeaseDue, LeasesReaped, ReapLeases,
+                                RegisterKVCache, StepMeta, WorkerReady)
 from connector.pd import PDConnectorMetadata
+from connector.send_ledger import ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorWorkerBase
@@ -23,32 +28,48 @@ from engine.messages import DecodeError
 from engine.outputs import KVConnectorOutput
 
 READY_TIMEOUT_S = 60.0
+REAP_TIMEOUT_S = 10.0  # a live worker answers a reap at once; only a hung one takes this
 
 
 class PendingTransfers:
     """The transfers the worker process owns, as the agent sees them: its reports merge
     in, and a dead worker's are resolved (held sends released, pending loads failed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease_ns: int = 30 * 10**9) -> None:
         self.sends: set[str] = set()
         self.recvs: dict[str, list[int]] = {}  # req_id -> the local blocks it fills
         self.counters: dict[str, int] = {"num_bad_reports": 0}
+        self.lease_ns = lease_ns
+        self.reaps = ReapSchedule()
 
-    def start(self, metadata: PDConnectorMetadata) -> None:
+    def start(self, metadata: PDConnectorMetadata, now: int = 0) -> None:
         self.sends.update(metadata.reqs_to_send)
+        for req_id in metadata.reqs_to_send:  # no stamp: the worker leases from registration
+            self.reaps.on_register(metadata.send_deadlines.get(req_id, now + self.lease_ns))
         # Empty receives only tell P "read done"; no finished_recving ever comes for them.
         self.recvs.update((s.req_id, s.local_block_ids)
                           for s in metadata.reqs_to_recv.values() if s.local_block_ids)
 
-    def merge(self, data: bytes, out: KVConnectorOutput) -> None:
-        """One report from the worker into `out`; garbage is counted and dropped."""
+    def reap_due(self) -> int | None:
+        """When a step must ask the worker to reap (monotonic ns); None: no need."""
+        return self.reaps.due(bool(self.sends))
+
+    def merge(self, data: bytes, out: KVConnectorOutput) -> LeasesReaped | None:
+        """One message from the worker: a report into `out`, a LeaseDue noted; a reap's
+        answer is noted and returned. Garbage is counted and dropped."""
         try:
             report = CONNECTOR_CODEC.decode(data)
-            if not isinstance(report, KVReport):
+            if not isinstance(report, (KVReport, LeaseDue, LeasesReaped)):
                 raise DecodeError(f"unexpected {type(report).__name__}")
         except DecodeError:
             self.counters["num_bad_reports"] += 1
-            return
+            return None
+        if isinstance(report, LeaseDue):
+            self.reaps.heartbeats_queued = True
+            return None
+        if isinstance(report, LeasesReaped):
+            self.reaps.on_reaped(None if report.next_deadline_ns < 0 else report.next_deadline_ns)
+            return report
         out.finished_sending.update(report.finished_sending)
         out.finished_recving.update(report.finished_recving)
         out.invalid_block_ids.update(report.invalid_block_ids)
@@ -56,6 +77,7 @@ class PendingTransfers:
         for req_id in report.finished_recving:
             self.recvs.pop(req_id, None)
         self.counters.update(report.counters)
+        return None
 
     def resolve_orphans(self, out: KVConnectorOutput) -> None:
         """The worker is dead: every transfer it owned ends now, loads as failures."""
@@ -77,7 +99,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
         worker_config = ConnectorWorkerConfig(
-            config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_expiry_s,
+            config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_lease_s,
             kv.pull_delay_ms, kv.drop_read_done)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
@@ -86,7 +108,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         worker_pid = self._wait_ready()
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
         # Transfers the worker owns, so a dead worker's can be resolved here.
-        self.pending = PendingTransfers()
+        self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9))
         self.pending.counters["connector_worker_pid"] = worker_pid
         self.error: str | None = None
 
@@ -106,15 +128,19 @@ class PDConnectorAgent(KVConnectorWorkerBase):
     def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:
         if metadata is None or metadata.is_empty():
             return
-        self.pending.start(metadata)
+        self.pending.start(metadata, time.monotonic_ns())
         if self.error is None:
             specs = list(metadata.reqs_to_recv.values())
-            self.socket.send(CONNECTOR_CODEC.encode(StepMeta(metadata.reqs_to_send, specs)))
+            self.socket.send(CONNECTOR_CODEC.encode(StepMeta(
+                metadata.reqs_to_send, specs, metadata.send_deadlines, metadata.heartbeats)))
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
         while self.error is None and self.socket.poll(0, zmq.POLLIN):
             self.pending.merge(self.socket.recv(), out)
+        due = self.pending.reap_due()
+        if self.error is None and due is not None and time.monotonic_ns() >= due:
+            self._reap(out)
         # The sentinel (not is_alive) decides: it is readable as soon as the worker's
         # fds close, a moment before waitpid can reap it.
         if self.error is None and multiprocessing.connection.wait([self.process.sentinel], 0):
@@ -125,6 +151,26 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             self.pending.resolve_orphans(out)
             out.worker_error = self.error
         return out
+
+    def _reap(self, out: KVConnectorOutput) -> None:
+        """Ask the worker to reap its leases and wait (bounded) for its answer; the
+        reports before it (what expired) merge into `out`."""
+        self.socket.send(CONNECTOR_CODEC.encode(ReapLeases()))
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.socket.poll(100, zmq.POLLIN):
+                if self.pending.merge(self.socket.recv(), out) is not None:
+                    return
+            elif multiprocessing.connection.wait([self.process.sentinel], 0):
+                return  # dead: get_finished resolves what it owned
+        self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
+                      f"did not answer a lease reap in {REAP_TIMEOUT_S} s")
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def next_deadline_ns(self) -> int | None:
+        return None if self.error is not None else self.pending.reap_due()
 
     def get_counters(self) -> dict[str, int]:
         return self.pending.counters

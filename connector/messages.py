@@ -5,7 +5,7 @@ zero-copy ZMQ frame holding the blocks in the order they were asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.messages import Codec
 
@@ -36,11 +36,24 @@ class RecvSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatSpec:
+    """D's heartbeat for one P engine: keep these of its sends (P's request ids) leased."""
+
+    remote_engine_id: str
+    remote_addr: str
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class StepMeta:
     """Engine core -> its worker, each step with connector work (vLLM's connector metadata)."""
 
     reqs_to_send: dict[str, list[int]]
     reqs_to_recv: list[RecvSpec]
+    # The lease deadline of each send (time.monotonic_ns(), stamped by P's scheduler
+    # side in request_finished); a send without one is leased from its registration.
+    send_deadlines: dict[str, int] = field(default_factory=dict)
+    heartbeats: list[HeartbeatSpec] = field(default_factory=list)  # D: send these to P
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +101,33 @@ class ReadDone:
     req_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Decode worker -> prefill worker: D still waits for these sends; extend their
+    leases (vLLM NIXL's "HB:req1,req2" notification)."""
+
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReapLeases:
+    """Engine core -> its worker, from a step's get_finished once a lease may be due:
+    end the sends whose lease has passed (vLLM reaps them in get_finished)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesReaped:
+    """Worker -> its engine core, after the KVReport with what the reap ended: when
+    the next lease falls due (time.monotonic_ns()); -1: no send is held."""
+
+    next_deadline_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseDue:
+    """Worker -> its engine core: heartbeats wait to be applied; reap at the next step."""
+
+
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.
 CONNECTOR_MESSAGES: dict[int, type] = {
     0: RegisterKVCache,
@@ -99,5 +139,9 @@ CONNECTOR_MESSAGES: dict[int, type] = {
     6: ReadBlocks,
     7: BlockData,
     8: ReadDone,
+    9: Heartbeat,
+    10: ReapLeases,
+    11: LeasesReaped,
+    12: LeaseDue,
 }
-CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec,))
+CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec, HeartbeatSpec))

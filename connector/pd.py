@@ -5,12 +5,19 @@ length-capped its blocks are kept (delayed free) until the decode side has read 
 and the frontend gets the params the decode side needs. Decode (D): a
 `do_remote_prefill` request gets its prompt's KV as an async load, waits in
 WAITING_FOR_REMOTE_KVS, and is promoted once the worker reports finished_recving.
+
+Leases (vLLM 0.32's NIXL): P stamps each held send with a deadline, now +
+kv_lease_s, in request_finished; it travels in the metadata to P's worker, which
+reaps it when P steps past it. While D waits for the blocks it heartbeats
+(connector/heartbeats.py), and P's worker extends the leases it names. Time is the
+worker side's clock, given by the engine core (set_time; engine/kv_connector.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.messages import RecvSpec  # one load: pull remote_block_ids into local_block_ids
+from connector.heartbeats import HeartbeatTracker
+from connector.messages import HeartbeatSpec, RecvSpec  # a load: remote_block_ids -> local_block_ids
 from engine.config import EngineConfig
 from engine.utils import cdiv
 from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
@@ -22,9 +29,11 @@ from engine.request import Request, RequestStatus
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    send_deadlines: dict[str, int] = field(default_factory=dict)  # each send's lease (ns)
+    heartbeats: list[HeartbeatSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_send or self.reqs_to_recv)
+        return not (self.reqs_to_send or self.reqs_to_recv or self.heartbeats)
 
 
 class PDConnector(KVConnectorBase):
@@ -34,6 +43,11 @@ class PDConnector(KVConnectorBase):
         self.kv_addr = config.kv_transfer.kv_addr if config.kv_transfer else ""
         self._reqs_need_send: dict[str, list[int]] = {}
         self._reqs_need_recv: dict[str, RecvSpec] = {}
+        self._send_deadlines: dict[str, int] = {}
+        lease_s = config.kv_transfer.kv_lease_s if config.kv_transfer else 30.0
+        self.lease_ns = round(lease_s * 1e9)  # vLLM's kv_lease_duration
+        self._heartbeats = HeartbeatTracker(self.lease_ns // 6)  # vLLM: kv_lease_duration // 6
+        self._now = 0  # the engine's clock (ns), from set_time
         self.num_bad_params = 0
         # Once the worker side is gone nobody serves reads: offer no KV to decode any
         # more (the router then lets D prefill itself), or D could read freed blocks.
@@ -78,12 +92,23 @@ class PDConnector(KVConnectorBase):
             )
         params["do_remote_prefill"] = False  # load once, even after a preemption
 
+    def on_new_request(self, request: Request) -> None:
+        self._heartbeats.track(request.req_id, request.kv_transfer_params)
+
+    def set_time(self, now_ns: int) -> None:
+        self._now = now_ns
+
+    def next_deadline_ns(self) -> int | None:
+        return self._heartbeats.next_due_ns(self._now)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(self._reqs_need_send, self._reqs_need_recv)
-        self._reqs_need_send, self._reqs_need_recv = {}, {}
+        meta = PDConnectorMetadata(self._reqs_need_send, self._reqs_need_recv, self._send_deadlines,
+                                   self._heartbeats.package(self._now))
+        self._reqs_need_send, self._reqs_need_recv, self._send_deadlines = {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._heartbeats.stop(request.req_id)  # finished before its load completed
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and self._remote_params_fit(request, params):
             # Finished before its load was ever scheduled (aborted while waiting): P still
@@ -104,6 +129,7 @@ class PDConnector(KVConnectorBase):
         if self.worker_error is not None:
             return False, None
         self._reqs_need_send[request.req_id] = list(block_ids)
+        self._send_deadlines[request.req_id] = self._now + self.lease_ns
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -114,6 +140,8 @@ class PDConnector(KVConnectorBase):
         }
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving:
+            self._heartbeats.stop(req_id)
         if connector_output.worker_error is not None:
             self.worker_error = connector_output.worker_error
 

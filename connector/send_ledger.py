@@ -1,24 +1,35 @@
-"""The prefill side's send ledger: held sends, their deadlines, "read done" and early arrivals, with time passed in. Runs in: connector-worker process (and the simulator, on virtual time).
+"""The prefill side's send ledger: held sends, their leases, heartbeats, "read done" and early arrivals, with time passed in. Runs in: connector-worker process (and the simulator, on virtual time).
 
 Sans-IO: no sockets, no clock. Each call takes `now`, integer nanoseconds of a monotonic
 clock (time.monotonic_ns() in connector/worker_proc.py, virtual time in
 replay/sim/kv_worker.py), and returns a LedgerOutput saying what to do: sends that
-finished (to report as finished_sending), read replies to send, deadlines it set. The
-driver calls `expire(now)` once `next_deadline()` has come.
+finished (to report as finished_sending), read replies to send, hold deadlines it set.
 
-The rules (vLLM's NIXL connector, prefill side):
-- `register`: P's engine says these blocks wait for a remote read. They are held until
-  D says "read done" or the send's deadline (registration + expiry) passes
-  (VLLM_NIXL_ABORT_REQUEST_TIMEOUT). A deadline belongs to one registration: a re-used
-  id never inherits an old one. `extend` moves a held send's deadline (a lease's hook).
+The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
+- `register`: P's engine says these blocks wait for a remote read, leased until the
+  deadline P's scheduler side stamped in request_finished (now + kv_lease_duration).
+  They are held until D says "read done" or the lease is reaped. A lease belongs to
+  one registration: a re-used id never inherits an old one.
+- Heartbeats: D's worker names the sends D still waits for. They queue here
+  (`receive_heartbeat`) and are applied when P's engine steps, as vLLM handles its
+  "HB:" notifications inside get_finished: each named send still held gets
+  max(lease, now + lease_ns * 2 // 3) (vLLM's kv_lease_duration * 2 // 3, here in ns
+  so that short test leases work; equal for whole seconds divisible by 3). `extend`
+  is the primitive that moves one lease.
+- Reaping (`reap`): only when P's engine steps and asks (vLLM's
+  _reap_expired_send_leases in get_finished): queued heartbeats first, then every
+  held send whose lease has passed (now >= lease) ends, counted as expired. So a
+  parked engine reaps nothing, and its worker keeps serving reads of blocks its engine
+  still holds.
 - D can get there first: P's final output reaches the frontend at the end of the step
   in which the request finished, but P registers the send only in its next step. Early
-  reads are held for `early_hold_ns`, an early "read done" for the expiry, both counted
+  reads are held for `early_hold_ns`, an early "read done" for a lease, both counted
   from the first early arrival of that id; a hold that is never claimed is forgotten
-  and its reads are refused.
+  and its reads are refused. These holds are the worker's own business: its driver
+  calls `expire_holds(now)` once `next_hold_deadline()` has come, steps or not.
 - A "read done" for a send that expired unread is counted (num_reads_after_expiry): P
   freed the blocks already. With `drop_read_done`, every "read done" is dropped and
-  counted (num_read_done_dropped): only expiry frees.
+  counted (num_read_done_dropped): only the lease frees.
 """
 from __future__ import annotations
 
@@ -53,15 +64,15 @@ class LedgerOutput:
 
     finished_sending: list[str] = field(default_factory=list)
     replies: list[ReadReply] = field(default_factory=list)
-    deadlines: list[int] = field(default_factory=list)  # set by this call (ns)
+    hold_deadlines: list[int] = field(default_factory=list)  # early holds set by this call (ns)
 
 
 @dataclass(slots=True)
 class _Send:
     block_ids: list[int]
-    seq: int  # this registration: the deadline's key
+    seq: int  # this registration: the lease's key
     registered_at: int
-    deadline: int
+    deadline: int  # the lease
 
 
 @dataclass(slots=True)
@@ -75,22 +86,27 @@ class _EarlyHold:
 class SendLedger:
     """The prefill side's protocol state; see the module docstring for the rules."""
 
-    def __init__(self, expiry_ns: int, drop_read_done: bool = False,
+    def __init__(self, lease_ns: int, drop_read_done: bool = False,
                  early_hold_ns: int = EARLY_HOLD_NS) -> None:
-        self.expiry_ns, self.early_hold_ns = expiry_ns, early_hold_ns
+        self.lease_ns, self.early_hold_ns = lease_ns, early_hold_ns
+        self.lease_extension_ns = lease_ns * 2 // 3
         self.drop_read_done = drop_read_done
         self.sends: dict[str, _Send] = {}  # registered, not yet read or expired
         self.early: dict[str, _EarlyHold] = {}  # arrived before their registration
         self.expired: set[str] = set()  # expired unread: a late "read done" is stale
-        self._deadlines: list[tuple[int, int, str]] = []  # heap of (deadline, seq, req_id)
+        self.heartbeats: list[str] = []  # received, applied at the next reap
+        self._leases: list[tuple[int, int, str]] = []  # heap of (deadline, seq, req_id)
+        self._holds: list[tuple[int, int, str]] = []  # the same, of early holds
         self._seq = 0
         self.counters = dict.fromkeys(("num_sent", "num_expired", "num_read_done_dropped",
-                                       "num_reads_after_expiry"), 0)
+                                       "num_reads_after_expiry", "num_heartbeats"), 0)
 
     # ---- what P's engine says -------------------------------------------------------
 
-    def register(self, req_id: str, block_ids: list[int], now: int) -> LedgerOutput:
-        """These blocks wait for a remote read: hold them, or settle what came early."""
+    def register(self, req_id: str, block_ids: list[int], now: int,
+                 deadline: int | None = None) -> LedgerOutput:
+        """These blocks wait for a remote read, leased until `deadline` (default: a
+        lease from now): hold them, or settle what came early."""
         out = LedgerOutput()
         send = self.sends[req_id] = _Send(list(block_ids), self._next_seq(), now, 0)
         self.expired.discard(req_id)
@@ -100,18 +116,45 @@ class SendLedger:
         if early is not None and early.read_done:
             self._finish(req_id, expired=False, out=out)
         else:
-            self._set_deadline(req_id, send, now + self.expiry_ns, out)
+            self.extend(req_id, now + self.lease_ns if deadline is None else deadline)
         return out
 
-    def extend(self, req_id: str, deadline: int) -> LedgerOutput:
-        """Move a held send's deadline (a lease renewal); nothing if it is not held."""
+    def reap(self, now: int) -> LedgerOutput:
+        """P's engine steps and asks: apply the queued heartbeats, then end every held
+        send whose lease has passed."""
+        for req_id in self.heartbeats:
+            send = self.sends.get(req_id)
+            if send is not None and now + self.lease_extension_ns > send.deadline:
+                self.extend(req_id, now + self.lease_extension_ns)
+        self.heartbeats.clear()
         out = LedgerOutput()
+        while self._leases and self._leases[0][0] <= now:
+            deadline, seq, req_id = heapq.heappop(self._leases)
+            if self._is_live(self.sends.get(req_id), deadline, seq):
+                self._finish(req_id, expired=True, out=out)
+        return out
+
+    def next_lease_deadline(self) -> int | None:
+        """When the earliest held lease passes (ns), heartbeats not yet applied; None:
+        no send is held."""
+        return self._peek(self._leases, self.sends)
+
+    def extend(self, req_id: str, deadline: int) -> None:
+        """Move a held send's lease to `deadline`; nothing if it is not held."""
         send = self.sends.get(req_id)
         if send is not None:
-            self._set_deadline(req_id, send, deadline, out)
-        return out
+            send.deadline = deadline
+            heapq.heappush(self._leases, (deadline, send.seq, req_id))
 
     # ---- what D's worker says -------------------------------------------------------
+
+    def receive_heartbeat(self, req_ids: list[str]) -> bool:
+        """D still waits for these sends: queued for the next reap. True when the queue
+        was empty, so the driver tells the engine there is something to reap."""
+        first = not self.heartbeats
+        self.heartbeats.extend(req_ids)
+        self.counters["num_heartbeats"] += 1
+        return first
 
     def read(self, reply_to: object, req_id: str, block_ids: list[int], now: int) -> LedgerOutput:
         """A read of a send's blocks: answered now, or held until the send is registered."""
@@ -134,27 +177,21 @@ class SendLedger:
             self.expired.discard(req_id)
             self.counters["num_reads_after_expiry"] += 1  # P freed them already
         else:  # held as long as a send could wait: P registers it in its next step
-            self._hold_early(req_id, now, self.expiry_ns, out).read_done = True
+            self._hold_early(req_id, now, self.lease_ns, out).read_done = True
         return out
 
-    # ---- time -----------------------------------------------------------------------
+    # ---- the worker's own timer -----------------------------------------------------
 
-    def next_deadline(self) -> int | None:
-        """When `expire` next has something to do (ns); None: nothing is timed."""
-        while self._deadlines and not self._is_live(*self._deadlines[0]):
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+    def next_hold_deadline(self) -> int | None:
+        """When `expire_holds` next has something to do (ns); None: no early hold."""
+        return self._peek(self._holds, self.early)
 
-    def expire(self, now: int) -> LedgerOutput:
-        """Everything whose deadline is <= now: sends expire, unclaimed early holds go."""
+    def expire_holds(self, now: int) -> LedgerOutput:
+        """Early holds whose time is up and that no registration claimed: forgotten."""
         out = LedgerOutput()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, seq, req_id = heapq.heappop(self._deadlines)
-            if not self._is_live(deadline, seq, req_id):
-                continue  # read meanwhile, re-registered, or the deadline moved
-            if req_id in self.sends:
-                self._finish(req_id, expired=True, out=out)
-            else:
+        while self._holds and self._holds[0][0] <= now:
+            deadline, seq, req_id = heapq.heappop(self._holds)
+            if self._is_live(self.early.get(req_id), deadline, seq):
                 self._forget_early(req_id, out)
         return out
 
@@ -168,16 +205,15 @@ class SendLedger:
         self._seq += 1
         return self._seq
 
-    def _set_deadline(self, req_id: str, holder: _Send | _EarlyHold, deadline: int,
-                      out: LedgerOutput) -> None:
-        holder.deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, holder.seq, req_id))
-        out.deadlines.append(deadline)
-
-    def _is_live(self, deadline: int, seq: int, req_id: str) -> bool:
-        """The heap entry is the current deadline of the current holder of req_id."""
-        holder = self.sends.get(req_id) or self.early.get(req_id)
+    @staticmethod
+    def _is_live(holder: _Send | _EarlyHold | None, deadline: int, seq: int) -> bool:
+        """The heap entry is the current deadline of the current holder of its id."""
         return holder is not None and holder.seq == seq and holder.deadline == deadline
+
+    def _peek(self, heap: list[tuple[int, int, str]], holders: dict) -> int | None:
+        while heap and not self._is_live(holders.get(heap[0][2]), heap[0][0], heap[0][1]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def _answer(self, reply_to: object, req_id: str, block_ids: list[int]) -> ReadReply:
         if not set(block_ids) <= set(self.sends[req_id].block_ids):
@@ -195,11 +231,38 @@ class SendLedger:
         """The hold of an id not registered yet; its first arrival sets how long it lasts."""
         hold = self.early.get(req_id)
         if hold is None:
-            hold = self.early[req_id] = _EarlyHold(self._next_seq(), 0)
-            self._set_deadline(req_id, hold, now + hold_ns, out)
+            hold = self.early[req_id] = _EarlyHold(self._next_seq(), now + hold_ns)
+            heapq.heappush(self._holds, (hold.deadline, hold.seq, req_id))
+            out.hold_deadlines.append(hold.deadline)
         return hold
 
     def _forget_early(self, req_id: str, out: LedgerOutput) -> None:
         """The send never got registered (aborted on P, or a stranger's id)."""
         for read in self.early.pop(req_id).reads:
             out.replies.append(ReadReply(read.reply_to, req_id, read.block_ids, UNKNOWN_REQUEST))
+
+
+@dataclass(slots=True)
+class ReapSchedule:
+    """The engine side's view of its worker's leases: when a step must ask for a reap.
+
+    Sans-IO; the agent (connector/agent.py) and the simulator's worker keep one each.
+    It knows the deadlines P's scheduler side stamped, the worker's answer after each
+    reap (its next lease, heartbeats applied), and whether heartbeats wait (LeaseDue):
+    then the next step reaps at once, as vLLM's get_finished applies them every step.
+    """
+
+    lease_due: int | None = None  # the earliest lease this side knows of (ns)
+    heartbeats_queued: bool = False
+
+    def on_register(self, deadline: int) -> None:
+        self.lease_due = deadline if self.lease_due is None else min(self.lease_due, deadline)
+
+    def on_reaped(self, next_deadline: int | None) -> None:
+        self.lease_due, self.heartbeats_queued = next_deadline, False
+
+    def due(self, holds_sends: bool) -> int | None:
+        """When a step must reap (ns; 0: at once); None: no need while nothing changes."""
+        if self.heartbeats_queued:
+            return 0
+        return self.lease_due if holds_sends else None

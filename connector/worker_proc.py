@@ -3,10 +3,15 @@
 Prefill side: the sockets and the monotonic clock around connector/send_ledger.py,
 which decides what is held, until when, and how a read is answered; here reads are
 served (zmq transport), the shm handshake is answered, and finished_sending is
-reported when the ledger ends a send ("read done" or expiry). Decode side: pulls
-remote blocks into its engine's blocks, tells the prefill worker, and reports
-finished_recving (with invalid_block_ids when a pull fails). Reports go to the engine
-core at once; whether the engine reads them is the engine loop's liveness policy.
+reported when the ledger ends a send ("read done", or a lease reaped). Leases are
+reaped only when the engine's step asks (ReapLeases, from the agent's get_finished),
+as vLLM 0.32 reaps them in get_finished: this process never expires a send on its own
+clock, so behind a parked engine a lease never lapses. Heartbeats from D queue for
+that reap; the first one queued tells the engine (LeaseDue) so its next step reaps.
+Decode side: pulls remote blocks into its engine's blocks, tells the prefill worker,
+reports finished_recving (with invalid_block_ids when a pull fails), and sends the
+heartbeats its engine's scheduler side packaged. Reports go to the engine core at
+once; whether the engine reads them is the engine loop's liveness policy.
 """
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, KVHandle, KVReport,
-                                ReadBlocks, ReadDone, RecvSpec, RegisterKVCache, StepMeta,
-                                WorkerReady)
+from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat, KVHandle,
+                                KVReport, LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
+                                RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
 from connector.transfer import Puller, TransferError
 from engine.kv_cache import KVCache, KVCacheHandle
@@ -34,7 +39,7 @@ class ConnectorWorkerConfig:
     agent_addr: str  # PAIR with the engine core's agent
     kv_addr: str  # ROUTER for peer workers
     transport: str = "shm"
-    kv_expiry_s: float = 480.0
+    kv_lease_s: float = 30.0  # only for sends registered without a deadline
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
 
@@ -52,12 +57,13 @@ class ConnectorWorkerProc:
         self.puller = Puller(self.ctx, config.transport)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
-        self.ledger = SendLedger(round(config.kv_expiry_s * 1e9), config.drop_read_done)
+        self.ledger = SendLedger(round(config.kv_lease_s * 1e9), config.drop_read_done)
         self.pulls: list[tuple[int, int, RecvSpec]] = []  # heap of (due, seq, spec)
         self._seq = 0
         self.report = KVReport([], [], [], {})
         self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
-                                       "num_bad_messages", "num_bytes_pulled"), 0)
+                                       "num_bad_messages", "num_bytes_pulled",
+                                       "num_heartbeats_sent"), 0)
 
     def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -90,8 +96,9 @@ class ConnectorWorkerProc:
             self._flush_report()
 
     def _poll_timeout_ms(self) -> float | None:
-        """Until the next deadline (the ledger's or a pull's); None: block."""
-        dues = [t for t in (self.ledger.next_deadline(), self.pulls[0][0] if self.pulls else None)
+        """Until the next deadline of this process's own (an early hold's or a pull's;
+        never a lease's: the engine reaps those); None: block."""
+        dues = [t for t in (self.ledger.next_hold_deadline(), self.pulls[0][0] if self.pulls else None)
                 if t is not None]
         return None if not dues else max(0, (min(dues) - time.monotonic_ns()) / 1e6)
 
@@ -105,7 +112,7 @@ class ConnectorWorkerProc:
 
     def _fire_timers(self) -> None:
         now = time.monotonic_ns()
-        self._apply(self.ledger.expire(now))
+        self._apply(self.ledger.expire_holds(now))
         while self.pulls and self.pulls[0][0] <= now:
             self._pull(heapq.heappop(self.pulls)[2])
 
@@ -116,19 +123,30 @@ class ConnectorWorkerProc:
         if isinstance(msg, RegisterKVCache):
             self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
         elif isinstance(msg, StepMeta):
-            now = time.monotonic_ns()
-            for req_id, block_ids in msg.reqs_to_send.items():
-                self._apply(self.ledger.register(req_id, block_ids, now))
-            for spec in msg.reqs_to_recv:
-                if not spec.local_block_ids:  # nothing to read: just release P's blocks
-                    self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
-                    continue
-                self.counters["num_recvs_in_flight"] += 1
-                self._seq += 1
-                due = now + round(self.config.pull_delay_ms * 1e6)
-                heapq.heappush(self.pulls, (due, self._seq, spec))
+            self._on_step_meta(msg)
+        elif isinstance(msg, ReapLeases):  # the engine steps: reap, then say when next
+            self._apply(self.ledger.reap(time.monotonic_ns()))
+            self._flush_report()
+            due = self.ledger.next_lease_deadline()
+            self._send_to_agent(LeasesReaped(-1 if due is None else due))
         else:
             raise DecodeError(f"unexpected {type(msg).__name__} from the engine core")
+
+    def _on_step_meta(self, msg: StepMeta) -> None:
+        now = time.monotonic_ns()
+        for req_id, block_ids in msg.reqs_to_send.items():
+            self._apply(self.ledger.register(req_id, block_ids, now, msg.send_deadlines.get(req_id)))
+        for spec in msg.reqs_to_recv:
+            if not spec.local_block_ids:  # nothing to read: just release P's blocks
+                self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+                continue
+            self.counters["num_recvs_in_flight"] += 1
+            self._seq += 1
+            due = now + round(self.config.pull_delay_ms * 1e6)
+            heapq.heappush(self.pulls, (due, self._seq, spec))
+        for heartbeat in msg.heartbeats:  # vLLM's _send_heartbeats, after the loads start
+            self.puller.link(heartbeat.remote_addr).send(Heartbeat(heartbeat.req_ids))
+            self.counters["num_heartbeats_sent"] += 1
 
     def _apply(self, out: LedgerOutput) -> None:
         """Do what the ledger decided: report finished sends, answer reads."""
@@ -157,12 +175,15 @@ class ConnectorWorkerProc:
             return
         counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
                         oldest_send_age_ms=self._oldest_send_age_ms())
-        report = KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids, counters)
+        self._send_to_agent(KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids,
+                                     counters))
+        self.report = KVReport([], [], [], {})
+
+    def _send_to_agent(self, msg: object) -> None:
         try:
-            self.agent.send(CONNECTOR_CODEC.encode(report), zmq.NOBLOCK)
+            self.agent.send(CONNECTOR_CODEC.encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # the engine core is gone (a PAIR with no peer): so are we
             raise SystemExit(0) from None
-        self.report = KVReport([], [], [], {})
 
     def _oldest_send_age_ms(self) -> int:
         oldest = self.ledger.oldest_registration()
@@ -177,6 +198,9 @@ class ConnectorWorkerProc:
         msg = CONNECTOR_CODEC.decode(payload.bytes)
         if isinstance(msg, ReadDone):
             self._apply(self.ledger.read_done(msg.req_id, time.monotonic_ns()))
+        elif isinstance(msg, Heartbeat):
+            if self.ledger.receive_heartbeat(msg.req_ids):
+                self._send_to_agent(LeaseDue())
         elif isinstance(msg, ReadBlocks):
             if self.kv_cache is None:  # nothing to read from: no hold either
                 self._reply(ReadReply(identity, msg.req_id, msg.block_ids, UNKNOWN_REQUEST))

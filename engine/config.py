@@ -78,7 +78,10 @@ class KVTransferConfig:
     kv_connector: str = "connector.factory:make_pd_connector"
     kv_role: str = "kv_both"
     transport: str = "shm"
-    kv_expiry_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    # vLLM 0.32 NIXL's kv_lease_duration: P holds a send's blocks this long past its
+    # finish unless D's heartbeats (every lease/6 while D waits) extend it; reaped only
+    # when P steps. (Older vLLM: a fixed 480 s VLLM_NIXL_ABORT_REQUEST_TIMEOUT.)
+    kv_lease_s: float = 30.0
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
     # Where this engine's connector worker serves block reads; set by the launcher and
@@ -91,7 +94,7 @@ class KVTransferConfig:
                  f"must be 'module:function', got {self.kv_connector!r}")
         _require(self.kv_role in KV_ROLES, "kv_role", f"must be one of {KV_ROLES}")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
-        _require_positive(self, "kv_expiry_s")
+        _require_positive(self, "kv_lease_s")
         _require(self.pull_delay_ms >= 0, "pull_delay_ms", "must be >= 0")
 
 

@@ -86,6 +86,7 @@ class EngineCore:
         """
         if not self.scheduler.has_requests():
             return EngineStepResult([], False, False, False)
+        self._tell_time()
         sched_out = self.scheduler.schedule()
         worker = self.connector_worker
         if worker is not None:
@@ -96,6 +97,7 @@ class EngineCore:
             kv_out = worker.get_finished(sched_out.finished_req_ids)
             runner_out.kv_connector_output = kv_out
             got_kv_reports = not kv_out.is_empty()
+        self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         can_progress = (got_kv_reports or bool(sched_out.preempted_req_ids)
                         or self.scheduler.has_pending_updates())
@@ -103,6 +105,25 @@ class EngineCore:
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed
         return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+
+    def _tell_time(self) -> None:
+        """The scheduler side's clock is the worker side's (engine/kv_connector.py)."""
+        connector, worker = self.scheduler.connector, self.connector_worker
+        now = worker.now_ns() if worker is not None else None
+        if connector is not None and now is not None:
+            connector.set_time(now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def next_deadline_ns(self) -> int | None:
+        """When either connector half next acts on time alone (a heartbeat due, a lease
+        to reap), on the worker side's clock; None: nothing timed."""
+        connector, worker = self.scheduler.connector, self.connector_worker
+        dues = [d for d in (connector.next_deadline_ns() if connector is not None else None,
+                            worker.next_deadline_ns() if worker is not None else None)
+                if d is not None]
+        return min(dues, default=None)
 
     def must_poll(self) -> bool:
         """A connector deferred a request and will not say when to ask again."""

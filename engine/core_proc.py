@@ -1,15 +1,16 @@
 """The engine-core process: the busy loop, its sockets and the liveness policy. Runs in: engine-core process.
 
 Each iteration: drain the frontend input without blocking; step if there is work;
-then ask engine/liveness.py whether to step again, sleep (poll) or block, and on
-what. Blocking means a zmq poll with no timeout: on the frontend input only
-(legacy, poll, and event when idle), or also on the connector worker's socket and
-process sentinel (event, while a connector transfer is pending). The frontend's
-death (its process sentinel) always wakes the loop, which then exits.
+then ask engine/liveness.py whether to step again, sleep (poll_interval: poll, and
+legacy while unfinished requests wait) or block, and on what. Blocking means a zmq
+poll: on the frontend input only with no timeout (legacy with only delayed frees left,
+and every policy when idle), or also on the connector worker's socket and process
+sentinel until the connector's next timed action (event, while a connector transfer is
+pending: a lease to reap, a heartbeat due). The frontend's death (its process
+sentinel) always wakes the loop, which then exits.
 """
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import signal
@@ -22,13 +23,13 @@ import zmq
 
 from engine.config import EngineAddresses, EngineConfig
 from engine.core import EngineCore
-from engine.kv_connector import KVConnectorFactory, KVConnectorRole
+from engine.kv_connector import KVConnectorRole, import_factory
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
 from engine.mock_runner import MockModelRunner
 from engine.outputs import RequestOutput
-from engine.socket_limits import engine_input_bytes, set_max_message_size
+from engine.utils import cdiv
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -47,12 +48,6 @@ class SignalWakeup:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.requested = True
-
-
-def import_factory(name: str) -> KVConnectorFactory:
-    """The connector factory named "module:function" (KVTransferConfig.kv_connector)."""
-    module_name, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
 
 
 def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]:
@@ -81,7 +76,7 @@ class EngineCoreProc:
         self.config = config
         self.wakeup = wakeup
         self.ctx = zmq.Context()
-        self.input = self._socket(zmq.PULL, addrs.input, engine_input_bytes(config.max_model_len))
+        self.input = self._socket(zmq.PULL, addrs.input)
         self.output = self._socket(zmq.PUSH, addrs.output)
         self.core, self.kv_cache = build_engine_core(config)
         self.parent = multiprocessing.parent_process()
@@ -96,10 +91,9 @@ class EngineCoreProc:
         self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
                          config.max_model_len, config.model.vocab_size, self._device()))
 
-    def _socket(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
+    def _socket(self, kind: int, addr: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 1000)  # let a final error or output escape
-        set_max_message_size(sock, max_message_bytes)  # engine/socket_limits.py
         sock.connect(addr)
         return sock
 
@@ -127,13 +121,23 @@ class EngineCoreProc:
                 self._send_outputs(result.outputs)
                 model_executed, can_progress = result.model_executed, result.can_progress
             action = next_action(liveness, self.core.has_work(), model_executed,
-                                 can_progress, self.core.must_poll())
+                                 can_progress, self.core.must_poll(),
+                                 has_unfinished=self.core.has_unfinished_requests())
             self.loop_state = LOOP_STATES[action]
             self._publish_stats()
             if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
                 self._wait(with_connector=False, timeout_ms=self.poll_interval_ms, with_input=False)
-            elif action is not LoopAction.STEP:
-                self._wait(with_connector=action is LoopAction.WAIT_ANY)
+            elif action is LoopAction.WAIT_ANY:
+                self._wait(with_connector=True, timeout_ms=self._until_deadline_ms())
+            elif action is LoopAction.WAIT_INPUT:
+                self._wait(with_connector=False)
+
+    def _until_deadline_ms(self) -> int | None:
+        """Until the connector's next timed action (rounded up); None: none is timed."""
+        due = self.core.next_deadline_ns()
+        if due is None:
+            return None
+        return max(0, cdiv(due - time.monotonic_ns(), 1_000_000))
 
     def _wait(self, with_connector: bool, timeout_ms: int | None = None,
               with_input: bool = True) -> None:

@@ -5,10 +5,18 @@ inside the Scheduler. The worker side lives next to the model runner: it ships e
 step's metadata to wherever the blocks are moved (for kvdrain, a connector worker
 process) and collects completion reports. Reports pile up until `get_finished` is
 called, which happens only when the engine steps: that is the liveness question.
+
+Time: the scheduler side is pure and reads no clock. Its time comes from the worker
+side's clock (`KVConnectorWorkerBase.now_ns`: time.monotonic_ns() in the engine-core
+process, virtual time in the simulator), handed over by EngineCore.step through
+`KVConnectorBase.set_time` before schedule() and again before update_from_output, the
+moments vLLM's NIXL scheduler reads time.perf_counter() (build_connector_meta's
+heartbeats, request_finished's lease). So both halves stamp with one clock.
 """
 from __future__ import annotations
 
 import enum
+import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
@@ -56,6 +64,17 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Observe the worker side's reports (counters, leases). Default: nothing."""
 
+    def on_new_request(self, request: Request) -> None:
+        """A request was added (vLLM's on_new_request: say, start its heartbeats)."""
+
+    def set_time(self, now_ns: int) -> None:
+        """The engine's clock now (ns; see the module docstring). Default: ignored."""
+
+    def next_deadline_ns(self) -> int | None:
+        """When this side next acts on time alone (a heartbeat due), on the set_time
+        clock; None: never. An event-driven loop blocked on reports wakes then."""
+        return None
+
     def get_counters(self) -> dict[str, int]:
         """Scheduler-side counters for stats (say, rejected transfer params)."""
         return {}
@@ -79,6 +98,16 @@ class KVConnectorWorkerBase(ABC):
         """Sockets or file descriptors an event-driven loop may block on for reports."""
         return []
 
+    def now_ns(self) -> int | None:
+        """This side's clock (ns), which the scheduler side is given too; None: none."""
+        return None
+
+    def next_deadline_ns(self) -> int | None:
+        """When get_finished next has something to do on time alone (a lease to reap),
+        on the now_ns clock; None: never. An event-driven loop blocked on reports wakes
+        then, so the step that asks comes."""
+        return None
+
     def get_counters(self) -> dict[str, int]:
         """Transfer counters for stats (in flight, expired, failed...)."""
         return {}
@@ -94,9 +123,14 @@ class KVConnectorRole(enum.Enum):
 
 class KVConnectorFactory(Protocol):
     """The type of a connector factory: named in KVTransferConfig.kv_connector as
-    "module:function" and imported by name in the engine-core process (core_proc.
-    import_factory), which calls it once per role, so the engine never imports a
-    connector package."""
+    "module:function" and imported by name (import_factory) in the engine-core process,
+    which calls it once per role, so the engine never imports a connector package."""
 
     def __call__(self, config: EngineConfig, role: KVConnectorRole,
                  kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase: ...
+
+
+def import_factory(name: str) -> KVConnectorFactory:
+    """The connector factory named "module:function" (KVTransferConfig.kv_connector)."""
+    module_name, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module_name), attr)

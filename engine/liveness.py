@@ -3,16 +3,21 @@
 Pure: the process shell (core_proc.py) and the virtual-clock simulator both ask
 `next_action`, so both follow the same rule.
 
-| policy | work pending, no model ran          | no work                 |
-|--------|-------------------------------------|-------------------------|
-| legacy | step again at once (spin)           | block on frontend input |
-| poll   | sleep poll_interval, step again     | block on frontend input |
-| event  | block on frontend input + connector | block on frontend input |
+| policy | work pending, no model ran                         | no work                 |
+|--------|----------------------------------------------------|-------------------------|
+| legacy | unfinished requests: sleep poll_interval, step     | block on frontend input |
+|        | again; else (finished ids to ship) step again      |                         |
+| poll   | sleep poll_interval, step again                    | block on frontend input |
+| event  | block on frontend input + connector (+ its timer)  | block on frontend input |
 
 Whether work is pending is `scheduler.has_requests()`, whose meaning also depends on
 the policy: under legacy, a finished request whose blocks the connector still holds
 is not work once its id has been shipped (vLLM before #43433), so the engine parks on
-its input and never collects the connector's report.
+its input and never collects the connector's report (nor checks a lease).
+
+vLLM's loop (v1/engine/core.py _process_engine_step) before #43433 was
+`if not model_executed and scheduler.has_unfinished_requests(): time.sleep(0.001)`,
+and after it `... and scheduler.has_requests(): ...`: neither spins.
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ import enum
 
 class LoopAction(enum.Enum):
     STEP = "step"  # step again at once
-    SLEEP = "sleep"  # sleep poll_interval_s, then step (vLLM #43433)
+    SLEEP = "sleep"  # sleep poll_interval_s, then step (vLLM's time.sleep(0.001))
     WAIT_INPUT = "wait_input"  # block on the frontend input socket only
-    WAIT_ANY = "wait_any"  # block on frontend input and the connector worker's socket
+    # Block on frontend input and the connector worker's socket, until the connector's
+    # next timed action at the latest (a lease to reap, a heartbeat due).
+    WAIT_ANY = "wait_any"
 
 
 # What a loop in each action looks like from outside (the TUI's "loop state").
@@ -36,20 +43,28 @@ LOOP_STATES = {
 
 
 def next_action(liveness: str, has_work: bool, model_executed: bool,
-                can_progress: bool = False, must_poll: bool = False) -> LoopAction:
+                can_progress: bool = False, must_poll: bool = False, *,
+                has_unfinished: bool) -> LoopAction:
     """What the loop does after a step.
 
-    can_progress: the next schedule() has work it can do without any new report (it
-    consumed reports, preempted, or has finished ids to ship or finished receives to
-    promote). must_poll: a connector deferred a request ("ask again later") and will
-    send nothing to wake us. Under `event` the first steps at once and the second
-    polls; otherwise nothing could change before a report or an input arrives, so the
-    loop blocks on both. `poll` keeps vLLM's exact behaviour: it always sleeps first.
+    has_work: scheduler.has_requests(); has_unfinished: scheduler.has_unfinished_requests()
+    (legacy sleeps only while these exist: a load being waited for, a request waiting
+    for blocks). can_progress: the next schedule() has work it can do without any new
+    report (it consumed reports, preempted, or has finished ids to ship or finished
+    receives to promote). must_poll: a connector deferred a request ("ask again later")
+    and will send nothing to wake us. Under `event` the first steps at once and the
+    second polls; otherwise nothing could change before a report, an input or a timer,
+    so the loop blocks on all of them. `poll` keeps vLLM's exact behaviour: it always
+    sleeps first.
     """
     if not has_work:
         return LoopAction.WAIT_INPUT
-    if model_executed or liveness == "legacy":
+    if model_executed:
         return LoopAction.STEP
+    if liveness == "legacy":
+        # Without unfinished requests only finished ids to ship remain: the next step
+        # ships them, then has_requests() is false and the loop parks on its input.
+        return LoopAction.SLEEP if has_unfinished else LoopAction.STEP
     if liveness == "poll":
         return LoopAction.SLEEP
     if liveness == "event":

@@ -89,6 +89,8 @@ class Scheduler:
             return RequestOutput(request.req_id, [], request.get_finished_reason(), error=reason)
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)  # say, D starts heartbeating for it
         return None
 
     def _why_unschedulable(self, request: Request) -> str | None:

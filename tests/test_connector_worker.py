@@ -7,112 +7,158 @@ import time
 import pytest
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, KVReport, ReadBlocks, ReadDone,
+from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
+                                LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
                                 RegisterKVCache, StepMeta, WorkerReady)
 from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, UNKNOWN_REQUEST, ReadReply,
-                                   SendLedger)
+                                   ReapSchedule, SendLedger)
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc, run_connector_worker
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 
-EXPIRY = 10_000  # ns: small numbers read better; the ledger only adds and compares
+LEASE = 9_000  # ns: small numbers read better; the ledger only adds and compares
 
 
 def test_read_done_frees_a_held_send_once():
-    ledger = SendLedger(EXPIRY)
-    out = ledger.register("r1", [1, 2], now=0)
-    assert out.finished_sending == [] and out.deadlines == [EXPIRY]
+    ledger = SendLedger(LEASE)
+    out = ledger.register("r1", [1, 2], now=0, deadline=LEASE)
+    assert out.finished_sending == [] and out.hold_deadlines == []
+    assert ledger.next_lease_deadline() == LEASE
     assert ledger.read_done("r1", now=5).finished_sending == ["r1"]
     assert ledger.counters["num_sent"] == 1 and not ledger.sends
-    assert ledger.next_deadline() is None  # the finished send's deadline is gone
-    assert ledger.expire(now=EXPIRY).finished_sending == []
+    assert ledger.next_lease_deadline() is None  # the finished send's lease is gone
+    assert ledger.reap(now=LEASE).finished_sending == []
 
 
-def test_expiry_reports_once_and_a_late_read_done_is_counted():
-    ledger = SendLedger(EXPIRY)
-    ledger.register("r1", [1], now=0)
-    assert ledger.expire(now=EXPIRY - 1).finished_sending == []
-    assert ledger.expire(now=EXPIRY).finished_sending == ["r1"]
-    assert ledger.counters["num_expired"] == 1 and ledger.expire(now=10 * EXPIRY).finished_sending == []
-    assert ledger.read_done("r1", now=EXPIRY + 1).finished_sending == []  # P freed them already
+def test_a_lease_ends_only_when_reaped_and_a_late_read_done_is_counted():
+    ledger = SendLedger(LEASE)
+    ledger.register("r1", [1], now=0, deadline=LEASE)
+    assert ledger.expire_holds(now=10 * LEASE).finished_sending == []  # not the worker's timer
+    assert ledger.read("peer", "r1", [1], now=2 * LEASE).replies == [ReadReply("peer", "r1", [1])]
+    assert ledger.reap(now=LEASE - 1).finished_sending == []
+    assert ledger.reap(now=LEASE).finished_sending == ["r1"]  # now >= lease, as vLLM's
+    assert ledger.counters["num_expired"] == 1 and ledger.reap(now=10 * LEASE).finished_sending == []
+    assert ledger.read_done("r1", now=LEASE + 1).finished_sending == []  # P freed them already
     assert ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early
 
 
-def test_a_reused_request_id_does_not_inherit_an_old_expiry():
-    ledger = SendLedger(EXPIRY)
+def test_the_stamped_deadline_is_the_lease_and_the_default_runs_from_registration():
+    ledger = SendLedger(LEASE)
+    ledger.register("stamped", [1], now=100, deadline=50 + LEASE)  # P stamped it at 50
+    ledger.register("plain", [2], now=100)
+    assert ledger.reap(now=50 + LEASE).finished_sending == ["stamped"]
+    assert ledger.reap(now=100 + LEASE).finished_sending == ["plain"]
+
+
+def test_a_reused_request_id_does_not_inherit_an_old_lease():
+    ledger = SendLedger(LEASE)
     ledger.register("r1", [1], now=0)
     ledger.read_done("r1", now=1)
     ledger.register("r1", [2], now=5)  # the id comes back
-    assert ledger.expire(now=EXPIRY).finished_sending == []  # the first registration's deadline
-    assert "r1" in ledger.sends and ledger.next_deadline() == 5 + EXPIRY
-    assert ledger.expire(now=5 + EXPIRY).finished_sending == ["r1"]
+    assert ledger.reap(now=LEASE).finished_sending == []  # the first registration's lease
+    assert "r1" in ledger.sends and ledger.next_lease_deadline() == 5 + LEASE
+    assert ledger.reap(now=5 + LEASE).finished_sending == ["r1"]
     assert ledger.counters == {"num_sent": 1, "num_expired": 1, "num_read_done_dropped": 0,
-                               "num_reads_after_expiry": 0}
+                               "num_reads_after_expiry": 0, "num_heartbeats": 0}
+
+
+def test_heartbeats_extend_held_leases_when_reaped():
+    """vLLM's _handle_heartbeat, run in get_finished: max(lease, now + lease * 2 // 3)."""
+    ledger = SendLedger(LEASE)
+    ledger.register("r1", [1], now=0, deadline=LEASE)
+    ledger.register("r2", [2], now=0, deadline=LEASE)
+    assert ledger.receive_heartbeat(["r1", "ghost"]) is True  # the first queued: tell the engine
+    assert ledger.receive_heartbeat(["r1"]) is False
+    assert ledger.next_lease_deadline() == LEASE  # queued, not applied: P has not stepped
+    # Applied at the reap, with the reap's time: r1 -> 8000 + 6000; r2 lapses.
+    assert ledger.reap(now=8_000).finished_sending == []
+    assert ledger.next_lease_deadline() == LEASE and ledger.sends["r1"].deadline == 14_000
+    assert ledger.reap(now=LEASE).finished_sending == ["r2"]
+    assert ledger.next_lease_deadline() == 14_000 and "ghost" not in ledger.sends
+    ledger.receive_heartbeat(["r1"])
+    ledger.reap(now=1_000)  # now + 2/3 lease < the lease: a heartbeat never shortens it
+    assert ledger.sends["r1"].deadline == 14_000
+    assert ledger.reap(now=14_000).finished_sending == ["r1"]
+    assert ledger.counters["num_heartbeats"] == 3 and not ledger.heartbeats
+
+
+def test_reap_schedule_is_the_engine_sides_view():
+    schedule = ReapSchedule()
+    assert schedule.due(holds_sends=True) is None
+    schedule.on_register(50)
+    schedule.on_register(30)
+    assert schedule.due(holds_sends=True) == 30 and schedule.due(holds_sends=False) is None
+    schedule.heartbeats_queued = True  # a LeaseDue: reap at the next step
+    assert schedule.due(holds_sends=False) == 0
+    schedule.on_reaped(70)
+    assert schedule.due(holds_sends=True) == 70 and not schedule.heartbeats_queued
 
 
 def test_a_read_done_before_the_send_is_registered_still_frees():
     """D can read and say "read done" before P's next step registers the send."""
-    ledger = SendLedger(EXPIRY)
+    ledger = SendLedger(LEASE)
     out = ledger.read_done("r1", now=0)
-    assert out.finished_sending == [] and out.deadlines == [EXPIRY]  # held as long as a send
+    assert out.finished_sending == [] and out.hold_deadlines == [LEASE]  # held as long as a lease
     out = ledger.register("r1", [1, 2], now=3)
-    assert out.finished_sending == ["r1"] and out.deadlines == []
+    assert out.finished_sending == ["r1"] and out.hold_deadlines == []
     assert ledger.counters["num_sent"] == 1 and not ledger.sends and not ledger.early
-    assert ledger.next_deadline() is None
+    assert ledger.next_lease_deadline() is None and ledger.next_hold_deadline() is None
 
 
-def test_an_early_read_done_is_forgotten_after_the_expiry():
-    ledger = SendLedger(EXPIRY)
+def test_an_early_read_done_is_forgotten_after_a_lease():
+    ledger = SendLedger(LEASE)
     ledger.read_done("r1", now=0)
-    assert ledger.expire(now=EXPIRY).replies == [] and not ledger.early
-    ledger.register("r1", [1], now=EXPIRY + 1)  # too late: this send waits for its own read
+    assert ledger.next_hold_deadline() == LEASE
+    assert ledger.expire_holds(now=LEASE).replies == [] and not ledger.early
+    ledger.register("r1", [1], now=LEASE + 1)  # too late: this send waits for its own read
     assert "r1" in ledger.sends and ledger.counters["num_sent"] == 0
 
 
 def test_early_reads_are_answered_at_registration_and_strangers_refused_after_the_hold():
-    ledger = SendLedger(EXPIRY, early_hold_ns=100)
+    ledger = SendLedger(LEASE, early_hold_ns=100)
     assert ledger.read("peer-a", "r1", [3], now=0).replies == []
     assert ledger.read("peer-b", "r1", [9], now=1).replies == []
-    assert ledger.read("peer-c", "ghost", [1], now=2).deadlines == [102]
+    assert ledger.read("peer-c", "ghost", [1], now=2).hold_deadlines == [102]
     out = ledger.register("r1", [3, 4], now=50)
     assert out.replies == [ReadReply("peer-a", "r1", [3]),
                            ReadReply("peer-b", "r1", [9], BLOCKS_NOT_HELD)]
-    assert ledger.expire(now=101).replies == []
-    assert ledger.expire(now=102).replies == [ReadReply("peer-c", "ghost", [1], UNKNOWN_REQUEST)]
+    assert ledger.expire_holds(now=101).replies == []
+    assert ledger.expire_holds(now=102).replies == [ReadReply("peer-c", "ghost", [1], UNKNOWN_REQUEST)]
     assert not ledger.early and "r1" in ledger.sends
 
 
 def test_the_first_early_arrival_sets_the_hold():
     """An early read holds for early_hold_ns; a "read done" joining it does not extend it."""
-    ledger = SendLedger(EXPIRY, early_hold_ns=100)
+    ledger = SendLedger(LEASE, early_hold_ns=100)
     ledger.read("peer", "r1", [1], now=0)
-    assert ledger.read_done("r1", now=10).deadlines == []
-    out = ledger.expire(now=100)
+    assert ledger.read_done("r1", now=10).hold_deadlines == []
+    out = ledger.expire_holds(now=100)
     assert out.replies == [ReadReply("peer", "r1", [1], UNKNOWN_REQUEST)] and not ledger.early
     ledger.register("r1", [1], now=101)
     assert "r1" in ledger.sends  # the forgotten "read done" does not free it
 
 
-def test_drop_read_done_leaves_only_expiry():
-    ledger = SendLedger(EXPIRY, drop_read_done=True)
+def test_drop_read_done_leaves_only_the_lease():
+    ledger = SendLedger(LEASE, drop_read_done=True)
     ledger.register("r1", [1], now=0)
     assert ledger.read_done("r1", now=1).finished_sending == []
     assert ledger.counters["num_read_done_dropped"] == 1
-    assert ledger.expire(now=EXPIRY).finished_sending == ["r1"]
+    assert ledger.reap(now=LEASE).finished_sending == ["r1"]
 
 
-def test_extend_moves_the_deadline_of_a_held_send_only():
-    ledger = SendLedger(EXPIRY)
+def test_extend_moves_the_lease_of_a_held_send_only():
+    ledger = SendLedger(LEASE)
     ledger.register("r1", [1], now=0)
-    assert ledger.extend("r1", 3 * EXPIRY).deadlines == [3 * EXPIRY]
-    assert ledger.extend("ghost", 1).deadlines == [] and "ghost" not in ledger.early
-    assert ledger.next_deadline() == 3 * EXPIRY  # the old one is stale
-    assert ledger.expire(now=2 * EXPIRY).finished_sending == []
-    assert ledger.expire(now=3 * EXPIRY).finished_sending == ["r1"]
+    ledger.extend("r1", 3 * LEASE)
+    ledger.extend("ghost", 1)
+    assert "ghost" not in ledger.early and "ghost" not in ledger.sends
+    assert ledger.next_lease_deadline() == 3 * LEASE  # the old one is stale
+    assert ledger.reap(now=2 * LEASE).finished_sending == []
+    assert ledger.reap(now=3 * LEASE).finished_sending == ["r1"]
 
 
 def test_oldest_registration():
-    ledger = SendLedger(EXPIRY)
+    ledger = SendLedger(LEASE)
     assert ledger.oldest_registration() is None
     ledger.register("r1", [1], now=7)
     ledger.register("r2", [2], now=9)
@@ -168,6 +214,68 @@ def test_worker_process_serves_holds_refuses_and_reports(tmp_path):
         cache.close()
 
 
+def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
+    """A lease past its deadline is still held (and read) until the engine's step sends
+    ReapLeases; a heartbeat queues (LeaseDue) and is applied at that reap."""
+    ctx = zmq.Context.instance()
+    config = ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv",
+                                   transport="zmq", kv_lease_s=0.6)
+    cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
+    agent, peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.DEALER)
+    proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))
+    proc.start()
+    try:
+        for sock, addr in ((agent, config.agent_addr), (peer, config.kv_addr)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+        assert isinstance(CONNECTOR_CODEC.decode(_recv(agent, 60)[0]), WorkerReady)
+        agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
+        now = time.monotonic_ns()
+        agent.send(CONNECTOR_CODEC.encode(StepMeta({"r1": [3], "r2": [4]}, [],
+                                                   {"r1": now + 200_000_000, "r2": now + 200_000_000})))
+        peer.send(CONNECTOR_CODEC.encode(Heartbeat(["r2"])))
+        assert CONNECTOR_CODEC.decode(_recv(agent)[0]) == LeaseDue()
+        assert not agent.poll(400)  # both deadlines passed: nothing expires on its own
+        peer.send(CONNECTOR_CODEC.encode(ReadBlocks("r1", [3])))
+        reply, _ = _recv(peer)
+        assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "")  # still held
+        agent.send(CONNECTOR_CODEC.encode(ReapLeases()))
+        asked = time.monotonic_ns()
+        report = CONNECTOR_CODEC.decode(_recv(agent)[0])
+        assert isinstance(report, KVReport) and report.finished_sending == ["r1"]
+        assert report.counters["num_expired"] == 1 and report.counters["num_heartbeats"] == 1
+        answer = CONNECTOR_CODEC.decode(_recv(agent)[0])
+        # r2's heartbeat was applied at the reap: reap time + 0.4 s, not arrival + 0.4 s.
+        assert isinstance(answer, LeasesReaped)
+        assert asked + 400_000_000 - 50_000_000 < answer.next_deadline_ns <= time.monotonic_ns() + 400_000_000
+        agent.send(CONNECTOR_CODEC.encode(ReapLeases()))  # nothing due: just the answer
+        assert CONNECTOR_CODEC.decode(_recv(agent)[0]) == answer
+    finally:
+        proc.terminate()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+        agent.close()
+        peer.close()
+        cache.close()
+
+
+def test_decode_worker_sends_the_heartbeats_of_its_step(tmp_path):
+    """D's worker forwards each HeartbeatSpec of a StepMeta to that P worker."""
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    p_kv = zmq.Context.instance().socket(zmq.ROUTER)
+    p_kv.setsockopt(zmq.LINGER, 0)
+    try:
+        p_kv.bind(f"ipc://{tmp_path}/p-kv")
+        proc._on_step_meta(StepMeta({}, [], {}, [HeartbeatSpec("P", f"ipc://{tmp_path}/p-kv", ["a", "b"])]))
+        _, payload = _recv(p_kv)
+        assert CONNECTOR_CODEC.decode(payload) == Heartbeat(["a", "b"])
+        assert proc.counters["num_heartbeats_sent"] == 1
+    finally:
+        p_kv.close()
+        proc.close()
+
+
 @pytest.fixture
 def worker_proc(tmp_path):
     proc = ConnectorWorkerProc(ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
@@ -208,3 +316,22 @@ def test_a_dead_workers_transfers_are_resolved_by_the_agent():
     pending.resolve_orphans(out)
     assert out.finished_sending == {"s1"} and out.finished_recving == {"d1"}
     assert out.invalid_block_ids == {4, 5} and not pending.sends and not pending.recvs
+
+
+def test_the_agent_asks_for_a_reap_once_a_lease_may_have_passed():
+    """PendingTransfers' ReapSchedule: stamped deadlines, a LeaseDue, the worker's answer."""
+    from connector.agent import PendingTransfers
+    from connector.pd import PDConnectorMetadata
+    from engine.outputs import KVConnectorOutput
+    pending = PendingTransfers(lease_ns=100)
+    assert pending.reap_due() is None
+    pending.start(PDConnectorMetadata({"s1": [1], "s2": [2]}, send_deadlines={"s2": 150}), now=10)
+    assert pending.reap_due() == 110  # s1 unstamped: leased from now, as the worker does
+    out = KVConnectorOutput()
+    assert pending.merge(CONNECTOR_CODEC.encode(LeaseDue()), out) is None
+    assert pending.reap_due() == 0  # heartbeats wait: the next step reaps
+    assert pending.merge(CONNECTOR_CODEC.encode(LeasesReaped(150)), out) == LeasesReaped(150)
+    assert pending.reap_due() == 150
+    pending.merge(CONNECTOR_CODEC.encode(KVReport(["s1", "s2"], [], [], {})), out)
+    assert pending.reap_due() is None and out.finished_sending == {"s1", "s2"}
+

@@ -26,7 +26,8 @@ def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction
     for _ in range(max_steps):
         result = core.step()
         action = next_action(core.config.liveness, core.has_work(), result.model_executed,
-                             result.can_progress, core.must_poll())
+                             result.can_progress, core.must_poll(),
+                             has_unfinished=core.has_unfinished_requests())
         actions.append(action)
         if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
             if action == LoopAction.WAIT_ANY and core.connector_worker.pending_send:
@@ -83,17 +84,38 @@ def test_no_connector_engine_blocks_when_done():
 
 
 def test_next_action_table():
-    assert next_action("legacy", True, False) == LoopAction.STEP
-    assert next_action("poll", True, False) == LoopAction.SLEEP
-    assert next_action("event", True, False) == LoopAction.WAIT_ANY
-    assert next_action("event", True, False, can_progress=True) == LoopAction.STEP
-    assert next_action("event", True, False, must_poll=True) == LoopAction.SLEEP
-    assert next_action("poll", True, False, can_progress=True) == LoopAction.SLEEP
+    for unfinished in (True, False):
+        assert next_action("poll", True, False, has_unfinished=unfinished) == LoopAction.SLEEP
+        assert next_action("event", True, False, has_unfinished=unfinished) == LoopAction.WAIT_ANY
+    assert next_action("event", True, False, can_progress=True, has_unfinished=True) == LoopAction.STEP
+    assert next_action("event", True, False, must_poll=True, has_unfinished=True) == LoopAction.SLEEP
+    assert next_action("poll", True, False, can_progress=True, has_unfinished=True) == LoopAction.SLEEP
     for policy in ("legacy", "poll", "event"):
-        assert next_action(policy, True, True) == LoopAction.STEP
-        assert next_action(policy, False, False) == LoopAction.WAIT_INPUT
+        assert next_action(policy, True, True, has_unfinished=True) == LoopAction.STEP
+        assert next_action(policy, False, False, has_unfinished=False) == LoopAction.WAIT_INPUT
     with pytest.raises(ValueError):
-        next_action("nope", True, False)
+        next_action("nope", True, False, has_unfinished=True)
+
+
+def test_legacy_sleeps_while_unfinished_requests_wait_and_never_spins():
+    """vLLM before #43433: `if not model_executed and has_unfinished_requests(): sleep(1 ms)`."""
+    assert next_action("legacy", True, False, has_unfinished=True) == LoopAction.SLEEP
+    assert next_action("legacy", True, False, can_progress=True, has_unfinished=True) == LoopAction.SLEEP
+    # Only finished ids to ship: step once more (it ships them), then park on the input.
+    assert next_action("legacy", True, False, has_unfinished=False) == LoopAction.STEP
+
+
+def test_legacy_decode_sleeps_between_steps_while_its_load_waits():
+    core = make_core("legacy")
+    core.connector_worker.recv_after = 10**9  # the load never lands
+    params = {"do_remote_prefill": True, "remote_request_id": "p0", "remote_engine_id": "P",
+              "remote_block_ids": [7, 8], "remote_addr": "ipc:///tmp/p-kv"}
+    core.add_request("d", list(range(8)), 4, params)
+    actions = [next_action("legacy", core.has_work(), step.model_executed, step.can_progress,
+                           core.must_poll(), has_unfinished=core.has_unfinished_requests())
+               for step in (core.step() for _ in range(5))]
+    assert core.make_stats().num_waiting_for_remote_kvs == 1
+    assert actions == [LoopAction.SLEEP] * 5  # the pre-fix loop slept; it did not spin
 
 
 def test_malformed_request_fails_alone():

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from connector.messages import HeartbeatSpec
+from engine.config import EngineConfig, KVTransferConfig
 from engine.request import RequestStatus
 from engine.utils import cdiv
 from tests.utils import (BLOCK_SIZE, assert_scheduler_empty, make_request, make_scheduler,
@@ -186,7 +187,7 @@ def test_remote_params_that_do_not_fit_fall_back_to_local_prefill():
 
 
 def test_legacy_counts_waiting_for_remote_kvs_as_unfinished():
-    """Legacy spins through zero-token steps while a load is pending (DESIGN.md)."""
+    """Legacy sleeps 1 ms per zero-token step while a load is pending (DESIGN.md)."""
     sched = make_scheduler(use_kv_connector=True, liveness="legacy")
     sched.add_request(make_request("d", 10, params=remote_prefill_params(10)))
     out, _ = step(sched)
@@ -361,3 +362,64 @@ def test_duplicate_id_leaves_the_original_load_alone():
     while sched.has_requests():
         step(sched)
     assert_scheduler_empty(sched)
+
+
+S = 1_000_000_000  # ns
+
+
+def test_prefill_stamps_a_lease_for_length_capped_and_stopped_alike():
+    """vLLM 0.32 NIXL request_finished: deadline = now + kv_lease_duration, with the
+    engine's clock (set_time); an abort frees at once and gets none."""
+    sched = make_scheduler(use_kv_connector=True, eos_token_id=10)
+    sched.connector.set_time(7 * S)
+    sched.add_request(make_request("cap", 10, max_tokens=1, start=100, params=dict(REMOTE_DECODE)))
+    sched.add_request(make_request("eos", 10, max_tokens=1, eos_token_id=10, params=dict(REMOTE_DECODE)))
+    sched.add_request(make_request("gone", 10, max_tokens=5, start=200, params=dict(REMOTE_DECODE)))
+    _, outputs = step(sched)
+    assert sorted((o.req_id, o.finish_reason) for o in outputs if o.finished) == \
+        [("cap", "length"), ("eos", "stop")]
+    sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    meta = out.kv_connector_metadata
+    assert set(meta.reqs_to_send) == {"cap", "eos"}
+    assert meta.send_deadlines == {"cap": 7 * S + 30 * S, "eos": 7 * S + 30 * S}  # 30 s default
+
+
+def test_decode_heartbeats_while_it_waits_and_only_when_it_steps():
+    """vLLM 0.32 NIXL build_connector_meta: every tracked remote id, per P engine, at
+    most every lease // 6 (the first at once); tracked from add_request until
+    finished_recving or request_finished."""
+    sched = make_scheduler(use_kv_connector=True,
+                           kv_transfer=KVTransferConfig(kv_addr="ipc://d", kv_lease_s=6.0))
+    conn = sched.connector
+    conn.set_time(10 * S)
+    sched.add_request(make_request("d1", 10, params=remote_prefill_params(10)))
+    assert conn.next_deadline_ns() == 10 * S  # due at once
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.heartbeats == [HeartbeatSpec("P", "ipc://p", ["x"])]
+    assert conn.next_deadline_ns() == 11 * S  # every 6 s // 6
+    conn.set_time(10 * S + S // 2)
+    sched.add_request(make_request("d2", 10, start=50, params={**remote_prefill_params(10, 200),
+                                                                "remote_request_id": "y"}))
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.heartbeats == []  # one throttle for all requests
+    conn.set_time(111 * S)  # D did not step for 100 s: one heartbeat when it next does
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.heartbeats == [HeartbeatSpec("P", "ipc://p", ["x", "y"])]
+    conn.set_time(112 * S)
+    step(sched, finished_recving={"d1"})  # this step's heartbeat went out before the report
+    sched.finish_requests(["d2"], RequestStatus.FINISHED_ABORTED)
+    assert conn.next_deadline_ns() is None
+    conn.set_time(200 * S)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.heartbeats == []
+
+
+def test_requests_without_remote_fields_send_no_heartbeats():
+    sched = make_scheduler(use_kv_connector=True)
+    sched.add_request(make_request("p", 10, max_tokens=1, params=dict(REMOTE_DECODE)))
+    params = {**remote_prefill_params(10), "remote_addr": None}
+    sched.add_request(make_request("d", 10, start=50, params=params))
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.heartbeats == [] and sched.connector.next_deadline_ns() is None
+

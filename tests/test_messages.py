@@ -8,7 +8,8 @@ import pytest
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, GetKVHandle,
-                                KVHandle, KVReport, ReadBlocks, ReadDone, RecvSpec,
+                                Heartbeat, HeartbeatSpec, KVHandle, KVReport, LeaseDue,
+                                LeasesReaped, ReadBlocks, ReadDone, ReapLeases, RecvSpec,
                                 RegisterKVCache, StepMeta, WorkerReady)
 from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
                              GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
@@ -28,13 +29,18 @@ SAMPLES = {
     ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16, "mock", 4096, 512, "tiny"),
     RegisterKVCache: RegisterKVCache("P", {"kind": "shm", "shape": [1, 2], "cuda_handle": b"\x00"}),
     WorkerReady: WorkerReady("P", 42, "ipc:///tmp/x/P-kv"),
-    StepMeta: StepMeta({"r1": [1, 2]}, [RecvSpec("r2", [3], [9], "P", "r2", "ipc:///tmp/x")]),
+    StepMeta: StepMeta({"r1": [1, 2]}, [RecvSpec("r2", [3], [9], "P", "r2", "ipc:///tmp/x")],
+                       {"r1": 30_000_000_000}, [HeartbeatSpec("P", "ipc:///tmp/x", ["r3"])]),
     KVReport: KVReport(["r1"], ["r2"], [3, 4], {"num_sent": 1}),
     GetKVHandle: GetKVHandle("P"),
     KVHandle: KVHandle("P", {"kind": "shm"}),
     ReadBlocks: ReadBlocks("r1", [1, 2]),
     BlockData: BlockData("r1", True, ""),
     ReadDone: ReadDone("r1"),
+    Heartbeat: Heartbeat(["r1", "r2"]),
+    ReapLeases: ReapLeases(),
+    LeasesReaped: LeasesReaped(-1),
+    LeaseDue: LeaseDue(),
 }
 
 
@@ -45,7 +51,8 @@ ENGINE_TAGS = {
 }
 CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
-    "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8,
+    "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,
+    "ReapLeases": 10, "LeasesReaped": 11, "LeaseDue": 12,
 }
 
 

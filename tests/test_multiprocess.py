@@ -85,7 +85,7 @@ def test_idle_prefill_engine_frees_blocks_only_when_fixed(liveness):
 
 @pytest.mark.parametrize("liveness", ["poll", "event"])
 def test_expiry_frees_blocks_when_read_done_is_dropped(liveness):
-    with topology(liveness=liveness, drop_read_done=True, kv_expiry_s=1.0) as h:
+    with topology(liveness=liveness, drop_read_done=True, kv_lease_s=1.0) as h:
         start = time.monotonic()
         h.collect(send_all(h, 2))
         p = h.clients["P"]
@@ -94,6 +94,34 @@ def test_expiry_frees_blocks_when_read_done_is_dropped(liveness):
         assert stats is not None and 0.9 <= elapsed <= 6.0
         assert stats.counts["num_expired"] == 8 and stats.counts["num_sent"] == 0
         assert stats.counts["num_read_done_dropped"] == 8
+
+
+def test_legacy_decode_sleeps_while_its_loads_wait():
+    """The pre-#43433 loop slept 1 ms per zero-token step while requests were
+    unfinished (D's loads pending): under 1,000 steps/s, never a spin."""
+    with topology(liveness="legacy", pull_delay_ms=1500) as h:
+        send_all(h, 2)
+        first = h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 8, 10)
+        assert first is not None
+        h.idle_for(0.5)
+        last = h.stats("D")
+        assert last.counts["num_waiting_for_remote_kvs"] == 8 and last.loop_state == "polling"
+        rate = (last.num_steps - first.num_steps) / (last.monotonic - first.monotonic)
+        assert 50 < rate <= 1000, rate
+        h.collect(set(PROMPTS))
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_heartbeats_keep_prefill_leases_while_decode_waits(liveness):
+    """D reads 2.5 s late with a 1.2 s lease: its heartbeats (every 0.2 s while it
+    steps) keep P's leases, so every read finds its blocks and P frees on "read done"."""
+    with topology(liveness=liveness, pull_delay_ms=2500, kv_lease_s=1.2) as h:
+        result = h.collect(send_all(h, 2))
+        stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
+        assert stats is not None and stats.counts["num_sent"] == 8
+        assert stats.counts["num_expired"] == 0 and stats.counts["num_heartbeats"] >= 5
+        assert h.stats("D").counts["num_recved"] == 8
+    assert result["tokens"] == {r: mock_tokens(p, 2) for r, p in PROMPTS.items()}
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -122,7 +150,7 @@ def test_killing_prefill_connector_worker_mid_transfer(policy):
 
 
 def test_killing_decode_connector_worker_with_fail_policy():
-    with topology(policy="fail", pull_delay_ms=3000, kv_expiry_s=1.0) as h:
+    with topology(policy="fail", pull_delay_ms=3000, kv_lease_s=1.0) as h:
         send_all(h, 3)
         waiting = h.wait_for_stats("D", lambda s: s.counts["num_waiting_for_remote_kvs"] == 8, 10)
         assert waiting is not None

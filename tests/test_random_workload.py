@@ -77,7 +77,8 @@ def one_step(sched, world: FakeWorld, flush: bool = False) -> LoopAction:
     can_progress = (not reports.is_empty() or bool(out.preempted_req_ids)
                     or sched.has_pending_updates())
     return next_action(sched.config.liveness, sched.has_requests(),
-                       out.total_num_scheduled_tokens > 0, can_progress, sched.has_deferred_requests())
+                       out.total_num_scheduled_tokens > 0, can_progress, sched.has_deferred_requests(),
+                       has_unfinished=sched.has_unfinished_requests())
 
 
 @settings(max_examples=60, deadline=None)

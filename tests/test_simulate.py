@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from connector.factory import make_pd_connector
-from connector.messages import RecvSpec
+from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
 from engine.config import EngineConfig, KVTransferConfig
 from replay.sim.clock import EventLoop, to_ns
@@ -138,7 +138,7 @@ def test_shared_hash_ids_hit_the_prefix_cache(tmp_path):
 @pytest.mark.parametrize("liveness", ["poll", "event"])
 def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     records = load(tmp_path, bursts(spacing=0.8))  # sends never overlap
-    timeline = run(records, liveness, drop_read_done=True, kv_expiry_s=0.5)
+    timeline = run(records, liveness, drop_read_done=True, kv_lease_s=0.5)
     assert timeline.counters["P"]["num_expired"] == 9
     assert timeline.counters["P"]["num_read_done_dropped"] == 9  # D sends it; P drops it
     verdict = verify(timeline, [], VerifyOptions(drain_deadline_s=1.0))
@@ -146,15 +146,22 @@ def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     p_windows = [w for w in verdict.windows if w.engine == "P"]
     # The window opens when D's last request ends, a few tens of ms after P finished.
     assert len(p_windows) == 3 and all(0.4 < w.time_to_drain <= 0.5 for w in p_windows)
-    assert all(0.5 <= span < 0.502 for span in hold_intervals(timeline, "P"))
+    # The lease runs from the prefill step, whose decisions the virtual clock makes at
+    # its start: seen from outside, P holds for the lease less that step's cost (6.4 ms),
+    # plus the reaping step (a zero-token step, and under poll at most one sleep).
+    assert all(0.5 - 0.0064 < span <= 0.5 - 0.0064 + 0.0012 for span in hold_intervals(timeline, "P"))
     strict = verify(timeline, [], VerifyOptions(drain_deadline_s=0.2))
     assert strict.exit_code == 1
 
 
-def test_legacy_with_dropped_read_done_keeps_expired_blocks(tmp_path):
-    timeline = run(load(tmp_path, bursts()), "legacy", drop_read_done=True, kv_expiry_s=0.5)
-    assert timeline.counters["P"]["num_expired"] == 9  # reported, but never collected
+def test_legacy_with_dropped_read_done_reaps_only_when_an_input_wakes_it(tmp_path):
+    timeline = run(load(tmp_path, bursts()), "legacy", drop_read_done=True, kv_lease_s=0.5)
+    # Parked on its input, P checks no lease: each burst's leases are reaped by the next
+    # burst's first step; the last burst's never are.
+    assert timeline.counters["P"]["num_expired"] == 6
     assert verify(timeline, [], VerifyOptions(drain_deadline_s=1.0)).exit_code == 1
+    held = [s.num_finished_awaiting_free for s in timeline.samples_for("P")]
+    assert held[-1] == 3 and max(held) == 3
 
 
 @pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
@@ -167,11 +174,15 @@ def test_single_topology_drains_under_every_policy(tmp_path, liveness):
 
 
 @pytest.mark.parametrize("liveness,spacing,overrides", [
-    ("poll", 0.3, {"drop_read_done": True, "kv_expiry_s": 0.7}),  # ~600 idle polls a request
+    ("poll", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),  # ~600 idle polls a request
     ("poll", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P waits for blocks too
-    ("legacy", 0.3, {"pull_delay_s": 0.0231}),  # D spins on pending loads
-    ("legacy", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P spins waiting for blocks
-    ("event", 0.3, {"drop_read_done": True, "kv_expiry_s": 0.7}),
+    ("legacy", 0.3, {"pull_delay_s": 0.0231}),  # D sleeps on pending loads
+    ("legacy", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P sleeps waiting for blocks
+    ("event", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),
+    # D waits longer than the lease: heartbeats every 1/6 of it, reaps of extended leases.
+    ("legacy", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
+    ("poll", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
+    ("event", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
 ])
 def test_fast_forward_equals_stepping_one_by_one(tmp_path, liveness, spacing, overrides):
     records = load(tmp_path, bursts(spacing=spacing, shared_prefix=True))
@@ -180,6 +191,59 @@ def test_fast_forward_equals_stepping_one_by_one(tmp_path, liveness, spacing, ov
     fast.meta.pop("fast_forward"), slow.meta.pop("fast_forward")
     assert dump(fast) == dump(slow)
     assert fast.counters == slow.counters
+
+
+def d_steps_per_second(timeline: Timeline, t0: float, t1: float) -> float:
+    samples = [s for s in timeline.samples_for("D") if t0 <= s.t <= t1]
+    return (samples[-1].num_steps - samples[0].num_steps) / (samples[-1].t - samples[0].t)
+
+
+def test_legacy_decode_sleeps_while_its_load_waits(tmp_path):
+    """vLLM before #43433 slept 1 ms per zero-token step while unfinished requests
+    waited: about 1,000 steps/s (here 1 / (1 ms + a 0.1 ms step)), not a spin."""
+    records = load(tmp_path, bursts(num_bursts=1, per_burst=1))
+    timeline = run(records, "legacy", pull_delay_s=1.0)
+    waiting = [s for s in timeline.samples_for("D") if 0.2 <= s.t <= 0.9]
+    assert all(s.num_waiting_for_remote_kvs == 1 and s.loop_state == "polling" for s in waiting)
+    rate = d_steps_per_second(timeline, 0.2, 0.9)
+    assert 1000 / 1.1 - 5 < rate <= 1000
+    poll = run(records, "poll", pull_delay_s=1.0)
+    assert d_steps_per_second(poll, 0.2, 0.9) == rate  # the same loop while a load waits
+    assert timeline.counters["D"]["num_wakeups"] > 900  # each sleep wakes once
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_heartbeats_keep_the_lease_while_decode_waits_longer_than_it(tmp_path, liveness):
+    """D pulls 3 s after it got the request, the lease is 1 s: D's heartbeats (every
+    1/6 s while it steps, even under event) keep P's leases until the reads."""
+    records = load(tmp_path, bursts(num_bursts=1))
+    timeline = run(records, liveness, pull_delay_s=3.0, kv_lease_s=1.0)
+    assert timeline.counters["P"]["num_expired"] == 0
+    assert [r.finish_reason for r in timeline.requests] == ["length"] * 3
+    assert max(hold_intervals(timeline, "P")) > 3.0  # held past three leases, then read
+    assert verify(timeline, [], VerifyOptions(drain_deadline_s=1.0)).exit_code == 0
+
+
+def test_a_parked_legacy_prefill_reaps_no_lease(tmp_path):
+    records = load(tmp_path, bursts(num_bursts=1))
+    timeline = run(records, "legacy", drop_read_done=True, kv_lease_s=0.5, tail_s=5.0)
+    assert timeline.counters["P"]["num_expired"] == 0  # 10 leases long past, none reaped
+    last = timeline.samples_for("P")[-1]
+    assert last.loop_state == "blocked" and last.num_finished_awaiting_free == 3
+    for liveness in ("poll", "event"):  # they step, so they reap
+        fixed = run(records, liveness, drop_read_done=True, kv_lease_s=0.5, tail_s=5.0)
+        assert fixed.counters["P"]["num_expired"] == 3
+
+
+def test_event_prefill_wakes_at_the_lease_and_reaps_at_once(tmp_path):
+    """Blocked on reports with a held send, event P wakes when the lease falls due
+    (its poll timeout), steps, and frees: one wake-up per lease, no polling."""
+    records = load(tmp_path, bursts(num_bursts=1, per_burst=1))
+    timeline = run(records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0)
+    (span,) = hold_intervals(timeline, "P")
+    # From the prefill step's end (6.4 ms after the stamp) to the reaping step's end.
+    assert span == pytest.approx(2.0 - 0.0064 + 0.0001, abs=1e-9)
+    assert timeline.counters["P"]["num_wakeups"] <= 4
 
 
 def test_decode_tokens_equal_a_single_engine(tmp_path):
@@ -206,7 +270,7 @@ def test_event_decode_starts_right_after_its_pull(tmp_path):
 ])
 def test_abort_reaches_the_engine_holding_the_request(tmp_path, at, chunked, num_expired):
     lines = bursts(num_bursts=1, per_burst=1) + [{"t": at, "abort": "b0-r0"}]
-    timeline = run(load(tmp_path, lines), "poll", kv_expiry_s=1.0,
+    timeline = run(load(tmp_path, lines), "poll", kv_lease_s=1.0,
                    max_num_batched_tokens=64 if chunked else 2048)
     (record,) = timeline.requests
     assert record.finish_reason == "abort" and record.end_t == at
@@ -276,7 +340,7 @@ def _run_until(loop: EventLoop, t: int) -> None:
 def test_sim_worker_expiry_belongs_to_one_registration():
     """The simulator drives the process's SendLedger: a re-used id keeps its own deadline."""
     loop, peers = EventLoop(), {}
-    options = sim_options(kv_expiry_s=1.0, read_done_latency_s=0.0)
+    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0)
     p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
     p.start_load_kv(PDConnectorMetadata({"r1": [1]}))
     # An empty receive on D only says "read done" to P.
@@ -294,7 +358,7 @@ def test_sim_worker_expiry_belongs_to_one_registration():
 def test_sim_worker_forgets_an_early_read_done_after_the_expiry():
     """As the process does: an early "read done" is held for the expiry, then dropped."""
     loop, peers = EventLoop(), {}
-    options = sim_options(kv_expiry_s=1.0, read_done_latency_s=0.0)
+    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0)
     p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
     d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"x": RecvSpec("x", [], [], "P", "r1", "")}))
     _run_until(loop, to_ns(0.2))
@@ -306,6 +370,42 @@ def test_sim_worker_forgets_an_early_read_done_after_the_expiry():
     assert p.get_finished(set()).finished_sending == set()
     _run_until(loop, to_ns(2.3))
     assert p.get_finished(set()).finished_sending == {"r2"} and p.get_counters()["num_expired"] == 1
+
+
+def test_sim_worker_reaps_only_when_its_engine_asks_and_heartbeats_extend():
+    """P's leases end in get_finished (its engine's step), never on a clock event; a
+    heartbeat from D is applied at P's next get_finished; without more the lease lapses."""
+    loop, peers = EventLoop(), {}
+    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0)
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    p.start_load_kv(PDConnectorMetadata({"r1": [1], "r2": [2]},
+                                        send_deadlines={"r1": to_ns(1.0), "r2": to_ns(1.0)}))
+    assert p.next_deadline_ns() == to_ns(1.0)
+    _run_until(loop, to_ns(0.5))
+    d.start_load_kv(PDConnectorMetadata(heartbeats=[HeartbeatSpec("P", "sim://P", ["r1"])]))
+    _run_until(loop, to_ns(0.6))
+    assert p.has_reports()  # the LeaseDue message: it wakes P, whose next step reaps
+    assert p.get_finished(set()).finished_sending == set()  # applied: r1 -> 0.6 + 2/3 s
+    _run_until(loop, to_ns(5.0))
+    assert not p.has_reports()  # nothing expires while P does not step
+    assert p.get_finished(set()).finished_sending == {"r1", "r2"}
+    assert p.get_counters()["num_expired"] == 2 and p.next_deadline_ns() is None
+
+
+def test_sim_worker_heartbeat_moves_the_lease_from_the_reap_time():
+    loop, peers = EventLoop(), {}
+    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0)
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    p.start_load_kv(PDConnectorMetadata({"r1": [1]}, send_deadlines={"r1": to_ns(1.0)}))
+    _run_until(loop, to_ns(0.5))
+    d.start_load_kv(PDConnectorMetadata(heartbeats=[HeartbeatSpec("P", "sim://P", ["r1"])]))
+    _run_until(loop, to_ns(0.6))
+    p.get_finished(set())
+    assert p.next_deadline_ns() == to_ns(0.6) + to_ns(1.0) * 2 // 3
+    _run_until(loop, to_ns(1.2))
+    assert p.get_finished(set()).finished_sending == set()  # the old lease (1 s) is gone
+    _run_until(loop, p.next_deadline_ns())
+    assert p.get_finished(set()).finished_sending == {"r1"}  # D stopped heartbeating: it lapses
 
 
 FACTORY_CALLS: list[tuple[str, str]] = []

@@ -5,20 +5,25 @@ draining the frontend input and runs at that instant; its outputs and its stats 
 published `cost` later (step_base_s + step_per_token_s * tokens, or a calibrated
 CostModel's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
 Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
-WAIT_INPUT (only an input wakes it: connector reports pile up unread); WAIT_ANY (an
-input or a report wakes it). Each wake from a wait is a wake-up, as in core_proc.
+WAIT_INPUT (only an input wakes it: connector reports pile up unread, no lease is
+reaped); WAIT_ANY (an input, a report, or the connector's next timed action wakes it:
+a lease to reap, a heartbeat due; core_proc's poll timeout). Each wake from a wait is
+a wake-up, as in core_proc.
 
 Fast-forward (SimOptions.fast_forward). A step is a no-op when it scheduled, shipped
 (finished ids, connector metadata) and collected (reports) nothing, drained no input,
 output nothing and left the stats unchanged. The scheduler is a pure function of its
 state, so with nothing new in the input queue or the connector inbox the next step is
-the same no-op. So after a no-op step whose action is SLEEP (poll) or STEP (legacy
-spinning on a pending load), with both queues empty, the engine schedules no events and
-keeps (s0, p): its steps would start at s0 + i*p, p = zero_step_s (+ poll_interval_s
-when polling). Only an input or a report can change anything; when one arrives at T the
-k = ceil((T - s0) / p) steps that started before T are counted (and, polling, the sleeps
-that began by T as wake-ups); if step k-1 is still running at T, its step-end event is
-scheduled as usual, else the step at s0 + k*p is. Samples meanwhile count the same way.
+the same no-op, until the connector's next timed action (EngineCore.next_deadline_ns:
+a heartbeat due, a lease to reap; the only things a step does by the clock alone). So
+after a no-op step whose action is SLEEP (poll, or legacy waiting on a pending load)
+or STEP, with both queues empty, the engine schedules only an event at that deadline
+and keeps (s0, p): its steps would start at s0 + i*p, p = zero_step_s (+
+poll_interval_s when sleeping). Only an input, a report or that deadline can change
+anything; when one comes at T the k = ceil((T - s0) / p) steps that started before T
+are counted (and, sleeping, the sleeps that began by T as wake-ups); if step k-1 is
+still running at T, its step-end event is scheduled as usual, else the step at s0 +
+k*p is (the first to start at or after T). Samples meanwhile count the same way.
 Integer time makes s0 + k*p exactly what k additions give, so timelines are identical
 with the shortcut off (tests/test_simulate.py compares both).
 """
@@ -30,13 +35,12 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.core_proc import import_factory
-from engine.kv_connector import KVConnectorBase, KVConnectorRole
+from engine.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.utils import cdiv
-from replay.sim.clock import NS, STEP_END, STEP_START, EventLoop, to_ns
+from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
 from replay.sim.cost import StepShape
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
@@ -127,6 +131,7 @@ class SimEngine:
         self.state = "blocked"
         self.num_steps = self.num_wakeups = 0
         self.ff: tuple[int, int, int] | None = None  # (next step start, period, wakeups/step)
+        self.num_pauses = 0  # counts blocks and fast-forwards: a timer belongs to one
         self.stats = self.core.make_stats()  # as last published: at a step's end, or a drain
         self.sampled: tuple | None = None
 
@@ -195,7 +200,8 @@ class SimEngine:
         if result.outputs:
             self.slot.on_outputs(self.name, result.outputs)
         action = next_action(self.core.config.liveness, self.core.has_work(),
-                             result.model_executed, result.can_progress, result.must_poll)
+                             result.model_executed, result.can_progress, result.must_poll,
+                             has_unfinished=self.core.has_unfinished_requests())
         reports = self.worker is not None and self.worker.has_reports()
         if action in _WAITS:
             if not (self.input or (action is LoopAction.WAIT_ANY and reports)):
@@ -211,11 +217,13 @@ class SimEngine:
         if result.noop and self.options.fast_forward and not self.input and not reports:
             polling = action is LoopAction.SLEEP
             self.ff = (nxt, self.zero + (self.poll if polling else 0), int(polling))
+            self._arm_timer()
         else:
             self.loop.push(nxt, STEP_START, self.rank, self._step_start)
 
     def _leave_ff(self) -> None:
-        """An input or report arrived at `now`: resume real steps (module docstring)."""
+        """An input, a report or the connector's deadline came at `now`: resume real
+        steps (module docstring)."""
         (s0, period, wakeups), now = self.ff, self.loop.now
         self.ff = None
         k = cdiv(now - s0, period) if now > s0 else 0
@@ -234,6 +242,23 @@ class SimEngine:
     def _block(self, action: LoopAction) -> None:
         self.blocked_on = action
         self._enter("blocked")
+        if action is LoopAction.WAIT_ANY:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        """Wake this block, or end this fast-forward, at the connector's next timed action."""
+        self.num_pauses += 1
+        due = self.core.next_deadline_ns()
+        if due is not None:
+            self.loop.push(max(due, self.loop.now), DELIVER, self.rank, self._on_timer, self.num_pauses)
+
+    def _on_timer(self, pause: int) -> None:
+        if pause != self.num_pauses:
+            return  # that block or fast-forward ended already
+        if self.blocked_on is LoopAction.WAIT_ANY:
+            self._wake()
+        elif self.ff is not None:
+            self._leave_ff()
 
     def _enter(self, state: str) -> None:
         self.state = state

@@ -1,19 +1,22 @@
 """The KV connector worker on the virtual clock: the process's SendLedger, with modelled transfer times. Runs in: frontend process.
 
-P side: connector/send_ledger.py decides, as in the connector worker process (hold,
-expiry by registration, "read done", early arrivals, drop_read_done); here a clock
-event is armed at every deadline it sets. D side: a pull takes pull_delay +
-per_block * blocks, then "read done" reaches P's worker read_done_latency later.
-Reports wait in the inbox until the engine's get_finished; on_report tells the engine
-one came (what a report on the socket does to a blocked engine loop).
+P side: connector/send_ledger.py decides, as in the connector worker process (leases
+stamped by P's scheduler side, heartbeats, "read done", early arrivals,
+drop_read_done). Leases are reaped only in get_finished, i.e. when P's engine steps,
+once the agent's view of them (ReapSchedule, the same as connector/agent.py keeps) says
+one may be due; early holds end on clock events, as on the worker's own timer. D side:
+a pull takes pull_delay + per_block * blocks, then "read done" reaches P's worker
+read_done_latency later; so do heartbeats. Reports wait in the inbox until the engine's
+get_finished; on_report tells the engine one came (what a message on the socket does
+to a blocked engine loop), a heartbeat's LeaseDue included.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from connector.messages import RecvSpec
+from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
-from connector.send_ledger import LedgerOutput, SendLedger
+from connector.send_ledger import LedgerOutput, ReapSchedule, SendLedger
 from engine.kv_connector import KVConnectorWorkerBase
 from engine.outputs import KVConnectorOutput
 from replay.sim.clock import DELIVER, EventLoop, to_ns
@@ -28,16 +31,24 @@ class SimKVWorker(KVConnectorWorkerBase):
         self.name, self.loop, self.options, self.peers = name, loop, options, peers
         peers[name] = self
         self.on_report: Callable[[], None] = lambda: None
-        self.ledger = SendLedger(to_ns(options.kv.kv_expiry_s), options.kv.drop_read_done)
+        self.ledger = SendLedger(to_ns(options.kv.kv_lease_s), options.kv.drop_read_done)
         self.inbox_sending: list[str] = []
         self.inbox_recving: list[str] = []
+        self.inbox_lease_due = False  # a LeaseDue waits in the socket
+        # The engine side's view (connector/agent.py's PendingTransfers): its sends not
+        # yet reported finished, and when a step must reap.
+        self.sends: set[str] = set()
+        self.reaps = ReapSchedule()
 
     def start_load_kv(self, metadata: object) -> None:
         if not isinstance(metadata, PDConnectorMetadata):
             return
         now, opts = self.loop.now, self.options
         for req_id, block_ids in metadata.reqs_to_send.items():
-            self._apply(self.ledger.register(req_id, block_ids, now))
+            deadline = metadata.send_deadlines.get(req_id, now + self.ledger.lease_ns)
+            self.sends.add(req_id)
+            self.reaps.on_register(deadline)
+            self._apply(self.ledger.register(req_id, block_ids, now, deadline))
         for recv in metadata.reqs_to_recv.values():
             if not recv.local_block_ids:  # nothing to read: just release P's blocks
                 self._send_read_done(recv)
@@ -45,28 +56,45 @@ class SimKVWorker(KVConnectorWorkerBase):
             done = (now + to_ns(opts.pull_delay())
                     + len(recv.local_block_ids) * to_ns(opts.per_block_s))
             self.loop.push(done, DELIVER, 0, self._pull_done, recv)
+        for heartbeat in metadata.heartbeats:
+            self._send_heartbeat(heartbeat)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput(set(self.inbox_sending), set(self.inbox_recving))
         self.inbox_sending.clear()
         self.inbox_recving.clear()
+        if self.inbox_lease_due:
+            self.inbox_lease_due, self.reaps.heartbeats_queued = False, True
+        self.sends.difference_update(out.finished_sending)
+        due = self.reaps.due(bool(self.sends))
+        if due is not None and self.loop.now >= due:  # the agent's reap round trip
+            reaped = self.ledger.reap(self.loop.now).finished_sending
+            self.reaps.on_reaped(self.ledger.next_lease_deadline())
+            out.finished_sending.update(reaped)
+            self.sends.difference_update(reaped)
         return out
+
+    def now_ns(self) -> int:
+        return self.loop.now
+
+    def next_deadline_ns(self) -> int | None:
+        return self.reaps.due(bool(self.sends))
 
     def get_counters(self) -> dict[str, int]:
         return dict(self.ledger.counters)
 
     def has_reports(self) -> bool:
-        return bool(self.inbox_sending or self.inbox_recving)
+        return bool(self.inbox_sending or self.inbox_recving or self.inbox_lease_due)
 
     def _apply(self, out: LedgerOutput) -> None:
-        """Arm the ledger's new deadlines; report the sends it finished."""
-        for deadline in out.deadlines:
-            self.loop.push(deadline, DELIVER, 0, self._on_deadline)
+        """Arm the ledger's new hold deadlines; report the sends it finished."""
+        for deadline in out.hold_deadlines:
+            self.loop.push(deadline, DELIVER, 0, self._on_hold_deadline)
         for req_id in out.finished_sending:
             self._report(self.inbox_sending, req_id)
 
-    def _on_deadline(self, _: object) -> None:
-        self._apply(self.ledger.expire(self.loop.now))
+    def _on_hold_deadline(self, _: object) -> None:
+        self._apply(self.ledger.expire_holds(self.loop.now))
 
     def _report(self, inbox: list[str], req_id: str) -> None:
         inbox.append(req_id)
@@ -84,3 +112,14 @@ class SimKVWorker(KVConnectorWorkerBase):
 
     def _on_read_done(self, req_id: str) -> None:
         self._apply(self.ledger.read_done(req_id, self.loop.now))
+
+    def _send_heartbeat(self, heartbeat: HeartbeatSpec) -> None:
+        peer = self.peers.get(heartbeat.remote_engine_id)
+        if peer is not None:
+            self.loop.push(self.loop.now + to_ns(self.options.read_done_latency_s), DELIVER, 0,
+                           peer._on_heartbeat, heartbeat.req_ids)
+
+    def _on_heartbeat(self, req_ids: list[str]) -> None:
+        if self.ledger.receive_heartbeat(req_ids):  # the worker's LeaseDue to its engine
+            self.inbox_lease_due = True
+            self.on_report()

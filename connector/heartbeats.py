@@ -1,0 +1,60 @@
+"""D's lease heartbeats: which remote sends D still waits for, and when to say so. Runs in: engine-core process (the scheduler side; pure).
+
+vLLM 0.32's NIXL scheduler side (nixl/base_scheduler.py on_new_request, _stop_heartbeat,
+build_connector_meta): a request with do_remote_prefill and the remote fields is
+tracked from add_request until its finished_recving or its request_finished (an abort
+before the load). build_connector_meta packages every tracked id, grouped by remote
+engine, once at least kv_lease_duration // 6 has passed since the last package (the
+first goes out at once), so D heartbeats only while it steps. One throttle for all
+requests, as in vLLM: a request added just after a package waits for the next.
+Time is the scheduler side's (engine/kv_connector.py), in ns: the interval is
+lease_ns // 6, vLLM's 5 s for its default 30 s lease.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from connector.messages import HeartbeatSpec
+
+
+@dataclass(slots=True)
+class _Remote:
+    engine_id: str
+    addr: str
+    req_id: str  # P's request id: the lease's key there
+
+
+@dataclass(slots=True)
+class HeartbeatTracker:
+    interval_ns: int
+    tracked: dict[str, _Remote] = field(default_factory=dict)  # by D's request id
+    last_sent_ns: int | None = None
+
+    def track(self, req_id: str, params: dict | None) -> None:
+        """A new request: track it if it will load from a remote prefill."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        fields_ = [params.get(k) for k in ("remote_engine_id", "remote_addr", "remote_request_id")]
+        if all(isinstance(v, str) and v for v in fields_):  # vLLM: all remote fields given
+            self.tracked[req_id] = _Remote(*fields_)
+
+    def stop(self, req_id: str) -> None:
+        self.tracked.pop(req_id, None)
+
+    def package(self, now_ns: int) -> list[HeartbeatSpec]:
+        """The heartbeats for this step's metadata: all tracked ids if one is due, else none."""
+        if not self.tracked or (self.last_sent_ns is not None
+                                and now_ns - self.last_sent_ns < self.interval_ns):
+            return []
+        self.last_sent_ns = now_ns
+        by_engine: dict[tuple[str, str], list[str]] = {}
+        for remote in self.tracked.values():
+            by_engine.setdefault((remote.engine_id, remote.addr), []).append(remote.req_id)
+        return [HeartbeatSpec(engine_id, addr, sorted(ids))
+                for (engine_id, addr), ids in sorted(by_engine.items())]
+
+    def next_due_ns(self, now_ns: int) -> int | None:
+        """When package() next gives something (ns); None: nothing is tracked."""
+        if not self.tracked:
+            return None
+        return now_ns if self.last_sent_ns is None else self.last_sent_ns + self.interval_ns
