@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorWorkerBase
 from engine.messages import DecodeError
 from engine.outputs import KVConnectorOutput
+from engine.socket_limits import connector_control_bytes, set_max_message_size
 
 READY_TIMEOUT_S = 60.0
 REAP_TIMEOUT_S = 10.0  # a live worker answers a reap at once; only a hung one takes this
@@ -98,9 +99,11 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.socket = self.ctx.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
+        set_max_message_size(self.socket, connector_control_bytes(config.num_blocks, config.max_num_seqs))
         worker_config = ConnectorWorkerConfig(
             config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_lease_s,
-            kv.pull_delay_ms, kv.drop_read_done)
+            kv.pull_delay_ms, kv.drop_read_done,
+            max_control_bytes=connector_control_bytes(config.num_blocks, config.max_num_seqs))
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
         self.process.start()

@@ -40,6 +40,10 @@ from dataclasses import dataclass, field
 # side's 2 s read timeout (connector/transfer.py), so it gets an answer either way.
 EARLY_HOLD_NS = 1_000_000_000
 
+# Ids held before their registration, at most (each a few hundred bytes): a step
+# finishes at most max_num_seqs requests, so thousands are never legitimate.
+MAX_EARLY_HOLDS = 4096
+
 UNKNOWN_REQUEST = "unknown or expired request"
 BLOCKS_NOT_HELD = "blocks not held for this request"
 
@@ -85,6 +89,8 @@ class _EarlyHold:
 
 class SendLedger:
     """The prefill side's protocol state; see the module docstring for the rules."""
+
+    max_early_holds = MAX_EARLY_HOLDS
 
     def __init__(self, lease_ns: int, drop_read_done: bool = False,
                  early_hold_ns: int = EARLY_HOLD_NS) -> None:
@@ -163,7 +169,10 @@ class SendLedger:
             out.replies.append(self._answer(reply_to, req_id, block_ids))
         else:
             hold = self._hold_early(req_id, now, self.early_hold_ns, out)
-            hold.reads.append(ReadReply(reply_to, req_id, list(block_ids)))
+            if hold is None:  # too many early arrivals held: refused at once
+                out.replies.append(ReadReply(reply_to, req_id, list(block_ids), UNKNOWN_REQUEST))
+            else:
+                hold.reads.append(ReadReply(reply_to, req_id, list(block_ids)))
         return out
 
     def read_done(self, req_id: str, now: int) -> LedgerOutput:
@@ -177,7 +186,9 @@ class SendLedger:
             self.expired.discard(req_id)
             self.counters["num_reads_after_expiry"] += 1  # P freed them already
         else:  # held as long as a send could wait: P registers it in its next step
-            self._hold_early(req_id, now, self.lease_ns, out).read_done = True
+            hold = self._hold_early(req_id, now, self.lease_ns, out)
+            if hold is not None:
+                hold.read_done = True
         return out
 
     # ---- the worker's own timer -----------------------------------------------------
@@ -227,9 +238,16 @@ class SendLedger:
             self.expired.add(req_id)
         out.finished_sending.append(req_id)
 
-    def _hold_early(self, req_id: str, now: int, hold_ns: int, out: LedgerOutput) -> _EarlyHold:
-        """The hold of an id not registered yet; its first arrival sets how long it lasts."""
+    def _hold_early(self, req_id: str, now: int, hold_ns: int, out: LedgerOutput) -> _EarlyHold | None:
+        """The hold of an id not registered yet; its first arrival sets how long it lasts.
+
+        None, counted in num_early_dropped, when max_early_holds ids are held already:
+        legitimate early arrivals are a step's worth, so only a flood of unknown ids
+        (a stranger's, or a stuck peer's) gets here, and it must not grow the worker."""
         hold = self.early.get(req_id)
+        if hold is None and len(self.early) >= self.max_early_holds:
+            self.counters["num_early_dropped"] = self.counters.get("num_early_dropped", 0) + 1  # appears on the first drop
+            return None
         if hold is None:
             hold = self.early[req_id] = _EarlyHold(self._next_seq(), now + hold_ns)
             heapq.heappush(self._holds, (hold.deadline, hold.seq, req_id))

@@ -28,11 +28,13 @@ class PeerTimeout(TransferError):
 class PeerLink:
     """A DEALER to one peer worker's ROUTER, for request/reply with a timeout."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float,
+                 max_message_bytes: int = -1) -> None:
         self.addr = addr
         self.timeout_ms = int(timeout_s * 1000)
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a reply's payload, at most
         self.socket.connect(addr)
 
     def send(self, msg: object) -> bool:
@@ -71,10 +73,11 @@ class Puller:
         self.unreachable_until: dict[str, float] = {}
         self.peer_caches: dict[str, KVCache] = {}
         self.num_bytes_pulled = 0
+        self.max_message_bytes = -1  # set from the local KV cache's size once it is known
 
     def link(self, addr: str) -> PeerLink:
         if addr not in self.links:
-            self.links[addr] = PeerLink(self.ctx, addr, self.timeout_s)
+            self.links[addr] = PeerLink(self.ctx, addr, self.timeout_s, self.max_message_bytes)
         return self.links[addr]
 
     def pull(self, local: KVCache, spec: RecvSpec) -> None:

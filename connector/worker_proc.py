@@ -31,6 +31,7 @@ from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, Send
 from connector.transfer import Puller, TransferError
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
+from engine.socket_limits import block_payload_bytes, set_max_message_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class ConnectorWorkerConfig:
     kv_lease_s: float = 30.0  # only for sends registered without a deadline
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
+    max_control_bytes: int = -1  # ZMQ_MAXMSGSIZE of both sockets (engine/socket_limits.py); -1: none
 
 
 class ConnectorWorkerProc:
@@ -70,6 +72,7 @@ class ConnectorWorkerProc:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        set_max_message_size(sock, self.config.max_control_bytes)
         sock.bind(addr)
         return sock
 
@@ -122,6 +125,8 @@ class ConnectorWorkerProc:
         msg = CONNECTOR_CODEC.decode(frames[0].bytes)
         if isinstance(msg, RegisterKVCache):
             self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
+            # A pull fills local blocks: its bytes never exceed this cache's.
+            self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.tensor.nbytes)
         elif isinstance(msg, StepMeta):
             self._on_step_meta(msg)
         elif isinstance(msg, ReapLeases):  # the engine steps: reap, then say when next

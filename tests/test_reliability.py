@@ -554,3 +554,34 @@ def test_the_engines_sockets_are_reachable_by_this_uid_only(run_root):
         for addr in (config.kv_transfer.kv_addr, config.kv_transfer.agent_addr):
             assert os.path.dirname(addr.removeprefix("ipc://")) == run_dir
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
+
+
+def test_early_arrivals_of_unknown_ids_are_capped_and_counted():
+    """300k ReadDones for ids P never registered grew its worker by 87 MB: now at most
+    MAX_EARLY_HOLDS are held, the rest dropped and counted; reads are refused at once."""
+    from connector.send_ledger import MAX_EARLY_HOLDS, UNKNOWN_REQUEST, SendLedger
+    ledger = SendLedger(30 * 10**9)
+    for i in range(MAX_EARLY_HOLDS + 1000):
+        ledger.read_done(f"stranger-{i}", 0)
+    assert len(ledger.early) == MAX_EARLY_HOLDS
+    assert ledger.counters["num_early_dropped"] == 1000
+    refused = ledger.read("peer", "another-stranger", [1], 0)
+    assert [r.error for r in refused.replies] == [UNKNOWN_REQUEST]
+    ledger.register("r", [1, 2], 0)  # a registered send is served as before
+    assert [r.ok for r in ledger.read("peer", "r", [1, 2], 0).replies] == [True]
+
+
+def test_socket_caps_cover_the_largest_legitimate_messages():
+    from engine.messages import AddRequest, RequestOutputs, encode, output_to_msg
+    from engine.outputs import RequestOutput
+    from engine.socket_limits import engine_input_bytes, engine_output_bytes, request_bytes
+    max_model_len, max_num_seqs, block_size = 32768, 256, 16
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r" * 256,
+              "remote_block_ids": list(range(2**20, 2**20 + max_model_len // block_size)),
+              "remote_addr": "ipc:///tmp/kvdrain-xxxxxxxx/P-kv"}
+    request = AddRequest("r" * 300, [2**31 - 1] * max_model_len, 2**31 - 1, params, [2**31 - 1] * 64)
+    assert len(encode(request)) < request_bytes(max_model_len) <= engine_input_bytes(max_model_len)
+    outputs = [RequestOutput(f"{'r' * 300}{i}", [2**31 - 1], "length", kv_transfer_params=params)
+               for i in range(max_num_seqs)]
+    batch = RequestOutputs("P", [output_to_msg(o) for o in outputs])
+    assert len(encode(batch)) < engine_output_bytes(max_model_len, max_num_seqs)
