@@ -39,19 +39,22 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int
     block_size: int
+    # len(all_token_ids) and len(prompt_token_ids), kept as plain ints: the scheduler
+    # reads them per request per step. (Not constructor arguments; they sit next to
+    # the other fields a step touches.)
+    num_tokens: int = field(init=False, default=0)
+    num_prompt_tokens: int = field(init=False, default=0)
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     kv_transfer_params: dict | None = None
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    # The prompt, then every sampled token (output_token_ids is its tail).
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: str | None = None  # why it finished, in words, for errors and ignores
-    # len(all_token_ids), kept as a plain int: the scheduler reads it per request per step.
-    num_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -59,23 +62,23 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.req_id!r} has an empty prompt")
         self.all_token_ids = list(self.prompt_token_ids)
-        self.num_tokens = len(self.all_token_ids)
+        self.num_tokens = self.num_prompt_tokens = len(self.all_token_ids)
         hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def output_token_ids(self) -> list[int]:
+        """The sampled tokens so far (a copy: append with append_output_token_ids)."""
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self.num_tokens - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Append a sampled token; a block it fills gets its prefix hash now, once."""
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
         if self.num_tokens % self.block_size == 0:

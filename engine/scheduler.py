@@ -203,14 +203,15 @@ class Scheduler:
         bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
         add_id, add_computed = req_ids.append, out.num_computed_tokens.append
         add_token = out.token_ids.append
-        max_computed = self.config.max_model_len - 1
+        max_computed, last_slot = self.config.max_model_len - 1, bs - 1
         num_before = len(req_ids)
         for request in islice(self.running, req_index, req_index + budget):
             num_computed = request.num_computed_tokens
             if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
                 break
             req_id = request.req_id
-            if num_computed % bs == 0:  # the slot starts a block: in the table already?
+            slot = num_computed % bs
+            if slot == 0:  # the slot starts a block: in the table already?
                 new_block_ids = kv.append_slot(req_id, num_computed)
                 if new_block_ids is None:
                     break
@@ -220,7 +221,7 @@ class Scheduler:
             add_computed(num_computed)
             add_token(request.all_token_ids[-1])
             request.num_computed_tokens = num_computed + 1
-            if (num_computed + 1) % bs == 0:
+            if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
         num_decodes = len(req_ids) - num_before
         out.num_scheduled_tokens.extend(repeat(1, num_decodes))
@@ -254,6 +255,8 @@ class Scheduler:
         seat and budget left. A skipped request (load in flight, connector not ready,
         load just started) goes back to the head of its queue, in order, at the end.
         """
+        if not self.skipped_waiting and not self.waiting:
+            return
         skipped_holding: list[Request] = []
         skipped: list[Request] = []
         while budget > 0:
@@ -339,11 +342,12 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        kv_out = runner_out.kv_connector_output or KVConnectorOutput()
+        kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
         if self.connector is not None:  # first: it may say the worker side is gone
+            kv_out = kv_out or KVConnectorOutput()
             self.connector.update_connector_output(kv_out)
         failed_ids: set[str] = set()
-        if kv_out.invalid_block_ids:  # before the tokens, like vLLM
+        if kv_out is not None and kv_out.invalid_block_ids:  # before the tokens, like vLLM
             failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
         if self.fast_path and not failed_ids and not runner_out.failed:
             any_finished = self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs)
@@ -353,7 +357,8 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
         if failed_ids and self.config.kv_load_failure_policy == "fail":
             outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
-        self._update_from_kv_xfer_finished(kv_out)
+        if kv_out is not None:
+            self._update_from_kv_xfer_finished(kv_out)
         return outputs
 
     def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
@@ -387,14 +392,13 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             # request.append_output_token_ids(token), inline:
-            output_token_ids = request.output_token_ids
-            output_token_ids.append(token)
             request.all_token_ids.append(token)
             request.num_tokens = num_tokens = request.num_tokens + 1
             if num_tokens % bs == 0:
                 hash_request_blocks(request.all_token_ids, bs, request.block_hashes)
-            if (token == request.eos_token_id or token in request.stop_token_ids
-                    or num_tokens >= max_len or len(output_token_ids) >= request.max_tokens):
+            # check_stop's conditions: if one holds, check_stop decides.
+            if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
+                    or num_tokens - request.num_prompt_tokens >= request.max_tokens):
                 append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue

@@ -14,7 +14,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     (max_model_len, max_tokens: FINISHED_LENGTH_CAPPED). So EOS on the last allowed
     token is a stop, not a length cap.
     """
-    last = request.output_token_ids[-1]
+    last = request.all_token_ids[-1]  # the token just sampled
     if last == request.eos_token_id or last in request.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
