@@ -2,7 +2,8 @@
 
 Workload (issue 14): N running decode requests (prompt 128 tokens, block 16, token
 budget 8192), optionally with an 8k-token prefill chunked into the mix; the runner is
-not timed, nor is releasing the step's returned outputs (their consumer's work). With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
+not timed, nor is releasing the step's returned outputs (their consumer's work).
+With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
 workload runs through nano-vllm's Scheduler + BlockManager (imported without its model
 stack: its Config is replaced by a plain record) in interleaved rounds, and the table
 prints both medians and the ratio kvdrain / nano-vllm. nano-vllm lacks most of what
