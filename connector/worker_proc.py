@@ -126,7 +126,7 @@ class ConnectorWorkerProc:
         if isinstance(msg, RegisterKVCache):
             self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
             # A pull fills local blocks: its bytes never exceed this cache's.
-            self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.tensor.nbytes)
+            self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.nbytes)
         elif isinstance(msg, StepMeta):
             self._on_step_meta(msg)
         elif isinstance(msg, ReapLeases):  # the engine steps: reap, then say when next
@@ -222,7 +222,7 @@ class ConnectorWorkerProc:
             msg = BlockData(reply.req_id, False, reply.error or UNKNOWN_REQUEST)
             self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(msg)])
             return
-        data = self.kv_cache.gather_blocks(reply.block_ids).numpy()  # sent without a copy
+        data = self.kv_cache.gather_blocks(reply.block_ids)  # sent without a copy
         self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(BlockData(reply.req_id, True, "")),
                                    data], copy=False)
 
@@ -239,9 +239,9 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def run_connector_worker(config: ConnectorWorkerConfig) -> None:
     """Process entry point (spawned by the engine core's connector agent)."""
-    import torch
-    torch.set_num_threads(1)  # block copies are memory-bound; idle OpenMP spinners
-    # would steal the CPU from the engines on a small machine
+    # Block copies are memory-bound; idle OpenMP spinners would steal the CPU from the
+    # engines on a small machine. Only CUDA memory imports torch here (engine/kv_cache.py).
+    os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
     proc = ConnectorWorkerProc(config)

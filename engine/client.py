@@ -21,7 +21,7 @@ from typing import Protocol
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
-from engine.core_proc import build_engine_core, run_engine_core
+from engine.core_proc import build_engine_core, kv_device, run_engine_core
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.outputs import RequestOutput
@@ -69,10 +69,9 @@ class InprocClient:
         self.core, self.kv_cache = build_engine_core(config)
         self._pending: list[RequestOutput] = []
         self.errors: list[str] = []  # stays empty: an in-process engine's failure raises here
-        tensor = getattr(self.kv_cache, "tensor", None)
-        device = str(tensor.device) if tensor is not None and config.runner == "torch" else "cpu"
         self.ready = Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
-                           config.max_model_len, config.model.vocab_size, device)
+                           config.max_model_len, config.model.vocab_size,
+                           kv_device(config, self.kv_cache))
 
     def wait_ready(self) -> Ready:
         return self.ready

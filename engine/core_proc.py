@@ -70,6 +70,13 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
     return EngineCore(config, runner, connector, worker), kv_cache
 
 
+def kv_device(config: EngineConfig, kv_cache: KVCache | None) -> str:
+    """Where the model runs, for Ready: the torch runner's KV device, else "cpu" (no torch)."""
+    if config.runner != "torch" or kv_cache is None:
+        return "cpu"
+    return str(kv_cache.tensor.device)
+
+
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, addrs: EngineAddresses,
                  wakeup: SignalWakeup | None = None) -> None:
@@ -98,8 +105,7 @@ class EngineCoreProc:
         return sock
 
     def _device(self) -> str:
-        tensor = getattr(self.kv_cache, "tensor", None)
-        return str(tensor.device) if tensor is not None and self.config.runner == "torch" else "cpu"
+        return kv_device(self.config, self.kv_cache)
 
     def _send(self, msg: object) -> None:
         self.output.send(encode(msg))

@@ -91,6 +91,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Give every meta parameter uninitialised memory on `device` (to_empty's job, but
+    without its Python decomposition of empty_like, whose first call imports sympy and
+    torch.fx: a second of start-up on a small CPU)."""
+    for submodule in module.modules():
+        for name, param in list(submodule.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(submodule, name, nn.Parameter(empty, requires_grad=False))
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder: packed tokens in, final hidden states out; logits on demand."""
 
@@ -99,14 +109,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # _weight: no reset_parameters. normal_ on a meta tensor would import
+            # torch._dynamo (seconds of start-up); _init_weights draws every weight anyway.
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = (None if config.tie_word_embeddings else
                             nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        self.to_empty(device=device)
-        self.to(dtype)
-        self.requires_grad_(False)
+        _materialize(self, device, dtype)  # not to_empty(): see _materialize
         self._init_weights(config.seed)
 
     @torch.no_grad()
