@@ -133,7 +133,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             return
         self.pending.start(metadata, time.monotonic_ns())
         if self.error is None:
-            specs = list(metadata.reqs_to_recv.values())
+            specs = [*metadata.reqs_to_recv.values(), *metadata.reqs_to_release]  # empty: releases
             self.socket.send(CONNECTOR_CODEC.encode(StepMeta(
                 metadata.reqs_to_send, specs, metadata.send_deadlines, metadata.heartbeats)))
 

@@ -128,6 +128,15 @@ class LeaseDue:
     """Worker -> its engine core: heartbeats wait to be applied; reap at the next step."""
 
 
+@dataclass(frozen=True, slots=True)
+class ReadAbandoned:
+    """Decode worker -> prefill worker: this send will not be read (D's request ended
+    or was refused before its load, or the pull failed): free the blocks. The NIXL
+    rule: every way a P/D request ends on D releases P."""
+
+    req_id: str
+
+
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.
 CONNECTOR_MESSAGES: dict[int, type] = {
     0: RegisterKVCache,
@@ -143,5 +152,6 @@ CONNECTOR_MESSAGES: dict[int, type] = {
     10: ReapLeases,
     11: LeasesReaped,
     12: LeaseDue,
+    13: ReadAbandoned,
 }
 CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec, HeartbeatSpec))

@@ -31,9 +31,14 @@ class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     send_deadlines: dict[str, int] = field(default_factory=dict)  # each send's lease (ns)
     heartbeats: list[HeartbeatSpec] = field(default_factory=list)
+    # Empty receives (no local blocks) in reqs_to_recv, as vLLM's, are sends on P that D
+    # will never read (its request ended first, was refused, or its params did not fit):
+    # the worker tells P to free them. Those whose id is taken in reqs_to_recv this step
+    # (a refused duplicate of a request whose load starts) wait here instead.
+    reqs_to_release: list[RecvSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_send or self.reqs_to_recv or self.heartbeats)
+        return not (self.reqs_to_send or self.reqs_to_recv or self.heartbeats or self.reqs_to_release)
 
 
 class PDConnector(KVConnectorBase):
@@ -44,6 +49,7 @@ class PDConnector(KVConnectorBase):
         self._reqs_need_send: dict[str, list[int]] = {}
         self._reqs_need_recv: dict[str, RecvSpec] = {}
         self._send_deadlines: dict[str, int] = {}
+        self._reqs_to_release: list[RecvSpec] = []
         lease_s = config.kv_transfer.kv_lease_s if config.kv_transfer else 30.0
         self.lease_ns = round(lease_s * 1e9)  # vLLM's kv_lease_duration
         self._heartbeats = HeartbeatTracker(self.lease_ns // 6)  # vLLM: kv_lease_duration // 6
@@ -82,6 +88,9 @@ class PDConnector(KVConnectorBase):
         if num_external_tokens > 0:
             # Local prefix hits are whole blocks, so the external tokens fill the tail.
             n = cdiv(num_external_tokens, self.block_size)
+            displaced = self._reqs_need_recv.pop(request.req_id, None)  # a duplicate's release
+            if displaced is not None:
+                self._reqs_to_release.append(displaced)
             self._reqs_need_recv[request.req_id] = RecvSpec(
                 req_id=request.req_id,
                 local_block_ids=block_ids[-n:],
@@ -90,6 +99,8 @@ class PDConnector(KVConnectorBase):
                 remote_request_id=params["remote_request_id"],
                 remote_addr=str(params.get("remote_addr", "")),
             )
+        else:  # nothing to load (params that do not fit): P still holds the blocks for us
+            self._release(request.req_id, params)  # vLLM NIXL: an empty receive
         params["do_remote_prefill"] = False  # load once, even after a preemption
 
     def on_new_request(self, request: Request) -> None:
@@ -103,20 +114,37 @@ class PDConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(self._reqs_need_send, self._reqs_need_recv, self._send_deadlines,
-                                   self._heartbeats.package(self._now))
+                                   self._heartbeats.package(self._now), self._reqs_to_release)
         self._reqs_need_send, self._reqs_need_recv, self._send_deadlines = {}, {}, {}
+        self._reqs_to_release = []
         return meta
+
+    def request_rejected(self, req_id: str, kv_transfer_params: dict | None) -> None:
+        """Refused at add (malformed, a duplicate id): P's blocks for it are released."""
+        if kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+            self._release(req_id, kv_transfer_params)
+
+    def _release(self, req_id: str, params: dict) -> None:
+        """Queue an empty receive: D's worker tells P to free the send the params name
+        (if they name one: any id and address will do, the block ids need not fit)."""
+        remote_req_id, addr = params.get("remote_request_id"), params.get("remote_addr", "")
+        if isinstance(remote_req_id, str) and remote_req_id and isinstance(addr, str) and addr:
+            engine_id = params.get("remote_engine_id", "")
+            spec = RecvSpec(req_id, [], [], engine_id if isinstance(engine_id, str) else "",
+                            remote_req_id, addr)
+            if req_id in self._reqs_need_recv:
+                self._reqs_to_release.append(spec)
+            else:
+                self._reqs_need_recv[req_id] = spec
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._heartbeats.stop(request.req_id)  # finished before its load completed
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and self._remote_params_fit(request, params):
-            # Finished before its load was ever scheduled (aborted while waiting): P still
-            # holds the blocks for us, so ask the worker to tell P "read done" without
-            # reading (vLLM NIXL queues an empty receive for this).
-            self._reqs_need_recv[request.req_id] = RecvSpec(
-                request.req_id, [], [], str(params.get("remote_engine_id", "")),
-                params["remote_request_id"], str(params.get("remote_addr", "")))
+        if params and params.get("do_remote_prefill"):
+            # Finished before its load was ever scheduled (aborted while waiting, ignored):
+            # P still holds the blocks for us, so ask the worker to tell P to free them
+            # without reading (vLLM NIXL queues an empty receive for this).
+            self._release(request.req_id, params)
             params["do_remote_prefill"] = False
             return False, None
         if not params or not params.get("do_remote_decode"):

@@ -14,6 +14,7 @@ from connector.routing import AddTo, Command, Routing
 from engine.client import EngineClient, wait_for_output
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
+from engine.request_check import RequestLimits, why_invalid
 
 
 class PDRouter:
@@ -23,6 +24,9 @@ class PDRouter:
         self.routing = Routing(list(self.clients))
         self.run_dir = run_dir
         self.errors: list[tuple[str, str]] = []  # (engine, message), every engine's, oldest first
+        self._rejected: list[RequestOutput] = []  # refused at the front, for the next poll
+        self.num_rejected = 0
+        self._limits: RequestLimits | None = None
 
     @property
     def engines(self) -> list[str]:
@@ -44,9 +48,26 @@ class PDRouter:
         """Stats snapshots that arrived since the last call, every engine's."""
         return [s for c in self.clients.values() for s in c.take_stats()]
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What the engines take (every engine of a topology has the same config)."""
+        if self._limits is None:
+            ready = next(iter(self.clients.values())).wait_ready()
+            self._limits = RequestLimits(ready.max_model_len, ready.vocab_size)
+        return self._limits
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     pd: bool | None = None) -> None:
-        """pd=False sends a request of a pd topology to the decode engine alone."""
+        """pd=False sends a request of a pd topology to the decode engine alone.
+
+        Checked here first, once for every front (serve, the HTTP server, a replay): a
+        request no engine can take is answered with an error at the next poll and
+        never sent, so P never holds blocks for a D that would refuse it."""
+        why = why_invalid(prompt_token_ids, max_tokens, self.limits)
+        if why is not None:
+            self.num_rejected += 1
+            self._rejected.append(RequestOutput(req_id, [], "error", error=why))
+            return
         self._send(self.routing.add(req_id, prompt_token_ids, max_tokens, pd))
 
     def abort(self, req_id: str) -> None:
@@ -54,8 +75,8 @@ class PDRouter:
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """The user-facing outputs (the decode engine's tokens) that arrive within timeout_s."""
-        wait_for_output(list(self.clients.values()), timeout_s)
-        outputs: list[RequestOutput] = []
+        outputs, self._rejected = self._rejected, []
+        wait_for_output(list(self.clients.values()), 0 if outputs else timeout_s)
         for client in self.clients.values():
             for output in client.get_outputs(0):
                 routed = self.routing.on_output(client.engine_id, output)

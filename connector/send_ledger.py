@@ -28,7 +28,9 @@ The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
   and its reads are refused. These holds are the worker's own business: its driver
   calls `expire_holds(now)` once `next_hold_deadline()` has come, steps or not.
 - A "read done" for a send that expired unread is counted (num_reads_after_expiry): P
-  freed the blocks already. With `drop_read_done`, every "read done" is dropped and
+  freed the blocks already. D also frees a send it will never read (ReadAbandoned:
+  its request ended or was refused first, or its pull failed): `read_done(read=False)`,
+  counted in num_released_unread, never as a read after expiry. With `drop_read_done`, every "read done" is dropped and
   counted (num_read_done_dropped): only the lease frees.
 """
 from __future__ import annotations
@@ -105,7 +107,8 @@ class SendLedger:
         self._holds: list[tuple[int, int, str]] = []  # the same, of early holds
         self._seq = 0
         self.counters = dict.fromkeys(("num_sent", "num_expired", "num_read_done_dropped",
-                                       "num_reads_after_expiry", "num_heartbeats"), 0)
+                                       "num_reads_after_expiry", "num_heartbeats",
+                                       "num_released_unread"), 0)
 
     # ---- what P's engine says -------------------------------------------------------
 
@@ -175,16 +178,20 @@ class SendLedger:
                 hold.reads.append(ReadReply(reply_to, req_id, list(block_ids)))
         return out
 
-    def read_done(self, req_id: str, now: int) -> LedgerOutput:
-        """D has the blocks: free the send, or remember it until the send comes."""
+    def read_done(self, req_id: str, now: int, read: bool = True) -> LedgerOutput:
+        """D has the blocks (read=False: D will never read them, ReadAbandoned): free
+        the send, or remember it until the send comes."""
         out = LedgerOutput()
+        if not read:
+            self.counters["num_released_unread"] += 1
         if self.drop_read_done:
             self.counters["num_read_done_dropped"] += 1
         elif req_id in self.sends:
             self._finish(req_id, expired=False, out=out)
         elif req_id in self.expired:
             self.expired.discard(req_id)
-            self.counters["num_reads_after_expiry"] += 1  # P freed them already
+            if read:
+                self.counters["num_reads_after_expiry"] += 1  # P freed them already
         else:  # held as long as a send could wait: P registers it in its next step
             hold = self._hold_early(req_id, now, self.lease_ns, out)
             if hold is not None:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat, KVHandle,
-                                KVReport, LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
-                                RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+                                KVReport, LeaseDue, LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone,
+                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
 from connector.transfer import Puller, TransferError
 from engine.kv_cache import KVCache, KVCacheHandle
@@ -143,7 +143,7 @@ class ConnectorWorkerProc:
             self._apply(self.ledger.register(req_id, block_ids, now, msg.send_deadlines.get(req_id)))
         for spec in msg.reqs_to_recv:
             if not spec.local_block_ids:  # nothing to read: just release P's blocks
-                self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+                self.puller.link(spec.remote_addr).send(ReadAbandoned(spec.remote_request_id))
                 continue
             self.counters["num_recvs_in_flight"] += 1
             self._seq += 1
@@ -168,6 +168,9 @@ class ConnectorWorkerProc:
         except TransferError:
             self.counters["num_failed_recvs"] += 1
             self.report.invalid_block_ids.extend(spec.local_block_ids)
+            # D never reads it now: P frees it at once, not at the lease's end (if P is
+            # stopped, the message waits in its socket; if P is gone, it is dropped).
+            self.puller.link(spec.remote_addr).send(ReadAbandoned(spec.remote_request_id))
         else:
             self.counters["num_recved"] += 1
             self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
@@ -201,8 +204,9 @@ class ConnectorWorkerProc:
         if len(frames) != 2:
             raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
         msg = CONNECTOR_CODEC.decode(payload.bytes)
-        if isinstance(msg, ReadDone):
-            self._apply(self.ledger.read_done(msg.req_id, time.monotonic_ns()))
+        if isinstance(msg, (ReadDone, ReadAbandoned)):
+            self._apply(self.ledger.read_done(msg.req_id, time.monotonic_ns(),
+                                              read=isinstance(msg, ReadDone)))
         elif isinstance(msg, Heartbeat):
             if self.ledger.receive_heartbeat(msg.req_ids):
                 self._send_to_agent(LeaseDue())

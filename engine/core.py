@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorBase, KVConnectorWorkerBase
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.request import Request, RequestStatus
+from engine.request_check import why_malformed
 from engine.scheduler import Scheduler
 
 
@@ -59,16 +60,21 @@ class EngineCore:
     ) -> list[RequestOutput]:
         """Queue a request; returns an output at once only if it can never run.
 
-        A malformed request (empty prompt, max_tokens < 1) fails alone, like vLLM's
-        per-request errors: the engine keeps serving the others.
+        A malformed request (empty prompt, max_tokens < 1, a token outside the
+        vocabulary) fails alone, like vLLM's per-request errors: the engine keeps
+        serving the others, and whatever its params hold elsewhere is released (a
+        remote prefill's blocks on P: engine/scheduler.py reject_request).
         """
+        params = dict(kv_transfer_params) if kv_transfer_params else None
+        why = why_malformed(prompt_token_ids, max_tokens, self.config.model.vocab_size)
+        if why is not None:
+            return [self.scheduler.reject_request(req_id, params, why)]
         try:
             request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
                               eos_token_id=self.config.eos_token_id,
-                              stop_token_ids=tuple(stop_token_ids),
-                              kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+                              stop_token_ids=tuple(stop_token_ids), kv_transfer_params=params)
         except ValueError as e:
-            return [RequestOutput(req_id, [], "error", error=str(e))]
+            return [self.scheduler.reject_request(req_id, params, str(e))]
         output = self.scheduler.add_request(request)
         return [output] if output is not None else []
 

@@ -61,6 +61,11 @@ class KVConnectorBase(ABC):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """(delay_free, kv_transfer_params for the frontend)."""
 
+    def request_rejected(self, req_id: str, kv_transfer_params: dict | None) -> None:
+        """A request this engine refused before it became one (malformed, a duplicate
+        id): release whatever its params hold elsewhere, since request_finished will
+        never come for it (P/D: P's blocks). Default: nothing."""
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Observe the worker side's reports (counters, leases). Default: nothing."""
 

@@ -69,11 +69,15 @@ class Scheduler:
         """Queue a request; one that can never run finishes FINISHED_IGNORED at once.
 
         A duplicate id fails alone ("error") and nothing of the original is touched:
-        no connector call, no finished id (the worker side would drop the original's
-        state). vLLM never sees one: its front makes ids unique (a random suffix).
+        no finished id (the worker side would drop the original's state); only what
+        the duplicate's own params hold elsewhere is released. vLLM never sees one:
+        its front makes ids unique (a random suffix).
         """
-        if request.req_id in self.requests:
+        original = self.requests.get(request.req_id)
+        if original is not None:
             why = f"duplicate request id {request.req_id!r}"
+            if self.connector is not None and not _same_remote_send(original, request):
+                self.connector.request_rejected(request.req_id, request.kv_transfer_params)
             return RequestOutput(request.req_id, [], "error", error=why)
         reason = self._why_unschedulable(request)
         if reason is not None:
@@ -92,6 +96,17 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_new_request(request)  # say, D starts heartbeating for it
         return None
+
+    def reject_request(self, req_id: str, kv_transfer_params: dict | None, why: str) -> RequestOutput:
+        """A request that never became one (malformed): an error output, and the
+        connector hears of it, since its params may hold blocks elsewhere (a remote
+        prefill on P: the NIXL rule, an empty receive tells P to free). Its id goes
+        out in the next step like a finished one, so that step comes."""
+        if self.connector is not None and kv_transfer_params:
+            self.connector.request_rejected(req_id, kv_transfer_params)
+            if req_id not in self.requests:  # never another request's finished id
+                self.finished_req_ids.add(req_id)
+        return RequestOutput(req_id, [], "error", error=why)
 
     def _why_unschedulable(self, request: Request) -> str | None:
         # vLLM's front rejects these prompts (input_processor); kvdrain ignores them.
@@ -569,3 +584,11 @@ class Scheduler:
             num_prefix_query_tokens=self.num_prefix_query_tokens,
             num_kv_load_failures=self.num_kv_load_failures,
         )
+
+
+def _same_remote_send(original: Request, duplicate: Request) -> bool:
+    """Both name the same remote send (a resent request): releasing it would take
+    the original's KV away."""
+    keys = ("remote_engine_id", "remote_request_id", "remote_block_ids")
+    a, b = original.kv_transfer_params or {}, duplicate.kv_transfer_params or {}
+    return all(a.get(k) == b.get(k) for k in keys)

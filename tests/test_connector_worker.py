@@ -59,7 +59,8 @@ def test_a_reused_request_id_does_not_inherit_an_old_lease():
     assert "r1" in ledger.sends and ledger.next_lease_deadline() == 5 + LEASE
     assert ledger.reap(now=5 + LEASE).finished_sending == ["r1"]
     assert ledger.counters == {"num_sent": 1, "num_expired": 1, "num_read_done_dropped": 0,
-                               "num_reads_after_expiry": 0, "num_heartbeats": 0}
+                               "num_reads_after_expiry": 0, "num_heartbeats": 0,
+                               "num_released_unread": 0}
 
 
 def test_heartbeats_extend_held_leases_when_reaped():

@@ -9,7 +9,7 @@ import zmq
 
 from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, GetKVHandle,
                                 Heartbeat, HeartbeatSpec, KVHandle, KVReport, LeaseDue,
-                                LeasesReaped, ReadBlocks, ReadDone, ReapLeases, RecvSpec,
+                                LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone, ReapLeases, RecvSpec,
                                 RegisterKVCache, StepMeta, WorkerReady)
 from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
                              GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
@@ -41,6 +41,7 @@ SAMPLES = {
     ReapLeases: ReapLeases(),
     LeasesReaped: LeasesReaped(-1),
     LeaseDue: LeaseDue(),
+    ReadAbandoned: ReadAbandoned("r1"),
 }
 
 
@@ -52,7 +53,7 @@ ENGINE_TAGS = {
 CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
     "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,
-    "ReapLeases": 10, "LeasesReaped": 11, "LeaseDue": 12,
+    "ReapLeases": 10, "LeasesReaped": 11, "LeaseDue": 12, "ReadAbandoned": 13,
 }
 
 

@@ -49,9 +49,9 @@ class SimKVWorker(KVConnectorWorkerBase):
             self.sends.add(req_id)
             self.reaps.on_register(deadline)
             self._apply(self.ledger.register(req_id, block_ids, now, deadline))
-        for recv in metadata.reqs_to_recv.values():
+        for recv in [*metadata.reqs_to_recv.values(), *metadata.reqs_to_release]:
             if not recv.local_block_ids:  # nothing to read: just release P's blocks
-                self._send_read_done(recv)
+                self._send_read_done(recv, read=False)
                 continue
             done = (now + to_ns(opts.pull_delay())
                     + len(recv.local_block_ids) * to_ns(opts.per_block_s))
@@ -104,14 +104,18 @@ class SimKVWorker(KVConnectorWorkerBase):
         self._report(self.inbox_recving, recv.req_id)
         self._send_read_done(recv)
 
-    def _send_read_done(self, recv: RecvSpec) -> None:
+    def _send_read_done(self, recv: RecvSpec, read: bool = True) -> None:
+        """"read done" after a pull; read=False: a release without reading (ReadAbandoned)."""
         peer = self.peers.get(recv.remote_engine_id)
         if peer is not None:
             self.loop.push(self.loop.now + to_ns(self.options.read_done_latency_s), DELIVER, 0,
-                           peer._on_read_done, recv.remote_request_id)
+                           peer._on_read_done if read else peer._on_abandoned, recv.remote_request_id)
 
     def _on_read_done(self, req_id: str) -> None:
         self._apply(self.ledger.read_done(req_id, self.loop.now))
+
+    def _on_abandoned(self, req_id: str) -> None:
+        self._apply(self.ledger.read_done(req_id, self.loop.now, read=False))
 
     def _send_heartbeat(self, heartbeat: HeartbeatSpec) -> None:
         peer = self.peers.get(heartbeat.remote_engine_id)
