@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import select
 import time
 
 import zmq
@@ -114,6 +115,10 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9))
         self.pending.counters["connector_worker_pid"] = worker_pid
         self.error: str | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._sentinel_poll = select.poll()
+        self._sentinel_poll.register(self.process.sentinel, select.POLLIN)
 
     def _wait_ready(self) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -139,14 +144,14 @@ class PDConnectorAgent(KVConnectorWorkerBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
-        while self.error is None and self.socket.poll(0, zmq.POLLIN):
+        while self.error is None and self._poller.poll(0):  # every step: a poller made once
             self.pending.merge(self.socket.recv(), out)
         due = self.pending.reap_due()
         if self.error is None and due is not None and time.monotonic_ns() >= due:
             self._reap(out)
         # The sentinel (not is_alive) decides: it is readable as soon as the worker's
-        # fds close, a moment before waitpid can reap it.
-        if self.error is None and multiprocessing.connection.wait([self.process.sentinel], 0):
+        # fds close, a moment before waitpid can reap it. One poll object, made once.
+        if self.error is None and self._sentinel_poll.poll(0):
             self.process.join(1.0)
             self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
                           f"died with exit code {self.process.exitcode}")

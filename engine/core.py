@@ -33,7 +33,9 @@ class EngineStepResult:
     outputs: list[RequestOutput]
     model_executed: bool  # some tokens were scheduled
     # The next schedule() has work it can do without a new report: the step consumed
-    # connector reports, preempted, or left finished ids or finished receives behind.
+    # connector reports while unfinished requests remain (freed blocks may admit one,
+    # a finished receive is promoted), preempted, or left finished ids behind. A report
+    # that only frees a finished request's blocks leaves nothing for another step.
     can_progress: bool
     got_kv_reports: bool  # the step consumed connector reports
 
@@ -105,8 +107,8 @@ class EngineCore:
             got_kv_reports = not kv_out.is_empty()
         self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        can_progress = (got_kv_reports or bool(sched_out.preempted_req_ids)
-                        or self.scheduler.has_pending_updates())
+        can_progress = ((got_kv_reports and self.scheduler.has_unfinished_requests())
+                        or bool(sched_out.preempted_req_ids) or self.scheduler.has_pending_updates())
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed

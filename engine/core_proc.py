@@ -16,7 +16,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import zmq
@@ -28,11 +28,13 @@ from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
 from engine.mock_runner import MockModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, SchedulerStats
 from engine.utils import cdiv
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
+
+STATS_FIELDS = tuple(f.name for f in fields(SchedulerStats))
 
 
 class SignalWakeup:
@@ -70,6 +72,11 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
     return EngineCore(config, runner, connector, worker), kv_cache
 
 
+def stats_counts(stats: SchedulerStats) -> dict[str, int]:
+    """dataclasses.asdict(stats) for a flat record of ints, without its deep copies."""
+    return {name: getattr(stats, name) for name in STATS_FIELDS}
+
+
 def kv_device(config: EngineConfig, kv_cache: KVCache | None) -> str:
     """Where the model runs, for Ready: the torch runner's KV device, else "cpu" (no torch)."""
     if config.runner != "torch" or kv_cache is None:
@@ -95,6 +102,10 @@ class EngineCoreProc:
         self._error_sent = False
         self.poll_interval_ms = max(1, round(config.poll_interval_s * 1000))
         self._last_published: tuple | None = None
+        self._deferred = False  # the last step's snapshot was left to the next step
+        self._pollers: dict[tuple, zmq.Poller] = {}
+        self._input_poller = zmq.Poller()
+        self._input_poller.register(self.input, zmq.POLLIN)
         self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
                          config.max_model_len, config.model.vocab_size, self._device()))
 
@@ -130,7 +141,13 @@ class EngineCoreProc:
                                  can_progress, self.core.must_poll(),
                                  has_unfinished=self.core.has_unfinished_requests())
             self.loop_state = LOOP_STATES[action]
-            self._publish_stats()
+            # One snapshot per step at most: a zero-token step followed at once by
+            # another step (a report consumed, finished ids to ship) leaves its
+            # snapshot to that step's end, microseconds later.
+            if action is not LoopAction.STEP or model_executed or self._deferred:
+                self._publish_stats()
+            else:
+                self._deferred = True
             if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
                 self._wait(with_connector=False, timeout_ms=self.poll_interval_ms, with_input=False)
             elif action is LoopAction.WAIT_ANY:
@@ -151,25 +168,33 @@ class EngineCoreProc:
 
         The parent's sentinel and the SIGTERM wakeup fd are always watched.
         """
-        poller = zmq.Poller()
-        if with_input:
-            poller.register(self.input, zmq.POLLIN)
-        if self.wakeup is not None:
-            poller.register(self.wakeup.read_fd, zmq.POLLIN)
-        if self.parent is not None:
-            poller.register(self.parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
-        if with_connector and self.core.connector_worker is not None:
-            for handle in self.core.connector_worker.wait_handles():
-                poller.register(handle, zmq.POLLIN | zmq.POLLERR)
-        ready = dict(poller.poll(timeout_ms))
+        worker = self.core.connector_worker
+        handles = tuple(worker.wait_handles()) if with_connector and worker is not None else ()
+        ready = dict(self._poller(with_input, handles).poll(timeout_ms))
         self.num_wakeups += 1
         if self.wakeup is not None and self.wakeup.read_fd in ready:
             os.read(self.wakeup.read_fd, 512)  # drain the signal bytes
         if self.parent is not None and self.parent.sentinel in ready:
             raise SystemExit("the frontend is gone")
 
+    def _poller(self, with_input: bool, handles: tuple) -> zmq.Poller:
+        """The poller for one kind of wait, built once (a wait happens per report)."""
+        key = (with_input, handles)
+        poller = self._pollers.get(key)
+        if poller is None:
+            poller = self._pollers[key] = zmq.Poller()
+            if with_input:
+                poller.register(self.input, zmq.POLLIN)
+            if self.wakeup is not None:
+                poller.register(self.wakeup.read_fd, zmq.POLLIN)
+            if self.parent is not None:
+                poller.register(self.parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
+            for handle in handles:
+                poller.register(handle, zmq.POLLIN | zmq.POLLERR)
+        return poller
+
     def _process_input(self) -> None:
-        while self.input.poll(0, zmq.POLLIN):
+        while self._input_poller.poll(0):  # a poller made once: cheaper than socket.poll
             data = self.input.recv()
             try:
                 msg = decode(data)
@@ -198,17 +223,20 @@ class EngineCoreProc:
 
     def _publish_stats(self, force: bool = False) -> None:
         """A snapshot whenever counts or the loop state changed (and on request)."""
-        counts = asdict(self.core.make_stats())
+        self._deferred = False
+        stats = self.core.make_stats()
         connector, worker = self.core.scheduler.connector, self.core.connector_worker
-        if connector is not None:
-            counts.update(connector.get_counters())
-        if worker is not None:
-            counts.update(worker.get_counters())
-        counts["num_bad_messages"] = self.num_bad_messages
-        key = (self.loop_state, tuple(counts.values()))
+        extra = [connector.get_counters() if connector is not None else {},
+                 worker.get_counters() if worker is not None else {},
+                 {"num_bad_messages": self.num_bad_messages}]
+        # Compared before anything is built: most iterations change nothing.
+        key = (self.loop_state, stats, *(tuple(c.items()) for c in extra))
         if not force and key == self._last_published:
             return
         self._last_published = key
+        counts = stats_counts(stats)
+        for c in extra:
+            counts.update(c)
         self._stats_seq += 1
         self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
                                  self.loop_state, self.core.num_steps, self.num_wakeups, counts))

@@ -65,13 +65,37 @@ def test_zero_token_steps_still_carry_finished_ids_and_metadata():
     assert first.model_executed and not first.got_kv_reports
     assert core.scheduler.finished_req_ids == {"r"}
     second = core.step()
-    assert second == EngineStepResult([], model_executed=False, can_progress=True,
+    # The report only freed a finished request's blocks: nothing left for another step.
+    assert second == EngineStepResult([], model_executed=False, can_progress=False,
                                       got_kv_reports=True)
     assert core.connector_worker.num_polls == 2
     assert not core.scheduler.requests  # the report came back in the zero-token step
     assert core.step() == EngineStepResult([], False, False, False)  # no work: no step
     assert core.num_steps == 2
 
+
+def test_a_report_is_progress_only_while_unfinished_requests_remain():
+    """A report that frees blocks a waiting request needs: the next step admits it, so
+    step again at once. With nothing unfinished the next step would be a no-op (event
+    blocks instead of taking it), and it is one: it schedules, ships and frees nothing."""
+    config = make_config(liveness="event", num_blocks=6, kv_transfer=KVTransferConfig())
+    core = EngineCore(config, MockModelRunner(config), PDConnector(config), FakeKVWorker(1))
+    core.add_request("r", list(range(16)), 1, {"do_remote_decode": True})  # 4 of 5 blocks
+    assert core.step().model_executed
+    core.add_request("w", list(range(100, 116)), 1)  # needs 4 blocks: waits for r's
+    step = core.step()
+    assert step.got_kv_reports and not step.model_executed and step.can_progress
+    assert core.step().model_executed  # w admitted on the freed blocks
+    core = make_core("event", send_after=1)
+    core.add_request("r", list(range(8)), 1, {"do_remote_decode": True})
+    core.step()
+    step = core.step()
+    assert step.got_kv_reports and not step.can_progress
+    stats = core.make_stats()
+    extra = core.scheduler.schedule()  # what one more step would do: nothing
+    assert extra.total_num_scheduled_tokens == 0 and not extra.scheduled
+    assert not extra.finished_req_ids and extra.kv_connector_metadata.is_empty()
+    assert core.make_stats() == stats
 
 def test_no_connector_engine_blocks_when_done():
     core = make_core("event", connector=False)
