@@ -40,6 +40,8 @@ LOOP_STATES = {
     LoopAction.WAIT_INPUT: "blocked",
     LoopAction.WAIT_ANY: "blocked",
 }
+# Every loop state a stats snapshot can report: the above, and "stopped" (its last one).
+LOOP_STATE_NAMES = ("stepping", "polling", "blocked", "stopped")
 
 
 def next_action(liveness: str, has_work: bool, model_executed: bool,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from engine.liveness import LOOP_STATES
+from engine.liveness import LOOP_STATE_NAMES
 from engine.messages import StatsSnapshot
 from engine.outputs import SchedulerStats
 
 REQUIRED_COUNTS = tuple(f.name for f in fields(SchedulerStats))
-KNOWN_LOOP_STATES = frozenset(LOOP_STATES.values()) | {"stopped"}
+KNOWN_LOOP_STATES = frozenset(LOOP_STATE_NAMES)
 
 
 def snapshot_problem(snap: StatsSnapshot, engines: list[str] | tuple[str, ...]) -> str | None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.liveness import LOOP_STATE_NAMES
 from engine.messages import StatsSnapshot
 
 # vllm/v1/metrics/buckets.py (0.32.0): TIME_TO_FIRST_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS.
@@ -41,7 +42,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # vllm.v1.engine.FinishReason, in order; kvdrain's "ignored" is vLLM's FINISHED_IGNORED,
 # which vLLM reports as "length".
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-LOOP_STATES = ("stepping", "polling", "blocked", "stopped")
 LABELS = ("model_name", "engine")
 
 # Exposed family names -> label names, pinned by tests/test_http_metrics.py.
@@ -204,7 +204,7 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
     # vLLM's num_gpu_blocks counts the null block too.
     families["vllm:cache_config_info"].add_metric(
         [str(block_size), str(num_blocks + 1), labels[1]], 1)
-    for state in LOOP_STATES:
+    for state in LOOP_STATE_NAMES:
         families["kvdrain:loop_state"].add_metric(labels + [state], float(snap.loop_state == state))
     for key, value in sorted(c.items()):
         if key in _ENGINE_KEYS or not key.startswith("num_"):

@@ -9,6 +9,14 @@ the engines' limits, before anything reaches an engine:
   tokenizer.py); not empty; at most max_model_len - 1 tokens (vLLM answers 400 "This
   model's maximum context length is ..."). `max_tokens` >= 1 (default 16, vLLM's), cut
   to what max_model_len leaves, as vLLM does.
+- an explicit null is the default where vLLM's CompletionRequest field is Optional with
+  one (`max_tokens`, `stream`, `stream_options`, `stream_options.include_usage`,
+  `return_token_ids`, `model`, `kv_transfer_params`, `echo`, `logprobs`, ...).
+- the response id is "cmpl-" + the request id: X-Request-Id, else the body's
+  `request_id`, else a random uuid4 hex (vLLM's _base_request_id and random_uuid).
+- an ignored request (the engine's FINISHED_IGNORED: finish_reason "length", no token)
+  carries the engine's cause in its choice's `kvdrain_ignored_reason` (kvdrain's own
+  field, absent otherwise; vLLM gives no cause).
 - `model`, when given, must be the served name (404 like vLLM).
 - types are checked strictly (400, `param` names the field); fields vLLM knows but
   kvdrain's greedy engines cannot honour (n > 1, echo, logprobs, best_of, stop strings,
@@ -94,10 +102,12 @@ class CompletionParams:
     kv_transfer_params: dict | None
 
 
-def _expect(body: dict, name: str, types: tuple[type, ...], default: object) -> object:
+def _expect(body: dict, name: str, types: tuple[type, ...], default: object,
+            nullable: bool = True) -> object:
+    """body[name] checked against types; absent (or null when nullable): default."""
     value = body.get(name, default)
-    if value is None and default is None:
-        return None
+    if value is None and (nullable or default is None):
+        return default
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         names = " or ".join(t.__name__ for t in types)
         raise ApiError(400, f"{name}: expected {names}, got {type(value).__name__}", name)
@@ -119,22 +129,24 @@ def parse_completion(body: object, model: ServedModel) -> CompletionParams:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
     stream = _expect(body, "stream", (bool,), False)
     include_usage = _include_usage(body, stream)
-    _expect(body, "ignore_eos", (bool,), False)  # kvdrain's engines have no EOS by default
+    _expect(body, "ignore_eos", (bool,), False, nullable=False)  # no EOS in kvdrain's engines
     return_token_ids = _expect(body, "return_token_ids", (bool,), False)
     params = _expect(body, "kv_transfer_params", (dict,), None)
-    request_id = _expect(body, "request_id", (str,), None) or f"cmpl-{uuid.uuid4().hex}"
+    request_id = _expect(body, "request_id", (str,), None) or uuid.uuid4().hex
     return CompletionParams(request_id, prompt, min(max_tokens, model.max_model_len - len(prompt)),
                             stream, include_usage, return_token_ids, params)
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
     options = _expect(body, "stream_options", (dict,), None)
-    if options is None:
+    if not options:  # vLLM: `if data.get("stream_options") and not data.get("stream")`
         return False
     if not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                        "stream_options")
-    include_usage = options.get("include_usage", False)
+    include_usage = options.get("include_usage")
+    if include_usage is None:  # Optional[bool] = False
+        return False
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage: expected bool", "stream_options")
     return include_usage
@@ -191,10 +203,15 @@ def head(response_id: str, model: str, created: int) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model}
 
 
-def choice(text: str, token_ids: list[int] | None, finish_reason: str | None) -> dict:
-    """choices[0] (vLLM's exclude_unset dump: logprobs and stop_reason are null here)."""
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "stop_reason": None, "token_ids": token_ids}
+def choice(text: str, token_ids: list[int] | None, finish_reason: str | None,
+           ignored_reason: str | None = None) -> dict:
+    """choices[0] (vLLM's exclude_unset dump: logprobs and stop_reason are null here);
+    ignored_reason: the engine's cause of an ignored request (kvdrain's own field)."""
+    out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+           "stop_reason": None, "token_ids": token_ids}
+    if ignored_reason is not None:
+        out["kvdrain_ignored_reason"] = ignored_reason
+    return out
 
 
 def stream_chunk(first: dict, delta: dict) -> dict:
@@ -215,3 +232,10 @@ def completion(first: dict, answer: dict, usage_info: dict, kv_transfer_params: 
 def openai_finish_reason(reason: str | None) -> str | None:
     """kvdrain's "ignored" is vLLM's FINISHED_IGNORED, reported as "length"."""
     return "length" if reason == "ignored" else reason
+
+
+def ignored_reason(finish_reason: str | None, num_output_tokens: int, error: str | None) -> str | None:
+    """The engine's cause when it ignored a request ("length" or "ignored", no token, a cause)."""
+    if finish_reason in ("length", "ignored") and num_output_tokens == 0 and error:
+        return error
+    return None

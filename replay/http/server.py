@@ -9,8 +9,10 @@ the front does not own and every stats snapshot go to that SharedRouter for it, 
 `on_tick` runs once per pump round to let it work.
 
 A client that disconnects aborts its request (aiohttp cancels the handler, as vLLM
-aborts on disconnect). Nothing a client sends reaches an engine unchecked (protocol.py);
-errors are vLLM's JSON error bodies with their status codes.
+aborts on disconnect); like vLLM's abort path, that counts in no finished-request metric
+(vllm:request_success_total, the e2e latency histogram). Nothing a client sends reaches
+an engine unchecked (protocol.py); errors are vLLM's JSON error bodies with their status
+codes; a missing or wrong API key gets vLLM's auth middleware's 401 {"error": "Unauthorized"}.
 """
 from __future__ import annotations
 
@@ -78,7 +80,6 @@ class HttpFront:
         self.front = {engine: FrontStats() for engine in model.engines}
         self.answering_engine = model.engines[-1]  # D in a P/D topology
         self.num_requests = 0
-        self.num_errors: dict[int, int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(model.name, list(model.engines), model.block_size,
                                                self.latest, self.front))
@@ -179,8 +180,6 @@ class HttpFront:
             print(f"kvdrain serve --http: {request.path}: {e!r}", file=sys.stderr, flush=True)
             response = _error_response(ApiError(500, f"internal error: {e!r}"))
         response.headers["Server"] = SERVER_HEADER
-        if response.status >= 400:
-            self.num_errors[response.status] = self.num_errors.get(response.status, 0) + 1
         return response
 
     @web.middleware
@@ -189,7 +188,7 @@ class HttpFront:
         if key is not None and request.path.startswith(GUARDED_PREFIX):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(401, "Unauthorized")
+                return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     # ---- handlers ------------------------------------------------------------------
@@ -241,14 +240,14 @@ class HttpFront:
         return internal_id
 
     def _release(self, internal_id: str) -> None:
-        """The handler is done (finished, failed or cancelled): abort what still runs."""
+        """The handler is done (finished, failed or cancelled): abort what still runs
+        (counted in no finished-request metric, as vLLM's abort path counts none)."""
         request = self.open.pop(internal_id, None)
         if request is None:
             return
         del self.client_ids[request.client_id]
         if not request.finished:
             self.router.abort(internal_id)
-            self.front[self.answering_engine].on_finished("abort", time.monotonic() - request.arrival)
 
     async def _next(self, internal_id: str) -> RequestOutput:
         request = self.open[internal_id]
@@ -282,7 +281,8 @@ class HttpFront:
         first = protocol.head("cmpl-" + request.client_id, self.model.name, int(time.time()))
         answer = protocol.choice(WordTokenizer.decode(tokens),
                                  tokens if request.params.return_token_ids else None,
-                                 protocol.openai_finish_reason(output.finish_reason))
+                                 protocol.openai_finish_reason(output.finish_reason),
+                                 protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
         return web.json_response(protocol.completion(first, answer, self._usage(internal_id),
                                                      output.kv_transfer_params))
 
@@ -304,7 +304,8 @@ class HttpFront:
                 first = first and not output.new_token_ids
                 await _send_event(response, protocol.stream_chunk(first_chunk, protocol.choice(
                     text, output.new_token_ids if request.params.return_token_ids else None,
-                    protocol.openai_finish_reason(output.finish_reason))))
+                    protocol.openai_finish_reason(output.finish_reason), protocol.ignored_reason(
+                        output.finish_reason, request.num_output_tokens, output.error))))
             if output.finished:
                 if request.params.include_usage:
                     await _send_event(response, protocol.usage_chunk(first_chunk,
