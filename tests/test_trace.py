@@ -504,3 +504,19 @@ def test_synth_memo_keeps_only_small_blocks():
     assert memo.cache_info().currsize == before
     synth_prompt(mk("small", (10**6 + 1,), 16), 100)
     assert memo.cache_info().currsize == before + 1
+
+
+def test_a_second_abort_of_one_request_is_a_file_line_error(tmp_path):
+    path = write(tmp_path, "t.jsonl", [{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 1},
+                                       {"t": 1, "abort": "a"}, {"t": 2, "abort": "a"}])
+    with pytest.raises(TraceError) as e:
+        validate_trace(path)
+    assert str(e.value) == f'{path}:3: abort: request "a" is already aborted (on line 2)'
+
+
+def test_summary_says_the_largest_given_prompt_token_id(tmp_path):
+    path = write(tmp_path, "t.jsonl", [{"t": 0, "id": "a", "prompt_token_ids": [3, 70000, 5], "max_tokens": 1},
+                                       {"t": 1, "id": "b", "prompt_len": 4, "max_tokens": 1}])
+    assert validate_trace(path).max_prompt_token_id == 70000
+    path = write(tmp_path, "u.jsonl", [{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 1}])
+    assert validate_trace(path).max_prompt_token_id is None

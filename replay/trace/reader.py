@@ -20,7 +20,7 @@ kvdrain JSONL, the native format, one JSON object a line:
                                            with it ceil(prompt_len / hash_block_size) ==
                                            len(hash_ids), so only the last block is partial
     pd          optional: true = prefill/decode pair, false = one engine, absent = default
-- abort: {"t": 2.0, "abort": "r1"} aborts an earlier request of the file
+- abort: {"t": 2.0, "abort": "r1"} aborts an earlier request of the file, once
 - snapshot: {"t": 9.0, "kv": {"P": {"used": 3, "free": 60, "cached": 2}},
              "queues": {"P": {"waiting": 0, "running": 1}}}
     recorded state per engine; "used" and "free" required, "cached" optional; "queues"
@@ -90,6 +90,7 @@ class TraceSummary:
     bad_line_messages: tuple[str, ...]  # the first MAX_BAD_LINE_MESSAGES
     sha256: str  # of the file's bytes
     num_capped: int = 0  # requests whose prompt + max_tokens exceed max_model_len
+    max_prompt_token_id: int | None = None  # the largest given prompt token id (None: none given)
 
 
 def _lines(path: Path, sha256=None) -> Iterator[tuple[int, bytes | None]]:
@@ -143,6 +144,7 @@ class _Scan:
         self.bad_line_messages: list[str] = []
         self.last_t = 0.0
         self.req_lines: dict[str, int] = {}  # kvdrain: request id -> its line
+        self.abort_lines: dict[str, int] = {}  # request id -> the line that aborted it
         self.azure: AzureRows | None = None  # Azure: set by the header
 
     def records(self) -> Iterator[TraceRecord]:
@@ -217,11 +219,21 @@ class _Scan:
             if first != record.line:
                 raise FieldError("id", f"duplicate request id {show(record.req_id)} "
                                        f"(first on line {first})")
-        if isinstance(record, TraceAbort) and record.req_id not in self.req_lines:
-            raise FieldError("abort", f"no earlier request with id {show(record.req_id)}")
+        if isinstance(record, TraceAbort):
+            self._check_abort(record)
         if isinstance(record, TraceRequest) and self.limits is not None:
             self.num_capped += check_request(record, self.fmt, self.limits)
         self.last_t = record.t
+
+
+    def _check_abort(self, record: TraceAbort) -> None:
+        """An abort names an earlier request, and aborts it once."""
+        if record.req_id not in self.req_lines:
+            raise FieldError("abort", f"no earlier request with id {show(record.req_id)}")
+        first = self.abort_lines.setdefault(record.req_id, record.line)
+        if first != record.line:
+            raise FieldError("abort", f"request {show(record.req_id)} is already aborted "
+                                      f"(on line {first})")
 
 
 def _first_line(path: Path) -> tuple[int, str]:
@@ -282,7 +294,7 @@ def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: boo
     """
     scan = _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits)
     counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0}
-    header, first_t, last_t, prompt, output = None, None, 0.0, 0, 0
+    header, first_t, last_t, prompt, output, max_id = None, None, 0.0, 0, 0, None
     for record in scan.records():
         if isinstance(record, TraceHeader):
             header = record
@@ -291,10 +303,12 @@ def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: boo
         first_t, last_t = record.t if first_t is None else first_t, record.t
         if isinstance(record, TraceRequest):
             prompt, output = prompt + record.prompt_len, output + record.max_tokens
+            if record.prompt_token_ids:
+                max_id = max(max_id or 0, max(record.prompt_token_ids))
     if counts[TraceRequest] == 0:
         raise TraceError(f"{path}: trace: no requests ({scan.num_bad_lines} bad lines, "
                          f"{scan.num_skipped} zero-length rows skipped)")
     return TraceSummary(str(path), scan.fmt, header, counts[TraceRequest], counts[TraceAbort],
                         counts[TraceSnapshot], scan.num_skipped, last_t - (first_t or 0.0),
                         prompt, output, scan.num_bad_lines, tuple(scan.bad_line_messages),
-                        scan.sha256.hexdigest(), scan.num_capped)
+                        scan.sha256.hexdigest(), scan.num_capped, max_id)
