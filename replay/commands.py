@@ -21,8 +21,7 @@ from replay.ui.dashboard import DashboardState
 from replay.ui.tui import LiveView
 from replay.verify.plot import plot_title, write_plot, write_series
 from replay.verify.report import build_report, print_summary, set_status, write_report, write_requests
-from replay.verify.verdict import (EXIT_FAULT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                                   EXIT_TERMINATED, EXIT_USAGE, EXIT_VIOLATION, status_for, worst)
+from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +96,9 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
     except ConnectionError as e:  # nothing answered at --target
         _error(console, e)
         return EXIT_USAGE
+    except ValueError as e:  # TraceError among them: input the target cannot take
+        _error(console, e)
+        return EXIT_USAGE
     return _report(result, paths, console)
 
 
@@ -112,9 +114,8 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         from replay.http.outcome import outcome_lines
         for line in outcome_lines(http):
             console.print(line, highlight=False, soft_wrap=True)
-        if worst(report["status"], http["verdict"]) != report["status"]:
-            set_status(report, http["verdict"])
-            report["reasons"] = [*report["reasons"], *http["reasons"]]
+        set_status(report, worst(report["status"], http["verdict"]))
+        report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
     print_summary(console, report, paths.explain)
     interrupted = _interruption(result, report, console)
     if paths.report is not None:

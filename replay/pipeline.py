@@ -74,7 +74,6 @@ class ReplayResult:
                 "wall_s": round(self.wall_s, 3),
                 "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None}
 
-
     def engine_settings(self) -> dict:
         """What really ran: the server's own configuration with --target, "mock" as the
         runner under the virtual clock, else the engine config given."""
@@ -128,7 +127,7 @@ def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = 
         timeline = model = simulate(records, _sim_options(config))
     else:
         model = model_timeline(config)  # before running: which idle windows to expect
-        timeline = _replay_wall(config, records, on_tick)
+        timeline = _replay_wall(config, records, on_tick, summary)
     arrivals = timeline.arrivals if model is None else model.arrivals
     expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
     verdict = verify(timeline, snapshots, config.verify, expected)
@@ -155,10 +154,11 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
 
 
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
-                 on_tick: Callable[[object], None] | None) -> Timeline:
+                 on_tick: Callable[[object], None] | None, summary: TraceSummary) -> Timeline:
     if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
         from replay.http.client import HttpReplay
-        return HttpReplay(replace(config.http, tail_s=config.effective_tail_s())).run(records)
+        return HttpReplay(replace(config.http, tail_s=config.effective_tail_s(),
+                                  max_token_id=summary.max_prompt_token_id)).run(records)
     options = WallOptions(tail_s=config.effective_tail_s())
     target = _start_target(config)
     try:

@@ -6,13 +6,22 @@
   stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
   them) or, with --prompt-format text, those ids as the word tokenizer's text;
 - per request: send lateness, TTFT, inter-token latencies, end-to-end latency, tokens
-  (the final usage chunk, else what streamed), errors (HTTP status and message);
+  (the final usage chunk, else what streamed), errors (HTTP status and message, a
+  malformed stream, a request given up after request_timeout_s); every record is
+  closed, whatever happened to its task (an abort before it was even sent included);
+- a request the server finished with "length" and no token although max_tokens >= 1
+  was ignored by it (vLLM's FINISHED_IGNORED: a prompt that can never fit); its error
+  is the cause kvdrain's front sends (the choice's `kvdrain_ignored_reason`), else
+  IGNORED_BY_SERVER, so replay/verify/coverage.py counts it;
+- the trace's largest prompt token id is checked against the server's vocabulary
+  before t = 0 (a TraceError, the CLI's exit 2, never a failure mid-run);
 - every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
   EngineSample records the other drivers produce, so replay/verify/rules.py judges the
   idle windows from the server's own metrics.
 The result is a Timeline; `meta["http"]` holds the server's identity, each URL's scrape
-status and the latency summary (replay/http/outcome.py turns it and the Verdict into
-verified, violation or inconclusive).
+status and the latency summary (replay/verify/latency.py); `meta["sampling"]` is
+SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
+replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's status.
 """
 from __future__ import annotations
 
@@ -25,16 +34,18 @@ from typing import Iterable
 
 import aiohttp
 
-from replay.http.outcome import latency_summary
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.tokenizer import WordTokenizer
-from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest
+from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
-from replay.verify.timeline import AbortRecord, RequestRecord, Timeline, output_digest
+from replay.verify.latency import latency_summary
+from replay.verify.timeline import (SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline,
+                                    output_digest)
 
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 DEFAULT_VOCAB_SIZE = 32000  # token ids below this are valid for Llama-2/Mistral and larger
 PROMPT_FORMATS = ("ids", "text")
+IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +59,7 @@ class HttpTargetOptions:
     vocab_size: int | None = None  # None: the server's (kvdrain says it), else DEFAULT_VOCAB_SIZE
     tail_s: float = 3.0
     request_timeout_s: float = 120.0
+    max_token_id: int | None = None  # the trace's largest prompt token id (None: none given)
 
     def __post_init__(self) -> None:
         if self.prompt_format not in PROMPT_FORMATS:
@@ -136,6 +148,7 @@ class _Stream:
     usage_completion_tokens: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
 
 
 class HttpReplay:
@@ -145,7 +158,6 @@ class HttpReplay:
         self.identity: ServerIdentity | None = None
         self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
         self.requests: dict[str, RequestRecord] = {}
-        self.itls: dict[str, list[float]] = {}
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
         self.tasks: dict[str, asyncio.Task] = {}
@@ -163,6 +175,7 @@ class HttpReplay:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
             self.identity = await probe(session, self.options)
+            check_vocab(self.options.max_token_id, self.identity)
             self.origin = time.monotonic() + LEAD_IN_S
             for scraper in self.scrapers:
                 scraper.origin = self.origin
@@ -199,7 +212,23 @@ class HttpReplay:
         record = RequestRecord(req.req_id, req.t, 0.0, 0.0, None, None, len(prompt), 0, 0, None)
         self.requests[req.req_id] = record
         self.arrivals.append(req.t)
-        self.tasks[req.req_id] = asyncio.create_task(self._request(session, req, prompt, record))
+        task = asyncio.create_task(self._request(session, req, prompt, record))
+        task.add_done_callback(lambda _task: self._close_unsent(record))
+        self.tasks[req.req_id] = task
+
+    def _close_unsent(self, record: RequestRecord) -> None:
+        """A task cancelled before its first step never ran _request (an abort at the
+        instant of its request, or a client running late): close its record here."""
+        if record.end_t is not None:
+            return
+        stream = _Stream()
+        if record.req_id in self.aborted:
+            stream.finish_reason = "abort"
+        else:
+            stream.error = "cancelled before it was sent"
+        record.send_t = self.now()
+        record.send_lateness_s = record.send_t - record.arrival_t
+        self._close(record, stream)
 
     async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
         interval, k = self.options.scrape_interval_s, 0
@@ -248,13 +277,15 @@ class HttpReplay:
                     stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"
                 else:
                     await self._read_stream(response, stream)
-        except asyncio.CancelledError:
-            if record.req_id not in self.aborted:
-                return  # given up after request_timeout_s: it never ended
-            stream.finish_reason = "abort"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except asyncio.CancelledError:  # aborted by the trace, or given up on by _finish
+            if record.req_id in self.aborted:
+                stream.finish_reason = "abort"
+            else:
+                stream.error = f"gave up after {self.options.request_timeout_s:g} s without an end"
+        except Exception as e:  # a lost connection, a malformed answer: this request's error
             stream.error = f"{type(e).__name__}: {e}"
-        self._close(record, stream)
+        finally:
+            self._close(record, stream, req.max_tokens)
 
     async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
         async for line in response.content:
@@ -265,22 +296,27 @@ class HttpReplay:
             if data == b"[DONE]":
                 return
             chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
             if "error" in chunk:
                 stream.error = _error_message(chunk)
                 continue
             _apply_chunk(stream, chunk, self.now())
 
-    def _close(self, record: RequestRecord, stream: _Stream) -> None:
+    def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
         record.end_t = self.now()
         times = stream.chunk_times
         record.first_token_t = times[0] if times else None
-        self.itls[record.req_id] = [b - a for a, b in zip(times, times[1:])]
-        record.itls, record.last_token_t = self.itls[record.req_id], times[-1] if times else None
+        record.itls = [b - a for a, b in zip(times, times[1:])]
+        record.last_token_t = times[-1] if times else None
         record.num_output_tokens = stream.usage_completion_tokens if \
             stream.usage_completion_tokens is not None else len(stream.tokens) or len(times)
         record.num_prefix_hit_tokens = stream.num_cached_tokens
         record.finish_reason = "error" if stream.error else (stream.finish_reason or "error")
         record.error = stream.error or (None if stream.finish_reason else "stream ended without a finish_reason")
+        if record.error is None and record.finish_reason == "length" and \
+                record.num_output_tokens == 0 and max_tokens >= 1:
+            record.error = stream.ignored_reason or IGNORED_BY_SERVER
         record.output_digest = output_digest(stream.tokens) if stream.tokens else \
             output_digest([]) if not stream.text else _text_digest(stream.text)
 
@@ -290,32 +326,64 @@ class HttpReplay:
         samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
         engines = list(dict.fromkeys(s.engine for s in samples))
         num_blocks = {s.engine: s.num_blocks for s in samples}
-        meta = {"driver": "http", "target": self.options.base_url,
+        meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
                          "prompt_format": self.options.prompt_format,
                          "scrape_interval_s": self.options.scrape_interval_s,
-                         "latency": latency_summary(self.requests.values(), self.itls)}}
+                         "latency": latency_summary(self.requests.values())}}
         return Timeline(engines=engines, num_blocks=num_blocks, samples=samples,
                         requests=list(self.requests.values()), arrivals=self.arrivals,
                         aborts=self.aborts, end_t=self.end_t, counters={}, meta=meta)
 
 
+def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:
+    """A TraceError before t = 0 if the trace's prompts hold a token the server cannot take."""
+    if max_token_id is None or max_token_id < identity.vocab_size:
+        return
+    said = "as /v1/models says" if (identity.kvdrain or {}).get("vocab_size") else \
+        "assumed: the server does not say its vocabulary size"
+    raise TraceError(f"trace: prompt token id {max_token_id:,} is outside the server's "
+                     f"vocabulary [0, {identity.vocab_size:,}) ({said}); nothing was sent")
+
+
+def _expect(value: object, types: tuple[type, ...], what: str) -> object:
+    """value if it is None or one of types (a bool is no int); a ValueError otherwise."""
+    if value is None or (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
+        return value
+    raise ValueError(f"stream chunk: {what}: expected {' or '.join(t.__name__ for t in types)}, "
+                     f"got {type(value).__name__}")
+
+
 def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        stream.usage_completion_tokens = usage.get("completion_tokens")
-        details = usage.get("prompt_tokens_details") or {}
-        stream.num_cached_tokens = int(details.get("cached_tokens") or 0)
-    for choice in chunk.get("choices") or ():
-        token_ids = choice.get("token_ids") or []
-        text = choice.get("text") or ""
-        if token_ids or text:
-            stream.chunk_times.append(now)
-            stream.tokens.extend(token_ids)
-            stream.text.append(text)
-        if choice.get("finish_reason") is not None:
-            stream.finish_reason = choice["finish_reason"]
+    """One chunk into the stream; a ValueError if its fields have the wrong types."""
+    usage = _expect(chunk.get("usage"), (dict,), "usage")
+    if usage is not None:
+        stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
+                                                 "usage.completion_tokens")
+        details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
+        cached = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
+        stream.num_cached_tokens = cached or 0
+    for choice in _expect(chunk.get("choices"), (list,), "choices") or ():
+        if not isinstance(choice, dict):
+            raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
+        _apply_choice(stream, choice, now)
+
+
+def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
+    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or []
+    if not all(type(t) is int for t in token_ids):
+        raise ValueError("stream chunk: token_ids: expected a list of integers")
+    text = _expect(choice.get("text"), (str,), "text") or ""
+    if token_ids or text:
+        stream.chunk_times.append(now)
+        stream.tokens.extend(token_ids)
+        stream.text.append(text)
+    reason = _expect(choice.get("finish_reason"), (str,), "finish_reason")
+    if reason is not None:
+        stream.finish_reason = reason
+        stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
+                                        "kvdrain_ignored_reason")
 
 
 def _json_or_text(body: bytes) -> object:

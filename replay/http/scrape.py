@@ -13,10 +13,13 @@ A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a lea
 Series are told apart by their `engine` label; a URL given as NAME=URL names its
 engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
 loop state and step counts are read where the server has them (kvdrain), else 0.
+A scrape that fails in any way (no answer, not 200, not parseable, a value read that is
++Inf, -Inf or NaN, anything unexpected) is a counted failure with its error; the scrape
+loop goes on.
 """
 from __future__ import annotations
 
-import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -102,7 +105,15 @@ _EXTRA = ("vllm:num_requests_waiting", "vllm:num_requests_running",
           "kvdrain:engine_steps_total", "kvdrain:engine_wakeups_total")
 
 
+def _finite(name: str, value: float) -> float:
+    """value, or a ValueError if it is +Inf, -Inf or NaN (no count or fraction is)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: not a finite value: {value}")
+    return value
+
+
 def _usage(samples: dict[str, list], metric: str, value: float, engine: str) -> tuple[int, int, str]:
+    value = _finite(metric, value)
     if metric == "kvdrain:kv_blocks_used":
         used = int(value)
         return used, used + int(_gauge(samples, "kvdrain:kv_blocks_free", engine)), "blocks"
@@ -130,8 +141,8 @@ def _num_gpu_blocks(samples: dict[str, list], engine: str) -> int:
 
 
 def _gauge(samples: dict[str, list], name: str, engine: str) -> float:
-    return next((s.value for s in samples.get(name, []) if s.labels.get("engine", "") == engine),
-                0.0)
+    return _finite(name, next((s.value for s in samples.get(name, [])
+                               if s.labels.get("engine", "") == engine), 0.0))
 
 
 def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
@@ -164,7 +175,6 @@ def loop_state(samples: dict[str, list], engine: str) -> str:
     return "unknown"
 
 
-
 @dataclass(slots=True)
 class Scraper:
     """One metrics URL over a replay: its samples on the replay's clock, and what went wrong."""
@@ -192,7 +202,7 @@ class Scraper:
                     raise ValueError(f"HTTP {response.status}")
             t = time.monotonic() - self.origin
             return self._read(parse_metrics(text), t)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as e:
+        except Exception as e:  # any failure is this scrape's, counted; the loop goes on
             return self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
     def _fail(self, error: str) -> bool:

@@ -16,8 +16,9 @@ Under the virtual clock the run is the model, so every expected window is observ
 
 Ignored requests: the scheduler finishes a request it can never run at once
 (FINISHED_IGNORED, reported as finish reason "length" with no tokens and the cause in
-its error, as vLLM does); a share of them above max_ignored_share makes the run
-inconclusive (the trace was not replayed as written) unless allowed.
+its error, as vLLM does; over HTTP, replay/http/client.py records the cause kvdrain's
+front sends, else "ignored by the server"); a share of them above max_ignored_share
+makes the run inconclusive (the trace was not replayed as written) unless allowed.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ COVERAGE_STATES = ("observed", "busy", "missed")
 IGNORED_CAUSES = {  # a substring of the scheduler's reason -> the cause's name
     "max_model_len": "prompt longer than max_model_len",
     "KV blocks; the pool has": "can never fit the KV pool",
+    "ignored by the server": "ignored by the server",  # HTTP: "length", no token, no cause
 }
 
 

@@ -9,7 +9,11 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   within drain_deadline_s and stay 0 until the window ends. A blip that is gone by
   the deadline is fine (a step still running when the client gave up publishes its
   blocks late); blocks taken later are a leak. A window shorter than the deadline
-  that ends undrained is "undecided", not a violation.
+  that ends undrained is "undecided", not a violation. Engine stats hold their value
+  until the next sample (a parked engine publishes nothing); a scraped timeline's
+  samples (Timeline.is_scraped: a server's /metrics) say nothing between scrapes, so
+  there only samples inside a window count: none is "undecided", a leak needs blocks
+  held at a sample after the deadline, "drained" needs a sample after it.
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks.
 - a request that never ended is a violation too ("unfinished").
@@ -142,11 +146,12 @@ class EngineSeries:
 
 
 def check_window(series: EngineSeries, window: tuple[float, float, bool],
-                 deadline_s: float) -> IdleWindow:
+                 deadline_s: float, scraped: bool = False) -> IdleWindow:
     """Judge one engine over one (start, end, is_tail) window.
 
     It drained at the first sample from which used blocks stay 0 until the window
-    ends (the sample at or before `start` counts as the window's first).
+    ends (the sample at or before `start` counts as the window's first). scraped:
+    the verdict is _scraped_verdict's (only samples inside the window are evidence).
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
     if not times or times[0] > end:  # nothing known about this engine in the window
@@ -161,12 +166,22 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
     else:
         drained_at = samples[last_held + 1].t if last_held + 1 < hi else None
         held = samples[last_held].num_used_blocks
-    if drained_at is not None and drained_at - start <= deadline_s:
+    if scraped:
+        verdict = _scraped_verdict(samples[lo:hi], start + deadline_s)
+    elif drained_at is not None and drained_at - start <= deadline_s:
         verdict = "drained"
     else:
         verdict = "undecided" if drained_at is None and end - start < deadline_s else "leak"
     return IdleWindow(series.engine, start, end, is_tail, at_start,
-                      None if drained_at is None else drained_at - start, verdict, held)
+                      None if drained_at is None or verdict == "undecided" else drained_at - start,
+                      verdict, held)
+
+
+def _scraped_verdict(inside: Sequence[EngineSample], deadline_t: float) -> str:
+    """Scrapes inside a window: "leak" if one after the deadline saw used blocks,
+    "drained" if some came after it and all saw none, else "undecided"."""
+    late = [s.num_used_blocks for s in inside if s.t > deadline_t]
+    return "leak" if any(late) else "drained" if late else "undecided"
 
 
 def _window_violation(w: IdleWindow) -> Violation:
@@ -229,7 +244,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     observed = idle_windows(timeline, options.idle_threshold_s)
     for window in observed:
         for series in by_engine.values():
-            w = check_window(series, window, options.drain_deadline_s)
+            w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
             windows.append(w)
             if w.verdict == "leak":
                 violations.append(_window_violation(w))
@@ -253,7 +268,8 @@ def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[
         w = undecided[0]
         reasons.append(f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
                        f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
-                       f"no samples, or shorter than the drain deadline and not drained)")
+                       f"no samples (for scraped metrics: none after its drain deadline), "
+                       f"or shorter than the drain deadline and not drained)")
     num_ignored = sum(ignored.values())
     if num_ignored and not options.allow_ignored and num_ignored > options.max_ignored_share * num_requests:
         causes = ", ".join(f"{n:,} {cause}" for cause, n in ignored.items())

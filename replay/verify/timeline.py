@@ -9,7 +9,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field, fields
 
-LOOP_STATES = ("stepping", "polling", "blocked")
+# Timeline.meta["sampling"]: how the samples were taken. Absent: engine stats, which an
+# engine publishes on every change (a parked engine publishes nothing), so a value holds
+# until the next sample. SAMPLING_SCRAPED: readings of a server's /metrics at their
+# instants (replay/http/), which say nothing of the time between them.
+SAMPLING_SCRAPED = "scraped"
 
 
 @dataclass(slots=True)
@@ -27,7 +31,7 @@ class EngineSample:
     num_waiting_for_remote_kvs: int
     num_running: int
     num_finished_awaiting_free: int  # finished, blocks held for the connector
-    loop_state: str  # "stepping" | "polling" | "blocked"
+    loop_state: str  # engine/liveness.py LOOP_STATE_NAMES, or "unknown" (a scraped server)
     num_steps: int  # engine steps so far
     num_wakeups: int  # transitions out of blocked, plus poll sleeps, so far
 
@@ -96,6 +100,10 @@ class Timeline:
         if engine not in self.engines:
             raise ValueError(f"engine: unknown engine {engine!r}, have {self.engines}")
         return [s for s in self.samples if s.engine == engine]
+
+    def is_scraped(self) -> bool:
+        """Samples are scrapes (see SAMPLING_SCRAPED): nothing is known between them."""
+        return self.meta.get("sampling") == SAMPLING_SCRAPED
 
     def request(self, req_id: str) -> RequestRecord:
         for record in self.requests:

@@ -1,0 +1,236 @@
+"""The HTTP replay client against small in-process servers: every record is closed
+whatever happens (an abort at its request's instant, a malformed stream, a server that
+never answers), ignored requests are counted, the trace's token ids are checked against
+the server's vocabulary before t = 0, latency is replay/verify/latency.py's, and a
+scrape that reads +Inf or NaN is a counted failure."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replay.http import outcome
+from replay.http.client import IGNORED_BY_SERVER, HttpReplay, HttpTargetOptions
+from replay.http.outcome import http_verdict
+from replay.http.scrape import MetricsSource, Scraper
+from replay.trace.reader import TraceError
+from replay.trace.records import TraceAbort, TraceRequest
+from replay.verify.coverage import ignored_by_cause
+from replay.verify.latency import latency_summary
+from replay.verify.rules import verify
+from replay.verify.timeline import Timeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _chunk(choices: object = None, **extra) -> bytes:
+    body = {"id": "cmpl-x", "object": "text_completion", "choices": [] if choices is None else choices,
+            **extra}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _choice(token: int | None, finish_reason: str | None = None, **extra) -> dict:
+    return {"index": 0, "text": "" if token is None else f"w{token}",
+            "token_ids": [] if token is None else [token], "finish_reason": finish_reason, **extra}
+
+
+class FakeServer:
+    """/v1/models and a streaming /v1/completions whose chunks `answer(body)` chooses;
+    an answer of None never ends (until the test is over)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.num_posts = 0
+        self.release = asyncio.Event()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "m", "owned_by": "vllm", "max_model_len": 4096}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.num_posts += 1
+        chunks = self.answer(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if chunks is None:
+            await self.release.wait()
+            return response
+        for chunk in chunks:
+            await response.write(chunk)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        finally:
+            self.release.set()
+            await runner.cleanup()
+
+
+def replay(answer, trace, **options) -> tuple[Timeline, FakeServer]:
+    server = FakeServer(answer)
+
+    async def go() -> Timeline:
+        async with server.running() as url:
+            return await HttpReplay(HttpTargetOptions(url, tail_s=0.05, **options)).run_async(trace)
+    return asyncio.run(asyncio.wait_for(go(), 30)), server
+
+
+def good(body: dict) -> list[bytes]:
+    return [_chunk([_choice(5)]), _chunk([_choice(6, "length")]),
+            _chunk(usage={"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4})]
+
+
+def test_an_abort_at_the_instant_of_its_request_closes_the_record():
+    """The task is cancelled before its first step: the record is still closed, as aborted."""
+    trace = [TraceRequest(0.0, "a", 2, 3), TraceAbort(0.0, "a"), TraceRequest(0.0, "b", 2, 2)]
+    timeline, _ = replay(good, trace)
+    a, b = timeline.request("a"), timeline.request("b")
+    assert a.end_t is not None and a.finish_reason == "abort" and a.error is None
+    assert a.send_t >= 0 and b.finish_reason == "length" and b.num_output_tokens == 2
+    assert verify(timeline, []).violations == ()
+
+
+MALFORMED = {
+    "list": [b"data: []\n\n"],
+    "choices not a list": [_chunk({"0": 1})],
+    "a choice not an object": [_chunk([3])],
+    "usage not an object": [_chunk([_choice(5)], usage=[2])],
+    "token ids not ints": [_chunk([{"index": 0, "text": "x", "token_ids": ["5"], "finish_reason": None}])],
+    "finish_reason not a string": [_chunk([_choice(5, 7)])],
+}
+
+
+def test_a_malformed_stream_is_that_requests_error_and_the_run_inconclusive():
+    names = list(MALFORMED)
+    trace = [TraceRequest(0.0, name, 2, 2, prompt_token_ids=(i, 1)) for i, name in enumerate(names)]
+    trace.append(TraceRequest(0.0, "fine", 2, 2, prompt_token_ids=(99, 1)))
+    timeline, _ = replay(lambda body: good(body) if body["prompt"][0] == 99
+                         else MALFORMED[names[body["prompt"][0]]], trace)
+    for name in names:
+        record = timeline.request(name)
+        assert record.end_t is not None and record.finish_reason == "error", name
+        assert record.error.startswith("ValueError: stream chunk"), (name, record.error)
+    assert timeline.request("fine").error is None
+    verdict = verify(timeline, [])
+    assert not verdict.violations  # not "never ended"
+    status, reasons = http_verdict(timeline, verdict)
+    assert status == "inconclusive" and any(f"{len(names)} of {len(trace)} requests failed" in r
+                                            for r in reasons)
+
+
+def test_a_request_given_up_on_is_closed_as_failed_not_unfinished():
+    trace = [TraceRequest(0.0, "hangs", 2, 2, prompt_token_ids=(0, 0)),
+             TraceRequest(0.0, "fine", 2, 2, prompt_token_ids=(1, 1))]
+    timeline, _ = replay(lambda body: None if body["prompt"][0] == 0 else good(body), trace,
+                         request_timeout_s=0.3)
+    hung = timeline.request("hangs")
+    assert hung.end_t is not None and hung.finish_reason == "error"
+    assert hung.error == "gave up after 0.3 s without an end"
+    assert timeline.request("fine").error is None
+    verdict = verify(timeline, [])
+    assert not [v for v in verdict.violations if v.kind == "unfinished"]
+    assert http_verdict(timeline, verdict)[0] == "inconclusive"  # exit 3, not 1
+
+
+def test_token_ids_beyond_the_servers_vocabulary_fail_before_anything_is_sent():
+    trace = [TraceRequest(0.0, "a", 2, 2, prompt_token_ids=(1, 40000))]
+    with pytest.raises(TraceError, match=r"prompt token id 40,000 is outside the server's "
+                                         r"vocabulary \[0, 32,000\) \(assumed"):
+        replay(good, trace, max_token_id=40000)
+    timeline, server = replay(good, trace, max_token_id=40000, vocab_size=50000)
+    assert server.num_posts == 1 and timeline.request("a").error is None
+
+
+def test_length_without_tokens_is_ignored_by_the_server_with_its_cause_if_given():
+    def answer(body: dict) -> list[bytes]:
+        extra = {"kvdrain_ignored_reason": "up to 600 tokens need 38 KV blocks; the pool has 31"} \
+            if body["prompt"][0] == 1 else {}
+        return [_chunk([_choice(None, "length", **extra)]),
+                _chunk(usage={"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2})]
+    trace = [TraceRequest(0.0, f"r{i}", 2, 4, prompt_token_ids=(i % 2, 7)) for i in range(4)]
+    timeline, _ = replay(answer, trace)
+    assert timeline.request("r0").error == IGNORED_BY_SERVER
+    assert ignored_by_cause(timeline.requests) == {"can never fit the KV pool": 2,
+                                                   "ignored by the server": 2}
+    verdict = verify(timeline, [])
+    assert verdict.ignored == ignored_by_cause(timeline.requests)
+    status, reasons = http_verdict(timeline, verdict)
+    assert status == "inconclusive" and not any("failed" in r for r in reasons)
+    assert any("4 of 4 requests ignored" in r for r in reasons)
+
+
+def test_latency_is_the_vllm_bench_summary_of_replay_verify_latency():
+    trace = [TraceRequest(0.0, f"r{i}", 2, 2) for i in range(3)]
+    timeline, _ = replay(good, trace)
+    assert not hasattr(outcome, "latency_summary")
+    assert timeline.meta["http"]["latency"] == latency_summary(timeline.requests)
+    assert timeline.meta["http"]["latency"]["completed"] == 3
+
+
+async def _scrape_texts(texts: list[str]) -> Scraper:
+    answers = iter(texts)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=next(answers))
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    scraper = Scraper(MetricsSource.parse(f"http://127.0.0.1:{port}/metrics"), 0.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in texts:
+                await scraper.scrape(session)
+    finally:
+        await runner.cleanup()
+    return scraper
+
+
+def test_a_non_finite_metric_value_is_a_counted_scrape_failure():
+    cache = 'vllm:cache_config_info{engine="0",num_gpu_blocks="101"} 1\n'
+    texts = [f'vllm:kv_cache_usage_perc{{engine="0"}} {v}\n' + cache
+             for v in ("0.5", "+Inf", "NaN", "-Inf", "0.25")]
+    scraper = asyncio.run(asyncio.wait_for(_scrape_texts(texts), 30))
+    assert [s.num_used_blocks for s in scraper.samples] == [50, 25]
+    assert (scraper.num_scrapes, scraper.num_failures) == (5, 3)
+    assert scraper.errors[0] == "ValueError: vllm:kv_cache_usage_perc: not a finite value: inf"
+    sglang = asyncio.run(asyncio.wait_for(_scrape_texts(
+        ['sglang:token_usage 0.5\nsglang:max_total_num_tokens NaN\n']), 30))
+    assert sglang.num_failures == 1 and not sglang.samples
+    assert sglang.errors == ["ValueError: sglang:max_total_num_tokens: not a finite value: nan"]
+
+
+def test_any_exception_in_a_scrape_is_counted_and_the_scraper_goes_on(monkeypatch):
+    import replay.http.scrape as scrape
+
+    real = scrape.parse_metrics
+    calls = iter([RuntimeError("boom"), None])
+
+    def flaky(text: str):
+        error = next(calls)
+        if error is not None:
+            raise error
+        return real(text)
+    monkeypatch.setattr(scrape, "parse_metrics", flaky)
+    text = 'kvdrain:kv_blocks_used{engine="P"} 3\nkvdrain:kv_blocks_free{engine="P"} 7\n'
+    scraper = asyncio.run(asyncio.wait_for(_scrape_texts([text, text]), 30))
+    assert scraper.num_failures == 1 and scraper.errors == ["RuntimeError: boom"]
+    assert [s.num_used_blocks for s in scraper.samples] == [3]
