@@ -77,6 +77,11 @@ class EngineCore:
                               stop_token_ids=tuple(stop_token_ids), kv_transfer_params=params)
         except ValueError as e:
             return [self.scheduler.reject_request(req_id, params, str(e))]
+        return self.add(request)
+
+    def add(self, request: Request) -> list[RequestOutput]:
+        """Queue a built request (vLLM's EngineCore.add_request(Request)); an output at
+        once only if it can never run."""
         output = self.scheduler.add_request(request)
         return [output] if output is not None else []
 

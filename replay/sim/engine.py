@@ -33,12 +33,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.block_hash import BlockHash
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
 from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.request import Request
+from engine.request_check import why_malformed
 from engine.utils import cdiv
 from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
 from replay.sim.cost import StepShape
@@ -74,6 +77,7 @@ class AddInput:
     prompt: list[int]
     max_tokens: int
     kv_transfer_params: dict | None
+    block_hashes: list[BlockHash] | None = None  # the prompt's, if the frontend computed them
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +163,27 @@ class SimEngine:
         while self.input:
             msg = self.input.popleft()
             if isinstance(msg, AddInput):
-                outputs += self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens,
-                                                 msg.kv_transfer_params)
+                outputs += self._add(msg)
             else:
                 outputs += self.core.abort_requests([msg.req_id])
         return outputs
+
+    def _add(self, msg: AddInput) -> list[RequestOutput]:
+        """EngineCore.add_request, with the prompt's block hashes computed once for every
+        engine: the same Request (the same hashes, as Request would chain them itself).
+        Anything malformed goes through add_request's own error path."""
+        config, params = self.core.config, msg.kv_transfer_params
+        if msg.block_hashes is None or why_malformed(msg.prompt, msg.max_tokens,
+                                                     config.model.vocab_size) is not None:
+            return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
+        try:
+            request = Request(msg.req_id, list(msg.prompt), msg.max_tokens, config.block_size,
+                              eos_token_id=config.eos_token_id,
+                              kv_transfer_params=dict(params) if params else None,
+                              block_hashes=list(msg.block_hashes))
+        except ValueError:
+            return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
+        return self.core.add(request)
 
     def _step_start(self, _: object) -> None:
         num_inputs = len(self.input)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from connector.routing import END, AddTo, Command, Routing, engine_roles
+from engine.block_hash import BlockHash, hash_request_blocks
 from engine.outputs import RequestOutput
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
@@ -29,6 +30,9 @@ class _Flight:
 
     record: RequestRecord
     tokens: list[int] = field(default_factory=list)
+    # The prompt's block hashes, computed once here for every engine that takes it
+    # (each would compute the same: engine/block_hash.py over the same tokens).
+    block_hashes: list[BlockHash] | None = None
 
 
 class _Frontend:
@@ -41,6 +45,8 @@ class _Frontend:
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
         self.vocab_size = vocab_size
+        self.block_size = sim.options.engine.block_size  # every engine's (SimOptions.engine_config)
+        self.share_hashes = True  # False: each engine hashes its prompt itself (the same hashes)
 
     def on_request(self, req: TraceRequest) -> None:
         if req.req_id in self.seen:
@@ -49,7 +55,8 @@ class _Frontend:
         prompt, t = synth_prompt(req, self.vocab_size), self.sim.loop.now / NS
         record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
         self.records.append(record)
-        self.flights[req.req_id] = _Flight(record)
+        hashes = hash_request_blocks(prompt, self.block_size, []) if self.share_hashes else None
+        self.flights[req.req_id] = _Flight(record, block_hashes=hashes)
         self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd))
 
     def on_abort(self, abort: TraceAbort) -> None:
@@ -83,8 +90,10 @@ class _Frontend:
         for command in commands:
             engine = self.sim.engines[command.engine]
             if isinstance(command, AddTo):
+                flight = self.flights.get(command.req_id)
                 engine.deliver(AddInput(command.req_id, command.prompt_token_ids, command.max_tokens,
-                                        command.kv_transfer_params))
+                                        command.kv_transfer_params,
+                                        flight.block_hashes if flight is not None else None))
             else:
                 engine.deliver(AbortInput(command.req_id))
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import struct
-from array import array
+
+import numpy as np
 
 from replay.trace.reader import TraceRequest
 
@@ -30,35 +30,38 @@ BLOCK_CACHE_SIZE = 8192
 MEMO_MAX_BLOCK = 512
 
 
-def _stream(key: bytes, num_tokens: int, vocab_size: int) -> array:
-    """The first `num_tokens` tokens of the stream named by `key`, each < vocab_size."""
-    words = struct.unpack(f"<{num_tokens}I", hashlib.shake_128(key).digest(4 * num_tokens))
-    return array("I", [w % vocab_size for w in words])
+def _words(key: bytes, num_tokens: int) -> bytes:
+    """The stream named by `key`: num_tokens little-endian uint32 words (a token is a
+    word mod vocab_size, so one stream serves every vocabulary)."""
+    return hashlib.shake_128(key).digest(4 * num_tokens)
 
 
-def _hash_block(hash_id: int, block_size: int, vocab_size: int) -> array:
+def _tokens(words: bytes, num_tokens: int, vocab_size: int) -> list[int]:
+    """The first num_tokens words, each mod vocab_size, in one vectorised pass."""
+    return (np.frombuffer(words, dtype="<u4", count=num_tokens) % vocab_size).tolist()
+
+
+def _block_words(hash_id: int, block_size: int) -> bytes:
     if block_size <= MEMO_MAX_BLOCK:
-        return _memo_block(hash_id, block_size, vocab_size)
-    return _stream(b"kvdrain/hash/%d" % hash_id, block_size, vocab_size)
+        return _memo_block(hash_id, block_size)
+    return _words(b"kvdrain/hash/%d" % hash_id, block_size)
 
 
 @functools.lru_cache(maxsize=BLOCK_CACHE_SIZE)
-def _memo_block(hash_id: int, block_size: int, vocab_size: int) -> array:
-    # A pure function's memo (never mutated by callers), so sharing it across runs is safe.
-    return _stream(b"kvdrain/hash/%d" % hash_id, block_size, vocab_size)
+def _memo_block(hash_id: int, block_size: int) -> bytes:
+    # A pure function's memo (bytes are immutable), so sharing it across runs is safe.
+    return _words(b"kvdrain/hash/%d" % hash_id, block_size)
 
 
-def _hash_prompt(req: TraceRequest, vocab_size: int) -> array:
+def _hash_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
     hash_ids, block = req.hash_ids or (), req.hash_block_size
     tail = req.prompt_len - (len(hash_ids) - 1) * block
     if not hash_ids or not 1 <= tail <= block:
         raise ValueError(f"hash_ids: request {req.req_id!r}: {len(hash_ids)} ids of "
                          f"{block} tokens cannot hold {req.prompt_len} tokens")
-    tokens = array("I")
-    for hash_id in hash_ids[:-1]:
-        tokens.extend(_hash_block(hash_id, block, vocab_size))
-    tokens.extend(_hash_block(hash_ids[-1], block, vocab_size)[:tail])
-    return tokens
+    # Whole blocks joined, cut at prompt_len: the last block keeps its first `tail`.
+    words = b"".join([_block_words(hash_id, block) for hash_id in hash_ids])
+    return _tokens(words, req.prompt_len, vocab_size)
 
 
 def synth_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
@@ -72,6 +75,6 @@ def synth_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
                              f"outside [0, vocab_size={vocab_size})")
         return list(req.prompt_token_ids)
     if req.hash_ids is not None:
-        return _hash_prompt(req, vocab_size).tolist()
+        return _hash_prompt(req, vocab_size)
     key = b"kvdrain/request/" + req.req_id.encode()
-    return _stream(key, req.prompt_len, vocab_size).tolist()
+    return _tokens(_words(key, req.prompt_len), req.prompt_len, vocab_size)
