@@ -45,6 +45,8 @@ class EngineClient(Protocol):
 
     def wait_ready(self) -> Ready: ...
 
+    def poll_ready(self, timeout_s: float) -> Ready | None: ...
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     kv_transfer_params: dict | None = None) -> None: ...
 
@@ -74,6 +76,9 @@ class InprocClient:
                            kv_device(config, self.kv_cache))
 
     def wait_ready(self) -> Ready:
+        return self.ready
+
+    def poll_ready(self, timeout_s: float = 0.0) -> Ready:
         return self.ready
 
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
@@ -123,6 +128,7 @@ class MPClient:
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config, self.addrs), name=f"kvdrain-engine-{self.engine_id}")
         self.process.start()
+        self.ready_deadline = time.monotonic() + READY_TIMEOUT_S
         self.latest_stats: StatsSnapshot | None = None
         self.new_stats: list[StatsSnapshot] = []  # since the last take_stats()
         self.errors: list[str] = []
@@ -140,20 +146,27 @@ class MPClient:
 
     def wait_ready(self) -> Ready:
         """Wait (bounded) for the child's Ready; several children may start at once."""
+        while (ready := self.poll_ready(0.1)) is None:
+            pass
+        return ready
+
+    def poll_ready(self, timeout_s: float) -> Ready | None:
+        """The child's Ready if it came within timeout_s, else None; EngineDeadError if it
+        died, failed, or is not ready READY_TIMEOUT_S after its start."""
         if self.ready is not None:
             return self.ready
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            msg = self._recv(timeout_s=0.1)
-            if isinstance(msg, Ready):
-                self.ready = msg
-                return msg
-            if isinstance(msg, EngineError):
-                self.kill()
-                raise EngineDeadError(f"engine {self.engine_id} failed to start:\n{msg.message}")
-            self._check_alive()
-        self.kill()
-        raise EngineDeadError(f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
+        msg = self._recv(timeout_s)
+        if isinstance(msg, Ready):
+            self.ready = msg
+            return msg
+        if isinstance(msg, EngineError):
+            self.kill()
+            raise EngineDeadError(f"engine {self.engine_id} failed to start:\n{msg.message}")
+        self._check_alive()
+        if time.monotonic() > self.ready_deadline:
+            self.kill()
+            raise EngineDeadError(f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
+        return None
 
     def _check_alive(self) -> None:
         if not self.process.is_alive():

@@ -48,6 +48,8 @@ class _NoView:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    quit_requested = False
+
     def tick(self, force: bool = False) -> None:
         return None
 
@@ -84,7 +86,7 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
     monitor = ReplayMonitor(state, view, config.verify)
     try:
         with view:
-            result = run_replay(config, monitor.on_tick, summary)
+            result = run_replay(config, monitor.hooks(), summary)
             monitor.show_final(result)
             view.tick(force=True)
     except EngineDeadError as e:  # an engine or its connector worker died: a fault
@@ -215,9 +217,10 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     try:
         with view:
             if http is None:
-                server.serve_forever(monitor.on_tick, stop)
+                server.serve_forever(monitor.on_tick, lambda: stop() or view.quit_requested)
             else:
-                http.run(server, engine, topology, monitor.on_tick, stop)
+                http.run(server, engine, topology, monitor.on_tick,
+                         lambda: stop() or view.quit_requested)
     except KeyboardInterrupt:
         pass
     finally:
@@ -256,7 +259,8 @@ def top_main(address: str, seconds: float | None, console, auth: AuthOptions | N
 
 def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) -> int:
     """Show the serve's stats until `seconds` pass; EXIT_FAULT once it stops answering."""
-    while seconds is None or time.monotonic() - monitor.start < seconds:
+    while (seconds is None or time.monotonic() - monitor.start < seconds) and \
+            not monitor.view.quit_requested:  # q quits, as Ctrl-C does
         try:
             client.poll(0.1)
         except TargetLostError as e:

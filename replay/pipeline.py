@@ -16,7 +16,7 @@ from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
-from replay.sim.simulation import simulate
+from replay.sim.simulation import ProgressCallback, simulate
 from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
@@ -24,6 +24,22 @@ from replay.verify.coverage import expected_windows
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
+# A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
+MODELLING, CONNECTING, STARTING, RUNNING = ("modelling idle windows", "connecting",
+                                            "starting engines", "running")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayHooks:
+    """What a live view hears while a replay runs; each is optional and only reads."""
+
+    on_tick: Callable[[WallClockReplay], None] | None = None  # wall clock, every tick
+    on_phase: Callable[[str, list[str]], None] | None = None  # start-up: phase, engines ready
+    on_progress: ProgressCallback | None = None  # virtual clock (also the wall clock's model)
+
+    def phase(self, name: str, ready: list[str] | None = None) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, ready or [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +129,10 @@ def validate_replay_trace(config: ReplayConfig) -> TraceSummary:
     return validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
 
 
-def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = None,
+def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
                summary: TraceSummary | None = None) -> ReplayResult:
     """Validate (unless a summary of that pass is given), shape, drive, verify."""
+    hooks = hooks or ReplayHooks()
     if summary is None:
         summary = validate_replay_trace(config)
     log = ShapingLog()
@@ -124,22 +141,23 @@ def run_replay(config: ReplayConfig, on_tick: Callable[[object], None] | None = 
     records = _keep_snapshots(shape(trace, config.shaping, log), snapshots)
     start = time.monotonic()
     if config.clock == "virtual":
-        timeline = model = simulate(records, _sim_options(config))
+        timeline = model = simulate(records, _sim_options(config), hooks.on_progress)
     else:
-        model = model_timeline(config)  # before running: which idle windows to expect
-        timeline = _replay_wall(config, records, on_tick, summary)
+        hooks.phase(MODELLING)
+        model = model_timeline(config, hooks.on_progress)  # before running: which idle windows to expect
+        timeline = _replay_wall(config, records, hooks, summary)
     arrivals = timeline.arrivals if model is None else model.arrivals
     expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
     verdict = verify(timeline, snapshots, config.verify, expected)
     return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
 
 
-def model_timeline(config: ReplayConfig) -> Timeline | None:
+def model_timeline(config: ReplayConfig, on_progress: ProgressCallback | None = None) -> Timeline | None:
     """The virtual clock over the same shaped trace: the model of which gaps become idle
     windows (replay/verify/coverage.py); None if it cannot run (then every gap counts)."""
     trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
     try:
-        return simulate(shape(trace, config.shaping, ShapingLog()), _sim_options(config))
+        return simulate(shape(trace, config.shaping, ShapingLog()), _sim_options(config), on_progress)
     except (ValueError, RuntimeError):
         return None
 
@@ -154,15 +172,16 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
 
 
 def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
-                 on_tick: Callable[[object], None] | None, summary: TraceSummary) -> Timeline:
+                 hooks: ReplayHooks, summary: TraceSummary) -> Timeline:
     if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
         from replay.http.client import HttpReplay
         return HttpReplay(replace(config.http, tail_s=config.effective_tail_s(),
                                   max_token_id=summary.max_prompt_token_id)).run(records)
     options = WallOptions(tail_s=config.effective_tail_s())
-    target = _start_target(config)
+    target = _start_target(config, hooks)
     try:
-        replay = WallClockReplay(target, options, on_tick)
+        hooks.phase(RUNNING, list(target.engines))
+        replay = WallClockReplay(target, options, hooks.on_tick)
         timeline = replay.run(records)
     finally:
         target.shutdown()
@@ -175,13 +194,16 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
     return timeline
 
 
-def _start_target(config: ReplayConfig) -> ReplayTarget:
+def _start_target(config: ReplayConfig, hooks: ReplayHooks) -> ReplayTarget:
     """A running serve's client (--target), else a fresh local topology."""
     if config.target is not None:
+        hooks.phase(CONNECTING)
         from replay.live.serve_client import ServeClient
         return ServeClient(config.target, auth=config.target_auth)
     from connector.topology import start_topology  # engine processes only for a wall replay
-    return start_topology(config.engine, config.kv, config.topology)
+    hooks.phase(STARTING)
+    return start_topology(config.engine, config.kv, config.topology,
+                          on_wait=lambda ready: hooks.phase(STARTING, ready))
 
 
 def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:

@@ -103,3 +103,19 @@ def test_closed_cache_does_not_map_again():
     assert cache.pages is None
     with pytest.raises(ValueError, match="closed"):
         cache.tensor
+
+
+def test_start_topology_reports_engines_as_they_become_ready():
+    """on_wait hears the engines ready so far while they start (never fewer than before),
+    and all of them at the end."""
+    from connector.topology import start_topology
+    from engine.config import EngineConfig, KVTransferConfig
+    heard: list[list[str]] = []
+    router = start_topology(EngineConfig(num_blocks=32, block_size=4, runner="mock"),
+                            KVTransferConfig(), "pd", on_wait=heard.append)
+    try:
+        assert sorted(heard[-1]) == ["D", "P"]
+        assert all(set(a) <= set(b) for a, b in zip(heard, heard[1:]))
+        assert all(c.ready is not None for c in router.clients.values())
+    finally:
+        router.shutdown()

@@ -2,15 +2,24 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from engine.messages import StatsSnapshot
-from replay.live.monitor import ReplayMonitor, ServeMonitor
-from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, WindowVerdict
+from replay.live.interrupt import Interrupted
+from replay.live.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
+from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
+from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
 from replay.verify.timeline import EngineSample, RequestRecord
 from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
 from replay.verify.rules import IdleWindow, VerifyOptions
@@ -155,6 +164,7 @@ class CountingView:
 
     def __init__(self) -> None:
         self.num_ticks = 0
+        self.quit_requested = False
 
     def tick(self, force: bool = False) -> None:
         self.num_ticks += 1
@@ -202,3 +212,160 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     monitor.show_final(final)
     assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
     assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
+
+
+# ---- start-up phases, virtual progress, q, the serve's idle windows ----------------------
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pd_idle.jsonl"
+
+
+def test_startup_phases_tick_and_end_in_ready():
+    """The start-up panel shows the phase with its own clock and each engine's state;
+    RUNNING ends it with "ready in N s"; plain output gets one line per event."""
+    state = DashboardState(title="kvdrain replay t.jsonl", startup=StartupState(engines=["P", "D"]),
+                           progress=ReplayProgress("t.jsonl", num_total=4, duration_s=2.0, clock="wall"))
+    out, view = io.StringIO(), CountingView()
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    monitor.start -= 10.0  # ten seconds in
+    monitor.on_phase(MODELLING, [])
+    monitor.on_progress(64, 3.0)  # the wall clock's model of idle windows
+    assert state.startup.detail == "64/4 requests" and state.progress.num_sent == 0
+    monitor.on_phase(STARTING, [])
+    monitor.start -= 1.5
+    monitor.on_phase(STARTING, ["P"])
+    text = render_text(state, 80)
+    assert re.search(r"starting engines\s+1\.5s", text), text
+    assert re.search(r"engine P\s+ready in 11\.5\ds", text) and re.search(r"engine D\s+starting", text)
+    assert plain_line(state).startswith("starting engines 1.5s | P ready")
+    monitor.on_phase(RUNNING, ["P", "D"])
+    assert state.startup.ready_s == pytest.approx(11.5, abs=0.1) and view.num_ticks == 5
+    assert [re.sub(r"[\d.]+ s", "N s", line) for line in state.startup.lines] == [
+        "modelling idle windows (at N s)", "starting engines (at N s)", "engine P ready in N s",
+        "engine D ready in N s", "ready in N s: sending the trace"]
+    console = Console(file=out, force_terminal=False, width=200)
+    with LiveView(state, console, read_keys=False) as live:
+        live.tick()
+    printed = out.getvalue()
+    assert "starting engines (at 10.00 s)" in printed and "ready in 11." in printed
+
+
+def test_virtual_progress_has_rate_and_eta():
+    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=1000, duration_s=60.0))
+    monitor = ReplayMonitor(state, CountingView(), VerifyOptions())
+    monitor.start -= 2.0
+    monitor.on_progress(250, 30.0)
+    p = state.progress
+    assert p.num_sent == 250 and p.trace_t == 30.0
+    assert p.rate_per_s == pytest.approx(125, rel=0.05) and p.eta_s == pytest.approx(6.0, rel=0.05)
+    text = render_text(state, 120)
+    assert re.search(r"simulated 250/1000 .*12\d req/s ETA 6\.\ds", text), text
+    assert " 12" in plain_line(state) and "req/s ETA" in plain_line(state)
+
+
+def test_progress_callback_runs_during_a_virtual_replay_and_changes_nothing():
+    config = ReplayConfig(trace=EXAMPLE, clock="virtual")
+    calls: list[tuple[int, float]] = []
+    with_progress = run_replay(config, ReplayHooks(on_progress=lambda n, t: calls.append((n, t))))
+    without = run_replay(config)
+    assert calls and calls[-1][0] == 32  # the last call: every request fed
+    assert [n for n, _ in calls] == sorted(n for n, _ in calls)
+    assert with_progress.timeline.samples == without.timeline.samples
+    assert with_progress.timeline.requests == without.timeline.requests
+    assert with_progress.verdict.to_dict() == without.verdict.to_dict()
+
+
+class FakeKeys:
+    def __init__(self, typed: str) -> None:
+        self.typed, self.num_exits = typed, 0
+
+    def __enter__(self):
+        return self
+
+    def read(self) -> str:
+        typed, self.typed = self.typed, ""
+        return typed
+
+    def __exit__(self, *exc: object) -> None:
+        self.num_exits += 1
+
+
+def test_q_sets_quit_and_a_replay_monitor_stops_like_ctrl_c():
+    state, now = DashboardState(), [0.0]
+    view = LiveView(state, Console(file=io.StringIO(), force_terminal=False), clock=lambda: now[0],
+                    read_keys=False)
+    view.keys = keys = FakeKeys("xq")
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    with pytest.raises(Interrupted) as stopped:
+        with view:
+            assert state.quit_key
+            monitor.on_phase(STARTING, [])
+    assert stopped.value.signum == signal.SIGINT and view.quit_requested
+    assert keys.num_exits == 1 and not state.quit_key  # the terminal is restored on the way out
+
+
+def snap(engine: str, t: float, used: int, running: int) -> StatsSnapshot:
+    return StatsSnapshot(engine, 1, t, "blocked", 0, 0,
+                         make_counts(num_used_blocks=used, num_running=running, num_waiting=0,
+                                     num_skipped_waiting=0, num_waiting_for_remote_kvs=0))
+
+
+def test_serve_windows_are_judged_like_a_replays():
+    """Busy, 2 s quiet (P drains at +0.1 s, D holds blocks throughout), busy again:
+    one closed window per engine, P drained, D leaked; then an open window shown as it drains."""
+    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    for s in (snap("P", 100.0, 8, 2), snap("D", 100.0, 4, 1), snap("P", 101.0, 8, 0),
+              snap("D", 101.0, 4, 0), snap("P", 101.1, 0, 0), snap("P", 103.0, 8, 1)):
+        windows.add(s)
+    got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(103.0)}
+    assert got == {("P", "drained", 1.0, 2.0), ("D", "leak", 1.0, 2.0)}
+    windows.add(snap("P", 104.0, 8, 0))
+    assert len(windows.verdicts(104.5)) == 2  # quiet for 0.5 s: not a window yet
+    windows.add(snap("P", 104.2, 0, 0))
+    tail = windows.verdicts(105.5)[2:]
+    assert {(w.engine, w.verdict, w.start) for w in tail} == {("P", "drained", 4.0), ("D", "leak", 4.0)}
+
+
+def test_top_feed_fills_the_idle_window_panel():
+    state, view = DashboardState(), CountingView()
+    monitor = ServeMonitor(state, view, VerifyOptions(idle_threshold_s=1.0))
+    now = time.monotonic()
+    monitor.on_snapshots([snap("P", now - 5, 8, 1), snap("P", now - 4, 0, 0), snap("P", now - 1, 2, 1)])
+    assert [(w.engine, w.verdict) for w in state.windows] == [("P", "drained")]
+    assert "idle windows 1" in render_text(state, 80)
+
+
+def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
+    """kvdrain replay on a pseudo-terminal: the start-up panel, then q: the run stops
+    with its summary (exit 130) and the terminal's settings are as before."""
+    import termios
+    master, slave = os.openpty()
+    before = termios.tcgetattr(slave)
+    env = dict(os.environ, COLUMNS="120", LINES="40", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    screen, sent_q, deadline = "", False, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None or _readable(master):
+            if _readable(master, 0.2):
+                screen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", os.read(master, 65536).decode(errors="replace"))
+            if not sent_q and "ready in" in screen and "remote KVs" in screen:  # running
+                os.write(master, b"q")
+                sent_q = True
+            if time.monotonic() > deadline:
+                break
+        assert proc.wait(timeout=30) == 130, screen[-2000:]
+        after = termios.tcgetattr(slave)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+    assert sent_q and "start-up" in screen and "ready in" in screen
+    assert "interrupted: SIGINT" in screen and "exit 130" in screen
+    assert after[3] & (termios.ICANON | termios.ECHO) == before[3] & (termios.ICANON | termios.ECHO)
+
+
+def _readable(fd: int, timeout_s: float = 0.0) -> bool:
+    return bool(select.select([fd], [], [], timeout_s)[0])

@@ -6,19 +6,24 @@ replay/ui/dashboard.py, its view in replay/ui/tui.py and its feed here.
 """
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterable
 
+from connector.routing import engine_roles
 from engine.messages import StatsSnapshot
-from replay.live.driver import WallClockReplay
+from replay.live.driver import WallClockReplay, sample_from_snapshot
+from replay.live.interrupt import Interrupted
 from replay.live.serve import Server
-from replay.pipeline import ReplayConfig, ReplayResult
-from replay.ui.dashboard import DashboardState, ReplayProgress, WindowVerdict
+from replay.pipeline import MODELLING, RUNNING, ReplayConfig, ReplayHooks, ReplayResult
+from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState, WindowVerdict
 from replay.ui.tui import LiveView
 from replay.verify.rules import EngineSeries, VerifyOptions, check_window, idle_windows
-from replay.verify.timeline import Timeline
+from replay.verify.timeline import EngineSample, Timeline
 
 WINDOW_CHECK_INTERVAL_S = 1.0
+MAX_WINDOWS = 1000  # closed windows a serve's dashboard keeps
+QUEUE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running")
 
 
 def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> DashboardState:
@@ -27,6 +32,9 @@ def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> Da
     total = min(num_requests, config.shaping.max_requests or num_requests)
     state.progress = ReplayProgress(config.trace.name, total, duration / config.shaping.speedup,
                                     config.clock, config.engine.liveness, config.shaping.speedup)
+    if config.clock == "wall" and config.http is None:
+        local = config.target is None
+        state.startup = StartupState(engines=[e for e, _ in engine_roles(config.topology)] if local else [])
     return state
 
 
@@ -48,6 +56,41 @@ class ReplayMonitor:
         self._last_window_check = 0.0
         self._num_messages = 0
 
+    def hooks(self) -> ReplayHooks:
+        return ReplayHooks(self.on_tick, self.on_phase, self.on_progress)
+
+    def on_phase(self, phase: str, ready: list[str]) -> None:
+        """Start-up: the phase, the engines ready so far; RUNNING ends it."""
+        state = self.state
+        state.elapsed_s = time.monotonic() - self.start
+        startup = state.startup if state.startup is not None else StartupState()
+        state.startup = startup
+        for engine in ready:
+            startup.engine_ready(engine, state.elapsed_s)
+        if phase == RUNNING:
+            startup.finish(state.elapsed_s)
+        else:
+            startup.enter(phase, state.elapsed_s)
+        self._show()
+
+    def on_progress(self, num_done: int, t: float) -> None:
+        """The virtual clock's progress: the replay itself, or the wall clock's model."""
+        state, progress = self.state, self.state.progress
+        state.elapsed_s = time.monotonic() - self.start
+        if state.startup is not None and state.startup.phase == MODELLING:
+            total = progress.num_total if progress is not None else num_done
+            state.startup.detail = f"{num_done:,}/{total:,} requests"
+        elif progress is not None:
+            progress.num_sent, progress.trace_t = num_done, t
+            progress.update_rate(num_done, state.elapsed_s)
+        self._show()
+
+    def _show(self) -> None:
+        """Redraw if due; `q` on the terminal stops the run as Ctrl-C does."""
+        self.view.tick()
+        if self.view.quit_requested:
+            raise Interrupted(signal.SIGINT)
+
     def on_tick(self, replay: WallClockReplay) -> None:
         state = self.state
         state.elapsed_s = time.monotonic() - self.start
@@ -61,7 +104,7 @@ class ReplayMonitor:
         if state.elapsed_s - self._last_window_check >= WINDOW_CHECK_INTERVAL_S:
             self._last_window_check = state.elapsed_s
             state.windows = closed_windows(replay, self.verify_options)
-        self.view.tick()
+        self._show()
 
     @staticmethod
     def _update_progress(progress: ReplayProgress, replay: WallClockReplay) -> None:
@@ -83,24 +126,96 @@ class ReplayMonitor:
 
 
 class ServeMonitor:
-    """A serve's engines -> the dashboard: the serve's own (on_tick) or top's (on_snapshots)."""
+    """A serve's engines -> the dashboard: the serve's own (on_tick) or top's (on_snapshots),
+    with the idle windows judged as replay judges them (SnapshotWindows)."""
 
-    def __init__(self, state: DashboardState, view: LiveView) -> None:
+    def __init__(self, state: DashboardState, view: LiveView,
+                 verify_options: VerifyOptions = VerifyOptions()) -> None:
         self.state = state
         self.view = view
         self.start = time.monotonic()
+        self.windows = SnapshotWindows(verify_options)
+        self._last_window_check = -WINDOW_CHECK_INTERVAL_S
 
     def on_tick(self, server: Server) -> None:
-        self.state.elapsed_s = time.monotonic() - self.start
-        apply_newest(self.state, server.latest.values())
-        self.view.tick()
+        fresh = [s for s in server.latest.values() if self.state.view(s.engine_id).monotonic != s.monotonic]
+        for snapshot in sorted(fresh, key=lambda s: s.monotonic):
+            self.windows.add(snapshot)
+        apply_newest(self.state, fresh)
+        self._refresh()
 
     def on_snapshots(self, snapshots: list[StatsSnapshot]) -> None:
         """Every snapshot a serve sent, in order (rates come from each pair)."""
         for snapshot in snapshots:
             self.state.apply_snapshot(snapshot)
+            self.windows.add(snapshot)
+        self._refresh()
+
+    def _refresh(self) -> None:
         self.state.elapsed_s = time.monotonic() - self.start
+        if self.state.elapsed_s - self._last_window_check >= WINDOW_CHECK_INTERVAL_S / 4:
+            self._last_window_check = self.state.elapsed_s
+            self.state.windows = self.windows.verdicts(time.monotonic())
         self.view.tick()
+
+
+class SnapshotWindows:
+    """A serve's idle windows from its engines' stats alone, so serve and top agree: the
+    engines are busy while any holds a request in a queue; a quiet spell of at least
+    idle_threshold_s between busy ones is an idle window, judged by
+    replay/verify/rules.py's check_window as a replay's are. The open window (the engines
+    quiet now) is shown as it drains; closed ones are judged once and kept."""
+
+    def __init__(self, options: VerifyOptions) -> None:
+        self.options = options
+        self.origin: float | None = None  # the first snapshot's time: window times count from it
+        self.samples: list[EngineSample] = []  # since the last closed window (and one before)
+        self.busy: dict[str, bool] = {}
+        self.spells: list[tuple[float, float | None]] = []  # busy (start, end), the last two
+        self.closed: list[WindowVerdict] = []
+
+    def add(self, snapshot: StatsSnapshot) -> None:
+        if self.origin is None:
+            self.origin = snapshot.monotonic
+        t = snapshot.monotonic - self.origin
+        self.samples.append(sample_from_snapshot(t, snapshot))
+        was_busy = any(self.busy.values())
+        self.busy[snapshot.engine_id] = any(snapshot.counts.get(k, 0) for k in QUEUE_COUNTS)
+        if any(self.busy.values()) and not was_busy:
+            self._busy_from(t)
+        elif was_busy and not any(self.busy.values()):
+            self.spells[-1] = (self.spells[-1][0], t)
+
+    def _busy_from(self, t: float) -> None:
+        """A busy spell starts: the quiet one before it, if long enough, is judged for good."""
+        if self.spells:
+            start = self.spells[-1][1]
+            if start is not None and t - start >= self.options.idle_threshold_s:
+                self.closed = [*self.closed, *self._judge((start, t, False))][-MAX_WINDOWS:]
+                self._prune(t)
+        self.spells = [*self.spells[-1:], (t, None)]
+
+    def _prune(self, before: float) -> None:
+        """Drop samples before `before`, keeping each engine's last one before it."""
+        keep = {s.engine: s for s in self.samples if s.t <= before}
+        self.samples = sorted([*keep.values(), *(s for s in self.samples if s.t > before)],
+                              key=lambda s: s.t)
+
+    def _judge(self, window: tuple[float, float, bool]) -> list[WindowVerdict]:
+        timeline = Timeline(engines=sorted(self.busy), num_blocks={}, samples=self.samples,
+                            requests=[], arrivals=[], aborts=[], end_t=window[1])
+        return [WindowVerdict.of(check_window(EngineSeries.of(timeline, engine), window,
+                                              self.options.drain_deadline_s))
+                for engine in timeline.engines]
+
+    def verdicts(self, now: float) -> list[WindowVerdict]:
+        """The closed windows, then the open one once it is idle_threshold_s long."""
+        if self.origin is None or not self.spells or self.spells[-1][1] is None:
+            return list(self.closed)
+        start, t = self.spells[-1][1], now - self.origin
+        if t - start < self.options.idle_threshold_s:
+            return list(self.closed)
+        return [*self.closed, *self._judge((start, t, True))]
 
 
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:

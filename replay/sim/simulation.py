@@ -10,7 +10,7 @@ too), and the run that feeds the trace one record at a time.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from connector.routing import END, AddTo, Command, Routing, engine_roles
@@ -23,6 +23,12 @@ from replay.sim.options import SimOptions
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
+
+PROGRESS_EVERY = 64  # requests fed between two on_progress calls
+
+# on_progress(requests fed so far, virtual seconds): a live view's progress bar. It
+# only reads; the run is the same with or without it.
+ProgressCallback = Callable[[int, float], None]
 
 @dataclass(slots=True)
 class _Flight:
@@ -116,8 +122,10 @@ class _Frontend:
 class Simulation:
     """One run: the trace fed a record at a time, the engines, the frontend, the sample ticks."""
 
-    def __init__(self, records: Iterable[TraceRecord], options: SimOptions) -> None:
+    def __init__(self, records: Iterable[TraceRecord], options: SimOptions,
+                 on_progress: ProgressCallback | None = None) -> None:
         self.options, self.loop = options, EventLoop()
+        self.on_progress = on_progress
         self.trace, self.last_t, self.trace_done = iter(records), 0, False
         self.samples: list[EngineSample] = []
         self.arrivals: list[float] = []
@@ -166,6 +174,8 @@ class Simulation:
         if isinstance(rec, TraceRequest):
             self.arrivals.append(self.loop.now / NS)
             self.frontend.on_request(rec)
+            if self.on_progress is not None and len(self.arrivals) % PROGRESS_EVERY == 0:
+                self.on_progress(len(self.arrivals), self.loop.now / NS)
         elif isinstance(rec, TraceAbort):
             self.frontend.on_abort(rec)
         self._feed()  # snapshots are verify()'s business
@@ -180,6 +190,8 @@ class Simulation:
 
     def _finish(self) -> Timeline:
         self.loop.now = self.end if self.end is not None else self.loop.now
+        if self.on_progress is not None:
+            self.on_progress(len(self.arrivals), self.loop.now / NS)
         counters = {}
         for name, engine in self.engines.items():
             last = engine.sample() if self.last_tick != self.loop.now else \
@@ -193,6 +205,7 @@ class Simulation:
             meta={"driver": "virtual", **asdict(self.options)})
 
 
-def simulate(records: Iterable[TraceRecord], options: SimOptions) -> Timeline:
+def simulate(records: Iterable[TraceRecord], options: SimOptions,
+             on_progress: ProgressCallback | None = None) -> Timeline:
     """Replay `records` (times in replay seconds) on the virtual clock."""
-    return Simulation(records, options).run()
+    return Simulation(records, options, on_progress).run()

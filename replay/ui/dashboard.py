@@ -67,6 +67,15 @@ class ReplayProgress:
     num_sent: int = 0
     trace_t: float = 0.0
     lateness_s: list[float] = field(default_factory=list)
+    rate_per_s: float | None = None  # requests per wall second (virtual clock)
+    eta_s: float | None = None  # wall seconds to the end at that rate (virtual clock)
+
+    def update_rate(self, num_done: int, wall_s: float) -> None:
+        """Rate and ETA after num_done requests in wall_s seconds (virtual clock)."""
+        if num_done <= 0 or wall_s <= 0:
+            return
+        self.rate_per_s = num_done / wall_s
+        self.eta_s = max(self.num_total - num_done, 0) / self.rate_per_s
 
     def record_send(self, lateness_s: float) -> None:
         self.num_sent += 1
@@ -96,6 +105,35 @@ class WindowVerdict:
 
 
 @dataclass(slots=True)
+class StartupState:
+    """A wall-clock run's start-up: the phase now, which engines are ready, when it ended.
+    Times are seconds since the frontend started (DashboardState.elapsed_s's clock)."""
+
+    phase: str = "starting"
+    phase_start_s: float = 0.0
+    engines: list[str] = field(default_factory=list)  # expected, if known before they start
+    ready_at: dict[str, float] = field(default_factory=dict)  # engine -> when its Ready came
+    detail: str = ""  # e.g. how far the idle-window model got
+    ready_s: float | None = None  # when the run itself started; None: still starting
+    lines: list[str] = field(default_factory=list)  # one per event, for plain output
+
+    def enter(self, phase: str, now_s: float) -> None:
+        if phase != self.phase:
+            self.phase, self.phase_start_s, self.detail = phase, now_s, ""
+            self.lines.append(f"{phase} (at {now_s:.2f} s)")
+
+    def engine_ready(self, engine: str, now_s: float) -> None:
+        if engine not in self.ready_at:
+            self.ready_at[engine] = now_s
+            self.lines.append(f"engine {engine} ready in {now_s:.2f} s")
+
+    def finish(self, now_s: float) -> None:
+        if self.ready_s is None:
+            self.ready_s = now_s
+            self.lines.append(f"ready in {now_s:.2f} s: sending the trace")
+
+
+@dataclass(slots=True)
 class DashboardState:
     """Everything the dashboard shows; the frontend mutates it, render() reads it."""
 
@@ -105,6 +143,8 @@ class DashboardState:
     messages: list[str] = field(default_factory=list)  # errors, e.g. a dead connector worker
     title: str = "kvdrain"
     elapsed_s: float = 0.0  # since the frontend started, in its clock
+    startup: StartupState | None = None  # a wall-clock replay's start-up
+    quit_key: bool = False  # the view reads keys: `q` quits
 
     def view(self, engine_id: str) -> EngineView:
         """The view of `engine_id`, made on first use."""

@@ -9,6 +9,9 @@ terminal it prints one `plain_line` a second at most. Both leave a final summary
 from __future__ import annotations
 
 import math
+import os
+import select
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -21,7 +24,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from replay.ui.dashboard import DashboardState, EngineView, WindowVerdict
+from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3
@@ -67,11 +70,22 @@ def ordered_views(state: DashboardState) -> list[EngineView]:
     return [state.engines[e] for e in sorted(state.engines, key=engine_order)]
 
 
+def _rate_eta(p: ReplayProgress) -> str:
+    """" 812 req/s ETA 14s" (virtual clock), or "" before a rate is known."""
+    if p.rate_per_s is None:
+        return ""
+    return f" {_rate(p.rate_per_s)} req/s ETA {_ms(p.eta_s)}"
+
+
 def plain_line(state: DashboardState) -> str:
     """One progress line for logs: time, sends, each engine's used blocks and loop, verdicts."""
-    p = state.progress
+    p, startup = state.progress, state.startup
+    if startup is not None and startup.ready_s is None:
+        ready = ", ".join(f"{e} ready" for e in startup.ready_at)
+        return (f"{startup.phase} {state.elapsed_s - startup.phase_start_s:.1f}s"
+                + (f" ({startup.detail})" if startup.detail else "") + (f" | {ready}" if ready else ""))
     parts = [f"t={p.trace_t if p else state.elapsed_s:.1f}s"
-             + (f" sent {p.num_sent}/{p.num_total}" if p else "")]
+             + (f" sent {p.num_sent}/{p.num_total}{_rate_eta(p)}" if p else "")]
     for view in ordered_views(state):
         c = view.counts
         parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
@@ -184,10 +198,14 @@ def _engine_height(view: EngineView) -> int:
 
 
 def _render_header(state: DashboardState) -> Table:
-    p = state.progress
+    p, startup = state.progress, state.startup
     info = [f"clock {p.clock}", f"liveness {p.liveness or '-'}"] if p else []
     if p and p.clock == "wall":
         info.append(f"speed ×{p.speedup:g}")
+    if startup is not None and startup.ready_s is not None:
+        info.append(f"ready in {startup.ready_s:.1f}s")
+    if state.quit_key:
+        info.append("q quits")
     grid = Table.grid(expand=True, padding=(0, 1))
     grid.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
     grid.add_column(no_wrap=True, justify="right")
@@ -226,9 +244,12 @@ def _render_footer(state: DashboardState) -> Group:
         grid = Table.grid(expand=True, padding=(0, 1))
         grid.add_column(no_wrap=True)
         grid.add_column(ratio=1)
-        grid.add_row(f"sent {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
-                     f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}",
-                     ProgressBar(total=max(p.num_total, 1), completed=p.num_sent))
+        if p.clock == "virtual":
+            head = f"simulated {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}s{_rate_eta(p)}"
+        else:
+            head = (f"sent {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
+                    f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}")
+        grid.add_row(head, ProgressBar(total=max(p.num_total, 1), completed=p.num_sent))
         lines.append(grid)
     lines += [Text(f"! {m}", "bold red", no_wrap=True, overflow="ellipsis")
               for m in state.messages[-NUM_MESSAGE_ROWS:]]
@@ -239,7 +260,11 @@ def render(state: DashboardState) -> Layout:
     """The whole dashboard: regions "header", "engines", "windows", "footer"."""
     views = ordered_views(state)
     engines = Layout(name="engines", size=max((_engine_height(v) for v in views), default=3))
-    if views:
+    startup = state.startup
+    if startup is not None and (startup.ready_s is None or not views):
+        engines.size = max(engines.size, 4 + max(len(startup.engines), len(startup.ready_at)))
+        engines.update(_startup_panel(startup, state.elapsed_s))
+    elif views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
     else:
         engines.update(Panel(Text("waiting for the first stats…", "dim")))
@@ -251,6 +276,65 @@ def render(state: DashboardState) -> Layout:
     return layout
 
 
+def _startup_panel(startup: StartupState, now_s: float) -> Panel:
+    """The phase with its ticking clock, and each engine: ready in N s, or still starting."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True)
+    if startup.ready_s is None:
+        phase = Text.assemble((startup.phase, "bold yellow"), f"  {now_s - startup.phase_start_s:.1f}s")
+        grid.add_row(phase, Text(startup.detail, "dim"))
+    else:
+        grid.add_row(Text(f"ready in {startup.ready_s:.1f}s", "bold green"), "")
+    for engine in [*startup.engines, *(e for e in startup.ready_at if e not in startup.engines)]:
+        at = startup.ready_at.get(engine)
+        grid.add_row(Text(f"  engine {engine}", "bold"),
+                     Text("starting…", "yellow") if at is None else Text(f"ready in {at:.2f}s", "green"))
+    return Panel(grid, title=Text("start-up", "bold"), title_align="left")
+
+
+# ---- keys ------------------------------------------------------------------------------
+
+class KeyReader:
+    """Keys typed on the terminal while a live view runs: cbreak mode (no Enter, no echo)
+    from __enter__ to __exit__, which restores the terminal's settings whatever ends the
+    run. A no-op where stdin is not a terminal."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = sys.stdin.fileno() if fd is None else fd
+        self._saved: list | None = None
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            return sys.stdin is not None and sys.stdin.isatty()
+        except (AttributeError, ValueError):
+            return False
+
+    def __enter__(self) -> KeyReader:
+        import termios
+        import tty
+        self._saved = termios.tcgetattr(self.fd)
+        tty.setcbreak(self.fd)
+        return self
+
+    def read(self) -> str:
+        """What was typed since the last read, without waiting."""
+        text = ""
+        while select.select([self.fd], [], [], 0)[0]:
+            chunk = os.read(self.fd, 64)
+            if not chunk:
+                break
+            text += chunk.decode(errors="replace")
+        return text
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            import termios
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+            self._saved = None
+
+
 # ---- the view --------------------------------------------------------------------------
 
 class LiveView:
@@ -258,38 +342,60 @@ class LiveView:
 
     Call `tick()` from the frontend's loop after updating the state; it renders only
     when due (4/s on a terminal, `plain_interval_s` otherwise), so it costs nothing else.
+    Where stdin is a terminal it also reads keys then: `q` sets `quit_requested`, which
+    the caller's loop honours (the terminal's settings come back in __exit__).
     """
 
     def __init__(self, state: DashboardState, console: Console | None = None,
                  plain_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 max_window_lines: int | None = 10) -> None:
+                 max_window_lines: int | None = 10, read_keys: bool | None = None) -> None:
         self.state, self.console, self.clock = state, console or Console(), clock
         self.max_window_lines = max_window_lines
         self.is_live = self.console.is_terminal
         self.interval_s = 0.25 if self.is_live else plain_interval_s
         self._last_t = -math.inf
         self._num_messages_printed = 0
+        self._num_startup_lines = 0
+        self.keys = KeyReader() if (KeyReader.available() if read_keys is None else read_keys) else None
+        self.quit_requested = False
         # auto_refresh=False: rich's refresh thread would render while the frontend
         # mutates the state; tick() refreshes on the frontend's thread instead.
         self._live = Live(console=self.console, refresh_per_second=4, auto_refresh=False,
                           transient=False, get_renderable=lambda: render(self.state)) if self.is_live else None
 
     def __enter__(self) -> LiveView:
-        if self._live is not None:
-            self._live.start(refresh=True)
+        if self.keys is not None:
+            self.keys.__enter__()
+            self.state.quit_key = True
+        try:
+            if self._live is not None:
+                self._live.start(refresh=True)
+        except BaseException:
+            self._restore_keys()
+            raise
         return self
 
     def tick(self, force: bool = False) -> None:
         """Redraw (terminal) or print a plain line (no terminal) if one is due."""
+        if self._live is None:
+            self._print_new_startup_lines()  # at once: a phase is news
         now = self.clock()
         if not force and now - self._last_t < self.interval_s:
             return
         self._last_t = now
+        if self.keys is not None and "q" in self.keys.read().lower():
+            self.quit_requested = True
         if self._live is not None:
             self._live.refresh()
             return
         self._print_new_messages()
         self._print(plain_line(self.state))
+
+    def _print_new_startup_lines(self) -> None:
+        lines = self.state.startup.lines if self.state.startup is not None else []
+        for line in lines[self._num_startup_lines:]:
+            self._print(line)
+        self._num_startup_lines = len(lines)
 
     def _print_new_messages(self) -> None:
         for message in self.state.messages[self._num_messages_printed:]:
@@ -299,9 +405,18 @@ class LiveView:
     def _print(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
+    def _restore_keys(self) -> None:
+        if self.keys is not None:
+            self.keys.__exit__()
+            self.state.quit_key = False
+
     def __exit__(self, *exc: object) -> None:
-        if self._live is not None:  # the last frame stays on screen (transient=False)
-            self._live.refresh()
-            self._live.stop()
-            return
-        self._print(summary_text(self.state, self.max_window_lines))
+        try:
+            if self._live is not None:  # the last frame stays on screen (transient=False)
+                self._live.refresh()
+                self._live.stop()
+                return
+            self._print_new_startup_lines()
+            self._print(summary_text(self.state, self.max_window_lines))
+        finally:
+            self._restore_keys()
