@@ -13,11 +13,14 @@ from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES,
 from click.core import ParameterSource
 
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
-from replay.pipeline import CLOCKS
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
+# replay/pipeline.py's CLOCKS (tests/test_startup.py checks they agree), named here so that
+# importing cli imports no replay machinery: every engine and connector-worker process
+# re-runs the `kvdrain` script (multiprocessing's spawn imports the parent's main file).
+CLOCKS = ("wall", "virtual")
 
 
 def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:

@@ -119,3 +119,25 @@ def test_start_topology_reports_engines_as_they_become_ready():
         assert all(c.ready is not None for c in router.clients.values())
     finally:
         router.shutdown()
+
+
+HEAVY = ("torch", "numpy", "zmq", "rich.live", "matplotlib", "aiohttp", "replay.pipeline")
+
+
+def test_help_and_the_cli_module_import_nothing_heavy():
+    """`kvdrain --help` and `import cli` (which every spawned engine and connector worker
+    repeats: multiprocessing re-runs the parent's main file) load none of HEAVY."""
+    import subprocess
+    from pathlib import Path
+    probe = ("import sys; sys.argv = ['kvdrain', '--help']; import cli\n"
+             "try:\n    cli.cli()\nexcept SystemExit:\n    pass\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
+    assert out.splitlines()[-1] == "[]", out
+
+
+def test_cli_clocks_are_the_pipelines():
+    import cli
+    from replay.pipeline import CLOCKS
+    assert cli.CLOCKS == CLOCKS
