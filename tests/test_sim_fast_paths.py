@@ -12,6 +12,7 @@ import pytest
 from engine.block_hash import hash_request_blocks
 from engine.request import Request
 from replay.sim.options import SimOptions
+from replay.sim import simulation
 from replay.sim.simulation import Simulation
 from replay.trace import synth
 from replay.trace.reader import read_trace
@@ -95,3 +96,23 @@ def test_block_hashes_computed_once_give_the_same_timeline(tmp_path, liveness, t
     shared = timeline_json(records, options, share_hashes=True)
     assert shared == timeline_json(records, options, share_hashes=False)
     assert '"num_prefix_hit_tokens"' in shared
+
+
+def test_a_prompt_the_frontend_refuses_to_hash_takes_add_request_itself(monkeypatch):
+    """No shared hashes for a prompt the frontend's check refuses: that engine core
+    checks (and hashes) it itself, and the timeline is the one without sharing."""
+    refused = []
+
+    def refuse_b(prompt, max_tokens, vocab_size):
+        refused.append(prompt[0])
+        return "refused" if prompt[0] == 99 else None
+    monkeypatch.setattr(simulation, "why_malformed", refuse_b)
+    records = [TraceRequest(0.0, "a", 3, 20, hash_ids=(1, 2), hash_block_size=16),
+               TraceRequest(0.01, "b", 3, 3, prompt_token_ids=(99, 5, 2)),
+               TraceRequest(0.02, "c", 3, 20, hash_ids=(1, 3), hash_block_size=16)]
+    options = SimOptions(tail_s=1.0)
+    shared = timeline_json(records, options, share_hashes=True)
+    assert 99 in refused
+    assert shared == timeline_json(records, options, share_hashes=False)
+    assert {r["req_id"]: r["finish_reason"] for r in json.loads(shared)["requests"]} == \
+        {"a": "length", "b": "length", "c": "length"}

@@ -41,7 +41,6 @@ from engine.liveness import LOOP_STATES, LoopAction, next_action
 from engine.mock_runner import MockModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.request import Request
-from engine.request_check import why_malformed
 from engine.utils import cdiv
 from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
 from replay.sim.cost import StepShape
@@ -77,7 +76,8 @@ class AddInput:
     prompt: list[int]
     max_tokens: int
     kv_transfer_params: dict | None
-    block_hashes: list[BlockHash] | None = None  # the prompt's, if the frontend computed them
+    # The prompt's, if the frontend computed them (then it also checked the prompt).
+    block_hashes: list[BlockHash] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +169,11 @@ class SimEngine:
         return outputs
 
     def _add(self, msg: AddInput) -> list[RequestOutput]:
-        """EngineCore.add_request, with the prompt's block hashes computed once for every
-        engine: the same Request (the same hashes, as Request would chain them itself).
-        Anything malformed goes through add_request's own error path."""
+        """EngineCore.add_request, with the prompt's block hashes computed (and the prompt
+        checked) once for every engine: the same Request (the same hashes, as Request
+        would chain them itself). Anything else goes through add_request itself."""
         config, params = self.core.config, msg.kv_transfer_params
-        if msg.block_hashes is None or why_malformed(msg.prompt, msg.max_tokens,
-                                                     config.model.vocab_size) is not None:
+        if msg.block_hashes is None or type(msg.max_tokens) is not int or msg.max_tokens < 1:
             return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
         try:
             request = Request(msg.req_id, list(msg.prompt), msg.max_tokens, config.block_size,

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from connector.routing import END, AddTo, Command, Routing, engine_roles
 from engine.block_hash import BlockHash, hash_request_blocks
+from engine.request_check import why_malformed
 from engine.outputs import RequestOutput
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
@@ -37,7 +38,8 @@ class _Flight:
     record: RequestRecord
     tokens: list[int] = field(default_factory=list)
     # The prompt's block hashes, computed once here for every engine that takes it
-    # (each would compute the same: engine/block_hash.py over the same tokens).
+    # (each would compute the same: engine/block_hash.py over the same tokens); only
+    # for a well-formed prompt (engine/request_check.py why_malformed, checked here once).
     block_hashes: list[BlockHash] | None = None
 
 
@@ -61,7 +63,9 @@ class _Frontend:
         prompt, t = synth_prompt(req, self.vocab_size), self.sim.loop.now / NS
         record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
         self.records.append(record)
-        hashes = hash_request_blocks(prompt, self.block_size, []) if self.share_hashes else None
+        hashes = None  # for a prompt checked here once, as every engine core would check it
+        if self.share_hashes and why_malformed(prompt, req.max_tokens, self.vocab_size) is None:
+            hashes = hash_request_blocks(prompt, self.block_size, [])
         self.flights[req.req_id] = _Flight(record, block_hashes=hashes)
         self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd))
 
