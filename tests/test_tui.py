@@ -173,7 +173,8 @@ class CountingView:
 def test_serve_feed_applies_each_engines_newest_snapshot_once():
     state, view = DashboardState(), CountingView()
     monitor = ServeMonitor(state, view)
-    server = SimpleNamespace(latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())})
+    server = SimpleNamespace(latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())},
+                             take_stats=lambda: [])
     monitor.on_tick(server)
     monitor.on_tick(server)  # the same snapshot again: no second update, so no zero-time rate
     assert state.engines["P"].num_steps == 10 and len(state.engines["P"].used_history) == 1
@@ -369,3 +370,14 @@ def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
 
 def _readable(fd: int, timeout_s: float = 0.0) -> bool:
     return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+def test_serve_windows_end_where_an_engine_takes_blocks_for_new_work():
+    """P takes a request and finishes it within one step (no snapshot shows it queued):
+    its blocks rising ends the quiet spell there, so P's new blocks are not a leak."""
+    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    for s in (snap("D", 10.0, 4, 1), snap("D", 11.0, 0, 0), snap("P", 11.0, 0, 0),
+              snap("P", 14.0, 6, 0), snap("D", 14.01, 2, 1)):
+        windows.add(s)
+    got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(15.0)}
+    assert got == {("P", "drained", 1.0, 3.0), ("D", "drained", 1.0, 3.0)}

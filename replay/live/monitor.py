@@ -138,10 +138,11 @@ class ServeMonitor:
         self._last_window_check = -WINDOW_CHECK_INTERVAL_S
 
     def on_tick(self, server: Server) -> None:
-        fresh = [s for s in server.latest.values() if self.state.view(s.engine_id).monotonic != s.monotonic]
-        for snapshot in sorted(fresh, key=lambda s: s.monotonic):
+        """The panels show each engine's newest snapshot; the windows need every one
+        (a request can come and go between two ticks)."""
+        for snapshot in server.take_stats():
             self.windows.add(snapshot)
-        apply_newest(self.state, fresh)
+        apply_newest(self.state, server.latest.values())
         self._refresh()
 
     def on_snapshots(self, snapshots: list[StatsSnapshot]) -> None:
@@ -161,7 +162,9 @@ class ServeMonitor:
 
 class SnapshotWindows:
     """A serve's idle windows from its engines' stats alone, so serve and top agree: the
-    engines are busy while any holds a request in a queue; a quiet spell of at least
+    engines are busy while any holds a request in a queue, and new work starts where one
+    holds more blocks than before (replay knows the requests; a serve's screen, and top,
+    only these counts); a quiet spell of at least
     idle_threshold_s between busy ones is an idle window, judged by
     replay/verify/rules.py's check_window as a replay's are. The open window (the engines
     quiet now) is shown as it drains; closed ones are judged once and kept."""
@@ -171,6 +174,7 @@ class SnapshotWindows:
         self.origin: float | None = None  # the first snapshot's time: window times count from it
         self.samples: list[EngineSample] = []  # since the last closed window (and one before)
         self.busy: dict[str, bool] = {}
+        self.used: dict[str, int] = {}  # each engine's used blocks in its last snapshot
         self.spells: list[tuple[float, float | None]] = []  # busy (start, end), the last two
         self.closed: list[WindowVerdict] = []
 
@@ -178,12 +182,18 @@ class SnapshotWindows:
         if self.origin is None:
             self.origin = snapshot.monotonic
         t = snapshot.monotonic - self.origin
-        self.samples.append(sample_from_snapshot(t, snapshot))
+        sample = sample_from_snapshot(t, snapshot)
+        # Used blocks only rise for new work: a prefill engine may take a request and
+        # finish it within one step, so no snapshot of it shows the request queued.
+        rose = sample.num_used_blocks > self.used.get(sample.engine, 0)
+        self.samples.append(sample)
+        self.used[sample.engine] = sample.num_used_blocks
         was_busy = any(self.busy.values())
-        self.busy[snapshot.engine_id] = any(snapshot.counts.get(k, 0) for k in QUEUE_COUNTS)
-        if any(self.busy.values()) and not was_busy:
+        self.busy[sample.engine] = any(snapshot.counts.get(k, 0) for k in QUEUE_COUNTS)
+        is_busy = any(self.busy.values())
+        if (is_busy or rose) and not was_busy:
             self._busy_from(t)
-        elif was_busy and not any(self.busy.values()):
+        if not is_busy and self.spells and self.spells[-1][1] is None:
             self.spells[-1] = (self.spells[-1][0], t)
 
     def _busy_from(self, t: float) -> None:

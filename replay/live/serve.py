@@ -11,6 +11,7 @@ nothing. Garbage is counted and dropped; a frame over the largest legitimate req
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ from replay.live.recorder import TraceRecorder
 SNAPSHOT_INTERVAL_S = 0.5
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
 SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
+MAX_NEW_STATS = 10_000  # snapshots kept for the dashboard between two take_stats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,9 @@ class Server:
         self.internal_ids: dict[tuple[bytes, str], str] = {}
         self.subscribers: dict[bytes, float] = {}  # identity -> when last heard from
         self.latest: dict[str, StatsSnapshot] = {}
+        # Every snapshot since the last take_stats(), for the dashboard's idle windows
+        # (bounded: without a reader the oldest go).
+        self.new_stats: deque[StatsSnapshot] = deque(maxlen=MAX_NEW_STATS)
         self.num_bad_messages = 0
         self.num_requests = 0
         self.num_expired_subscribers = 0
@@ -217,8 +222,15 @@ class Server:
                 del self.internal_ids[owner]
         self._send(identity, RequestOutputs("serve", [output_to_msg(output, client_req_id)]))
 
+    def take_stats(self) -> list[StatsSnapshot]:
+        """Every engine snapshot since the last call, in arrival order."""
+        stats = list(self.new_stats)
+        self.new_stats.clear()
+        return stats
+
     def _fan_out(self, snap: StatsSnapshot) -> None:
         self.latest[snap.engine_id] = snap
+        self.new_stats.append(snap)
         for identity in self.subscribers:  # a gone client's messages are dropped by zmq
             self._send(identity, snap)
 
