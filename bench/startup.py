@@ -166,7 +166,7 @@ def main() -> None:
     if args.importtime:
         for runner in results:
             for what in CHILD_IMPORTS:
-                print(f"slowest imports of a {what} child ({runner} runner):")
+                print(f"slowest imports of the {what} child ({runner} runner):")
                 print("\n".join(importtime(runner, what)))
     print(load.report())
 
