@@ -88,6 +88,16 @@ def test_lag_that_swallows_a_window_is_inconclusive_with_the_lag():
     assert verify(lagged, [], VerifyOptions()).status == "verified"
 
 
+def test_an_interrupted_run_says_which_windows_it_never_reached():
+    model = _two_bursts()  # expects the gap at 0.5-4.0 and the tail
+    stopped = _timeline([_record("a", 0.0, 0.3)], [_sample(0.0, 3), _sample(0.3, 0)], 0.4)
+    verdict = verify(stopped, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    assert [c.state for c in verdict.coverage] == ["unreached", "unreached"]
+    assert verdict.status == "inconclusive"
+    assert all("not reached" in r and "stopped before it ended" in r for r in verdict.reasons)
+    assert not any("lagged" in r for r in verdict.reasons)  # no negative lag blamed
+
+
 def test_a_gap_the_model_itself_fills_is_busy_not_missed():
     busy = _two_bursts(a_end=3.5)  # the trace's own work fills the gap, in the model too
     verdict = verify(busy, [], VerifyOptions(), expected_windows(busy.arrivals, 1.0, busy))

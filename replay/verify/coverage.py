@@ -12,6 +12,8 @@ arrival. Those are the EXPECTED windows. After the run each candidate is
 - "missed": expected, but the run's requests were still in flight (the engines
   lagged the model by `lag_s`), so the drain was never tested there. A missed window
   makes the run inconclusive, never verified.
+- "unreached": expected, but the replay stopped (interrupted) before the gap ended:
+  also inconclusive, and said so rather than blamed on lag.
 Under the virtual clock the run is the model, so every expected window is observed.
 
 Ignored requests: the scheduler finishes a request it can never run at once
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from replay.verify.timeline import RequestRecord, Timeline
 
-COVERAGE_STATES = ("observed", "busy", "missed")
+COVERAGE_STATES = ("observed", "busy", "missed", "unreached")
 IGNORED_CAUSES = {  # a substring of the scheduler's reason -> the cause's name
     "max_model_len": "prompt longer than max_model_len",
     "KV blocks; the pool has": "can never fit the KV pool",
@@ -106,10 +108,13 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     ends = {round(end, 9) for _, end, is_tail in observed if not is_tail}
     has_tail = any(is_tail for _, _, is_tail in observed)
     quiet = quiet_from(timeline.requests, [w.end for w in expected])
+    last_sent = max(timeline.arrivals, default=-math.inf)
     out = []
     for w, q in zip(expected, quiet):
         seen = has_tail if w.is_tail else round(w.end, 9) in ends
         state = "observed" if seen else "missed" if w.is_expected else "busy"
+        if w.is_expected and _unreached(w, timeline, last_sent):
+            state = "unreached"
         q_or_none = None if math.isinf(q) else q
         lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
         out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state,
@@ -117,9 +122,16 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     return tuple(out)
 
 
+def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:
+    """The replay stopped (interrupted) before this window could happen."""
+    return w.start > last_sent if w.is_tail else w.end > timeline.end_t
+
+
 def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
     """One line: which expected window was not observed, and why."""
     where = "the tail" if w.is_tail else f"the idle gap {w.start:.3f}-{w.end:.3f} s"
+    if w.state == "unreached":
+        return f"expected window not reached: {where}: the replay stopped before it ended"
     if w.quiet_from is None:
         busy = "requests still in flight when the replay stopped"
     else:
@@ -127,7 +139,7 @@ def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
         if not w.is_tail:
             busy += f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold " \
                     f"{idle_threshold_s:g} s"
-    lag = "" if w.lag_s is None else f"; the engines lagged the model by {w.lag_s:.3f} s"
+    lag = "" if w.lag_s is None or w.lag_s <= 0 else f"; the engines lagged the model by {w.lag_s:.3f} s"
     return f"expected window not observed: {where}: {busy}{lag}"
 
 

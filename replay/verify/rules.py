@@ -262,7 +262,8 @@ def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[
                           ignored: dict[str, int], num_requests: int,
                           options: VerifyOptions) -> list[str]:
     """Why the run does not prove its engines drain (empty: it does)."""
-    reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage if c.state == "missed"]
+    reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage
+               if c.state in ("missed", "unreached")]
     undecided = [w for w in windows if w.verdict == "undecided"]
     if undecided:
         w = undecided[0]
