@@ -214,6 +214,10 @@ def shaping_options(func):
 @click.option("--allow-ignored", is_flag=True,
               help="Do not call the run inconclusive when over 1% of requests were ignored "
                    "(prompt over max_model_len, or never fits the pool); they are still counted.")
+@click.option("--check-outputs/--no-check-outputs", default=None,
+              help="Hold every request's output against what a single engine generates for "
+                   "its prompt; a difference (corrupt KV) is a violation. Default: on for a "
+                   "local wall replay with the mock runner, where it is cheap.")
 @click.option("--all-windows", is_flag=True, help="List every idle window at the end (default: "
               "the first few and a count).")
 @click.option("--explain", is_flag=True, help="Print what the verdicts, columns and units mean.")
@@ -223,7 +227,7 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
                snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
                series_path: Path | None, profile_name: str | None, allow_ignored: bool,
-               all_windows: bool, explain: bool, live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
+               check_outputs: bool | None, all_windows: bool, explain: bool, live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
                scrape_interval: float, api_key: str | None, cost_profile_path: Path | None,
                **options) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
@@ -257,7 +261,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
             verify=VerifyOptions(idle_threshold, drain_deadline,
                                  snapshot_tolerance if snapshot_tolerance is not None
                                  else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored),
-            cost_profile=_cost_profile(cost_profile_path), target_auth=_target_auth(options, target))
+            cost_profile=_cost_profile(cost_profile_path), target_auth=_target_auth(options, target),
+            check_outputs=check_outputs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,

@@ -21,7 +21,7 @@ import zmq
 from connector.messages import (CONNECTOR_CODEC, KVReport, LeaseDue, LeasesReaped, ReapLeases,
                                 RegisterKVCache, StepMeta, WorkerReady)
 from connector.pd import PDConnectorMetadata
-from connector.send_ledger import ReapSchedule
+from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorWorkerBase
@@ -43,6 +43,7 @@ class PendingTransfers:
         self.counters: dict[str, int] = {"num_bad_reports": 0}
         self.lease_ns = lease_ns
         self.reaps = ReapSchedule()
+        self.orphaned_at: int | None = None  # when the worker's death was seen (ns)
 
     def start(self, metadata: PDConnectorMetadata, now: int = 0) -> None:
         self.sends.update(metadata.reqs_to_send)
@@ -81,14 +82,23 @@ class PendingTransfers:
         self.counters.update(report.counters)
         return None
 
-    def resolve_orphans(self, out: KVConnectorOutput) -> None:
-        """The worker is dead: every transfer it owned ends now, loads as failures."""
-        out.finished_sending.update(self.sends)
+    def resolve_orphans(self, out: KVConnectorOutput, now: int) -> None:
+        """The worker is dead: every load it owned fails now; its held sends are released
+        once no read lease it granted can still run (READ_LEASE_NS after the death was
+        seen: a decode worker may be copying them out of this engine's memory)."""
+        if self.orphaned_at is None:
+            self.orphaned_at = now
         out.finished_recving.update(self.recvs)
         for block_ids in self.recvs.values():
             out.invalid_block_ids.update(block_ids)
-        self.sends.clear()
         self.recvs.clear()
+        if now >= self.orphaned_at + READ_LEASE_NS:
+            out.finished_sending.update(self.sends)
+            self.sends.clear()
+
+    def orphans_due(self) -> int | None:
+        """When resolve_orphans releases the held sends (ns); None: nothing waits."""
+        return None if self.orphaned_at is None or not self.sends else self.orphaned_at + READ_LEASE_NS
 
 
 class PDConnectorAgent(KVConnectorWorkerBase):
@@ -156,7 +166,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
                           f"died with exit code {self.process.exitcode}")
         if self.error is not None:
-            self.pending.resolve_orphans(out)
+            self.pending.resolve_orphans(out, time.monotonic_ns())
             out.worker_error = self.error
         return out
 
@@ -178,7 +188,7 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         return time.monotonic_ns()
 
     def next_deadline_ns(self) -> int | None:
-        return None if self.error is not None else self.pending.reap_due()
+        return self.pending.orphans_due() if self.error is not None else self.pending.reap_due()
 
     def get_counters(self) -> dict[str, int]:
         return self.pending.counters

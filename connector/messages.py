@@ -137,6 +137,28 @@ class ReadAbandoned:
     req_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class PinSend:
+    """Decode worker -> prefill worker (shm transport): I am about to copy these blocks
+    of this send straight from your memory; hold them until I say "read done" (a read
+    lease). Answered by ReadGranted, or BlockData(ok=False) if the send is not held."""
+
+    engine_id: str
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadGranted:
+    """Prefill worker -> decode worker: copy now from `handle`; the blocks stay held
+    until "read done" or until `read_until` (time.monotonic_ns() of this host), after
+    which the reader must drop its copy."""
+
+    req_id: str
+    handle: dict
+    read_until: int
+
+
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.
 CONNECTOR_MESSAGES: dict[int, type] = {
     0: RegisterKVCache,
@@ -153,5 +175,7 @@ CONNECTOR_MESSAGES: dict[int, type] = {
     11: LeasesReaped,
     12: LeaseDue,
     13: ReadAbandoned,
+    14: PinSend,
+    15: ReadGranted,
 }
 CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec, HeartbeatSpec))

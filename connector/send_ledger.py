@@ -27,16 +27,24 @@ The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
   from the first early arrival of that id; a hold that is never claimed is forgotten
   and its reads are refused. These holds are the worker's own business: its driver
   calls `expire_holds(now)` once `next_hold_deadline()` has come, steps or not.
-- A "read done" for a send that expired unread is counted (num_reads_after_expiry): P
-  freed the blocks already. D also frees a send it will never read (ReadAbandoned:
-  its request ended or was refused first, or its pull failed): `read_done(read=False)`,
-  counted in num_released_unread, never as a read after expiry. With `drop_read_done`, every "read done" is dropped and
+- Reads of shm (pins): D copies straight out of P's memory, so before copying it asks
+  (`read(pin=True)`). A held send is granted a read lease of READ_LEASE_NS, and a reap
+  that finds its lease passed while a read lease runs defers the expiry to the read
+  lease's end (num_expiries_deferred): D's "read done" normally comes first. A read of
+  a send that expired or was never registered (after the early hold) is refused
+  (num_reads_refused): D then fails the load (kv_load_failure_policy) instead of
+  copying freed blocks. D drops a copy that ended after its read lease.
+- A "read done" for a send that expired without a served read or pin is counted
+  (num_reads_after_expiry): D read memory P had freed (it never asked). D also frees
+  a send it will never read (ReadAbandoned: its request ended or was refused first,
+  or its pull failed): `read_done(read=False)`, counted in num_released_unread, never
+  as a read after expiry. With `drop_read_done`, every "read done" is dropped and
   counted (num_read_done_dropped): only the lease frees.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # How long an early read waits for its send to be registered: less than the decode
 # side's 2 s read timeout (connector/transfer.py), so it gets an answer either way.
@@ -45,6 +53,11 @@ EARLY_HOLD_NS = 1_000_000_000
 # Ids held before their registration, at most (each a few hundred bytes): a step
 # finishes at most max_num_seqs requests, so thousands are never legitimate.
 MAX_EARLY_HOLDS = 4096
+
+# How long a granted shm read (a pin) may take. The reader copies straight out of P's
+# memory, so until then no expiry frees the send; the reader checks the same deadline
+# (one host, one monotonic clock) after its copy and drops a copy that ran past it.
+READ_LEASE_NS = 2_000_000_000
 
 UNKNOWN_REQUEST = "unknown or expired request"
 BLOCKS_NOT_HELD = "blocks not held for this request"
@@ -58,6 +71,8 @@ class ReadReply:
     req_id: str
     block_ids: list[int]
     error: str = ""
+    pin: bool = False  # an shm read: the reader copies from P's memory itself
+    read_until: int = 0  # a granted pin: the send is not freed before this (ns)
 
     @property
     def ok(self) -> bool:
@@ -79,6 +94,8 @@ class _Send:
     seq: int  # this registration: the lease's key
     registered_at: int
     deadline: int  # the lease
+    read_until: int = 0  # a granted shm read runs until then: the lease waits for it
+    was_read: bool = False  # a read was served or granted while it was held
 
 
 @dataclass(slots=True)
@@ -101,14 +118,17 @@ class SendLedger:
         self.drop_read_done = drop_read_done
         self.sends: dict[str, _Send] = {}  # registered, not yet read or expired
         self.early: dict[str, _EarlyHold] = {}  # arrived before their registration
-        self.expired: set[str] = set()  # expired unread: a late "read done" is stale
+        # Expired sends -> whether a read was served while held: a late "read done" is
+        # stale, and for one never served it means D read freed memory without asking.
+        self.expired: dict[str, bool] = {}
         self.heartbeats: list[str] = []  # received, applied at the next reap
         self._leases: list[tuple[int, int, str]] = []  # heap of (deadline, seq, req_id)
         self._holds: list[tuple[int, int, str]] = []  # the same, of early holds
         self._seq = 0
         self.counters = dict.fromkeys(("num_sent", "num_expired", "num_read_done_dropped",
                                        "num_reads_after_expiry", "num_heartbeats",
-                                       "num_released_unread"), 0)
+                                       "num_released_unread", "num_reads_refused",
+                                       "num_expiries_deferred"), 0)
 
     # ---- what P's engine says -------------------------------------------------------
 
@@ -117,11 +137,11 @@ class SendLedger:
         """These blocks wait for a remote read, leased until `deadline` (default: a
         lease from now): hold them, or settle what came early."""
         out = LedgerOutput()
-        send = self.sends[req_id] = _Send(list(block_ids), self._next_seq(), now, 0)
-        self.expired.discard(req_id)
+        self.sends[req_id] = _Send(list(block_ids), self._next_seq(), now, 0)
+        self.expired.pop(req_id, None)
         early = self.early.pop(req_id, None)
         for read in early.reads if early is not None else []:
-            out.replies.append(self._answer(read.reply_to, req_id, read.block_ids))
+            out.replies.append(self._answer(read, now))
         if early is not None and early.read_done:
             self._finish(req_id, expired=False, out=out)
         else:
@@ -139,7 +159,13 @@ class SendLedger:
         out = LedgerOutput()
         while self._leases and self._leases[0][0] <= now:
             deadline, seq, req_id = heapq.heappop(self._leases)
-            if self._is_live(self.sends.get(req_id), deadline, seq):
+            send = self.sends.get(req_id)
+            if not self._is_live(send, deadline, seq):
+                continue
+            if send.read_until > now:  # D copies it now: the expiry waits for the copy
+                self.counters["num_expiries_deferred"] += 1
+                self.extend(req_id, send.read_until)
+            else:
                 self._finish(req_id, expired=True, out=out)
         return out
 
@@ -165,17 +191,23 @@ class SendLedger:
         self.counters["num_heartbeats"] += 1
         return first
 
-    def read(self, reply_to: object, req_id: str, block_ids: list[int], now: int) -> LedgerOutput:
-        """A read of a send's blocks: answered now, or held until the send is registered."""
+    def read(self, reply_to: object, req_id: str, block_ids: list[int], now: int,
+             pin: bool = False) -> LedgerOutput:
+        """A read of a send's blocks: answered now, or held until the send is registered.
+
+        pin: an shm read, granted with a read lease (READ_LEASE_NS) during which no
+        expiry frees the send; a send that expired or was never held is refused."""
         out = LedgerOutput()
+        read = ReadReply(reply_to, req_id, list(block_ids), pin=pin)
         if req_id in self.sends:
-            out.replies.append(self._answer(reply_to, req_id, block_ids))
-        else:
+            out.replies.append(self._answer(read, now))
+        else:  # expired (its id may come back: a new registration) or not yet registered
             hold = self._hold_early(req_id, now, self.early_hold_ns, out)
             if hold is None:  # too many early arrivals held: refused at once
-                out.replies.append(ReadReply(reply_to, req_id, list(block_ids), UNKNOWN_REQUEST))
+                self.counters["num_reads_refused"] += 1
+                out.replies.append(replace(read, error=UNKNOWN_REQUEST))
             else:
-                hold.reads.append(ReadReply(reply_to, req_id, list(block_ids)))
+                hold.reads.append(read)
         return out
 
     def read_done(self, req_id: str, now: int, read: bool = True) -> LedgerOutput:
@@ -189,9 +221,12 @@ class SendLedger:
         elif req_id in self.sends:
             self._finish(req_id, expired=False, out=out)
         elif req_id in self.expired:
-            self.expired.discard(req_id)
-            if read:
-                self.counters["num_reads_after_expiry"] += 1  # P freed them already
+            # P freed them already. After a served read or a pin (whose copy ended
+            # before the lease it was granted) that is only late news; without one, D
+            # read memory P may have reused: the verdict's violation.
+            if read and not self.expired.pop(req_id):
+                self.counters["num_reads_after_expiry"] += 1
+            self.expired.pop(req_id, None)
         else:  # held as long as a send could wait: P registers it in its next step
             hold = self._hold_early(req_id, now, self.lease_ns, out)
             if hold is not None:
@@ -233,16 +268,23 @@ class SendLedger:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def _answer(self, reply_to: object, req_id: str, block_ids: list[int]) -> ReadReply:
-        if not set(block_ids) <= set(self.sends[req_id].block_ids):
-            return ReadReply(reply_to, req_id, list(block_ids), BLOCKS_NOT_HELD)
-        return ReadReply(reply_to, req_id, list(block_ids))
+    def _answer(self, read: ReadReply, now: int) -> ReadReply:
+        """Serve a read of a held send (a pin: leased for READ_LEASE_NS), or refuse it."""
+        send = self.sends[read.req_id]
+        if not set(read.block_ids) <= set(send.block_ids):
+            self.counters["num_reads_refused"] += 1
+            return replace(read, error=BLOCKS_NOT_HELD)
+        send.was_read = True
+        if not read.pin:
+            return read
+        send.read_until = max(send.read_until, now + READ_LEASE_NS)
+        return replace(read, read_until=send.read_until)
 
     def _finish(self, req_id: str, expired: bool, out: LedgerOutput) -> None:
-        del self.sends[req_id]
+        send = self.sends.pop(req_id)
         self.counters["num_expired" if expired else "num_sent"] += 1
         if expired:
-            self.expired.add(req_id)
+            self.expired[req_id] = send.was_read
         out.finished_sending.append(req_id)
 
     def _hold_early(self, req_id: str, now: int, hold_ns: int, out: LedgerOutput) -> _EarlyHold | None:
@@ -264,7 +306,8 @@ class SendLedger:
     def _forget_early(self, req_id: str, out: LedgerOutput) -> None:
         """The send never got registered (aborted on P, or a stranger's id)."""
         for read in self.early.pop(req_id).reads:
-            out.replies.append(ReadReply(read.reply_to, req_id, read.block_ids, UNKNOWN_REQUEST))
+            self.counters["num_reads_refused"] += 1
+            out.replies.append(replace(read, error=UNKNOWN_REQUEST))
 
 
 @dataclass(slots=True)

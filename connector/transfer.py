@@ -11,8 +11,8 @@ import time
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, KVHandle,
-                                ReadBlocks, RecvSpec)
+from connector.messages import (CONNECTOR_CODEC, BlockData, PinSend, ReadBlocks, ReadGranted,
+                                RecvSpec)
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 
@@ -102,19 +102,32 @@ class Puller:
         self.num_bytes_pulled += local.num_bytes_per_block * len(spec.local_block_ids)
 
     def _pull_shm(self, local: KVCache, spec: RecvSpec) -> None:
-        # The handshake runs before every pull, not once: a peer whose worker died has
-        # released the blocks it held, and a copy from its still-mapped memory would
-        # read blocks that may be reused (a round trip on ipc is ~0.1 ms).
-        reply, _ = self.link(spec.remote_addr).request(GetKVHandle(spec.remote_engine_id))
-        if not isinstance(reply, KVHandle):
-            raise TransferError(f"handshake with {spec.remote_addr} got {type(reply).__name__}")
+        # Every pull first asks the prefill worker to pin the send (a read lease): a send
+        # that expired, or whose worker died, has released its blocks, and a copy from the
+        # still-mapped memory would read blocks that may be reused. One round trip on
+        # ipc (~0.1 ms); the copy must end before the lease does.
+        reply, _ = self.link(spec.remote_addr).request(
+            PinSend(spec.remote_engine_id, spec.remote_request_id, spec.remote_block_ids))
+        if isinstance(reply, BlockData) and not reply.ok:
+            raise TransferError(f"{spec.req_id}: read refused by {spec.remote_addr}: {reply.error}")
+        if not isinstance(reply, ReadGranted) or reply.req_id != spec.remote_request_id:
+            raise TransferError(f"pin at {spec.remote_addr} got {type(reply).__name__}")
+        self._copy_shm(local, spec, self._peer_cache(spec, reply.handle))
+        if time.monotonic_ns() >= reply.read_until:  # P may have freed them meanwhile
+            raise TransferError(f"{spec.req_id}: the copy outlasted its read lease")
+
+    def _peer_cache(self, spec: RecvSpec, handle: dict) -> KVCache:
         peer = self.peer_caches.get(spec.remote_addr)
-        if peer is None or peer.handle.to_dict() != reply.handle:
+        if peer is None or peer.handle.to_dict() != handle:
             try:
-                peer = KVCache.open(KVCacheHandle.from_dict(reply.handle))
+                peer = KVCache.open(KVCacheHandle.from_dict(handle))
             except (ValueError, OSError) as e:
                 raise TransferError(f"cannot map the KV cache of {spec.remote_engine_id}: {e}") from None
             self.peer_caches[spec.remote_addr] = peer
+        return peer
+
+    @staticmethod
+    def _copy_shm(local: KVCache, spec: RecvSpec, peer: KVCache) -> None:
         try:
             local.copy_blocks_from(peer, spec.remote_block_ids, spec.local_block_ids)
         except (ValueError, IndexError, RuntimeError) as e:

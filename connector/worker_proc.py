@@ -2,7 +2,8 @@
 
 Prefill side: the sockets and the monotonic clock around connector/send_ledger.py,
 which decides what is held, until when, and how a read is answered; here reads are
-served (zmq transport), the shm handshake is answered, and finished_sending is
+served (zmq transport), shm reads are granted a read lease (PinSend: ReadGranted with
+the memory's handle, or refused if the send is not held), and finished_sending is
 reported when the ledger ends a send ("read done", or a lease reaped). Leases are
 reaped only when the engine's step asks (ReapLeases, from the agent's get_finished),
 as vLLM 0.32 reaps them in get_finished: this process never expires a send on its own
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat, KVHandle,
-                                KVReport, LeaseDue, LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone,
-                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+                                KVReport, LeaseDue, LeasesReaped, PinSend, ReadAbandoned, ReadBlocks,
+                                ReadDone, ReadGranted, ReapLeases, RecvSpec, RegisterKVCache,
+                                StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
 from connector.transfer import Puller, TransferError
 from engine.kv_cache import KVCache, KVCacheHandle
@@ -63,6 +65,7 @@ class ConnectorWorkerProc:
         self.pulls: list[tuple[int, int, RecvSpec]] = []  # heap of (due, seq, spec)
         self._seq = 0
         self.report = KVReport([], [], [], {})
+        self._reads_after_expiry_reported = 0
         self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
                                        "num_bad_messages", "num_bytes_pulled",
                                        "num_heartbeats_sent"), 0)
@@ -179,8 +182,10 @@ class ConnectorWorkerProc:
 
     def _flush_report(self) -> None:
         r = self.report
-        if not (r.finished_sending or r.finished_recving or r.invalid_block_ids):
-            return
+        if not (r.finished_sending or r.finished_recving or r.invalid_block_ids
+                or self.ledger.counters["num_reads_after_expiry"] != self._reads_after_expiry_reported):
+            return  # a read after expiry is reported even alone: the verdict reads it
+        self._reads_after_expiry_reported = self.ledger.counters["num_reads_after_expiry"]
         counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
                         oldest_send_age_ms=self._oldest_send_age_ms())
         self._send_to_agent(KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids,
@@ -210,11 +215,13 @@ class ConnectorWorkerProc:
         elif isinstance(msg, Heartbeat):
             if self.ledger.receive_heartbeat(msg.req_ids):
                 self._send_to_agent(LeaseDue())
-        elif isinstance(msg, ReadBlocks):
+        elif isinstance(msg, (ReadBlocks, PinSend)):
+            pin = isinstance(msg, PinSend)  # shm: D copies from our memory under a read lease
             if self.kv_cache is None:  # nothing to read from: no hold either
-                self._reply(ReadReply(identity, msg.req_id, msg.block_ids, UNKNOWN_REQUEST))
+                self._reply(ReadReply(identity, msg.req_id, msg.block_ids, UNKNOWN_REQUEST, pin))
             else:
-                self._apply(self.ledger.read(identity, msg.req_id, msg.block_ids, time.monotonic_ns()))
+                self._apply(self.ledger.read(identity, msg.req_id, msg.block_ids,
+                                             time.monotonic_ns(), pin))
         elif isinstance(msg, GetKVHandle) and self.kv_cache is not None:
             reply = KVHandle(self.config.engine_id, self.kv_cache.handle.to_dict())
             self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
@@ -225,6 +232,10 @@ class ConnectorWorkerProc:
         if not reply.ok or self.kv_cache is None:
             msg = BlockData(reply.req_id, False, reply.error or UNKNOWN_REQUEST)
             self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(msg)])
+            return
+        if reply.pin:  # the reader copies the blocks itself, until read_until
+            granted = ReadGranted(reply.req_id, self.kv_cache.handle.to_dict(), reply.read_until)
+            self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(granted)])
             return
         data = self.kv_cache.gather_blocks(reply.block_ids)  # sent without a copy
         self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(BlockData(reply.req_id, True, "")),

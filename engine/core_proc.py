@@ -60,10 +60,10 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
         runner = ModelRunner(config)
         kv_cache = runner.kv_cache
     else:
-        runner = MockModelRunner(config)
         if config.kv_transfer is not None:  # real memory, so transfers move real bytes
             from engine.kv_cache import KVCache
             kv_cache = KVCache.allocate(config.model, config.num_blocks, config.block_size, "cpu")
+        runner = MockModelRunner(config, kv_cache)  # it stamps tokens into the KV it has
     connector = worker = None
     if config.kv_transfer is not None:
         factory = import_factory(config.kv_transfer.kv_connector)

@@ -1,17 +1,29 @@
 """A torch-free deterministic model runner for fast tests and big replays. Runs in: engine-core process.
 
 The next token is (last token + 1) % vocab_size, so outputs are a pure function of
-the prompt, whatever the batching, chunking, preemption or KV transfer.
+the prompt, whatever the batching, chunking, preemption or KV transfer. Given a KV
+cache (a P/D engine's), it also stamps the tokens into it and checks prefixes computed
+elsewhere (engine/kv_stamps.py): a request whose KV arrived corrupt samples
+(last token + 2) instead, as a real model's output would change.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+
 
 class MockModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
         self.vocab_size = config.model.vocab_size
+        self.stamps = None
+        if kv_cache is not None and kv_cache.pages is not None:
+            from engine.kv_stamps import KVStamps  # numpy: only where there is KV memory
+            self.stamps = KVStamps(kv_cache, config.block_size)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -27,4 +39,8 @@ class MockModelRunner:
                 out.failed[req_id] = f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             elif req_id not in partial:
                 sampled[req_id] = (tokens[end - 1] + 1) % vocab_size
+        if self.stamps is not None and all_valid:
+            self.stamps.update(sched_out)
+            for req_id in self.stamps.corrupt & sampled.keys():
+                sampled[req_id] = (sampled[req_id] + 1) % vocab_size
         return out

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # resumed after preemption).
     new_block_ids: dict[str, list[int]]
     new_req_ids: set[str]
+    # The prompt of each request in new_req_ids (vLLM's NewRequestData.prompt_token_ids),
+    # by reference; empty when built from records.
+    prompt_token_ids: dict[str, list[int]]
     # Chunks that end before their request's known tokens do: nothing to sample.
     partial_req_ids: set[str]
     total_num_scheduled_tokens: int
@@ -52,7 +55,7 @@ class SchedulerOutput:
                  finished_req_ids: set[str] | None = None, preempted_req_ids: set[str] | None = None,
                  kv_connector_metadata: object | None = None) -> None:
         self.req_ids, self.num_computed_tokens, self.num_scheduled_tokens = [], [], []
-        self.token_ids, self.new_block_ids = [], {}
+        self.token_ids, self.new_block_ids, self.prompt_token_ids = [], {}, {}
         self.new_req_ids, self.partial_req_ids = set(), set()
         self.total_num_scheduled_tokens = total_num_scheduled_tokens
         self.finished_req_ids = set() if finished_req_ids is None else finished_req_ids

@@ -296,6 +296,7 @@ class Scheduler:
             self.running.append(request)
             block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
             self._add_scheduled(out, request, admitted, block_ids, True)
+            out.prompt_token_ids[request.req_id] = request.prompt_token_ids
             budget -= admitted
         self.skipped_waiting.extendleft(reversed(skipped_holding))
         self.waiting.extendleft(reversed(skipped))

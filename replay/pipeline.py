@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -21,6 +22,7 @@ from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
 from replay.verify.coverage import expected_windows
+from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
@@ -58,6 +60,9 @@ class ReplayConfig:
     target_auth: object | None = None  # its credentials: replay/live/auth.py AuthOptions
     http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
     cost_profile: CostProfile | None = None  # the virtual clock's step costs (kvdrain calibrate)
+    # Hold every output against a single engine's (replay/verify/outputs.py); None: on
+    # where it is cheap (a local wall replay on the mock runner), off elsewhere.
+    check_outputs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -66,6 +71,19 @@ class ReplayConfig:
             raise ValueError(f"tail: must be > 0, got {self.tail_s}")
         if self.cost_profile is not None and self.clock != "virtual":
             raise ValueError("cost profile: only with the virtual clock (--clock virtual)")
+        if self.check_outputs:
+            why = ("--check-outputs: only for a local wall-clock replay (the virtual clock has no "
+                   "KV memory; a --target's engines are not known here)"
+                   if self.clock != "wall" or self.target is not None or self.http is not None
+                   else can_check_outputs(self.engine))
+            if why is not None:
+                raise ValueError(why)
+
+    def effective_check_outputs(self) -> bool:
+        if self.check_outputs is not None:
+            return self.check_outputs
+        return (self.clock == "wall" and self.target is None and self.http is None
+                and can_check_outputs(self.engine) is None)
 
     def effective_tail_s(self) -> float:
         return self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
@@ -87,7 +105,7 @@ class ReplayResult:
                 "tail_s": c.effective_tail_s(),
                 "engine": self.engine_settings(), "kv_transfer": config_to_dict(c.kv),
                 "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
-                "wall_s": round(self.wall_s, 3),
+                "wall_s": round(self.wall_s, 3), "check_outputs": c.effective_check_outputs(),
                 "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None}
 
     def engine_settings(self) -> dict:
@@ -177,7 +195,9 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
         from replay.http.client import HttpReplay
         return HttpReplay(replace(config.http, tail_s=config.effective_tail_s(),
                                   max_token_id=summary.max_prompt_token_id)).run(records)
-    options = WallOptions(tail_s=config.effective_tail_s())
+    expected = (partial(mock_output_tokens, engine=config.engine)
+                if config.effective_check_outputs() else None)
+    options = WallOptions(tail_s=config.effective_tail_s(), expected_tokens=expected)
     target = _start_target(config, hooks)
     try:
         hooks.phase(RUNNING, list(target.engines))

@@ -10,8 +10,8 @@ import zmq
 from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
                                 LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
                                 RegisterKVCache, StepMeta, WorkerReady)
-from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, UNKNOWN_REQUEST, ReadReply,
-                                   ReapSchedule, SendLedger)
+from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS, UNKNOWN_REQUEST,
+                                   ReadReply, ReapSchedule, SendLedger)
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc, run_connector_worker
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -39,7 +39,12 @@ def test_a_lease_ends_only_when_reaped_and_a_late_read_done_is_counted():
     assert ledger.reap(now=LEASE).finished_sending == ["r1"]  # now >= lease, as vLLM's
     assert ledger.counters["num_expired"] == 1 and ledger.reap(now=10 * LEASE).finished_sending == []
     assert ledger.read_done("r1", now=LEASE + 1).finished_sending == []  # P freed them already
-    assert ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early
+    # r1's bytes were served while held: the late "read done" is only late news.
+    assert ledger.counters["num_reads_after_expiry"] == 0 and not ledger.early
+    ledger.register("r2", [2], now=0, deadline=LEASE)  # never asked for: read behind P's back
+    assert ledger.reap(now=LEASE).finished_sending == ["r2"]
+    assert ledger.read_done("r2", now=LEASE + 1).finished_sending == []
+    assert ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early and not ledger.expired
 
 
 def test_the_stamped_deadline_is_the_lease_and_the_default_runs_from_registration():
@@ -60,7 +65,8 @@ def test_a_reused_request_id_does_not_inherit_an_old_lease():
     assert ledger.reap(now=5 + LEASE).finished_sending == ["r1"]
     assert ledger.counters == {"num_sent": 1, "num_expired": 1, "num_read_done_dropped": 0,
                                "num_reads_after_expiry": 0, "num_heartbeats": 0,
-                               "num_released_unread": 0}
+                               "num_released_unread": 0, "num_reads_refused": 0,
+                               "num_expiries_deferred": 0}
 
 
 def test_heartbeats_extend_held_leases_when_reaped():
@@ -314,9 +320,14 @@ def test_a_dead_workers_transfers_are_resolved_by_the_agent():
     pending.start(PDConnectorMetadata({"s1": [1]}, {"d1": RecvSpec("d1", [4, 5], [7, 8], "P", "p1", "a"),
                                                     "d2": RecvSpec("d2", [], [], "P", "p2", "a")}))
     out = KVConnectorOutput()
-    pending.resolve_orphans(out)
-    assert out.finished_sending == {"s1"} and out.finished_recving == {"d1"}
-    assert out.invalid_block_ids == {4, 5} and not pending.sends and not pending.recvs
+    pending.resolve_orphans(out, now=10)
+    assert out.finished_sending == set() and out.finished_recving == {"d1"}
+    assert out.invalid_block_ids == {4, 5} and not pending.recvs
+    # A decode worker may still copy s1 under a read lease the dead worker granted.
+    assert pending.orphans_due() == 10 + READ_LEASE_NS
+    out = KVConnectorOutput()
+    pending.resolve_orphans(out, now=10 + READ_LEASE_NS)
+    assert out.finished_sending == {"s1"} and not pending.sends and pending.orphans_due() is None
 
 
 def test_the_agent_asks_for_a_reap_once_a_lease_may_have_passed():

@@ -9,7 +9,8 @@ import zmq
 
 from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, GetKVHandle,
                                 Heartbeat, HeartbeatSpec, KVHandle, KVReport, LeaseDue,
-                                LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone, ReapLeases, RecvSpec,
+                                LeasesReaped, PinSend, ReadAbandoned, ReadBlocks, ReadDone,
+                                ReadGranted, ReapLeases, RecvSpec,
                                 RegisterKVCache, StepMeta, WorkerReady)
 from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
                              GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
@@ -42,6 +43,8 @@ SAMPLES = {
     LeasesReaped: LeasesReaped(-1),
     LeaseDue: LeaseDue(),
     ReadAbandoned: ReadAbandoned("r1"),
+    PinSend: PinSend("P", "r1", [1, 2]),
+    ReadGranted: ReadGranted("r1", {"kind": "shm"}, 123_000_000_000),
 }
 
 
@@ -54,6 +57,7 @@ CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
     "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,
     "ReapLeases": 10, "LeasesReaped": 11, "LeaseDue": 12, "ReadAbandoned": 13,
+    "PinSend": 14, "ReadGranted": 15,
 }
 
 

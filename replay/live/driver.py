@@ -45,6 +45,9 @@ class WallOptions:
     tail_s: float = 3.0  # observed after the last request ends
     tick_interval_s: float = 0.25  # how often on_tick (the live view) is called
     request_timeout_s: float = 120.0  # a request still open this long after the tail: given up
+    # The output check: what a single engine generates for (prompt, max_tokens)
+    # (replay/verify/outputs.py); None: outputs are not checked.
+    expected_tokens: Callable[[list[int], int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tail_s", "tick_interval_s", "request_timeout_s"):
@@ -121,8 +124,10 @@ class WallClockReplay:
         self.num_sent += 1
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
-        self.requests[req.req_id] = RequestRecord(
+        record = self.requests[req.req_id] = RequestRecord(
             req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
+        if self.options.expected_tokens is not None:
+            record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
         self._tokens[req.req_id] = []
 
     def _pump(self, timeout_s: float) -> None:

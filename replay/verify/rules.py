@@ -17,6 +17,9 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks.
 - a request that never ended is a violation too ("unfinished").
+- corrupt KV: a read after expiry (a decode side copied blocks its prefill engine had
+  freed) or an output that differs from a single engine's ("output_mismatch", when the
+  replay computed the expected outputs: replay/verify/outputs.py).
 The status (replay/verify/verdict.py's table): "violation" when any of the above
 failed; else "inconclusive" when the run does not cover what it should
 (replay/verify/coverage.py: an expected idle window not observed, too many requests
@@ -34,7 +37,8 @@ from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, ignor
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
 
-VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished")
+VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished", "read_after_expiry",
+                   "output_mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +256,30 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
+    violations += _check_kv_integrity(timeline)
     coverage = () if expected is None else cover(expected, timeline, observed)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
     return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored)
+
+
+def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
+    """KV that may be corrupt: a decode side read blocks its prefill engine had freed
+    (the connector's num_reads_after_expiry), or an output differs from what a single
+    engine produces for the prompt (RequestRecord.expected_digest, when checked)."""
+    out = [Violation("read_after_expiry", engine, timeline.end_t,
+                     f"{n} read{'s' if n != 1 else ''} of sends whose lease had expired: the "
+                     f"decode side copied blocks this engine had freed and may have reused, "
+                     f"so its KV may be corrupt")
+           for engine, counters in sorted(timeline.counters.items())
+           if (n := counters.get("num_reads_after_expiry", 0)) > 0]
+    out += [Violation("output_mismatch", "", r.end_t if r.end_t is not None else r.arrival_t,
+                      f"request {r.req_id!r}: output {r.output_digest} differs from a single "
+                      f"engine's {r.expected_digest} for the same prompt (corrupt KV?)")
+            for r in timeline.requests
+            if r.expected_digest and r.error is None and r.finish_reason in ("length", "stop")
+            and r.output_digest != r.expected_digest]
+    return out
 
 
 def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[IdleWindow],

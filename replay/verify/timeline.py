@@ -56,6 +56,9 @@ class RequestRecord:
     # Seconds between consecutive outputs after the first (vllm bench's itl: one per chunk).
     itls: list[float] = field(default_factory=list)
     last_token_t: float | None = None  # when the latest tokens arrived
+    # What a single engine would output for this prompt (replay/verify/outputs.py),
+    # as output_digest; "": not checked.
+    expected_digest: str = ""
 
     def on_tokens(self, t: float) -> None:
         """Tokens arrived at t: the first-token time, else one more inter-token latency."""
