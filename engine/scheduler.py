@@ -115,10 +115,11 @@ class Scheduler:
                     f"{self.config.max_model_len}")
         # Its longest possible life must fit the pool alone, or it would wait forever.
         # vLLM has no counterpart: there such a request waits (or is preempted) forever.
+        # The last sampled token never gets a KV slot: at most max_len - 1 are computed.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
-        need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len)
+        need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len - 1)
         if need > self.config.num_blocks - 1:
-            return (f"up to {max_len} tokens need {need} KV blocks; the pool has "
+            return (f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
                     f"{self.config.num_blocks - 1}")
         return None
 

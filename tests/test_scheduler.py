@@ -139,6 +139,18 @@ def test_request_that_could_never_fit_the_pool_is_ignored_not_wedged():
     assert sched.add_request(make_request("fits", num_tokens=10, max_tokens=6)) is None
 
 
+def test_a_request_whose_kv_fills_the_pool_exactly_runs():
+    """The last sampled token never gets a KV slot: prompt 10 + 3 outputs computes 12
+    tokens, exactly 3 blocks of 4, so it runs to completion in a 3-block pool."""
+    sched = make_scheduler(num_blocks=4)  # 3 usable blocks of 4 tokens
+    assert sched.add_request(make_request("a", num_tokens=10, max_tokens=3)) is None
+    tokens = []
+    while sched.has_requests():
+        _, outputs = step(sched)
+        tokens += [t for o in outputs for t in o.new_token_ids]
+    assert len(tokens) == 3 and sched.block_pool.get_num_free_blocks() == 3
+
+
 @pytest.mark.parametrize("reserve_full_isl", [True, False])
 def test_admission_needs_blocks_for_the_whole_sequence(reserve_full_isl):
     """vLLM 0.32 (scheduler_reserve_full_isl, its default): a waiting request is admitted
