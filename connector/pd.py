@@ -54,7 +54,8 @@ class PDConnector(KVConnectorBase):
         self.lease_ns = round(lease_s * 1e9)  # vLLM's kv_lease_duration
         self._heartbeats = HeartbeatTracker(self.lease_ns // 6)  # vLLM: kv_lease_duration // 6
         self._now = 0  # the engine's clock (ns), from set_time
-        self.num_bad_params = 0
+        self.num_bad_params = 0  # requests (not admission attempts) whose params did not fit
+        self._bad_params_counted: set[str] = set()  # waiting ones, counted already
         # Once the worker side is gone nobody serves reads: offer no KV to decode any
         # more (the router then lets D prefill itself), or D could read freed blocks.
         self.worker_error: str | None = None
@@ -66,7 +67,9 @@ class PDConnector(KVConnectorBase):
         if self.worker_error is not None:
             return 0, False  # nobody could load it: prefill locally
         if not self._remote_params_fit(request, params):
-            self.num_bad_params += 1  # computed locally instead
+            if request.req_id not in self._bad_params_counted:  # asked every step it waits
+                self._bad_params_counted.add(request.req_id)
+                self.num_bad_params += 1  # computed locally instead
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -85,6 +88,7 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
+        self._bad_params_counted.discard(request.req_id)  # admitted: never asked again
         if num_external_tokens > 0:
             # Local prefix hits are whole blocks, so the external tokens fill the tail.
             n = cdiv(num_external_tokens, self.block_size)
@@ -139,6 +143,7 @@ class PDConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._heartbeats.stop(request.req_id)  # finished before its load completed
+        self._bad_params_counted.discard(request.req_id)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             # Finished before its load was ever scheduled (aborted while waiting, ignored):

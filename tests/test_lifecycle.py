@@ -186,6 +186,22 @@ def test_remote_params_that_do_not_fit_fall_back_to_local_prefill():
     assert sched.connector.get_counters() == {"num_bad_params": 1}  # published with the stats
 
 
+def test_bad_params_are_counted_once_per_request_not_per_admission_attempt():
+    """A request whose params do not fit, waiting behind a full pool, is one bad request."""
+    sched = make_scheduler(use_kv_connector=True, num_blocks=6)  # 5 usable blocks of 4 tokens
+    sched.add_request(make_request("big", num_tokens=16, max_tokens=4))  # holds 4-5 blocks
+    step(sched)
+    params = remote_prefill_params(10)
+    params["remote_block_ids"] = [1]  # 1 block for a 3-block prompt
+    sched.add_request(make_request("d", num_tokens=10, max_tokens=2, params=params))
+    for _ in range(4):
+        step(sched)
+    assert sched.connector.num_bad_params == 1
+    while sched.has_requests():
+        step(sched)
+    assert sched.connector.num_bad_params == 1 and not sched.connector._bad_params_counted
+
+
 def test_legacy_counts_waiting_for_remote_kvs_as_unfinished():
     """Legacy sleeps 1 ms per zero-token step while a load is pending (DESIGN.md)."""
     sched = make_scheduler(use_kv_connector=True, liveness="legacy")
