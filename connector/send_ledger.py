@@ -25,7 +25,11 @@ The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
   in which the request finished, but P registers the send only in its next step. Early
   reads are held for `early_hold_ns`, an early "read done" for a lease, both counted
   from the first early arrival of that id; a hold that is never claimed is forgotten
-  and its reads are refused. These holds are the worker's own business: its driver
+  and its reads are refused. A read of a send the ledger knows has expired is refused
+  at once, not held: D's load fails (and its blocks are freed) without waiting. A
+  "read done" for a send that already finished (one of the last MAX_RECENTLY_FINISHED)
+  is a duplicate: counted (num_read_done_duplicates, from the first) and dropped, so it
+  never finishes a later registration of the id unread. These holds are the worker's own business: its driver
   calls `expire_holds(now)` once `next_hold_deadline()` has come, steps or not.
 - Reads of shm (pins): D copies straight out of P's memory, so before copying it asks
   (`read(pin=True)`). A held send is granted a read lease of READ_LEASE_NS, and a reap
@@ -53,6 +57,9 @@ EARLY_HOLD_NS = 1_000_000_000
 # Ids held before their registration, at most (each a few hundred bytes): a step
 # finishes at most max_num_seqs requests, so thousands are never legitimate.
 MAX_EARLY_HOLDS = 4096
+
+# Finished ids remembered to drop a duplicate "read done", at most (oldest forgotten).
+MAX_RECENTLY_FINISHED = 4096
 
 # How long a granted shm read (a pin) may take. The reader copies straight out of P's
 # memory, so until then no expiry frees the send; the reader checks the same deadline
@@ -121,6 +128,9 @@ class SendLedger:
         # Expired sends -> whether a read was served while held: a late "read done" is
         # stale, and for one never served it means D read freed memory without asking.
         self.expired: dict[str, bool] = {}
+        # Ids that finished lately (insertion-ordered, bounded): a "read done" for one is a
+        # duplicate, not an early arrival for a registration to come.
+        self.recently_finished: dict[str, None] = {}
         self.heartbeats: list[str] = []  # received, applied at the next reap
         self._leases: list[tuple[int, int, str]] = []  # heap of (deadline, seq, req_id)
         self._holds: list[tuple[int, int, str]] = []  # the same, of early holds
@@ -139,6 +149,7 @@ class SendLedger:
         out = LedgerOutput()
         self.sends[req_id] = _Send(list(block_ids), self._next_seq(), now, 0)
         self.expired.pop(req_id, None)
+        self.recently_finished.pop(req_id, None)
         early = self.early.pop(req_id, None)
         for read in early.reads if early is not None else []:
             out.replies.append(self._answer(read, now))
@@ -201,7 +212,10 @@ class SendLedger:
         read = ReadReply(reply_to, req_id, list(block_ids), pin=pin)
         if req_id in self.sends:
             out.replies.append(self._answer(read, now))
-        else:  # expired (its id may come back: a new registration) or not yet registered
+        elif req_id in self.expired:  # gone: refused now, D's failure is not delayed
+            self.counters["num_reads_refused"] += 1
+            out.replies.append(replace(read, error=UNKNOWN_REQUEST))
+        else:  # not yet registered
             hold = self._hold_early(req_id, now, self.early_hold_ns, out)
             if hold is None:  # too many early arrivals held: refused at once
                 self.counters["num_reads_refused"] += 1
@@ -227,6 +241,8 @@ class SendLedger:
             if read and not self.expired.pop(req_id):
                 self.counters["num_reads_after_expiry"] += 1
             self.expired.pop(req_id, None)
+        elif req_id in self.recently_finished:  # a second "read done" (or release) of it
+            self.counters["num_read_done_duplicates"] = self.counters.get("num_read_done_duplicates", 0) + 1
         else:  # held as long as a send could wait: P registers it in its next step
             hold = self._hold_early(req_id, now, self.lease_ns, out)
             if hold is not None:
@@ -285,6 +301,9 @@ class SendLedger:
         self.counters["num_expired" if expired else "num_sent"] += 1
         if expired:
             self.expired[req_id] = send.was_read
+        self.recently_finished[req_id] = None
+        if len(self.recently_finished) > MAX_RECENTLY_FINISHED:
+            del self.recently_finished[next(iter(self.recently_finished))]
         out.finished_sending.append(req_id)
 
     def _hold_early(self, req_id: str, now: int, hold_ns: int, out: LedgerOutput) -> _EarlyHold | None:

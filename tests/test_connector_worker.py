@@ -10,6 +10,7 @@ import zmq
 from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
                                 LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
                                 RegisterKVCache, StepMeta, WorkerReady)
+from connector import send_ledger
 from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS, UNKNOWN_REQUEST,
                                    ReadReply, ReapSchedule, SendLedger)
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc, run_connector_worker
@@ -45,6 +46,32 @@ def test_a_lease_ends_only_when_reaped_and_a_late_read_done_is_counted():
     assert ledger.reap(now=LEASE).finished_sending == ["r2"]
     assert ledger.read_done("r2", now=LEASE + 1).finished_sending == []
     assert ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early and not ledger.expired
+
+
+def test_a_duplicate_read_done_is_dropped_not_held_for_a_later_registration():
+    ledger = SendLedger(30 * LEASE)
+    ledger.register("a", [1], now=0)
+    assert ledger.read_done("a", now=10).finished_sending == ["a"]
+    out = ledger.read_done("a", now=20)  # a second one (or a release) for the same send
+    assert out.finished_sending == [] and out.hold_deadlines == [] and not ledger.early
+    assert ledger.counters["num_read_done_duplicates"] == 1 and ledger.counters["num_sent"] == 1
+    out = ledger.register("a", [2], now=5 * LEASE)  # the id comes back: it waits for its read
+    assert out.finished_sending == [] and "a" in ledger.sends
+    ledger.register("b", [3], now=0, deadline=LEASE)
+    ledger.reap(now=LEASE)  # expired, then released twice: the second is a duplicate too
+    ledger.read_done("b", now=LEASE + 1, read=False)
+    assert ledger.read_done("b", now=LEASE + 2, read=False).hold_deadlines == []
+    assert ledger.counters["num_read_done_duplicates"] == 2 and not ledger.early
+
+
+def test_recently_finished_ids_are_bounded(monkeypatch):
+    monkeypatch.setattr(send_ledger, "MAX_RECENTLY_FINISHED", 2)
+    ledger = SendLedger(LEASE)
+    for i in range(3):
+        ledger.register(f"r{i}", [1], now=0)
+        ledger.read_done(f"r{i}", now=1)
+    assert list(ledger.recently_finished) == ["r1", "r2"]
+    assert ledger.read_done("r0", now=2).hold_deadlines == [2 + LEASE]  # forgotten: early again
 
 
 def test_the_stamped_deadline_is_the_lease_and_the_default_runs_from_registration():

@@ -59,10 +59,16 @@ def test_a_pin_of_an_expired_or_unknown_send_is_refused():
     ledger = SendLedger(LEASE, early_hold_ns=100)
     ledger.register("r1", [1], now=0, deadline=LEASE)
     assert ledger.reap(now=LEASE).finished_sending == ["r1"]
-    assert ledger.read("d", "r1", [1], now=LEASE + 1, pin=True).replies == []  # held briefly
-    out = ledger.expire_holds(now=LEASE + 101)
+    # Known to have expired: refused at once, not held (D's failure is not delayed).
+    out = ledger.read("d", "r1", [1], now=LEASE + 1, pin=True)
     assert out.replies == [ReadReply("d", "r1", [1], UNKNOWN_REQUEST, pin=True)]
+    assert out.hold_deadlines == [] and not ledger.early
     assert ledger.counters["num_reads_refused"] == 1
+    # Never registered: held briefly (P may register it in its next step), then refused.
+    assert ledger.read("d", "ghost", [1], now=LEASE + 1, pin=True).replies == []
+    out = ledger.expire_holds(now=LEASE + 101)
+    assert out.replies == [ReadReply("d", "ghost", [1], UNKNOWN_REQUEST, pin=True)]
+    assert ledger.counters["num_reads_refused"] == 2
 
 
 def test_a_read_done_for_a_send_nobody_asked_to_read_is_a_read_after_expiry():
