@@ -138,7 +138,9 @@ def test_shared_hash_ids_hit_the_prefix_cache(tmp_path):
 @pytest.mark.parametrize("liveness", ["poll", "event"])
 def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     records = load(tmp_path, bursts(spacing=0.8))  # sends never overlap
-    timeline = run(records, liveness, drop_read_done=True, kv_lease_s=0.5)
+    # zmq: D's read is served, not pinned (an shm pin would defer the expiry to its
+    # read lease, READ_LEASE_NS, as in the process; see test_kv_integrity.py).
+    timeline = run(records, liveness, drop_read_done=True, kv_lease_s=0.5, transport="zmq")
     assert timeline.counters["P"]["num_expired"] == 9
     assert timeline.counters["P"]["num_read_done_dropped"] == 9  # D sends it; P drops it
     verdict = verify(timeline, [], VerifyOptions(drain_deadline_s=1.0))
@@ -239,7 +241,8 @@ def test_event_prefill_wakes_at_the_lease_and_reaps_at_once(tmp_path):
     """Blocked on reports with a held send, event P wakes when the lease falls due
     (its poll timeout), steps, and frees: one wake-up per lease, no polling."""
     records = load(tmp_path, bursts(num_bursts=1, per_burst=1))
-    timeline = run(records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0)
+    timeline = run(records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0,
+                   transport="zmq")  # no pin: its read lease would defer the expiry
     (span,) = hold_intervals(timeline, "P")
     # From the prefill step's end (6.4 ms after the stamp) to the reaping step's end.
     assert span == pytest.approx(2.0 - 0.0064 + 0.0001, abs=1e-9)
@@ -425,3 +428,57 @@ def test_engines_build_their_connector_through_the_configured_factory(tmp_path):
     default = run(records, "event")
     default.meta.clear()
     assert dump(named) == dump(default)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_sim_decode_reads_through_p_and_a_refused_read_fails_the_load(transport):
+    """As the process's D (connector/pull_outcome.py): a pull asks P's ledger; a read of
+    an expired send is refused, so the load fails (its blocks invalid) and P is released
+    unread, never told "read done" (which would be a read after expiry)."""
+    loop, peers = EventLoop(), {}
+    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0, pull_delay_s=0.0,
+                          transport=transport)
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    p.start_load_kv(PDConnectorMetadata({"ok": [1, 2], "old": [3]},
+                                        send_deadlines={"ok": to_ns(9.0), "old": to_ns(1.0)}))
+    _run_until(loop, to_ns(1.0))
+    assert p.get_finished(set()).finished_sending == {"old"}  # reaped: expired
+    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={
+        "a": RecvSpec("a", [7, 8], [1, 2], "P", "ok", "sim://P"),
+        "b": RecvSpec("b", [9], [3], "P", "old", "sim://P")}))
+    _run_until(loop, to_ns(1.5))
+    out = d.get_finished(set())
+    assert out.finished_recving == {"a", "b"} and out.invalid_block_ids == {9}
+    assert p.get_finished(set()).finished_sending == {"ok"}
+    counters = p.get_counters()
+    assert counters["num_reads_refused"] == 1 and counters["num_released_unread"] == 1
+    assert counters["num_reads_after_expiry"] == 0 and counters["num_sent"] == 1
+
+
+def test_sim_pin_copy_that_outlasts_its_read_lease_fails_the_load():
+    loop, peers = EventLoop(), {}
+    options = sim_options(read_done_latency_s=0.0, pull_delay_s=0.0, per_block_s=1.5,
+                          kv_lease_s=30.0, transport="shm")
+    p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
+    p.start_load_kv(PDConnectorMetadata({"r1": [1, 2]}))
+    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"a": RecvSpec("a", [5, 6], [1, 2], "P", "r1", "")}))
+    _run_until(loop, to_ns(4.0))  # the copy took 3 s, the pin lasts 2 s
+    out = d.get_finished(set())
+    assert out.finished_recving == {"a"} and out.invalid_block_ids == {5, 6}
+    assert p.get_finished(set()).finished_sending == {"r1"}
+    assert p.get_counters()["num_released_unread"] == 1
+
+
+def test_virtual_replay_reports_no_read_after_expiry_the_process_cannot_produce():
+    """D aborted during a slow pull stops heartbeating; P's lease lapses before D reads:
+    the read is refused, as in the process, so the verdict has no read_after_expiry."""
+    from replay.trace.records import TraceAbort, TraceRequest
+    from replay.verify.rules import _check_kv_integrity
+    for transport in ("zmq", "shm"):
+        opts = SimOptions(engine=EngineConfig(num_blocks=64, max_model_len=512, block_size=16),
+                          kv=KVTransferConfig(kv_lease_s=0.05, pull_delay_ms=300, transport=transport),
+                          tail_s=1.0)
+        timeline = simulate([TraceRequest(0.0, "r0", 4, 100), TraceAbort(0.1, "r0")], opts)
+        assert timeline.counters["P"]["num_expired"] == 1
+        assert timeline.counters["P"]["num_reads_after_expiry"] == 0
+        assert list(_check_kv_integrity(timeline)) == []

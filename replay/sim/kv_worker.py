@@ -5,8 +5,14 @@ stamped by P's scheduler side, heartbeats, "read done", early arrivals,
 drop_read_done). Leases are reaped only in get_finished, i.e. when P's engine steps,
 once the agent's view of them (ReapSchedule, the same as connector/agent.py keeps) says
 one may be due; early holds end on clock events, as on the worker's own timer. D side:
-a pull takes pull_delay + per_block * blocks, then "read done" reaches P's worker
-read_done_latency later; so do heartbeats. Reports wait in the inbox until the engine's
+a pull starts pull_delay after its step and reads through P's ledger as the process
+does (SendLedger.read: a pin for shm, the bytes for zmq; the round trip takes no
+virtual time, an early read waits for P's answer); a granted read takes per_block *
+blocks, and a pin's copy must end inside its read lease. The outcome
+(connector/pull_outcome.py, as the process's) is finished_recving, with the local
+blocks invalid if the read was refused or ran late, and "read done" (or, after a
+failure, a release unread) reaching P's worker read_done_latency later; so do
+heartbeats. Reports wait in the inbox until the engine's
 get_finished; on_report tells the engine one came (what a message on the socket does
 to a blocked engine loop), a heartbeat's LeaseDue included.
 """
@@ -16,7 +22,8 @@ from collections.abc import Callable
 
 from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
-from connector.send_ledger import LedgerOutput, ReapSchedule, SendLedger
+from connector.pull_outcome import copy_within_read_lease, pull_outcome
+from connector.send_ledger import LedgerOutput, ReadReply, ReapSchedule, SendLedger
 from engine.kv_connector import KVConnectorWorkerBase
 from engine.outputs import KVConnectorOutput
 from replay.sim.clock import DELIVER, EventLoop, to_ns
@@ -34,6 +41,7 @@ class SimKVWorker(KVConnectorWorkerBase):
         self.ledger = SendLedger(to_ns(options.kv.kv_lease_s), options.kv.drop_read_done)
         self.inbox_sending: list[str] = []
         self.inbox_recving: list[str] = []
+        self.inbox_invalid: list[int] = []  # local blocks of failed loads
         self.inbox_lease_due = False  # a LeaseDue waits in the socket
         # The engine side's view (connector/agent.py's PendingTransfers): its sends not
         # yet reported finished, and when a step must reap.
@@ -53,16 +61,16 @@ class SimKVWorker(KVConnectorWorkerBase):
             if not recv.local_block_ids:  # nothing to read: just release P's blocks
                 self._send_read_done(recv, read=False)
                 continue
-            done = (now + to_ns(opts.pull_delay())
-                    + len(recv.local_block_ids) * to_ns(opts.per_block_s))
-            self.loop.push(done, DELIVER, 0, self._pull_done, recv)
+            self.loop.push(now + to_ns(opts.pull_delay()), DELIVER, 0, self._start_pull, recv)
         for heartbeat in metadata.heartbeats:
             self._send_heartbeat(heartbeat)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        out = KVConnectorOutput(set(self.inbox_sending), set(self.inbox_recving))
+        out = KVConnectorOutput(set(self.inbox_sending), set(self.inbox_recving),
+                                set(self.inbox_invalid))
         self.inbox_sending.clear()
         self.inbox_recving.clear()
+        self.inbox_invalid.clear()
         if self.inbox_lease_due:
             self.inbox_lease_due, self.reaps.heartbeats_queued = False, True
         self.sends.difference_update(out.finished_sending)
@@ -87,7 +95,10 @@ class SimKVWorker(KVConnectorWorkerBase):
         return bool(self.inbox_sending or self.inbox_recving or self.inbox_lease_due)
 
     def _apply(self, out: LedgerOutput) -> None:
-        """Arm the ledger's new hold deadlines; report the sends it finished."""
+        """Arm the ledger's new hold deadlines; report the sends it finished; answer reads."""
+        for reply in out.replies:  # reply_to: the reading worker and its pull
+            reader, recv = reply.reply_to
+            reader._on_read_reply(recv, reply)
         for deadline in out.hold_deadlines:
             self.loop.push(deadline, DELIVER, 0, self._on_hold_deadline)
         for req_id in out.finished_sending:
@@ -100,9 +111,28 @@ class SimKVWorker(KVConnectorWorkerBase):
         inbox.append(req_id)
         self.on_report()
 
-    def _pull_done(self, recv: RecvSpec) -> None:
-        self._report(self.inbox_recving, recv.req_id)
-        self._send_read_done(recv)
+    def _start_pull(self, recv: RecvSpec) -> None:
+        """Ask P's worker for the read (the process's PinSend or ReadBlocks)."""
+        peer = self.peers.get(recv.remote_engine_id)
+        if peer is None:  # no such engine in the topology: modelled as read, as before
+            self._on_read_reply(recv, ReadReply(None, recv.remote_request_id, recv.remote_block_ids))
+            return
+        pin = self.options.kv.transport == "shm"
+        peer._apply(peer.ledger.read((self, recv), recv.remote_request_id,
+                                     list(recv.remote_block_ids), self.loop.now, pin))
+
+    def _on_read_reply(self, recv: RecvSpec, reply: ReadReply) -> None:
+        """Granted: the copy takes per_block * blocks; refused: the load fails now."""
+        took = len(recv.local_block_ids) * to_ns(self.options.per_block_s) if reply.ok else 0
+        self.loop.push(self.loop.now + took, DELIVER, 0, self._pull_done, (recv, reply))
+
+    def _pull_done(self, arg: tuple[RecvSpec, ReadReply]) -> None:
+        recv, reply = arg
+        ok = reply.ok and (not reply.pin or copy_within_read_lease(reply.read_until, self.loop.now))
+        outcome = pull_outcome(recv, ok)
+        self.inbox_invalid.extend(outcome.invalid_block_ids)
+        self._report(self.inbox_recving, outcome.req_id)
+        self._send_read_done(recv, outcome.read)
 
     def _send_read_done(self, recv: RecvSpec, read: bool = True) -> None:
         """"read done" after a pull; read=False: a release without reading (ReadAbandoned)."""
