@@ -58,7 +58,8 @@ class StepMeta:
 
 @dataclass(frozen=True, slots=True)
 class KVReport:
-    """Worker -> its engine core: completions since the last report, and counters."""
+    """Worker -> its engine core: completions since the last report, and the counters
+    that changed since then (the first report: all; the agent merges them)."""
 
     finished_sending: list[str]
     finished_recving: list[str]

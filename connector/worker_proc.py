@@ -66,6 +66,7 @@ class ConnectorWorkerProc:
         self._seq = 0
         self.report = KVReport([], [], [], {})
         self._reads_after_expiry_reported = 0
+        self._counters_sent: dict[str, int] = {}  # as of the last report (the agent's copy)
         self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
                                        "num_bad_messages", "num_bytes_pulled",
                                        "num_heartbeats_sent"), 0)
@@ -189,8 +190,17 @@ class ConnectorWorkerProc:
         counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
                         oldest_send_age_ms=self._oldest_send_age_ms())
         self._send_to_agent(KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids,
-                                     counters))
+                                     self._changed(counters)))
         self.report = KVReport([], [], [], {})
+
+    def _changed(self, counters: dict[str, int]) -> dict[str, int]:
+        """The counters whose value changed since the last report (the first: all). The
+        agent merges each report's into its copy, so its copy stays whole and the engine
+        decodes a few counters per report, not every one."""
+        sent = self._counters_sent
+        changed = {name: value for name, value in counters.items() if sent.get(name) != value}
+        sent.update(changed)
+        return changed
 
     def _send_to_agent(self, msg: object) -> None:
         try:

@@ -89,7 +89,9 @@ class EngineCoreProc:
                  wakeup: SignalWakeup | None = None) -> None:
         self.config = config
         self.wakeup = wakeup
-        self.ctx = zmq.Context()
+        # The process's one context, shared with the connector agent: one I/O thread
+        # wakes for a report and its snapshot, not one per context.
+        self.ctx = zmq.Context.instance()
         self.input = self._socket(zmq.PULL, addrs.input)
         self.output = self._socket(zmq.PUSH, addrs.output)
         self.core, self.kv_cache = build_engine_core(config)
@@ -268,8 +270,7 @@ class EngineCoreProc:
         if self.kv_cache is not None:
             self.kv_cache.close()
         self.input.close()
-        self.output.close()
-        self.ctx.term()
+        self.output.close()  # its linger lets the last messages out: see run_engine_core
 
 
 def run_engine_core(config: EngineConfig, addrs: EngineAddresses) -> None:
@@ -289,6 +290,7 @@ def run_engine_core(config: EngineConfig, addrs: EngineAddresses) -> None:
     finally:
         if proc is not None:
             proc.close()
+            proc.ctx.term()  # every socket is closed: waits (each linger) for the last sends
 
 
 def _report_fatal(config: EngineConfig, addrs: EngineAddresses, proc, text: str) -> None:

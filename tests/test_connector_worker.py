@@ -374,3 +374,36 @@ def test_the_agent_asks_for_a_reap_once_a_lease_may_have_passed():
     pending.merge(CONNECTOR_CODEC.encode(KVReport(["s1", "s2"], [], [], {})), out)
     assert pending.reap_due() is None and out.finished_sending == {"s1", "s2"}
 
+
+
+def test_a_report_carries_only_the_counters_that_changed_and_the_agent_keeps_them_all(worker_proc, tmp_path):
+    """The first report carries every counter, later ones only those that changed (an
+    unchanged counter is not resent); merged by the agent they equal the worker's own."""
+    from connector.agent import PendingTransfers
+    from engine.outputs import KVConnectorOutput
+    agent = zmq.Context.instance().socket(zmq.PAIR)
+    agent.setsockopt(zmq.LINGER, 0)
+    agent.connect(worker_proc.config.agent_addr)
+    agent.send(b"hello")  # once the worker has it, the pair is connected both ways
+    assert worker_proc.agent.poll(5000) and worker_proc.agent.recv() == b"hello"
+    pending = PendingTransfers()
+    try:
+        worker_proc._on_step_meta(StepMeta({"r1": [1], "r2": [2]}, []))
+        reports = []
+        for req_id in ("r1", "r2"):
+            worker_proc._apply(worker_proc.ledger.read_done(req_id, time.monotonic_ns()))
+            worker_proc._flush_report()
+            data = _recv(agent)[0]
+            reports.append(CONNECTOR_CODEC.decode(data))
+            pending.merge(data, KVConnectorOutput())
+        expected = dict(worker_proc.counters, **worker_proc.ledger.counters, num_sends_pending=0)
+        first, second = reports
+        assert first.finished_sending == ["r1"] and second.finished_sending == ["r2"]
+        assert set(expected) <= set(first.counters) and first.counters["num_sent"] == 1
+        assert {"num_sent", "num_sends_pending"} <= set(second.counters)
+        unchanged = {"num_recved", "num_failed_recvs", "num_expired", "num_bad_messages"}
+        assert not unchanged & set(second.counters)
+        assert {name: pending.counters[name] for name in expected} == expected
+        assert expected["num_sent"] == 2 and not agent.poll(0)  # nothing more to report
+    finally:
+        agent.close()
