@@ -8,7 +8,13 @@ engine, once at least kv_lease_duration // 6 has passed since the last package (
 first goes out at once), so D heartbeats only while it steps. One throttle for all
 requests, as in vLLM: a request added just after a package waits for the next.
 Time is the scheduler side's (engine/kv_connector.py), in ns: the interval is
-lease_ns // 6, vLLM's 5 s for its default 30 s lease.
+lease_ns // 6 and P's extension lease_ns * 2 // 3 (connector/send_ledger.py): vLLM's
+5 s and 20 s for its default 30 s lease. A deliberate difference: vLLM's
+kv_lease_duration is whole seconds and it floors both in seconds (a 10 s lease: a 1 s
+interval and a 6 s extension; here 1.67 s and 6.67 s). kvdrain keeps them proportional
+so that the sub-second leases its tests and fault reproductions use still heartbeat
+(vLLM's arithmetic gives a 1 s lease a 0 s interval and a 0 s extension); the two
+agree whenever the lease is a multiple of 6 s, the default included.
 """
 from __future__ import annotations
 
