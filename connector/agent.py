@@ -18,8 +18,8 @@ import time
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, KVReport, LeaseDue, LeasesReaped, ReapLeases,
-                                RegisterKVCache, StepMeta, WorkerReady)
+from connector.messages import (CONNECTOR_CODEC, KVReport, LeaseDue, LeasesReaped, ReadAbandoned,
+                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
 from connector.pd import PDConnectorMetadata
 from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
@@ -30,6 +30,7 @@ from engine.outputs import KVConnectorOutput
 from engine.socket_limits import connector_control_bytes, set_max_message_size
 
 READY_TIMEOUT_S = 60.0
+SLOW_NS = 1_000_000_000  # a load or a reap that waits longer: a worker stopped or stuck
 REAP_TIMEOUT_S = 10.0  # a live worker answers a reap at once; only a hung one takes this
 
 
@@ -37,11 +38,12 @@ class PendingTransfers:
     """The transfers the worker process owns, as the agent sees them: its reports merge
     in, and a dead worker's are resolved (held sends released, pending loads failed)."""
 
-    def __init__(self, lease_ns: int = 30 * 10**9) -> None:
+    def __init__(self, lease_ns: int = 30 * 10**9, pull_delay_ns: int = 0) -> None:
         self.sends: set[str] = set()
-        self.recvs: dict[str, list[int]] = {}  # req_id -> the local blocks it fills
+        self.recvs: dict[str, RecvSpec] = {}  # loads in flight, by request id
+        self.recv_started: dict[str, int] = {}  # when each load was handed over (ns)
         self.counters: dict[str, int] = {"num_bad_reports": 0}
-        self.lease_ns = lease_ns
+        self.lease_ns, self.pull_delay_ns = lease_ns, pull_delay_ns
         self.reaps = ReapSchedule()
         self.orphaned_at: int | None = None  # when the worker's death was seen (ns)
 
@@ -50,8 +52,10 @@ class PendingTransfers:
         for req_id in metadata.reqs_to_send:  # no stamp: the worker leases from registration
             self.reaps.on_register(metadata.send_deadlines.get(req_id, now + self.lease_ns))
         # Empty receives only tell P "read done"; no finished_recving ever comes for them.
-        self.recvs.update((s.req_id, s.local_block_ids)
-                          for s in metadata.reqs_to_recv.values() if s.local_block_ids)
+        for spec in metadata.reqs_to_recv.values():
+            if spec.local_block_ids:
+                self.recvs[spec.req_id] = spec
+                self.recv_started[spec.req_id] = now
 
     def reap_due(self) -> int | None:
         """When a step must ask the worker to reap (monotonic ns); None: no need."""
@@ -59,7 +63,10 @@ class PendingTransfers:
 
     def merge(self, data: bytes, out: KVConnectorOutput) -> LeasesReaped | None:
         """One message from the worker: a report into `out`, a LeaseDue noted; a reap's
-        answer is noted and returned. Garbage is counted and dropped."""
+        answer is noted and returned. Garbage is counted and dropped. A load reported
+        over SLOW_NS after its pull delay (the report's own send time, report_ns, so the
+        engine's step length does not count) is noted in max_recv_wait_ms: only a stopped
+        or stuck worker, P's or ours, takes that long."""
         try:
             report = CONNECTOR_CODEC.decode(data)
             if not isinstance(report, (KVReport, LeaseDue, LeasesReaped)):
@@ -77,24 +84,38 @@ class PendingTransfers:
         out.finished_recving.update(report.finished_recving)
         out.invalid_block_ids.update(report.invalid_block_ids)
         self.sends.difference_update(report.finished_sending)
+        counters = dict(report.counters)
+        reported = counters.pop("report_ns", None)
         for req_id in report.finished_recving:
             self.recvs.pop(req_id, None)
-        self.counters.update(report.counters)
+            started = self.recv_started.pop(req_id, None)
+            if type(reported) is int and started is not None:
+                self.note_wait("max_recv_wait_ms", reported - started - self.pull_delay_ns)
+        self.counters.update(counters)
         return None
 
-    def resolve_orphans(self, out: KVConnectorOutput, now: int) -> None:
-        """The worker is dead: every load it owned fails now; its held sends are released
-        once no read lease it granted can still run (READ_LEASE_NS after the death was
-        seen: a decode worker may be copying them out of this engine's memory)."""
+    def note_wait(self, name: str, waited_ns: int) -> None:
+        """A wait over SLOW_NS (a load, a reap): the longest, in ms, in counters[name]."""
+        if waited_ns > SLOW_NS:
+            self.counters[name] = max(self.counters.get(name, 0), waited_ns // 1_000_000)
+
+    def resolve_orphans(self, out: KVConnectorOutput, now: int) -> list[RecvSpec]:
+        """The worker is dead: every load it owned fails now (returned, so that their
+        prefill engines are told to free them); its held sends are released once no read
+        lease it granted can still run (READ_LEASE_NS after the death was seen: a decode
+        worker may be copying them out of this engine's memory)."""
         if self.orphaned_at is None:
             self.orphaned_at = now
+        failed = list(self.recvs.values())
         out.finished_recving.update(self.recvs)
-        for block_ids in self.recvs.values():
-            out.invalid_block_ids.update(block_ids)
+        for spec in failed:
+            out.invalid_block_ids.update(spec.local_block_ids)
         self.recvs.clear()
+        self.recv_started.clear()
         if now >= self.orphaned_at + READ_LEASE_NS:
             out.finished_sending.update(self.sends)
             self.sends.clear()
+        return failed
 
     def orphans_due(self) -> int | None:
         """When resolve_orphans releases the held sends (ns); None: nothing waits."""
@@ -122,9 +143,10 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         worker_pid = self._wait_ready()
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
         # Transfers the worker owns, so a dead worker's can be resolved here.
-        self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9))
+        self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9), round(kv.pull_delay_ms * 1e6))
         self.pending.counters["connector_worker_pid"] = worker_pid
         self.error: str | None = None
+        self._peer_links: dict[str, zmq.Socket] = {}  # to prefill workers, once ours is gone
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
         self._sentinel_poll = select.poll()
@@ -147,10 +169,12 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         if metadata is None or metadata.is_empty():
             return
         self.pending.start(metadata, time.monotonic_ns())
+        specs = [*metadata.reqs_to_recv.values(), *metadata.reqs_to_release]  # empty: releases
         if self.error is None:
-            specs = [*metadata.reqs_to_recv.values(), *metadata.reqs_to_release]  # empty: releases
             self.socket.send(CONNECTOR_CODEC.encode(StepMeta(
                 metadata.reqs_to_send, specs, metadata.send_deadlines, metadata.heartbeats)))
+        else:  # no worker to say it: the loads fail in get_finished, which tells P for them
+            self._release_at_peers([s for s in specs if not s.local_block_ids])
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -166,23 +190,45 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
                           f"died with exit code {self.process.exitcode}")
         if self.error is not None:
-            self.pending.resolve_orphans(out, time.monotonic_ns())
+            self._release_at_peers(self.pending.resolve_orphans(out, time.monotonic_ns()))
             out.worker_error = self.error
         return out
+
+    def _release_at_peers(self, specs: list[RecvSpec]) -> None:
+        """The worker is gone: tell each prefill worker ourselves that these sends will
+        never be read (ReadAbandoned), so P frees them now, not when its lease ends (the
+        NIXL rule: every way a load ends on D releases P). Fire and forget."""
+        for spec in specs:
+            if not spec.remote_addr:
+                continue
+            link = self._peer_links.get(spec.remote_addr)
+            if link is None:
+                link = self._peer_links[spec.remote_addr] = self.ctx.socket(zmq.DEALER)
+                link.setsockopt(zmq.LINGER, 1000)  # let the last ones out at shutdown
+                link.connect(spec.remote_addr)
+            try:
+                link.send(CONNECTOR_CODEC.encode(ReadAbandoned(spec.remote_request_id)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # P is gone or flooded: its lease frees them
 
     def _reap(self, out: KVConnectorOutput) -> None:
         """Ask the worker to reap its leases and wait (bounded) for its answer; the
         reports before it (what expired) merge into `out`."""
         self.socket.send(CONNECTOR_CODEC.encode(ReapLeases()))
+        asked = time.monotonic_ns()
         deadline = time.monotonic() + REAP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.socket.poll(100, zmq.POLLIN):
                 if self.pending.merge(self.socket.recv(), out) is not None:
+                    self.pending.note_wait("max_reap_wait_ms", time.monotonic_ns() - asked)
                     return
             elif multiprocessing.connection.wait([self.process.sentinel], 0):
                 return  # dead: get_finished resolves what it owned
+        # Stuck: killed, so that it never serves a read (nor grants a pin) of blocks this
+        # engine frees from now on.
+        self.process.kill()
         self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
-                      f"did not answer a lease reap in {REAP_TIMEOUT_S} s")
+                      f"did not answer a lease reap in {REAP_TIMEOUT_S} s (killed)")
 
     def now_ns(self) -> int:
         return time.monotonic_ns()
@@ -204,4 +250,6 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        for link in self._peer_links.values():
+            link.close()
         self.socket.close(linger=0)

@@ -30,7 +30,7 @@ from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbe
                                 ReadDone, ReadGranted, ReapLeases, RecvSpec, RegisterKVCache,
                                 StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
-from connector.transfer import Puller, TransferError
+from connector.transfer import PeerTimeout, Puller, TransferError
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 from engine.socket_limits import block_payload_bytes, set_max_message_size
@@ -69,7 +69,7 @@ class ConnectorWorkerProc:
         self._counters_sent: dict[str, int] = {}  # as of the last report (the agent's copy)
         self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
                                        "num_bad_messages", "num_bytes_pulled",
-                                       "num_heartbeats_sent"), 0)
+                                       "num_heartbeats_sent", "num_pull_timeouts"), 0)
 
     def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -169,8 +169,10 @@ class ConnectorWorkerProc:
             if self.kv_cache is None:
                 raise TransferError("no KV cache registered")
             self.puller.pull(self.kv_cache, spec)
-        except TransferError:
+        except TransferError as e:
             self.counters["num_failed_recvs"] += 1
+            if isinstance(e, PeerTimeout):  # the prefill worker is stopped, stuck or dead
+                self.counters["num_pull_timeouts"] += 1
             self.report.invalid_block_ids.extend(spec.local_block_ids)
             # D never reads it now: P frees it at once, not at the lease's end (if P is
             # stopped, the message waits in its socket; if P is gone, it is dropped).
@@ -188,7 +190,8 @@ class ConnectorWorkerProc:
             return  # a read after expiry is reported even alone: the verdict reads it
         self._reads_after_expiry_reported = self.ledger.counters["num_reads_after_expiry"]
         counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
-                        oldest_send_age_ms=self._oldest_send_age_ms())
+                        oldest_send_age_ms=self._oldest_send_age_ms(),
+                        report_ns=time.monotonic_ns())  # the agent times loads by it
         self._send_to_agent(KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids,
                                      self._changed(counters)))
         self.report = KVReport([], [], [], {})

@@ -16,6 +16,7 @@ import pytest
 from rich.console import Console
 
 from engine.messages import StatsSnapshot
+from replay.live.faults import FaultWatch
 from replay.live.interrupt import Interrupted
 from replay.live.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
 from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
@@ -198,13 +199,14 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     monitor = ReplayMonitor(state, view, VerifyOptions())
     records = {r: RequestRecord(r, t, t + 0.003, 0.003, None, None, 8, 0, 0, None)
                for r, t in (("r0", 0.0), ("r1", 0.5))}
+    faults = FaultWatch(["P", "D"])  # the driver's: what died or stalled, named
+    faults.on_error(1.0, "D", "Traceback (most recent call last):\nRuntimeError: engine D died")
     replay = SimpleNamespace(latest={}, requests=records, samples=[], arrivals=[0.0, 0.5], aborts=[],
-                             target=SimpleNamespace(errors=[("D", "engine D died\ntraceback")]),
-                             now=lambda: 1.5)
+                             faults=faults, now=lambda: 1.5)
     monitor.on_tick(replay)
     monitor.on_tick(replay)  # nothing new: no second send, no repeated message
     assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
-    assert state.progress.trace_t == 1.5 and state.messages == ["D: engine D died"]
+    assert state.progress.trace_t == 1.5 and state.messages == ["fault: D: RuntimeError: engine D died"]
     final = SimpleNamespace(
         timeline=SimpleNamespace(samples=[EngineSample(t, "P", used, 0, 127 - used, 127, 0, 0, 0, 0, 0,
                                                        "blocked", 9, 2) for t, used in ((1.0, 5), (2.0, 0))],

@@ -11,11 +11,13 @@ policy's parked engine, which publishes nothing at all.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Protocol
 
+from engine.client import EngineDeadError
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
+from replay.live.faults import FaultWatch
 from replay.live.interrupt import Interrupted
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
@@ -85,6 +87,8 @@ class WallClockReplay:
         self._last_tick = 0.0
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
+        self.faults = FaultWatch(list(target.engines))
+        self._num_errors = 0  # of target.errors, seen
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -97,6 +101,9 @@ class WallClockReplay:
             self._finish()
         except Interrupted as e:
             self.interrupted = e.name
+            self.end_t = self.now()
+        except EngineDeadError as e:  # the run ends here; the verdict names the fault
+            self.faults.on_error(self.now(), _engine_in(str(e), self.target.engines), str(e), "died")
             self.end_t = self.now()
         return self._timeline()
 
@@ -137,7 +144,9 @@ class WallClockReplay:
         for snap in self.target.take_stats():
             self.latest[snap.engine_id] = snap
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
+            self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
         now = self.now()
+        self._watch_faults(now)
         if self.on_tick is not None and now - self._last_tick >= self.options.tick_interval_s:
             self._last_tick = now
             self.on_tick(self)
@@ -156,6 +165,16 @@ class WallClockReplay:
             record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
             record.output_digest = output_digest(self._tokens.pop(output.req_id))
             self.open.discard(output.req_id)
+
+    def _watch_faults(self, now: float) -> None:
+        """Engines' errors, and a stats probe for engines that have been silent a while."""
+        errors = self.target.errors
+        for engine, message in errors[self._num_errors:]:
+            self.faults.on_error(now, engine, message)
+        self._num_errors = len(errors)
+        if self.faults.should_probe(now):
+            self.target.request_stats()
+        self.faults.check(now)
 
     def _finish(self) -> None:
         """Wait for open requests (bounded), then observe the tail."""
@@ -184,4 +203,10 @@ class WallClockReplay:
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
                         counters=counters, meta={"driver": "wall", **(
-                            {"interrupted": self.interrupted} if self.interrupted else {})})
+                            {"interrupted": self.interrupted} if self.interrupted else {}),
+                            "faults": [asdict(f) for f in self.faults.faults]})
+
+
+def _engine_in(message: str, engines: list[str]) -> str:
+    """The engine an EngineDeadError names ("engine core D (pid ...) died ..."), else ""."""
+    return next((e for e in engines if f"engine core {e} " in message or f"engine {e} " in message), "")

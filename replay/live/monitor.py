@@ -97,10 +97,11 @@ class ReplayMonitor:
         apply_newest(state, replay.latest.values())
         if state.progress is not None:
             self._update_progress(state.progress, replay)
-        errors = replay.target.errors
-        for engine, message in errors[self._num_messages:]:
-            state.messages.append(f"{engine}: {message.splitlines()[0]}")
-        self._num_messages = len(errors)
+        faults = replay.faults.faults  # named: died, stopped answering, stalled a transfer
+        for fault in faults[self._num_messages:]:
+            who = f"{fault.engine}: " if fault.engine else ""
+            state.messages.append(f"fault: {who}{fault.cause}")
+        self._num_messages = len(faults)
         if state.elapsed_s - self._last_window_check >= WINDOW_CHECK_INTERVAL_S:
             self._last_window_check = state.elapsed_s
             state.windows = closed_windows(replay, self.verify_options)

@@ -26,12 +26,15 @@ LEGEND = """\
 Verdicts (exit status):
   VERIFIED (0)      every expected idle window was observed and every engine drained in it
   VIOLATION (1)     a leak (blocks held past the drain deadline), a conservation or snapshot
-                    mismatch, or a request that never ended
+                    mismatch, a request that never ended, or corrupt KV (a read after
+                    expiry; an output unlike a single engine's, with --check-outputs)
   error (2)         bad usage or input, or a target that cannot be reached; nothing ran
   INCONCLUSIVE (3)  the run proves nothing either way: an expected idle window was not
                     observed (the engines lagged the model), too many requests were ignored,
                     a window was undecided, or KV usage was not observable (--target http://)
-  fault (4)         an engine or connector worker died or stopped answering mid-run
+  FAULT (4)         an engine or connector worker died, stopped answering or stalled a
+                    transfer mid-run (each named on a "fault:" line); a leak after one is
+                    a fault_leak, the fault's, not the liveness policy's
   interrupted (130), terminated (143): Ctrl-C or SIGTERM; the verdict covers only what ran
 Idle windows: after every request sent so far has ended, until the next arrival at least
   --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
@@ -174,9 +177,22 @@ def verdict_line(report: dict) -> str:
     elif status == "inconclusive":
         what = (f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
                 f"{plural(len(report['reasons']), 'reason')}, below")
+    elif status == "fault" and report.get("faults"):
+        what = (f"{plural(len(report['faults']), 'engine or connector-worker fault')}; the liveness verdict "
+                f"does not hold from the first one on")
     else:
         what = report.get("reasons", [status])[-1] if report.get("reasons") else status
     return f"{status.upper()}: {what} (exit {code})"
+
+
+def fault_lines(faults: list[dict]) -> list[str]:
+    """One line per fault: when, who, what (replay/live/faults.py)."""
+    lines = []
+    for f in faults:
+        until = f" until {f['end_t']:.3f} s" if f.get("end_t") is not None else ""
+        who = f"{f['engine']}: " if f["engine"] else ""
+        lines.append(f"fault: {who}{f['cause']} (at {f['t']:.3f} s{until})")
+    return lines
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -189,6 +205,7 @@ def summary_lines(report: dict) -> list[str]:
     lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
         lines.append(_coverage_line(report))
+    lines += fault_lines(report.get("faults", []))
     for v in report["violations"][:MAX_VIOLATIONS_SHOWN]:
         lines.append(f"  {v['kind']:<12} {v['engine']:<3} t={v['t']:9.3f}s  {v['detail']}")
     hidden = len(report["violations"]) - MAX_VIOLATIONS_SHOWN
@@ -202,7 +219,8 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-STATUS_STYLES = {"verified": "bold green", "violation": "bold red", "inconclusive": "bold yellow"}
+STATUS_STYLES = {"verified": "bold green", "violation": "bold red", "inconclusive": "bold yellow",
+                 "fault": "bold red"}
 
 
 def print_summary(console: Console, report: dict, explain: bool = False) -> None:

@@ -20,7 +20,9 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
 - corrupt KV: a read after expiry (a decode side copied blocks its prefill engine had
   freed) or an output that differs from a single engine's ("output_mismatch", when the
   replay computed the expected outputs: replay/verify/outputs.py).
-The status (replay/verify/verdict.py's table): "violation" when any of the above
+The status (replay/verify/verdict.py's table): "fault" when an engine or connector
+worker died or stalled (the driver's faults, in the timeline's meta; a leak in a window
+that ends after one is a "fault_leak", named by it); else "violation" when any of the above
 failed; else "inconclusive" when the run does not cover what it should
 (replay/verify/coverage.py: an expected idle window not observed, too many requests
 ignored; an undecided window), with the reasons; else "verified".
@@ -37,8 +39,8 @@ from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, ignor
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
 
-VIOLATION_KINDS = ("conservation", "leak", "snapshot", "unfinished", "read_after_expiry",
-                   "output_mismatch")
+VIOLATION_KINDS = ("conservation", "leak", "fault_leak", "snapshot", "unfinished",
+                   "read_after_expiry", "output_mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,9 @@ class Verdict:
     coverage: tuple[WindowCoverage, ...] = ()  # every candidate gap; empty: not computed
     reasons: tuple[str, ...] = ()  # why inconclusive (empty: it is not)
     ignored: dict[str, int] | None = None  # ignored requests by cause
+    # Engines or connector workers that died or stalled (replay/live/faults.py Fault as
+    # dicts: t, engine, kind, cause, end_t), first seen first.
+    faults: tuple[dict, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -97,7 +102,10 @@ class Verdict:
 
     @property
     def status(self) -> str:
-        """verified | violation | inconclusive (replay/verify/verdict.py)."""
+        """verified | violation | inconclusive | fault (replay/verify/verdict.py): a fault
+        wins, since what the engines did after one says nothing about liveness."""
+        if self.faults:
+            return "fault"
         return "violation" if self.violations else "inconclusive" if self.reasons else "verified"
 
     @property
@@ -117,7 +125,8 @@ class Verdict:
                 "coverage": [asdict(c) for c in self.coverage],
                 "ignored": dict(self.ignored or {}),
                 "windows": [dict(asdict(w), length=w.length) for w in self.windows],
-                "violations": [asdict(v) for v in self.violations]}
+                "violations": [asdict(v) for v in self.violations],
+                "faults": [dict(f) for f in self.faults]}
 
 
 def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[float, float, bool]]:
@@ -188,7 +197,9 @@ def _scraped_verdict(inside: Sequence[EngineSample], deadline_t: float) -> str:
     return "leak" if any(late) else "drained" if late else "undecided"
 
 
-def _window_violation(w: IdleWindow) -> Violation:
+def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
+    """A leak; one in a window that ends after a fault was seen is the fault's ("fault_leak",
+    its cause named), not the liveness policy's."""
     where = "tail" if w.is_tail else "idle window"
     if w.time_to_drain is None:
         detail = f"{where} of {w.length:.3f} s: {w.num_blocks_held} blocks still held " \
@@ -196,7 +207,12 @@ def _window_violation(w: IdleWindow) -> Violation:
     else:
         detail = f"{where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.6f} s " \
                  f"after its start (deadline exceeded)"
-    return Violation("leak", w.engine, w.start, detail)
+    cause = next((f for f in faults if f["t"] <= w.end), None)
+    if cause is None:
+        return Violation("leak", w.engine, w.start, detail)
+    who = f"{cause['engine']}: " if cause["engine"] else ""
+    return Violation("fault_leak", w.engine, w.start,
+                     f"{detail}; caused by a fault at {cause['t']:.3f} s ({who}{cause['cause']})")
 
 
 def _check_conservation(timeline: Timeline) -> list[Violation]:
@@ -243,6 +259,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     before the run; None checks only the windows the run observed.
     """
     violations = _check_conservation(timeline)
+    faults = tuple(sorted(timeline.meta.get("faults", ()), key=lambda f: f["t"]))
     by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
     windows = []
     observed = idle_windows(timeline, options.idle_threshold_s)
@@ -251,7 +268,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
             w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
             windows.append(w)
             if w.verdict == "leak":
-                violations.append(_window_violation(w))
+                violations.append(_window_violation(w, faults))
     for snap in trace_snapshots:
         violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
@@ -260,7 +277,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     coverage = () if expected is None else cover(expected, timeline, observed)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
-    return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored)
+    return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored, faults)
 
 
 def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
