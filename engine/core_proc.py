@@ -29,6 +29,7 @@ from engine.messages import (Abort, AddRequest, DecodeError, EngineError, GetSta
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
 from engine.mock_runner import MockModelRunner
 from engine.outputs import RequestOutput, SchedulerStats
+from engine.socket_limits import engine_input_bytes, set_max_message_size
 from engine.utils import cdiv
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class EngineCoreProc:
         # The process's one context, shared with the connector agent: one I/O thread
         # wakes for a report and its snapshot, not one per context.
         self.ctx = zmq.Context.instance()
-        self.input = self._socket(zmq.PULL, addrs.input)
+        self.input = self._socket(zmq.PULL, addrs.input, engine_input_bytes(config.max_model_len))
         self.output = self._socket(zmq.PUSH, addrs.output)
         self.core, self.kv_cache = build_engine_core(config)
         self.parent = multiprocessing.parent_process()
@@ -111,9 +112,10 @@ class EngineCoreProc:
         self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
                          config.max_model_len, config.model.vocab_size, self._device()))
 
-    def _socket(self, kind: int, addr: str) -> zmq.Socket:
+    def _socket(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 1000)  # let a final error or output escape
+        set_max_message_size(sock, max_message_bytes)  # engine/socket_limits.py
         sock.connect(addr)
         return sock
 
