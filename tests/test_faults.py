@@ -28,11 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.run_dir import is_alive, process_start_time
+from engine.run_dir import is_alive
 from replay.live.faults import FaultWatch
 from replay.verify.rules import verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_FAULT
+from tests.proc_utils import descendants, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,21 +102,6 @@ def _proc_table() -> dict[int, int]:
     return table
 
 
-def _descendants(pid: int) -> list[tuple[int, str | None]]:
-    table, found, todo = _proc_table(), [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child in (c for c, p in table.items() if p == parent):
-            todo.append(child)
-            try:
-                if b"resource_tracker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    continue
-            except OSError:
-                continue
-            found.append((child, process_start_time(child)))
-    return found
-
-
 def _bound_unix_paths() -> dict[int, str]:
     """Listening unix socket inode -> its path, from /proc/net/unix."""
     out = {}
@@ -145,14 +131,6 @@ def _roles(pids: list[int]) -> dict[str, int]:
     return roles
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling /proc, an outside condition
-    raise TimeoutError(f"{what} not within {timeout_s} s")
 
 
 def _trace(tmp_path: Path) -> Path:
@@ -197,9 +175,9 @@ def test_a_fault_is_named_exits_4_and_leaves_nothing(tmp_path, run_root, role, s
         start_new_session=True)
     children: list[tuple[int, str | None]] = []
     try:
-        children = _wait(lambda: (lambda d: d if len(d) >= 4 else None)(_descendants(proc.pid)),
+        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
                          90, "4 child processes")
-        roles = _wait(lambda: (lambda r: r if len(r) == 4 else None)(_roles([p for p, _ in children])),
+        roles = wait_until(lambda: (lambda r: r if len(r) == 4 else None)(_roles([p for p, _ in children])),
                       90, "both connector workers' sockets")
         time.sleep(1.0)  # the fault lands mid-trace (the trace runs 3 s), transfers in flight
         os.kill(roles[role], sig)

@@ -16,44 +16,13 @@ import pytest
 from cli import EXAMPLE
 from engine.run_dir import is_alive, make_run_dir, process_start_time, read_owner, sweep_dead_runs
 from replay.live.interrupt import Interrupted, interruptible
+from tests.proc_utils import descendants, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- helpers -------------------------------------------------------------------------
 
-def descendants(pid: int) -> list[tuple[int, str | None]]:
-    """Every process below pid, as (pid, start time), from /proc; multiprocessing's
-    resource tracker is left out (it exits on its own when its parent's pipe closes)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            todo.append(child)
-            try:
-                if b"resource_tracker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    continue
-            except OSError:
-                continue
-            found.append((child, process_start_time(child)))
-    return found
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling an outside condition (/proc), not syncing with our own code
-    raise TimeoutError(f"{what} not within {timeout_s} s")
 
 
 def dead_pid() -> int:
@@ -329,7 +298,6 @@ def _fake_serve(tmp_path):
 def test_serve_client_renews_its_subscription(tmp_path, monkeypatch):
     """ServeClient sends GetStats every SUBSCRIPTION_RENEW_S while it polls."""
     import replay.live.serve_client as serve_client
-    from engine.messages import GetStats, decode
     fake = _fake_serve(tmp_path)
     client = None
     try:

@@ -1,0 +1,42 @@
+"""Test helpers for whole process trees: their descendants from /proc, and bounded waits on outside conditions."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from engine.run_dir import process_start_time
+
+
+def descendants(pid: int) -> list[tuple[int, str | None]]:
+    """Every process below pid, as (pid, start time), from /proc; multiprocessing's
+    resource tracker is left out (it exits on its own when its parent's pipe closes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if b"resource_tracker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    continue
+            except OSError:
+                continue
+            found.append((child, process_start_time(child)))
+    return found
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling an outside condition (/proc), not syncing with our own code
+    raise TimeoutError(f"{what} not within {timeout_s} s")
