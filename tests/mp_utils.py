@@ -6,11 +6,17 @@ test waits for stats; user-facing outputs are kept in a backlog for `collect`.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import time
 
+import zmq
+
+from connector.messages import CONNECTOR_CODEC, RegisterKVCache, WorkerReady
 from connector.router import PDRouter
 from connector.topology import start_topology
-from engine.config import EngineConfig, KVTransferConfig
+from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
+from engine.config import EngineConfig, KVTransferConfig, ModelConfig
+from engine.kv_cache import KVCache
 from engine.messages import StatsSnapshot
 from engine.outputs import RequestOutput
 
@@ -88,3 +94,35 @@ def topology(liveness: str = "event", topology_name: str = "pd", policy: str = "
         yield Harness(router)
     finally:
         router.shutdown()
+
+
+def _recv_one(sock: zmq.Socket, timeout_s: float) -> bytes:
+    assert sock.poll(int(timeout_s * 1000)), "no message in time"
+    return sock.recv()
+
+
+@contextlib.contextmanager
+def spawned_p_worker(tmp_path, **config_kw):
+    """A real prefill connector worker process with its KV cache registered:
+    yields (config, cache, agent, peer); killed and closed on the way out."""
+    ctx = zmq.Context.instance()
+    config = ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv", **config_kw)
+    cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
+    agent, peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.DEALER)
+    proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))
+    proc.start()
+    try:
+        for sock, addr in ((agent, config.agent_addr), (peer, config.kv_addr)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+        assert isinstance(CONNECTOR_CODEC.decode(_recv_one(agent, 60)), WorkerReady)
+        agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
+        yield config, cache, agent, peer
+    finally:
+        proc.terminate()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+        agent.close()
+        peer.close()
+        cache.close()

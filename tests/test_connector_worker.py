@@ -1,8 +1,6 @@
 """The prefill side's send ledger as plain calls with time passed in, then the connector worker process over ZMQ."""
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import time
 
 import pytest
@@ -10,13 +8,12 @@ import zmq
 
 from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
                                 LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
-                                RegisterKVCache, StepMeta, WorkerReady)
+                                StepMeta)
 from connector import send_ledger
 from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS, UNKNOWN_REQUEST,
                                    ReadReply, ReapSchedule, SendLedger)
-from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc, run_connector_worker
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
+from tests.mp_utils import spawned_p_worker
 
 LEASE = 9_000  # ns: small numbers read better; the ledger only adds and compares
 
@@ -208,38 +205,10 @@ def _recv(sock: zmq.Socket, timeout_s: float = 10.0) -> list[bytes]:
     return sock.recv_multipart()
 
 
-@contextlib.contextmanager
-def _spawned_p_worker(tmp_path, **config_kw):
-    """A real P connector worker process (zmq transport) with its KV cache registered:
-    yields (config, cache, agent, peer); killed and closed on the way out."""
-    ctx = zmq.Context.instance()
-    config = ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv",
-                                   transport="zmq", **config_kw)
-    cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
-    agent, peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.DEALER)
-    proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))
-    proc.start()
-    try:
-        for sock, addr in ((agent, config.agent_addr), (peer, config.kv_addr)):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
-        assert isinstance(CONNECTOR_CODEC.decode(_recv(agent, 60)[0]), WorkerReady)
-        agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
-        yield config, cache, agent, peer
-    finally:
-        proc.terminate()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-        agent.close()
-        peer.close()
-        cache.close()
-
-
 def test_worker_process_serves_holds_refuses_and_reports(tmp_path):
     """One real worker: an early read is served at registration, a stranger's read is
     refused after the early hold, and "read done" comes back as finished_sending."""
-    with _spawned_p_worker(tmp_path) as (config, cache, agent, peer):
+    with spawned_p_worker(tmp_path, transport="zmq") as (config, cache, agent, peer):
         cache.tensor[:, :, 3].fill_(7.0)
         start = time.monotonic()
         peer.send(CONNECTOR_CODEC.encode(ReadBlocks("r1", [3])))
@@ -261,7 +230,7 @@ def test_worker_process_serves_holds_refuses_and_reports(tmp_path):
 def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
     """A lease past its deadline is still held (and read) until the engine's step sends
     ReapLeases; a heartbeat queues (LeaseDue) and is applied at that reap."""
-    with _spawned_p_worker(tmp_path, kv_lease_s=0.6) as (config, cache, agent, peer):
+    with spawned_p_worker(tmp_path, transport="zmq", kv_lease_s=0.6) as (config, cache, agent, peer):
         now = time.monotonic_ns()
         agent.send(CONNECTOR_CODEC.encode(StepMeta({"r1": [3], "r2": [4]}, [],
                                                    {"r1": now + 200_000_000, "r2": now + 200_000_000})))

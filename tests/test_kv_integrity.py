@@ -11,21 +11,21 @@ that corrupt KV shows in the outputs the replay checks.
 """
 from __future__ import annotations
 
-import multiprocessing
 import time
 
 import pytest
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, KVReport, LeasesReaped, ReadAbandoned, ReapLeases,
-                                RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+                                RecvSpec, StepMeta)
 from connector.send_ledger import READ_LEASE_NS, UNKNOWN_REQUEST, ReadReply, SendLedger
 from connector.transfer import Puller, TransferError
-from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc, run_connector_worker
+from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore
 from engine.kv_cache import KVCache
 from engine.mock_runner import MockModelRunner
+from tests.mp_utils import spawned_p_worker
 
 LEASE = 1_000
 
@@ -90,25 +90,8 @@ def _recv(sock: zmq.Socket, timeout_s: float = 10.0) -> bytes:
 @pytest.fixture
 def prefill_worker(tmp_path):
     """A real prefill connector worker (shm) with a registered KV cache, and its agent socket."""
-    ctx = zmq.Context.instance()
-    config = ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv")
-    cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
-    agent = ctx.socket(zmq.PAIR)
-    agent.setsockopt(zmq.LINGER, 0)
-    proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))
-    proc.start()
-    try:
-        agent.connect(config.agent_addr)
-        assert isinstance(CONNECTOR_CODEC.decode(_recv(agent, 60)), WorkerReady)
-        agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
+    with spawned_p_worker(tmp_path) as (config, cache, agent, _):
         yield config, cache, agent
-    finally:
-        proc.terminate()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-        agent.close()
-        cache.close()
 
 
 def test_an_shm_read_of_an_expired_send_is_refused_not_copied(prefill_worker):
