@@ -112,8 +112,7 @@ class EngineCore:
             got_kv_reports = not kv_out.is_empty()
         self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        can_progress = ((got_kv_reports and self.scheduler.has_unfinished_requests())
-                        or bool(sched_out.preempted_req_ids) or self.scheduler.has_pending_updates())
+        can_progress = self.scheduler.can_progress(sched_out, got_kv_reports)
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed

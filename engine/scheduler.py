@@ -553,6 +553,16 @@ class Scheduler:
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
+    def can_progress(self, sched_out: SchedulerOutput, got_kv_reports: bool) -> bool:
+        """After a step: could the next schedule() do work without a new report or input?
+
+        (engine/liveness.py next_action.) Consumed reports count only while unfinished
+        requests remain: a report that only freed a finished request's blocks leaves
+        nothing for the next step to do.
+        """
+        return ((got_kv_reports and self.has_unfinished_requests())
+                or bool(sched_out.preempted_req_ids) or self.has_pending_updates())
+
     def has_pending_updates(self) -> bool:
         """Work for the next schedule() that needs no new report: finished ids to ship.
 

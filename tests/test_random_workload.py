@@ -74,8 +74,7 @@ def one_step(sched, world: FakeWorld, flush: bool = False) -> LoopAction:
     sched.update_from_output(out, ModelRunnerOutput(sampled, {}, reports))
     sched.block_pool.check_invariants()
     world.now += 1
-    can_progress = (not reports.is_empty() or bool(out.preempted_req_ids)
-                    or sched.has_pending_updates())
+    can_progress = sched.can_progress(out, not reports.is_empty())  # the engine's own rule
     return next_action(sched.config.liveness, sched.has_requests(),
                        out.total_num_scheduled_tokens > 0, can_progress, sched.has_deferred_requests(),
                        has_unfinished=sched.has_unfinished_requests())
