@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from connector.routing import TOPOLOGIES
+from connector.routing import TOPOLOGIES, engine_roles
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
 from click.core import ParameterSource
@@ -21,13 +21,16 @@ MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 # importing cli imports no replay machinery: every engine and connector-worker process
 # re-runs the `kvdrain` script (multiprocessing's spawn imports the parent's main file).
 CLOCKS = ("wall", "virtual")
+CPU_NUM_BLOCKS = 512  # --num-blocks unless the pool is sized from GPU memory
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, for all of a topology's engines together
 
 
 def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
     """EngineConfig and KVTransferConfig from the shared options; bad values -> usage error."""
     try:
         engine = EngineConfig(
-            num_blocks=o["num_blocks"], block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
+            num_blocks=o["num_blocks"] or CPU_NUM_BLOCKS, gpu_memory_utilization=_gpu_memory_utilization(o),
+            block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
             max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
             liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
             runner=o["runner"], device=o["device"], model=_model_preset(o["model"]))
@@ -36,6 +39,14 @@ def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     return engine, kv
+
+
+def _gpu_memory_utilization(o: dict) -> float | None:
+    """None with --num-blocks (vLLM's num_gpu_blocks_override); else each engine's share:
+    kvdrain puts all of a topology's engines on one GPU, as `vllm serve` twice would need."""
+    if o["num_blocks"] is not None:
+        return None
+    return o["gpu_memory_utilization"] or GPU_MEMORY_UTILIZATION / len(engine_roles(o["topology"]))
 
 
 def _model_preset(name: str):
@@ -56,8 +67,14 @@ ENGINE_OPTIONS = [
     click.option("--model", default="tiny", show_default=True,
                  help=f"Model preset ({', '.join(sorted(MODEL_PRESETS))}); with --target http:// "
                       f"the served model's name (default: the first /v1/models lists)."),
-    click.option("--num-blocks", type=click.IntRange(2), default=512, show_default=True,
-                 help="KV blocks per engine, the null block included."),
+    click.option("--num-blocks", type=click.IntRange(2), default=None,
+                 help=f"KV blocks per engine, the null block included [default: {CPU_NUM_BLOCKS}; "
+                      f"the torch runner on CUDA sizes the pool from GPU memory as vLLM does]."),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+                 help=f"The torch runner on CUDA without --num-blocks: the share of the GPU's "
+                      f"memory each engine may use, KV cache included (vLLM's flag) [default: "
+                      f"{GPU_MEMORY_UTILIZATION} shared by the engines, so {GPU_MEMORY_UTILIZATION / 2} "
+                      f"each for pd]."),
     click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
     click.option("--max-num-seqs", type=click.IntRange(1), default=64, show_default=True),
     click.option("--max-num-batched-tokens", type=click.IntRange(1), default=2048, show_default=True),
@@ -271,7 +288,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
 
 
 # Explicit engine options that a running server ignores: refused with --target.
-SERVER_SIDE = ("topology", "liveness", "runner", "device", "model", "num_blocks", "block_size",
+SERVER_SIDE = ("topology", "liveness", "runner", "device", "model", "num_blocks",
+               "gpu_memory_utilization", "block_size",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "transport", "kv_lease_s",
                "kv_expiry_s", "pull_delay_ms", "drop_read_done", "kv_load_failure_policy",
                "profile_name")

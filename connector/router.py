@@ -37,6 +37,11 @@ class PDRouter:
         return next(iter(self.clients.values())).wait_ready().vocab_size
 
     @property
+    def num_blocks(self) -> int:
+        """The smallest engine's KV pool as it reported it (sized from GPU memory, maybe)."""
+        return min(c.wait_ready().num_blocks for c in self.clients.values())
+
+    @property
     def has_pending(self) -> bool:
         return bool(self.routing.routes)
 

@@ -119,6 +119,10 @@ class EngineConfig:
     eos_token_id: int | None = None
     runner: str = "mock"
     device: str = "auto"
+    # vLLM's gpu_memory_utilization: with a fraction here, the torch runner on CUDA sizes
+    # the pool from device memory (engine/kv_cache_sizing.py) and num_blocks is only the
+    # CPU's size; None: num_blocks everywhere (vLLM's num_gpu_blocks_override).
+    gpu_memory_utilization: float | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     kv_transfer: KVTransferConfig | None = None  # None: no connector
 
@@ -133,6 +137,8 @@ class EngineConfig:
                  "kv_load_failure_policy", f"must be one of {KV_LOAD_FAILURE_POLICIES}")
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.eos_token_id is not None:
             _require(0 <= self.eos_token_id < self.model.vocab_size, "eos_token_id",
                      f"must be a token id below vocab_size={self.model.vocab_size}")

@@ -60,6 +60,7 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
         from engine.model_runner import ModelRunner  # torch only where it is needed
         runner = ModelRunner(config)
         kv_cache = runner.kv_cache
+        config = runner.config  # num_blocks as allocated (sized from GPU memory, maybe)
     else:
         if config.kv_transfer is not None:  # real memory, so transfers move real bytes
             from engine.kv_cache import KVCache
@@ -96,6 +97,7 @@ class EngineCoreProc:
         self.input = self._socket(zmq.PULL, addrs.input, engine_input_bytes(config.max_model_len))
         self.output = self._socket(zmq.PUSH, addrs.output)
         self.core, self.kv_cache = build_engine_core(config)
+        self.config = config = self.core.config  # num_blocks as the runner allocated them
         self.parent = multiprocessing.parent_process()
         self.num_wakeups = 0
         self.num_bad_messages = 0

@@ -1,11 +1,15 @@
 """Batched model execution over the paged KV cache. Runs in: engine-core process."""
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 
 from engine.attention import PagedAttentionBuilder
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, kv_cache_shape, resolve_device, resolve_dtype
+from engine.kv_cache_sizing import MemoryProfile, available_kv_cache_memory, num_gpu_blocks
 from engine.model import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv
@@ -15,10 +19,15 @@ class ModelRunner:
     """Runs each step's scheduled chunks (prefills and decodes together) in one forward."""
 
     def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model, self.device)
+        sizing = (kv_cache is None and config.gpu_memory_utilization is not None
+                  and self.device.startswith("cuda"))
+        init_free, total = torch.cuda.mem_get_info(self.device) if sizing else (0, 0)
         self.model = LlamaForCausalLM(config.model, self.device, self.dtype)
+        if sizing:  # vLLM: load the model, profile it, then size the KV cache
+            config = replace(config, num_blocks=self.determine_num_blocks(config, init_free, total))
+        self.config = config  # num_blocks as allocated
         expected = kv_cache_shape(config.model, config.num_blocks, config.block_size)
         if kv_cache is not None and (kv_cache.handle.shape != expected
                                      or kv_cache.tensor.dtype != self.dtype):
@@ -30,6 +39,38 @@ class ModelRunner:
         self.attn_builder = PagedAttentionBuilder(self.kv_cache.tensor)
         # req_id -> block table, mirrored from the scheduler's new_block_ids each step.
         self.block_tables: dict[str, list[int]] = {}
+
+    def determine_num_blocks(self, config: EngineConfig, init_free: int, total: int) -> int:
+        """vLLM's determine_available_memory: this engine's torch memory after a profile
+        run at max_num_batched_tokens; then as many blocks as the rest of its budget holds."""
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch_kv_bytes = self.profile_run(config)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_kv_bytes
+        torch.cuda.empty_cache()
+        profile = MemoryProfile(init_free=init_free, total=total, weights=weights,
+                                peak_activation=max(0, peak - weights))
+        available = available_kv_cache_memory(profile, config.gpu_memory_utilization)
+        bytes_per_block = (math.prod(kv_cache_shape(config.model, 1, config.block_size))
+                           * self.dtype.itemsize)
+        return num_gpu_blocks(available, bytes_per_block, config.block_size, config.max_model_len)
+
+    @torch.inference_mode()
+    def profile_run(self, config: EngineConfig) -> int:
+        """One forward of a max_num_batched_tokens prefill and max_num_seqs logits, over a
+        scratch KV cache just big enough; returns the scratch cache's bytes."""
+        num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
+        num_blocks = cdiv(num_tokens, config.block_size) + 1  # the null block 0 too
+        kv = torch.zeros(kv_cache_shape(config.model, num_blocks, config.block_size),
+                         dtype=self.dtype, device=self.device)
+        attn_metadata = PagedAttentionBuilder(kv).build([0], [num_tokens], [list(range(1, num_blocks))])
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, attn_metadata.positions, attn_metadata, kv)
+        self.model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens):])
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        return kv.nbytes
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """One step: update block tables, run every valid scheduled chunk, sample greedily."""

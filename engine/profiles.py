@@ -1,8 +1,8 @@
 """Deployment profiles: engine sizes as a real model on a real GPU would get them. Runs in: frontend process.
 
-vLLM sizes its KV cache from memory (vllm/v1/worker/gpu_worker.py determine_available_memory,
-vllm/v1/core/kv_cache_utils.py): usable = total * gpu_memory_utilization - weights (and
-activations); each block holds block_size tokens of K and V for every layer:
+vLLM sizes its KV cache from memory (engine/kv_cache_sizing.py; the torch runner on CUDA
+measures it): usable = total * gpu_memory_utilization - weights (and activations); each
+block holds block_size tokens of K and V for every layer:
     bytes per token = 2 * num_layers * num_kv_heads * head_dim * dtype bytes
     num_gpu_blocks  = usable // (block_size * bytes per token)
 A profile gives the model's shape and the GPU, and the scheduler limits a deployment
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.kv_cache_sizing import GiB, num_gpu_blocks
 
-GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ class DeploymentProfile:
     def num_gpu_blocks(self) -> int:
         """KV blocks vLLM would allocate (its num_gpu_blocks; the null block among them)."""
         usable = int(self.gpu_memory_bytes * self.gpu_memory_utilization) - self.weights_bytes
-        return usable // (self.block_size * self.kv_bytes_per_token)
+        return num_gpu_blocks(usable, self.block_size * self.kv_bytes_per_token, self.block_size,
+                              self.max_model_len)
 
     def sizes(self) -> dict[str, int]:
         """The EngineConfig fields this profile sets."""
@@ -54,7 +55,9 @@ class DeploymentProfile:
 
     def apply(self, config: EngineConfig, keep: frozenset[str] = frozenset()) -> EngineConfig:
         """`config` with this profile's sizes, except the fields named in `keep` (set explicitly)."""
-        return replace(config, **{k: v for k, v in self.sizes().items() if k not in keep})
+        sized = replace(config, **{k: v for k, v in self.sizes().items() if k not in keep})
+        # The profile's num_blocks, not the runner's own from device memory.
+        return sized if "num_blocks" in keep else replace(sized, gpu_memory_utilization=None)
 
 
 PROFILES = {p.name: p for p in (
