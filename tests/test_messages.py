@@ -160,3 +160,39 @@ def test_agent_drops_garbage_reports():
         pending.merge(data, out)
     assert pending.counters == {"num_bad_reports": 2, "num_sent": 1}
     assert out.finished_sending == {"r1"} and not pending.sends
+
+
+# Values of every wire shape, right and wrong, to put in any field.
+_FUZZ_VALUES = [0, 7, -1, True, False, 1.5, "s", "", b"b", None, [], [1, 2], [1, True], ["a", "b"],
+                ["a", 1], [1.5], [[1]], {}, {"a": 1}, {"a": True}, {"a": "x"}, {1: 2}, {"a": [1]},
+                {"a": 1.5}, [["r", [1], None, None, 0, None]], [["r", [1], None, None, 0]],
+                [["r", [3], [9], "P", "r", "a"]], [["P", "a", ["r"]]], [["P", "a", [1]]]]
+
+
+@pytest.mark.parametrize("codec,registry", [(CODEC, MESSAGES), (CONNECTOR_CODEC, CONNECTOR_MESSAGES)])
+def test_fast_decode_equals_the_reference_checks(codec: Codec, registry: dict):
+    """The fast field checks (type sets, one C pass per list or dict) accept exactly
+    what the reference per-item checks accept, and raise the same error otherwise."""
+    import random
+    reference = Codec(registry, nested=tuple(cls for cls in codec._checks if cls not in registry.values()),
+                      fast=False)
+    rng = random.Random(14)
+    for tag, cls in registry.items():
+        base = msgpack.unpackb(codec.encode(SAMPLES[cls]), strict_map_key=False)
+        assert reference.encode(SAMPLES[cls]) == codec.encode(SAMPLES[cls])
+        frames = [base]
+        for _ in range(300):
+            frame = list(base)
+            for _ in range(rng.randint(1, 2)):
+                if len(frame) > 1:
+                    frame[rng.randrange(1, len(frame))] = rng.choice(_FUZZ_VALUES)
+            frames.append(frame)
+        for frame in frames:
+            data = msgpack.packb(frame, use_bin_type=True)
+            outcomes = []
+            for c in (codec, reference):
+                try:
+                    outcomes.append(("ok", c.decode(data)))
+                except DecodeError as e:
+                    outcomes.append(("error", str(e)))
+            assert outcomes[0] == outcomes[1], (cls.__name__, frame)
