@@ -1,27 +1,32 @@
-"""What each CLI verb does, once its options are parsed: replay, serve, top. Runs in: frontend process."""
+"""What each CLI verb does, once its options are parsed: replay, serve, top. Runs in: frontend process.
+
+A wall-clock replay's engines start (connector/topology.py) as soon as its trace is
+known to be good, so what the frontend does next (import the live view and the wall
+driver, model the idle windows, draw) overlaps their start: this module imports those
+where they are used, not here.
+"""
 from __future__ import annotations
 
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from connector.topology import start_topology
 from engine.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.messages import ServeInfo
-from replay.live.auth import AuthOptions
 from replay.live.interrupt import Interrupted, interruptible
-from replay.live.monitor import ReplayMonitor, ServeMonitor, replay_state
-from replay.live.serve import ServeError, Server, ServeOptions, open_front, recording_metadata
-from replay.live.serve_client import ServeClient, TargetLostError
-from replay.pipeline import ReplayConfig, ReplayResult, run_replay, validate_replay_trace
-from replay.trace.reader import TraceError
-from replay.ui.dashboard import DashboardState
-from replay.ui.tui import LiveView
-from replay.verify.plot import plot_title, write_plot, write_series
-from replay.verify.report import build_report, print_summary, set_status, write_report, write_requests
+from replay.pipeline import ReplayConfig, ReplayResult, launch_engines, run_replay, validate_replay_trace
+from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
+
+if TYPE_CHECKING:
+    from connector.topology import TopologyLaunch
+    from replay.live.auth import AuthOptions
+    from replay.live.monitor import ServeMonitor
+    from replay.live.serve_client import ServeClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,19 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
     except TraceError as e:
         _error(console, e)
         return EXIT_USAGE
+    engines = launch_engines(config)  # a local wall replay's: they start while the rest gets ready
+    try:
+        return _run_and_report(config, summary, paths, live, console, engines)
+    finally:
+        if engines is not None:
+            engines.close()  # nothing to do once the run handed them to its router
+
+
+def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPaths, live: bool, console,
+                    engines: TopologyLaunch | None) -> int:
+    from replay.live.monitor import ReplayMonitor, replay_state
+    from replay.live.serve_client import TargetLostError
+    from replay.ui.tui import LiveView
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
@@ -86,7 +104,7 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
     monitor = ReplayMonitor(state, view, config.verify)
     try:
         with view:
-            result = run_replay(config, monitor.hooks(), summary)
+            result = run_replay(config, monitor.hooks(), summary, engines)
             monitor.show_final(result)
             view.tick(force=True)
     except EngineDeadError as e:  # an engine or its connector worker died: a fault
@@ -105,6 +123,8 @@ def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) 
 
 
 def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
+    from replay.verify.plot import write_plot, write_series
+    from replay.verify.report import build_report, print_summary, set_status, write_report, write_requests
     s = result.summary
     trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
              "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
@@ -139,6 +159,7 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
 
 
 def _plot_title(result: ReplayResult, report: dict) -> str:
+    from replay.verify.plot import plot_title
     liveness = report["settings"].get("engine", {}).get("liveness", "?")
     return plot_title(result.config.trace.name, str(liveness), result.config.clock,
                       report["status"], report["exit_code"])
@@ -146,6 +167,7 @@ def _plot_title(result: ReplayResult, report: dict) -> str:
 
 def _interruption(result: ReplayResult, report: dict, console) -> Interrupted | None:
     """A run stopped by a signal: say so under its partial verdict, and in the report."""
+    from replay.verify.report import set_status
     name = result.timeline.meta.get("interrupted")
     if name is None:
         return None
@@ -186,6 +208,11 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
                record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None) -> int:
     """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
     auth: the credentials clients must give (replay/live/auth.py)."""
+    from replay.live.auth import AuthOptions
+    from replay.live.monitor import ServeMonitor
+    from replay.live.serve import ServeError, Server, ServeOptions, open_front, recording_metadata
+    from replay.ui.dashboard import DashboardState
+    from replay.ui.tui import LiveView
     stop = _StopFlag()
     options = ServeOptions(address, record, engine.max_model_len, auth or AuthOptions())
     try:  # the client socket and --record first: a bad one is an error before any engine starts
@@ -202,7 +229,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         raise
     try:
         info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
-                         engine.runner, engine.max_model_len, engine.num_blocks, _preset_name(engine))
+                         engine.runner, engine.max_model_len, router.num_blocks, _preset_name(engine))
         shared = router if http is None else http.share(router)
         server = Server(shared, options, info, front)
     except Exception:
@@ -235,6 +262,10 @@ def _preset_name(engine: EngineConfig) -> str:
 
 
 def top_main(address: str, seconds: float | None, console, auth: AuthOptions | None = None) -> int:
+    from replay.live.monitor import ServeMonitor
+    from replay.live.serve_client import ServeClient
+    from replay.ui.dashboard import DashboardState
+    from replay.ui.tui import LiveView
     try:
         client = ServeClient(address, auth=auth)
     except ConnectionError as e:
@@ -259,6 +290,7 @@ def top_main(address: str, seconds: float | None, console, auth: AuthOptions | N
 
 def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) -> int:
     """Show the serve's stats until `seconds` pass; EXIT_FAULT once it stops answering."""
+    from replay.live.serve_client import TargetLostError
     while (seconds is None or time.monotonic() - monitor.start < seconds) and \
             not monitor.view.quit_requested:  # q quits, as Ctrl-C does
         try:

@@ -6,24 +6,28 @@ sent (the CLI's exit status 2); a verdict's exit code is 0, 1 or 3 (replay/verif
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
-from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
-from replay.sim.simulation import ProgressCallback, simulate
 from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
 from replay.verify.coverage import expected_windows
 from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
+
+if TYPE_CHECKING:  # imported where used: a wall replay's engines start before they load
+    from connector.topology import TopologyLaunch
+    from replay.live.driver import ReplayTarget, WallClockReplay
+    from replay.sim.simulation import ProgressCallback
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
 # A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
@@ -147,9 +151,23 @@ def validate_replay_trace(config: ReplayConfig) -> TraceSummary:
     return validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
 
 
+def launch_engines(config: ReplayConfig) -> TopologyLaunch | None:
+    """A local wall-clock replay's engines, spawned now and left starting, so that the
+    frontend can model the trace and draw its view meanwhile (run_replay waits for
+    them); None under the virtual clock and with a --target. The caller closes it."""
+    if config.clock != "wall" or config.target is not None or config.http is not None:
+        return None
+    from connector.topology import TopologyLaunch  # engine processes only for a wall replay
+    return TopologyLaunch(config.engine, config.kv, config.topology)
+
+
 def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
-               summary: TraceSummary | None = None) -> ReplayResult:
-    """Validate (unless a summary of that pass is given), shape, drive, verify."""
+               summary: TraceSummary | None = None,
+               engines: TopologyLaunch | None = None) -> ReplayResult:
+    """Validate (unless a summary of that pass is given), shape, drive, verify.
+
+    engines: launch_engines(config)'s, still starting (the caller closes them: a no-op
+    once the run handed them to its router); without, a local wall replay launches its own."""
     hooks = hooks or ReplayHooks()
     if summary is None:
         summary = validate_replay_trace(config)
@@ -159,20 +177,39 @@ def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
     records = _keep_snapshots(shape(trace, config.shaping, log), snapshots)
     start = time.monotonic()
     if config.clock == "virtual":
+        from replay.sim.simulation import simulate
         timeline = model = simulate(records, _sim_options(config), hooks.on_progress)
     else:
-        hooks.phase(MODELLING)
-        model = model_timeline(config, hooks.on_progress)  # before running: which idle windows to expect
-        timeline = _replay_wall(config, records, hooks, summary)
+        launched = launch_engines(config) if engines is None else None
+        with launched or contextlib.nullcontext():  # launched here: closed here, whatever happens
+            timeline, model = _model_and_replay_wall(config, records, hooks, summary, engines or launched)
     arrivals = timeline.arrivals if model is None else model.arrivals
     expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
     verdict = verify(timeline, snapshots, config.verify, expected)
     return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
 
 
+def _model_and_replay_wall(config: ReplayConfig, records: Iterator[TraceRecord], hooks: ReplayHooks,
+                           summary: TraceSummary, engines: TopologyLaunch | None
+                           ) -> tuple[Timeline, Timeline | None]:
+    """Model the idle windows while the engines start (separate processes), then run."""
+    if engines is not None and not engines.is_for(config.engine, config.kv, config.topology):
+        raise ValueError("run_replay: the engines given were launched for another configuration")
+    ready = engines.ready_engines if engines is not None else list
+    hooks.phase(MODELLING, ready())
+
+    def on_progress(num_done: int, t: float) -> None:  # the engines ready so far, too
+        hooks.phase(MODELLING, ready())
+        if hooks.on_progress is not None:
+            hooks.on_progress(num_done, t)
+    model = model_timeline(config, on_progress)  # before running: which idle windows to expect
+    return _replay_wall(config, records, hooks, summary, engines), model
+
+
 def model_timeline(config: ReplayConfig, on_progress: ProgressCallback | None = None) -> Timeline | None:
     """The virtual clock over the same shaped trace: the model of which gaps become idle
     windows (replay/verify/coverage.py); None if it cannot run (then every gap counts)."""
+    from replay.sim.simulation import simulate
     trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
     try:
         return simulate(shape(trace, config.shaping, ShapingLog()), _sim_options(config), on_progress)
@@ -189,16 +226,17 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
                       cost_model=profile.model if profile is not None else None)
 
 
-def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
-                 hooks: ReplayHooks, summary: TraceSummary) -> Timeline:
+def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord], hooks: ReplayHooks,
+                 summary: TraceSummary, engines: TopologyLaunch | None) -> Timeline:
     if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
         from replay.http.client import HttpReplay
         return HttpReplay(replace(config.http, tail_s=config.effective_tail_s(),
                                   max_token_id=summary.max_prompt_token_id)).run(records)
+    from replay.live.driver import WallClockReplay, WallOptions
     expected = (partial(mock_output_tokens, engine=config.engine)
                 if config.effective_check_outputs() else None)
     options = WallOptions(tail_s=config.effective_tail_s(), expected_tokens=expected)
-    target = _start_target(config, hooks)
+    target = _start_target(config, hooks, engines)
     try:
         hooks.phase(RUNNING, list(target.engines))
         replay = WallClockReplay(target, options, hooks.on_tick)
@@ -214,16 +252,18 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
     return timeline
 
 
-def _start_target(config: ReplayConfig, hooks: ReplayHooks) -> ReplayTarget:
-    """A running serve's client (--target), else a fresh local topology."""
+def _start_target(config: ReplayConfig, hooks: ReplayHooks,
+                  engines: TopologyLaunch | None) -> ReplayTarget:
+    """A running serve's client (--target), else the local engines once all are ready."""
     if config.target is not None:
         hooks.phase(CONNECTING)
         from replay.live.serve_client import ServeClient
         return ServeClient(config.target, auth=config.target_auth)
-    from connector.topology import start_topology  # engine processes only for a wall replay
-    hooks.phase(STARTING)
-    return start_topology(config.engine, config.kv, config.topology,
-                          on_wait=lambda ready: hooks.phase(STARTING, ready))
+    assert engines is not None  # run_replay launches them for a local wall replay
+    ready = engines.ready_engines()
+    if len(ready) < len(engines.clients):  # a phase only if there is still a wait
+        hooks.phase(STARTING, ready)
+    return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
 
 def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from engine.kv_cache import KVCache, KVCacheHandle
 from tests.mp_utils import mock_tokens, topology
 
 HAS_PROC = os.path.exists("/proc/self/maps")
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pd_idle.jsonl"
 
 
 def _maps_torch(pid: int) -> bool:
@@ -128,7 +130,6 @@ def test_help_and_the_cli_module_import_nothing_heavy():
     """`kvdrain --help` and `import cli` (which every spawned engine and connector worker
     repeats: multiprocessing re-runs the parent's main file) load none of HEAVY."""
     import subprocess
-    from pathlib import Path
     probe = ("import sys; sys.argv = ['kvdrain', '--help']; import cli\n"
              "try:\n    cli.cli()\nexcept SystemExit:\n    pass\n"
              f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
@@ -141,3 +142,144 @@ def test_cli_clocks_are_the_pipelines():
     import cli
     from replay.pipeline import CLOCKS
     assert cli.CLOCKS == CLOCKS
+
+
+# ---- the early launch: engines spawned before the frontend is ready for them -----------
+
+def _fake_main(tmp_path, monkeypatch):
+    """A __main__ whose file, when a spawned child re-runs it, leaves a marker named by its pid."""
+    import types
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = tmp_path / "fake_main.py"
+    script.write_text(f"import os\nopen(os.path.join({str(marks)!r}, str(os.getpid())), 'w').close()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    return marks
+
+
+def _one_request(router) -> list[int]:
+    from tests.mp_utils import Harness
+    harness = Harness(router)
+    harness.add_request("r", list(range(1, 19)), 3)
+    return harness.collect({"r"})["tokens"]["r"]
+
+
+def test_topology_children_skip_the_main_file_and_give_the_same_tokens(tmp_path, monkeypatch):
+    """spawning_without_main: no engine core or connector worker of a topology re-runs the
+    parent's main file (the `kvdrain` script: cli, click, rich), yet a P/D request gives
+    the tokens it gives when they do; an engine spawned the plain way does re-run it (so
+    the marker works), and the main module is back in place afterwards."""
+    from connector.router import PDRouter
+    from connector.topology import engine_configs, start_topology
+    from engine.client import MPClient
+    from engine.config import EngineConfig, KVTransferConfig
+    from engine.run_dir import make_run_dir
+    marks = _fake_main(tmp_path, monkeypatch)
+    main = sys.modules["__main__"]
+    base = EngineConfig(num_blocks=32, block_size=4, runner="mock")
+    router = start_topology(base, KVTransferConfig(), "pd")
+    try:
+        fast = _one_request(router)
+    finally:
+        router.shutdown()
+    assert sys.modules["__main__"] is main and os.listdir(marks) == []
+    plain = MPClient(base)  # the straightforward spawn: the child re-runs the main file
+    try:
+        assert os.listdir(marks) == [str(plain.ready.pid)]
+    finally:
+        plain.shutdown()
+    run_dir = make_run_dir()  # the same topology, every child spawned the plain way
+    slow_router = PDRouter([MPClient(c, run_dir) for c in engine_configs(base, KVTransferConfig(), "pd", run_dir)],
+                           run_dir)
+    try:
+        slow = _one_request(slow_router)
+    finally:
+        slow_router.shutdown()
+    assert fast == slow == mock_tokens(list(range(1, 19)), 3)
+    assert len(os.listdir(marks)) == 1 + 4  # and two engine cores, two connector workers
+
+
+def _wall_config():
+    from engine.config import EngineConfig
+    from replay.pipeline import ReplayConfig
+    from replay.trace.shaping import ShapingOptions
+    return ReplayConfig(trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock"),
+                        shaping=ShapingOptions(speedup=100), tail_s=1.0)
+
+
+def _what_ran(result) -> tuple:
+    """A wall replay's outcome without its timings: each request's outputs, the verdict,
+    the idle windows expected, the engines."""
+    requests = sorted((r.req_id, r.num_prompt_tokens, r.num_output_tokens, r.finish_reason,
+                       r.output_digest, r.expected_digest) for r in result.timeline.requests)
+    return (requests, result.verdict.status, result.verdict.exit_code, len(result.verdict.coverage),
+            sorted({s.engine for s in result.timeline.samples}))
+
+
+def test_engines_launched_early_run_the_replay_as_engines_the_replay_launches():
+    """run_replay with launch_engines' engines (all Ready before it starts) uses them (no
+    second launch), reports them ready in its first phase and never waits in STARTING; the
+    outcome equals run_replay's with engines it launches itself; nothing is left running."""
+    import multiprocessing
+    from connector.topology import wait_all_ready
+    from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayHooks, launch_engines, run_replay
+    config = _wall_config()
+    heard: list[tuple[str, list[str]]] = []
+    hooks = ReplayHooks(on_phase=lambda phase, ready: heard.append((phase, sorted(ready))))
+    engines = launch_engines(config)
+    try:
+        wait_all_ready(engines.clients)
+        early = run_replay(config, hooks, engines=engines)
+        assert engines.clients == [] and engines.run_dir is None  # handed to the run's router
+    finally:
+        engines.close()
+    assert heard[0] == (MODELLING, ["D", "P"]) and heard[-1] == (RUNNING, ["D", "P"])
+    assert STARTING not in {phase for phase, _ in heard}
+    heard.clear()
+    late = run_replay(config, hooks)
+    assert [p for p, _ in heard][0] == MODELLING and heard[-1] == (RUNNING, ["D", "P"])
+    assert _what_ran(early) == _what_ran(late)
+    assert early.verdict.exit_code == 0 and len(early.timeline.requests) == 32
+    assert multiprocessing.active_children() == []
+
+
+def test_a_launch_closed_unused_leaves_nothing_and_a_mismatched_one_is_refused():
+    """Closing engines that are still starting stops them all and removes their run dir
+    (a bad trace or Ctrl-C before the run); run_replay refuses engines launched for
+    another configuration instead of running the trace on them."""
+    import multiprocessing
+    from dataclasses import replace
+    from replay.pipeline import launch_engines, run_replay
+    config = _wall_config()
+    engines = launch_engines(config)
+    run_dir = engines.run_dir
+    engines.close()
+    engines.close()  # idempotent
+    assert not os.path.exists(run_dir) and multiprocessing.active_children() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        engines.wait_ready()
+    other = replace(config, engine=replace(config.engine, num_blocks=128))
+    with launch_engines(config) as engines:
+        with pytest.raises(ValueError, match="another configuration"):
+            run_replay(other, engines=engines)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_bad_trace_launches_no_engine(tmp_path, monkeypatch):
+    """The trace is checked before the engines are launched: a bad one is exit 2 with
+    nothing started."""
+    from click.testing import CliRunner
+
+    import replay.commands
+    from cli import cli
+
+    def no_engines(*a, **k):
+        raise AssertionError("the engines were launched before the trace was checked")
+    monkeypatch.setattr(replay.commands, "launch_engines", no_engines)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0, "id": "a", "prompt_len": -1, "max_tokens": 2}\n')
+    result = CliRunner().invoke(cli, ["replay", str(bad), "--runner", "mock", "--no-live"],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
