@@ -17,6 +17,7 @@ import signal
 import time
 import traceback
 from dataclasses import fields
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import zmq
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from engine.kv_cache import KVCache
 
 STATS_FIELDS = tuple(f.name for f in fields(SchedulerStats))
+_stats_values = attrgetter(*STATS_FIELDS)  # SchedulerStats -> its counts, in field order
 
 
 class SignalWakeup:
@@ -76,7 +78,7 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
 
 def stats_counts(stats: SchedulerStats) -> dict[str, int]:
     """dataclasses.asdict(stats) for a flat record of ints, without its deep copies."""
-    return {name: getattr(stats, name) for name in STATS_FIELDS}
+    return dict(zip(STATS_FIELDS, _stats_values(stats)))
 
 
 def kv_device(config: EngineConfig, kv_cache: KVCache | None) -> str:
@@ -106,7 +108,7 @@ class EngineCoreProc:
         self._stats_seq = 0
         self._error_sent = False
         self.poll_interval_ms = max(1, round(config.poll_interval_s * 1000))
-        self._last_published: tuple | None = None
+        self._last_published: tuple[str, dict[str, int]] | None = None  # (loop state, counts)
         self._deferred = False  # the last step's snapshot was left to the next step
         self._pollers: dict[tuple, zmq.Poller] = {}
         self._input_poller = zmq.Poller()
@@ -131,13 +133,15 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         liveness = self.config.liveness
+        input_ready = True  # the frontend input may hold messages: drain it
         while self.shutdown_timeout_s is None:
             if self.wakeup is not None and self.wakeup.requested:
                 self.shutdown_timeout_s = 5.0  # SIGTERM: the same graceful path as Shutdown
                 break
-            self._process_input()
-            if self.shutdown_timeout_s is not None:
-                break
+            if input_ready:
+                self._process_input()
+                if self.shutdown_timeout_s is not None:
+                    break
             model_executed = can_progress = False
             if self.core.has_work():
                 result = self.core.step()
@@ -154,12 +158,15 @@ class EngineCoreProc:
                 self._publish_stats()
             else:
                 self._deferred = True
+            # A wait that watched the input says whether it is readable; skipping a drain
+            # it is not is safe: whatever lands meanwhile wakes the next wait at once.
+            input_ready = True
             if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
                 self._wait(with_connector=False, timeout_ms=self.poll_interval_ms, with_input=False)
             elif action is LoopAction.WAIT_ANY:
-                self._wait(with_connector=True, timeout_ms=self._until_deadline_ms())
+                input_ready = self._wait(with_connector=True, timeout_ms=self._until_deadline_ms())
             elif action is LoopAction.WAIT_INPUT:
-                self._wait(with_connector=False)
+                input_ready = self._wait(with_connector=False)
 
     def _until_deadline_ms(self) -> int | None:
         """Until the connector's next timed action (rounded up); None: none is timed."""
@@ -169,19 +176,24 @@ class EngineCoreProc:
         return max(0, cdiv(due - time.monotonic_ns(), 1_000_000))
 
     def _wait(self, with_connector: bool, timeout_ms: int | None = None,
-              with_input: bool = True) -> None:
+              with_input: bool = True) -> bool:
         """Block until a watched socket or fd is ready (or timeout_ms); counts a wake-up.
 
-        The parent's sentinel and the SIGTERM wakeup fd are always watched.
+        The parent's sentinel and the SIGTERM wakeup fd are always watched. Returns
+        whether the frontend input may hold messages: True when it was not watched.
         """
         worker = self.core.connector_worker
         handles = tuple(worker.wait_handles()) if with_connector and worker is not None else ()
-        ready = dict(self._poller(with_input, handles).poll(timeout_ms))
+        events = self._poller(with_input, handles).poll(timeout_ms)
         self.num_wakeups += 1
+        if not events:  # the timeout
+            return not with_input
+        ready = dict(events)
         if self.wakeup is not None and self.wakeup.read_fd in ready:
             os.read(self.wakeup.read_fd, 512)  # drain the signal bytes
         if self.parent is not None and self.parent.sentinel in ready:
             raise SystemExit("the frontend is gone")
+        return not with_input or self.input in ready
 
     def _poller(self, with_input: bool, handles: tuple) -> zmq.Poller:
         """The poller for one kind of wait, built once (a wait happens per report)."""
@@ -230,25 +242,32 @@ class EngineCoreProc:
     def _publish_stats(self, force: bool = False) -> None:
         """A snapshot whenever counts or the loop state changed (and on request)."""
         self._deferred = False
-        stats = self.core.make_stats()
-        connector, worker = self.core.scheduler.connector, self.core.connector_worker
-        extra = [connector.get_counters() if connector is not None else {},
-                 worker.get_counters() if worker is not None else {},
-                 {"num_bad_messages": self.num_bad_messages}]
-        # Compared before anything is built: most iterations change nothing.
-        key = (self.loop_state, stats, *(tuple(c.items()) for c in extra))
+        counts = self._counts()
+        # Built in C (zip, update) and compared as dicts: most iterations change nothing.
+        key = (self.loop_state, counts)
         if not force and key == self._last_published:
             return
         self._last_published = key
-        counts = stats_counts(stats)
-        for c in extra:
-            counts.update(c)
+        worker = self.core.connector_worker
         self._stats_seq += 1
         self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
                                  self.loop_state, self.core.num_steps, self.num_wakeups, counts))
         if worker is not None and worker.error is not None and not self._error_sent:
             self._error_sent = True
             self._send(EngineError(self.config.engine_id, worker.error))
+
+    def _counts(self) -> dict[str, int]:
+        """What a snapshot shows: SchedulerStats, then the connector's and the worker
+        side's counters, then the loop's own (a later name wins, as dict.update)."""
+        core = self.core
+        counts = stats_counts(core.make_stats())
+        connector, worker = core.scheduler.connector, core.connector_worker
+        if connector is not None:
+            counts.update(connector.get_counters())
+        if worker is not None:
+            counts.update(worker.get_counters())
+        counts["num_bad_messages"] = self.num_bad_messages
+        return counts
 
     # ---- shutdown ------------------------------------------------------------------
 
