@@ -183,6 +183,10 @@ def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
         launched = launch_engines(config) if engines is None else None
         with launched or contextlib.nullcontext():  # launched here: closed here, whatever happens
             timeline, model = _model_and_replay_wall(config, records, hooks, summary, engines or launched)
+        sized = timeline.meta.get("num_blocks", config.engine.num_blocks)
+        if sized != config.engine.num_blocks:  # pools sized from GPU memory: report and model them
+            config = replace(config, engine=replace(config.engine, num_blocks=sized))
+            model = model_timeline(replace(config, engine=replace(config.engine, gpu_memory_utilization=None)))
     arrivals = timeline.arrivals if model is None else model.arrivals
     expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
     verdict = verify(timeline, snapshots, config.verify, expected)
@@ -247,8 +251,9 @@ def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord], hooks: Re
     if info is not None:
         server = {f.name: getattr(info, f.name) for f in fields(info)}
         timeline.meta.update({"liveness": info.liveness, "topology": info.topology, "server": server})
-    else:
-        timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology})
+    else:  # the pool the engines allocated (sized from GPU memory, maybe)
+        timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology,
+                              "num_blocks": target.num_blocks})
     return timeline
 
 

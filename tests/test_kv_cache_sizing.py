@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from engine.config import EngineConfig, get_model_config
 from engine.kv_cache_sizing import (GiB, MAX_NUM_GPU_BLOCKS, MemoryProfile,
                                     available_kv_cache_memory, num_gpu_blocks, request_memory)
 from engine.profiles import PROFILES
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pd_idle.jsonl"
 
 
 def test_requested_memory_is_a_share_of_the_whole_device_that_must_be_free() -> None:
@@ -120,3 +123,24 @@ def test_engine_on_cuda_sizes_its_pool_from_free_memory_and_reports_it() -> None
               f"at most {upper} without the model) in {took:.1f} s, pid {os.getpid()}")
     finally:
         client.shutdown()
+
+
+def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeypatch) -> None:
+    """Engines that sized their pools from GPU memory report them in Ready; the replay's
+    settings then say that size, and its idle-window model runs on it (not on the CPU
+    default the frontend started with). The GPU's sizing is stood in for by the router's
+    answer, on the mock runner."""
+    from connector.router import PDRouter
+    from replay import pipeline
+    from replay.trace.shaping import ShapingOptions
+    modelled: list[int] = []
+    model_timeline = pipeline.model_timeline
+    monkeypatch.setattr(PDRouter, "num_blocks", property(lambda self: 300))
+    monkeypatch.setattr(pipeline, "model_timeline", lambda config, on_progress=None: (
+        modelled.append(config.engine.num_blocks) or model_timeline(config, on_progress)))
+    config = pipeline.ReplayConfig(
+        trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock", gpu_memory_utilization=0.45),
+        shaping=ShapingOptions(speedup=100), tail_s=1.0)
+    result = pipeline.run_replay(config)
+    assert modelled == [256, 300]  # while the engines started, then on what they allocated
+    assert result.config.engine.num_blocks == 300 and result.verdict.exit_code == 0
