@@ -4,12 +4,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache, KVCacheHandle
+from engine.messages import StatsSnapshot
+from engine.outputs import RequestOutput
+from engine.stats_check import REQUIRED_COUNTS
 from tests.mp_utils import mock_tokens, topology
 
 HAS_PROC = os.path.exists("/proc/self/maps")
@@ -283,3 +287,68 @@ def test_a_bad_trace_launches_no_engine(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli, ["replay", str(bad), "--runner", "mock", "--no-live"],
                                 catch_exceptions=False)
     assert result.exit_code == 2, result.output
+
+
+class _AnsweringTarget:
+    """A ReplayTarget with no processes behind it: each engine in `answering` answers a
+    stats request with a snapshot at once; each request finishes with one token."""
+
+    engines = ["P", "D"]
+    vocab_size = 512
+
+    def __init__(self, answering: list[str]) -> None:
+        self.answering, self.errors = answering, []
+        self.stats, self.outputs, self.num_stats_requests = [], [], 0
+
+    def request_stats(self) -> None:
+        self.num_stats_requests += 1
+        counts = dict.fromkeys(REQUIRED_COUNTS, 0) | {"num_blocks": 8, "num_free_blocks": 7}
+        self.stats += [StatsSnapshot(e, self.num_stats_requests, time.monotonic(), "blocked", 0, 0, counts)
+                       for e in self.answering]
+
+    def take_stats(self):
+        stats, self.stats = self.stats, []
+        return stats
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None) -> None:
+        self.outputs.append(RequestOutput(req_id, [(prompt_token_ids[-1] + 1) % 512], "length"))
+
+    def abort(self, req_id) -> None:
+        pass
+
+    def poll(self, timeout_s: float):
+        outputs, self.outputs = self.outputs, []
+        if not outputs:
+            time.sleep(timeout_s)  # stands for a socket wait: no process can answer here
+        return outputs
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _drive_one(answering: list[str]):
+    from replay.live.driver import WallClockReplay, WallOptions
+    from replay.trace.reader import TraceRequest
+    start = time.monotonic()
+    replay = WallClockReplay(_AnsweringTarget(answering), WallOptions(tail_s=0.05))
+    timeline = replay.run([TraceRequest(0.0, "r", [1, 2, 3], 1)])
+    return timeline, replay.origin - start
+
+
+def test_the_trace_starts_once_every_engine_answered_else_after_the_lead_in():
+    """t = 0 comes as soon as both engines have given their first sample (not a fixed
+    LEAD_IN_S later); if one never answers, LEAD_IN_S after the start, as before. Either
+    way the request, its output and the first samples (before t = 0) are the same."""
+    from replay.live.driver import LEAD_IN_S
+    fast, fast_lead = _drive_one(["P", "D"])
+    slow, slow_lead = _drive_one(["P"])
+    assert fast_lead < LEAD_IN_S / 2 and slow_lead >= LEAD_IN_S
+    for timeline in (fast, slow):
+        [request] = timeline.requests
+        assert (request.req_id, request.num_output_tokens, request.finish_reason) == ("r", 1, "length")
+        assert 0 <= request.send_lateness_s < LEAD_IN_S / 2
+    first = [(s.engine, s.num_blocks, s.num_free_blocks) for s in fast.samples if s.t <= 0]
+    assert first == [("P", 8, 7), ("D", 8, 7)]
+    assert [x for x in first if x[0] == "P"] == [(s.engine, s.num_blocks, s.num_free_blocks)
+                                                for s in slow.samples if s.t <= 0]
+    assert fast.requests[0].output_digest == slow.requests[0].output_digest

@@ -23,7 +23,7 @@ from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 
-LEAD_IN_S = 0.1  # between start-up and the trace's t = 0
+LEAD_IN_S = 0.1  # at most, between start-up and the trace's t = 0: see _lead_in
 
 
 class ReplayTarget(Protocol):
@@ -108,7 +108,7 @@ class WallClockReplay:
         return self._timeline()
 
     def _drive(self, records: Iterable[TraceRecord]) -> None:
-        self.target.request_stats()
+        self._lead_in()
         for record in records:
             if isinstance(record, (TraceRequest, TraceAbort)):
                 self._wait_until(record.t)
@@ -119,6 +119,20 @@ class WallClockReplay:
                 self.aborts.append(AbortRecord(self.now(), record.req_id))
             elif isinstance(record, TraceSnapshot):
                 self.snapshots.append(record)
+
+    def _lead_in(self) -> None:
+        """The trace's t = 0 (the origin) comes once every engine has answered a first stats
+        request (its sample before any traffic), or LEAD_IN_S after the start if one has not."""
+        self.target.request_stats()
+        first: list[StatsSnapshot] = []
+        deadline = time.monotonic() + LEAD_IN_S
+        while (not set(self.target.engines) <= {s.engine_id for s in first}
+               and (left := deadline - time.monotonic()) > 0):
+            for output in self.target.poll(min(left, 0.01)):  # none: nothing was sent yet
+                self._on_output(output)
+            first.extend(self.target.take_stats())
+        self.origin = min(time.monotonic(), self.origin)
+        self._on_stats(first)
 
     def _wait_until(self, t: float) -> None:
         while (left := t - self.now()) > 0:
@@ -141,15 +155,18 @@ class WallClockReplay:
         """Receive outputs and stats for up to timeout_s."""
         for output in self.target.poll(timeout_s):
             self._on_output(output)
-        for snap in self.target.take_stats():
-            self.latest[snap.engine_id] = snap
-            self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
-            self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
+        self._on_stats(self.target.take_stats())
         now = self.now()
         self._watch_faults(now)
         if self.on_tick is not None and now - self._last_tick >= self.options.tick_interval_s:
             self._last_tick = now
             self.on_tick(self)
+
+    def _on_stats(self, snapshots: list[StatsSnapshot]) -> None:
+        for snap in snapshots:
+            self.latest[snap.engine_id] = snap
+            self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
+            self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
 
     def _on_output(self, output: RequestOutput) -> None:
         record = self.requests.get(output.req_id)
