@@ -1,6 +1,6 @@
 """Start-up: from launching `kvdrain replay` to its first request, mock vs torch runner. Runs in: a bench process.
 
-Usage: .venv/bin/python bench/startup.py [--runs N] [--importtime]
+Usage: .venv/bin/python bench/startup.py [--runs N] [--importtime] [--baseline DIR]
 Each run launches the real CLI in a fresh interpreter (`kvdrain replay
 examples/pd_idle.jsonl --clock wall --topology pd --no-live`, --speedup 100 so the
 run is short), once with --runner mock and once with --runner torch (--device cpu),
@@ -9,7 +9,13 @@ does) writes the monotonic time at which each phase ended: the CLI imported, the
 validated, the engines launched (spawned; they start while the frontend goes on), the
 idle-window model simulated, every engine Ready, the first request sent
 (time.monotonic() is one clock for every process on a host). It hooks only modules the
-CLI imports before the engines start, so it moves no import ahead of their launch. The bench prints each
+CLI imports before the engines start, so it moves no import ahead of their launch. At
+the first request it also sums the CPU time every process of the run has used so far
+(the frontend, engine cores, connector workers: /proc/<pid>/task/*/schedstat), which a
+busy machine disturbs less than the wall-clock times.
+--baseline DIR runs the same probe on another checkout (say, of the previous commit)
+in the same sitting, interleaved, and prints its column beside each runner's; a phase
+that checkout lacks shows as -. The bench prints each
 phase's end after launch (medians over the runs), beside the aims of issue 14 (first
 request within 1 s with the mock runner, 2.5 s with torch), and which of the spawned
 processes imported torch (from /proc/<pid>/maps while the replay runs).
@@ -36,10 +42,10 @@ from bench.common import OtherLoad  # noqa: E402
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
 AIMS_S = {"mock": 1.0, "torch": 2.5}
 PHASES = ("cli imported", "trace validated", "engines launched", "windows modelled", "engines ready",
-          "first request")
+          "first request", "cpu s before it")
 # Runs the CLI with hooks that only note times: the same code paths, one extra import order.
 PROBE = r"""
-import json, sys, time
+import json, os, sys, time
 marks = {}
 out = sys.argv[1]
 def note(name):
@@ -60,13 +66,32 @@ def wrap(owner, attr, name):
         return result
     setattr(owner, attr, hooked)
 wrap(pipeline, "validate_replay_trace", "trace validated")
-wrap(pipeline, "launch_engines", "engines launched")
+if hasattr(pipeline, "launch_engines"):  # a checkout that starts the engines early
+    wrap(pipeline, "launch_engines", "engines launched")
+    wrap(topology.TopologyLaunch, "wait_ready", "engines ready")
+else:
+    wrap(topology, "start_topology", "engines ready")
 wrap(pipeline, "model_timeline", "windows modelled")
-wrap(topology.TopologyLaunch, "wait_ready", "engines ready")
+def tree(pid):
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        for task in os.listdir(f"/proc/{found[-1]}/task"):
+            with open(f"/proc/{found[-1]}/task/{task}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    return found
+def cpu_s(pid):
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 add = router.PDRouter.add_request  # what the wall driver's first send calls
 def first_add(self, *a, **k):
     add(self, *a, **k)
     if "first request" not in marks:
+        note("first request")  # the time first; then the CPU, written by a second note
+        marks["cpu s before it"] = sum(cpu_s(pid) for pid in tree(os.getpid()))
         note("first request")
         with open(out + ".pids", "w") as f:
             f.write(" ".join(str(c.pid) for c in __import__("multiprocessing").active_children()))
@@ -81,20 +106,21 @@ def replay_args(runner: str) -> list[str]:
             "--device", "cpu", "--no-live", "--speedup", "100", "--liveness", "event"]
 
 
-def one_run(runner: str) -> tuple[dict[str, float], list[str]]:
-    """Phase ends in seconds after launch, and the spawned processes that mapped torch."""
+def one_run(runner: str, root: Path = ROOT) -> tuple[dict[str, float], list[str]]:
+    """Phase ends in seconds after launch (and the CPU seconds used before the first
+    request), and the spawned processes that mapped torch; root: the checkout to run."""
     with tempfile.TemporaryDirectory() as tmp:
         marks_path = os.path.join(tmp, "marks.json")
         launch = time.monotonic()
         script = str(Path(sys.executable).parent / "kvdrain")
         proc = subprocess.Popen([sys.executable, "-c", PROBE, marks_path, script, *replay_args(runner)],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         with_torch = _torch_children(proc, marks_path + ".pids")
         output = proc.communicate(timeout=300)[0].decode(errors="replace")
         if proc.returncode != 0:
             raise RuntimeError(f"kvdrain replay --runner {runner} exited {proc.returncode}:\n{output}")
         marks = json.loads(Path(marks_path).read_text())
-    return {name: t - launch for name, t in marks.items()}, with_torch
+    return {name: t if name == "cpu s before it" else t - launch for name, t in marks.items()}, with_torch
 
 
 def _torch_children(proc: subprocess.Popen, pids_path: str) -> list[str]:
@@ -148,28 +174,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--importtime", action="store_true")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout to run beside this one, interleaved")
     args = parser.parse_args()
     load = OtherLoad()
-    results: dict[str, list[dict[str, float]]] = {"mock": [], "torch": []}
-    torch_in: dict[str, list[str]] = {}
+    roots = {"": ROOT} if args.baseline is None else {"": ROOT, " base": args.baseline.resolve()}
+    columns = [(runner, label) for runner in AIMS_S for label in roots]
+    results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in columns}
+    torch_in: dict[tuple[str, str], list[str]] = {}
     for _ in range(args.runs):
-        for runner in results:
-            marks, torch_in[runner] = one_run(runner)
-            results[runner].append(marks)
+        for runner, label in columns:
+            marks, torch_in[runner, label] = one_run(runner, roots[label])
+            results[runner, label].append(marks)
     print("seconds after launch at the end of each phase (median of "
-          f"{args.runs} run{'s' if args.runs != 1 else ''}, P/D topology, examples/pd_idle.jsonl)")
-    print(f"{'phase':<18}" + "".join(f"{r:>10}" for r in results))
+          f"{args.runs} run{'s' if args.runs != 1 else ''}, P/D topology, examples/pd_idle.jsonl)"
+          + (f"; base: {args.baseline}" if args.baseline else ""))
+    print(f"{'phase':<18}" + "".join(f"{r + label:>12}" for r, label in columns))
     for phase in PHASES:
         cells = [statistics.median(m[phase] for m in runs) if all(phase in m for m in runs) else None
                  for runs in results.values()]
-        print(f"{phase:<18}" + "".join(f"{c:>10.2f}" if c is not None else f"{'-':>10}" for c in cells))
-    for runner, runs in results.items():
+        print(f"{phase:<18}" + "".join(f"{c:>12.2f}" if c is not None else f"{'-':>12}" for c in cells))
+    for (runner, label), runs in results.items():
         first = statistics.median(m["first request"] for m in runs)
-        print(f"{runner}: first request {first:.2f} s after launch; aim <= {AIMS_S[runner]} s "
+        print(f"{runner}{label}: first request {first:.2f} s after launch; aim <= {AIMS_S[runner]} s "
               f"({first / AIMS_S[runner]:.2f}x the aim); torch loaded in: "
-              f"{', '.join(torch_in[runner]) or 'no child process'}")
+              f"{', '.join(torch_in[runner, label]) or 'no child process'}")
     if args.importtime:
-        for runner in results:
+        for runner in AIMS_S:
             for what in CHILD_IMPORTS:
                 print(f"slowest imports of the {what} child ({runner} runner):")
                 print("\n".join(importtime(runner, what)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -54,6 +55,7 @@ class TopologyLaunch:
     def __init__(self, base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
                  inproc: bool = False) -> None:
         self.base, self.kv, self.topology = base, kv, topology
+        self.launched_at = time.monotonic()
         self.run_dir: str | None = make_run_dir()
         self.clients: list[EngineClient] = []
         try:

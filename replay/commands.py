@@ -101,7 +101,8 @@ def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPa
                       soft_wrap=True)
     state = replay_state(config, summary.num_requests, summary.duration)
     view = LiveView(state, console, max_window_lines=paths.max_window_lines) if live else _NoView()
-    monitor = ReplayMonitor(state, view, config.verify)
+    monitor = ReplayMonitor(state, view, config.verify,  # start-up times count from the launch
+                            start=engines.launched_at if engines is not None else None)
     try:
         with view:
             result = run_replay(config, monitor.hooks(), summary, engines)

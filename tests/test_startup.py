@@ -352,3 +352,19 @@ def test_the_trace_starts_once_every_engine_answered_else_after_the_lead_in():
     assert [x for x in first if x[0] == "P"] == [(s.engine, s.num_blocks, s.num_free_blocks)
                                                 for s in slow.samples if s.t <= 0]
     assert fast.requests[0].output_digest == slow.requests[0].output_digest
+
+
+def test_start_up_times_count_from_the_engines_launch():
+    """The engines start before the live view exists: the dashboard's start-up clock is
+    given their launch time, so 'ready in' and each phase's 'at' count from it."""
+    from types import SimpleNamespace
+    from replay.live.monitor import ReplayMonitor
+    from replay.pipeline import MODELLING
+    from replay.ui.dashboard import DashboardState, StartupState
+    from replay.verify.rules import VerifyOptions
+    state = DashboardState(startup=StartupState(engines=["P", "D"]))
+    view = SimpleNamespace(tick=lambda force=False: None, quit_requested=False)
+    monitor = ReplayMonitor(state, view, VerifyOptions(), start=time.monotonic() - 5.0)
+    monitor.on_phase(MODELLING, ["P"])
+    assert 5.0 <= state.startup.ready_at["P"] < 6.0 and "D" not in state.startup.ready_at
+    assert 5.0 <= state.startup.phase_start_s < 6.0

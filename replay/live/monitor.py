@@ -48,11 +48,14 @@ def apply_newest(state: DashboardState, snapshots: Iterable[StatsSnapshot]) -> N
 class ReplayMonitor:
     """A wall-clock replay's ticks and a replay's final result -> the dashboard."""
 
-    def __init__(self, state: DashboardState, view: LiveView, verify_options: VerifyOptions) -> None:
+    def __init__(self, state: DashboardState, view: LiveView, verify_options: VerifyOptions,
+                 start: float | None = None) -> None:
+        """start: the monotonic time the dashboard's clock counts from (the engines'
+        launch, when they started before the view did); None: now."""
         self.state = state
         self.view = view
         self.verify_options = verify_options
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self._last_window_check = 0.0
         self._num_messages = 0
 
