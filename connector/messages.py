@@ -1,7 +1,9 @@
 """Wire types engine core <-> connector worker and worker <-> worker, on the engine's codec. Runs in: engine-core and connector-worker processes.
 
-KV block bytes never travel inside a message: BlockData is followed by one raw,
-zero-copy ZMQ frame holding the blocks in the order they were asked for.
+KV block bytes never travel inside a message: each BlockData is followed by one raw,
+zero-copy ZMQ frame holding `num_blocks` of the blocks asked for, from `first_block`
+on, in the order they were asked for. A read is answered in chunks (several such
+messages, in order), so the reader writes one chunk while the next is on the wire.
 """
 from __future__ import annotations
 
@@ -90,9 +92,14 @@ class ReadBlocks:
 
 @dataclass(frozen=True, slots=True)
 class BlockData:
+    """Prefill worker -> decode worker: one chunk of a read (or its refusal: ok=False,
+    no chunk), followed by the chunk's bytes; the chunks of a read come in order."""
+
     req_id: str
     ok: bool
     error: str
+    first_block: int = 0  # index into ReadBlocks.block_ids of the chunk's first block
+    num_blocks: int = 0  # blocks in this chunk
 
 
 @dataclass(frozen=True, slots=True)

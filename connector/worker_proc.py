@@ -30,7 +30,8 @@ from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbe
                                 ReadDone, ReadGranted, ReapLeases, RecvSpec, RegisterKVCache,
                                 StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
-from connector.transfer import PeerTimeout, Puller, TransferError
+from connector.transfer import (PeerTimeout, Puller, TransferError, keep_freed_buffers,
+                                send_blocks)
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 from engine.socket_limits import block_payload_bytes, set_max_message_size
@@ -250,9 +251,7 @@ class ConnectorWorkerProc:
             granted = ReadGranted(reply.req_id, self.kv_cache.handle.to_dict(), reply.read_until)
             self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(granted)])
             return
-        data = self.kv_cache.gather_blocks(reply.block_ids)  # sent without a copy
-        self.peers.send_multipart([reply.reply_to, CONNECTOR_CODEC.encode(BlockData(reply.req_id, True, "")),
-                                   data], copy=False)
+        send_blocks(self.peers, reply.reply_to, reply.req_id, self.kv_cache, reply.block_ids)
 
     def close(self) -> None:
         self.puller.close()
@@ -270,6 +269,7 @@ def run_connector_worker(config: ConnectorWorkerConfig) -> None:
     # Block copies are memory-bound; idle OpenMP spinners would steal the CPU from the
     # engines on a small machine. Only CUDA memory imports torch here (engine/kv_cache.py).
     os.environ["OMP_NUM_THREADS"] = "1"
+    keep_freed_buffers()  # zmq pulls: no page faults on every chunk (connector/transfer.py)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
     proc = ConnectorWorkerProc(config)

@@ -216,7 +216,7 @@ def test_worker_process_serves_holds_refuses_and_reports(tmp_path):
         assert not peer.poll(100)  # both held: neither is registered yet
         agent.send(CONNECTOR_CODEC.encode(StepMeta({"r1": [3]}, [])))
         reply, data = _recv(peer)
-        assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "")
+        assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "", 0, 1)
         assert len(data) == cache.num_bytes_per_block and set(data[:4]) != {0}
         (refusal,) = _recv(peer)
         assert CONNECTOR_CODEC.decode(refusal) == BlockData("ghost", False, UNKNOWN_REQUEST)
@@ -239,7 +239,7 @@ def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
         assert not agent.poll(400)  # both deadlines passed: nothing expires on its own
         peer.send(CONNECTOR_CODEC.encode(ReadBlocks("r1", [3])))
         reply, _ = _recv(peer)
-        assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "")  # still held
+        assert CONNECTOR_CODEC.decode(reply) == BlockData("r1", True, "", 0, 1)  # still held
         agent.send(CONNECTOR_CODEC.encode(ReapLeases()))
         asked = time.monotonic_ns()
         report = CONNECTOR_CODEC.decode(_recv(agent)[0])
