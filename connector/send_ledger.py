@@ -48,7 +48,7 @@ The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 # How long an early read waits for its send to be registered: less than the decode
 # side's 2 s read timeout (connector/transfer.py), so it gets an answer either way.
@@ -84,6 +84,14 @@ class ReadReply:
     @property
     def ok(self) -> bool:
         return not self.error
+
+    def refused(self, error: str) -> ReadReply:
+        """This read, refused with `error` (dataclasses.replace, without its cost)."""
+        return ReadReply(self.reply_to, self.req_id, self.block_ids, error, self.pin, self.read_until)
+
+    def granted_until(self, read_until: int) -> ReadReply:
+        """This pin, granted until `read_until`."""
+        return ReadReply(self.reply_to, self.req_id, self.block_ids, self.error, self.pin, read_until)
 
 
 @dataclass(slots=True)
@@ -214,12 +222,12 @@ class SendLedger:
             out.replies.append(self._answer(read, now))
         elif req_id in self.expired:  # gone: refused now, D's failure is not delayed
             self.counters["num_reads_refused"] += 1
-            out.replies.append(replace(read, error=UNKNOWN_REQUEST))
+            out.replies.append(read.refused(UNKNOWN_REQUEST))
         else:  # not yet registered
             hold = self._hold_early(req_id, now, self.early_hold_ns, out)
             if hold is None:  # too many early arrivals held: refused at once
                 self.counters["num_reads_refused"] += 1
-                out.replies.append(replace(read, error=UNKNOWN_REQUEST))
+                out.replies.append(read.refused(UNKNOWN_REQUEST))
             else:
                 hold.reads.append(read)
         return out
@@ -286,15 +294,17 @@ class SendLedger:
 
     def _answer(self, read: ReadReply, now: int) -> ReadReply:
         """Serve a read of a held send (a pin: leased for READ_LEASE_NS), or refuse it."""
-        send = self.sends[read.req_id]
-        if not set(read.block_ids) <= set(send.block_ids):
+        send, block_ids = self.sends[read.req_id], read.block_ids
+        # The usual read is the send's tail (D's prefix hits are its head): a subset.
+        is_tail = block_ids == send.block_ids[len(send.block_ids) - len(block_ids):]
+        if not is_tail and not set(send.block_ids).issuperset(block_ids):
             self.counters["num_reads_refused"] += 1
-            return replace(read, error=BLOCKS_NOT_HELD)
+            return read.refused(BLOCKS_NOT_HELD)
         send.was_read = True
         if not read.pin:
             return read
         send.read_until = max(send.read_until, now + READ_LEASE_NS)
-        return replace(read, read_until=send.read_until)
+        return read.granted_until(send.read_until)
 
     def _finish(self, req_id: str, expired: bool, out: LedgerOutput) -> None:
         send = self.sends.pop(req_id)
@@ -326,7 +336,7 @@ class SendLedger:
         """The send never got registered (aborted on P, or a stranger's id)."""
         for read in self.early.pop(req_id).reads:
             self.counters["num_reads_refused"] += 1
-            out.replies.append(replace(read, error=UNKNOWN_REQUEST))
+            out.replies.append(read.refused(UNKNOWN_REQUEST))
 
 
 @dataclass(slots=True)

@@ -37,10 +37,15 @@ def hash_request_blocks(
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` past the `known` ones (returned appended)."""
     hashes = known
-    start = len(hashes) * block_size
-    parent = hashes[-1] if hashes else None
-    while start + block_size <= len(token_ids):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+    start, end = len(hashes) * block_size, len(token_ids) // block_size * block_size
+    if end <= start:
+        return hashes
+    # hash_block_tokens of each block, the tokens packed once: the same bytes per block.
+    num_tokens = end - start  # one block (a decode filled it): its cached packer
+    pack = _packer(num_tokens) if num_tokens == block_size else struct.Struct(f"={num_tokens}q").pack
+    data = pack(*token_ids[start:end])
+    parent, sha256, size = hashes[-1] if hashes else NONE_HASH, hashlib.sha256, 8 * block_size
+    for offset in range(0, len(data), size):
+        parent = sha256(parent + data[offset:offset + size]).digest()[:16]
         hashes.append(parent)
-        start += block_size
     return hashes

@@ -52,6 +52,32 @@ class FreeKVCacheBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first n blocks, in queue order (n popleft()s, one splice)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks; only {self.num_free_blocks} free")
+        head, blocks = self._head, [None] * n
+        block = head.next_free
+        for i in range(n):
+            blocks[i], nxt = block, block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        head.next_free, block.prev_free = block, head
+        self.num_free_blocks -= n
+        return blocks
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the tail, in list order (n append()s, one splice)."""
+        if not blocks:
+            return
+        tail = self._tail
+        prev = tail.prev_free
+        for block in blocks:
+            prev.next_free, block.prev_free = block, prev
+            prev = block
+        prev.next_free, tail.prev_free = tail, prev
+        self.num_free_blocks += len(blocks)
+
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
@@ -97,11 +123,21 @@ class BlockHashToBlockMap:
             return blocks
         return next(iter(blocks.values()))
 
+    def get_prefix(self, block_hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+        """get_one_block of each of the first max_blocks hashes, up to the first miss."""
+        cache, hits = self._cache, []
+        for i in range(min(max_blocks, len(block_hashes))):
+            blocks = cache.get(block_hashes[i])
+            if blocks is None:
+                break
+            hits.append(blocks if type(blocks) is KVCacheBlock else next(iter(blocks.values())))
+        return hits
+
     def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
-        blocks = self._cache.get(block_hash)
-        if blocks is None:
-            self._cache[block_hash] = block
-        elif isinstance(blocks, KVCacheBlock):
+        blocks = self._cache.setdefault(block_hash, block)
+        if blocks is block:  # the common case: the hash was not cached
+            return
+        if isinstance(blocks, KVCacheBlock):
             self._cache[block_hash] = {blocks.block_id: blocks, block.block_id: block}
         else:
             blocks[block.block_id] = block
@@ -120,6 +156,21 @@ class BlockHashToBlockMap:
         if len(blocks) == 1:
             (self._cache[block_hash],) = blocks.values()
         return block
+
+    def evict(self, blocks: list[KVCacheBlock]) -> int:
+        """pop() each hashed block from under its hash and clear its hash; how many had one."""
+        cache, num_evicted = self._cache, 0
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                continue
+            if cache.get(block_hash) is block:  # the hash's only block
+                del cache[block_hash]
+            else:
+                self.pop(block_hash, block.block_id)
+            block.block_hash = None
+            num_evicted += 1
+        return num_evicted
 
     def items(self):
         """(hash, block) for every cached block."""
@@ -162,15 +213,19 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
 
+    def get_cached_prefix(self, block_hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+        """The cached blocks of the longest cached prefix of block_hashes[:max_blocks]."""
+        return self.cached_block_hash_to_block.get_prefix(block_hashes, max_blocks)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """num_blocks from the free queue's head, their old hashes evicted, ref 1."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free")
-        blocks = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._maybe_evict_cached_block(block)
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        # _maybe_evict_cached_block of each (all free, so each hashed one was cached-free).
+        self.num_cached_free_blocks -= self.cached_block_hash_to_block.evict(blocks)
+        for block in blocks:
             block.ref_cnt = 1
-            blocks.append(block)
         self.num_used_blocks += num_blocks
         return blocks
 
@@ -203,23 +258,20 @@ class BlockPool:
         """ref--, blocks in eviction order (the first is evicted first); like vLLM,
         blocks reaching 0 without a hash go to the free queue's head (reused first, in
         the given order), hashed ones to its tail (kept for prefix hits, LRU)."""
-        evict_first, evict_last = [], []
+        null_block, evict_first, evict_last = self.null_block, [], []
         for block in ordered_blocks:
-            if block is self.null_block:
+            if block is null_block:
                 continue
-            if block.ref_cnt <= 0:
+            ref_cnt = block.ref_cnt - 1
+            if ref_cnt < 0:
                 raise RuntimeError(f"double free of {block}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.num_used_blocks -= 1
-                if block.block_hash is None:
-                    evict_first.append(block)
-                else:
-                    evict_last.append(block)
-                    self.num_cached_free_blocks += 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
+                (evict_first if block.block_hash is None else evict_last).append(block)
+        self.num_used_blocks -= len(evict_first) + len(evict_last)
+        self.num_cached_free_blocks += len(evict_last)
         self.free_block_queue.prepend_n(evict_first)
-        for block in evict_last:
-            self.free_block_queue.append(block)
+        self.free_block_queue.append_n(evict_last)
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
@@ -232,12 +284,12 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
+        cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already cached under this hash
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.insert(block_hash, block)
+            block = blocks[i]
+            if block.block_hash is None:  # else a prefix hit: cached under this hash already
+                block.block_hash = block_hashes[i]
+                cached.insert(block.block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash; refused (False) while any block is in use, like vLLM."""

@@ -26,12 +26,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.block_pool.get_cached_prefix(request.block_hashes, max_hit_blocks)
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -123,7 +118,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first: tail blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.num_cached_block.pop(request.req_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        self.block_pool.free_blocks(blocks[::-1])
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop these blocks' prefix hashes (a failed load wrote bad KV into them)."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+_INT_ONLY = {int}
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """An engine's limits (from its Ready message or its config)."""
@@ -39,7 +42,7 @@ def why_malformed(prompt_token_ids: object, max_tokens: object, vocab_size: int)
         return f"max_tokens: must be an integer >= 1, got {max_tokens!r}"
     if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
         return "prompt_token_ids: must be a non-empty list of token ids"
-    if not all(type(t) is int for t in prompt_token_ids):
+    if set(map(type, prompt_token_ids)) != _INT_ONLY:  # every type(t) is int; in C
         return "prompt_token_ids: every token id must be an integer"
     low, high = min(prompt_token_ids), max(prompt_token_ids)
     if low < 0 or high >= vocab_size:

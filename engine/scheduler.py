@@ -539,7 +539,7 @@ class Scheduler:
         return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return bool(self.waiting or self.skipped_waiting or self.running)
 
     def has_finished_requests(self) -> bool:
         if self.finished_req_ids:
@@ -551,7 +551,11 @@ class Scheduler:
         return len(self.requests) > self.get_num_unfinished_requests()
 
     def has_requests(self) -> bool:
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        """has_unfinished_requests() or has_finished_requests(), asked every step:
+        without unfinished requests, #43433's count is just `requests` being non-empty."""
+        if self.waiting or self.skipped_waiting or self.running or self.finished_req_ids:
+            return True
+        return bool(self.requests) and self.connector is not None and self.config.liveness != "legacy"
 
     def can_progress(self, sched_out: SchedulerOutput, got_kv_reports: bool) -> bool:
         """After a step: could the next schedule() do work without a new report or input?
@@ -577,9 +581,8 @@ class Scheduler:
         return bool(self.deferred_req_ids)
 
     def make_stats(self) -> SchedulerStats:
-        pool = self.block_pool
-        num_remote = sum(1 for r in self.skipped_waiting
-                         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        pool, skipped = self.block_pool, self.skipped_waiting
+        num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in skipped) if skipped else 0
         return SchedulerStats(
             num_waiting=len(self.waiting),
             num_skipped_waiting=len(self.skipped_waiting),

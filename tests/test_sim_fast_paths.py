@@ -116,3 +116,25 @@ def test_a_prompt_the_frontend_refuses_to_hash_takes_add_request_itself(monkeypa
     assert shared == timeline_json(records, options, share_hashes=False)
     assert {r["req_id"]: r["finish_reason"] for r in json.loads(shared)["requests"]} == \
         {"a": "length", "b": "length", "c": "length"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_frontends_check_of_a_synthesised_prompt_equals_the_full_check(seed):
+    """_Frontend._is_well_formed checks a synthesised prompt's first token only: the
+    same answer as why_malformed over every token, for any max_tokens and vocabulary."""
+    rng = random.Random(seed)
+    sim = Simulation([], SimOptions(tail_s=1.0))
+    frontend = sim.frontend
+    for i in range(100):
+        vocab = rng.choice([1, 2, 7, 512, 32000])
+        frontend.vocab_size = vocab
+        max_tokens = rng.choice([1, 5, 0, -1, True, 2.0])
+        n = rng.randint(1, 4)
+        if rng.random() < 0.5:
+            req = TraceRequest(0.0, f"h{i}", max_tokens, (n - 1) * 16 + rng.randint(1, 16),
+                               hash_ids=tuple(rng.randrange(10**6) for _ in range(n)), hash_block_size=16)
+        else:
+            req = TraceRequest(0.0, f"p{i}", max_tokens, rng.randint(1, 300))
+        prompt = synth_prompt(req, vocab)
+        full = simulation.why_malformed(prompt, max_tokens, vocab) is None
+        assert frontend._is_well_formed(req, prompt) == full

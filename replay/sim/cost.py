@@ -36,14 +36,13 @@ class StepShape:
 
     @staticmethod
     def of(sched_out: SchedulerOutput) -> StepShape:
-        prefill = decode = context = 0
-        for chunk in sched_out.scheduled:
-            if len(chunk.token_ids) == 1:
+        prefill = decode = 0
+        for num_new in sched_out.num_scheduled_tokens:  # the columns, not the records
+            if num_new == 1:
                 decode += 1
             else:
-                prefill += len(chunk.token_ids)
-            context += chunk.num_computed_tokens
-        return StepShape(prefill, decode, context)
+                prefill += num_new
+        return StepShape(prefill, decode, sum(sched_out.num_computed_tokens))
 
     def features(self) -> tuple[float, ...]:
         """1 (for the base), then each feature, in COEFFICIENTS order."""

@@ -63,7 +63,7 @@ class _TimedRunner:
         meta = sched_out.kv_connector_metadata
         self.num_tokens = sched_out.total_num_scheduled_tokens
         self.sched_out = sched_out  # its shape, for a calibrated cost model
-        self.is_noop = not (self.num_tokens or sched_out.scheduled or sched_out.preempted_req_ids
+        self.is_noop = not (self.num_tokens or sched_out.req_ids or sched_out.preempted_req_ids
                             or sched_out.finished_req_ids or (meta is not None and not meta.is_empty()))
         return self.runner.execute(sched_out)
 
@@ -103,7 +103,7 @@ def build_connector(config: EngineConfig) -> KVConnectorBase | None:
     return import_factory(config.kv_transfer.kv_connector)(config, KVConnectorRole.SCHEDULER)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs more
 class _StepResult:
     """What a step hands to its end event: outputs and the liveness inputs."""
 
@@ -186,7 +186,7 @@ class SimEngine:
 
     def _step_start(self, _: object) -> None:
         num_inputs = len(self.input)
-        drained = self._drain()
+        drained = self._drain() if num_inputs else None
         if drained:
             self.slot.on_outputs(self.name, drained)
         if not self.core.has_work():

@@ -64,10 +64,17 @@ class _Frontend:
         record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
         self.records.append(record)
         hashes = None  # for a prompt checked here once, as every engine core would check it
-        if self.share_hashes and why_malformed(prompt, req.max_tokens, self.vocab_size) is None:
+        if self.share_hashes and self._is_well_formed(req, prompt):
             hashes = hash_request_blocks(prompt, self.block_size, [])
         self.flights[req.req_id] = _Flight(record, block_hashes=hashes)
         self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd))
+
+    def _is_well_formed(self, req: TraceRequest, prompt: list[int]) -> bool:
+        """why_malformed(prompt, ...) is None. A synthesised prompt (no token ids in the
+        trace) is plain ints in [0, vocab_size) by construction (synth_prompt), so its
+        first token stands for all of them: the per-token pass is skipped."""
+        checked = prompt[:1] if req.prompt_token_ids is None else prompt
+        return why_malformed(checked, req.max_tokens, self.vocab_size) is None
 
     def on_abort(self, abort: TraceAbort) -> None:
         self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))

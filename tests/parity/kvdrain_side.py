@@ -5,6 +5,8 @@ core needs the stdlib, plus msgpack through connector/messages.py), never instal
 """
 from __future__ import annotations
 
+from itertools import islice
+
 from connector.pd import PDConnector
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, KVTransferConfig
@@ -43,6 +45,17 @@ class EvictionCounter:
             return original(block)
 
         pool._maybe_evict_cached_block = counting
+        # get_new_blocks evicts the hashes of the blocks it takes inline, not through
+        # _maybe_evict_cached_block: count the hashed ones among the n it will take.
+        get_new_blocks = pool.get_new_blocks
+
+        def counting_get(num_blocks):
+            if num_blocks <= pool.get_num_free_blocks():  # else it raises, taking none
+                taken = islice(pool.free_block_queue, num_blocks)
+                self.count += sum(block.block_hash is not None for block in taken)
+            return get_new_blocks(num_blocks)
+
+        pool.get_new_blocks = counting_get
 
 
 class KvdrainSide:
