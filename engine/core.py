@@ -132,10 +132,11 @@ class EngineCore:
         """When either connector half next acts on time alone (a heartbeat due, a lease
         to reap), on the worker side's clock; None: nothing timed."""
         connector, worker = self.scheduler.connector, self.connector_worker
-        dues = [d for d in (connector.next_deadline_ns() if connector is not None else None,
-                            worker.next_deadline_ns() if worker is not None else None)
-                if d is not None]
-        return min(dues, default=None)
+        due = connector.next_deadline_ns() if connector is not None else None
+        worker_due = worker.next_deadline_ns() if worker is not None else None
+        if due is None or worker_due is None:  # asked after every report: no list, no min()
+            return worker_due if due is None else due
+        return min(due, worker_due)
 
     def must_poll(self) -> bool:
         """A connector deferred a request and will not say when to ask again."""

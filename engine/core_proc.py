@@ -147,9 +147,10 @@ class EngineCoreProc:
                 result = self.core.step()
                 self._send_outputs(result.outputs)
                 model_executed, can_progress = result.model_executed, result.can_progress
-            action = next_action(liveness, self.core.has_work(), model_executed,
-                                 can_progress, self.core.must_poll(),
-                                 has_unfinished=self.core.has_unfinished_requests())
+            # must_poll matters under event only, has_unfinished under legacy only.
+            action = next_action(liveness, self.core.has_work(), model_executed, can_progress,
+                                 liveness == "event" and self.core.must_poll(),
+                                 has_unfinished=liveness == "legacy" and self.core.has_unfinished_requests())
             self.loop_state = LOOP_STATES[action]
             # One snapshot per step at most: a zero-token step followed at once by
             # another step (a report consumed, finished ids to ship) leaves its
