@@ -20,12 +20,16 @@ interleaved: the tables show each policy's median run (CPU, wake-ups), free late
 percentiles pool every run's frees, and the event/poll ratios are given per run too,
 so one outlier does not decide. Poll's CPU scales with the wake-ups it gets: on a busy
 machine it sleeps longer than 1 ms, wakes less and its share shrinks, so its wake-ups/s
-are printed beside the ratio.
+are printed beside the ratio. After B, a zmq floor: the CPU per report of a bare Python
+process that only wakes on a PAIR, decodes a KVReport and sends a StatsSnapshot (the
+least any Python engine on zmq pays per free), beside event's P CPU per free, and
+NUM_REQUESTS x floor / poll's P CPU: the lowest event/poll B allows on this machine.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -40,13 +44,13 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
-from connector.messages import ReadDone, RecvSpec  # noqa: E402
+from connector.messages import CONNECTOR_CODEC, KVReport, ReadDone, RecvSpec  # noqa: E402
 from connector.topology import engine_configs, start_topology  # noqa: E402
 from connector.transfer import Puller  # noqa: E402
 from engine.client import MPClient, make_run_dir  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
-from engine.messages import StatsSnapshot  # noqa: E402
+from engine.messages import CODEC, StatsSnapshot  # noqa: E402
 from engine.outputs import RequestOutput  # noqa: E402
 
 POLICIES = ("legacy", "poll", "event")
@@ -254,6 +258,72 @@ def measure_reads(policy: str) -> Result:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def run_floor_echo(addr_in: str, addr_out: str) -> None:
+    """The least a Python process on zmq does per report: wake on a PAIR, receive and
+    decode a KVReport, send one StatsSnapshot (PUSH); no engine at all."""
+    ctx = zmq.Context.instance()
+    reports, snapshots = ctx.socket(zmq.PAIR), ctx.socket(zmq.PUSH)
+    reports.connect(addr_in)
+    snapshots.connect(addr_out)
+    poller = zmq.Poller()
+    poller.register(reports, zmq.POLLIN)
+    counts = {f"num_count_{i}": i for i in range(24)}  # about as many as P's snapshot
+    seq = 0
+    while True:
+        poller.poll()
+        while reports.poll(0):
+            data = reports.recv()
+            if data == b"stop":
+                return
+            CONNECTOR_CODEC.decode(data)
+            seq += 1
+            snapshots.send(CODEC.encode(StatsSnapshot("P", seq, time.monotonic(), "blocked", seq, seq, counts)))
+
+
+def measure_floor() -> float:
+    """CPU (all threads) per report of run_floor_echo, NUM_REQUESTS reports SEND_GAP_S apart."""
+    run_dir = make_run_dir()
+    ctx = zmq.Context.instance()
+    reports, snapshots = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
+    reports.bind(f"ipc://{run_dir}/floor-in")
+    snapshots.bind(f"ipc://{run_dir}/floor-out")
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_floor_echo, args=(f"ipc://{run_dir}/floor-in", f"ipc://{run_dir}/floor-out"))
+    proc.start()
+    try:
+        report = KVReport(["r0"], [], [], {"num_sent": 1, "report_ns": time.monotonic_ns()})
+        reports.send(CONNECTOR_CODEC.encode(report))
+        if not snapshots.poll(30_000):
+            raise TimeoutError("the floor process did not answer in 30 s")
+        snapshots.recv()
+        cpu0 = cpu_seconds(proc.pid)[0]
+        for _ in range(NUM_REQUESTS):
+            reports.send(CONNECTOR_CODEC.encode(report))
+            time.sleep(SEND_GAP_S)
+            while snapshots.poll(0):
+                snapshots.recv()
+        return (cpu_seconds(proc.pid)[0] - cpu0) / NUM_REQUESTS
+    finally:
+        reports.send(b"stop")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+        reports.close(0)
+        snapshots.close(0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def print_floor(runs: dict[str, list[Result]], floors: list[float]) -> None:
+    """Event's P CPU per report beside the zmq floor, and the ratio the floor allows."""
+    floor = statistics.median(floors)
+    event = statistics.median(r.cpu_s["P"] / max(1, r.num_freed) for r in runs["event"])
+    poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
+    print(f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
+          f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
+          f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
+          "(the least event/poll could be here with one report per free)")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -343,10 +413,11 @@ def main() -> None:
     # the CPU just when they should handle the ReadDone that was sent: that would be
     # measured as P's latency. The reads are 16 KiB: one thread is plenty.
     torch.set_num_threads(1)
+    runs_b = measure_runs(measure_reads, num_runs)
     print_runs(f"B. P alone, this process reads as D's worker would; requests "
                f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
-               "free latency = P's free snapshot - ReadDone sent",
-               measure_runs(measure_reads, num_runs), "read")
+               "free latency = P's free snapshot - ReadDone sent", runs_b, "read")
+    print_floor(runs_b, [measure_floor() for _ in range(num_runs)])
     print(load.report())
 
 
