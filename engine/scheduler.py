@@ -370,8 +370,9 @@ class Scheduler:
             any_finished = self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs)
         else:
             any_finished = self._update_scheduled(sched_out, runner_out, failed_ids, outputs)
-        if any_finished:
-            self.running = [r for r in self.running if not r.is_finished()]
+        if any_finished:  # r.is_finished(), inline
+            preempted = RequestStatus.PREEMPTED
+            self.running = [r for r in self.running if r.status <= preempted]
         if failed_ids and self.config.kv_load_failure_policy == "fail":
             outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
         if kv_out is not None:
