@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec,  # noqa: E402
-                                RegisterKVCache, StepMeta, WorkerReady)
+                                KVCacheRegistered, RegisterKVCache, StepMeta, WorkerReady)
 from connector.transfer import PeerLink, Puller, keep_freed_buffers  # noqa: E402
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
 from engine.config import ModelConfig, get_model_config  # noqa: E402
@@ -93,8 +93,10 @@ class PrefillWorker:
         if not isinstance(CONNECTOR_CODEC.decode(self.agent.recv()), WorkerReady):
             raise RuntimeError("connector worker did not say WorkerReady first")
         held = list(range(1, cache.num_blocks))
-        for msg in (RegisterKVCache("P", cache.handle.to_dict()), StepMeta({"bench": held}, [])):
-            self.agent.send(CONNECTOR_CODEC.encode(msg))
+        self.agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
+        if not isinstance(CONNECTOR_CODEC.decode(self.agent.recv()), KVCacheRegistered):
+            raise RuntimeError("connector worker did not answer RegisterKVCache")
+        self.agent.send(CONNECTOR_CODEC.encode(StepMeta({"bench": held}, [])))
         self._wait_serving()
 
     def _wait_serving(self) -> None:

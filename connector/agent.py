@@ -18,8 +18,9 @@ import time
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, KVReport, LeaseDue, LeasesReaped, ReadAbandoned,
-                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+from connector.messages import (CONNECTOR_CODEC, KVCacheRegistered, KVReport, LeaseDue, LeasesReaped,
+                                ReadAbandoned, ReapLeases, RecvSpec, RegisterKVCache, StepMeta,
+                                WorkerReady)
 from connector.pd import PDConnectorMetadata
 from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
@@ -140,8 +141,11 @@ class PDConnectorAgent(KVConnectorWorkerBase):
             target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
         self.process.start()
         self.socket.connect(kv.agent_addr)
-        worker_pid = self._wait_ready()
+        worker_pid = self._wait_for(WorkerReady).pid
+        # Mapped before the engine says Ready: on CUDA the worker's context and the IPC
+        # open take seconds, which the first KV loads would otherwise wait for.
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
+        self._wait_for(KVCacheRegistered)
         # Transfers the worker owns, so a dead worker's can be resolved here.
         self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9), round(kv.pull_delay_ms * 1e6))
         self.pending.counters["connector_worker_pid"] = worker_pid
@@ -152,18 +156,20 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self._sentinel_poll = select.poll()
         self._sentinel_poll.register(self.process.sentinel, select.POLLIN)
 
-    def _wait_ready(self) -> int:
+    def _wait_for(self, kind: type) -> object:
+        """The worker's next `kind` message (start-up: WorkerReady, KVCacheRegistered)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.socket.poll(100, zmq.POLLIN):
                 msg = CONNECTOR_CODEC.decode(self.socket.recv())
-                if isinstance(msg, WorkerReady):
-                    return msg.pid
+                if isinstance(msg, kind):
+                    return msg
             if not self.process.is_alive():
                 raise RuntimeError(f"connector worker of engine {self.engine_id} exited with code "
-                                   f"{self.process.exitcode} before it was ready")
+                                   f"{self.process.exitcode} before {kind.__name__}")
         self.process.kill()
-        raise RuntimeError(f"connector worker of engine {self.engine_id} not ready in {READY_TIMEOUT_S} s")
+        raise RuntimeError(f"connector worker of engine {self.engine_id}: no {kind.__name__} in "
+                           f"{READY_TIMEOUT_S} s")
 
     def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:
         if metadata is None or metadata.is_empty():

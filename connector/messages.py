@@ -28,6 +28,16 @@ class WorkerReady:
 
 
 @dataclass(frozen=True, slots=True)
+class KVCacheRegistered:
+    """Worker -> its engine core: the KV cache is mapped (on CUDA: the worker's context
+    made and the IPC memory opened, seconds on a big GPU), so the engine may say Ready;
+    vLLM registers its KV caches with NIXL before the engine serves, too."""
+
+    engine_id: str
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class RecvSpec:
     req_id: str
     local_block_ids: list[int]
@@ -185,5 +195,6 @@ CONNECTOR_MESSAGES: dict[int, type] = {
     13: ReadAbandoned,
     14: PinSend,
     15: ReadGranted,
+    16: KVCacheRegistered,
 }
 CONNECTOR_CODEC = Codec(CONNECTOR_MESSAGES, nested=(RecvSpec, HeartbeatSpec))

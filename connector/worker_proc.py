@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat, KVHandle,
-                                KVReport, LeaseDue, LeasesReaped, PinSend, ReadAbandoned, ReadBlocks,
-                                ReadDone, ReadGranted, ReapLeases, RecvSpec, RegisterKVCache,
-                                StepMeta, WorkerReady)
+from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat,
+                                KVCacheRegistered, KVHandle, KVReport, LeaseDue, LeasesReaped,
+                                PinSend, ReadAbandoned, ReadBlocks, ReadDone, ReadGranted,
+                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
 from connector.transfer import (PeerTimeout, Puller, TransferError, keep_freed_buffers,
                                 send_blocks)
@@ -132,6 +132,7 @@ class ConnectorWorkerProc:
             self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
             # A pull fills local blocks: its bytes never exceed this cache's.
             self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.nbytes)
+            self._send_to_agent(KVCacheRegistered(self.config.engine_id, self.kv_cache.num_blocks))
         elif isinstance(msg, StepMeta):
             self._on_step_meta(msg)
         elif isinstance(msg, ReapLeases):  # the engine steps: reap, then say when next

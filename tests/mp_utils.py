@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from connector.messages import CONNECTOR_CODEC, RegisterKVCache, WorkerReady
+from connector.messages import CONNECTOR_CODEC, KVCacheRegistered, RegisterKVCache, WorkerReady
 from connector.router import PDRouter
 from connector.topology import start_topology
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
@@ -117,6 +117,7 @@ def spawned_p_worker(tmp_path, **config_kw):
             sock.connect(addr)
         assert isinstance(CONNECTOR_CODEC.decode(_recv_one(agent, 60)), WorkerReady)
         agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
+        assert CONNECTOR_CODEC.decode(_recv_one(agent, 60)) == KVCacheRegistered("P", cache.num_blocks)
         yield config, cache, agent, peer
     finally:
         proc.terminate()

@@ -366,3 +366,23 @@ def test_a_report_carries_only_the_counters_that_changed_and_the_agent_keeps_the
         assert expected["num_sent"] == 2 and not agent.poll(0)  # nothing more to report
     finally:
         agent.close()
+
+
+def test_the_worker_has_mapped_the_kv_cache_before_the_engine_goes_on(tmp_path) -> None:
+    """PDConnectorAgent returns (and so the engine core says Ready) only once its worker
+    has mapped the KV cache: on CUDA that is the worker's context and an IPC open, seconds
+    on a big GPU, which the first KV loads used to wait for (a false 'stuck worker' fault
+    on an H200). Seen from outside: the segment is in the worker's memory map at once."""
+    from connector.agent import PDConnectorAgent
+    from engine.config import EngineConfig, KVTransferConfig, ModelConfig
+    from engine.kv_cache import KVCache
+    config = EngineConfig(engine_id="P", num_blocks=8, kv_transfer=KVTransferConfig(
+        kv_role="kv_producer", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"))
+    cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=16)
+    agent = PDConnectorAgent(config, cache.handle.to_dict())
+    try:
+        with open(f"/proc/{agent.process.pid}/maps") as maps:
+            assert cache.handle.name in maps.read()
+    finally:
+        agent.shutdown()
+        cache.close()

@@ -11,7 +11,7 @@ from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, 
                                 Heartbeat, HeartbeatSpec, KVHandle, KVReport, LeaseDue,
                                 LeasesReaped, PinSend, ReadAbandoned, ReadBlocks, ReadDone,
                                 ReadGranted, ReapLeases, RecvSpec,
-                                RegisterKVCache, StepMeta, WorkerReady)
+                                KVCacheRegistered, RegisterKVCache, StepMeta, WorkerReady)
 from engine.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
                              GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
                              StatsSnapshot, output_from_msg, output_to_msg)
@@ -30,6 +30,7 @@ SAMPLES = {
     ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16, "mock", 4096, 512, "tiny"),
     RegisterKVCache: RegisterKVCache("P", {"kind": "shm", "shape": [1, 2], "cuda_handle": b"\x00"}),
     WorkerReady: WorkerReady("P", 42, "ipc:///tmp/x/P-kv"),
+    KVCacheRegistered: KVCacheRegistered("P", 512),
     StepMeta: StepMeta({"r1": [1, 2]}, [RecvSpec("r2", [3], [9], "P", "r2", "ipc:///tmp/x")],
                        {"r1": 30_000_000_000}, [HeartbeatSpec("P", "ipc:///tmp/x", ["r3"])]),
     KVReport: KVReport(["r1"], ["r2"], [3, 4], {"num_sent": 1}),
@@ -57,7 +58,7 @@ CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
     "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,
     "ReapLeases": 10, "LeasesReaped": 11, "LeaseDue": 12, "ReadAbandoned": 13,
-    "PinSend": 14, "ReadGranted": 15,
+    "PinSend": 14, "ReadGranted": 15, "KVCacheRegistered": 16,
 }
 
 
