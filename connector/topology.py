@@ -59,13 +59,15 @@ class TopologyLaunch:
         self.run_dir: str | None = make_run_dir()
         self.clients: list[EngineClient] = []
         try:
-            with spawning_without_main():
-                for config in engine_configs(base, kv, topology, self.run_dir):
-                    self.clients.append(InprocClient(config) if inproc
-                                        else MPClient(config, self.run_dir, wait=False))
+            for config in engine_configs(base, kv, topology, self.run_dir):
+                self.clients.append(InprocClient(config) if inproc else self._spawn(config))
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, config: EngineConfig) -> MPClient:
+        with spawning_without_main():
+            return MPClient(config, self.run_dir, wait=False)
 
     def is_for(self, base: EngineConfig, kv: KVTransferConfig, topology: str) -> bool:
         """Whether these engines run exactly this configuration."""
