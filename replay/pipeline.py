@@ -201,12 +201,20 @@ def _model_and_replay_wall(config: ReplayConfig, records: Iterator[TraceRecord],
         raise ValueError("run_replay: the engines given were launched for another configuration")
     ready = engines.ready_engines if engines is not None else list
     hooks.phase(MODELLING, ready())
+    dead: list[Exception] = []  # an engine that failed meanwhile (EngineDeadError)
 
     def on_progress(num_done: int, t: float) -> None:  # the engines ready so far, too
-        hooks.phase(MODELLING, ready())
+        try:
+            now_ready = ready()
+        except Exception as e:  # a RuntimeError: model_timeline would take it for the model's
+            dead.append(e)
+            raise
+        hooks.phase(MODELLING, now_ready)
         if hooks.on_progress is not None:
             hooks.on_progress(num_done, t)
     model = model_timeline(config, on_progress)  # before running: which idle windows to expect
+    if dead:
+        raise dead[0]
     return _replay_wall(config, records, hooks, summary, engines), model
 
 
