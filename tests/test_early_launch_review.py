@@ -67,3 +67,43 @@ def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
     assert result.exit_code == 4, (result.output, result.exception)
     assert "engine core P" in result.output
     assert multiprocessing.active_children() == []
+
+
+def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, monkeypatch):
+    """--target: the serve's engines sized their own pools (from GPU memory, maybe) and say
+    so in ServeInfo; the idle-window model runs on that size (as for a local replay), not
+    on the replay's own default."""
+    import threading
+
+    from connector.topology import start_topology
+    from engine.config import EngineConfig, KVTransferConfig
+    from engine.messages import ServeInfo
+    from replay import pipeline
+    from replay.live.serve import Server, ServeOptions
+    from replay.trace.shaping import ShapingOptions
+    modelled: list[int] = []
+    model_timeline = pipeline.model_timeline
+    monkeypatch.setattr(pipeline, "model_timeline", lambda config, on_progress=None: (
+        modelled.append(config.engine.num_blocks) or model_timeline(config, on_progress)))
+    router = start_topology(EngineConfig(num_blocks=300, runner="mock"), KVTransferConfig(), "pd")
+    stop = threading.Event()
+    try:
+        server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"),
+                        ServeInfo(router.engines, "pd", "event", router.vocab_size, 16, "mock", 4096,
+                                  router.num_blocks, "tiny"))
+        thread = threading.Thread(target=server.serve_forever, args=(None, stop.is_set))
+        thread.start()
+        try:
+            config = pipeline.ReplayConfig(trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock"),
+                                           shaping=ShapingOptions(speedup=100), tail_s=1.0,
+                                           target=server.address)
+            result = pipeline.run_replay(config)
+        finally:
+            stop.set()
+            thread.join(10)
+            server.close()
+    finally:
+        router.shutdown()
+    assert result.engine_settings()["num_blocks"] == 300
+    assert modelled[-1] == 300, modelled
+    assert result.verdict.exit_code == 0
