@@ -129,7 +129,11 @@ class ConnectorWorkerProc:
     def _on_agent_message(self, frames: list[zmq.Frame]) -> None:
         msg = CONNECTOR_CODEC.decode(frames[0].bytes)
         if isinstance(msg, RegisterKVCache):
-            self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
+            try:
+                self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
+            except (ValueError, OSError) as e:  # the agent waits for KVCacheRegistered: exit, say why
+                raise SystemExit(f"connector worker of engine {self.config.engine_id}: "
+                                 f"cannot map the KV cache: {e}") from None
             # A pull fills local blocks: its bytes never exceed this cache's.
             self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.nbytes)
             self._send_to_agent(KVCacheRegistered(self.config.engine_id, self.kv_cache.num_blocks))
