@@ -54,15 +54,17 @@ def available_kv_cache_memory(profile: MemoryProfile, gpu_memory_utilization: fl
 
 def num_gpu_blocks(available: int, bytes_per_block: int, block_size: int, max_model_len: int,
                    cap: int = MAX_NUM_GPU_BLOCKS) -> int:
-    """Blocks for `available` bytes (the null block among them), with vLLM's two checks."""
-    if available <= 0:
+    """Blocks for `available` bytes (the null block among them), with vLLM's two checks;
+    like vLLM 0.32 (get_kv_cache_configs) they plan against the memory less the null block."""
+    usable = available - bytes_per_block  # vLLM's check_memory: BlockPool holds one back
+    if usable <= 0:
         raise ValueError("No available memory for the cache blocks. Try increasing "
                          "`gpu_memory_utilization` when initializing the engine.")
     needed = math.ceil(max_model_len / block_size) * bytes_per_block
-    if needed > available:
+    if needed > usable:
         raise ValueError(
-            f"To serve at least one request with the models's max seq len ({max_model_len}), "
+            f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available "
-            f"KV cache memory ({format_gib(available)} GiB). Try increasing "
+            f"KV cache memory ({format_gib(usable)} GiB). Try increasing "
             f"`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     return min(available // bytes_per_block, cap)

@@ -39,7 +39,7 @@ def test_blocks_from_memory_with_vllms_checks_and_kvdrains_cap() -> None:
         num_gpu_blocks(0, per_block, 16, 32768)
     with pytest.raises(ValueError, match=r"max seq len \(32768\)"):  # needs 2048 blocks
         num_gpu_blocks(2047 * per_block, per_block, 16, 32768)
-    assert num_gpu_blocks(2048 * per_block, per_block, 16, 32768) == 2048
+    assert num_gpu_blocks(2049 * per_block, per_block, 16, 32768) == 2049  # 2048 and the null block
     assert num_gpu_blocks(1 << 50, 4096, 16, 4096) == MAX_NUM_GPU_BLOCKS
 
 

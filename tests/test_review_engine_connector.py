@@ -25,3 +25,18 @@ def test_a_kv_cache_the_worker_cannot_map_fails_the_start_at_once(tmp_path, monk
     with pytest.raises(RuntimeError, match="exited with code .* before KVCacheRegistered"):
         agent_mod.PDConnectorAgent(config, handle)
     assert time.monotonic() - start < 15.0
+
+
+def test_pool_sizing_reserves_the_null_block_as_vllm_does() -> None:
+    """vLLM 0.32 (kv_cache_utils.get_kv_cache_configs) checks max_model_len against the
+    available memory less one block (the null block BlockPool holds back), then
+    allocates available // bytes per block: a pool that holds exactly one max_model_len
+    request counting the null block is refused, one block more is taken."""
+    from engine.kv_cache_sizing import num_gpu_blocks
+    per_block = 2 << 20
+    needed = 32768 // 16  # blocks for one request of max_model_len 32768
+    with pytest.raises(ValueError, match=r"max seq len \(32768\)"):
+        num_gpu_blocks(needed * per_block, per_block, 16, 32768)
+    assert num_gpu_blocks((needed + 1) * per_block, per_block, 16, 32768) == needed + 1
+    with pytest.raises(ValueError, match="No available memory for the cache blocks"):
+        num_gpu_blocks(per_block, per_block, 16, 16)  # the null block only
