@@ -58,13 +58,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self, config: EngineConfig) -> int:
-        """One forward of a max_num_batched_tokens prefill and max_num_seqs logits, over a
-        scratch KV cache just big enough; returns the scratch cache's bytes."""
-        num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
-        num_blocks = cdiv(num_tokens, config.block_size) + 1  # the null block 0 too
+        """One forward of a step's most tokens (max_num_batched_tokens, as prompts of at
+        most max_model_len: one when it fits, this runner's largest attention; at most
+        max_num_seqs of them) and max_num_seqs logits, over a scratch KV cache just big
+        enough; returns the scratch cache's bytes."""
+        seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * seq_len)
+        query_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (num_tokens % seq_len > 0)
+        blocks_per_seq = cdiv(seq_len, config.block_size)
+        tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+                  for i in range(len(query_lens))]
+        num_blocks = len(query_lens) * blocks_per_seq + 1  # the null block 0 too
         kv = torch.zeros(kv_cache_shape(config.model, num_blocks, config.block_size),
                          dtype=self.dtype, device=self.device)
-        attn_metadata = PagedAttentionBuilder(kv).build([0], [num_tokens], [list(range(1, num_blocks))])
+        attn_metadata = PagedAttentionBuilder(kv).build([0] * len(query_lens), query_lens, tables)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, attn_metadata.positions, attn_metadata, kv)
         self.model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens):])
