@@ -1,5 +1,6 @@
 """Regressions found reviewing this session's engine/ and connector/ changes: the KV
-registration handshake's error paths (connector/agent.py, connector/worker_proc.py)."""
+registration handshake's error paths (connector/agent.py, connector/worker_proc.py) and
+GPU pool sizing against vLLM 0.32 (engine/kv_cache_sizing.py, engine/model_runner.py)."""
 from __future__ import annotations
 
 import time
