@@ -20,10 +20,11 @@ interleaved: the tables show each policy's median run (CPU, wake-ups), free late
 percentiles pool every run's frees, and the event/poll ratios are given per run too,
 so one outlier does not decide. Poll's CPU scales with the wake-ups it gets: on a busy
 machine it sleeps longer than 1 ms, wakes less and its share shrinks, so its wake-ups/s
-are printed beside the ratio. After B, a zmq floor: the CPU per report of a bare Python
-process that only wakes on a PAIR, decodes a KVReport and sends a StatsSnapshot (the
-least any Python engine on zmq pays per free), beside event's P CPU per free, and
-NUM_REQUESTS x floor / poll's P CPU: the lowest event/poll B allows on this machine.
+are printed beside the ratio. After B, a zmq floor (measured in each of B's rounds):
+the CPU per report of a bare Python process that only wakes on a PAIR, decodes a
+KVReport and sends a StatsSnapshot (the least any Python engine on zmq pays per free),
+beside event's P CPU per free, and NUM_REQUESTS x floor / poll's P CPU: the lowest
+event/poll B allows on this machine.
 """
 from __future__ import annotations
 
@@ -339,12 +340,16 @@ def median_run(runs: list[Result]) -> Result:
     return median
 
 
-def measure_runs(measure: Callable[[str], Result], num_runs: int) -> dict[str, list[Result]]:
-    """Every policy num_runs times, interleaved (a burst of load hits all alike)."""
+def measure_runs(measure: Callable[[str], Result], num_runs: int,
+                 each_round: Callable[[], None] | None = None) -> dict[str, list[Result]]:
+    """Every policy num_runs times, interleaved (a burst of load hits all alike);
+    each_round (another measurement) runs in every round too."""
     runs: dict[str, list[Result]] = {p: [] for p in POLICIES}
     for _ in range(num_runs):
         for policy in POLICIES:
             runs[policy].append(measure(policy))
+        if each_round is not None:
+            each_round()
     return runs
 
 
@@ -413,11 +418,12 @@ def main() -> None:
     # the CPU just when they should handle the ReadDone that was sent: that would be
     # measured as P's latency. The reads are 16 KiB: one thread is plenty.
     torch.set_num_threads(1)
-    runs_b = measure_runs(measure_reads, num_runs)
+    floors: list[float] = []  # the zmq floor, measured in B's rounds (interleaved)
+    runs_b = measure_runs(measure_reads, num_runs, lambda: floors.append(measure_floor()))
     print_runs(f"B. P alone, this process reads as D's worker would; requests "
                f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
                "free latency = P's free snapshot - ReadDone sent", runs_b, "read")
-    print_floor(runs_b, [measure_floor() for _ in range(num_runs)])
+    print_floor(runs_b, floors)
     print(load.report())
 
 
