@@ -184,7 +184,7 @@ def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
         with launched or contextlib.nullcontext():  # launched here: closed here, whatever happens
             timeline, model = _model_and_replay_wall(config, records, hooks, summary, engines or launched)
         server = timeline.meta.get("server") or {}  # --target: the serve's engines sized theirs
-        sized = timeline.meta.get("num_blocks", server.get("num_blocks", config.engine.num_blocks))
+        sized = timeline.meta.get("num_blocks") or server.get("num_blocks") or config.engine.num_blocks
         if sized != config.engine.num_blocks:  # pools sized from GPU memory: report and model them
             config = replace(config, engine=replace(config.engine, num_blocks=sized))
             model = model_timeline(replace(config, engine=replace(config.engine, gpu_memory_utilization=None)))

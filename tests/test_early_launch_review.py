@@ -69,10 +69,13 @@ def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
     assert multiprocessing.active_children() == []
 
 
-def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, monkeypatch):
+@pytest.mark.parametrize("served,modelled_on", [(300, 300), (0, 256)])
+def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, monkeypatch, served,
+                                                                       modelled_on):
     """--target: the serve's engines sized their own pools (from GPU memory, maybe) and say
     so in ServeInfo; the idle-window model runs on that size (as for a local replay), not
-    on the replay's own default."""
+    on the replay's own default. A serve that does not say (num_blocks 0: before issue 12)
+    leaves the replay's own."""
     import threading
 
     from connector.topology import start_topology
@@ -90,7 +93,7 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, 
     try:
         server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"),
                         ServeInfo(router.engines, "pd", "event", router.vocab_size, 16, "mock", 4096,
-                                  router.num_blocks, "tiny"))
+                                  served, "tiny"))
         thread = threading.Thread(target=server.serve_forever, args=(None, stop.is_set))
         thread.start()
         try:
@@ -104,8 +107,8 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, 
             server.close()
     finally:
         router.shutdown()
-    assert result.engine_settings()["num_blocks"] == 300
-    assert modelled[-1] == 300, modelled
+    assert result.engine_settings()["num_blocks"] == served
+    assert modelled[-1] == modelled_on, modelled
     assert result.verdict.exit_code == 0
 
 
