@@ -1,4 +1,4 @@
-"""The early engine launch's failure paths: an engine that dies while the idle windows are modelled."""
+"""Review of the early engine launch: an engine dying while the model runs (exit 4), signals during start-up, the model on a --target serve's pool."""
 from __future__ import annotations
 
 import multiprocessing
