@@ -118,9 +118,11 @@ def one_run(runner: str, root: Path = ROOT) -> tuple[dict[str, float], list[str]
         with_torch = _torch_children(proc, marks_path + ".pids")
         output = proc.communicate(timeout=300)[0].decode(errors="replace")
         marks = json.loads(Path(marks_path).read_text()) if os.path.exists(marks_path) else {}
-        if proc.returncode == 4 and "first request" in marks:  # a fault after start-up: say it
-            faults = [line for line in output.splitlines() if line.startswith("fault:")]
-            print(f"note: {runner} in {root} exited 4 after its start-up: {' '.join(faults)}", flush=True)
+        if proc.returncode in (1, 3, 4) and "first request" in marks:  # a verdict after start-up
+            why = [line for line in output.splitlines()
+                   if line.startswith(("fault:", "FAULT", "VIOLATION", "INCONCLUSIVE"))]
+            print(f"note: {runner} in {root} exited {proc.returncode} after its start-up: "
+                  f"{' '.join(why)}", flush=True)
         elif proc.returncode != 0:
             raise RuntimeError(f"kvdrain replay --runner {runner} in {root} exited {proc.returncode}:\n{output}")
     return {name: t if name == "cpu s before it" else t - launch for name, t in marks.items()}, with_torch

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.xfail(strict=True, reason="open: bench/startup.py one_run raises unless the replay exits 0 "
-                                       "or 4; bench/startup.py is another engineer's now")
 def test_an_inconclusive_run_still_counts_for_start_up(monkeypatch):
     """A run whose verdict is inconclusive (exit 3: here every request is ignored, for a
     pool of 4 blocks) or a violation (1) still started and sent its first request: one_run
