@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -48,6 +50,26 @@ def spawning_without_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that land meanwhile are raised again at the end, to the handlers
+    there were: a child's start (fork-exec, then its start data down a pipe) is never cut
+    in half, which would leave the child printing "EOFError: Ran out of input"."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals go to the main thread only
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, signal.SIG_DFL if old is None else old)
+        for s in caught:
+            signal.raise_signal(s)
+
+
 class TopologyLaunch:
     """A topology's engines, spawned and starting; wait_ready hands them to a PDRouter,
     close shuts down whatever was not handed over (idempotent)."""
@@ -60,7 +82,8 @@ class TopologyLaunch:
         self.clients: list[EngineClient] = []
         try:
             for config in engine_configs(base, kv, topology, self.run_dir):
-                self.clients.append(InprocClient(config) if inproc else self._spawn(config))
+                with signals_deferred():  # a signal lands once the client is ours to close
+                    self.clients.append(InprocClient(config) if inproc else self._spawn(config))
         except BaseException:
             self.close()
             raise
