@@ -23,10 +23,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model, self.device)
         sizing = (kv_cache is None and config.gpu_memory_utilization is not None
                   and self.device.startswith("cuda"))
-        init_free, total = torch.cuda.mem_get_info(self.device) if sizing else (0, 0)
+        init = (*torch.cuda.mem_get_info(self.device), torch.cuda.memory_allocated(self.device)) \
+            if sizing else None  # vLLM's init snapshot: free, total, and what is ours already
         self.model = LlamaForCausalLM(config.model, self.device, self.dtype)
         if sizing:  # vLLM: load the model, profile it, then size the KV cache
-            config = replace(config, num_blocks=self.determine_num_blocks(config, init_free, total))
+            config = replace(config, num_blocks=self.determine_num_blocks(config, *init))
         self.config = config  # num_blocks as allocated
         expected = kv_cache_shape(config.model, config.num_blocks, config.block_size)
         if kv_cache is not None and (kv_cache.handle.shape != expected
@@ -40,17 +41,18 @@ class ModelRunner:
         # req_id -> block table, mirrored from the scheduler's new_block_ids each step.
         self.block_tables: dict[str, list[int]] = {}
 
-    def determine_num_blocks(self, config: EngineConfig, init_free: int, total: int) -> int:
+    def determine_num_blocks(self, config: EngineConfig, init_free: int, total: int,
+                             allocated_before: int = 0) -> int:
         """vLLM's determine_available_memory: this engine's torch memory after a profile
         run at max_num_batched_tokens; then as many blocks as the rest of its budget holds."""
         torch.cuda.synchronize(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         scratch_kv_bytes = self.profile_run(config)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_kv_bytes
         torch.cuda.empty_cache()
-        profile = MemoryProfile(init_free=init_free, total=total, weights=weights,
-                                peak_activation=max(0, peak - weights))
+        profile = MemoryProfile(init_free=init_free, total=total, weights=allocated - allocated_before,
+                                peak_activation=max(0, peak - allocated))
         available = available_kv_cache_memory(profile, config.gpu_memory_utilization)
         bytes_per_block = (math.prod(kv_cache_shape(config.model, 1, config.block_size))
                            * self.dtype.itemsize)

@@ -144,3 +144,19 @@ def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeyp
     result = pipeline.run_replay(config)
     assert modelled == [256, 300]  # while the engines started, then on what they allocated
     assert result.config.engine.num_blocks == 300 and result.verdict.exit_code == 0
+
+
+@pytest.mark.gpu
+def test_a_second_runner_in_one_process_does_not_count_the_first_ones_memory() -> None:
+    """vLLM's init snapshot: what the process held before the model loads is not this
+    engine's. (Counting it, a second runner found no memory left: seen on an H200.)"""
+    from engine.model_runner import ModelRunner
+    config = EngineConfig(runner="torch", device="cuda", model=get_model_config("medium"),
+                          gpu_memory_utilization=0.05, max_model_len=512)
+    first = ModelRunner(config)
+    try:
+        second = ModelRunner(config)
+        assert abs(second.config.num_blocks - first.config.num_blocks) < 0.02 * first.config.num_blocks
+        second.close()
+    finally:
+        first.close()
