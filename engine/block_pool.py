@@ -68,15 +68,8 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the tail, in list order (n append()s, one splice)."""
-        if not blocks:
-            return
-        tail = self._tail
-        prev = tail.prev_free
-        for block in blocks:
-            prev.next_free, block.prev_free = block, prev
-            prev = block
-        prev.next_free, tail.prev_free = tail, prev
-        self.num_free_blocks += len(blocks)
+        if blocks:
+            self._splice(self._tail.prev_free, blocks, self._tail)
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
@@ -87,15 +80,15 @@ class FreeKVCacheBlockQueue:
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the head, in list order (the first is popped first)."""
-        if not blocks:
-            return
-        first = self._head.next_free
-        assert first is not None
-        prev = self._head
+        if blocks:
+            self._splice(self._head, blocks, self._head.next_free)
+
+    def _splice(self, prev: KVCacheBlock, blocks: list[KVCacheBlock], nxt: KVCacheBlock) -> None:
+        """Link `blocks`, in order, between the neighbours prev and nxt."""
         for block in blocks:
             prev.next_free, block.prev_free = block, prev
             prev = block
-        prev.next_free, first.prev_free = first, prev
+        prev.next_free, nxt.prev_free = nxt, prev
         self.num_free_blocks += len(blocks)
 
     def __iter__(self):
