@@ -500,13 +500,20 @@ def test_replay_of_a_trace_bad_on_line_2_starts_nothing(tmp_path, monkeypatch):
 
 
 def test_synth_memo_keeps_only_small_blocks():
-    memo = synth._memo_block
-    memo.cache_clear()  # earlier tests may have filled it to its maxsize
-    before = memo.cache_info().currsize
-    assert len(synth_prompt(mk("big", (1, 2), 2 * 4096, block=4096), 100)) == 8192
-    assert memo.cache_info().currsize == before
-    synth_prompt(mk("small", (10**6 + 1,), 16), 100)
-    assert memo.cache_info().currsize == before + 1
+    memo = synth.BlockMemo()
+    assert len(synth_prompt(mk("big", (1, 2), 2 * 4096, block=4096), 100, memo)) == 8192
+    assert memo.by_size == {} and memo.nbytes == 0
+    synth_prompt(mk("small", (10**6 + 1,), 16), 100, memo)
+    assert list(memo.by_size[16]) == [10**6 + 1]
+
+
+def test_synth_memo_starts_over_when_full_and_never_changes_a_prompt(monkeypatch):
+    monkeypatch.setattr(synth, "MEMO_BYTES", 3 * (4 * 16 + synth.MEMO_ENTRY_BYTES))
+    memo, fresh = synth.BlockMemo(), lambda req: synth_prompt(req, 100, synth.BlockMemo())
+    for ids in [(1, 2), (1, 2, 3), (3, 4, 4), (5,), (1, 5)]:  # (3, 4, 4): an id twice
+        req = mk("m", ids, 16 * len(ids) - 1)
+        assert synth_prompt(req, 100, memo) == fresh(req)
+        assert memo.nbytes <= synth.MEMO_BYTES and len(memo.by_size.get(16, {})) <= 3
 
 
 def test_a_second_abort_of_one_request_is_a_file_line_error(tmp_path):

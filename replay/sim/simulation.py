@@ -21,7 +21,7 @@ from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
-from replay.trace.synth import synth_prompt
+from replay.trace.synth import BlockMemo, synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
 
@@ -55,12 +55,13 @@ class _Frontend:
         self.vocab_size = vocab_size
         self.block_size = sim.options.engine.block_size  # every engine's (SimOptions.engine_config)
         self.share_hashes = True  # False: each engine hashes its prompt itself (the same hashes)
+        self.memo = BlockMemo()  # this replay's hash blocks, freed with it
 
     def on_request(self, req: TraceRequest) -> None:
         if req.req_id in self.seen:
             raise ValueError(f"id: duplicate request id {req.req_id!r} (line {req.line})")
         self.seen.add(req.req_id)
-        prompt, t = synth_prompt(req, self.vocab_size), self.sim.loop.now / NS
+        prompt, t = synth_prompt(req, self.vocab_size, self.memo), self.sim.loop.now / NS
         record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
         self.records.append(record)
         hashes = None  # for a prompt checked here once, as every engine core would check it

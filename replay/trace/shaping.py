@@ -95,17 +95,15 @@ class ShapingLog:
                 for kind, n in self.counts.items()]
 
 
-def scale_request(req: TraceRequest, factor: float) -> TraceRequest:
-    """`req` with its prompt and output lengths scaled, keeping its prefix structure."""
+def scale_request(req: TraceRequest, factor: float, t: float | None = None) -> TraceRequest:
+    """`req` with its prompt and output lengths scaled, keeping its prefix structure (and
+    moved to `t` if given: one new record, not two)."""
     length, max_tokens, block = scaled_lengths(req, factor)
-    if req.hash_ids is not None:
-        return dataclasses.replace(req, max_tokens=max_tokens, prompt_len=length,
-                                   hash_block_size=block)
     token_ids = req.prompt_token_ids
     if token_ids is not None:
         token_ids = (token_ids * cdiv(length, len(token_ids)))[:length]
-    return dataclasses.replace(req, max_tokens=max_tokens, prompt_len=length,
-                               prompt_token_ids=token_ids)
+    return TraceRequest(req.t if t is None else t, req.req_id, max_tokens, length, token_ids,
+                        req.hash_ids, block, req.pd, req.line)
 
 
 @dataclass(slots=True)
@@ -191,12 +189,13 @@ def shape(records: Iterator[TraceRecord], opts: ShapingOptions,
             continue
         t = (_shift(rec, opts, clock, log) - base) / opts.speedup
         if isinstance(rec, TraceRequest) and opts.scale_tokens != 1.0:
-            scaled = scale_request(rec, opts.scale_tokens)
+            scaled = scale_request(rec, opts.scale_tokens, t)
             log.note("scaled tokens", f"{rec.req_id}: prompt {rec.prompt_len} -> "
                                       f"{scaled.prompt_len}, output {rec.max_tokens} -> "
                                       f"{scaled.max_tokens}")
-            rec = scaled
-        elif isinstance(rec, TraceSnapshot) and opts.scale_tokens != 1.0:
+            yield scaled
+            continue
+        if isinstance(rec, TraceSnapshot) and opts.scale_tokens != 1.0:
             log.note("unscaled snapshot", f"t={rec.t:.3f} s: its counts are of the full-size "
                                           f"trace")
         yield dataclasses.replace(rec, t=t)

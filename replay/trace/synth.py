@@ -17,17 +17,49 @@ and sent as token ids, never text, so no re-tokenisation can move a block edge.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 
 import numpy as np
 
 from replay.trace.reader import TraceRequest
 
-# Blocks kept by the memo below, each of at most MEMO_MAX_BLOCK tokens (2 KiB), so 16 MiB
-# at most; longer blocks (the reader allows up to 2**20 tokens) are made afresh each time.
-BLOCK_CACHE_SIZE = 8192
+# The memo below keeps blocks of at most MEMO_MAX_BLOCK tokens (2 KiB); longer blocks (the
+# reader allows up to 2**20 tokens) are made afresh each time. A memo holds at most
+# MEMO_BYTES, counting each block's words and MEMO_ENTRY_BYTES of bookkeeping, and starts
+# over when full: the whole Mooncake trace at --scale-tokens 1/32 (182,790 ids of 16
+# tokens) fits in one.
 MEMO_MAX_BLOCK = 512
+MEMO_BYTES = 32 << 20
+MEMO_ENTRY_BYTES = 100
+
+
+class BlockMemo:
+    """Hash blocks' words already drawn, per block size, within MEMO_BYTES.
+
+    A pure function's memo (bytes are immutable), so what it holds never changes a prompt;
+    a replay keeps its own (replay/sim/simulation.py), other callers share the module's."""
+
+    __slots__ = ("by_size", "nbytes")
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, dict[int, bytes]] = {}
+        self.nbytes = 0
+
+    def words(self, hash_ids: tuple[int, ...], block_size: int) -> list[bytes]:
+        """Each id's first block_size words, drawing only those not held yet."""
+        held = self.by_size.setdefault(block_size, {})
+        parts = list(map(held.get, hash_ids))
+        if None in parts:  # draw the missing ones (an id twice in a prompt: drawn once)
+            for i in [i for i, part in enumerate(parts) if part is None]:
+                parts[i] = held.get(hash_ids[i]) or self._draw(held, hash_ids[i], block_size)
+            if self.nbytes > MEMO_BYTES:
+                self.by_size, self.nbytes = {}, 0
+        return parts
+
+    def _draw(self, held: dict[int, bytes], hash_id: int, block_size: int) -> bytes:
+        held[hash_id] = words = _words(b"kvdrain/hash/%d" % hash_id, block_size)
+        self.nbytes += 4 * block_size + MEMO_ENTRY_BYTES
+        return words
 
 
 def _words(key: bytes, num_tokens: int) -> bytes:
@@ -41,31 +73,26 @@ def _tokens(words: bytes, num_tokens: int, vocab_size: int) -> list[int]:
     return (np.frombuffer(words, dtype="<u4", count=num_tokens) % vocab_size).tolist()
 
 
-def _block_words(hash_id: int, block_size: int) -> bytes:
-    if block_size <= MEMO_MAX_BLOCK:
-        return _memo_block(hash_id, block_size)
-    return _words(b"kvdrain/hash/%d" % hash_id, block_size)
+_SHARED_MEMO = BlockMemo()  # for callers that bring none (the live and HTTP drivers)
 
 
-@functools.lru_cache(maxsize=BLOCK_CACHE_SIZE)
-def _memo_block(hash_id: int, block_size: int) -> bytes:
-    # A pure function's memo (bytes are immutable), so sharing it across runs is safe.
-    return _words(b"kvdrain/hash/%d" % hash_id, block_size)
-
-
-def _hash_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
+def _hash_prompt(req: TraceRequest, vocab_size: int, memo: BlockMemo) -> list[int]:
     hash_ids, block = req.hash_ids or (), req.hash_block_size
     tail = req.prompt_len - (len(hash_ids) - 1) * block
     if not hash_ids or not 1 <= tail <= block:
         raise ValueError(f"hash_ids: request {req.req_id!r}: {len(hash_ids)} ids of "
                          f"{block} tokens cannot hold {req.prompt_len} tokens")
     # Whole blocks joined, cut at prompt_len: the last block keeps its first `tail`.
-    words = b"".join([_block_words(hash_id, block) for hash_id in hash_ids])
-    return _tokens(words, req.prompt_len, vocab_size)
+    if block <= MEMO_MAX_BLOCK:
+        parts = memo.words(hash_ids, block)
+    else:
+        parts = [_words(b"kvdrain/hash/%d" % hash_id, block) for hash_id in hash_ids]
+    return _tokens(b"".join(parts), req.prompt_len, vocab_size)
 
 
-def synth_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
-    """The prompt token ids of a trace request, all in [0, vocab_size)."""
+def synth_prompt(req: TraceRequest, vocab_size: int, memo: BlockMemo | None = None) -> list[int]:
+    """The prompt token ids of a trace request, all in [0, vocab_size); `memo` keeps the
+    hash blocks drawn (default: one shared by the process)."""
     if type(vocab_size) is not int or vocab_size < 1:
         raise ValueError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
     if req.prompt_token_ids is not None:
@@ -75,6 +102,6 @@ def synth_prompt(req: TraceRequest, vocab_size: int) -> list[int]:
                              f"outside [0, vocab_size={vocab_size})")
         return list(req.prompt_token_ids)
     if req.hash_ids is not None:
-        return _hash_prompt(req, vocab_size)
+        return _hash_prompt(req, vocab_size, _SHARED_MEMO if memo is None else memo)
     key = b"kvdrain/request/" + req.req_id.encode()
     return _tokens(_words(key, req.prompt_len), req.prompt_len, vocab_size)
