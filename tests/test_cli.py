@@ -122,6 +122,16 @@ class Lines:
         raise AssertionError(f"{self.proc.args[3]} never printed {pattern!r}; got {self.seen}")
 
 
+STOP_TIMEOUT_S = 30  # > 2 engines x (5 + 5) s, the router's bounded shutdown
+
+
+def _children(pid: int) -> list[str]:
+    """The command lines and states of a process's children (for a failure's message)."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=,etime=,args=", "--ppid", str(pid)],
+                         capture_output=True, text=True)
+    return [line.strip()[:160] for line in out.stdout.splitlines()]
+
+
 class Serve(Lines):
     """`kvdrain serve` in a child process."""
 
@@ -131,15 +141,18 @@ class Serve(Lines):
         self.address = self.wait_for(r"listening on (\S+)", 60).group(1)
 
     def stop(self) -> int:
-        """Ctrl-C, then a bounded wait; kill only if it hangs."""
+        """Ctrl-C, then a bounded wait; kill only if it hangs. The wait covers the serve's
+        own worst case (each engine's Shutdown: 5 s to drain, 5 s more, then a kill)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
-            return self.proc.wait(20)
+            return self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            children = _children(self.proc.pid)
             self.proc.kill()
             self.proc.wait(5)
-            raise AssertionError("serve did not stop on Ctrl-C") from None
+            raise AssertionError(f"serve did not stop on Ctrl-C in {STOP_TIMEOUT_S} s; its children "
+                                 f"then: {children}; it printed: {self.seen[-15:]}") from None
 
 
 @pytest.mark.slow
