@@ -8,7 +8,6 @@ elsewhere (engine/kv_stamps.py): a request whose KV arrived corrupt samples
 """
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -29,30 +28,19 @@ class MockModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         tokens, vocab_size = sched_out.token_ids, self.vocab_size
-        all_valid = not tokens or (max(tokens) < vocab_size and min(tokens) >= 0)
-        if all_valid:  # the common case: one comprehension, no per-request checks
-            partial, ends = sched_out.partial_req_ids, accumulate(sched_out.num_scheduled_tokens)
-            out.sampled_token_ids.update(
-                {req_id: (tokens[end - 1] + 1) % vocab_size
-                 for req_id, end in zip(sched_out.req_ids, ends) if req_id not in partial})
-        else:
-            self._sample_checked(sched_out, out)
-        if self.stamps is not None and all_valid:
-            sampled = out.sampled_token_ids
-            self.stamps.update(sched_out)
-            for req_id in self.stamps.corrupt & sampled.keys():
-                sampled[req_id] = (sampled[req_id] + 1) % vocab_size
-        return out
-
-    def _sample_checked(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Some token is outside the vocabulary: its request fails, the others sample."""
-        tokens, vocab_size = sched_out.token_ids, self.vocab_size
+        all_valid = not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size)
         sampled, partial = out.sampled_token_ids, sched_out.partial_req_ids
         end = 0
         for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
             start, end = end, end + num_new
-            bad = next((t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
+            bad = None if all_valid else next(
+                (t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
             if bad is not None:
                 out.failed[req_id] = f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             elif req_id not in partial:
                 sampled[req_id] = (tokens[end - 1] + 1) % vocab_size
+        if self.stamps is not None and all_valid:
+            self.stamps.update(sched_out)
+            for req_id in self.stamps.corrupt & sampled.keys():
+                sampled[req_id] = (sampled[req_id] + 1) % vocab_size
+        return out

@@ -1,4 +1,4 @@
-"""Trace shaping, prompt synthesis and the mock runner's fast paths against the straightforward ones."""
+"""Trace shaping's and prompt synthesis's fast paths against the straightforward ones."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +6,6 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.mock_runner import MockModelRunner
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv
 from replay.trace import synth
 from replay.trace.reader import TraceRequest
@@ -87,34 +84,3 @@ def test_a_replays_own_memo_gives_the_reference_tokens_whatever_its_budget(seed,
         assert synth_prompt(req, vocab, memo) == reference_prompt(req, vocab)
         assert memo.nbytes <= synth.MEMO_BYTES
 
-
-def random_step(rng: random.Random, vocab: int) -> SchedulerOutput:
-    out = SchedulerOutput()
-    for i in range(rng.randint(0, 12)):
-        num = rng.choice([1, 1, 1, rng.randint(1, 40)])
-        low, high = (-2, vocab + 2) if rng.random() < 0.1 else (0, vocab - 1)
-        tokens = [rng.randint(low, high) for _ in range(num)]
-        out.add(ScheduledRequest(f"r{i}", tokens, rng.randint(0, 100), [], rng.random() < 0.3,
-                                 rng.random() < 0.8))
-    out.total_num_scheduled_tokens = len(out.token_ids)
-    return out
-
-
-def reference_execute(runner: MockModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-    """Every request checked token by token, then sampled: the straightforward runner."""
-    out = ModelRunnerOutput()
-    runner._sample_checked(sched_out, out)
-    return out
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_mock_runner_samples_as_the_checked_loop_does(seed):
-    rng = random.Random(seed)
-    for _ in range(300):
-        vocab = rng.choice([1, 2, 50, 32000])
-        runner = MockModelRunner(EngineConfig(runner="mock"))
-        runner.vocab_size = vocab
-        sched_out = random_step(rng, vocab)
-        fast, slow = runner.execute(sched_out), reference_execute(runner, sched_out)
-        assert list(fast.sampled_token_ids.items()) == list(slow.sampled_token_ids.items())
-        assert fast.failed == slow.failed
