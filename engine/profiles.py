@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.kv_cache_sizing import GiB, num_gpu_blocks
+from engine.kv_cache_sizing import GiB, MemoryProfile, available_kv_cache_memory, num_gpu_blocks
 
 
 
@@ -42,7 +42,9 @@ class DeploymentProfile:
     @property
     def num_gpu_blocks(self) -> int:
         """KV blocks vLLM would allocate (its num_gpu_blocks; the null block among them)."""
-        usable = int(self.gpu_memory_bytes * self.gpu_memory_utilization) - self.weights_bytes
+        gpu = MemoryProfile(init_free=self.gpu_memory_bytes, total=self.gpu_memory_bytes,
+                            weights=self.weights_bytes, peak_activation=0)  # weights_bytes has it
+        usable = available_kv_cache_memory(gpu, self.gpu_memory_utilization)
         return num_gpu_blocks(usable, self.block_size * self.kv_bytes_per_token, self.block_size,
                               self.max_model_len)
 
