@@ -9,8 +9,8 @@ reaped only when the engine's step asks (ReapLeases, from the agent's get_finish
 as vLLM 0.32 reaps them in get_finished: this process never expires a send on its own
 clock, so behind a parked engine a lease never lapses. Heartbeats from D queue for
 that reap; the first one queued tells the engine (LeaseDue) so its next step reaps.
-Decode side: pulls remote blocks into its engine's blocks, tells the prefill worker,
-reports finished_recving (with invalid_block_ids when a pull fails), and sends the
+Decode side: pulls remote blocks into its engine's blocks, tells the prefill worker
+(the pulls due together, once all are read: NOTIFY_BATCH_NS), reports finished_recving (with invalid_block_ids when a pull fails), and sends the
 heartbeats its engine's scheduler side packaged. Reports go to the engine core at
 once; whether the engine reads them is the engine loop's liveness policy.
 """
@@ -35,6 +35,10 @@ from connector.transfer import (PeerTimeout, Puller, TransferError, keep_freed_b
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 from engine.socket_limits import block_payload_bytes, set_max_message_size
+
+# A pull's ReadDone waits for the pulls due with it at most about this long: a small
+# part of any lease (a read lease is 2 s), so a long batch does not hold P's blocks.
+NOTIFY_BATCH_NS = 50_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +125,25 @@ class ConnectorWorkerProc:
     def _fire_timers(self) -> None:
         now = time.monotonic_ns()
         self._apply(self.ledger.expire_holds(now))
+        # The pulls due together end together, as a step's NIXL reads (posted at once,
+        # done about together) do: their ReadDones go out in one burst once the batch is
+        # read, when its engine learns of them too (the report after this), so P's worker
+        # sends one report and P's engine wakes once, not once per pull. A long batch
+        # notifies every NOTIFY_BATCH_NS.
+        done: list[tuple[str, ReadDone | ReadAbandoned]] = []
+        started = now
         while self.pulls and self.pulls[0][0] <= now:
-            self._pull(heapq.heappop(self.pulls)[2])
+            done.append(self._pull(heapq.heappop(self.pulls)[2]))
+            if time.monotonic_ns() - started >= NOTIFY_BATCH_NS:
+                self._notify(done)
+                started = time.monotonic_ns()
+        self._notify(done)
+
+    def _notify(self, done: list[tuple[str, ReadDone | ReadAbandoned]]) -> None:
+        """Tell each prefill worker what was read (or never will be); empties `done`."""
+        for remote_addr, msg in done:
+            self.puller.link(remote_addr).send(msg)
+        done.clear()
 
     # ---- engine side ---------------------------------------------------------------
 
@@ -169,7 +190,8 @@ class ConnectorWorkerProc:
         for reply in out.replies:
             self._reply(reply)
 
-    def _pull(self, spec: RecvSpec) -> None:
+    def _pull(self, spec: RecvSpec) -> tuple[str, ReadDone | ReadAbandoned]:
+        """One pull; returns what to tell the prefill worker, and where."""
         self.counters["num_recvs_in_flight"] -= 1
         try:
             if self.kv_cache is None:
@@ -182,12 +204,13 @@ class ConnectorWorkerProc:
             self.report.invalid_block_ids.extend(spec.local_block_ids)
             # D never reads it now: P frees it at once, not at the lease's end (if P is
             # stopped, the message waits in its socket; if P is gone, it is dropped).
-            self.puller.link(spec.remote_addr).send(ReadAbandoned(spec.remote_request_id))
+            reply: ReadDone | ReadAbandoned = ReadAbandoned(spec.remote_request_id)
         else:
             self.counters["num_recved"] += 1
-            self.puller.link(spec.remote_addr).send(ReadDone(spec.remote_request_id))
+            reply = ReadDone(spec.remote_request_id)
         self.counters["num_bytes_pulled"] = self.puller.num_bytes_pulled
         self.report.finished_recving.append(spec.req_id)
+        return spec.remote_addr, reply
 
     def _flush_report(self) -> None:
         r = self.report

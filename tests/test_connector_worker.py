@@ -7,11 +7,12 @@ import pytest
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
-                                LeaseDue, LeasesReaped, ReadBlocks, ReadDone, ReapLeases,
-                                StepMeta)
+                                LeaseDue, LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone,
+                                ReapLeases, RecvSpec, StepMeta)
 from connector import send_ledger
 from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS, UNKNOWN_REQUEST,
                                    ReadReply, ReapSchedule, SendLedger)
+from connector.transfer import TransferError
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
 from tests.mp_utils import spawned_p_worker
 
@@ -386,3 +387,50 @@ def test_the_worker_has_mapped_the_kv_cache_before_the_engine_goes_on(tmp_path) 
     finally:
         agent.shutdown()
         cache.close()
+
+
+def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_path, monkeypatch):
+    """A batch of due pulls: every ReadDone (or ReadAbandoned, for a failed pull) goes
+    out after the batch's last pull, so P's worker reports them together and P's engine
+    wakes once; with NOTIFY_BATCH_NS passed, each goes out after its own pull (the
+    straightforward order, which the batch keeps: same messages, same peers)."""
+    from connector import worker_proc as wp
+
+    def run(batch_ns: int) -> tuple[list[tuple], list[str]]:
+        monkeypatch.setattr(wp, "NOTIFY_BATCH_NS", batch_ns)
+        proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/a{batch_ns}",
+                                                         f"ipc://{tmp_path}/k{batch_ns}"))
+        events: list[tuple] = []
+
+        class Link:
+            def __init__(self, addr: str) -> None:
+                self.addr = addr
+
+            def send(self, msg: object) -> bool:
+                events.append(("tell", self.addr, msg))
+                return True
+
+        def pull(local, spec: RecvSpec) -> None:
+            events.append(("pull", spec.req_id))
+            if spec.req_id == "b":
+                raise TransferError("refused")
+        try:
+            monkeypatch.setattr(proc.puller, "pull", pull)
+            monkeypatch.setattr(proc.puller, "link", Link)
+            proc.kv_cache = object()  # mapped (the pulls are the fakes above)
+            specs = [RecvSpec(r, [i + 1], [i + 5], "P", f"p-{r}", "ipc://p1" if r != "c" else "ipc://p2")
+                     for i, r in enumerate("abc")]
+            proc._on_step_meta(StepMeta({}, specs))
+            proc._fire_timers()
+            return events, list(proc.report.finished_recving)
+        finally:
+            proc.close()
+
+    batched, recving = run(10**12)
+    told = [("tell", "ipc://p1", ReadDone("p-a")), ("tell", "ipc://p1", ReadAbandoned("p-b")),
+            ("tell", "ipc://p2", ReadDone("p-c"))]
+    assert batched == [("pull", "a"), ("pull", "b"), ("pull", "c"), *told]
+    assert recving == ["a", "b", "c"]
+    one_by_one, recving = run(0)
+    assert one_by_one == [("pull", "a"), told[0], ("pull", "b"), told[1], ("pull", "c"), told[2]]
+    assert recving == ["a", "b", "c"]

@@ -141,7 +141,8 @@ def test_a_refused_pull_fails_the_load_and_releases_p(tmp_path):
         d.kv_cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
         spec = RecvSpec("d1", [4, 5], [1, 2], "P", "p1", f"ipc://{tmp_path}/p-kv")
         d.puller.timeout_s = 0.2  # P (this socket) never answers the pin
-        d._pull(spec)
+        d._on_step_meta(StepMeta({}, [spec]))
+        d._fire_timers()  # the pull is due at once (no pull delay)
         assert d.report.invalid_block_ids == [4, 5] and d.report.finished_recving == ["d1"]
         messages = [CONNECTOR_CODEC.decode(p_kv.recv_multipart()[-1]) for _ in range(2)
                     if p_kv.poll(2000)]
