@@ -24,7 +24,8 @@ are printed beside the ratio. After B, a zmq floor (measured in each of B's roun
 the CPU per report of a bare Python process that only wakes on a PAIR, decodes a
 KVReport and sends a StatsSnapshot (the least any Python engine on zmq pays per free),
 beside event's P CPU per free, and NUM_REQUESTS x floor / poll's P CPU: the lowest
-event/poll B allows on this machine.
+event/poll B allows on this machine; and the part of event's P CPU that libzmq's I/O
+thread takes (each report in and snapshot out passes through it), as a share of poll's.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class Result:
     policy: str
     cpu_s: dict[str, float]  # "P", "worker", maybe "D": schedstat, all threads
     ticks_s: dict[str, float]  # the same from /proc/<pid>/stat (10 ms resolution)
+    io_s: dict[str, float]  # of cpu_s, libzmq's I/O threads' part
     wakeups_per_s: float  # over the window
     held_s: float  # window open -> the snapshot of the last free (the window if never)
     held_wakeups_per_s: float  # over held_s
@@ -80,18 +82,23 @@ class Result:
     d_wait_steps_per_s: float | None = None  # A only: D's steps/s while its loads wait
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(schedstat run time of all threads, stat utime+stime) of one process, in seconds."""
-    run_ns = 0
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+def cpu_seconds(pid: int) -> tuple[float, float, float]:
+    """(schedstat run time of all threads, stat utime+stime, run time of libzmq's I/O
+    threads alone) of one process, in seconds."""
+    run_ns = io_ns = 0
+    for task in glob.glob(f"/proc/{pid}/task/*"):
         try:
-            with open(path) as f:
-                run_ns += int(f.read().split()[0])
+            with open(f"{task}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"{task}/comm") as f:
+                is_io = f.read().startswith("ZMQbg/IO")
         except (OSError, ValueError, IndexError):
-            pass  # a thread that exited between glob and open
+            continue  # a thread that exited between glob and open
+        run_ns += ns
+        io_ns += ns if is_io else 0
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
-    return run_ns / 1e9, (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return run_ns / 1e9, (int(fields[11]) + int(fields[12])) / CLK_TCK, io_ns / 1e9
 
 
 def prompt(i: int) -> list[int]:
@@ -171,7 +178,8 @@ def measure_window(obs: Observer, policy: str, pids: dict[str, int],
     def rate(a: StatsSnapshot, b: StatsSnapshot) -> float:
         return (b.num_wakeups - a.num_wakeups) / (b.monotonic - a.monotonic)
     return Result(policy, {n: cpu1[n][0] - cpu0[n][0] for n in pids},
-                  {n: cpu1[n][1] - cpu0[n][1] for n in pids}, rate(snap0, snap1),
+                  {n: cpu1[n][1] - cpu0[n][1] for n in pids},
+                  {n: cpu1[n][2] - cpu0[n][2] for n in pids}, rate(snap0, snap1),
                   last.monotonic - snap0.monotonic, rate(snap0, last), num_freed(snap1), 0,
                   snap1.counts["num_used_blocks"])
 
@@ -315,14 +323,19 @@ def measure_floor() -> float:
 
 
 def print_floor(runs: dict[str, list[Result]], floors: list[float]) -> None:
-    """Event's P CPU per report beside the zmq floor, and the ratio the floor allows."""
+    """Event's P CPU per report beside the zmq floor, and the ratio the floor allows;
+    then the part of event's P that is libzmq's I/O thread (a report in, a snapshot
+    out), as a share of poll's P CPU: no change to the engine's Python code goes under it."""
     floor = statistics.median(floors)
     event = statistics.median(r.cpu_s["P"] / max(1, r.num_freed) for r in runs["event"])
+    event_io = statistics.median(r.io_s["P"] / max(1, r.num_freed) for r in runs["event"])
     poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
     print(f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
           f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
           f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
           "(the least event/poll could be here with one report per free)")
+    print(f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
+          f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python)")
 
 
 def percentile(values: list[float], q: float) -> float:
