@@ -289,8 +289,9 @@ def run_floor_echo(addr_in: str, addr_out: str) -> None:
             snapshots.send(CODEC.encode(StatsSnapshot("P", seq, time.monotonic(), "blocked", seq, seq, counts)))
 
 
-def measure_floor() -> float:
-    """CPU (all threads) per report of run_floor_echo, NUM_REQUESTS reports SEND_GAP_S apart."""
+def measure_floor() -> tuple[float, float]:
+    """CPU per report of run_floor_echo, NUM_REQUESTS reports SEND_GAP_S apart: all
+    threads, and libzmq's I/O thread's part."""
     run_dir = make_run_dir()
     ctx = zmq.Context.instance()
     reports, snapshots = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
@@ -305,13 +306,14 @@ def measure_floor() -> float:
         if not snapshots.poll(30_000):
             raise TimeoutError("the floor process did not answer in 30 s")
         snapshots.recv()
-        cpu0 = cpu_seconds(proc.pid)[0]
+        cpu0 = cpu_seconds(proc.pid)
         for _ in range(NUM_REQUESTS):
             reports.send(CONNECTOR_CODEC.encode(report))
             time.sleep(SEND_GAP_S)
             while snapshots.poll(0):
                 snapshots.recv()
-        return (cpu_seconds(proc.pid)[0] - cpu0) / NUM_REQUESTS
+        cpu1 = cpu_seconds(proc.pid)
+        return (cpu1[0] - cpu0[0]) / NUM_REQUESTS, (cpu1[2] - cpu0[2]) / NUM_REQUESTS
     finally:
         reports.send(b"stop")
         proc.join(5)
@@ -322,11 +324,12 @@ def measure_floor() -> float:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def print_floor(runs: dict[str, list[Result]], floors: list[float]) -> None:
+def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]) -> None:
     """Event's P CPU per report beside the zmq floor, and the ratio the floor allows;
     then the part of event's P that is libzmq's I/O thread (a report in, a snapshot
     out), as a share of poll's P CPU: no change to the engine's Python code goes under it."""
-    floor = statistics.median(floors)
+    floor = statistics.median(total for total, _ in floors)
+    floor_main = statistics.median(total - io for total, io in floors)
     event = statistics.median(r.cpu_s["P"] / max(1, r.num_freed) for r in runs["event"])
     event_io = statistics.median(r.io_s["P"] / max(1, r.num_freed) for r in runs["event"])
     poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
@@ -335,7 +338,9 @@ def print_floor(runs: dict[str, list[Result]], floors: list[float]) -> None:
           f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
           "(the least event/poll could be here with one report per free)")
     print(f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
-          f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python)")
+          f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
+          f"left for the main thread at 0.05: {1e6 * (0.05 * poll / NUM_REQUESTS - event_io):.0f} us per free, "
+          f"where the floor's main thread alone takes {1e6 * floor_main:.0f} us")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -431,7 +436,7 @@ def main() -> None:
     # the CPU just when they should handle the ReadDone that was sent: that would be
     # measured as P's latency. The reads are 16 KiB: one thread is plenty.
     torch.set_num_threads(1)
-    floors: list[float] = []  # the zmq floor, measured in B's rounds (interleaved)
+    floors: list[tuple[float, float]] = []  # the zmq floor, measured in B's rounds (interleaved)
     runs_b = measure_runs(measure_reads, num_runs, lambda: floors.append(measure_floor()))
     print_runs(f"B. P alone, this process reads as D's worker would; requests "
                f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
