@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import zmq
 
 from connector.messages import (CONNECTOR_CODEC, BlockData, PinSend, ReadBlocks, ReadGranted,
                                 RecvSpec)
+from connector.pull_outcome import copy_within_read_lease
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 
@@ -27,6 +29,7 @@ MAX_CHUNKS = 64  # ... in at most this many chunks (a ROUTER drops past its high
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit
 TRIM_THRESHOLD_BYTES = 64 << 20
+SLOW_REPLY_MS = 50  # a reply this late runs the link's on_slow_reply, then is waited for
 
 
 class TransferError(RuntimeError):
@@ -41,9 +44,10 @@ class PeerLink:
     """A DEALER to one peer worker's ROUTER, for request/reply with a timeout."""
 
     def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float,
-                 max_message_bytes: int = -1) -> None:
+                 max_message_bytes: int = -1, on_slow_reply: Callable[[], None] | None = None) -> None:
         self.addr = addr
         self.timeout_ms = int(timeout_s * 1000)
+        self.on_slow_reply = on_slow_reply
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a reply's payload, at most
@@ -64,7 +68,7 @@ class PeerLink:
 
     def receive(self) -> tuple[object, list[zmq.Frame]]:
         """The next reply (a message and the raw frames after it), or PeerTimeout."""
-        if not self.socket.poll(self.timeout_ms, zmq.POLLIN):
+        if not self._wait():
             # The socket may now hold a late reply; a fresh one keeps replies in step.
             raise PeerTimeout(f"no reply from {self.addr} within {self.timeout_ms} ms")
         frames = self.socket.recv_multipart(copy=False)
@@ -72,6 +76,17 @@ class PeerLink:
             return CONNECTOR_CODEC.decode(frames[0].bytes), frames[1:]
         except DecodeError as e:
             raise TransferError(f"bad reply from {self.addr}: {e}") from None
+
+    def _wait(self) -> bool:
+        """Whether a reply came within the timeout; once one is SLOW_REPLY_MS late,
+        on_slow_reply runs first (the connector worker sends what it held back)."""
+        hook = self.on_slow_reply
+        if hook is None or self.timeout_ms <= SLOW_REPLY_MS:
+            return bool(self.socket.poll(self.timeout_ms, zmq.POLLIN))
+        if self.socket.poll(SLOW_REPLY_MS, zmq.POLLIN):
+            return True
+        hook()
+        return bool(self.socket.poll(self.timeout_ms - SLOW_REPLY_MS, zmq.POLLIN))
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -90,10 +105,12 @@ class Puller:
         self.peer_caches: dict[str, KVCache] = {}
         self.num_bytes_pulled = 0
         self.max_message_bytes = -1  # set from the local KV cache's size once it is known
+        self.on_slow_reply: Callable[[], None] | None = None  # each link's (PeerLink._wait)
 
     def link(self, addr: str) -> PeerLink:
         if addr not in self.links:
-            self.links[addr] = PeerLink(self.ctx, addr, self.timeout_s, self.max_message_bytes)
+            self.links[addr] = PeerLink(self.ctx, addr, self.timeout_s, self.max_message_bytes,
+                                        self.on_slow_reply)
         return self.links[addr]
 
     def pull(self, local: KVCache, spec: RecvSpec) -> None:
@@ -129,7 +146,7 @@ class Puller:
         if not isinstance(reply, ReadGranted) or reply.req_id != spec.remote_request_id:
             raise TransferError(f"pin at {spec.remote_addr} got {type(reply).__name__}")
         self._copy_shm(local, spec, self._peer_cache(spec, reply.handle))
-        if time.monotonic_ns() >= reply.read_until:  # P may have freed them meanwhile
+        if not copy_within_read_lease(reply.read_until, time.monotonic_ns()):  # P may have freed them
             raise TransferError(f"{spec.req_id}: the copy outlasted its read lease")
 
     def _peer_cache(self, spec: RecvSpec, handle: dict) -> KVCache:

@@ -10,7 +10,8 @@ as vLLM 0.32 reaps them in get_finished: this process never expires a send on it
 clock, so behind a parked engine a lease never lapses. Heartbeats from D queue for
 that reap; the first one queued tells the engine (LeaseDue) so its next step reaps.
 Decode side: pulls remote blocks into its engine's blocks, tells the prefill worker
-(the pulls due together, once all are read: NOTIFY_BATCH_NS), reports finished_recving (with invalid_block_ids when a pull fails), and sends the
+(for the pulls due together, once they are read: see _fire_timers), reports
+finished_recving (with invalid_block_ids when a pull fails), and sends the
 heartbeats its engine's scheduler side packaged. Reports go to the engine core at
 once; whether the engine reads them is the engine loop's liveness policy.
 """
@@ -29,16 +30,18 @@ from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbe
                                 KVCacheRegistered, KVHandle, KVReport, LeaseDue, LeasesReaped,
                                 PinSend, ReadAbandoned, ReadBlocks, ReadDone, ReadGranted,
                                 ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+from connector.pull_outcome import pull_outcome
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
-from connector.transfer import (PeerTimeout, Puller, TransferError, keep_freed_buffers,
-                                send_blocks)
+from connector.transfer import (SLOW_REPLY_MS, PeerTimeout, Puller, TransferError,
+                                keep_freed_buffers, send_blocks)
 from engine.kv_cache import KVCache, KVCacheHandle
 from engine.messages import DecodeError
 from engine.socket_limits import block_payload_bytes, set_max_message_size
 
-# A pull's ReadDone waits for the pulls due with it at most about this long: a small
-# part of any lease (a read lease is 2 s), so a long batch does not hold P's blocks.
-NOTIFY_BATCH_NS = 50_000_000
+# A pull's ReadDone is held back for the pulls due with it at most about this long
+# (then sent, even while a reply is awaited: transfer.SLOW_REPLY_MS), a small part of
+# any lease (a read lease is 2 s).
+NOTIFY_BATCH_NS = SLOW_REPLY_MS * 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ class ConnectorWorkerProc:
         self.agent = self._bind(zmq.PAIR, config.agent_addr, hwm=0)
         self.peers = self._bind(zmq.ROUTER, config.kv_addr)
         self.puller = Puller(self.ctx, config.transport)
+        self.puller.on_slow_reply = self._send_held  # a slow peer holds back no one's news
+        self.held: list[tuple[str, ReadDone | ReadAbandoned]] = []  # (P's address, its news)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
         self.ledger = SendLedger(round(config.kv_lease_s * 1e9), config.drop_read_done)
@@ -125,25 +130,27 @@ class ConnectorWorkerProc:
     def _fire_timers(self) -> None:
         now = time.monotonic_ns()
         self._apply(self.ledger.expire_holds(now))
-        # The pulls due together end together, as a step's NIXL reads (posted at once,
-        # done about together) do: their ReadDones go out in one burst once the batch is
-        # read, when its engine learns of them too (the report after this), so P's worker
-        # sends one report and P's engine wakes once, not once per pull. A long batch
-        # notifies every NOTIFY_BATCH_NS.
-        done: list[tuple[str, ReadDone | ReadAbandoned]] = []
+        # The pulls due together tell their prefill workers together, once read: one
+        # burst of ReadDones, so P's worker sends one report and an event-driven P wakes
+        # once, not once per pull (vLLM's P gets that from its step: get_finished takes
+        # every NIXL notification that came since the last). Nothing is held longer than
+        # about NOTIFY_BATCH_NS past its pull, nor past an error: the loop's exit sends it.
         started = now
-        while self.pulls and self.pulls[0][0] <= now:
-            done.append(self._pull(heapq.heappop(self.pulls)[2]))
-            if time.monotonic_ns() - started >= NOTIFY_BATCH_NS:
-                self._notify(done)
-                started = time.monotonic_ns()
-        self._notify(done)
+        try:
+            while self.pulls and self.pulls[0][0] <= now:
+                news = self._pull(heapq.heappop(self.pulls)[2])  # may send what is held
+                self.held.append(news)
+                if time.monotonic_ns() - started >= NOTIFY_BATCH_NS:
+                    self._send_held()
+                    started = time.monotonic_ns()
+        finally:
+            self._send_held()
 
-    def _notify(self, done: list[tuple[str, ReadDone | ReadAbandoned]]) -> None:
-        """Tell each prefill worker what was read (or never will be); empties `done`."""
-        for remote_addr, msg in done:
+    def _send_held(self) -> None:
+        """Tell each prefill worker what was read (or never will be) so far."""
+        held, self.held = self.held, []
+        for remote_addr, msg in held:
             self.puller.link(remote_addr).send(msg)
-        done.clear()
 
     # ---- engine side ---------------------------------------------------------------
 
@@ -191,26 +198,28 @@ class ConnectorWorkerProc:
             self._reply(reply)
 
     def _pull(self, spec: RecvSpec) -> tuple[str, ReadDone | ReadAbandoned]:
-        """One pull; returns what to tell the prefill worker, and where."""
+        """One pull, reported to the engine; returns what P's worker must hear, and where."""
         self.counters["num_recvs_in_flight"] -= 1
         try:
             if self.kv_cache is None:
                 raise TransferError("no KV cache registered")
             self.puller.pull(self.kv_cache, spec)
         except TransferError as e:
+            ok = False
             self.counters["num_failed_recvs"] += 1
             if isinstance(e, PeerTimeout):  # the prefill worker is stopped, stuck or dead
                 self.counters["num_pull_timeouts"] += 1
-            self.report.invalid_block_ids.extend(spec.local_block_ids)
-            # D never reads it now: P frees it at once, not at the lease's end (if P is
-            # stopped, the message waits in its socket; if P is gone, it is dropped).
-            reply: ReadDone | ReadAbandoned = ReadAbandoned(spec.remote_request_id)
         else:
+            ok = True
             self.counters["num_recved"] += 1
-            reply = ReadDone(spec.remote_request_id)
         self.counters["num_bytes_pulled"] = self.puller.num_bytes_pulled
-        self.report.finished_recving.append(spec.req_id)
-        return spec.remote_addr, reply
+        outcome = pull_outcome(spec, ok)
+        self.report.invalid_block_ids.extend(outcome.invalid_block_ids)
+        self.report.finished_recving.append(outcome.req_id)
+        # Unread, D never reads it now: P frees it at once, not at the lease's end (if P
+        # is stopped, the message waits in its socket; if P is gone, it is dropped).
+        news = ReadDone(spec.remote_request_id) if outcome.read else ReadAbandoned(spec.remote_request_id)
+        return spec.remote_addr, news
 
     def _flush_report(self) -> None:
         r = self.report

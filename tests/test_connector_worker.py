@@ -434,3 +434,55 @@ def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_pa
     one_by_one, recving = run(0)
     assert one_by_one == [("pull", "a"), told[0], ("pull", "b"), told[1], ("pull", "c"), told[2]]
     assert recving == ["a", "b", "c"]
+
+
+def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeypatch):
+    """The next pull's peer is silent: the ReadDone held for the pull before it goes out
+    once that reply is SLOW_REPLY_MS late, not when the pull times out (2 s by default,
+    a read lease: P would reap a send D read in time). A pull that dies mid-batch
+    (SystemExit: SIGTERM) still lets the held news out."""
+    from connector.transfer import PeerLink
+    ctx = zmq.Context.instance()
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    peers = {name: ctx.socket(zmq.ROUTER) for name in ("p1", "silent")}
+    events: list[tuple] = []
+    real_pull, real_send = proc.puller.pull, PeerLink.send
+
+    def pull(local, spec: RecvSpec) -> None:
+        try:
+            if spec.req_id == "b":
+                real_pull(local, spec)  # a pin that no one answers
+            elif spec.req_id == "c":
+                raise SystemExit(0)
+        finally:
+            events.append(("pulled", spec.req_id))
+
+    def send(link: PeerLink, msg: object) -> bool:
+        if isinstance(msg, (ReadDone, ReadAbandoned)):
+            events.append(("tell", link.addr.rsplit("/", 1)[1], msg))
+        return real_send(link, msg)
+    try:
+        for name, sock in peers.items():
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{tmp_path}/{name}")
+        monkeypatch.setattr(proc.puller, "pull", pull)
+        monkeypatch.setattr(PeerLink, "send", send)
+        proc.puller.timeout_s = 0.3
+        proc.kv_cache = object()  # mapped (pull "a" is a fake success)
+        specs = [RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/{peer}")
+                 for r, peer in (("a", "p1"), ("b", "silent"))]
+        proc._on_step_meta(StepMeta({}, specs))
+        proc._fire_timers()
+        assert events == [("pulled", "a"), ("tell", "p1", ReadDone("p-a")), ("pulled", "b"),
+                          ("tell", "silent", ReadAbandoned("p-b"))]
+        assert proc.report.invalid_block_ids == [1] and proc.counters["num_pull_timeouts"] == 1
+        events.clear()
+        proc._on_step_meta(StepMeta({}, [RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/p1")
+                                         for r in ("d", "c")]))
+        with pytest.raises(SystemExit):
+            proc._fire_timers()
+        assert events == [("pulled", "d"), ("pulled", "c"), ("tell", "p1", ReadDone("p-d"))]
+    finally:
+        for sock in peers.values():
+            sock.close()
+        proc.close()
