@@ -12,7 +12,10 @@ blocks, and a pin's copy must end inside its read lease. The outcome
 (connector/pull_outcome.py, as the process's) is finished_recving, with the local
 blocks invalid if the read was refused or ran late, and "read done" (or, after a
 failure, a release unread) reaching P's worker read_done_latency later; so do
-heartbeats. Reports wait in the inbox until the engine's
+heartbeats. Pulls here run side by side (a step's NIXL reads, posted together), each
+ending after its own copy; the process pulls one after another and sends a batch's
+ReadDones together once it is read (connector/worker_proc.py), so its P frees a
+batch at the batch's end. Reports wait in the inbox until the engine's
 get_finished; on_report tells the engine one came (what a message on the socket does
 to a blocked engine loop), a heartbeat's LeaseDue included.
 """
