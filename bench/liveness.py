@@ -330,8 +330,8 @@ def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]
     out), as a share of poll's P CPU: no change to the engine's Python code goes under it."""
     floor = statistics.median(total for total, _ in floors)
     floor_main = statistics.median(total - io for total, io in floors)
-    event = statistics.median(r.cpu_s["P"] / max(1, r.num_freed) for r in runs["event"])
-    event_io = statistics.median(r.io_s["P"] / max(1, r.num_freed) for r in runs["event"])
+    median = median_run(runs["event"])  # both from one run: a split of its CPU
+    event, event_io = (x / max(1, median.num_freed) for x in (median.cpu_s["P"], median.io_s["P"]))
     poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
     print(f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
           f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
@@ -340,7 +340,7 @@ def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]
     print(f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
           f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
           f"left for the main thread at 0.05: {1e6 * (0.05 * poll / NUM_REQUESTS - event_io):.0f} us per free, "
-          f"where the floor's main thread alone takes {1e6 * floor_main:.0f} us")
+          f"where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us")
 
 
 def percentile(values: list[float], q: float) -> float:
