@@ -30,6 +30,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit
 TRIM_THRESHOLD_BYTES = 64 << 20
 SLOW_REPLY_MS = 50  # a reply this late runs the link's on_slow_reply, then is waited for
+CLOSE_LINGER_MS = 200  # Puller.close: a message sent just before still goes out
 
 
 class TransferError(RuntimeError):
@@ -88,8 +89,8 @@ class PeerLink:
         hook()
         return bool(self.socket.poll(self.timeout_ms - SLOW_REPLY_MS, zmq.POLLIN))
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.socket.close(linger=linger_ms)
 
 
 class Puller:
@@ -194,15 +195,16 @@ class Puller:
             raise TransferError(f"{spec.req_id}: bad block bytes: {e}") from None
         return end
 
-    def _forget(self, addr: str) -> None:
+    def _forget(self, addr: str, linger_ms: int = 0) -> None:
         link = self.links.pop(addr, None)
         if link is not None:
-            link.close()
+            link.close(linger_ms)
         self.peer_caches.pop(addr, None)
 
     def close(self) -> None:
+        """Close every link; what was just sent on one (a last ReadDone) gets CLOSE_LINGER_MS."""
         for addr in list(self.links):
-            self._forget(addr)
+            self._forget(addr, CLOSE_LINGER_MS)
 
 
 def send_blocks(sock: zmq.Socket, reply_to: zmq.Frame | bytes, req_id: str, cache: KVCache,

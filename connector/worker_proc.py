@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing
+from collections import deque
 import os
 import signal
 import time
@@ -68,7 +69,7 @@ class ConnectorWorkerProc:
         self.peers = self._bind(zmq.ROUTER, config.kv_addr)
         self.puller = Puller(self.ctx, config.transport)
         self.puller.on_slow_reply = self._send_held  # a slow peer holds back no one's news
-        self.held: list[tuple[str, ReadDone | ReadAbandoned]] = []  # (P's address, its news)
+        self.held: deque[tuple[str, ReadDone | ReadAbandoned]] = deque()  # (P's address, its news)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
         self.ledger = SendLedger(round(config.kv_lease_s * 1e9), config.drop_read_done)
@@ -135,6 +136,8 @@ class ConnectorWorkerProc:
         # once, not once per pull (vLLM's P gets that from its step: get_finished takes
         # every NIXL notification that came since the last). Nothing is held longer than
         # about NOTIFY_BATCH_NS past its pull, nor past an error: the loop's exit sends it.
+        # (Slow work that is no wait for a reply, a long copy, still delays the news
+        # before it until the pull returns, as it did when each pull told P itself.)
         started = now
         try:
             while self.pulls and self.pulls[0][0] <= now:
@@ -147,10 +150,13 @@ class ConnectorWorkerProc:
             self._send_held()
 
     def _send_held(self) -> None:
-        """Tell each prefill worker what was read (or never will be) so far."""
-        held, self.held = self.held, []
-        for remote_addr, msg in held:
+        """Tell each prefill worker what was read (or never will be) so far. Each item
+        leaves `held` once sent: a signal mid-send leaves the rest for close()."""
+        held = self.held
+        while held:
+            remote_addr, msg = held[0]
             self.puller.link(remote_addr).send(msg)
+            held.popleft()
 
     # ---- engine side ---------------------------------------------------------------
 
@@ -291,7 +297,11 @@ class ConnectorWorkerProc:
         send_blocks(self.peers, reply.reply_to, reply.req_id, self.kv_cache, reply.block_ids)
 
     def close(self) -> None:
-        self.puller.close()
+        try:
+            self._send_held()  # a signal ended a batch while its news was going out
+        except zmq.ZMQError:
+            pass
+        self.puller.close()  # lingers a moment: that news still leaves
         self.agent.close(linger=0)
         self.peers.close(linger=0)
         self.ctx.term()

@@ -486,3 +486,26 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
         for sock in peers.values():
             sock.close()
         proc.close()
+
+
+def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
+    """SIGTERM (SystemExit) in the middle of sending a batch's news: what was not sent
+    stays held (the item being sent included), and close() sends it before the links go."""
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    sent: list[object] = []
+    signals = [SystemExit(0)]
+
+    class Link:
+        def send(self, msg: object) -> bool:
+            if signals:
+                raise signals.pop()
+            sent.append(msg)
+            return True
+    monkeypatch.setattr(proc.puller, "link", lambda addr: Link())
+    news = [("ipc://p1", ReadDone("p-a")), ("ipc://p1", ReadAbandoned("p-b")), ("ipc://p2", ReadDone("p-c"))]
+    proc.held.extend(news)
+    with pytest.raises(SystemExit):
+        proc._send_held()
+    assert list(proc.held) == news and sent == []
+    proc.close()
+    assert sent == [msg for _, msg in news] and not proc.held
