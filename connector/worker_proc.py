@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing
-from collections import deque
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -222,8 +222,8 @@ class ConnectorWorkerProc:
         outcome = pull_outcome(spec, ok)
         self.report.invalid_block_ids.extend(outcome.invalid_block_ids)
         self.report.finished_recving.append(outcome.req_id)
-        # Unread, D never reads it now: P frees it at once, not at the lease's end (if P
-        # is stopped, the message waits in its socket; if P is gone, it is dropped).
+        # Failed: D never reads it now, so P frees it at once, not at the lease's end (if
+        # P is stopped, the message waits in its socket; if P is gone, it is dropped).
         news = ReadDone(spec.remote_request_id) if outcome.read else ReadAbandoned(spec.remote_request_id)
         return spec.remote_addr, news
 
