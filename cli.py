@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from connector.routing import TOPOLOGIES, engine_roles
+from replay.deploy.routing import TOPOLOGIES, engine_roles
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
 from click.core import ParameterSource
@@ -17,7 +17,7 @@ from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
-# replay/pipeline.py's CLOCKS (tests/test_startup.py checks they agree), named here so that
+# replay/pipeline.py's CLOCKS (tests/e2e/test_startup.py checks they agree), named here so that
 # importing cli imports no replay machinery: every engine and connector-worker process
 # re-runs the `kvdrain` script (multiprocessing's spawn imports the parent's main file).
 CLOCKS = ("wall", "virtual")
@@ -385,7 +385,7 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
     engine, kv = _build_configs(options)
     http = None
     if http_address is not None:
-        from replay.http.serve import HttpServe, parse_http_address
+        from replay.http.shared_serve import HttpServe, parse_http_address
         from replay.http.server import HttpOptions
         try:
             host, port = parse_http_address(http_address)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of the torch model runner, for a machine with CUDA (finishes in < 5 min):
 #   1. pytest -m gpu          (CUDA IPC KV cache mapped by a spawned peer)
-#   2. tests/test_model.py    with KVDRAIN_TEST_DEVICE=cuda (paged == dense, runner, transfer)
+#   2. tests/engine/runner/test_model.py    with KVDRAIN_TEST_DEVICE=cuda (paged == dense, runner, transfer)
 #   3. bench/model_step.py --device cuda   (paged vs dense contiguous cache, medium preset)
 # then prints one summary table. Python: $KVDRAIN_PYTHON, else .venv/bin/python, else
 # python3 -- the first whose torch sees CUDA; with none and no .venv, it creates .venv.
@@ -54,7 +54,7 @@ run_step() {  # name, timeout seconds, command...
 
 run_step pytest-gpu 120 "$PY" -m pytest -p no:cacheprovider -m gpu tests/
 run_step test_model-cuda 150 env KVDRAIN_TEST_DEVICE=cuda \
-  "$PY" -m pytest -p no:cacheprovider tests/test_model.py
+  "$PY" -m pytest -p no:cacheprovider tests/engine/runner/test_model.py
 run_step bench-model_step 150 "$PY" bench/model_step.py --device cuda
 
 echo

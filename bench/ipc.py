@@ -23,10 +23,10 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import OtherLoad  # noqa: E402  (bench/common.py)
-from connector.topology import start_topology  # noqa: E402
-from engine.client import InprocClient, MPClient  # noqa: E402
+from replay.deploy.topology import start_topology  # noqa: E402
+from engine.proc.client import InprocClient, MPClient  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
-from engine.outputs import RequestOutput  # noqa: E402
+from engine.core.outputs import RequestOutput  # noqa: E402
 
 NUM_REQUESTS = 2000
 BURST = 200

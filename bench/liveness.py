@@ -47,13 +47,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
 from connector.messages import CONNECTOR_CODEC, KVReport, ReadDone, RecvSpec  # noqa: E402
-from connector.topology import engine_configs, start_topology  # noqa: E402
+from replay.deploy.topology import engine_configs, start_topology  # noqa: E402
 from connector.transfer import Puller  # noqa: E402
-from engine.client import MPClient, make_run_dir  # noqa: E402
+from engine.proc.client import MPClient, make_run_dir  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.messages import CODEC, StatsSnapshot  # noqa: E402
-from engine.outputs import RequestOutput  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
+from engine.proc.messages import CODEC, StatsSnapshot  # noqa: E402
+from engine.core.outputs import RequestOutput  # noqa: E402
 
 POLICIES = ("legacy", "poll", "event")
 NUM_REQUESTS = 32

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import EngineConfig, get_model_config  # noqa: E402
-from engine.kv_cache import resolve_device  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from engine.runner.kv_cache import resolve_device  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from engine.utils import cdiv  # noqa: E402
 
 BLOCK_SIZE = 16

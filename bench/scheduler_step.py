@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.mock_runner import MockModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.runner.mock_runner import MockModelRunner  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.scheduler import Scheduler  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 128

@@ -57,7 +57,7 @@ def note(name):
 sys.modules["__main__"].__file__ = sys.argv[2]
 import cli
 note("cli imported")
-import replay.pipeline as pipeline, connector.topology as topology, connector.router as router
+import replay.pipeline as pipeline, replay.deploy.topology as topology, replay.deploy.router as router
 def wrap(owner, attr, name):
     inner = getattr(owner, attr)
     def hooked(*a, **k):

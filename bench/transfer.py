@@ -49,7 +49,7 @@ from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec
 from connector.transfer import PeerLink, Puller, keep_freed_buffers  # noqa: E402
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
 from engine.config import ModelConfig, get_model_config  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
 
 NUM_BLOCKS = 64  # per pull
 CACHE_BLOCKS = 256  # per cache, block 0 is the null block

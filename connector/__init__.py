@@ -1,10 +1,11 @@
-"""The P/D KV connector, plugged into engine/'s interfaces, and the P/D router in front of the engines.
+"""The P/D KV connector, plugged into engine/'s interfaces. Runs in: engine-core and connector-worker processes.
 
-- scheduler side: pd (pull-mode policy, NIXL-like), built with the worker side by factory;
-- worker side: agent (inside the engine-core process), worker_proc (the connector worker
-  process) around send_ledger (the prefill side's protocol, sans IO), transfer (block
-  copies), messages (their wire types);
-- frontend: routing (each request's way P -> D, sans IO), router (PDRouter over engine
-  clients), topology (launching the engines with their connector configs).
+- engine-core side: pd (the pull-mode scheduler-side policy, NIXL-like), heartbeats (D's
+  lease heartbeats), factory (builds the connector named in the engine config), agent (the
+  in-engine agent that spawns and talks to the connector worker process);
+- connector-worker side: worker_proc (the process), send_ledger (the prefill side's
+  protocol, sans IO), pull_outcome (what D's worker does once a pull ends, sans IO),
+  transfer (block copies);
+- messages: the wire types of both, on the engine's codec.
 Imports engine/ only.
 """

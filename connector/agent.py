@@ -25,10 +25,10 @@ from connector.pd import PDConnectorMetadata
 from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorWorkerBase
-from engine.messages import DecodeError
-from engine.outputs import KVConnectorOutput
-from engine.socket_limits import connector_control_bytes, set_max_message_size
+from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.proc.messages import DecodeError
+from engine.core.outputs import KVConnectorOutput
+from engine.proc.socket_limits import connector_control_bytes, set_max_message_size
 
 READY_TIMEOUT_S = 60.0
 SLOW_NS = 1_000_000_000  # a load or a reap that waits longer: a worker stopped or stuck

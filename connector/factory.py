@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from connector.pd import PDConnector
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorBase, KVConnectorRole, KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, KVConnectorWorkerBase
 
 
 def make_pd_connector(config: EngineConfig, role: KVConnectorRole,

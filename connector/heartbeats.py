@@ -7,7 +7,7 @@ before the load). build_connector_meta packages every tracked id, grouped by rem
 engine, once at least kv_lease_duration // 6 has passed since the last package (the
 first goes out at once), so D heartbeats only while it steps. One throttle for all
 requests, as in vLLM: a request added just after a package waits for the next.
-Time is the scheduler side's (engine/kv_connector.py), in ns: the interval is
+Time is the scheduler side's (engine/core/kv_connector.py), in ns: the interval is
 lease_ns // 6 and P's extension lease_ns * 2 // 3 (connector/send_ledger.py): vLLM's
 5 s and 20 s for its default 30 s lease. A deliberate difference: vLLM's
 kv_lease_duration is whole seconds and it floors both in seconds (a 10 s lease: a 1 s

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import Codec
+from engine.proc.messages import Codec
 
 
 @dataclass(frozen=True, slots=True)

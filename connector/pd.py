@@ -10,7 +10,7 @@ Leases (vLLM 0.32's NIXL): P stamps each held send with a deadline, now +
 kv_lease_s, in request_finished; it travels in the metadata to P's worker, which
 reaps it when P steps past it. While D waits for the blocks it heartbeats
 (connector/heartbeats.py), and P's worker extends the leases it names. Time is the
-worker side's clock, given by the engine core (set_time; engine/kv_connector.py).
+worker side's clock, given by the engine core (set_time; engine/core/kv_connector.py).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from connector.heartbeats import HeartbeatTracker
 from connector.messages import HeartbeatSpec, RecvSpec  # a load: remote_block_ids -> local_block_ids
 from engine.config import EngineConfig
 from engine.utils import cdiv
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
-from engine.outputs import KVConnectorOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
+from engine.core.kv_connector import KVConnectorBase, KVConnectorMetadata
+from engine.core.outputs import KVConnectorOutput, SchedulerOutput
+from engine.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

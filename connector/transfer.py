@@ -19,8 +19,8 @@ import zmq
 from connector.messages import (CONNECTOR_CODEC, BlockData, PinSend, ReadBlocks, ReadGranted,
                                 RecvSpec)
 from connector.pull_outcome import copy_within_read_lease
-from engine.kv_cache import KVCache, KVCacheHandle
-from engine.messages import DecodeError
+from engine.runner.kv_cache import KVCache, KVCacheHandle
+from engine.proc.messages import DecodeError
 
 CHUNK_BYTES = 2 << 20  # a zmq read's chunk: whole blocks, about this many bytes ...
 MAX_CHUNKS = 64  # ... in at most this many chunks (a ROUTER drops past its high-water mark)

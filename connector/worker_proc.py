@@ -35,9 +35,9 @@ from connector.pull_outcome import pull_outcome
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
 from connector.transfer import (SLOW_REPLY_MS, PeerTimeout, Puller, TransferError,
                                 keep_freed_buffers, send_blocks)
-from engine.kv_cache import KVCache, KVCacheHandle
-from engine.messages import DecodeError
-from engine.socket_limits import block_payload_bytes, set_max_message_size
+from engine.runner.kv_cache import KVCache, KVCacheHandle
+from engine.proc.messages import DecodeError
+from engine.proc.socket_limits import block_payload_bytes, set_max_message_size
 
 # A pull's ReadDone is held back for the pulls due with it at most about this long
 # (then sent, even while a reply is awaited: transfer.SLOW_REPLY_MS), a small part of
@@ -54,7 +54,7 @@ class ConnectorWorkerConfig:
     kv_lease_s: float = 30.0  # only for sends registered without a deadline
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
-    max_control_bytes: int = -1  # ZMQ_MAXMSGSIZE of both sockets (engine/socket_limits.py); -1: none
+    max_control_bytes: int = -1  # ZMQ_MAXMSGSIZE of both sockets (engine/proc/socket_limits.py); -1: none
 
 
 class ConnectorWorkerProc:
@@ -314,7 +314,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 def run_connector_worker(config: ConnectorWorkerConfig) -> None:
     """Process entry point (spawned by the engine core's connector agent)."""
     # Block copies are memory-bound; idle OpenMP spinners would steal the CPU from the
-    # engines on a small machine. Only CUDA memory imports torch here (engine/kv_cache.py).
+    # engines on a small machine. Only CUDA memory imports torch here (engine/runner/kv_cache.py).
     os.environ["OMP_NUM_THREADS"] = "1"
     keep_freed_buffers()  # zmq pulls: no page faults on every chunk (connector/transfer.py)
     signal.signal(signal.SIGTERM, _exit_on_signal)

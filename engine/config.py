@@ -120,7 +120,7 @@ class EngineConfig:
     runner: str = "mock"
     device: str = "auto"
     # vLLM's gpu_memory_utilization: with a fraction here, the torch runner on CUDA sizes
-    # the pool from device memory (engine/kv_cache_sizing.py) and num_blocks is only the
+    # the pool from device memory (engine/runner/kv_cache_sizing.py) and num_blocks is only the
     # CPU's size; None: num_blocks everywhere (vLLM's num_gpu_blocks_override).
     gpu_memory_utilization: float | None = None
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,6 +1,6 @@
 """Deployment profiles: engine sizes as a real model on a real GPU would get them. Runs in: frontend process.
 
-vLLM sizes its KV cache from memory (engine/kv_cache_sizing.py; the torch runner on CUDA
+vLLM sizes its KV cache from memory (engine/runner/kv_cache_sizing.py; the torch runner on CUDA
 measures it): usable = total * gpu_memory_utilization - weights (and activations); each
 block holds block_size tokens of K and V for every layer:
     bytes per token = 2 * num_layers * num_kv_heads * head_dim * dtype bytes
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.kv_cache_sizing import GiB, MemoryProfile, available_kv_cache_memory, num_gpu_blocks
+from engine.runner.kv_cache_sizing import GiB, MemoryProfile, available_kv_cache_memory, num_gpu_blocks
 
 
 

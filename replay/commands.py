@@ -1,6 +1,6 @@
 """What each CLI verb does, once its options are parsed: replay, serve, top. Runs in: frontend process.
 
-A wall-clock replay's engines start (connector/topology.py) as soon as its trace is
+A wall-clock replay's engines start (replay/deploy/topology.py) as soon as its trace is
 known to be good, so what the frontend does next (import the live view and the wall
 driver, model the idle windows, draw) overlaps their start: this module imports those
 where they are used, not here.
@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from connector.topology import start_topology
-from engine.client import EngineDeadError
+from replay.deploy.topology import start_topology
+from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
-from engine.messages import ServeInfo
+from engine.proc.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
 from replay.pipeline import ReplayConfig, ReplayResult, launch_engines, run_replay, validate_replay_trace
 from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
 
 if TYPE_CHECKING:
-    from connector.topology import TopologyLaunch
+    from replay.deploy.topology import TopologyLaunch
     from replay.live.auth import AuthOptions
     from replay.live.monitor import ServeMonitor
     from replay.live.serve_client import ServeClient
@@ -207,7 +207,7 @@ class _StopFlag:
 
 def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
                record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None) -> int:
-    """http: replay/http/serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
+    """http: replay/http/shared_serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
     auth: the credentials clients must give (replay/live/auth.py)."""
     from replay.live.auth import AuthOptions
     from replay.live.monitor import ServeMonitor

@@ -25,7 +25,7 @@ from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
 if TYPE_CHECKING:  # imported where used: a wall replay's engines start before they load
-    from connector.topology import TopologyLaunch
+    from replay.deploy.topology import TopologyLaunch
     from replay.live.driver import ReplayTarget, WallClockReplay
     from replay.sim.simulation import ProgressCallback
 
@@ -157,7 +157,7 @@ def launch_engines(config: ReplayConfig) -> TopologyLaunch | None:
     them); None under the virtual clock and with a --target. The caller closes it."""
     if config.clock != "wall" or config.target is not None or config.http is not None:
         return None
-    from connector.topology import TopologyLaunch  # engine processes only for a wall replay
+    from replay.deploy.topology import TopologyLaunch  # engine processes only for a wall replay
     return TopologyLaunch(config.engine, config.kv, config.topology)
 
 

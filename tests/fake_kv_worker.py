@@ -1,8 +1,8 @@
 """An in-process connector worker side for core tests: reports after a set number of polls."""
 from __future__ import annotations
 
-from engine.kv_connector import KVConnectorWorkerBase
-from engine.outputs import KVConnectorOutput
+from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.core.outputs import KVConnectorOutput
 
 
 class FakeKVWorker(KVConnectorWorkerBase):

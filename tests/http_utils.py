@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import threading
 
-from connector.topology import start_topology
+from replay.deploy.topology import start_topology
 from engine.config import EngineConfig, KVTransferConfig
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions

@@ -12,13 +12,13 @@ import time
 import zmq
 
 from connector.messages import CONNECTOR_CODEC, KVCacheRegistered, RegisterKVCache, WorkerReady
-from connector.router import PDRouter
-from connector.topology import start_topology
+from replay.deploy.router import PDRouter
+from replay.deploy.topology import start_topology
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig, KVTransferConfig, ModelConfig
-from engine.kv_cache import KVCache
-from engine.messages import StatsSnapshot
-from engine.outputs import RequestOutput
+from engine.runner.kv_cache import KVCache
+from engine.proc.messages import StatsSnapshot
+from engine.core.outputs import RequestOutput
 
 
 def mock_tokens(prompt: list[int], max_tokens: int, vocab: int = 512) -> list[int]:

@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from engine.run_dir import process_start_time
+from engine.proc.run_dir import process_start_time
 
 
 def descendants(pid: int) -> list[tuple[int, str | None]]:

@@ -4,7 +4,7 @@ Properties, each with bounded examples, sizes and time:
 - The trace reader, on arbitrary bytes and on JSON / CSV lines of hostile shapes, in every
   format (sniffed or named), raises nothing but TraceError and allocates little; a trace
   that validates against the engines' limits synthesises only prompts that fit them.
-- CODEC.decode (engine/messages.py) and CONNECTOR_CODEC.decode (connector/messages.py),
+- CODEC.decode (engine/proc/messages.py) and CONNECTOR_CODEC.decode (connector/messages.py),
   on arbitrary bytes and on well-formed msgpack of random shapes (registered tags and
   arities included), raise nothing but DecodeError and return only registered types.
 """
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector.messages import CONNECTOR_CODEC
-from engine.messages import CODEC, DecodeError
+from engine.proc.messages import CODEC, DecodeError
 from replay.trace.inspect import inspect_trace
 from replay.trace.reader import (FORMATS, TraceError, TraceLimits, TraceRequest, read_trace,
                                  validate_trace)

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 from connector.pd import PDConnector
 from engine.config import EngineConfig, KVTransferConfig
-from engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 
 BLOCK_SIZE = 4
 

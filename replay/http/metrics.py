@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.liveness import LOOP_STATE_NAMES
-from engine.messages import StatsSnapshot
+from engine.core.liveness import LOOP_STATE_NAMES
+from engine.proc.messages import StatsSnapshot
 
 # vllm/v1/metrics/buckets.py (0.32.0): TIME_TO_FIRST_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -44,7 +44,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 LABELS = ("model_name", "engine")
 
-# Exposed family names -> label names, pinned by tests/test_http_metrics.py.
+# Exposed family names -> label names, pinned by tests/replay/http/test_http_metrics.py.
 # (Counter families expose `<name>_total`; histograms `_bucket`, `_sum`, `_count`.)
 FAMILIES: dict[str, tuple[str, ...]] = {
     "vllm:num_requests_running": LABELS,

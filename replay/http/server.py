@@ -4,7 +4,7 @@ One asyncio thread owns everything: aiohttp's handlers call the router directly 
 not thread-safe, and needs no lock here), and a pump task polls the router for outputs
 (every millisecond while requests are open, every 10 ms otherwise) and hands each to
 its request's queue, and keeps the latest stats snapshot of every engine for /metrics.
-When the zmq serve shares the router (replay/http/serve.py), the outputs of requests
+When the zmq serve shares the router (replay/http/shared_serve.py), the outputs of requests
 the front does not own and every stats snapshot go to that SharedRouter for it, and
 `on_tick` runs once per pump round to let it work.
 
@@ -30,8 +30,8 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from engine.messages import StatsSnapshot
-from engine.outputs import RequestOutput
+from engine.proc.messages import StatsSnapshot
+from engine.core.outputs import RequestOutput
 from replay.http import protocol
 from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel

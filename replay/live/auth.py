@@ -12,7 +12,7 @@ and says so loudly. On loopback and ipc any local user can connect, so a shared
 handshake checks it once per connection, so a client without it never gets a message
 through. (PLAIN sends the token in clear: on loopback only.) The engines' ipc sockets,
 GetKVHandle among them, live in the run directory (mode 0700): only this uid reaches
-them (engine/run_dir.py); the KV memory itself is a 0600 file.
+them (engine/proc/run_dir.py); the KV memory itself is a 0600 file.
 """
 from __future__ import annotations
 

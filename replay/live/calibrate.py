@@ -1,6 +1,6 @@
 """`kvdrain calibrate`: time the real runner's steps on this device and fit a cost profile. Runs in: frontend process.
 
-An EngineCore with the real runner (engine/model_runner.py's torch ModelRunner, or the
+An EngineCore with the real runner (engine/runner/model_runner.py's torch ModelRunner, or the
 mock runner) steps in this process through a small grid: prefills of n tokens alone,
 decode batches of b requests at context c, and b decodes beside one prefill. Each
 step is timed (perf_counter around EngineCore.step: schedule, execute, update) after a
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.config import EngineConfig, get_model_config
-from engine.core import EngineCore
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.engine_core import EngineCore
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.utils import cdiv
 from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
 
@@ -81,10 +81,10 @@ class _Bench:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.runner == "torch":
-            from engine.model_runner import ModelRunner  # torch only where it is needed
+            from engine.runner.model_runner import ModelRunner  # torch only where it is needed
             runner = ModelRunner(config)
         else:
-            from engine.mock_runner import MockModelRunner
+            from engine.runner.mock_runner import MockModelRunner
             runner = MockModelRunner(config)
         self.inner = runner
         self.runner = _ShapeRunner(runner)
@@ -171,7 +171,7 @@ def measure_loop_overhead(config: EngineConfig, model: CostModel, context: int =
     from sending it to its last output, over that many steps (the send and the last
     receive are amortised; outputs read in batches do not matter).
     """
-    from engine.client import MPClient  # a process only when asked for
+    from engine.proc.client import MPClient  # a process only when asked for
     client = MPClient(replace(config, liveness="event"))
     try:
         start, deadline = time.perf_counter(), time.monotonic() + LOOP_TIMEOUT_S

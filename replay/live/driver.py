@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Protocol
 
-from engine.client import EngineDeadError
-from engine.messages import StatsSnapshot
-from engine.outputs import RequestOutput
+from engine.proc.client import EngineDeadError
+from engine.proc.messages import StatsSnapshot
+from engine.core.outputs import RequestOutput
 from replay.live.faults import FaultWatch
 from replay.live.interrupt import Interrupted
 from replay.trace.synth import synth_prompt

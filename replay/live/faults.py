@@ -3,7 +3,7 @@
 Sans-IO: the driver (replay/live/driver.py) hands over what it observed, with its own
 clock, and asks when to probe. Sources:
 - an engine's EngineError (its connector worker died or stopped answering a reap;
-  engine/core_proc.py sends it once) or the engine's own death (EngineDeadError);
+  engine/proc/core_proc.py sends it once) or the engine's own death (EngineDeadError);
 - an engine silent for `stall_s` that left a stats request unanswered (stopped or
   stuck): the driver asks every engine that has been silent for `probe_interval_s`, so an idle engine
   costs a wake-up a second (a legacy engine parked on its input wakes, answers and does

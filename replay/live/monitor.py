@@ -10,8 +10,8 @@ import signal
 import time
 from collections.abc import Iterable
 
-from connector.routing import engine_roles
-from engine.messages import StatsSnapshot
+from replay.deploy.routing import engine_roles
+from engine.proc.messages import StatsSnapshot
 from replay.live.driver import WallClockReplay, sample_from_snapshot
 from replay.live.interrupt import Interrupted
 from replay.live.serve import Server

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.messages import StatsSnapshot
+from engine.proc.messages import StatsSnapshot
 
 QUEUE_KEYS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
               "num_finished_awaiting_free")

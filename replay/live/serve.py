@@ -6,7 +6,7 @@ GetStats subscribes a client to every engine's stats snapshots (ServeInfo first)
 clients renew it (ServeClient sends GetStats every SUBSCRIPTION_RENEW_S), and a
 subscriber not heard from for SUBSCRIBER_TTL_S is dropped, so clients that left cost
 nothing. Garbage is counted and dropped; a frame over the largest legitimate request
-(engine/socket_limits.py) drops its connection. Binds 127.0.0.1 (or an ipc path) by default.
+(engine/proc/socket_limits.py) drops its connection. Binds 127.0.0.1 (or an ipc path) by default.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Callable
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from connector.router import PDRouter
-from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
+from replay.deploy.router import PDRouter
+from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_to_msg)
-from engine.outputs import RequestOutput
-from engine.socket_limits import request_bytes, set_max_message_size
+from engine.core.outputs import RequestOutput
+from engine.proc.socket_limits import request_bytes, set_max_message_size
 from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
 
@@ -149,7 +149,7 @@ class Server:
     def run_once(self, timeout_ms: int) -> None:
         """One round: clients' messages (waiting up to timeout_ms), outputs, stats, recording.
 
-        `serve --http` calls it from the HTTP front's loop (replay/http/serve.py)."""
+        `serve --http` calls it from the HTTP front's loop (replay/http/shared_serve.py)."""
         if self.socket.poll(timeout_ms, zmq.POLLIN):
             self._drain_clients()
         for output in self.router.poll(0):

@@ -11,11 +11,11 @@ import time
 
 import zmq
 
-from engine.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
+from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_from_msg)
-from engine.outputs import RequestOutput
-from engine.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
-from engine.stats_check import snapshot_problem
+from engine.core.outputs import RequestOutput
+from engine.proc.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
+from engine.proc.stats_check import snapshot_problem
 from replay.live.auth import AuthError, AuthOptions, secure_client
 from replay.live.serve import SUBSCRIPTION_RENEW_S
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.outputs import SchedulerOutput
+from engine.core.outputs import SchedulerOutput
 
 PROFILE_VERSION = 1
 FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")

@@ -1,6 +1,6 @@
 """One simulated engine: EngineCore's busy loop on the virtual clock. Runs in: frontend process.
 
-Each engine is an EngineCore driven as engine/core_proc.py drives it. A step starts by
+Each engine is an EngineCore driven as engine/proc/core_proc.py drives it. A step starts by
 draining the frontend input and runs at that instant; its outputs and its stats are
 published `cost` later (step_base_s + step_per_token_s * tokens, or a calibrated
 CostModel's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
@@ -25,7 +25,7 @@ are counted (and, sleeping, the sleeps that began by T as wake-ups); if step k-1
 still running at T, its step-end event is scheduled as usual, else the step at s0 +
 k*p is (the first to start at or after T). Samples meanwhile count the same way.
 Integer time makes s0 + k*p exactly what k additions give, so timelines are identical
-with the shortcut off (tests/test_simulate.py compares both).
+with the shortcut off (tests/replay/sim/test_simulate.py compares both).
 """
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from engine.core.block_hash import BlockHash
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
-from engine.liveness import LOOP_STATES, LoopAction, next_action
-from engine.mock_runner import MockModelRunner
-from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
-from engine.request import Request
+from engine.core.engine_core import EngineCore
+from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
+from engine.core.liveness import LOOP_STATES, LoopAction, next_action
+from engine.runner.mock_runner import MockModelRunner
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.core.request import Request
 from engine.utils import cdiv
 from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
 from replay.sim.cost import StepShape
@@ -97,7 +97,7 @@ class EngineSlot:
 
 
 def build_connector(config: EngineConfig) -> KVConnectorBase | None:
-    """The scheduler side, from the factory the config names (as engine/core_proc.py builds it)."""
+    """The scheduler side, from the factory the config names (as engine/proc/core_proc.py builds it)."""
     if config.kv_transfer is None:
         return None
     return import_factory(config.kv_transfer.kv_connector)(config, KVConnectorRole.SCHEDULER)
@@ -116,7 +116,7 @@ class _StepResult:
 
 
 class SimEngine:
-    """One engine's busy loop on the virtual clock, following engine/liveness.py."""
+    """One engine's busy loop on the virtual clock, following engine/core/liveness.py."""
 
     def __init__(self, config: EngineConfig, slot: EngineSlot, loop: EventLoop,
                  options: SimOptions, worker: SimKVWorker | None = None) -> None:

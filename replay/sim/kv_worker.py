@@ -27,8 +27,8 @@ from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
 from connector.pull_outcome import copy_within_read_lease, pull_outcome
 from connector.send_ledger import LedgerOutput, ReadReply, ReapSchedule, SendLedger
-from engine.kv_connector import KVConnectorWorkerBase
-from engine.outputs import KVConnectorOutput
+from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.core.outputs import KVConnectorOutput
 from replay.sim.clock import DELIVER, EventLoop, to_ns
 from replay.sim.options import SimOptions
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from connector.routing import TOPOLOGIES
+from replay.deploy.routing import TOPOLOGIES
 from engine.config import EngineConfig, KVTransferConfig
 from replay.sim.cost import CostModel
 

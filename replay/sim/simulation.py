@@ -3,9 +3,9 @@
 No sleeping and no wall clock: replay/sim/clock.py is the event loop (integer
 nanoseconds, ties resolved the same way every run); replay/sim/kv_worker.py the KV
 connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
-engine/core_proc.py does, with a step cost model and the fast-forward over provably
+engine/proc/core_proc.py does, with a step cost model and the fast-forward over provably
 idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (its
-request records; the P/D proxy is connector/routing.py's Routing, the live router's
+request records; the P/D proxy is replay/deploy/routing.py's Routing, the live router's
 too), and the run that feeds the trace one record at a time.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from connector.routing import END, AddTo, Command, Routing, engine_roles
-from engine.block_hash import BlockHash, hash_request_blocks
-from engine.request_check import why_malformed
-from engine.outputs import RequestOutput
+from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
+from engine.core.block_hash import BlockHash, hash_request_blocks
+from engine.core.request_check import why_malformed
+from engine.core.outputs import RequestOutput
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
@@ -38,13 +38,13 @@ class _Flight:
     record: RequestRecord
     tokens: list[int] = field(default_factory=list)
     # The prompt's block hashes, computed once here for every engine that takes it
-    # (each would compute the same: engine/block_hash.py over the same tokens); only
-    # for a well-formed prompt (engine/request_check.py why_malformed, checked here once).
+    # (each would compute the same: engine/core/block_hash.py over the same tokens); only
+    # for a well-formed prompt (engine/core/request_check.py why_malformed, checked here once).
     block_hashes: list[BlockHash] | None = None
 
 
 class _Frontend:
-    """The client side: trace records in, routed by connector/routing.py, request records out."""
+    """The client side: trace records in, routed by replay/deploy/routing.py, request records out."""
 
     def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim

@@ -5,7 +5,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.messages import StatsSnapshot
+from engine.proc.messages import StatsSnapshot
 from replay.verify.timeline import EngineSample
 from replay.verify.rules import IdleWindow
 

@@ -3,9 +3,9 @@
 A P/D run must produce what one engine would (DESIGN: the transfer is bit-exact), so a
 request whose output differs got corrupt KV on the way, whatever the block counts say:
 replay/verify/rules.py calls it a violation. With the mock runner the single engine's
-output is a formula (engine/mock_runner.py; it checks stamped KV, so corrupt KV changes
+output is a formula (engine/runner/mock_runner.py; it checks stamped KV, so corrupt KV changes
 its tokens): cheap enough to check every request, on by default. Stop conditions are
-engine/stop.py's: EOS first, then max_tokens and max_model_len.
+engine/core/stop.py's: EOS first, then max_tokens and max_model_len.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ class EngineSample:
     num_waiting_for_remote_kvs: int
     num_running: int
     num_finished_awaiting_free: int  # finished, blocks held for the connector
-    loop_state: str  # engine/liveness.py LOOP_STATE_NAMES, or "unknown" (a scraped server)
+    loop_state: str  # engine/core/liveness.py LOOP_STATE_NAMES, or "unknown" (a scraped server)
     num_steps: int  # engine steps so far
     num_wakeups: int  # transitions out of blocked, plus poll sleeps, so far
 

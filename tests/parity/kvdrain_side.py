@@ -8,11 +8,11 @@ from __future__ import annotations
 from itertools import islice
 
 from connector.pd import PDConnector
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.config import EngineConfig, KVTransferConfig
-from engine.outputs import KVConnectorOutput, ModelRunnerOutput
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 
 from tests.parity.fakes import FakeKVWorker, FakeModel
 from tests.parity.spec import RequestSpec, SchedConfig, Snapshot, StepOutput

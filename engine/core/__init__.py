@@ -1,0 +1,15 @@
+"""The pure core: scheduling and KV block bookkeeping, no torch, zmq, clock, randomness or I/O. Runs in: engine-core process (and the simulator).
+
+- request: Request and RequestStatus;
+- block_hash: chained prefix hashes of full blocks;
+- block_pool: the paged block pool with prefix caching;
+- kv_cache_manager: per-request block tables over the pool;
+- invalid_blocks: what a failed KV load leaves a request;
+- scheduler: queues, token budget, preemption and the connector lifecycle;
+- stop: stop conditions;
+- outputs: the records scheduler -> runner -> scheduler -> frontend;
+- kv_connector: the interfaces a connector implements;
+- liveness: the engine loop's policies (may it block, and on what?);
+- request_check: the limits every front checks before sending;
+- engine_core: EngineCore.step, driven by the process shell and the simulator alike.
+"""

@@ -1,0 +1,150 @@
+"""EngineCore: one engine's in-process logic, no sockets and no clock. Runs in: engine-core process.
+
+The process shell (core_proc.py) and the virtual-clock simulator both drive this
+class, so the simulator reproduces the real engine's decisions exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.core.kv_connector import KVConnectorBase, KVConnectorWorkerBase
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.core.request import Request, RequestStatus
+from engine.core.request_check import why_malformed
+from engine.core.scheduler import Scheduler
+
+
+class ModelRunnerProtocol(Protocol):
+    """What EngineCore needs from a model runner: one forward pass per scheduler output.
+
+    Satisfied structurally by engine/model_runner.ModelRunner (torch) and
+    engine/mock_runner.MockModelRunner (deterministic tokens, no torch).
+    """
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStepResult:
+    """What one step did, for the loop's liveness question (engine/liveness.next_action)."""
+
+    outputs: list[RequestOutput]
+    model_executed: bool  # some tokens were scheduled
+    # The next schedule() has work it can do without a new report: the step consumed
+    # connector reports while unfinished requests remain (freed blocks may admit one,
+    # a finished receive is promoted), preempted, or left finished ids behind. A report
+    # that only frees a finished request's blocks leaves nothing for another step.
+    can_progress: bool
+    got_kv_reports: bool  # the step consumed connector reports
+
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunnerProtocol,
+        connector: KVConnectorBase | None = None,
+        connector_worker: KVConnectorWorkerBase | None = None,
+    ) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config, connector)
+        self.model_runner = model_runner
+        self.connector_worker = connector_worker
+        self.num_steps = 0
+        self.num_model_steps = 0
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+        kv_transfer_params: dict | None = None, stop_token_ids: tuple[int, ...] = (),
+    ) -> list[RequestOutput]:
+        """Queue a request; returns an output at once only if it can never run.
+
+        A malformed request (empty prompt, max_tokens < 1, a token outside the
+        vocabulary) fails alone, like vLLM's per-request errors: the engine keeps
+        serving the others, and whatever its params hold elsewhere is released (a
+        remote prefill's blocks on P: engine/core/scheduler.py reject_request).
+        """
+        params = dict(kv_transfer_params) if kv_transfer_params else None
+        why = why_malformed(prompt_token_ids, max_tokens, self.config.model.vocab_size)
+        if why is not None:
+            return [self.scheduler.reject_request(req_id, params, why)]
+        try:
+            request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
+                              eos_token_id=self.config.eos_token_id,
+                              stop_token_ids=tuple(stop_token_ids), kv_transfer_params=params)
+        except ValueError as e:
+            return [self.scheduler.reject_request(req_id, params, str(e))]
+        return self.add(request)
+
+    def add(self, request: Request) -> list[RequestOutput]:
+        """Queue a built request (vLLM's EngineCore.add_request(Request)); an output at
+        once only if it can never run."""
+        output = self.scheduler.add_request(request)
+        return [output] if output is not None else []
+
+    def abort_requests(self, req_ids: list[str]) -> list[RequestOutput]:
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> EngineStepResult:
+        """schedule -> execute -> update; the outputs and what the step did.
+
+        A zero-token step is still a full round trip: finished ids and connector
+        metadata reach the worker side, and its reports come back.
+        """
+        if not self.scheduler.has_requests():
+            return EngineStepResult([], False, False, False)
+        self._tell_time()
+        sched_out = self.scheduler.schedule()
+        worker = self.connector_worker
+        if worker is not None:
+            worker.start_load_kv(sched_out.kv_connector_metadata)
+        runner_out = self.model_runner.execute(sched_out)
+        got_kv_reports = False
+        if worker is not None:
+            kv_out = worker.get_finished(sched_out.finished_req_ids)
+            runner_out.kv_connector_output = kv_out
+            got_kv_reports = not kv_out.is_empty()
+        self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        can_progress = self.scheduler.can_progress(sched_out, got_kv_reports)
+        self.num_steps += 1
+        model_executed = sched_out.total_num_scheduled_tokens > 0
+        self.num_model_steps += model_executed
+        return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+
+    def _tell_time(self) -> None:
+        """The scheduler side's clock is the worker side's (engine/core/kv_connector.py)."""
+        connector, worker = self.scheduler.connector, self.connector_worker
+        now = worker.now_ns() if worker is not None else None
+        if connector is not None and now is not None:
+            connector.set_time(now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def next_deadline_ns(self) -> int | None:
+        """When either connector half next acts on time alone (a heartbeat due, a lease
+        to reap), on the worker side's clock; None: nothing timed."""
+        connector, worker = self.scheduler.connector, self.connector_worker
+        due = connector.next_deadline_ns() if connector is not None else None
+        worker_due = worker.next_deadline_ns() if worker is not None else None
+        if due is None or worker_due is None:  # asked after every report: no list, no min()
+            return worker_due if due is None else due
+        return min(due, worker_due)
+
+    def must_poll(self) -> bool:
+        """A connector deferred a request and will not say when to ask again."""
+        return self.scheduler.has_deferred_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -1,0 +1,88 @@
+"""A request and its lifecycle status. Runs in: engine-core process."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.core.block_hash import BlockHash, hash_request_blocks
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every status after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",  # vLLM's _FINISHED_REASON_MAP
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)  # identity: queues remove by object
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    block_size: int
+    # len(all_token_ids) and len(prompt_token_ids), kept as plain ints: the scheduler
+    # reads them per request per step. (Not constructor arguments; they sit next to
+    # the other fields a step touches.)
+    num_tokens: int = field(init=False, default=0)
+    num_prompt_tokens: int = field(init=False, default=0)
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    kv_transfer_params: dict | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    # The prompt, then every sampled token (output_token_ids is its tail).
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: str | None = None  # why it finished, in words, for errors and ignores
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not self.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids: request {self.req_id!r} has an empty prompt")
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens = len(self.all_token_ids)
+        hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The sampled tokens so far (a copy: append with append_output_token_ids)."""
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Append a sampled token; a block it fills gets its prefix hash now, once."""
+        self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+        if self.num_tokens % self.block_size == 0:
+            hash_request_blocks(self.all_token_ids, self.block_size, self.block_hashes)
+
+    def get_finished_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

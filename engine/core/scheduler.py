@@ -1,0 +1,610 @@
+"""The scheduler: queues, token budget, preemption and the connector lifecycle. Runs in: engine-core process.
+
+No prefill/decode phases: every step spends one token budget until each request's
+num_computed_tokens reaches num_tokens, so chunked prefill needs no special case.
+"""
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice, repeat
+
+from engine.core.block_hash import hash_request_blocks
+from engine.config import EngineConfig
+from engine.core.invalid_blocks import cut_back_to_valid_prefix
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_connector import KVConnectorBase
+from engine.core.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
+                            ScheduledRequest, SchedulerOutput, SchedulerStats)
+from engine.core.request import Request, RequestStatus
+from engine.core.stop import check_stop
+
+__all__ = ["Scheduler"]
+
+# Makes an instance without calling __init__: the decode loop fills a RequestOutput's
+# slots itself, about a quarter cheaper per request than the dataclass __init__.
+_new_object = object.__new__
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+        self.config = config
+        self.connector = connector
+        self.block_size = config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching,
+            config.max_model_len)
+        self.block_pool = self.kv_cache_manager.block_pool
+        # Every request not yet fully released, including finished ones whose
+        # blocks a connector still holds (delayed free).
+        self.requests: dict[str, Request] = {}
+        # Waiting requests that hold no KV blocks: new, preempted, deferred by the connector.
+        self.waiting: deque[Request] = deque()
+        # Waiting requests that hold KV blocks (vLLM 0.32's kv_holding_waiting): in
+        # WAITING_FOR_REMOTE_KVS, or loaded and not yet admitted. Admitted before `waiting`.
+        self.skipped_waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids the connector told to ask again later (get_num_new_matched_tokens None).
+        self.deferred_req_ids: set[str] = set()
+        # Finished since the last schedule(); shipped to the worker side, then reset.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0  # vLLM's prefix_cache_queries: tokens looked up
+        # ---- KV transfer state (see the KV transfer section below)
+        self.finished_recving_kv_req_ids: set[str] = set()
+        # Remote loads that lost blocks (policy recompute); num_computed_tokens already
+        # cut back to the valid prefix.
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self.held_for_send: set[str] = set()
+        self.held_for_recv: set[str] = set()
+        self.num_stale_kv_reports = 0
+        self.num_kv_load_failures = 0
+        # Decode and sampled-token fast paths; tests turn them off to compare with the
+        # straightforward paths (tests/engine/core/test_scheduler_fast_paths.py). Not a configuration knob.
+        self.fast_path = True
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; one that can never run finishes FINISHED_IGNORED at once.
+
+        A duplicate id fails alone ("error") and nothing of the original is touched:
+        no finished id (the worker side would drop the original's state); only what
+        the duplicate's own params hold elsewhere is released. vLLM never sees one:
+        its front makes ids unique (a random suffix).
+        """
+        original = self.requests.get(request.req_id)
+        if original is not None:
+            why = f"duplicate request id {request.req_id!r}"
+            if self.connector is not None and not _same_remote_send(original, request):
+                self.connector.request_rejected(request.req_id, request.kv_transfer_params)
+            return RequestOutput(request.req_id, [], "error", error=why)
+        reason = self._why_unschedulable(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = reason
+            if self.connector is not None:
+                # It may carry a remote prefill whose blocks P holds for us: the connector
+                # must hear of it (it tells P to free them), and the id must reach the
+                # worker side in a step, so it goes out like any finished id.
+                self.connector.request_finished(request, [])
+                self.finished_req_ids.add(request.req_id)
+            # vLLM reports FINISHED_IGNORED as "length"; the reason is in `error`.
+            return RequestOutput(request.req_id, [], request.get_finished_reason(), error=reason)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)  # say, D starts heartbeating for it
+        return None
+
+    def reject_request(self, req_id: str, kv_transfer_params: dict | None, why: str) -> RequestOutput:
+        """A request that never became one (malformed): an error output, and the
+        connector hears of it, since its params may hold blocks elsewhere (a remote
+        prefill on P: the NIXL rule, an empty receive tells P to free). Its id goes
+        out in the next step like a finished one, so that step comes."""
+        if self.connector is not None and kv_transfer_params:
+            self.connector.request_rejected(req_id, kv_transfer_params)
+            if req_id not in self.requests:  # never another request's finished id
+                self.finished_req_ids.add(req_id)
+        return RequestOutput(req_id, [], "error", error=why)
+
+    def _why_unschedulable(self, request: Request) -> str | None:
+        # vLLM's front rejects these prompts (input_processor); kvdrain ignores them.
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            return (f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                    f"{self.config.max_model_len}")
+        # Its longest possible life must fit the pool alone, or it would wait forever.
+        # vLLM has no counterpart: there such a request waits (or is preempted) forever.
+        # The last sampled token never gets a KV slot: at most max_len - 1 are computed.
+        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len - 1)
+        if need > self.config.num_blocks - 1:
+            return (f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
+                    f"{self.config.num_blocks - 1}")
+        return None
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
+        """Finish requests from outside (abort). Unknown or finished ids are ignored (vLLM #25067)."""
+        outputs = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            self._remove_from_queues(request)
+            # vLLM #32255: an in-flight remote load may still write into these blocks.
+            hold_for_recv = False
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                hold_for_recv = req_id not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(req_id)
+                self.failed_recving_kv_req_ids.discard(req_id)
+            request.status = status
+            params = self._free_request(request, hold_for_recv)
+            outputs.append(RequestOutput(req_id, [], request.get_finished_reason(),
+                                         kv_transfer_params=params))
+        return outputs
+
+    def _remove_from_queues(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.skipped_waiting:
+            self.skipped_waiting.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _free_request(self, request: Request, hold_for_recv: bool = False) -> dict | None:
+        """A request just finished: ask the connector whether to delay freeing its blocks."""
+        delay_free, params = False, None
+        if self.connector is not None:  # always asked: a connector may hold state for it
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            delay_free, params = self.connector.request_finished(request, block_ids)
+        self.finished_req_ids.add(request.req_id)
+        self.deferred_req_ids.discard(request.req_id)
+        if hold_for_recv:  # the receive's report frees it, whatever the connector said
+            self.held_for_recv.add(request.req_id)
+        elif delay_free:
+            self.held_for_send.add(request.req_id)
+        else:
+            self._free_blocks(request)
+        return params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+
+    # ---- schedule ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        req_index = 0
+        while req_index < len(self.running) and budget > 0:
+            if self.fast_path:  # plain decodes up to the next request that needs more
+                req_index, budget = self._schedule_decodes(out, req_index, budget)
+                if req_index >= len(self.running) or budget <= 0:
+                    break
+            request = self.running[req_index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.config.max_model_len - 1 - request.num_computed_tokens)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                break  # the request preempted itself: nothing else fits either
+            self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
+            budget -= num_new
+            req_index += 1
+        return budget
+
+    def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> tuple[int, int]:
+        """The decode fast path: running[req_index:] while each needs exactly one token.
+
+        The same decisions as the loop above (tests/engine/core/test_scheduler_fast_paths.py checks it step by
+        step): one token per request; no new block while the slot is inside the table
+        (a request's table always covers its computed tokens, so a slot off a block
+        boundary is), else one from the pool; a block the token fills gets its hash,
+        the one allocate_slots would cache (earlier ones were cached as they filled).
+        Stops, returning (index, budget), at the first request that needs more, a full
+        pool (the slow path preempts) or the end of the budget.
+        """
+        bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
+        add_id, add_computed = req_ids.append, out.num_computed_tokens.append
+        add_token = out.token_ids.append
+        max_computed, last_slot = self.config.max_model_len - 1, bs - 1
+        num_before = len(req_ids)
+        for request in islice(self.running, req_index, req_index + budget):
+            num_computed = request.num_computed_tokens
+            if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
+                break
+            req_id = request.req_id
+            slot = num_computed % bs
+            if slot == 0:  # the slot starts a block: in the table already?
+                new_block_ids = kv.append_slot(req_id, num_computed)
+                if new_block_ids is None:
+                    break
+                if new_block_ids:
+                    out.new_block_ids[req_id] = new_block_ids
+            add_id(req_id)
+            add_computed(num_computed)
+            add_token(request.all_token_ids[-1])
+            request.num_computed_tokens = num_computed + 1
+            if slot == last_slot:  # the token fills its block
+                kv.cache_blocks(request, num_computed + 1)
+        num_decodes = len(req_ids) - num_before
+        out.num_scheduled_tokens.extend(repeat(1, num_decodes))
+        out.total_num_scheduled_tokens += num_decodes
+        return req_index + num_decodes, budget - num_decodes
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            # Recompute preemption, FCFS: the last admitted request goes first.
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.req_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """vLLM's admission loop: requests holding KV blocks first, then `waiting`, in order.
+
+        A finished remote load is promoted only here, when the loop reaches it with a
+        seat and budget left. A skipped request (load in flight, connector not ready,
+        load just started) goes back to the head of its queue, in order, at the end.
+        """
+        if not self.skipped_waiting and not self.waiting:
+            return
+        skipped_holding: list[Request] = []
+        skipped: list[Request] = []
+        while budget > 0:
+            queue = self.skipped_waiting or self.waiting
+            if not queue or len(self.running) >= self.config.max_num_seqs:
+                break
+            request = queue[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.req_id not in self.finished_recving_kv_req_ids:
+                    skipped_holding.append(queue.popleft())
+                    continue
+                self._update_waiting_for_remote_kv(request)
+            admitted = self._try_admit(request, budget)
+            if admitted is None:
+                break  # not enough free blocks: wait, never preempt for a newcomer
+            queue.popleft()
+            if admitted < 0:  # skipped: a load started, or the connector can't tell yet
+                holds_blocks = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                (skipped_holding if holds_blocks else skipped).append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            self._add_scheduled(out, request, admitted, block_ids, True)
+            out.prompt_token_ids[request.req_id] = request.prompt_token_ids
+            budget -= admitted
+        self.skipped_waiting.extendleft(reversed(skipped_holding))
+        self.waiting.extendleft(reversed(skipped))
+
+    def _try_admit(self, request: Request, budget: int) -> int | None:
+        """Tokens to schedule for a waiting request; -1 if it was skipped; None if no room."""
+        hits, num_local, num_external, load_async = [], 0, 0, False
+        num_computed = request.num_computed_tokens  # > 0: its remote load has landed
+        if num_computed == 0:
+            hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
+            if self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if num_external is None:  # the connector can't tell yet: ask next step
+                    self.deferred_req_ids.add(request.req_id)
+                    return -1
+                self.deferred_req_ids.discard(request.req_id)
+            num_computed = num_local + num_external
+        num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        # vLLM also admits an async load only if it leaves the blocks that in-flight
+        # prefills still need free (_inflight_prefill_reserved_blocks). With its
+        # synchronous scheduler that reservation is always 0 here: a prefill stays in
+        # flight only when the budget cut its chunk, and then no admission follows in
+        # that step; so kvdrain leaves it out.
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new, hits, num_external, delay_cache_blocks=load_async,
+            full_sequence_must_fit=self.config.scheduler_reserve_full_isl)
+        if new_blocks is None:
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local
+            self.num_prefix_hit_tokens += num_local
+            self.num_prefix_query_tokens += request.num_tokens
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens = num_computed
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return -1
+        return num_new
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
+                       new_block_ids: list[int], is_new: bool) -> None:
+        start = request.num_computed_tokens
+        out.add(ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            new_block_ids=new_block_ids,
+            is_new=is_new,
+            sample=start + num_new >= request.num_tokens,
+        ))
+        out.total_num_scheduled_tokens += num_new
+        # Like vLLM's _update_after_schedule: computed as soon as it is scheduled.
+        request.num_computed_tokens += num_new
+
+    # ---- update --------------------------------------------------------------
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
+        if self.connector is not None:  # first: it may say the worker side is gone
+            kv_out = kv_out or KVConnectorOutput()
+            self.connector.update_connector_output(kv_out)
+        failed_ids: set[str] = set()
+        if kv_out is not None and kv_out.invalid_block_ids:  # before the tokens, like vLLM
+            failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
+        if self.fast_path and not failed_ids and not runner_out.failed:
+            any_finished = self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs)
+        else:
+            any_finished = self._update_scheduled(sched_out, runner_out, failed_ids, outputs)
+        if any_finished:  # r.is_finished(), inline
+            preempted = RequestStatus.PREEMPTED
+            self.running = [r for r in self.running if r.status <= preempted]
+        if failed_ids and self.config.kv_load_failure_policy == "fail":
+            outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
+        if kv_out is not None:
+            self._update_from_kv_xfer_finished(kv_out)
+        return outputs
+
+    def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                          failed_ids: set[str], outputs: list[RequestOutput]) -> bool:
+        """Each scheduled request's result, into `outputs`; True if one finished."""
+        for req_id in sched_out.req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or req_id in failed_ids:
+                continue  # aborted while the step ran, or its KV turned out bad
+            output = self._update_request(request, runner_out)
+            if output is not None:
+                outputs.append(output)
+        return any(r.is_finished() for r in self.running)
+
+    def _update_sampled(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, int],
+                        outputs: list[RequestOutput]) -> bool:
+        """_update_scheduled's fast path for a step in which nothing failed.
+
+        The same outputs: a request that may stop goes through check_stop and
+        _free_request like any other; the rest get a plain record.
+        """
+        requests, append, max_len = self.requests, outputs.append, self.config.max_model_len
+        bs, preempted = self.block_size, RequestStatus.PREEMPTED
+        any_finished = False
+        req_ids = sched_out.req_ids
+        # The lookups run in C, lazily, one request at a time (as the slow loop's).
+        for req_id, request, token in zip(req_ids, map(requests.get, req_ids),
+                                          map(sampled_token_ids.get, req_ids)):
+            if request is None or request.status > preempted:
+                continue  # aborted while the step ran
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            # request.append_output_token_ids(token), inline:
+            request.all_token_ids.append(token)
+            request.num_tokens = num_tokens = request.num_tokens + 1
+            if num_tokens % bs == 0:
+                hash_request_blocks(request.all_token_ids, bs, request.block_hashes)
+            # check_stop's conditions: if one holds, check_stop decides.
+            if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
+                    or num_tokens - request.num_prompt_tokens >= request.max_tokens):
+                append(self._stop_request(request, token))
+                any_finished = any_finished or request.is_finished()
+                continue
+            # RequestOutput(req_id, [token], num_cached_tokens=...), every slot set:
+            output = _new_object(RequestOutput)
+            output.req_id, output.new_token_ids, output.finish_reason = req_id, [token], None
+            output.kv_transfer_params, output.error = None, None
+            num_cached = request.num_cached_tokens
+            output.num_cached_tokens = num_cached if num_cached > 0 else 0
+            append(output)
+        return any_finished
+
+    def _stop_request(self, request: Request, token: int) -> RequestOutput:
+        """The output of a request that just sampled `token` and may have to stop."""
+        params = None
+        if check_stop(request, self.config.max_model_len):
+            params = self._free_request(request)
+        return RequestOutput(request.req_id, [token], request.get_finished_reason(), params,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _update_request(self, request: Request, runner_out: ModelRunnerOutput) -> RequestOutput | None:
+        error = runner_out.failed.get(request.req_id)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = error
+            params = self._free_request(request)
+            return RequestOutput(request.req_id, [], "error", params, error=error)
+        token = runner_out.sampled_token_ids.get(request.req_id)
+        if token is None:
+            return None  # a prefill chunk that did not reach the end
+        request.append_output_token_ids(token)
+        return self._stop_request(request, token)
+
+    def _fail_requests(self, req_ids: list[str], why: str) -> list[RequestOutput]:
+        for req_id in req_ids:
+            self.requests[req_id].stop_reason = why
+        outputs = self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        for output in outputs:
+            output.error = why
+        return outputs
+
+    # ---- KV transfer: remote loads, delayed frees, reports ----------------------
+    # Reports come from the worker side through the runner output. Each finished
+    # request that still holds blocks waits for exactly one report: `held_for_send`
+    # (the connector delayed its free) for finished_sending, `held_for_recv` (aborted
+    # while its remote load was in flight, vLLM #32255) for finished_recving. Anything
+    # else is stale or a duplicate (vLLM #46240, #25067): counted and ignored (vLLM
+    # asserts). Reports are handled in sorted id order, the same in every process;
+    # vLLM iterates its sets, an order that depends on PYTHONHASHSEED.
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """Promote a request whose remote load finished (vLLM's lazy promotion).
+
+        Caches the loaded blocks (a failed load: only its valid prefix; with none
+        valid it frees them and starts over, with a fresh prefix lookup), then, if
+        the whole sequence is there, recomputes the last token to sample from it.
+        """
+        req_id = request.req_id
+        if req_id in self.failed_recving_kv_req_ids:
+            self.failed_recving_kv_req_ids.remove(req_id)
+            if request.num_computed_tokens:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                self.kv_cache_manager.free(request)
+        else:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.remove(req_id)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+
+    def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> None:
+        for req_id in sorted(kv_out.finished_recving):
+            self._on_finished_recving(req_id)
+        for req_id in sorted(kv_out.finished_sending):
+            if req_id in self.held_for_send:
+                self.held_for_send.remove(req_id)
+                self._free_blocks(self.requests[req_id])
+            else:
+                self.num_stale_kv_reports += 1
+
+    def _on_finished_recving(self, req_id: str) -> None:
+        if req_id in self.held_for_recv:
+            self.held_for_recv.remove(req_id)
+            self._free_blocks(self.requests[req_id])
+            return
+        request = self.requests.get(req_id)
+        if (request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                or req_id in self.finished_recving_kv_req_ids):
+            self.num_stale_kv_reports += 1
+            return
+        self.finished_recving_kv_req_ids.add(req_id)
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], sched_out: SchedulerOutput) -> set[str]:
+        """vLLM's _handle_invalid_blocks: requests whose KV lost blocks keep only the
+        valid prefix before the first lost block. Loads in flight (WAITING_FOR_REMOTE_KVS)
+        and running requests are both cut back. Returns the ids the token loop skips:
+        all of them under policy "fail" (they then fail), the running ones under
+        "recompute" (they recompute next step; the loads retry on promotion)."""
+        num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
+        matched: set[int] = set()
+        loading = [r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        kv = self.kv_cache_manager
+        async_failed, _ = cut_back_to_valid_prefix(loading, invalid_block_ids, num_scheduled, kv, matched)
+        sync_failed, to_evict = cut_back_to_valid_prefix(self.running, invalid_block_ids, num_scheduled,
+                                                         kv, matched)
+        for req_id in self.held_for_recv:  # an aborted load's report: expected, not stale
+            matched.update(self.kv_cache_manager.get_block_ids(req_id))
+        self.num_stale_kv_reports += len(invalid_block_ids - matched)
+        self.num_kv_load_failures += len(async_failed) + len(sync_failed)
+        if self.config.kv_load_failure_policy == "fail":
+            # The bad KV and everything after it must not serve prefix hits.
+            self.kv_cache_manager.evict_blocks(to_evict)
+            return async_failed | sync_failed
+        self.failed_recving_kv_req_ids |= async_failed
+        return sync_failed
+
+    # ---- liveness --------------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.skipped_waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        if self.finished_req_ids:
+            return True
+        if self.config.liveness == "legacy" or self.connector is None:
+            return False  # vLLM before #43433: only ids not yet shipped count
+        # vLLM #43433: entries of `requests` in no queue are finished requests whose
+        # blocks a connector still holds (delayed free, aborted remote load).
+        return len(self.requests) > self.get_num_unfinished_requests()
+
+    def has_requests(self) -> bool:
+        """has_unfinished_requests() or has_finished_requests(), asked every step:
+        without unfinished requests, #43433's count is just `requests` being non-empty."""
+        if self.waiting or self.skipped_waiting or self.running or self.finished_req_ids:
+            return True
+        return bool(self.requests) and self.connector is not None and self.config.liveness != "legacy"
+
+    def can_progress(self, sched_out: SchedulerOutput, got_kv_reports: bool) -> bool:
+        """After a step: could the next schedule() do work without a new report or input?
+
+        (engine/core/liveness.py next_action.) Consumed reports count only while unfinished
+        requests remain: a report that only freed a finished request's blocks leaves
+        nothing for the next step to do.
+        """
+        return ((got_kv_reports and self.has_unfinished_requests())
+                or bool(sched_out.preempted_req_ids) or self.has_pending_updates())
+
+    def has_pending_updates(self) -> bool:
+        """Work for the next schedule() that needs no new report: finished ids to ship.
+
+        Not finished receives: the step after their report tries to promote them, and
+        one it cannot promote (no seat, no blocks) waits for something else to change
+        (a running request's step, a report, an input), or an event loop would spin.
+        """
+        return bool(self.finished_req_ids)
+
+    def has_deferred_requests(self) -> bool:
+        """Requests a connector told to ask again later."""
+        return bool(self.deferred_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        pool, skipped = self.block_pool, self.skipped_waiting
+        num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in skipped) if skipped else 0
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_skipped_waiting=len(self.skipped_waiting),
+            num_waiting_for_remote_kvs=num_remote,
+            num_running=len(self.running),
+            num_finished_awaiting_free=len(self.requests) - self.get_num_unfinished_requests(),
+            num_blocks=pool.num_blocks - 1,
+            num_used_blocks=pool.get_num_used_blocks(),
+            num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_preemptions=self.num_preemptions,
+            num_stale_kv_reports=self.num_stale_kv_reports,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_prefix_query_tokens=self.num_prefix_query_tokens,
+            num_kv_load_failures=self.num_kv_load_failures,
+        )
+
+
+def _same_remote_send(original: Request, duplicate: Request) -> bool:
+    """Both name the same remote send (a resent request): releasing it would take
+    the original's KV away."""
+    keys = ("remote_engine_id", "remote_request_id", "remote_block_ids")
+    a, b = original.kv_transfer_params or {}, duplicate.kv_transfer_params or {}
+    return all(a.get(k) == b.get(k) for k in keys)

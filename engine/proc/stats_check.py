@@ -1,0 +1,34 @@
+"""Checking a decoded StatsSnapshot before anything uses it. Runs in: frontend process.
+
+The codec checks a snapshot's field types; this checks what readers index: the engine
+id is one of the run's, every SchedulerStats count is there as a non-negative int, the
+loop state is one the TUI knows, and the block counts add up. A snapshot that fails is
+dropped and counted (num_bad_messages) by whoever received it: MPClient for an engine's
+output socket, ServeClient for a serve's.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from engine.core.liveness import LOOP_STATE_NAMES
+from engine.proc.messages import StatsSnapshot
+from engine.core.outputs import SchedulerStats
+
+REQUIRED_COUNTS = tuple(f.name for f in fields(SchedulerStats))
+KNOWN_LOOP_STATES = frozenset(LOOP_STATE_NAMES)
+
+
+def snapshot_problem(snap: StatsSnapshot, engines: list[str] | tuple[str, ...]) -> str | None:
+    """Why snap must not be used (one line), or None if it is sound."""
+    if snap.engine_id not in engines:
+        return f"stats from unknown engine {snap.engine_id!r}"
+    if snap.loop_state not in KNOWN_LOOP_STATES:
+        return f"engine {snap.engine_id}: unknown loop state {snap.loop_state!r}"
+    counts = snap.counts
+    for name in REQUIRED_COUNTS:
+        value = counts.get(name)
+        if type(value) is not int or value < 0:
+            return f"engine {snap.engine_id}: count {name} is {value!r}"
+    if counts["num_used_blocks"] + counts["num_free_blocks"] != counts["num_blocks"]:
+        return f"engine {snap.engine_id}: used + free blocks != num_blocks"
+    return None

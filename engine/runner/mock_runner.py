@@ -1,0 +1,46 @@
+"""A torch-free deterministic model runner for fast tests and big replays. Runs in: engine-core process.
+
+The next token is (last token + 1) % vocab_size, so outputs are a pure function of
+the prompt, whatever the batching, chunking, preemption or KV transfer. Given a KV
+cache (a P/D engine's), it also stamps the tokens into it and checks prefixes computed
+elsewhere (engine/runner/kv_stamps.py): a request whose KV arrived corrupt samples
+(last token + 2) instead, as a real model's output would change.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.runner.kv_cache import KVCache
+
+
+class MockModelRunner:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
+        self.vocab_size = config.model.vocab_size
+        self.stamps = None
+        if kv_cache is not None and kv_cache.pages is not None:
+            from engine.runner.kv_stamps import KVStamps  # numpy: only where there is KV memory
+            self.stamps = KVStamps(kv_cache, config.block_size)
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        tokens, vocab_size = sched_out.token_ids, self.vocab_size
+        all_valid = not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size)
+        sampled, partial = out.sampled_token_ids, sched_out.partial_req_ids
+        end = 0
+        for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
+            start, end = end, end + num_new
+            bad = None if all_valid else next(
+                (t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                out.failed[req_id] = f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+            elif req_id not in partial:
+                sampled[req_id] = (tokens[end - 1] + 1) % vocab_size
+        if self.stamps is not None and all_valid:
+            self.stamps.update(sched_out)
+            for req_id in self.stamps.corrupt & sampled.keys():
+                sampled[req_id] = (sampled[req_id] + 1) % vocab_size
+        return out

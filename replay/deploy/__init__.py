@@ -1,0 +1,7 @@
+"""Deployments in front of the engines: P/D routing, the router over engine clients, launching. Runs in: frontend process.
+
+- routing: each request's way from P to D, sans IO (vLLM's disaggregated proxy as a state
+  machine, driven by the live router and the simulator alike);
+- router: PDRouter, that state machine over engine clients;
+- topology: launching a topology's engine cores with their connector configs.
+"""

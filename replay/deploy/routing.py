@@ -1,0 +1,165 @@
+"""P/D routing, sans IO: a topology's engines and each request's way from P to D. Runs in: frontend process.
+
+vLLM's disaggregated proxy as a state machine that the live router (replay/deploy/router.py,
+over engine clients) and the virtual-clock simulator (replay/sim/simulation.py, over
+events) both drive, so that both route alike. Pure: no zmq, no clock, no I/O. Callers
+hand it what happened (a request, an abort, an engine's output) and carry out the
+commands it returns (AddTo, AbortAt) on their engines.
+
+`pd`: engines P (kv_producer) and D (kv_consumer). A request goes to P with
+max_tokens=1 and do_remote_decode; P's final output carries the params its connector
+returned. When P finished by length with params, the request goes to D with them and the
+real max_tokens, and D's tokens are the answer (P's token is dropped: D samples the first
+token itself). Any other end at P ends the request. A request with pd=False goes to D alone.
+`single`: one engine E, no connector.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from engine.core.outputs import RequestOutput
+
+TOPOLOGIES = ("pd", "single")
+PREFILL_MAX_TOKENS = 1  # P computes the prompt's KV; its one sampled token is dropped
+
+
+def engine_roles(topology: str) -> list[tuple[str, str | None]]:
+    """(engine name, kv_role) of each engine, the prefill engine first; None: no connector."""
+    if topology == "single":
+        return [("E", None)]
+    if topology != "pd":
+        raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {topology!r}")
+    return [("P", "kv_producer"), ("D", "kv_consumer")]
+
+
+def prefill_params() -> dict[str, object]:
+    """The kv_transfer_params a request goes to P with: hold its KV for D to read."""
+    return {"do_remote_decode": True}
+
+
+DECODE, RELEASE, LOCAL, END = "decode", "release", "local", "end"
+
+
+def after_prefill(prefill_output: RequestOutput, aborted: bool) -> tuple[str, dict | None]:
+    """What the router does once P finished a request: (action, params for D).
+
+    DECODE: send it to D with P's params. RELEASE: the client aborted while P was
+    prefilling and P finished anyway, holding blocks for D: send it to D with the params
+    and abort it there at once, so D's connector tells P to free them (vLLM's
+    abort_immediately) instead of P holding them until expiry. LOCAL: P finished but
+    offered no KV (its connector could not): D prefills itself. END: P's output ends it.
+    """
+    if not prefill_output.finished or prefill_output.finish_reason not in ("length", "stop"):
+        return END, None
+    params = prefill_output.kv_transfer_params or None
+    if prefill_output.finish_reason == "stop" and not params:
+        return END, None  # its one token was EOS and P holds nothing for D
+    if aborted:
+        return (RELEASE, params) if params else (END, None)
+    return (DECODE, params) if params else (LOCAL, None)
+
+
+@dataclass(frozen=True, slots=True)
+class AddTo:
+    """Command: add the request to `engine`."""
+
+    engine: str
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    kv_transfer_params: dict | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAt:
+    """Command: abort the request at `engine`."""
+
+    engine: str
+    req_id: str
+
+
+Command = Union[AddTo, AbortAt]
+
+
+@dataclass(slots=True)
+class Route:
+    """One request in flight: where it is now and whether the client gave up on it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    engine: str
+    via_prefill: bool
+    aborted: bool = False  # over for the client; the engines may still be finishing it
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What one engine output means: commands for the engines, and what the client sees."""
+
+    commands: tuple[Command, ...] = ()
+    output: RequestOutput | None = None  # for the client; None: nothing to show
+    action: str | None = None  # after_prefill's, when this was P's final output
+
+
+class Routing:
+    """Every request in flight, each moved P -> D (or to D or E alone) by its engines' outputs.
+
+    A route lives until the engine it is at finished the request, aborted ones included:
+    an abort while P prefills may lose the race to P's finish (after_prefill's RELEASE).
+    """
+
+    def __init__(self, engine_names: list[str]) -> None:
+        """engine_names: the prefill engine first (as engine_roles lists them); one name: no P."""
+        if len(engine_names) not in (1, 2):
+            raise ValueError(f"engine_names: one or two engines, got {engine_names!r}")
+        self.prefill = engine_names[0] if len(engine_names) == 2 else None
+        self.decode = engine_names[-1]
+        self.routes: dict[str, Route] = {}
+
+    def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+            pd: bool | None = None) -> list[Command]:
+        """A new request; pd=False sends a request of a pd topology to the decode engine alone."""
+        if req_id in self.routes:
+            raise ValueError(f"request id {req_id!r} is already in flight")
+        if self.prefill is None or pd is False:
+            self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, self.decode, False)
+            return [AddTo(self.decode, req_id, prompt_token_ids, max_tokens, None)]
+        self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, self.prefill, True)
+        return [AddTo(self.prefill, req_id, prompt_token_ids, PREFILL_MAX_TOKENS, prefill_params())]
+
+    def abort(self, req_id: str) -> list[Command]:
+        """The client gives up: abort where the request is now (once; unknown ids are ignored)."""
+        route = self.routes.get(req_id)
+        if route is None or route.aborted:
+            return []
+        route.aborted = True
+        return [AbortAt(route.engine, req_id)]
+
+    def on_output(self, engine: str, output: RequestOutput) -> Routed:
+        """One output of `engine`; outputs of requests not (or no longer) there are dropped."""
+        route = self.routes.get(output.req_id)
+        if route is None or route.engine != engine:
+            return Routed()
+        if engine == self.prefill:
+            return self._on_prefill_output(route, output)
+        if output.finished:
+            del self.routes[output.req_id]
+        return Routed(output=output)
+
+    def _on_prefill_output(self, route: Route, output: RequestOutput) -> Routed:
+        if not output.finished:
+            return Routed()
+        action, params = after_prefill(output, route.aborted)
+        if action == END:
+            del self.routes[route.req_id]
+            if route.aborted:  # the client asked: it ends as an abort, whatever P said
+                return Routed(output=RequestOutput(route.req_id, [], "abort"), action=END)
+            return Routed(output=output, action=END)
+        route.engine = self.decode
+        commands: list[Command] = [AddTo(self.decode, route.req_id, route.prompt_token_ids,
+                                         route.max_tokens, params)]
+        if action == RELEASE:
+            commands.append(AbortAt(self.decode, route.req_id))
+        return Routed(tuple(commands), action=action)

@@ -1,0 +1,74 @@
+"""Per-step shortcuts against their definitions: the liveness predicates, the cost model's step shape."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.outputs import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from replay.sim.cost import StepShape
+from tests.engine.core.test_scheduler_fast_paths import run_twins
+from tests.utils import make_request, make_scheduler, step
+
+
+def reference_has_requests(sched: Scheduler) -> bool:
+    """has_unfinished_requests() or has_finished_requests(), as vLLM writes them."""
+    num_unfinished = len(sched.waiting) + len(sched.skipped_waiting) + len(sched.running)
+    by_count = (sched.config.liveness != "legacy" and sched.connector is not None
+                and len(sched.requests) > num_unfinished)  # vLLM #43433
+    return num_unfinished > 0 or bool(sched.finished_req_ids) or by_count
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+@pytest.mark.parametrize("use_kv_connector", [False, True])
+def test_liveness_predicates_equal_their_definitions(monkeypatch, seed, liveness, use_kv_connector):
+    seen = {"idle": 0}
+    has_requests = Scheduler.has_requests
+
+    def checking(self: Scheduler) -> bool:
+        got = has_requests(self)
+        assert got == reference_has_requests(self)
+        assert self.has_unfinished_requests() == (self.get_num_unfinished_requests() > 0)
+        assert self.has_finished_requests() == (bool(self.finished_req_ids) or (
+            self.config.liveness != "legacy" and self.connector is not None
+            and len(self.requests) > self.get_num_unfinished_requests()))
+        seen["idle"] += not got
+        return got
+    monkeypatch.setattr(Scheduler, "has_requests", checking)
+    run_twins(seed, use_kv_connector, liveness=liveness, num_blocks=20,
+              max_num_batched_tokens=24, max_num_seqs=8)
+    assert seen["idle"]  # the workload drains
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_a_delayed_free_alone_is_work_except_under_legacy(liveness):
+    """The has_requests shortcut's last branch: nothing queued, a send held for D."""
+    sched = make_scheduler(use_kv_connector=True, liveness=liveness)
+    sched.add_request(make_request("p", max_tokens=1, params={"do_remote_decode": True}))
+    step(sched)  # prefilled and finished; its blocks held for D
+    step(sched)  # its finished id shipped
+    assert sched.requests and not sched.finished_req_ids and not sched.has_unfinished_requests()
+    assert sched.has_requests() == reference_has_requests(sched) == (liveness != "legacy")
+
+
+def reference_shape(sched_out: SchedulerOutput) -> StepShape:
+    """StepShape.of as first written, over the records."""
+    prefill = decode = context = 0
+    for chunk in sched_out.scheduled:
+        if len(chunk.token_ids) == 1:
+            decode += 1
+        else:
+            prefill += len(chunk.token_ids)
+        context += chunk.num_computed_tokens
+    return StepShape(prefill, decode, context)
+
+
+def test_step_shape_from_columns_equals_the_records():
+    rng = random.Random(0)
+    for _ in range(200):
+        records = [ScheduledRequest(f"r{i}", [7] * rng.choice([1, 1, 2, 5, 64]), rng.randrange(500),
+                                    [], rng.random() < 0.3, True) for i in range(rng.randint(0, 8))]
+        sched_out = SchedulerOutput(records, sum(len(r.token_ids) for r in records))
+        assert StepShape.of(sched_out) == reference_shape(sched_out)

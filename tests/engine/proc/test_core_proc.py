@@ -1,0 +1,137 @@
+"""The engine-core process shell's loop in this process: its snapshots and its waits (mock runner)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import zmq
+
+from engine.config import EngineAddresses, EngineConfig
+from engine.proc.core_proc import EngineCoreProc, stats_counts
+from engine.proc.messages import AddRequest, GetStats, Ready, RequestOutputs, Shutdown, StatsSnapshot, decode, encode
+from engine.core.outputs import SchedulerStats
+
+TIMEOUT_MS = 10_000
+
+
+def test_stats_counts_is_asdict():
+    stats = SchedulerStats(*range(1, len(dataclasses.fields(SchedulerStats)) + 1))
+    assert stats_counts(stats) == dataclasses.asdict(stats)
+    assert list(stats_counts(stats)) == list(dataclasses.asdict(stats))  # same order
+
+
+@pytest.fixture
+def engine_loop(tmp_path):
+    """An EngineCoreProc looping in a thread; yields (send, messages received so far)."""
+    ctx = zmq.Context()
+    to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    addrs = EngineAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    to_engine.bind(addrs.input)
+    from_engine.bind(addrs.output)
+    config = EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event")
+    proc = EngineCoreProc(config, addrs)
+    thread = threading.Thread(target=proc.run_busy_loop)
+    thread.start()
+    received: list[object] = []
+
+    def recv_until(predicate) -> None:
+        """Receive until a message that satisfies predicate (bounded)."""
+        while True:
+            if not from_engine.poll(TIMEOUT_MS):
+                raise TimeoutError(f"no message from the engine in {TIMEOUT_MS} ms")
+            received.append(decode(from_engine.recv()))
+            if predicate(received[-1]):
+                return
+    try:
+        yield proc, lambda msg: to_engine.send(encode(msg)), received, recv_until
+    finally:
+        to_engine.send(encode(Shutdown(1.0)))
+        thread.join(10)
+        proc.close()
+        to_engine.close(0)
+        from_engine.close(0)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_snapshots_only_when_something_a_reader_shows_changed(engine_loop):
+    proc, send, received, recv_until = engine_loop
+    recv_until(lambda m: isinstance(m, Ready))
+    for i in range(3):
+        send(AddRequest(f"r{i}", list(range(10 * i, 10 * i + 9)), 4))
+    finished: set[str] = set()
+
+    def all_finished(m: object) -> bool:
+        if isinstance(m, RequestOutputs):
+            finished.update(o.req_id for o in m.outputs if o.finish_reason is not None)
+        return len(finished) == 3
+    recv_until(all_finished)
+    recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked"
+               and m.num_steps > 0 and m.counts["num_used_blocks"] == 0)
+    snaps = [m for m in received if isinstance(m, StatsSnapshot)]
+    # The loop publishes one at most per step, and never one a reader could not tell
+    # from the one before it (same loop state, same counts).
+    assert len(snaps) <= proc.core.num_steps + 1
+    for before, after in zip(snaps, snaps[1:]):
+        assert (before.loop_state, before.counts) != (after.loop_state, after.counts)
+    assert [s.seq for s in snaps] == list(range(1, len(snaps) + 1))
+    # A GetStats is answered even when nothing changed (the bench and top rely on it).
+    send(GetStats())
+    recv_until(lambda m: isinstance(m, StatsSnapshot) and m.seq == snaps[-1].seq + 1)
+    assert received[-1].counts == snaps[-1].counts
+
+
+def test_one_poller_per_kind_of_wait(engine_loop):
+    proc, send, received, recv_until = engine_loop
+    recv_until(lambda m: isinstance(m, Ready))
+    for round_ in range(3):
+        send(AddRequest(f"r{round_}", [1, 2, 3, 4, 5], 2))
+        recv_until(lambda m: isinstance(m, RequestOutputs) and any(
+            o.req_id == f"r{round_}" and o.finish_reason for o in m.outputs))
+        recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked")
+    assert proc.num_wakeups >= 3
+    assert len(proc._pollers) == 1  # every wait so far was on the input alone, one poller
+
+
+class _PipeWorker:
+    """A connector worker side whose only wait handle is a pipe the test writes to."""
+
+    error = None
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = __import__("os").pipe()
+
+    def wait_handles(self) -> list[object]:
+        return [self.read_fd]
+
+
+def test_a_wait_says_whether_the_input_may_hold_messages(tmp_path):
+    """The loop drains the frontend input after a wait only if the wait saw it readable
+    (or did not watch it): a wake-up for a connector report skips that drain."""
+    import os
+    ctx = zmq.Context()
+    to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    addrs = EngineAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    to_engine.bind(addrs.input)
+    from_engine.bind(addrs.output)
+    proc = EngineCoreProc(EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event"), addrs)
+    worker = proc.core.connector_worker = _PipeWorker()
+    try:
+        assert proc._wait(with_connector=True, timeout_ms=0) is False  # timeout, input watched
+        assert proc._wait(with_connector=False, timeout_ms=0, with_input=False) is True  # not watched
+        os.write(worker.write_fd, b"x")  # a "report": the connector handle is readable
+        assert proc._wait(with_connector=True, timeout_ms=TIMEOUT_MS) is False
+        os.read(worker.read_fd, 1)
+        to_engine.send(encode(GetStats()))
+        assert proc._wait(with_connector=True, timeout_ms=TIMEOUT_MS) is True
+        assert proc._wait(with_connector=False, timeout_ms=TIMEOUT_MS) is True
+        assert proc.num_wakeups == 5
+    finally:
+        proc.core.connector_worker = None
+        os.close(worker.read_fd)
+        os.close(worker.write_fd)
+        proc.close()
+        to_engine.close(0)
+        from_engine.close(0)
+        ctx.term()

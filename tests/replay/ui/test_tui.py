@@ -1,0 +1,385 @@
+"""The live dashboard: pure render at 80 and 160 columns, plain lines, rates, LiveView without a terminal, its feeds."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from engine.proc.messages import StatsSnapshot
+from replay.live.faults import FaultWatch
+from replay.live.interrupt import Interrupted
+from replay.live.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
+from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
+from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
+from replay.verify.timeline import EngineSample, RequestRecord
+from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
+from replay.verify.rules import IdleWindow, VerifyOptions
+from tests.paths import EXAMPLE, ROOT
+
+CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, num_recvs_in_flight=0,
+                 num_sends_pending=3, oldest_send_age_ms=120, num_read_done_dropped=0,
+                 num_bytes_pulled=0, connector_worker_pid=4242)
+
+
+def make_counts(**overrides: int) -> dict[str, int]:
+    counts = dict(num_waiting=3, num_skipped_waiting=1, num_waiting_for_remote_kvs=0, num_running=4,
+                  num_finished_awaiting_free=2, num_blocks=127, num_used_blocks=40,
+                  num_cached_blocks=12, num_free_blocks=87, num_preemptions=0,
+                  num_stale_kv_reports=0, num_prefix_hit_tokens=64, num_bad_messages=0, **CONNECTOR)
+    counts.update(overrides)
+    return counts
+
+
+def make_state() -> DashboardState:
+    state = DashboardState(title="kvdrain replay pd_idle.jsonl", elapsed_s=12.3)
+    for t, steps, wakeups in ((1.0, 10, 1), (3.0, 50, 5)):
+        state.view("P").update("P", t, "blocked", steps, wakeups, make_counts())
+    d_counts = make_counts(num_waiting=0, num_skipped_waiting=2, num_waiting_for_remote_kvs=5,
+                           num_running=6, num_finished_awaiting_free=0, num_used_blocks=12,
+                           num_cached_blocks=30, num_free_blocks=115, num_sends_pending=0,
+                           num_recvs_in_flight=7, num_failed_recvs=1, connector_worker_pid=4243)
+    state.apply_snapshot(StatsSnapshot("D", 1, 3.0, "stepping", 100, 2, d_counts))
+    state.progress = ReplayProgress("pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
+                                    liveness="event", speedup=2.0)
+    for lateness in (0.001, 0.002, 0.008):
+        state.progress.record_send(lateness)
+    state.progress.trace_t = 12.3
+    state.windows = [WindowVerdict.of(IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)),
+                     WindowVerdict("D", 6.0, 2.5, 8, None, "leak")]
+    state.messages = ["connector worker of D (pid 4243) died"]
+    return state
+
+
+def render_text(state: DashboardState, width: int) -> str:
+    console = Console(record=True, width=width, height=24, file=io.StringIO())
+    console.print(render(state))
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_render_shows_engines_progress_and_verdicts(width):
+    text = render_text(make_state(), width)
+    lines = text.splitlines()
+    assert len(lines) == 24 and all(len(line) <= width for line in lines)
+    for needle in ("engine P", "engine D", "idle windows", "kvdrain replay", "clock wall",
+                   "liveness event", "speed ×2", "elapsed 12.3s",
+                   "blocked", "stepping", "drained", "leak", "never", "120ms",  # P's oldest send, the window's drain
+                   "40/127", "12/127", "worker pid 4242", "worker pid 4243",
+                   "sent 3/32", "trace 12.3/40.0s", "p50 2ms", "p99 8ms",
+                   "connector worker of D (pid 4243) died", "recvs in flight", "sends pending"):
+        assert needle in text, needle
+    # P and D side by side: one line holds both engines' WAITING_FOR_REMOTE_KVS and running.
+    assert re.findall(r"remote KVs\s+(\d+)\s+running\s+(\d+)", text) == [("0", "4"), ("5", "6")]
+    assert "20 steps/s" in text and "2.0 wake/s" in text  # P: 40 steps, 4 wake-ups in 2 s
+
+
+def test_render_regions_and_empty_state():
+    layout = render(DashboardState(title="kvdrain top"))
+    for name in ("header", "engines", "windows", "footer"):
+        assert layout.get(name) is not None, name
+    text = render_text(DashboardState(title="kvdrain top"), 80)
+    assert "kvdrain top" in text and "waiting for the first stats" in text
+
+
+def test_engine_view_rates_and_history_from_two_updates():
+    view = EngineView("D")
+    view.update("D", 10.0, "stepping", 100, 4, make_counts(num_used_blocks=5))
+    assert view.steps_per_s == 0.0 and view.wakeups_per_s == 0.0  # one update: no rate yet
+    view.update("D", 10.5, "polling", 150, 9, make_counts(num_used_blocks=0))
+    assert view.steps_per_s == pytest.approx(100.0) and view.wakeups_per_s == pytest.approx(10.0)
+    assert list(view.used_history) == [5, 0] and view.loop_state == "polling"
+    view.update("D", 11.0, "blocked", 3, 0, make_counts())  # restarted engine: counters went back
+    assert view.steps_per_s == 0.0 and view.has_connector
+    with pytest.raises(ValueError):
+        view.update("P", 12.0, "blocked", 0, 0, {})
+    for i in range(500):
+        view.update("D", 20.0 + i, "blocked", 0, 0, {"num_used_blocks": i})
+    assert len(view.used_history) == 120 and view.used_history[-1] == 499
+
+
+def test_apply_sample_feeds_a_virtual_clock_engine():
+    state = DashboardState()
+    for t, steps in ((1.0, 10), (1.5, 30)):
+        state.apply_sample(EngineSample(t, "E", 5, 2, 100, 105, 1, 0, 0, 2, 0, "stepping", steps, 1))
+    view = state.engines["E"]
+    assert view.steps_per_s == pytest.approx(40.0) and not view.has_connector
+    assert view.counts["num_free_blocks"] == 100 and view.counts["num_blocks"] == 105
+    assert "E used 5/105 stepping" in plain_line(state)
+
+
+def test_sparkline():
+    assert sparkline([0, 1, 2, 4, 8], 10) == "▁▃▄▅█"
+    assert sparkline([0, 0, 0], 10) == "▁▁▁"
+    assert sparkline([0, 5, 10, 20, 40], 3) == "▄▅█"  # the last `width` points
+    assert sparkline([1], 0) == "" and sparkline([], 5) == ""
+    assert sparkline([1000, 1], 2)[1] == "▂"  # any use stays above the zero bar
+
+
+def test_plain_line_and_summary():
+    state = make_state()
+    assert plain_line(state) == ("t=12.3s sent 3/32 | P used 40/127 blocked | D used 12/127 stepping"
+                                 " | windows 1 drained 1 leak")
+    summary = summary_text(state)
+    assert summary.startswith("final t=12.3s")
+    assert "window D 6.00s +2.50s: 8 used at start, never drained: leak" in summary
+    assert "! connector worker of D (pid 4243) died" in summary
+
+
+def test_live_view_without_terminal_prints_plain_lines_and_summary():
+    state, out, now = make_state(), io.StringIO(), [0.0]
+    console = Console(file=out, force_terminal=False, width=200)
+    with LiveView(state, console, clock=lambda: now[0]) as view:
+        assert not view.is_live
+        for _ in range(10):  # 10 ticks 0.25 s apart: one line a second at most
+            now[0] += 0.25
+            state.progress.trace_t += 0.25
+            view.tick()
+    lines = out.getvalue().splitlines()
+    plain = [line for line in lines if line.startswith("t=")]
+    assert [line.split()[0] for line in plain] == ["t=12.6s", "t=13.6s", "t=14.6s"]
+    assert lines.count("! connector worker of D (pid 4243) died") == 1  # printed once as it came
+    assert lines[-4].startswith("final t=14.8s sent 3/32") and lines[-1].startswith("  ! connector")
+    assert "\x1b[" not in out.getvalue()
+
+
+def test_live_view_on_a_terminal_keeps_the_last_frame():
+    state, out, now = make_state(), io.StringIO(), [0.0]
+    console = Console(file=out, force_terminal=True, width=80, height=24)
+    with LiveView(state, console, clock=lambda: now[0]) as view:
+        assert view.is_live
+        state.windows.append(WindowVerdict("P", 9.0, 1.0, 0, 0.0, "drained"))
+    assert "idle windows 3" in out.getvalue()  # the exit refresh drew the final state
+
+
+class CountingView:
+    """A LiveView stand-in: counts redraws."""
+
+    def __init__(self) -> None:
+        self.num_ticks = 0
+        self.quit_requested = False
+
+    def tick(self, force: bool = False) -> None:
+        self.num_ticks += 1
+
+
+def test_serve_feed_applies_each_engines_newest_snapshot_once():
+    state, view = DashboardState(), CountingView()
+    monitor = ServeMonitor(state, view)
+    server = SimpleNamespace(latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())},
+                             take_stats=lambda: [])
+    monitor.on_tick(server)
+    monitor.on_tick(server)  # the same snapshot again: no second update, so no zero-time rate
+    assert state.engines["P"].num_steps == 10 and len(state.engines["P"].used_history) == 1
+    server.latest["P"] = StatsSnapshot("P", 2, 3.0, "polling", 50, 5, make_counts(num_used_blocks=7))
+    monitor.on_tick(server)
+    p = state.engines["P"]
+    assert p.steps_per_s == pytest.approx(20.0) and list(p.used_history) == [40, 7]
+    assert p.loop_state == "polling" and view.num_ticks == 3
+
+
+def test_top_feed_applies_every_snapshot_in_order():
+    state, view = DashboardState(), CountingView()
+    ServeMonitor(state, view).on_snapshots([StatsSnapshot("D", 1, 1.0, "stepping", 0, 0, make_counts()),
+                                            StatsSnapshot("D", 2, 2.0, "blocked", 30, 4, make_counts())])
+    assert state.engines["D"].steps_per_s == pytest.approx(30.0) and view.num_ticks == 1
+
+
+def test_replay_feed_copies_progress_errors_and_the_final_picture():
+    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=2, duration_s=4.0, clock="wall"))
+    view = CountingView()
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    records = {r: RequestRecord(r, t, t + 0.003, 0.003, None, None, 8, 0, 0, None)
+               for r, t in (("r0", 0.0), ("r1", 0.5))}
+    faults = FaultWatch(["P", "D"])  # the driver's: what died or stalled, named
+    faults.on_error(1.0, "D", "Traceback (most recent call last):\nRuntimeError: engine D died")
+    replay = SimpleNamespace(latest={}, requests=records, samples=[], arrivals=[0.0, 0.5], aborts=[],
+                             faults=faults, now=lambda: 1.5)
+    monitor.on_tick(replay)
+    monitor.on_tick(replay)  # nothing new: no second send, no repeated message
+    assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
+    assert state.progress.trace_t == 1.5 and state.messages == ["fault: D: RuntimeError: engine D died"]
+    final = SimpleNamespace(
+        timeline=SimpleNamespace(samples=[EngineSample(t, "P", used, 0, 127 - used, 127, 0, 0, 0, 0, 0,
+                                                       "blocked", 9, 2) for t, used in ((1.0, 5), (2.0, 0))],
+                                 requests=list(records.values()), end_t=6.0),
+        verdict=SimpleNamespace(windows=[IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)]))
+    monitor.show_final(final)
+    assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
+    assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
+
+
+# ---- start-up phases, virtual progress, q, the serve's idle windows ----------------------
+
+
+
+def test_startup_phases_tick_and_end_in_ready():
+    """The start-up panel shows the phase with its own clock and each engine's state;
+    RUNNING ends it with "ready in N s"; plain output gets one line per event."""
+    state = DashboardState(title="kvdrain replay t.jsonl", startup=StartupState(engines=["P", "D"]),
+                           progress=ReplayProgress("t.jsonl", num_total=4, duration_s=2.0, clock="wall"))
+    out, view = io.StringIO(), CountingView()
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    monitor.start -= 10.0  # ten seconds in
+    monitor.on_phase(MODELLING, [])
+    monitor.on_progress(64, 3.0)  # the wall clock's model of idle windows
+    assert state.startup.detail == "64/4 requests" and state.progress.num_sent == 0
+    monitor.on_phase(STARTING, [])
+    monitor.start -= 1.5
+    monitor.on_phase(STARTING, ["P"])
+    text = render_text(state, 80)
+    assert re.search(r"starting engines\s+1\.5s", text), text
+    assert re.search(r"engine P\s+ready in 11\.5\ds", text) and re.search(r"engine D\s+starting", text)
+    assert plain_line(state).startswith("starting engines 1.5s | P ready")
+    monitor.on_phase(RUNNING, ["P", "D"])
+    assert state.startup.ready_s == pytest.approx(11.5, abs=0.1) and view.num_ticks == 5
+    assert [re.sub(r"[\d.]+ s", "N s", line) for line in state.startup.lines] == [
+        "modelling idle windows (at N s)", "starting engines (at N s)", "engine P ready in N s",
+        "engine D ready in N s", "ready in N s: sending the trace"]
+    console = Console(file=out, force_terminal=False, width=200)
+    with LiveView(state, console, read_keys=False) as live:
+        live.tick()
+    printed = out.getvalue()
+    assert "starting engines (at 10.00 s)" in printed and "ready in 11." in printed
+
+
+def test_virtual_progress_has_rate_and_eta():
+    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=1000, duration_s=60.0))
+    monitor = ReplayMonitor(state, CountingView(), VerifyOptions())
+    monitor.start -= 2.0
+    monitor.on_progress(250, 30.0)
+    p = state.progress
+    assert p.num_sent == 250 and p.trace_t == 30.0
+    assert p.rate_per_s == pytest.approx(125, rel=0.05) and p.eta_s == pytest.approx(6.0, rel=0.05)
+    text = render_text(state, 120)
+    assert re.search(r"simulated 250/1000 .*12\d req/s ETA 6\.\ds", text), text
+    assert " 12" in plain_line(state) and "req/s ETA" in plain_line(state)
+
+
+def test_progress_callback_runs_during_a_virtual_replay_and_changes_nothing():
+    config = ReplayConfig(trace=EXAMPLE, clock="virtual")
+    calls: list[tuple[int, float]] = []
+    with_progress = run_replay(config, ReplayHooks(on_progress=lambda n, t: calls.append((n, t))))
+    without = run_replay(config)
+    assert calls and calls[-1][0] == 32  # the last call: every request fed
+    assert [n for n, _ in calls] == sorted(n for n, _ in calls)
+    assert with_progress.timeline.samples == without.timeline.samples
+    assert with_progress.timeline.requests == without.timeline.requests
+    assert with_progress.verdict.to_dict() == without.verdict.to_dict()
+
+
+class FakeKeys:
+    def __init__(self, typed: str) -> None:
+        self.typed, self.num_exits = typed, 0
+
+    def __enter__(self):
+        return self
+
+    def read(self) -> str:
+        typed, self.typed = self.typed, ""
+        return typed
+
+    def __exit__(self, *exc: object) -> None:
+        self.num_exits += 1
+
+
+def test_q_sets_quit_and_a_replay_monitor_stops_like_ctrl_c():
+    state, now = DashboardState(), [0.0]
+    view = LiveView(state, Console(file=io.StringIO(), force_terminal=False), clock=lambda: now[0],
+                    read_keys=False)
+    view.keys = keys = FakeKeys("xq")
+    monitor = ReplayMonitor(state, view, VerifyOptions())
+    with pytest.raises(Interrupted) as stopped:
+        with view:
+            assert state.quit_key
+            monitor.on_phase(STARTING, [])
+    assert stopped.value.signum == signal.SIGINT and view.quit_requested
+    assert keys.num_exits == 1 and not state.quit_key  # the terminal is restored on the way out
+
+
+def snap(engine: str, t: float, used: int, running: int) -> StatsSnapshot:
+    return StatsSnapshot(engine, 1, t, "blocked", 0, 0,
+                         make_counts(num_used_blocks=used, num_running=running, num_waiting=0,
+                                     num_skipped_waiting=0, num_waiting_for_remote_kvs=0))
+
+
+def test_serve_windows_are_judged_like_a_replays():
+    """Busy, 2 s quiet (P drains at +0.1 s, D holds blocks throughout), busy again:
+    one closed window per engine, P drained, D leaked; then an open window shown as it drains."""
+    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    for s in (snap("P", 100.0, 8, 2), snap("D", 100.0, 4, 1), snap("P", 101.0, 8, 0),
+              snap("D", 101.0, 4, 0), snap("P", 101.1, 0, 0), snap("P", 103.0, 8, 1)):
+        windows.add(s)
+    got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(103.0)}
+    assert got == {("P", "drained", 1.0, 2.0), ("D", "leak", 1.0, 2.0)}
+    windows.add(snap("P", 104.0, 8, 0))
+    assert len(windows.verdicts(104.5)) == 2  # quiet for 0.5 s: not a window yet
+    windows.add(snap("P", 104.2, 0, 0))
+    tail = windows.verdicts(105.5)[2:]
+    assert {(w.engine, w.verdict, w.start) for w in tail} == {("P", "drained", 4.0), ("D", "leak", 4.0)}
+
+
+def test_top_feed_fills_the_idle_window_panel():
+    state, view = DashboardState(), CountingView()
+    monitor = ServeMonitor(state, view, VerifyOptions(idle_threshold_s=1.0))
+    now = time.monotonic()
+    monitor.on_snapshots([snap("P", now - 5, 8, 1), snap("P", now - 4, 0, 0), snap("P", now - 1, 2, 1)])
+    assert [(w.engine, w.verdict) for w in state.windows] == [("P", "drained")]
+    assert "idle windows 1" in render_text(state, 80)
+
+
+def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
+    """kvdrain replay on a pseudo-terminal: the start-up panel, then q: the run stops
+    with its summary (exit 130) and the terminal's settings are as before."""
+    import termios
+    master, slave = os.openpty()
+    before = termios.tcgetattr(slave)
+    env = dict(os.environ, COLUMNS="120", LINES="40", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env,
+                            cwd=ROOT)
+    screen, sent_q, deadline = "", False, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None or _readable(master):
+            if _readable(master, 0.2):
+                screen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", os.read(master, 65536).decode(errors="replace"))
+            if not sent_q and "ready in" in screen and "remote KVs" in screen:  # running
+                os.write(master, b"q")
+                sent_q = True
+            if time.monotonic() > deadline:
+                break
+        assert proc.wait(timeout=30) == 130, screen[-2000:]
+        after = termios.tcgetattr(slave)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+    assert sent_q and "start-up" in screen and "ready in" in screen
+    assert "interrupted: SIGINT" in screen and "exit 130" in screen
+    assert after[3] & (termios.ICANON | termios.ECHO) == before[3] & (termios.ICANON | termios.ECHO)
+
+
+def _readable(fd: int, timeout_s: float = 0.0) -> bool:
+    return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+def test_serve_windows_end_where_an_engine_takes_blocks_for_new_work():
+    """P takes a request and finishes it within one step (no snapshot shows it queued):
+    its blocks rising ends the quiet spell there, so P's new blocks are not a leak."""
+    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
+    for s in (snap("D", 10.0, 4, 1), snap("D", 11.0, 0, 0), snap("P", 11.0, 0, 0),
+              snap("P", 14.0, 6, 0), snap("D", 14.01, 2, 1)):
+        windows.add(s)
+    got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(15.0)}
+    assert got == {("P", "drained", 1.0, 3.0), ("D", "drained", 1.0, 3.0)}

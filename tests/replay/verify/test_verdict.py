@@ -1,0 +1,167 @@
+"""Honest verdicts: verified, violation, and inconclusive when a run did not cover what it should.
+
+The oracle for coverage is hand-made timelines (requests and samples placed by hand)
+and the virtual clock, which is the model of the engines and so observes every
+window it expects.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.sim.options import SimOptions
+from replay.sim.simulation import simulate
+from replay.trace.reader import read_trace
+from replay.trace.shaping import ShapingOptions, shape
+from replay.verify.coverage import (candidate_gaps, expected_windows, ignored_by_cause,
+                                    ignored_cause, quiet_from)
+from replay.verify.rules import VerifyOptions, idle_windows, verify
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
+from engine.config import EngineConfig
+from tests.paths import ROOT
+
+EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
+AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
+
+
+def _record(req_id: str, arrival: float, end: float | None, *, tokens: int = 1,
+            reason: str | None = "length", error: str | None = None) -> RequestRecord:
+    return RequestRecord(req_id, arrival, arrival, 0.0, None if end is None else arrival,
+                         end, 8, tokens, 0, reason, error)
+
+
+def _sample(t: float, used: int) -> EngineSample:
+    return EngineSample(t, "E", used, 0, 10 - used, 10, 0, 0, 0, 0, 0, "blocked", 0, 0)
+
+
+def _timeline(records: list[RequestRecord], samples: list[EngineSample], end_t: float) -> Timeline:
+    return Timeline(["E"], {"E": 10}, samples, records, [r.arrival_t for r in records], [], end_t)
+
+
+# Two bursts with a 4 s gap: a at 0 (ends 0.5), b at 4 (ends 4.5), tail to 8.
+def _two_bursts(b_end: float = 4.5, a_end: float = 0.5) -> Timeline:
+    return _timeline([_record("a", 0.0, a_end), _record("b", 4.0, b_end)],
+                     [_sample(0.0, 3), _sample(a_end, 0), _sample(4.0, 3), _sample(b_end, 0)], 8.0)
+
+
+def test_candidate_gaps_and_quiet_times():
+    assert candidate_gaps([0.0, 0.5, 4.0, 4.2, 9.0], 1.0) == [(0.5, 4.0), (4.2, 9.0)]
+    records = [_record("a", 0.0, 3.0), _record("b", 1.0, 1.5), _record("c", 5.0, None)]
+    assert quiet_from(records, [1.0, 4.0, 6.0]) == [3.0, 3.0, float("inf")]
+    assert quiet_from(records, [0.0]) == [float("-inf")]
+
+
+def test_verified_lists_every_expected_window():
+    timeline = _two_bursts()
+    expected = expected_windows(timeline.arrivals, 1.0, None)
+    verdict = verify(timeline, [], VerifyOptions(), expected)
+    assert verdict.status == "verified" and verdict.exit_code == 0 and not verdict.reasons
+    assert verdict.num_covered() == (2, 2)  # the gap and the tail
+    assert [c.state for c in verdict.coverage] == ["observed", "observed"]
+    data = verdict.to_dict()
+    assert (data["status"], data["exit_code"], data["num_expected_windows"]) == ("verified", 0, 2)
+
+
+def test_a_leak_is_a_violation_even_when_coverage_is_short():
+    timeline = _two_bursts()
+    timeline.samples[1] = _sample(0.5, 2)  # blocks stay held through the gap
+    model = _two_bursts()
+    timeline.requests[1].end_t = 7.9  # and the tail was barely observed
+    verdict = verify(timeline, [], VerifyOptions(), expected_windows(timeline.arrivals, 1.0, model))
+    assert verdict.status == "violation" and verdict.exit_code == 1
+
+
+def test_lag_that_swallows_a_window_is_inconclusive_with_the_lag():
+    model = _two_bursts()  # the model: a ends at 0.5, a 3.5 s quiet gap
+    lagged = _two_bursts(a_end=3.5)  # the run: a ends at 3.5, only 0.5 s of quiet
+    expected = expected_windows(model.arrivals, 1.0, model)
+    assert [w.is_expected for w in expected] == [True, True]
+    verdict = verify(lagged, [], VerifyOptions(), expected)
+    assert verdict.status == "inconclusive" and verdict.exit_code == 3
+    assert [c.state for c in verdict.coverage] == ["missed", "observed"]
+    assert verdict.coverage[0].lag_s == pytest.approx(3.0)
+    assert verdict.num_covered() == (1, 2)
+    assert "lagged the model by 3.000 s" in verdict.reasons[0]
+    assert "0.000-4.000 s" in verdict.reasons[0] and "until 3.500 s" in verdict.reasons[0]
+    # Without the coverage check the same run would have passed: the point of it.
+    assert verify(lagged, [], VerifyOptions()).status == "verified"
+
+
+def test_an_interrupted_run_says_which_windows_it_never_reached():
+    model = _two_bursts()  # expects the gap at 0.5-4.0 and the tail
+    stopped = _timeline([_record("a", 0.0, 0.3)], [_sample(0.0, 3), _sample(0.3, 0)], 0.4)
+    verdict = verify(stopped, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    assert [c.state for c in verdict.coverage] == ["unreached", "unreached"]
+    assert verdict.status == "inconclusive"
+    assert all("not reached" in r and "stopped before it ended" in r for r in verdict.reasons)
+    assert not any("lagged" in r for r in verdict.reasons)  # no negative lag blamed
+
+
+def test_a_gap_the_model_itself_fills_is_busy_not_missed():
+    busy = _two_bursts(a_end=3.5)  # the trace's own work fills the gap, in the model too
+    verdict = verify(busy, [], VerifyOptions(), expected_windows(busy.arrivals, 1.0, busy))
+    assert [c.state for c in verdict.coverage] == ["busy", "observed"]
+    assert verdict.status == "verified" and verdict.num_covered() == (1, 1)
+
+
+def test_a_run_that_never_went_quiet_misses_the_tail():
+    model = _two_bursts()
+    run = _two_bursts(b_end=9.0)  # still in flight when observation stopped at 8
+    verdict = verify(run, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    assert verdict.coverage[-1].state == "missed" and verdict.status == "inconclusive"
+    assert "the tail" in verdict.reasons[0]
+
+
+def test_ignored_requests_are_counted_by_cause_and_make_it_inconclusive():
+    too_long = "prompt has 9000 tokens; max_model_len is 8192"
+    no_room = "up to 900 tokens need 57 KV blocks; the pool has 31"
+    records = [_record(f"r{i}", 0.1 * i, 0.1 * i + 0.05) for i in range(96)]
+    records += [_record("x1", 0.2, 0.2, tokens=0, error=too_long),
+                _record("x2", 0.3, 0.3, tokens=0, error=too_long),
+                _record("x3", 0.4, 0.4, tokens=0, reason="ignored", error=no_room),
+                _record("x4", 0.5, 0.5, tokens=0, error=None)]  # length with no error: not ignored
+    assert [ignored_cause(r) for r in records[-4:]] == \
+        ["prompt longer than max_model_len", "prompt longer than max_model_len",
+         "can never fit the KV pool", None]
+    timeline = _timeline(records, [_sample(0.0, 0)], 20.0)
+    timeline.arrivals.sort()
+    verdict = verify(timeline, [], VerifyOptions())
+    assert verdict.ignored == {"prompt longer than max_model_len": 2, "can never fit the KV pool": 1}
+    assert verdict.status == "inconclusive" and "3 of 100 requests ignored" in verdict.reasons[0]
+    assert verify(timeline, [], VerifyOptions(allow_ignored=True)).status == "verified"
+    assert verify(timeline, [], VerifyOptions(max_ignored_share=0.05)).status == "verified"
+    assert ignored_by_cause(records[:96]) == {}
+
+
+def test_an_undecided_window_is_not_verified():
+    timeline = _timeline([_record("a", 0.0, 0.5)], [_sample(0.0, 3)], 0.7)  # 0.2 s tail, held
+    verdict = verify(timeline, [], VerifyOptions(idle_threshold_s=0.1, drain_deadline_s=0.5))
+    assert {w.verdict for w in verdict.windows} == {"undecided"}
+    assert verdict.status == "inconclusive" and "undecided" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "event"])
+def test_the_virtual_clock_observes_every_window_it_expects(liveness):
+    engine = EngineConfig(num_blocks=512, max_model_len=4096, liveness=liveness)
+    timeline = simulate(shape(read_trace(EXAMPLE), ShapingOptions()), SimOptions(engine=engine))
+    expected = expected_windows(timeline.arrivals, 1.0, timeline)
+    assert len(candidate_gaps(timeline.arrivals, 1.0)) == 3
+    verdict = verify(timeline, [], VerifyOptions(), expected)
+    assert [c.state for c in verdict.coverage] == ["observed"] * 4
+    assert len(idle_windows(timeline, 1.0)) == 4 and not verdict.reasons
+
+
+@pytest.mark.skipif(not AZURE.is_file(), reason="public traces not in ../shared/traces")
+def test_the_virtual_clock_covers_a_dense_public_trace():
+    # 400 requests of the Azure code trace: some gaps over the threshold are filled by the
+    # trace's own work (busy); every one the model expects is observed.
+    engine = EngineConfig(num_blocks=40000, max_model_len=32768, max_num_batched_tokens=8192,
+                          max_num_seqs=256)
+    records = shape(read_trace(AZURE), ShapingOptions(max_requests=400))
+    timeline = simulate(records, SimOptions(engine=engine))
+    expected = expected_windows(timeline.arrivals, 1.0, timeline)
+    verdict = verify(timeline, [], VerifyOptions(), expected)
+    states = [c.state for c in verdict.coverage]
+    assert "missed" not in states and states.count("observed") == len(idle_windows(timeline, 1.0))
+    assert verdict.status == "verified"
