@@ -19,7 +19,7 @@ PARITY_STAMP := $(PARITY_VENV)/.installed
 PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test install bench clean parity
+.PHONY: run test install bench clean parity traces
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,21 @@ $(PARITY_STAMP): $(PARITY_REQS)
 parity: $(PARITY_STAMP)
 	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 \
 		$(PARITY_PY) -m tests.parity.run $(PARITY_ARGS)
+
+# The two public traces (README, "Public traces") at traces/: a link to ../shared/traces when
+# it is beside the clone, else downloaded from their upstream repositories at pinned commits
+# and checked against their sha256 (about 30 MB).
+MOONCAKE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/3b5a5941/FAST25-release/traces/conversation_trace.jsonl
+AZURE_URL := https://raw.githubusercontent.com/Azure/AzurePublicDataset/b469a113/data/AzureLLMInferenceTrace_code.csv
+traces:
+	@if [ -e traces ]; then echo "traces/ is there"; \
+	elif [ -d ../shared/traces ]; then ln -s ../shared/traces traces && echo "traces -> ../shared/traces"; \
+	else mkdir -p traces && curl -fsSL -o traces/conversation_trace.jsonl $(MOONCAKE_URL) \
+		&& curl -fsSL -o traces/AzureLLMInferenceTrace_code.csv $(AZURE_URL) \
+		&& (cd traces && printf '%s\n' \
+		'b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df  conversation_trace.jsonl' \
+		'54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6  AzureLLMInferenceTrace_code.csv' \
+		| sha256sum -c); fi
 
 clean:
 	rm -rf $(VENV) $(PARITY_VENV) *.egg-info .pytest_cache .hypothesis

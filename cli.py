@@ -109,7 +109,7 @@ def cli() -> None:
     kvdrain replay examples/pd_idle.jsonl            # live view, real processes
     kvdrain replay TRACE --clock virtual --liveness legacy
     kvdrain serve --record traffic.jsonl             # then: kvdrain top --connect ADDR
-    kvdrain inspect ../shared/traces/AzureLLMInferenceTrace_code.csv
+    kvdrain inspect traces/AzureLLMInferenceTrace_code.csv
     """
 
 

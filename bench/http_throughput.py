@@ -14,7 +14,6 @@ must finish with all its tokens. Prints both rows and the ratio HTTP / zmq.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess

@@ -4,7 +4,7 @@ Usage: .venv/bin/python bench/replay_speed.py [--traces DIR_OR_FILE] [--scale-to
 1. Virtual clock (run_replay, clock="virtual"): the whole Mooncake conversation trace
    (12,031 requests over about 1 h), then the Azure code trace (8,819 requests over 1 h,
    no prefix hashes, idle gaps up to 217 s), from --traces (a directory holding them, or
-   one trace file), else $KVDRAIN_TRACES, else ../shared/traces; a missing one is
+   one trace file), else $KVDRAIN_TRACES, else traces/ (`make traces`); a missing one is
    skipped with a message. P/D topology, once per liveness policy, tokens
    scaled by --scale-tokens (default 1/32: the 512-token hash blocks become 16 tokens).
    Per policy: wall seconds (read + shape + simulate + verify; the validating pass is
@@ -54,7 +54,7 @@ from replay.verify.rules import VerifyOptions  # noqa: E402
 
 MOONCAKE_NAME = "conversation_trace.jsonl"
 AZURE_NAME = "AzureLLMInferenceTrace_code.csv"
-DEFAULT_TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT.parent / "shared" / "traces"))
+DEFAULT_TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT / "traces"))
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
 SCALE_TOKENS = 0.03125
 SPEEDUPS = (10.0, 1.0)

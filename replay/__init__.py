@@ -6,6 +6,7 @@ One subpackage per concern:
 - live/    real processes in real time: the wall-clock driver, `serve`, its client, recording,
            the dashboard's feed (monitor)
 - http/    the OpenAI-compatible HTTP front and its replay client
+- deploy/  the frontend's P/D routing, the router over engine clients, launching topologies
 - verify/  the timeline, the verdict rules (conservation, drain, snapshots) and reports
 - ui/      the live dashboard: its state (plain data) and its rich view
 pipeline.py runs one replay (validate, shape, drive, verify); commands.py is what each CLI verb does.

@@ -1,5 +1,11 @@
 """Where the tests find the repository and its bundled files."""
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
+# The public traces (README, "Public traces"): `make traces` links them at traces/, or
+# $KVDRAIN_TRACES names their folder. Tests that need them skip, saying where they looked.
+TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT / "traces"))
+MOONCAKE = TRACES / "conversation_trace.jsonl"
+AZURE = TRACES / "AzureLLMInferenceTrace_code.csv"

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from pathlib import Path
 
 import pytest
+
+from tests.module_map import module_map, readme_map
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "connector", "replay")
@@ -146,3 +149,35 @@ def test_packages_say_what_they_are_for():
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             assert len(doc.split()) > 4, f"{module}: {doc!r}"
+
+
+def test_readme_maps_every_module_as_the_tree_has_it():
+    """README's "Where things live" is the generated map (python -m tests.module_map rewrites it)."""
+    assert readme_map() == module_map(), "README's module map is stale: run python -m tests.module_map"
+
+
+def test_every_module_says_what_it_is_and_where_it_runs():
+    def first_line(path: Path) -> str:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        return doc.strip().splitlines()[0] if doc.strip() else ""
+    missing = sorted(m for m, path in MODULES.items() if "Runs in:" not in first_line(path))
+    assert not missing, f"first docstring lines without 'Runs in:': {missing}"
+
+
+def test_each_package_docstring_names_all_its_modules():
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        names = [p.stem for p in path.parent.glob("*.py") if p.name != "__init__.py"]
+        names += [p.parent.name for p in path.parent.glob("*/__init__.py")]
+        unnamed = sorted(n for n in names if not re.search(rf"\b{re.escape(n)}\b", doc))
+        assert not unnamed, f"{module}'s docstring does not name {unnamed}"
+
+
+def test_readme_indexes_every_fast_path_test():
+    """Each fast/slow pair's test file is in README's "Fast paths and the tests that pin them"."""
+    text = (ROOT / "README.md").read_text()
+    index = text[text.index("### Fast paths and the tests that pin them"):]
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fast_paths.py"))
+    assert files and all(f"`{f}`" in index for f in files), files

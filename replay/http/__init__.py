@@ -1,1 +1,11 @@
-"""OpenAI-compatible HTTP: the front of `serve --http`, the replay client of `--target http://`, and Prometheus scraping."""
+"""OpenAI-compatible HTTP: the front of `serve --http`, the replay client of `--target http://`, and Prometheus scraping. Runs in: frontend process.
+
+- protocol: the completions request checks and response bodies;
+- tokenizer: the front's deterministic text tokenizer;
+- server: the HTTP front (completions, models, health, metrics);
+- metrics: its Prometheus metrics, with vLLM's names;
+- shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
+- client: the replay target over HTTP;
+- scrape: scraping /metrics into per-engine KV-usage samples;
+- outcome: what a replay over HTTP could not observe, and its status.
+"""

@@ -1,1 +1,12 @@
-"""Live running: the wall-clock driver over real processes, `kvdrain serve`, its client, recording, monitoring. Runs in: frontend process."""
+"""Live running: the wall-clock driver over real processes, `kvdrain serve`, its client, recording, monitoring. Runs in: frontend process.
+
+- driver: the wall-clock replay over real engine processes;
+- faults: an engine or worker that died, stopped answering or stalled, named;
+- interrupt: Ctrl-C and SIGTERM as one exception;
+- serve: `kvdrain serve`, the topology behind a client socket;
+- serve_client: a client of `kvdrain serve`;
+- auth: who may talk to a serve (CURVE beyond loopback, a token on it);
+- recorder: `serve --record`;
+- monitor: the dashboard's feeds (a replay, a serve, `top`);
+- calibrate: `kvdrain calibrate`, a cost profile from the real runner.
+"""

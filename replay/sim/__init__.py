@@ -1,1 +1,9 @@
-"""The virtual clock: engine cores, connector workers and the router on a deterministic discrete-event loop. Runs in: frontend process."""
+"""The virtual clock: engine cores, connector workers and the router on a deterministic discrete-event loop. Runs in: frontend process.
+
+- options: what a simulation is set by;
+- clock: the discrete-event loop;
+- cost: the step-cost model, fitted from a measured profile;
+- engine: one simulated engine (EngineCore's busy loop on virtual time);
+- kv_worker: the connector worker on virtual time;
+- simulation: a whole replay on the virtual clock.
+"""

@@ -1,1 +1,10 @@
-"""Trace I/O: the formats kvdrain reads, prompt synthesis from hash ids, shaping, inspection. Runs in: frontend process."""
+"""Trace I/O: the formats kvdrain reads, prompt synthesis from hash ids, shaping, inspection. Runs in: frontend process.
+
+- records: what one line of a trace means, whatever its format;
+- formats: the line parsers (kvdrain JSONL, Mooncake JSONL, Azure CSV);
+- reader: streaming readers and format detection;
+- limits: the engines' limits requests are checked against;
+- synth: prompt token ids synthesised from hash ids;
+- shaping: window, gap caps, idle insertion, token scaling;
+- inspect: `kvdrain inspect`.
+"""

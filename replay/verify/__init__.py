@@ -1,1 +1,11 @@
-"""Verification: the replay timeline, the verdict rules and the reports. Runs in: frontend process."""
+"""Verification: the replay timeline, the verdict rules and the reports. Runs in: frontend process.
+
+- timeline: per-engine samples and per-request records over time;
+- rules: conservation, drain in idle windows, recorded snapshots;
+- coverage: the idle windows a run was expected to observe, and ignored requests;
+- outputs: the output check against a single engine;
+- latency: `vllm bench serve`'s latency and throughput figures;
+- verdict: the exit-code table;
+- report: the terminal summary, the JSON report and per-request JSONL;
+- plot: the usage plot and its CSV data.
+"""

@@ -1,4 +1,4 @@
-"""No silent KV corruption (issue 11, finding 2): shm reads are pinned, refused once a
+"""No silent KV corruption: shm reads are pinned, refused once a
 send is gone, and a corrupt prefix changes the mock runner's output.
 
 The finding: with a short lease and a pull delay, P expired its sends, D still copied

@@ -1,4 +1,4 @@
-"""Every way a P/D request ends on D releases P's blocks (issue 11, finding 1).
+"""Every way a P/D request ends on D releases P's blocks.
 
 One bad request used to pin P's KV blocks until the lease ran out: the router sent it to
 P as a prefill, P held its blocks for D, and D refused it (max_tokens 0, an empty or

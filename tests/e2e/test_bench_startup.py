@@ -1,7 +1,6 @@
 """bench/startup.py's run of the real CLI: a verdict after the first request is not a start-up failure."""
 from __future__ import annotations
 
-from pathlib import Path
 from tests.paths import ROOT
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import multiprocessing
-from pathlib import Path
 
 import pytest
 from tests.paths import EXAMPLE, ROOT

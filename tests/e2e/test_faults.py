@@ -1,4 +1,4 @@
-"""Faults are named (issue 11, finding 3), and the fault-injection suite.
+"""Faults are named, and the fault-injection suite.
 
 The finding: SIGKILL of P's connector worker mid-run gave exit 0, VERIFIED, no message,
 while D silently re-prefilled; SIGKILL of D's worker, or SIGSTOP of P's worker, gave

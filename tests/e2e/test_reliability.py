@@ -1,4 +1,4 @@
-"""Signals, bounded resources, credentials and errors before start (issue 11, findings 5-8)."""
+"""Signals, bounded resources, credentials and errors before start."""
 from __future__ import annotations
 
 import json
@@ -41,7 +41,7 @@ def run_root(monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
-# ---- finding 5: signals, the run dir, leftovers ------------------------------------------
+# ---- signals, the run dir, leftovers ------------------------------------------
 
 def test_interruptible_raises_once_then_only_counts():
     with interruptible() as handler:
@@ -177,7 +177,7 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-# ---- finding 8: errors before start ----------------------------------------------------
+# ---- errors before start ----------------------------------------------------
 
 def _serve_without_engines(monkeypatch, *args: str):
     """`kvdrain serve ARGS`, failing the test if it gets as far as starting engines."""
@@ -216,7 +216,7 @@ def test_serve_with_an_unwritable_record_path_fails_before_any_engine_starts(mon
     assert len(result.output.strip().splitlines()) == 1
 
 
-# ---- finding 6: bounded resources --------------------------------------------------------
+# ---- bounded resources --------------------------------------------------------
 
 class _QuietRouter:
     """A router with no engines: the serve's client side alone."""
@@ -409,7 +409,7 @@ def _dealer_like(kind: int, address: str):
     return sock
 
 
-# ---- finding 7: credentials -------------------------------------------------------------
+# ---- credentials -------------------------------------------------------------
 
 @pytest.mark.parametrize("address,local", [
     ("tcp://127.0.0.1:0", True), ("tcp://127.9.9.9:5555", True), ("tcp://[::1]:5555", True),

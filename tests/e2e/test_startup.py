@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

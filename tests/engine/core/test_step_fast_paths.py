@@ -1,12 +1,17 @@
-"""Per-step shortcuts against their definitions: the liveness predicates, the cost model's step shape."""
+"""Per-step shortcuts against their definitions: the liveness predicates, the loop's next action and deadline, the cost model's step shape."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.liveness import next_action
 from engine.core.outputs import ScheduledRequest, SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.runner.mock_runner import MockModelRunner
 from replay.sim.cost import StepShape
 from tests.engine.core.test_scheduler_fast_paths import run_twins
 from tests.utils import make_request, make_scheduler, step
@@ -72,3 +77,39 @@ def test_step_shape_from_columns_equals_the_records():
                                     [], rng.random() < 0.3, True) for i in range(rng.randint(0, 8))]
         sched_out = SchedulerOutput(records, sum(len(r.token_ids) for r in records))
         assert StepShape.of(sched_out) == reference_shape(sched_out)
+
+
+POLICIES = ("legacy", "poll", "event")
+
+
+def test_next_action_ignores_what_the_loop_no_longer_computes():
+    """The loop asks must_poll only under event and has_unfinished only under legacy:
+    every action equals the one with both computed."""
+    for policy, has_work, executed, progress, must_poll, unfinished in itertools.product(
+            POLICIES, *[(False, True)] * 5):
+        full = next_action(policy, has_work, executed, progress, must_poll, has_unfinished=unfinished)
+        lazy = next_action(policy, has_work, executed, progress, policy == "event" and must_poll,
+                           has_unfinished=policy == "legacy" and unfinished)
+        assert lazy == full, (policy, has_work, executed, progress, must_poll, unfinished)
+
+
+class _Timed:
+    def __init__(self, due: int | None) -> None:
+        self.due = due
+
+    def next_deadline_ns(self) -> int | None:
+        return self.due
+
+    def set_time(self, now_ns: int) -> None:
+        pass
+
+
+def test_next_deadline_is_the_earliest_of_both_halves():
+    config = EngineConfig(num_blocks=16, block_size=4)
+    for connector_due, worker_due in itertools.product((None, 0, 5, 9), repeat=2):
+        core = EngineCore(config, MockModelRunner(config), None, _Timed(worker_due))
+        core.scheduler.connector = _Timed(connector_due)
+        dues = [d for d in (connector_due, worker_due) if d is not None]
+        assert core.next_deadline_ns() == min(dues, default=None)
+    core = EngineCore(config, MockModelRunner(config))
+    assert core.next_deadline_ns() is None

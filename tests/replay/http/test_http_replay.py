@@ -2,7 +2,6 @@
 scraper's reading of vLLM, older vLLM, SGLang and kvdrain expositions."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

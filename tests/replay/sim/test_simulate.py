@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -20,11 +19,7 @@ from replay.sim.simulation import simulate
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.trace.reader import TraceRecord, TraceSnapshot, read_trace
 from replay.verify.rules import VerifyOptions, idle_windows, verify
-from tests.paths import ROOT
-
-TRACES = Path(os.environ.get("KVDRAIN_TRACES",
-                             ROOT.parent / "shared" / "traces"))
-MOONCAKE = TRACES / "conversation_trace.jsonl"
+from tests.paths import MOONCAKE, TRACES
 NUM_BLOCKS = 512
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,8 @@ from replay.trace.reader import (FORMATS, TraceAbort, TraceError, TraceHeader, T
                                  TraceRequest, TraceSnapshot, detect_format, read_trace,
                                  validate_trace)
 from replay.trace.records import MAX_LINE_BYTES
-from tests.paths import EXAMPLE, ROOT
+from tests.paths import AZURE, EXAMPLE, MOONCAKE, TRACES
 
-# The public traces live beside the repository (../shared/traces), never inside it.
-TRACES = Path(os.environ.get("KVDRAIN_TRACES",
-                             ROOT.parent / "shared" / "traces"))
-MOONCAKE = TRACES / "conversation_trace.jsonl"
-AZURE = TRACES / "AzureLLMInferenceTrace_code.csv"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"public traces not at {TRACES}")
 AZ_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
 
@@ -327,7 +321,7 @@ def test_inspect_small_file_and_bundled_example(tmp_path):
     assert {r.pd for r in requests(read_trace(EXAMPLE))} == {True}
 
 
-# ---- bounded reading (issue 11, finding 4): each case was measured to traceback, hang or
+# ---- bounded reading: each case was measured to traceback, hang or
 # blow up memory before the caps; now each is `file:line: field: what`, before any send.
 
 GOOD = '{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}'

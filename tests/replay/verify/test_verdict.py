@@ -6,7 +6,6 @@ window it expects.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -19,10 +18,8 @@ from replay.verify.coverage import (candidate_gaps, expected_windows, ignored_by
 from replay.verify.rules import VerifyOptions, idle_windows, verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from engine.config import EngineConfig
-from tests.paths import ROOT
+from tests.paths import AZURE, EXAMPLE, TRACES
 
-EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
-AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
 
 
 def _record(req_id: str, arrival: float, end: float | None, *, tokens: int = 1,
@@ -152,7 +149,7 @@ def test_the_virtual_clock_observes_every_window_it_expects(liveness):
     assert len(idle_windows(timeline, 1.0)) == 4 and not verdict.reasons
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason="public traces not in ../shared/traces")
+@pytest.mark.skipif(not AZURE.is_file(), reason=f"public traces not at {TRACES}")
 def test_the_virtual_clock_covers_a_dense_public_trace():
     # 400 requests of the Azure code trace: some gaps over the threshold are filled by the
     # trace's own work (busy); every one the model expects is observed.
