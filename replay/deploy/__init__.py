@@ -2,6 +2,8 @@
 
 - routing: each request's way from P to D, sans IO (vLLM's disaggregated proxy as a state
   machine, driven by the live router and the simulator alike);
+- balance: which prefill and decode engine takes each request (round-robin, least-loaded,
+  prefix), one decision table for every router;
 - router: PDRouter, that state machine over engine clients;
 - topology: launching a topology's engine cores with their connector configs.
 """

@@ -15,22 +15,46 @@ token itself). Any other end at P ends the request. A request with pd=False goes
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Union
 
 from engine.core.outputs import RequestOutput
 
 TOPOLOGIES = ("pd", "single")
+TOPOLOGY_FORMS = "single, pd (= 1p1d) or NpMd (N prefill and M decode engines: 2p2d, 1p3d, ...)"
+NPMD = re.compile(r"([1-9][0-9]?)p([1-9][0-9]?)d")
 PREFILL_MAX_TOKENS = 1  # P computes the prompt's KV; its one sampled token is dropped
 
 
-def engine_roles(topology: str) -> list[tuple[str, str | None]]:
-    """(engine name, kv_role) of each engine, the prefill engine first; None: no connector."""
+def parse_topology(topology: str) -> tuple[int, int]:
+    """(number of prefill engines, number of decode engines); single is (0, 1)."""
     if topology == "single":
-        return [("E", None)]
-    if topology != "pd":
-        raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {topology!r}")
-    return [("P", "kv_producer"), ("D", "kv_consumer")]
+        return 0, 1
+    if topology == "pd":
+        return 1, 1
+    match = NPMD.fullmatch(topology)
+    if match is None:
+        raise ValueError(f"topology: must be {TOPOLOGY_FORMS}, got {topology!r}")
+    return int(match[1]), int(match[2])
+
+
+def engine_names(topology: str) -> tuple[list[str], list[str]]:
+    """(prefill names, decode names): P and D for one of each, else P0.., D0..; E alone for single."""
+    num_prefill, num_decode = parse_topology(topology)
+    if num_prefill == 0:
+        return [], ["E"]
+    if (num_prefill, num_decode) == (1, 1):
+        return ["P"], ["D"]
+    return [f"P{i}" for i in range(num_prefill)], [f"D{i}" for i in range(num_decode)]
+
+
+def engine_roles(topology: str) -> list[tuple[str, str | None]]:
+    """(engine name, kv_role) of each engine, the prefill engines first; None: no connector."""
+    prefill, decode = engine_names(topology)
+    if not prefill:
+        return [(name, None) for name in decode]
+    return [(name, "kv_producer") for name in prefill] + [(name, "kv_consumer") for name in decode]
 
 
 def prefill_params() -> dict[str, object]:

@@ -6,7 +6,7 @@ import pytest
 from replay.deploy.router import PDRouter
 from replay.deploy.topology import start_topology
 from replay.deploy.routing import (DECODE, END, LOCAL, PREFILL_MAX_TOKENS, RELEASE, AbortAt, AddTo, Routed, Routing,
-                               after_prefill, engine_roles, prefill_params)
+                               after_prefill, engine_names, engine_roles, parse_topology, prefill_params)
 from engine.config import EngineConfig, KVTransferConfig
 from engine.proc.messages import Ready
 from engine.core.outputs import RequestOutput
@@ -205,3 +205,19 @@ def test_in_process_topology_routes_like_the_multiprocess_one():
         assert tokens == mock_tokens([5, 6, 7], 3) and router.take_stats() == []
     finally:
         router.shutdown()
+
+
+@pytest.mark.parametrize("topology, names", [
+    ("single", ([], ["E"])), ("pd", (["P"], ["D"])), ("1p1d", (["P"], ["D"])),
+    ("2p2d", (["P0", "P1"], ["D0", "D1"])), ("1p3d", (["P0"], ["D0", "D1", "D2"]))])
+def test_topologies_name_their_engines(topology, names):
+    assert engine_names(topology) == names
+    roles = engine_roles(topology)
+    assert [n for n, _ in roles] == names[0] + names[1]
+    assert {r for _, r in roles} == ({None} if topology == "single" else {"kv_producer", "kv_consumer"})
+
+
+@pytest.mark.parametrize("topology", ["", "0p1d", "2p", "p2d", "2p2", "pdd", "100p1d", "2P2D"])
+def test_a_topology_that_is_no_form_is_refused_naming_the_forms(topology):
+    with pytest.raises(ValueError, match="NpMd"):
+        parse_topology(topology)
