@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
+from replay.deploy.balance import RouterPolicy
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
@@ -21,6 +22,7 @@ from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
 from replay.verify.coverage import expected_windows
+from replay.verify.windows import expected_engine_windows
 from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
 
@@ -55,6 +57,7 @@ class ReplayConfig:
     skip_bad_lines: bool = False
     clock: str = "wall"
     topology: str = "pd"
+    router: RouterPolicy = "round-robin"  # which P and D take each request (replay/deploy/balance.py)
     engine: EngineConfig = field(default_factory=EngineConfig)  # liveness, sizes, runner
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     shaping: ShapingOptions = field(default_factory=ShapingOptions)
@@ -106,6 +109,7 @@ class ReplayResult:
         c = self.config
         return {"trace": str(c.trace), "format": self.summary.format, "clock": c.clock,
                 "topology": self.timeline.meta.get("topology", c.topology), "target": c.target,
+                **({"router": c.router} if c.router != "round-robin" else {}),
                 "tail_s": c.effective_tail_s(),
                 "engine": self.engine_settings(), "kv_transfer": config_to_dict(c.kv),
                 "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
@@ -158,7 +162,7 @@ def launch_engines(config: ReplayConfig) -> TopologyLaunch | None:
     if config.clock != "wall" or config.target is not None or config.http is not None:
         return None
     from replay.deploy.topology import TopologyLaunch  # engine processes only for a wall replay
-    return TopologyLaunch(config.engine, config.kv, config.topology)
+    return TopologyLaunch(config.engine, config.kv, config.topology, router=config.router)
 
 
 def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
@@ -190,7 +194,8 @@ def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
             model = model_timeline(replace(config, engine=replace(config.engine, gpu_memory_utilization=None)))
     arrivals = timeline.arrivals if model is None else model.arrivals
     expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
-    verdict = verify(timeline, snapshots, config.verify, expected)
+    expected_own = expected_engine_windows(model, config.verify.idle_threshold_s)
+    verdict = verify(timeline, snapshots, config.verify, expected, expected_own)
     return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
 
 
@@ -234,7 +239,7 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
     """The same engine and KV-transfer config; the latency model keeps its defaults
     except the step cost, when a calibrated profile is given."""
     profile = config.cost_profile
-    return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology,
+    return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology, router=config.router,
                       tail_s=config.effective_tail_s(),
                       cost_model=profile.model if profile is not None else None)
 

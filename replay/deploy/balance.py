@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import count
-from typing import Literal, Sequence, get_args
+from typing import Hashable, Literal, Sequence, get_args
 
 RouterPolicy = Literal["round-robin", "least-loaded", "prefix"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
@@ -30,16 +30,16 @@ class PrefixTable:
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self.hashes: OrderedDict[int, None] = OrderedDict()
+        self.hashes: OrderedDict[Hashable, None] = OrderedDict()
 
-    def match(self, block_hashes: Sequence[int]) -> int:
+    def match(self, block_hashes: Sequence[Hashable]) -> int:
         """How many of the request's blocks, from the first, this engine was sent."""
         for num_matched, block_hash in enumerate(block_hashes):
             if block_hash not in self.hashes:
                 return num_matched
         return len(block_hashes)
 
-    def insert(self, block_hashes: Sequence[int]) -> None:
+    def insert(self, block_hashes: Sequence[Hashable]) -> None:
         for block_hash in block_hashes:
             self.hashes[block_hash] = None
             self.hashes.move_to_end(block_hash)
@@ -64,7 +64,7 @@ class Balancer:
         self._place = {name: place for names in (self.prefill, self.decode) for place, name in enumerate(names)}
         self._cycles = {"prefill": count(), "decode": count()}
 
-    def pick_prefill(self, block_hashes: Sequence[int] = ()) -> str:
+    def pick_prefill(self, block_hashes: Sequence[Hashable] = ()) -> str:
         """The prefill engine of a new request (block_hashes: its full blocks', for `prefix`)."""
         if not self.prefill:
             raise ValueError("this topology has no prefill engine")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from typing import Callable
 
-from replay.deploy.routing import AddTo, Command, Routing
+from replay.deploy.balance import RouterPolicy
+from replay.deploy.routing import AddTo, Command, Routing, engine_names
 from engine.proc.client import EngineClient, wait_for_output
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
@@ -18,10 +20,19 @@ from engine.core.request_check import RequestLimits, why_invalid
 
 
 class PDRouter:
-    def __init__(self, clients: list[EngineClient], run_dir: str | None = None) -> None:
-        """clients: the prefill engine's first; run_dir (their sockets) is removed at shutdown."""
+    def __init__(self, clients: list[EngineClient], run_dir: str | None = None,
+                 topology: str | None = None, policy: RouterPolicy = "round-robin") -> None:
+        """clients: as engine_roles lists them, the prefill engines first; topology: theirs
+        (default: one client is single, two are pd); run_dir (their sockets) is removed at shutdown."""
         self.clients = {c.engine_id: c for c in clients}
-        self.routing = Routing(list(self.clients))
+        topology = topology or ("single" if len(clients) == 1 else "pd")
+        prefill, decode = engine_names(topology)
+        if prefill + decode != list(self.clients):
+            raise ValueError(f"clients {list(self.clients)} are not topology {topology}'s {prefill + decode}")
+        self.routing = Routing(prefill, decode, policy)
+        # Told (req_id, engine) each time a request is given to an engine (a replay's
+        # driver records each request's way with it); None: nobody asked.
+        self.on_move: Callable[[str, str], None] | None = None
         self.run_dir = run_dir
         self.errors: list[tuple[str, str]] = []  # (engine, message), every engine's, oldest first
         self._rejected: list[RequestOutput] = []  # refused at the front, for the next poll
@@ -96,6 +107,8 @@ class PDRouter:
         for command in commands:
             client = self.clients[command.engine]
             if isinstance(command, AddTo):
+                if self.on_move is not None:
+                    self.on_move(command.req_id, command.engine)
                 client.add_request(command.req_id, command.prompt_token_ids, command.max_tokens,
                                    command.kv_transfer_params)
             else:

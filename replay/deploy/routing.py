@@ -6,20 +6,23 @@ events) both drive, so that both route alike. Pure: no zmq, no clock, no I/O. Ca
 hand it what happened (a request, an abort, an engine's output) and carry out the
 commands it returns (AddTo, AbortAt) on their engines.
 
-`pd`: engines P (kv_producer) and D (kv_consumer). A request goes to P with
-max_tokens=1 and do_remote_decode; P's final output carries the params its connector
-returned. When P finished by length with params, the request goes to D with them and the
-real max_tokens, and D's tokens are the answer (P's token is dropped: D samples the first
-token itself). Any other end at P ends the request. A request with pd=False goes to D alone.
-`single`: one engine E, no connector.
+`pd` (= `1p1d`): engines P (kv_producer) and D (kv_consumer); `NpMd`: P0.. and D0...
+A request goes to a P with max_tokens=1 and do_remote_decode; P's final output carries the
+params its connector returned (naming P, so the D reads from the P that prefilled). When P
+finished by length with params, the request goes to a D with them and the real max_tokens,
+and D's tokens are the answer (P's token is dropped: D samples the first token itself). Any
+other end at P ends the request. A request with pd=False goes to a D alone. `single`: one
+engine E, no connector.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Hashable, Sequence, Union
 
+from engine.core.block_hash import hash_request_blocks
 from engine.core.outputs import RequestOutput
+from replay.deploy.balance import Balancer, RouterPolicy
 
 TOPOLOGIES = ("pd", "single")
 TOPOLOGY_FORMS = "single, pd (= 1p1d) or NpMd (N prefill and M decode engines: 2p2d, 1p3d, ...)"
@@ -130,28 +133,40 @@ class Routed:
 class Routing:
     """Every request in flight, each moved P -> D (or to D or E alone) by its engines' outputs.
 
-    A route lives until the engine it is at finished the request, aborted ones included:
-    an abort while P prefills may lose the race to P's finish (after_prefill's RELEASE).
+    Which P and which D: replay/deploy/balance.py's Balancer under the router policy; the D
+    is picked once P has finished, as vLLM's toy proxy picks it. A route lives until the
+    engine it is at finished the request, aborted ones included: an abort while P prefills
+    may lose the race to P's finish (after_prefill's RELEASE).
     """
 
-    def __init__(self, engine_names: list[str]) -> None:
-        """engine_names: the prefill engine first (as engine_roles lists them); one name: no P."""
-        if len(engine_names) not in (1, 2):
-            raise ValueError(f"engine_names: one or two engines, got {engine_names!r}")
-        self.prefill = engine_names[0] if len(engine_names) == 2 else None
-        self.decode = engine_names[-1]
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: RouterPolicy = "round-robin",
+                 block_size: int = 16) -> None:
+        """prefill: no names for a topology without P (single); block_size: what `prefix` hashes by."""
+        self.balancer = Balancer(prefill, decode, policy)
+        self.prefill = frozenset(prefill)
+        self.block_size = block_size
         self.routes: dict[str, Route] = {}
 
+    @classmethod
+    def for_topology(cls, topology: str, policy: RouterPolicy = "round-robin", block_size: int = 16) -> Routing:
+        return cls(*engine_names(topology), policy=policy, block_size=block_size)
+
     def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-            pd: bool | None = None) -> list[Command]:
-        """A new request; pd=False sends a request of a pd topology to the decode engine alone."""
+            pd: bool | None = None, block_hashes: Sequence[Hashable] | None = None) -> list[Command]:
+        """A new request; pd=False sends a request of a P/D topology to a decode engine alone.
+
+        block_hashes: the prompt's full blocks' (the prefix policy hashes them itself if not given)."""
         if req_id in self.routes:
             raise ValueError(f"request id {req_id!r} is already in flight")
-        if self.prefill is None or pd is False:
-            self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, self.decode, False)
-            return [AddTo(self.decode, req_id, prompt_token_ids, max_tokens, None)]
-        self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, self.prefill, True)
-        return [AddTo(self.prefill, req_id, prompt_token_ids, PREFILL_MAX_TOKENS, prefill_params())]
+        if not self.prefill or pd is False:
+            engine = self._move_to(self.balancer.pick_decode())
+            self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, engine, False)
+            return [AddTo(engine, req_id, prompt_token_ids, max_tokens, None)]
+        if block_hashes is None and self.balancer.policy == "prefix":
+            block_hashes = hash_request_blocks(prompt_token_ids, self.block_size, [])
+        engine = self._move_to(self.balancer.pick_prefill(block_hashes or ()))
+        self.routes[req_id] = Route(req_id, prompt_token_ids, max_tokens, engine, True)
+        return [AddTo(engine, req_id, prompt_token_ids, PREFILL_MAX_TOKENS, prefill_params())]
 
     def abort(self, req_id: str) -> list[Command]:
         """The client gives up: abort where the request is now (once; unknown ids are ignored)."""
@@ -166,10 +181,10 @@ class Routing:
         route = self.routes.get(output.req_id)
         if route is None or route.engine != engine:
             return Routed()
-        if engine == self.prefill:
+        if engine in self.prefill:
             return self._on_prefill_output(route, output)
         if output.finished:
-            del self.routes[output.req_id]
+            self._end(route)
         return Routed(output=output)
 
     def _on_prefill_output(self, route: Route, output: RequestOutput) -> Routed:
@@ -177,13 +192,22 @@ class Routing:
             return Routed()
         action, params = after_prefill(output, route.aborted)
         if action == END:
-            del self.routes[route.req_id]
+            self._end(route)
             if route.aborted:  # the client asked: it ends as an abort, whatever P said
                 return Routed(output=RequestOutput(route.req_id, [], "abort"), action=END)
             return Routed(output=output, action=END)
-        route.engine = self.decode
-        commands: list[Command] = [AddTo(self.decode, route.req_id, route.prompt_token_ids,
+        self.balancer.ended(route.engine)
+        route.engine = decode = self._move_to(self.balancer.pick_decode())
+        commands: list[Command] = [AddTo(decode, route.req_id, route.prompt_token_ids,
                                          route.max_tokens, params)]
         if action == RELEASE:
-            commands.append(AbortAt(self.decode, route.req_id))
+            commands.append(AbortAt(decode, route.req_id))
         return Routed(tuple(commands), action=action)
+
+    def _move_to(self, engine: str) -> str:
+        self.balancer.started(engine)
+        return engine
+
+    def _end(self, route: Route) -> None:
+        del self.routes[route.req_id]
+        self.balancer.ended(route.engine)

@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from replay.deploy.balance import RouterPolicy
 from replay.deploy.router import PDRouter
 from replay.deploy.routing import engine_roles
 from engine.proc.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
@@ -75,8 +76,8 @@ class TopologyLaunch:
     close shuts down whatever was not handed over (idempotent)."""
 
     def __init__(self, base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
-                 inproc: bool = False) -> None:
-        self.base, self.kv, self.topology = base, kv, topology
+                 inproc: bool = False, router: RouterPolicy = "round-robin") -> None:
+        self.base, self.kv, self.topology, self.router = base, kv, topology, router
         self.launched_at = time.monotonic()
         self.run_dir: str | None = make_run_dir()
         self.clients: list[EngineClient] = []
@@ -113,7 +114,7 @@ class TopologyLaunch:
         except BaseException:
             self.close()
             raise
-        router, self.clients, self.run_dir = PDRouter(self.clients, self.run_dir), [], None
+        router, self.clients, self.run_dir = PDRouter(self.clients, self.run_dir, self.topology, self.router), [], None
         return router
 
     def close(self) -> None:
@@ -134,10 +135,11 @@ class TopologyLaunch:
 
 
 def start_topology(base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
-                   inproc: bool = False, on_wait: Callable[[list[str]], None] | None = None) -> PDRouter:
+                   inproc: bool = False, on_wait: Callable[[list[str]], None] | None = None,
+                   router: RouterPolicy = "round-robin") -> PDRouter:
     """Start every engine (and, through their connectors, the connector workers) and
     wait for them; on_wait (a live view's clock) hears which engines are ready meanwhile."""
-    return TopologyLaunch(base, kv, topology, inproc).wait_ready(on_wait)
+    return TopologyLaunch(base, kv, topology, inproc, router).wait_ready(on_wait)
 
 
 def wait_all_ready(clients: list[EngineClient],

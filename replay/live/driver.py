@@ -89,6 +89,9 @@ class WallClockReplay:
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines))
         self._num_errors = 0  # of target.errors, seen
+        self._moves: list[tuple[str, str]] = []  # (req_id, engine) the router told of, not yet recorded
+        if hasattr(target, "on_move"):  # a local router (PDRouter)
+            target.on_move = lambda req_id, engine: self._moves.append((req_id, engine))
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -147,13 +150,24 @@ class WallClockReplay:
         self.open.add(req.req_id)
         record = self.requests[req.req_id] = RequestRecord(
             req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
+        self._take_moves(sent)
         if self.options.expected_tokens is not None:
             record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
         self._tokens[req.req_id] = []
 
+    def _take_moves(self, now: float) -> None:
+        """Record the engines the router gave requests to since the last call (a local
+        router only: a serve's routing is its own)."""
+        for req_id, engine in self._moves:
+            if req_id in self.requests:
+                self.requests[req_id].enter(engine, now)
+        self._moves.clear()
+
     def _pump(self, timeout_s: float) -> None:
         """Receive outputs and stats for up to timeout_s."""
-        for output in self.target.poll(timeout_s):
+        outputs = self.target.poll(timeout_s)
+        self._take_moves(self.now())
+        for output in outputs:
             self._on_output(output)
         self._on_stats(self.target.take_stats())
         now = self.now()
@@ -216,6 +230,9 @@ class WallClockReplay:
         num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
         counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
                     for e, s in self.latest.items()}
+        routing = getattr(self.target, "routing", None)  # a local router: what each engine got
+        for engine, n in (routing.balancer.num_requests.items() if routing is not None else ()):
+            counters.setdefault(engine, {})["num_routed_requests"] = n
         return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from replay.deploy.routing import TOPOLOGIES
+from replay.deploy.balance import RouterPolicy
+from replay.deploy.routing import parse_topology
 from engine.config import EngineConfig, KVTransferConfig
 from replay.sim.cost import CostModel
 
@@ -24,6 +25,7 @@ class SimOptions:
     engine: EngineConfig = field(default_factory=_default_engine)  # per engine; runner: mock
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)  # the connector factory too
     topology: str = "pd"
+    router: RouterPolicy = "round-robin"  # which P and D take each request (replay/deploy/balance.py)
     pull_delay_s: float = 0.002  # D waits before reading (kv.pull_delay_ms > 0 replaces it)
     per_block_s: float = 0.00005  # D's read time per block
     read_done_latency_s: float = 0.0005  # D's worker -> P's worker
@@ -38,8 +40,7 @@ class SimOptions:
     fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim/engine.py)
 
     def __post_init__(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology: must be one of {TOPOLOGIES}, got {self.topology!r}")
+        parse_topology(self.topology)
         for name in ("zero_step_s", "sample_interval_s"):
             if not getattr(self, name) >= 1e-9:
                 raise ValueError(f"{name}: must be >= 1e-9 s, got {getattr(self, name)!r}")

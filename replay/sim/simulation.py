@@ -48,7 +48,7 @@ class _Frontend:
 
     def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim
-        self.routing = Routing([name for name, _ in engine_roles(sim.options.topology)])
+        self.routing = Routing.for_topology(sim.options.topology, sim.options.router, sim.options.engine.block_size)
         self.flights: dict[str, _Flight] = {}  # one per route in flight
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
@@ -68,7 +68,7 @@ class _Frontend:
         if self.share_hashes and self._is_well_formed(req, prompt):
             hashes = hash_request_blocks(prompt, self.block_size, [])
         self.flights[req.req_id] = _Flight(record, block_hashes=hashes)
-        self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd))
+        self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd, hashes))
 
     def _is_well_formed(self, req: TraceRequest, prompt: list[int]) -> bool:
         """why_malformed(prompt, ...) is None. A synthesised prompt (no token ids in the
@@ -109,6 +109,8 @@ class _Frontend:
             engine = self.sim.engines[command.engine]
             if isinstance(command, AddTo):
                 flight = self.flights.get(command.req_id)
+                if flight is not None:
+                    flight.record.enter(command.engine, self.sim.loop.now / NS)
                 engine.deliver(AddInput(command.req_id, command.prompt_token_ids, command.max_tokens,
                                         command.kv_transfer_params,
                                         flight.block_hashes if flight is not None else None))
@@ -209,6 +211,7 @@ class Simulation:
             last = engine.sample() if self.last_tick != self.loop.now else \
                 next(s for s in reversed(self.samples) if s.engine == name)
             counters[name] = engine.counters(last)
+            counters[name]["num_routed_requests"] = self.frontend.routing.balancer.num_requests[name]
         return Timeline(
             engines=list(self.engines), num_blocks={n: self.options.engine.num_blocks - 1
                                                     for n in self.engines},

@@ -1,6 +1,7 @@
 """Verification: the replay timeline, the verdict rules and the reports. Runs in: frontend process.
 
 - timeline: per-engine samples and per-request records over time;
+- windows: the idle windows of the whole trace and each engine's own;
 - rules: conservation, drain in idle windows, recorded snapshots;
 - coverage: the idle windows a run was expected to observe, and ignored requests;
 - outputs: the output check against a single engine;

@@ -29,6 +29,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from replay.verify import windows
+from replay.verify.windows import EngineWindow
 from replay.verify.timeline import RequestRecord, Timeline
 
 COVERAGE_STATES = ("observed", "busy", "missed", "unreached")
@@ -60,6 +62,7 @@ class WindowCoverage:
     state: str  # one of COVERAGE_STATES
     quiet_from: float | None  # when the run's requests sent before `end` had ended; None: never
     lag_s: float | None  # quiet_from - the model's quiet_from (None when not modelled)
+    engine: str = ""  # "": a gap of the whole trace; else that engine's own window (windows.py)
 
 
 def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[tuple[float, float]]:
@@ -122,6 +125,18 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     return tuple(out)
 
 
+def cover_engine_windows(expected: Sequence[EngineWindow], run: Sequence[EngineWindow],
+                         timeline: Timeline) -> tuple[WindowCoverage, ...]:
+    """Each engine window the model expected, after the run: observed, missed or unreached."""
+    out = []
+    for w in expected:
+        state = "observed" if windows.observed(w, run) else \
+            "unreached" if w.start >= timeline.end_t else "missed"
+        out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state, None, None,
+                                  engine=w.engine))
+    return tuple(out)
+
+
 def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:
     """The replay stopped (interrupted) before this window could happen."""
     return w.start > last_sent if w.is_tail else w.end > timeline.end_t
@@ -130,6 +145,11 @@ def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:
 def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
     """One line: which expected window was not observed, and why."""
     where = "the tail" if w.is_tail else f"the idle gap {w.start:.3f}-{w.end:.3f} s"
+    if w.engine:
+        where = f"{w.engine}'s own idle window from {w.start:.3f} s" + (
+            " (its tail)" if w.is_tail else f" to {w.end:.3f} s")
+        if w.state == "missed":
+            return f"expected window not observed: {where}: the engine was not idle there in this run"
     if w.state == "unreached":
         return f"expected window not reached: {where}: the replay stopped before it ended"
     if w.quiet_from is None:

@@ -34,8 +34,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from replay.trace.reader import TraceSnapshot
-from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, ignored_by_cause,
-                                    missed_reason)
+from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover_engine_windows,
+                                    ignored_by_cause, missed_reason)
+from replay.verify.windows import EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
 
@@ -127,21 +128,6 @@ class Verdict:
                 "windows": [dict(asdict(w), length=w.length) for w in self.windows],
                 "violations": [asdict(v) for v in self.violations],
                 "faults": [dict(f) for f in self.faults]}
-
-
-def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[float, float, bool]]:
-    """(start, end, is_tail) of every client-side idle window, in time order."""
-    requests = sorted(timeline.requests, key=lambda r: r.arrival_t)
-    windows, quiet_from = [], float("-inf")
-    for i, record in enumerate(requests):
-        quiet_from = max(quiet_from, float("inf") if record.end_t is None else record.end_t)
-        next_arrival = requests[i + 1].arrival_t if i + 1 < len(requests) else None
-        if next_arrival is None:
-            if quiet_from < timeline.end_t:
-                windows.append((quiet_from, timeline.end_t, True))
-        elif next_arrival - quiet_from >= idle_threshold_s:
-            windows.append((quiet_from, next_arrival, False))
-    return windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,29 +238,36 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
 
 def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
            options: VerifyOptions = VerifyOptions(),
-           expected: Sequence[ExpectedWindow] | None = None) -> Verdict:
+           expected: Sequence[ExpectedWindow] | None = None,
+           expected_engine: Sequence[EngineWindow] | None = None) -> Verdict:
     """Check conservation, idle-window drain and recorded snapshots, then what was covered.
 
     expected: the candidate windows (replay/verify/coverage.py expected_windows), computed
-    before the run; None checks only the windows the run observed.
+    before the run; None checks only the windows the run observed. expected_engine: the
+    engines' own windows the model found (windows.py); None: not modelled.
     """
     violations = _check_conservation(timeline)
     faults = tuple(sorted(timeline.meta.get("faults", ()), key=lambda f: f["t"]))
     by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
     windows = []
     observed = idle_windows(timeline, options.idle_threshold_s)
-    for window in observed:
-        for series in by_engine.values():
-            w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
-            windows.append(w)
-            if w.verdict == "leak":
-                violations.append(_window_violation(w, faults))
+    own = idle_windows_by_engine(timeline, options.idle_threshold_s)  # {}: no engine's way known
+    judged = [(series, window) for series in by_engine.values()
+              for window in own.get(series.engine, observed)]
+    for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
+        w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
+        windows.append(w)
+        if w.verdict == "leak":
+            violations.append(_window_violation(w, faults))
     for snap in trace_snapshots:
         violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
     violations += _check_kv_integrity(timeline)
     coverage = () if expected is None else cover(expected, timeline, observed)
+    if expected_engine is not None:
+        run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
+        coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
     return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored, faults)

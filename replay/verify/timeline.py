@@ -59,6 +59,15 @@ class RequestRecord:
     # What a single engine would output for this prompt (replay/verify/outputs.py),
     # as output_digest; "": not checked.
     expected_digest: str = ""
+    # [engine, since] of each engine the router gave it, in order (P, then D); empty: not
+    # known (a serve's or an HTTP server's routing). replay/verify/windows.py
+    # derives how long it was in flight on each.
+    stages: list[list] = field(default_factory=list)
+
+    def enter(self, engine: str, t: float) -> None:
+        """The router gave the request to `engine` at t (ignored once it ended for the client)."""
+        if self.end_t is None:
+            self.stages.append([engine, t])
 
     def on_tokens(self, t: float) -> None:
         """Tokens arrived at t: the first-token time, else one more inter-token latency."""

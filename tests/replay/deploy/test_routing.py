@@ -32,7 +32,7 @@ def test_after_prefill(reason, params, aborted, expected):
 
 
 def pd_routing() -> Routing:
-    return Routing([name for name, _ in engine_roles("pd")])
+    return Routing.for_topology("pd")
 
 
 def test_request_goes_to_p_for_one_token_then_to_d_with_p_params():
@@ -74,7 +74,7 @@ def test_unfinished_prefill_output_waits():
 @pytest.mark.parametrize("topology,pd,engine", [("pd", False, "D"), ("single", None, "E"),
                                                 ("single", True, "E")])
 def test_direct_requests_skip_prefill(topology, pd, engine):
-    routing = Routing([name for name, _ in engine_roles(topology)])
+    routing = Routing.for_topology(topology)
     assert routing.add("r", PROMPT, 8, pd) == [AddTo(engine, "r", PROMPT, 8, None)]
     out = RequestOutput("r", [4], "length")
     assert routing.on_output(engine, out).output is out and not routing.routes
@@ -107,9 +107,44 @@ def test_outputs_from_where_the_request_is_not_are_dropped():
     assert routing.routes["r"].engine == "P"
 
 
-def test_routing_takes_one_or_two_engines():
-    with pytest.raises(ValueError, match="one or two"):
-        Routing(["P", "D", "X"])
+def test_a_router_refuses_clients_that_are_not_its_topologys():
+    with pytest.raises(ValueError, match="not topology pd's"):
+        PDRouter([FakeClient("D"), FakeClient("P")])
+
+
+def finish_prefill(routing: Routing, engine: str, req_id: str) -> Routed:
+    params = {"do_remote_prefill": True, "remote_engine_id": engine, "remote_request_id": req_id}
+    return routing.on_output(engine, RequestOutput(req_id, [7], "length", kv_transfer_params=params))
+
+
+def test_xpyd_requests_go_round_robin_and_each_d_gets_its_own_ps_params():
+    routing = Routing.for_topology("2p2d")
+    firsts = [routing.add(f"r{i}", [1, 2, 3], 4)[0] for i in range(4)]
+    assert [c.engine for c in firsts] == ["P0", "P1", "P0", "P1"]
+    moved = [finish_prefill(routing, c.engine, c.req_id).commands[0] for c in reversed(firsts)]
+    assert [(c.req_id, c.engine) for c in moved] == [("r3", "D0"), ("r2", "D1"), ("r1", "D0"), ("r0", "D1")]
+    assert [c.kv_transfer_params["remote_engine_id"] for c in moved] == ["P1", "P0", "P1", "P0"]
+    assert routing.balancer.num_in_flight == {"P0": 0, "P1": 0, "D0": 2, "D1": 2}
+    for c in moved:
+        assert routing.on_output(c.engine, RequestOutput(c.req_id, [5], "length")).output is not None
+    assert not routing.routes and set(routing.balancer.num_in_flight.values()) == {0}
+    assert routing.balancer.num_requests == {"P0": 2, "P1": 2, "D0": 2, "D1": 2}
+
+
+def test_least_loaded_sends_the_next_request_to_the_idle_prefill_engine():
+    routing = Routing.for_topology("2p1d", policy="least-loaded")
+    assert routing.add("a", [1], 4)[0].engine == "P0"
+    assert routing.add("b", [1], 4)[0].engine == "P1"
+    finish_prefill(routing, "P1", "b")  # P1 is free again, P0 still prefills a
+    assert routing.add("c", [1], 4)[0].engine == "P1"
+
+
+def test_prefix_sends_a_shared_prompt_to_the_prefill_engine_that_cached_it():
+    routing = Routing.for_topology("2p1d", policy="prefix", block_size=2)
+    shared = [1, 2, 3, 4]
+    first = routing.add("a", shared + [5, 6], 4)[0].engine
+    assert routing.add("b", [9, 9, 9, 9], 4)[0].engine != first  # nothing cached: the idle one
+    assert routing.add("c", shared + [7, 8], 4)[0].engine == first
 
 
 class FakeClient:

@@ -1,0 +1,119 @@
+"""Idle windows: the whole trace's, and each engine's own (no request in flight on it, whatever the others do). Runs in: frontend process.
+
+A window of the whole trace: nothing in flight from the client's view and the next arrival
+at least the idle threshold away (or the tail, after the last request ended). An engine is
+judged in its own windows where each request's way is known (a local router's), else in
+the trace's (a serve's or an HTTP server's routing is its own).
+
+The delayed-free leak is per engine: under a prefix-aware router a prefill engine whose
+prefixes stop arriving idles while the rest of the system is busy, and no idle gap of the
+whole trace shows it. A request is in flight on an engine from when the router gave it
+there (RequestRecord.stages) until its KV left it: for a prefill engine, when the decode
+engine's first token came (D has read the blocks by then) or the request ended; for the
+last engine of its way, when it ended. An engine's idle window is a stretch of at least the
+idle threshold between two of its requests (or after its last: its tail).
+
+Coverage: coverage.py says which of the trace's gaps the run was expected to observe; the
+engine windows that hold none of those gaps (an engine idle while others are busy) are
+expected from the model of the run (the virtual clock) too, and the run observes one when
+it has an idle window on that engine overlapping it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replay.verify.timeline import RequestRecord, Timeline
+
+Window = tuple[float, float, bool]  # (start, end, is_tail), as idle_windows gives them
+EPS_S = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWindow:
+    """One engine's idle window that no window of the whole trace holds."""
+
+    engine: str
+    start: float
+    end: float
+    is_tail: bool
+
+    @property
+    def window(self) -> Window:
+        return self.start, self.end, self.is_tail
+
+
+def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[float, float, bool]]:
+    """(start, end, is_tail) of every client-side idle window, in time order."""
+    requests = sorted(timeline.requests, key=lambda r: r.arrival_t)
+    windows, quiet_from = [], float("-inf")
+    for i, record in enumerate(requests):
+        quiet_from = max(quiet_from, float("inf") if record.end_t is None else record.end_t)
+        next_arrival = requests[i + 1].arrival_t if i + 1 < len(requests) else None
+        if next_arrival is None:
+            if quiet_from < timeline.end_t:
+                windows.append((quiet_from, timeline.end_t, True))
+        elif next_arrival - quiet_from >= idle_threshold_s:
+            windows.append((quiet_from, next_arrival, False))
+    return windows
+
+
+def expected_engine_windows(model: Timeline | None, idle_threshold_s: float) -> list[EngineWindow] | None:
+    """The engines' own windows the model (a virtual-clock timeline) finds; None: no model."""
+    if model is None:
+        return None
+    return engine_only_windows(model, idle_threshold_s, idle_windows(model, idle_threshold_s))
+
+
+def intervals(record: RequestRecord) -> list[tuple[str, float, float]]:
+    """(engine, since, until) of each stage of the request's way; until is inf if it never left."""
+    end = math.inf if record.end_t is None else record.end_t
+    kv_left = end if record.first_token_t is None else min(record.first_token_t, end)
+    out = []
+    for i, (engine, since) in enumerate(record.stages):
+        until = end if i == len(record.stages) - 1 else max(kv_left, since)
+        out.append((engine, since, until))
+    return out
+
+
+def idle_windows_by_engine(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
+    """Every engine's idle windows from its own requests; engines that had none are left out."""
+    by_engine: dict[str, list[tuple[float, float]]] = {}
+    for record in timeline.requests:
+        for engine, since, until in intervals(record):
+            by_engine.setdefault(engine, []).append((since, until))
+    return {engine: _gaps(sorted(spans), timeline.end_t, idle_threshold_s)
+            for engine, spans in by_engine.items()}
+
+
+def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: float) -> list[Window]:
+    windows, quiet_from = [], -math.inf
+    for i, (_, until) in enumerate(spans):
+        quiet_from = max(quiet_from, until)
+        if i + 1 < len(spans):
+            if spans[i + 1][0] - quiet_from >= idle_threshold_s:
+                windows.append((quiet_from, spans[i + 1][0], False))
+        elif quiet_from < end_t:
+            windows.append((quiet_from, end_t, True))
+    return windows
+
+
+def engine_only_windows(timeline: Timeline, idle_threshold_s: float,
+                        trace_windows: Sequence[Window]) -> list[EngineWindow]:
+    """Each engine's idle windows that hold no window of the whole trace, in time order."""
+    out = []
+    for engine, windows in idle_windows_by_engine(timeline, idle_threshold_s).items():
+        out += [EngineWindow(engine, *w) for w in windows if not _holds_any(w, trace_windows)]
+    return sorted(out, key=lambda w: (w.start, w.engine))
+
+
+def _holds_any(window: Window, trace_windows: Sequence[Window]) -> bool:
+    start, end, _ = window
+    return any(start <= s + EPS_S and e <= end + EPS_S for s, e, _ in trace_windows)
+
+
+def observed(expected: EngineWindow, run: Sequence[EngineWindow]) -> bool:
+    """The run had an idle window on the expected window's engine overlapping it."""
+    return any(w.engine == expected.engine and w.start < expected.end and expected.start < w.end
+               for w in run)
