@@ -89,9 +89,11 @@ class WallClockReplay:
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines))
         self._num_errors = 0  # of target.errors, seen
-        self._moves: list[tuple[str, str]] = []  # (req_id, engine) the router told of, not yet recorded
+        # (req_id, engine, t) the router told of, not yet recorded: stamped as it hands the
+        # request over, before the engine can have it (an engine's sample never precedes it)
+        self._moves: list[tuple[str, str, float]] = []
         if hasattr(target, "on_move"):  # a local router (PDRouter)
-            target.on_move = lambda req_id, engine: self._moves.append((req_id, engine))
+            target.on_move = lambda req_id, engine: self._moves.append((req_id, engine, self.now()))
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -150,23 +152,23 @@ class WallClockReplay:
         self.open.add(req.req_id)
         record = self.requests[req.req_id] = RequestRecord(
             req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
-        self._take_moves(sent)
+        self._take_moves()
         if self.options.expected_tokens is not None:
             record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
         self._tokens[req.req_id] = []
 
-    def _take_moves(self, now: float) -> None:
+    def _take_moves(self) -> None:
         """Record the engines the router gave requests to since the last call (a local
         router only: a serve's routing is its own)."""
-        for req_id, engine in self._moves:
+        for req_id, engine, t in self._moves:
             if req_id in self.requests:
-                self.requests[req_id].enter(engine, now)
+                self.requests[req_id].enter(engine, t)
         self._moves.clear()
 
     def _pump(self, timeout_s: float) -> None:
         """Receive outputs and stats for up to timeout_s."""
         outputs = self.target.poll(timeout_s)
-        self._take_moves(self.now())
+        self._take_moves()
         for output in outputs:
             self._on_output(output)
         self._on_stats(self.target.take_stats())
