@@ -3,13 +3,27 @@ from __future__ import annotations
 
 import pytest
 
-from replay.deploy.router import PDRouter
-from replay.deploy.topology import start_topology
-from replay.deploy.routing import (DECODE, END, LOCAL, PREFILL_MAX_TOKENS, RELEASE, AbortAt, AddTo, Routed, Routing,
-                               after_prefill, engine_names, engine_roles, parse_topology, prefill_params)
 from engine.config import EngineConfig, KVTransferConfig
-from engine.proc.messages import Ready
 from engine.core.outputs import RequestOutput
+from engine.proc.messages import Ready
+from replay.deploy.router import PDRouter
+from replay.deploy.routing import (
+    DECODE,
+    END,
+    LOCAL,
+    PREFILL_MAX_TOKENS,
+    RELEASE,
+    AbortAt,
+    AddTo,
+    Routed,
+    Routing,
+    after_prefill,
+    engine_names,
+    engine_roles,
+    parse_topology,
+    prefill_params,
+)
+from replay.deploy.topology import start_topology
 from tests.mp_utils import mock_tokens
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1]}

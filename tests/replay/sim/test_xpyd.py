@@ -86,3 +86,15 @@ def test_engine_windows_come_from_each_requests_own_way(tmp_path):
     assert [is_tail for _, _, is_tail in by_engine["P1"]] == [True]  # B never stops until the end
     first_a = result.timeline.request("a0")
     assert [engine for engine, _ in first_a.stages] == ["P0", "D0"]
+
+
+@pytest.mark.parametrize("liveness", ["poll", "event"])
+def test_a_decode_engine_reading_from_two_prefill_engines_keeps_both_leases_alive(liveness):
+    """D waits longer than a lease for each pull (pull delay 2 s, lease 1.2 s); its heartbeats
+    go to whichever P holds each request, so neither P lets a send expire."""
+    records = list(read_trace(EXAMPLE))
+    timeline = run(records, liveness, topology="2p1d", kv_lease_s=1.2, pull_delay_s=2.0)
+    senders = {engine for r in timeline.requests for engine, _ in r.stages[:-1]}
+    assert senders == {"P0", "P1"}
+    assert timeline.counters["P0"]["num_expired"] == timeline.counters["P1"]["num_expired"] == 0
+    assert all(r.finish_reason == "length" and r.num_output_tokens for r in timeline.requests)
