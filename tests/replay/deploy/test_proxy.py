@@ -41,6 +41,7 @@ class FakeVllm:
         self.headers: list = []
         self.fail: tuple[int, bytes] | None = None  # answer every completion with this
         self.healthy = True
+        self.break_off = False  # a D that dies after its first chunk
         self.release = asyncio.Event()
         self.release.set()
         self.first_chunk_sent = asyncio.Event()
@@ -83,6 +84,9 @@ class FakeVllm:
         for i, chunk in enumerate(STREAM_CHUNKS):
             await self.release.wait()
             await response.write(chunk)
+            if i == 0 and self.break_off:
+                request.transport.close()
+                return response
             if i == 0:
                 self.first_chunk_sent.set()
                 self.release.clear()
@@ -197,6 +201,27 @@ def test_an_upstream_that_is_down_is_a_502_with_an_openai_error_body():
             await p.start(), await d.start()  # deployment() stops them again
 
     run(go())
+
+
+def test_a_decode_server_that_breaks_off_its_stream_breaks_the_clients_off_too(capfd):
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            d.break_off = True
+            async with aiohttp.ClientSession() as session:
+                request = {**CLIENT_REQUEST, "stream": True}
+                async with session.post(proxy.url + "/v1/completions", json=request) as response:
+                    assert response.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await response.content.read()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/metrics") as response:
+                    return _samples(await response.text())
+
+    samples = run(go())
+    assert samples[("kvdrain_proxy_requests_total",
+                    (("stage", "decode"), ("status", "broken"), ("upstream", "D")))] == 1
+    err = capfd.readouterr().err
+    assert "decode server D broke off its answer" in err and "Traceback" not in err
 
 
 def test_several_prefill_and_decode_servers_are_used_in_turn():
