@@ -360,7 +360,8 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
         assert _scraped(f"{proxy_url}/metrics", "kvdrain_proxy_requests_total") == {
             (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 32,
             (("stage", "decode"), ("status", "200"), ("upstream", "D")): 32,
-            (("stage", "models"), ("status", "200"), ("upstream", "D")): 1}  # the replay's probe
+            (("stage", "models"), ("status", "200"), ("upstream", "D")): 1,  # the replay's probes
+            (("stage", "version"), ("status", "200"), ("upstream", "D")): 1}
     finally:
         if proxy is not None and proxy.proc.poll() is None:
             proxy.proc.send_signal(signal.SIGTERM)
