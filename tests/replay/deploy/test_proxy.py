@@ -57,6 +57,8 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/tokenize", self.tokenize)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -95,6 +97,14 @@ class FakeVllm:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"0.32.0 ({self.name})"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        return web.json_response({"count": 1, "max_model_len": 512, "tokens": [int(body["prompt"][1:])]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -254,6 +264,20 @@ def test_models_come_from_d_and_health_names_every_upstream():
                     assert health["upstreams"]["P"]["status"] == "status 503"
                     assert health["upstreams"]["D"]["status"].startswith("unreachable")
                 await d.start()
+
+    run(go())
+
+
+def test_version_and_tokenize_are_ds_so_a_replay_learns_the_server_through_the_proxy():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/version") as response:
+                    version = await response.json()
+                async with session.post(proxy.url + "/tokenize", json={"prompt": "w41"}) as response:
+                    tokens = await response.json()
+            assert version == {"version": "0.32.0 (D0)"}
+            assert tokens["tokens"] == [41] and d.bodies == [{"prompt": "w41"}] and p.bodies == []
 
     run(go())
 
