@@ -18,6 +18,8 @@
   these is a VocabularyUnknown (the CLI's exit 2: give --vocab-size), never a guess;
 - the trace's largest prompt token id is checked against that vocabulary before t = 0
   (a TraceError, the CLI's exit 2, never a failure mid-run);
+- without --metrics, a `kvdrain proxy` target's upstreams are scraped (its /health names
+  them; meta["http"]["metrics_from"] says so);
 - every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
   EngineSample records the other drivers produce, so replay/verify/rules.py judges the
   idle windows from the server's own metrics;
@@ -45,8 +47,8 @@ from typing import Iterable
 import aiohttp
 
 from replay.http.scrape import MetricsSource, Scraper
-from replay.http.server_facts import (EngineFacts, counter_deltas, fetch_version, probe_vocab_size,
-                                      read_facts, root_of)
+from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
+                                      probe_vocab_size, read_facts, root_of)
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
@@ -206,6 +208,7 @@ class HttpReplay:
         self.origin = 0.0
         self.identity: ServerIdentity | None = None
         self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
+        self.metrics_from = "--metrics" if options.metrics else None
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
@@ -230,6 +233,10 @@ class HttpReplay:
             await learn_vocabulary(session, self.identity)
             check_vocab(self.options.max_token_id, self.identity)
             self.identity.version = await fetch_version(session, api_root(self.options.base_url))
+            if not self.scrapers:
+                found = await discover_metrics(session, api_root(self.options.base_url))
+                self.scrapers = [Scraper(m, 0.0) for m in found]
+                self.metrics_from = "the proxy's /health" if found else None
             self.origin = time.monotonic() + LEAD_IN_S
             for scraper in self.scrapers:
                 scraper.origin = self.origin
@@ -400,6 +407,7 @@ class HttpReplay:
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
+                         "metrics_from": self.metrics_from,
                          "prompt_format": self.options.prompt_format,
                          "scrape_interval_s": self.options.scrape_interval_s,
                          "latency": latency_summary(self.requests.values()),

@@ -2,6 +2,8 @@
 
 Read once before a replay and once after it, so that the report describes the server
 that answered (never kvdrain's own engine options) and counts what happened between:
+- the metrics URLs, when none were given: a `kvdrain proxy`'s GET /health names its
+  upstreams (`{"upstreams": {NAME: {"url": ...}}}`), each one's /metrics is scraped as NAME;
 - the version: GET /version (vLLM's `{"version": ...}`), from the target and from the
   root of every metrics URL (a P/D proxy has none of its own);
 - the vocabulary: vLLM's POST /tokenize, for a model whose tokenizer is kvdrain's word
@@ -22,7 +24,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from replay.http.scrape import family_names, parse_metrics
+from replay.http.scrape import MetricsSource, family_names, parse_metrics
 
 TIMEOUT_S = 5.0
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
@@ -60,6 +62,24 @@ class EngineFacts:
 def root_of(url: str) -> str:
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}"
+
+
+async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[MetricsSource, ...]:
+    """NAME=URL/metrics of every upstream a proxy's /health names (none: not a kvdrain proxy)."""
+    try:
+        async with session.get(root + "/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
+            body = await r.json(content_type=None) if r.content_type == "application/json" else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return ()
+    upstreams = body.get("upstreams") if isinstance(body, dict) else None
+    if not isinstance(upstreams, dict):
+        return ()
+    sources = []
+    for name, upstream in upstreams.items():
+        url = upstream.get("url") if isinstance(upstream, dict) else None
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            sources.append(MetricsSource(url.rstrip("/") + "/metrics", str(name)))
+    return tuple(sources)
 
 
 async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None:

@@ -375,17 +375,23 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
         proxy = Lines([sys.executable, "-m", "cli", "proxy", "--prefill", p_url, "--decode", d_url])
         proxy_url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
         report = tmp_path / "report.json"
+        fast = ["--speedup", "4", "--no-live", "--idle-threshold", "0.5", "--drain-deadline", "0.3",
+                "--tail", "1", "--scrape-interval", "0.05", "--max-requests", "8"]
+        found = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--report", str(report), *fast)
+        data = json.loads(report.read_text())  # no --metrics: the proxy's /health names P and D
+        assert data["http"]["metrics_from"] == "the proxy's /health", found.output
+        assert [(m["url"], list(m["engines"].values())) for m in data["http"]["metrics"]] == \
+            [(f"{p_url}/metrics", ["P"]), (f"{d_url}/metrics", ["D"])]
         result = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
-                        "--report", str(report), "--speedup", "4", "--no-live", "--idle-threshold",
-                        "0.5", "--drain-deadline", "0.3", "--tail", "1", "--scrape-interval", "0.05")
+                        "--report", str(report), *fast[:-2])
         assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
         data = json.loads(report.read_text())
         assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}
         assert _scraped(f"{proxy_url}/metrics", "kvdrain_proxy_requests_total") == {
-            (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 32,
-            (("stage", "decode"), ("status", "200"), ("upstream", "D")): 32,
-            (("stage", "models"), ("status", "200"), ("upstream", "D")): 1,  # the replay's probes
-            (("stage", "version"), ("status", "200"), ("upstream", "D")): 1}
+            (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 8 + 32,
+            (("stage", "decode"), ("status", "200"), ("upstream", "D")): 8 + 32,
+            (("stage", "models"), ("status", "200"), ("upstream", "D")): 2,  # the replays' probes
+            (("stage", "version"), ("status", "200"), ("upstream", "D")): 2}
     finally:
         if proxy is not None and proxy.proc.poll() is None:
             proxy.proc.send_signal(signal.SIGTERM)
