@@ -70,6 +70,7 @@ class HttpTargetOptions:
     scrape_interval_s: float = 0.1
     api_key: str | None = None
     vocab_size: int | None = None  # --vocab-size; None: the server's (see the module docstring)
+    vocab_source: str = "--vocab-size"  # where vocab_size came from (a launcher: the model's config)
     connector: str | None = None  # the KV connector the servers were launched with, if known
     tail_s: float = 3.0
     request_timeout_s: float = 120.0
@@ -166,7 +167,7 @@ def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: l
 
 
 def _given(options: HttpTargetOptions) -> str | None:
-    return "--vocab-size" if options.vocab_size is not None else None
+    return options.vocab_source if options.vocab_size is not None else None
 
 
 async def learn_vocabulary(session: aiohttp.ClientSession, identity: ServerIdentity) -> None:
@@ -404,7 +405,9 @@ class HttpReplay:
         samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
         engines = list(dict.fromkeys(s.engine for s in samples))
         num_blocks = {s.engine: s.num_blocks for s in samples}
+        topology = (self.identity.kvdrain or {}).get("topology") if self.identity else None
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
+                "topology": topology,  # None: the server does not say (settings.topology)
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
                          "metrics_from": self.metrics_from,

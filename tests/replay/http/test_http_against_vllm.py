@@ -129,7 +129,7 @@ def test_the_report_describes_the_vllm_server_and_not_kvdrains_engine_options(tm
     assert engine["engines"]["P"] | {"cache_config": None} == {
         "version": "0.32.0", "block_size": 128, "num_gpu_blocks": 4096, "connector": "NixlConnector",
         "cache_config": None}
-    assert report["settings"]["kv_transfer"] is None
+    assert report["settings"]["kv_transfer"] is None and report["settings"]["topology"] is None
     assert not {"liveness", "num_blocks", "max_num_seqs", "runner", "block_size"} & engine.keys()
     assert "server: vLLM 0.32.0, model 'tiny', max_model_len 512, vocabulary 512 (from /tokenize)" \
         in result.output
