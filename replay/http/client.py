@@ -159,15 +159,22 @@ def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: l
         raise ConnectionError(f"{url}: --model {model!r} is not served here; it lists {names}")
     card = cards[names.index(model)]
     extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
-    said = (extra or {}).get("vocab_size")
-    vocab, source = (options.vocab_size, _given(options)) if options.vocab_size is not None else \
-        (int(said), "/v1/models") if type(said) is int else (None, None)
+    vocab, source = _vocabulary(options, (extra or {}).get("vocab_size"))
     return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
                           card.get("max_model_len"), vocab, names, extra, vocab_source=source)
 
 
 def _given(options: HttpTargetOptions) -> str | None:
     return options.vocab_source if options.vocab_size is not None else None
+
+
+def _vocabulary(options: HttpTargetOptions, said: object) -> tuple[int | None, str | None]:
+    """(size, where it came from): the one given, else what /v1/models said, else unknown."""
+    if options.vocab_size is not None:
+        return options.vocab_size, _given(options)
+    if type(said) is int and said >= 1:
+        return said, "/v1/models"
+    return None, None
 
 
 async def learn_vocabulary(session: aiohttp.ClientSession, identity: ServerIdentity) -> None:
