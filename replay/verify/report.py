@@ -101,6 +101,7 @@ def prefix_hits(timeline: Timeline) -> tuple[int | None, str | None]:
 def request_summary(timeline: Timeline) -> dict:
     records = timeline.requests
     late = sorted(r.send_lateness_s for r in records)
+    hits, hits_source = prefix_hits(timeline)
     return {
         "num_requests": len(records),
         "num_finished": sum(r.end_t is not None for r in records),
@@ -108,8 +109,8 @@ def request_summary(timeline: Timeline) -> dict:
         "finish_reasons": _count(r.finish_reason or "unfinished" for r in records),
         "num_prompt_tokens": sum(r.num_prompt_tokens for r in records),
         "num_output_tokens": sum(r.num_output_tokens for r in records),
-        "num_prefix_hit_tokens": prefix_hits(timeline)[0],
-        "prefix_hits_source": prefix_hits(timeline)[1],
+        "num_prefix_hit_tokens": hits,
+        "prefix_hits_source": hits_source,
         "send_lateness_p50_ms": 1000 * _quantile(late, 0.5),
         "send_lateness_p99_ms": 1000 * _quantile(late, 0.99),
     }
