@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from replay.deploy.balance import ROUTER_POLICIES
 from replay.deploy.routing import TOPOLOGIES, engine_roles
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
@@ -213,6 +214,9 @@ def shaping_options(func):
 @click.option("--scrape-interval", type=click.FloatRange(min=0, min_open=True), default=0.1,
               show_default=True, help="With --target http://: seconds between scrapes.")
 @click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token.")
+@click.option("--vocab-size", type=click.IntRange(1), default=None,
+              help="With --target http://: the model's vocabulary size, when the server does not "
+                   "say it (kvdrain's /v1/models and vLLM's /tokenize over kvdrain's words do).")
 @click.option("--cost-profile", "cost_profile_path", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --clock virtual: step costs measured by `kvdrain calibrate`.")
@@ -340,8 +344,10 @@ def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
 def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_format: str,
                  scrape_interval: float, api_key: str | None, options: dict):
     """HttpTargetOptions for --target http://...; None for other targets (HTTP options refused)."""
+    vocab_size = options.pop("vocab_size")
     if target is None or not target.startswith(("http://", "https://")):
-        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key)) if v]
+        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key),
+                                ("--vocab-size", vocab_size)) if v]
         if given:
             raise click.UsageError(f"{given[0]}: only with --target http://")
         return None
@@ -352,7 +358,7 @@ def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_forma
     options["model"] = "tiny"  # the engine options do not apply to someone else's server
     try:
         return HttpTargetOptions(target, tuple(MetricsSource.parse(m) for m in metrics_urls),
-                                 served, prompt_format, scrape_interval, api_key)
+                                 served, prompt_format, scrape_interval, api_key, vocab_size=vocab_size)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -478,6 +484,42 @@ def top_cmd(address: str, seconds: float | None, **options) -> None:
     """
     from replay.commands import top_main
     sys.exit(top_main(address, seconds, Console(), _auth(options)))
+
+
+@cli.command(name="proxy")
+@click.option("--prefill", "prefill_urls", multiple=True, required=True, metavar="URL",
+              help="A vLLM prefill server (kv_producer), e.g. http://127.0.0.1:8100; repeat for several.")
+@click.option("--decode", "decode_urls", multiple=True, required=True, metavar="URL",
+              help="A vLLM decode server (kv_consumer); repeat for several.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where clients connect.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="0: any free port (printed in the 'proxy ready' line).")
+@click.option("--api-key", envvar="KVDRAIN_PROXY_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (env KVDRAIN_PROXY_API_KEY).")
+@click.option("--upstream-api-key", envvar="KVDRAIN_UPSTREAM_API_KEY", default=None,
+              help="Sent to every server as 'Authorization: Bearer KEY' (env KVDRAIN_UPSTREAM_API_KEY).")
+@click.option("--insecure", is_flag=True, help="Listen beyond loopback without --api-key.")
+@click.option("--router", type=click.Choice(ROUTER_POLICIES), default="round-robin", show_default=True,
+              help="Which P and D take each request: in turn, the fewest in flight, or the P "
+                   "the proxy sent the longest prefix of the prompt to (its own table).")
+def proxy_cmd(prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], host: str, port: int,
+              api_key: str | None, upstream_api_key: str | None, insecure: bool, router: str) -> None:
+    """A P/D proxy in front of vLLM servers: prefill on a P, decode on a D (vLLM's protocol).
+
+    \b
+    Example: kvdrain proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+             kvdrain replay examples/pd_idle.jsonl --target http://127.0.0.1:8000 \\
+                 --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
+    """
+    from replay.deploy.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
+    try:
+        options = ProxyOptions(prefill=prefill_urls, decode=decode_urls, host=host, port=port,
+                               api_key=api_key, upstream_api_key=upstream_api_key, insecure=insecure,
+                               router=router)
+        check_listen(options)
+    except ProxyError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(proxy_main(options))
 
 
 if __name__ == "__main__":

@@ -5,5 +5,6 @@
 - balance: which prefill and decode engine takes each request (round-robin, least-loaded,
   prefix), one decision table for every router;
 - router: PDRouter, that state machine over engine clients;
-- topology: launching a topology's engine cores with their connector configs.
+- topology: launching a topology's engine cores with their connector configs;
+- proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp).
 """

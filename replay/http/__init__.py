@@ -2,10 +2,12 @@
 
 - protocol: the completions request checks and response bodies;
 - tokenizer: the front's deterministic text tokenizer;
+- tokenize: vLLM's /tokenize as the front answers it;
 - server: the HTTP front (completions, models, health, metrics);
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;
+- server_facts: what a server says about itself (version, vocabulary, cache config, counters);
 - scrape: scraping /metrics into per-engine KV-usage samples;
 - outcome: what a replay over HTTP could not observe, and its status.
 """
