@@ -176,10 +176,12 @@ class HttpReplay:
         async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
             self.identity = await probe(session, self.options)
             check_vocab(self.options.max_token_id, self.identity)
-            self.origin = time.monotonic() + LEAD_IN_S
+            for scraper in self.scrapers:  # picks the metric and names the engines
+                scraper.origin = time.monotonic()
+                await scraper.scrape(session)
+            self.origin = time.monotonic() + LEAD_IN_S  # a slow first scrape delays no send
             for scraper in self.scrapers:
-                scraper.origin = self.origin
-                await scraper.scrape(session)  # picks the metric and names the engines
+                scraper.rebase(self.origin)
             scraping = asyncio.create_task(self._scrape_loop(session))
             try:
                 await self._send_all(session, records)

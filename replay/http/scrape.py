@@ -13,6 +13,8 @@ A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a lea
 Series are told apart by their `engine` label; a URL given as NAME=URL names its
 engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
 loop state and step counts are read where the server has them (kvdrain), else 0.
+Each sample is stamped with its scrape's sending (EngineSample.send_t) and its answer
+(t): the server took the reading somewhere between (replay/verify/rules.py judges by both).
 A scrape that fails in any way (no answer, not 200, not parseable, a value read that is
 +Inf, -Inf or NaN, anything unexpected) is a counted failure with its error; the scrape
 loop goes on.
@@ -194,6 +196,7 @@ class Scraper:
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
         """One scrape; False (and a counted failure) if it gave no usable KV reading."""
         self.num_scrapes += 1
+        send_t = time.monotonic() - self.origin
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             async with session.get(self.source.url, timeout=timeout) as response:
@@ -201,7 +204,7 @@ class Scraper:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
             t = time.monotonic() - self.origin
-            return self._read(parse_metrics(text), t)
+            return self._read(parse_metrics(text), send_t, t)
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on
             return self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
@@ -211,7 +214,15 @@ class Scraper:
             self.errors.append(error)
         return False
 
-    def _read(self, samples: dict[str, list], t: float) -> bool:
+    def rebase(self, origin: float) -> None:
+        """Move the replay's t = 0 to `origin` (a time.monotonic()), samples taken so far too."""
+        shift = self.origin - origin
+        for sample in self.samples:
+            sample.t += shift
+            sample.send_t += shift
+        self.origin = origin
+
+    def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
         if self.metric is None:  # chosen by the first scrape that has one
             self.metric = choose_metric(samples)
             self.names_found = family_names(samples)
@@ -226,7 +237,9 @@ class Scraper:
                 name = engine_name(self.source, scraped.engine_label, len(readings))
                 self.engines[scraped.engine_label] = name
             self.unit = scraped.unit
-            self.samples.append(to_sample(t, name, scraped, loop_state(samples, scraped.engine_label)))
+            sample = to_sample(t, name, scraped, loop_state(samples, scraped.engine_label))
+            sample.send_t = send_t
+            self.samples.append(sample)
         return True
 
     def status(self) -> dict:

@@ -1,0 +1,129 @@
+"""The HTTP replay client against hostile servers: answers delivered late, endless streams,
+fields of the wrong type, markup and escape codes, negative gauges, duplicate keys,
+redirects to another host. None of them may give a false verdict, unbounded memory or a
+traceback."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import pytest
+from aiohttp import web
+
+from replay.http.client import HttpReplay, HttpTargetOptions
+from replay.http.outcome import http_verdict
+from replay.http.scrape import MetricsSource
+from replay.trace.records import TraceRequest
+from replay.verify.rules import VerifyOptions, verify
+from replay.verify.timeline import Timeline
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _chunk(choices: object = None, **extra) -> bytes:
+    body = {"id": "cmpl-x", "object": "text_completion", "choices": [] if choices is None else choices,
+            **extra}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class LeakyPD:
+    """A P/D server that renders honest metrics: P holds 8 blocks from its first request on
+    (it leaks through every idle window), D holds 4 while a request runs and none otherwise.
+    Each /metrics answer is rendered when the scrape arrives and delivered `delay_s` later;
+    each completion takes `busy_s`."""
+
+    def __init__(self, delay_s: float, busy_s: float) -> None:
+        self.delay_s = delay_s
+        self.busy_s = busy_s
+        self.num_running = 0
+        self.has_run = False
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "m", "owned_by": "vllm", "max_model_len": 4096}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.num_running += 1
+        self.has_run = True
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(self.busy_s)
+        self.num_running -= 1
+        await response.write(_chunk([{"index": 0, "text": "w5", "token_ids": [5],
+                                      "finish_reason": "length"}]))
+        await response.write(_chunk(usage={"prompt_tokens": 2, "completion_tokens": 1,
+                                           "total_tokens": 3}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        p_used = 8 if self.has_run else 0
+        d_used = 4 if self.num_running else 0
+        text = "".join(f'vllm:kv_cache_usage_perc{{engine="{e}"}} {used / 100}\n'
+                       f'vllm:cache_config_info{{engine="{e}",num_gpu_blocks="101"}} 1\n'
+                       for e, used in (("P", p_used), ("D", d_used)))
+        await asyncio.sleep(self.delay_s)
+        return web.Response(text=text)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def replay_against(app: web.Application, trace, **options) -> Timeline:
+    async def go() -> Timeline:
+        async with serving(app) as url:
+            metrics = (MetricsSource.parse(url + "/metrics"),)
+            return await HttpReplay(HttpTargetOptions(url, metrics=metrics, **options)).run_async(trace)
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+LEAK_TRACE = [TraceRequest(0.0, "a", 2, 1), TraceRequest(2.5, "b", 2, 1)]
+LEAK_OPTIONS = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.2)
+
+
+def _verdicts(verdict, engine: str) -> list[str]:
+    return [w.verdict for w in verdict.windows if w.engine == engine]
+
+
+def test_late_scrapes_of_an_engine_that_leaks_are_never_judged_drained():
+    """Each answer arrives 1.6 s after it was rendered: a reading of P taken before its first
+    request (0 blocks) lands inside the first idle window, a reading of D taken while it
+    decoded (4 blocks) lands inside the tail. A scrape is evidence only for the time between
+    its sending and its answer: P is never drained, D never leaks, and the run is not
+    verified."""
+    timeline = replay_against(LeakyPD(delay_s=1.6, busy_s=0.8).app(), LEAK_TRACE, tail_s=2.0)
+    verdict = verify(timeline, [], LEAK_OPTIONS)
+    assert "drained" not in _verdicts(verdict, "P"), verdict.windows
+    assert "leak" not in _verdicts(verdict, "D"), verdict.windows
+    assert http_verdict(timeline, verdict)[0] != "verified"
+    for w in verdict.windows:  # a time to drain is an upper bound, so never under the deadline
+        if w.verdict == "drained":
+            assert w.time_to_drain <= LEAK_OPTIONS.drain_deadline_s
+
+
+def test_prompt_scrapes_of_the_same_server_see_the_leak_and_the_drain():
+    timeline = replay_against(LeakyPD(delay_s=0.0, busy_s=0.8).app(), LEAK_TRACE, tail_s=1.0)
+    verdict = verify(timeline, [], LEAK_OPTIONS)
+    assert _verdicts(verdict, "P") == ["leak", "leak"]
+    assert _verdicts(verdict, "D") == ["drained", "drained"]
+    assert verdict.status == "violation"
