@@ -139,16 +139,38 @@ def _error_message(body: object) -> str:
 
 @dataclass(slots=True)
 class _Stream:
-    """What one streamed response said."""
+    """What one streamed response said, kept as counts and running digests (nothing grows
+    with what the server sends: a stream of more outputs than max_tokens is an error)."""
 
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+    max_outputs: int = 0  # content chunks allowed (each carries at least one token); 0: any
+    num_tokens: int = 0
+    tokens_digest: hashlib._Hash = field(default_factory=hashlib.sha256)  # output_digest's
+    text_digest: hashlib._Hash | None = None  # of the text, when a chunk had text and no ids
     chunk_times: list[float] = field(default_factory=list)  # replay seconds of each content chunk
     finish_reason: str | None = None
     usage_completion_tokens: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
+
+    def add(self, now: float, token_ids: list[int], text: str) -> None:
+        """One content chunk; a ValueError beyond max_outputs of them."""
+        if self.max_outputs and len(self.chunk_times) >= self.max_outputs:
+            raise ValueError(f"stream: more outputs than max_tokens ({self.max_outputs})")
+        self.chunk_times.append(now)
+        for token in token_ids:
+            self.tokens_digest.update(f"{',' if self.num_tokens else ''}{token}".encode())
+            self.num_tokens += 1
+        if text:
+            if self.text_digest is None:
+                self.text_digest = hashlib.sha256()
+            self.text_digest.update(text.encode("utf-8", "surrogatepass"))
+
+    def digest(self) -> str:
+        """output_digest of the token ids; of the text when the server sent none."""
+        if self.num_tokens or self.text_digest is None:
+            return self.tokens_digest.hexdigest()[:16]
+        return self.text_digest.hexdigest()[:16]
 
 
 class HttpReplay:
@@ -269,7 +291,7 @@ class HttpReplay:
     async def _request(self, session: aiohttp.ClientSession, req: TraceRequest,
                        prompt: list[int], record: RequestRecord) -> None:
         url = api_root(self.options.base_url) + "/v1/completions"
-        stream = _Stream()
+        stream = _Stream(max_outputs=req.max_tokens)
         record.send_t = self.now()
         record.send_lateness_s = record.send_t - req.t
         try:
@@ -312,15 +334,14 @@ class HttpReplay:
         record.itls = [b - a for a, b in zip(times, times[1:])]
         record.last_token_t = times[-1] if times else None
         record.num_output_tokens = stream.usage_completion_tokens if \
-            stream.usage_completion_tokens is not None else len(stream.tokens) or len(times)
+            stream.usage_completion_tokens is not None else stream.num_tokens or len(times)
         record.num_prefix_hit_tokens = stream.num_cached_tokens
         record.finish_reason = "error" if stream.error else (stream.finish_reason or "error")
         record.error = stream.error or (None if stream.finish_reason else "stream ended without a finish_reason")
         if record.error is None and record.finish_reason == "length" and \
                 record.num_output_tokens == 0 and max_tokens >= 1:
             record.error = stream.ignored_reason or IGNORED_BY_SERVER
-        record.output_digest = output_digest(stream.tokens) if stream.tokens else \
-            output_digest([]) if not stream.text else _text_digest(stream.text)
+        record.output_digest = stream.digest()
 
     # ---- the result ------------------------------------------------------------------
 
@@ -378,9 +399,7 @@ def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
         raise ValueError("stream chunk: token_ids: expected a list of integers")
     text = _expect(choice.get("text"), (str,), "text") or ""
     if token_ids or text:
-        stream.chunk_times.append(now)
-        stream.tokens.extend(token_ids)
-        stream.text.append(text)
+        stream.add(now, token_ids, text)
     reason = _expect(choice.get("finish_reason"), (str,), "finish_reason")
     if reason is not None:
         stream.finish_reason = reason
@@ -394,6 +413,3 @@ def _json_or_text(body: bytes) -> object:
     except ValueError:
         return body.decode("utf-8", "replace")
 
-
-def _text_digest(pieces: list[str]) -> str:
-    return hashlib.sha256("".join(pieces).encode()).hexdigest()[:16]

@@ -127,3 +127,49 @@ def test_prompt_scrapes_of_the_same_server_see_the_leak_and_the_drain():
     assert _verdicts(verdict, "P") == ["leak", "leak"]
     assert _verdicts(verdict, "D") == ["drained", "drained"]
     assert verdict.status == "violation"
+
+
+class EndlessStream:
+    """A completion that streams 60 KB chunks until the client goes away."""
+
+    def __init__(self) -> None:
+        self.num_chunks = 0
+        text = " ".join(["w1"] * 20_000)  # 60 KB
+        self.chunk = _chunk([{"index": 0, "text": text, "token_ids": [1], "finish_reason": None}])
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        while True:
+            await response.write(self.chunk)
+            self.num_chunks += 1
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+
+def test_an_endless_stream_holds_no_more_than_its_max_tokens_allow():
+    """The client keeps counts and digests, never the streamed text, and a stream with more
+    outputs than max_tokens is that request's error: the bytes held stay bounded."""
+    import tracemalloc
+
+    server = EndlessStream()
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        timeline = replay_against(server.app(), [TraceRequest(0.0, "a", 8, 2)], tail_s=0.05,
+                                  request_timeout_s=4.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    record = timeline.request("a")
+    assert record.error == "ValueError: stream: more outputs than max_tokens (8)"
+    assert time.monotonic() - started < 4.0  # not given up on after request_timeout_s
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB held"
