@@ -120,15 +120,32 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
 
 
 def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]) -> ServerIdentity:
-    names = [str(c.get("id")) for c in cards]
+    names = [_card_field(url, c, "id", str, i, required=True) for i, c in enumerate(cards)]
     model = options.model or names[0]
     if model not in names:
         raise ConnectionError(f"{url}: --model {model!r} is not served here; it lists {names}")
-    card = cards[names.index(model)]
-    extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
-    vocab = options.vocab_size or (extra or {}).get("vocab_size") or DEFAULT_VOCAB_SIZE
-    return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
-                          card.get("max_model_len"), int(vocab), names, extra)
+    i = names.index(model)
+    card = cards[i]
+    extra = _card_field(url, card, "kvdrain", dict, i)
+    vocab = options.vocab_size or (extra and _card_field(url, extra, "vocab_size", int, i, "kvdrain.")) \
+        or DEFAULT_VOCAB_SIZE
+    return ServerIdentity(options.base_url, model, server, _card_field(url, card, "owned_by", str, i),
+                          _card_field(url, card, "max_model_len", int, i), vocab, names, extra)
+
+
+def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str = "",
+                required: bool = False) -> object:
+    """card[name] if absent (None) or of `kind` (a positive int for int; no bool); a
+    ConnectionError naming the field otherwise: the CLI's exit 2, before anything is sent."""
+    value = card.get(name)
+    if value is None and not required:
+        return None
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (kind is not int or value > 0)
+    if not ok:
+        want = "a positive integer" if kind is int else f"a {kind.__name__}"
+        got = value if kind is int and type(value) is int else type(value).__name__
+        raise ConnectionError(f"{url}: data[{i}].{prefix}{name}: expected {want}, got {got}")
+    return value
 
 
 def _error_message(body: object) -> str:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -87,6 +89,64 @@ async def serving(app: web.Application):
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving_in_thread(app: web.Application):
+    """app on a free loopback port, from a thread with its own event loop; yields its URL."""
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        async with serving(app) as url:
+            box["url"], box["stop"], box["loop"] = url, asyncio.Event(), asyncio.get_running_loop()
+            ready.set()
+            await box["stop"].wait()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    try:
+        yield box["url"]
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+
+
+def invoke_replay(url: str, tmp_path: Path, *args: str):
+    from click.testing import CliRunner
+
+    from cli import cli
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}\n')
+    return CliRunner().invoke(cli, ["replay", str(trace), "--target", url, "--no-live", "--tail",
+                                    "0.1", *args], catch_exceptions=False)
+
+
+def models_app(card: dict) -> web.Application:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [card]})
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+@pytest.mark.parametrize("card,error", [
+    ({"id": "m", "kvdrain": {"vocab_size": [1]}}, "data[0].kvdrain.vocab_size: expected a positive "
+                                                  "integer, got list"),
+    ({"id": "m", "kvdrain": {"vocab_size": 0}}, "data[0].kvdrain.vocab_size: expected a positive "
+                                                "integer, got 0"),
+    ({"id": "m", "max_model_len": "4096"}, "data[0].max_model_len: expected a positive integer, got str"),
+    ({"id": "m", "max_model_len": True}, "data[0].max_model_len: expected a positive integer, got bool"),
+    ({"id": "m", "owned_by": {"x": 1}}, "data[0].owned_by: expected a str, got dict"),
+    ({"id": "m", "kvdrain": [1]}, "data[0].kvdrain: expected a dict, got list"),
+    ({"id": 7}, "data[0].id: expected a str, got int"),
+])
+def test_a_models_field_of_the_wrong_type_is_a_usage_error_naming_it(tmp_path: Path, card: dict,
+                                                                      error: str):
+    with serving_in_thread(models_app(card)) as url:
+        result = invoke_replay(url, tmp_path)
+    assert result.exit_code == 2, result.output
+    assert error in result.output and "Traceback" not in result.output
 
 
 def replay_against(app: web.Application, trace, **options) -> Timeline:
