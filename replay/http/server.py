@@ -176,9 +176,9 @@ class HttpFront:
             response = _error_response(ApiError(e.status, e.text or e.reason, None))
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away; its request was aborted
-        except Exception as e:  # a bug: say so, keep serving
+        except Exception as e:  # a bug: say so here (not to the client), keep serving
             print(f"kvdrain serve --http: {request.path}: {e!r}", file=sys.stderr, flush=True)
-            response = _error_response(ApiError(500, f"internal error: {e!r}"))
+            response = _error_response(ApiError(500, f"internal error ({type(e).__name__})"))
         response.headers["Server"] = SERVER_HEADER
         return response
 
@@ -187,7 +187,9 @@ class HttpFront:
         key = self.options.api_key
         if key is not None and request.path.startswith(GUARDED_PREFIX):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            # aiohttp keeps a header's bytes that are not UTF-8 as surrogates: compare bytes
+            given = token.encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -209,10 +211,12 @@ class HttpFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
-        params = protocol.parse_completion(body, self.model)
+            raw = await request.read()
+        except web.HTTPException:
+            raise  # 413: too large
+        except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
+            raise ApiError(400, f"the request body cannot be read: {e}") from None
+        params = protocol.parse_completion(protocol.decode_body(raw), self.model)
         client_id = request.headers.get("X-Request-Id") or params.request_id
         internal_id = self._submit(client_id, params)
         try:
