@@ -36,7 +36,7 @@ from replay.http.tokenizer import WordTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
-               413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
+               408: "RequestTimeout", 413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Accepted and ignored: cannot change what a greedy engine answers.
 _IGNORED = frozenset((

@@ -104,3 +104,108 @@ def test_a_huge_text_prompt_is_refused_before_it_is_tokenised(monkeypatch):
             assert "maximum context length is 512 tokens" in answer["error"]["message"]
             assert time.monotonic() - started < 1.5
     assert max(seen, default=0) <= MODEL.max_model_len
+
+
+FRONT_AT_AN_FD_LIMIT = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
+from replay.http.server import HttpOptions
+from tests.http_utils import running_front
+from tests.replay.http.test_http_front_hostile_clients import MODEL
+from tests.replay.http.test_http_front_fidelity import FakeRouter, answers
+with running_front(FakeRouter(answers), MODEL, HttpOptions(header_timeout_s={header_timeout})) as front:
+    print(front.port, flush=True)
+    sys.stdin.read()
+"""
+
+
+def _half_open(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    return sock
+
+
+def _health(port: int, timeout_s: float) -> int | None:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return int(sock.recv(64).split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_half_open_connections_at_the_fd_limit_keep_health_reachable_and_stderr_quiet():
+    """600 connections that never finish their headers, against a front limited to 512 file
+    descriptors: the oldest half-open ones make room, /health still answers at once, and
+    stderr stays quiet (no traceback per refused accept)."""
+    import subprocess
+    import sys
+
+    code = FRONT_AT_AN_FD_LIMIT.format(limit=512, header_timeout=30)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sockets = []
+    try:
+        port = int(child.stdout.readline())
+        for _ in range(600):
+            try:
+                sockets.append(_half_open(port))
+            except OSError:
+                pass
+        statuses = [_health(port, 2.0) for _ in range(3)]
+        assert statuses == [200, 200, 200]
+    finally:
+        for sock in sockets:
+            sock.close()
+        try:
+            _, stderr = child.communicate(timeout=20)
+        finally:
+            child.kill()
+    assert len(stderr) < 2000, stderr[-2000:].decode(errors="replace")
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header_timeout():
+    with running_front(FakeRouter(answers), MODEL, HttpOptions(header_timeout_s=0.5)) as front:
+        sock = _half_open(front.port)
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1024) == b""  # closed by the front
+        assert 0.3 < time.monotonic() - started < 5
+        sock.close()
+
+
+def test_a_body_that_never_arrives_is_a_408_after_the_body_timeout():
+    with running_front(FakeRouter(answers), MODEL, HttpOptions(body_timeout_s=0.5)) as front:
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                         b"Content-Type: application/json\r\n\r\n" + b'{"prompt": [1')
+            raw = sock.recv(65536)
+        status_line, _, rest = raw.partition(b"\r\n")
+        assert int(status_line.split()[1]) == 408
+        assert_vllm_error(408, json.loads(rest.partition(b"\r\n\r\n")[2]), 408)
+
+
+def test_beyond_the_connection_cap_busy_connections_are_kept_and_a_newcomer_gets_a_503():
+    """Two streams in flight fill a cap of 2: a third connection is refused with vLLM's error
+    body, and the two streams go on."""
+    router = FakeRouter(answers)
+    with running_front(router, MODEL, HttpOptions(max_connections=2)) as front:
+        url = f"http://127.0.0.1:{front.port}"
+
+        async def go() -> list[int]:
+            async with aiohttp.ClientSession() as session:
+                hung = [asyncio.create_task(session.post(url + "/v1/completions",
+                                                         json={"prompt": [0, 1], "stream": True}))
+                        for _ in range(2)]
+                deadline = time.monotonic() + 10
+                while len(front.open) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                status, body = await asyncio.to_thread(post, front.port, b'{"prompt": [5, 1]}')
+                assert_vllm_error(status, body, 503)
+                assert len(front.open) == 2
+                for task in hung:
+                    task.cancel()
+                await asyncio.gather(*hung, return_exceptions=True)
+                return [status]
+        assert run(go()) == [503]
