@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import aiohttp
+from yarl import URL
 
+from replay.http.outcome import printable
+from replay.http.protocol import DuplicateKeyError, loads_strict
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
@@ -88,6 +90,20 @@ class ServerIdentity:
                 "vocab_size": self.vocab_size, "models": self.models, "kvdrain": self.kvdrain}
 
 
+def same_origin_only(urls: Iterable[str]):
+    """A client middleware that refuses every request (redirects included) to an origin
+    (scheme, host, port) none of `urls` has: a redirect to another host is an error, never
+    followed silently (aiohttp would follow it, dropping the API key)."""
+    allowed = {URL(u).origin() for u in urls}
+
+    async def middleware(request: aiohttp.ClientRequest, handler):
+        if request.url.origin() not in allowed:
+            raise aiohttp.ClientError(f"a redirect to another host ({request.url.origin()}) "
+                                      f"was not followed")
+        return await handler(request)
+    return middleware
+
+
 def api_root(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
@@ -105,9 +121,11 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
             server = response.headers.get("Server")
             if response.status == 200:
-                body = await response.json(content_type=None)
+                body = loads_strict(await response.read())
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+    except DuplicateKeyError as e:
+        raise ConnectionError(f"{url}: {e}") from None
     except ValueError:  # not JSON: as if there were no list
         pass
     cards = body.get("data") if isinstance(body, dict) else None
@@ -149,9 +167,10 @@ def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str
 
 
 def _error_message(body: object) -> str:
+    """The server's error message, printable (it reaches the terminal)."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message"))
-    return str(body)[:200]
+        return printable(body["error"].get("message"))
+    return printable(body)
 
 
 @dataclass(slots=True)
@@ -212,7 +231,9 @@ class HttpReplay:
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+        origins = [self.options.base_url, *(m.url for m in self.options.metrics)]
+        async with aiohttp.ClientSession(headers=headers, connector=connector,
+                                         middlewares=(same_origin_only(origins),)) as session:
             self.identity = await probe(session, self.options)
             check_vocab(self.options.max_token_id, self.identity)
             for scraper in self.scrapers:  # picks the metric and names the engines
@@ -324,7 +345,7 @@ class HttpReplay:
             else:
                 stream.error = f"gave up after {self.options.request_timeout_s:g} s without an end"
         except Exception as e:  # a lost connection, a malformed answer: this request's error
-            stream.error = f"{type(e).__name__}: {e}"
+            stream.error = printable(f"{type(e).__name__}: {e}")
         finally:
             self._close(record, stream, req.max_tokens)
 
@@ -336,7 +357,7 @@ class HttpReplay:
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
-            chunk = json.loads(data)
+            chunk = loads_strict(data)
             if not isinstance(chunk, dict):
                 raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
             if "error" in chunk:
@@ -426,7 +447,7 @@ def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
 
 def _json_or_text(body: bytes) -> object:
     try:
-        return json.loads(body)
+        return loads_strict(body)
     except ValueError:
         return body.decode("utf-8", "replace")
 

@@ -210,23 +210,34 @@ def _check_length(num_tokens: int, model: ServedModel, at_least: bool = False) -
                         f"Please reduce the length of the input prompt.", "input_tokens")
 
 
-def decode_body(raw: bytes) -> object:
-    """A request body's JSON; ApiError 400 if it is not UTF-8 JSON, nests too deep, or
-    repeats a key in an object (which value was meant cannot be known)."""
+def loads_strict(raw: bytes | str) -> object:
+    """JSON that repeats no key in an object (which value was meant cannot be known); a
+    ValueError otherwise, and for JSON nested deeper than Python's recursion limit."""
     try:
         return json.loads(raw, object_pairs_hook=_unique_keys)
     except RecursionError:
-        raise ApiError(400, "malformed JSON body: nested too deeply") from None
+        raise ValueError("nested too deeply") from None
+
+
+def decode_body(raw: bytes) -> object:
+    """A request body's JSON (loads_strict); ApiError 400 if it is not UTF-8 JSON."""
+    try:
+        return loads_strict(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+        raise ApiError(400, f"malformed JSON body: {e}", getattr(e, "key", None)) from None
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ApiError(400, f"malformed JSON body: duplicate key {key!r}", key)
+        raise DuplicateKeyError(next(k for k, _ in pairs if k in seen or seen.add(k)))
     return out
 
 

@@ -233,3 +233,129 @@ def test_an_endless_stream_holds_no_more_than_its_max_tokens_allow():
     assert record.error == "ValueError: stream: more outputs than max_tokens (8)"
     assert time.monotonic() - started < 4.0  # not given up on after request_timeout_s
     assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB held"
+
+
+class HugeMetrics(LeakyPD):
+    """LeakyPD whose /metrics also carries 3 MB of other series, 300 KB of them vllm:'s."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.0, busy_s=0.05)
+        ours = "".join(f'vllm:junk_total{{a="{i}"}} {i}\n' for i in range(12_000))
+        others = "".join(f'other_junk_total{{a="{i}"}} {i}\n' for i in range(100_000))
+        self.junk = ours + others
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        response = await super().metrics(request)
+        return web.Response(text=response.text + self.junk)
+
+
+def test_a_huge_metrics_answer_delays_no_send_and_its_cost_is_the_clients():
+    """Parsing a big /metrics on the event loop once held every send back for seconds (and
+    the verdict blamed the engines): only vllm:, sglang: and kvdrain: lines are parsed, off
+    the loop, and the scrape's costs are in its status."""
+    trace = [TraceRequest(0.5 * i, f"r{i}", 1, 2) for i in range(4)]
+    timeline = replay_against(HugeMetrics().app(), trace, tail_s=0.5, scrape_interval_s=0.1)
+    late = [r.send_lateness_s for r in timeline.requests]
+    assert max(late) < 0.5, late
+    status = timeline.meta["http"]["metrics"][0]
+    assert status["num_failures"] == 0 and status["max_parse_s"] > 0
+    assert status["max_answer_s"] > 0
+
+
+EVIL = "\x1b[2J\x1b]0;owned\x07[bold red]X[/]\u202e"
+
+
+class Hostile(LeakyPD):
+    """LeakyPD that writes markup and escape codes wherever it can, and `metrics_text` on
+    /metrics when given."""
+
+    def __init__(self, metrics_text: str | None = None) -> None:
+        super().__init__(delay_s=0.0, busy_s=0.05)
+        self.metrics_text = metrics_text
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "m" + EVIL, "owned_by": EVIL, "max_model_len": 4096}]},
+            headers={"Server": "[blink]srv[/blink]"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is not None:
+            return web.Response(text=self.metrics_text)
+        used = 8 if self.has_run else 0
+        return web.Response(text=f'kvdrain:kv_blocks_used{{engine="P{EVIL}"}} {used}\n'
+                                 f'kvdrain:kv_blocks_free{{engine="P{EVIL}"}} {100 - used}\n')
+
+    async def completions(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.has_run = True
+        return web.json_response({"error": {"message": "no" + EVIL, "type": "x", "code": 400}},
+                                 status=400)
+
+
+def test_markup_and_escape_codes_from_a_server_never_reach_the_terminal(tmp_path: Path):
+    with serving_in_thread(Hostile().app()) as url:
+        result = invoke_replay(url, tmp_path, "--metrics", url + "/metrics")
+    assert result.exit_code in (1, 3), result.output
+    for bad in ("\x1b", "\x07", "\u202e"):
+        assert bad not in result.output, result.output
+    assert "[bold red]X[/]" in result.output  # printed as text, not taken as markup
+    assert "[blink]srv[/blink]" in result.output
+
+
+def test_a_negative_usage_gauge_is_a_failed_scrape_never_a_count(tmp_path: Path):
+    negative = 'kvdrain:kv_blocks_used{engine="P"} -256\nkvdrain:kv_blocks_free{engine="P"} 356\n'
+    timeline = replay_against(Hostile(negative).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)
+    assert not timeline.samples
+    status = timeline.meta["http"]["metrics"][0]
+    assert status["num_failures"] == status["num_scrapes"]
+    assert status["errors"][0] == "ValueError: kvdrain:kv_blocks_used: negative: -256"
+    over = 'vllm:kv_cache_usage_perc{engine="0"} 1.5\n'
+    status = replay_against(Hostile(over).app(), [TraceRequest(0.0, "a", 1, 2)],
+                            tail_s=0.2).meta["http"]["metrics"][0]
+    assert status["errors"][0] == "ValueError: vllm:kv_cache_usage_perc: a fraction above 1: 1.5"
+
+
+def test_duplicate_keys_from_a_server_are_an_error_not_the_last_value():
+    class Duplicates(LeakyPD):
+        async def completions(self, request: web.Request) -> web.StreamResponse:
+            await request.read()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"index": 0, "text": "w5", "token_ids": [5], '
+                                 b'"finish_reason": "length"}], "usage": {"completion_tokens": 1, '
+                                 b'"completion_tokens": 900}}\n\ndata: [DONE]\n\n')
+            await response.write_eof()
+            return response
+    timeline = replay_against(Duplicates(0.0, 0.0).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)
+    assert timeline.request("a").error == "DuplicateKeyError: duplicate key 'completion_tokens'"
+
+
+def test_a_redirect_to_another_host_is_refused_and_one_on_the_same_host_followed(tmp_path: Path):
+    hits = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        hits.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+    other = web.Application()
+    other.router.add_get("/{tail:.*}", elsewhere)
+    with serving_in_thread(other) as other_url:
+        async def moved(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(other_url + "/v1/models")
+        app = web.Application()
+        app.router.add_get("/v1/models", moved)
+        with serving_in_thread(app) as url:
+            result = invoke_replay(url, tmp_path, "--api-key", "sekrit")
+    assert result.exit_code == 2, result.output
+    assert f"a redirect to another host ({other_url}) was not followed" in result.output
+    assert hits == []
+
+    server = LeakyPD(0.0, 0.05)
+    app = server.app()
+
+    async def slash(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect("/metrics/")
+    app.router.add_get("/metrics/", server.metrics)
+    app.router._resources = [r for r in app.router._resources if r.canonical != "/metrics"]
+    app.router.add_get("/metrics", slash)  # as vLLM's mounted /metrics answers
+    timeline = replay_against(app, [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)
+    assert timeline.meta["http"]["metrics"][0]["num_failures"] == 0 and timeline.samples
