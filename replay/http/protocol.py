@@ -138,6 +138,21 @@ def parse_completion(body: object, model: ServedModel) -> CompletionParams:
                             stream, include_usage, return_token_ids, params)
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id (X-Request-Id or the body's): valid Unicode, not too long."""
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request id: not valid UTF-8", "request_id") from None
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"request id: longer than {MAX_REQUEST_ID_CHARS} characters",
+                       "request_id")
+    return request_id
+
+
 def _include_usage(body: dict, stream: bool) -> bool:
     options = _expect(body, "stream_options", (dict,), None)
     if not options:  # vLLM: `if data.get("stream_options") and not data.get("stream")`

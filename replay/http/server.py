@@ -233,7 +233,7 @@ class HttpFront:
         except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
             raise ApiError(400, f"the request body cannot be read: {e}") from None
         params = protocol.parse_completion(protocol.decode_body(raw), self.model)
-        client_id = request.headers.get("X-Request-Id") or params.request_id
+        client_id = protocol.check_request_id(request.headers.get("X-Request-Id") or params.request_id)
         internal_id = self._submit(client_id, params)
         try:
             if params.stream:

@@ -55,6 +55,8 @@ BAD_BODIES = {
     "JSON nested 100,000 deep": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "duplicate keys": b'{"prompt": [1, 2], "max_tokens": 2, "max_tokens": 400}',
     "not UTF-8": b'{"prompt": "\xff\xfe"}',
+    "a lone surrogate in the request id": b'{"prompt": [1, 2], "request_id": "a\\udc80"}',
+    "a request id of 100,000 characters": b'{"prompt": [1, 2], "request_id": "%s"}' % (b"a" * 100_000),
 }
 
 
@@ -65,6 +67,12 @@ def test_a_bad_body_is_a_400_with_vllms_error_body(name: str):
         assert_vllm_error(status, body, 400)
         status, _ = post(front.port, b'{"prompt": [5, 1], "max_tokens": 2}')
         assert status == 200  # and the front keeps serving
+
+
+def test_a_non_utf8_request_id_header_is_a_400():
+    with running_front(FakeRouter(answers), MODEL) as front:
+        status, body = post(front.port, b'{"prompt": [5, 1]}', b"X-Request-Id: \xff\xfe")
+        assert_vllm_error(status, body, 400)
 
 
 def test_a_bogus_content_encoding_is_a_400():
@@ -209,3 +217,19 @@ def test_beyond_the_connection_cap_busy_connections_are_kept_and_a_newcomer_gets
                 await asyncio.gather(*hung, return_exceptions=True)
                 return [status]
         assert run(go()) == [503]
+
+
+def test_a_gzip_bomb_is_a_413_at_once():
+    """200 MB of zeros in a 200 KB gzip body: refused when the decompressed body passes
+    max_body_bytes, not after inflating all of it."""
+    import zlib
+
+    packer = zlib.compressobj(1, zlib.DEFLATED, 31)
+    zeros = bytes(1 << 20)
+    bomb = b"".join(packer.compress(zeros) for _ in range(200)) + packer.flush()
+    assert len(bomb) < 1 << 20
+    with running_front(FakeRouter(answers), MODEL) as front:
+        started = time.monotonic()
+        status, body = post(front.port, bomb, b"Content-Encoding: gzip")
+        assert_vllm_error(status, body, 413)
+        assert time.monotonic() - started < 5
