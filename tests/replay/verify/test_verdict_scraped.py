@@ -185,3 +185,27 @@ def test_token_ids_beyond_the_servers_vocabulary_exit_2_before_t0(tmp_path: Path
     assert result.exit_code == EXIT_USAGE, result.output
     assert "prompt token id 128,000 is outside the server's vocabulary" in result.output
     assert "Traceback" not in result.output and "posts" not in box
+
+
+def test_a_scraped_drained_window_never_under_reports_its_time_to_drain():
+    """Any readings (each taken somewhere in [send_t, t]): a window judged drained has a
+    time to drain within the deadline, no reading surely taken between the deadline and
+    its end saw blocks, and some reading sent after the deadline was answered before it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    reading = st.tuples(st.floats(0, 12), st.floats(0, 3), st.sampled_from([0, 0, 5]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(reading, max_size=12))
+    def check(readings):
+        samples = sorted((sample(t, used, max(t - lag, 0.0)) for t, lag, used in readings),
+                         key=lambda s: s.t)
+        for w in verify(timeline(samples, scraped=True), [], VerifyOptions(drain_deadline_s=0.5)).windows:
+            if w.verdict != "drained":
+                continue
+            deadline_t = w.start + 0.5
+            assert w.time_to_drain is not None and w.time_to_drain <= 0.5
+            evidence = [s for s in samples if s.send_t > deadline_t and s.t < w.end]
+            assert evidence and not any(s.num_used_blocks for s in evidence)
+    check()
