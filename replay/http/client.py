@@ -9,6 +9,8 @@
   (the final usage chunk, else what streamed), errors (HTTP status and message, a
   malformed stream, a request given up after request_timeout_s); every record is
   closed, whatever happened to its task (an abort before it was even sent included);
+  a stream is kept as counts and running digests, never its text, and more outputs or
+  tokens than max_tokens is that request's error (memory is bounded by the trace);
 - a request the server finished with "length" and no token although max_tokens >= 1
   was ignored by it (vLLM's FINISHED_IGNORED: a prompt that can never fit); its error
   is the cause kvdrain's front sends (the choice's `kvdrain_ignored_reason`), else
@@ -197,6 +199,8 @@ class _Stream:
         for token in token_ids:
             self.tokens_digest.update(f"{',' if self.num_tokens else ''}{token}".encode())
             self.num_tokens += 1
+        if self.max_outputs and self.num_tokens > self.max_outputs:
+            raise ValueError(f"stream: more tokens than max_tokens ({self.max_outputs})")
         if text:
             if self.text_digest is None:
                 self.text_digest = hashlib.sha256()

@@ -345,7 +345,8 @@ def _error_response(error: ApiError) -> web.Response:
 
 
 class _GuardedSite(web.TCPSite):
-    """aiohttp's TCP site with every connection admitted by a ConnectionGuard first."""
+    """aiohttp's TCP site with every connection admitted by a ConnectionGuard first
+    (TCPSite.start as aiohttp 3.12-3.14 writes it, with the guard's protocol factory)."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, guard: ConnectionGuard) -> None:
         super().__init__(runner, host, port)

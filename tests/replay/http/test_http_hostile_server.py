@@ -359,3 +359,17 @@ def test_a_redirect_to_another_host_is_refused_and_one_on_the_same_host_followed
     app.router.add_get("/metrics", slash)  # as vLLM's mounted /metrics answers
     timeline = replay_against(app, [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)
     assert timeline.meta["http"]["metrics"][0]["num_failures"] == 0 and timeline.samples
+
+
+def test_more_tokens_than_max_tokens_in_one_chunk_is_that_requests_error():
+    class Overflowing(LeakyPD):
+        async def completions(self, request: web.Request) -> web.StreamResponse:
+            await request.read()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(_chunk([{"index": 0, "text": "", "token_ids": list(range(5000)),
+                                          "finish_reason": "length"}]) + b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+    timeline = replay_against(Overflowing(0.0, 0.0).app(), [TraceRequest(0.0, "a", 2, 2)], tail_s=0.2)
+    assert timeline.request("a").error == "ValueError: stream: more tokens than max_tokens (2)"
