@@ -43,8 +43,7 @@ from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
-from replay.verify.timeline import (SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline,
-                                    output_digest)
+from replay.verify.timeline import SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline
 
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 DEFAULT_VOCAB_SIZE = 32000  # token ids below this are valid for Llama-2/Mistral and larger
