@@ -1,19 +1,22 @@
-"""The HTTP front's connection guard: a cap on open connections, and a quiet event loop. Runs in: frontend process.
+"""The HTTP front's connection guard: a cap on open connections, a quiet event loop and server log. Runs in: frontend process.
 
-A peer that opens connections and never finishes a request (slowloris) must not keep
-others out, nor run the process out of file descriptors (then every accept fails and
-asyncio logs a traceback for each). So every connection is tracked, oldest first, with
-whether it is handling a request; at the cap a newcomer evicts the oldest connection
-that is not (a half-open or idle keep-alive one), or, when every one is busy, is
-answered 503 with vLLM's error body and closed. The cap defaults to what the process's
-file-descriptor limit leaves after the engines' own (connection_cap). The request head's
-timeout is aiohttp's keep-alive timeout (server.py), which also covers a connection
-that never sends a whole head; the body's is server.py's.
+Nothing a peer does prints a traceback: loop errors and aiohttp's own (a malformed
+request) are one line per kind per 10 s. A peer that opens connections and never
+finishes a request (slowloris) must not keep others out, nor run the process out of
+file descriptors (then every accept fails and asyncio logs a traceback for each). So
+every connection is tracked, oldest first, with whether it is handling a request; at
+the cap a newcomer evicts the oldest connection that is not (a half-open or idle
+keep-alive one), or, when every one is busy, is answered 503 with vLLM's error body
+and closed. The cap defaults to what the process's file-descriptor limit leaves after
+the engines' own (connection_cap). The request head's timeout is aiohttp's keep-alive
+timeout (server.py), which also covers a connection that never sends a whole head;
+the body's is server.py's.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from http import HTTPStatus
 import resource
 import sys
@@ -118,21 +121,54 @@ class _Tracked(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
 
-class QuietLoopErrors:
-    """An event-loop exception handler that prints one line per kind of error per
-    QUIET_PERIOD_S (with how many it held back), never a traceback per failed accept."""
+class _QuietHandler(logging.Handler):
+    """One line per kind of record per QUIET_PERIOD_S on stderr, never a traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = _Quiet()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        detail = str(error).splitlines()[0] if error is not None and str(error) else ""
+        self.quiet.say(f"{record.getMessage()}: {type(error).__name__ if error else ''}", detail)
+
+
+def quiet_logger() -> logging.Logger:
+    """The logger aiohttp's server gets: a malformed request from a client is one line
+    per kind per period (aiohttp logs each with its traceback)."""
+    logger = logging.getLogger("kvdrain.http.server")
+    if not logger.handlers:
+        logger.addHandler(_QuietHandler())
+        logger.propagate = False
+    return logger
+
+
+class _Quiet:
+    """Prints one line per kind per QUIET_PERIOD_S, with how many it held back."""
 
     def __init__(self) -> None:
         self.last: dict[str, tuple[float, int]] = {}  # kind -> (printed at, held back since)
 
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        error = context.get("exception")
-        kind = f"{context.get('message', 'error')}: {type(error).__name__ if error else ''}"
+    def say(self, kind: str, detail: str) -> None:
         now = time.monotonic()
         printed_at, held = self.last.get(kind, (-QUIET_PERIOD_S, 0))
         if now - printed_at < QUIET_PERIOD_S:
             self.last[kind] = (printed_at, held + 1)
             return
         more = f" ({held} more like it held back)" if held else ""
-        print(f"kvdrain serve --http: {kind} {error or ''}{more}", file=sys.stderr, flush=True)
+        print(f"kvdrain serve --http: {kind} {detail}{more}", file=sys.stderr, flush=True)
         self.last[kind] = (now, 0)
+
+
+class QuietLoopErrors:
+    """An event-loop exception handler that prints one line per kind of error per
+    QUIET_PERIOD_S (with how many it held back), never a traceback per failed accept."""
+
+    def __init__(self) -> None:
+        self.quiet = _Quiet()
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        error = context.get("exception")
+        kind = f"{context.get('message', 'error')}: {type(error).__name__ if error else ''}"
+        self.quiet.say(kind, str(error or ""))

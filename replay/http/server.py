@@ -33,7 +33,8 @@ from prometheus_client.registry import CollectorRegistry
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
 from replay.http import protocol
-from replay.http.connections import BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap
+from replay.http.connections import (BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap,
+                                     quiet_logger)
 from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel
 from replay.http.tokenizer import WordTokenizer
@@ -113,7 +114,8 @@ class HttpFront:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(QuietLoopErrors())
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     keepalive_timeout=self.options.header_timeout_s)
+                                     keepalive_timeout=self.options.header_timeout_s,
+                                     logger=quiet_logger())
         await self._runner.setup()
         site = _GuardedSite(self._runner, self.options.host, self.options.port, self.guard)
         await site.start()

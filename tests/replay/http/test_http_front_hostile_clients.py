@@ -233,3 +233,27 @@ def test_a_gzip_bomb_is_a_413_at_once():
         status, body = post(front.port, bomb, b"Content-Encoding: gzip")
         assert_vllm_error(status, body, 413)
         assert time.monotonic() - started < 5
+
+
+def test_malformed_requests_print_one_line_each_kind_not_a_traceback_each():
+    """In a process of its own, as a serve runs (no logging set up: aiohttp's records
+    reach stderr through logging's last resort, tracebacks and all)."""
+    import subprocess
+    import sys
+
+    junk = [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"]
+    code = FRONT_AT_AN_FD_LIMIT.format(limit=4096, header_timeout=30)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        port = int(child.stdout.readline())
+        for request in junk * 20:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(request)
+                assert b" 400 " in sock.recv(64)
+        assert _health(port, 5.0) == 200
+        _, err = child.communicate(timeout=20)
+    finally:
+        child.kill()
+    assert b"Traceback" not in err and len(err.splitlines()) <= 2, err[-3000:]
