@@ -376,7 +376,8 @@ def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_forma
 @click.option("--api-key", default=None, help="With --http: require 'Authorization: Bearer KEY' on /v1.")
 @auth_options
 @click.option("--insecure", is_flag=True,
-              help="Serve beyond loopback without --curve-keys (anyone who reaches it may submit work).")
+              help="Serve beyond loopback without --curve-keys (zmq) or --api-key (--http): "
+                   "anyone who reaches it may submit work.")
 def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: str | None,
               api_key: str | None, **options) -> None:
     """Start the engines and accept requests from clients until Ctrl-C.
@@ -393,11 +394,13 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
     if http_address is not None:
         from replay.http.shared_serve import HttpServe, parse_http_address
         from replay.http.server import HttpOptions
+        from replay.live.auth import AuthError
         try:
             host, port = parse_http_address(http_address)
-        except ValueError as e:
+            http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{options['model']}",
+                             options["insecure"])
+        except (ValueError, AuthError) as e:
             raise click.UsageError(str(e)) from None
-        http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{options['model']}")
     elif api_key is not None:
         raise click.UsageError("--api-key: only with --http")
     auth = _auth(options, options.pop("insecure"))

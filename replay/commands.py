@@ -136,7 +136,7 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
         report["http"] = http
         from replay.http.outcome import outcome_lines
         for line in outcome_lines(http):
-            console.print(line, highlight=False, soft_wrap=True)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
     print_summary(console, report, paths.explain)

@@ -4,6 +4,7 @@
 - tokenizer: the front's deterministic text tokenizer;
 - tokenize: vLLM's /tokenize as the front answers it;
 - server: the HTTP front (completions, models, health, metrics);
+- connections: the front's connection cap and header/body timeouts;
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;

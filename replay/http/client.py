@@ -9,6 +9,8 @@
   (the final usage chunk, else what streamed), errors (HTTP status and message, a
   malformed stream, a request given up after request_timeout_s); every record is
   closed, whatever happened to its task (an abort before it was even sent included);
+  a stream is kept as counts and running digests, never its text, and more outputs or
+  tokens than max_tokens is that request's error (memory is bounded by the trace);
 - a request the server finished with "length" and no token although max_tokens >= 1
   was ignored by it (vLLM's FINISHED_IGNORED: a prompt that can never fit); its error
   is the cause kvdrain's front sends (the choice's `kvdrain_ignored_reason`), else
@@ -39,13 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import aiohttp
+from yarl import URL
 
+from replay.http.outcome import printable
+from replay.http.protocol import DuplicateKeyError, loads_strict
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
                                       probe_vocab_size, read_facts, root_of)
@@ -53,8 +57,7 @@ from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
-from replay.verify.timeline import (SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline,
-                                    output_digest)
+from replay.verify.timeline import SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline
 
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
@@ -121,6 +124,20 @@ class ServerIdentity:
         return self.server_header or "unknown server"
 
 
+def same_origin_only(allowed: set[URL]):
+    """A client middleware that refuses every request (redirects included) to an origin
+    (scheme, host, port) not in `allowed` (URL(u).origin() of the URLs kvdrain was given or
+    found; the caller may add to it): a redirect to another host is an error, never
+    followed silently (aiohttp would follow it, dropping the API key)."""
+
+    async def middleware(request: aiohttp.ClientRequest, handler):
+        if request.url.origin() not in allowed:
+            raise aiohttp.ClientError(f"a redirect to another host ({request.url.origin()}) "
+                                      f"was not followed")
+        return await handler(request)
+    return middleware
+
+
 def api_root(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
@@ -138,9 +155,11 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
             server = response.headers.get("Server")
             if response.status == 200:
-                body = await response.json(content_type=None)
+                body = loads_strict(await response.read())
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+    except DuplicateKeyError as e:
+        raise ConnectionError(f"{url}: {e}") from None
     except ValueError:  # not JSON: as if there were no list
         pass
     cards = body.get("data") if isinstance(body, dict) else None
@@ -153,15 +172,18 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
 
 
 def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]) -> ServerIdentity:
-    names = [str(c.get("id")) for c in cards]
+    names = [_card_field(url, c, "id", str, i, required=True) for i, c in enumerate(cards)]
     model = options.model or names[0]
     if model not in names:
         raise ConnectionError(f"{url}: --model {model!r} is not served here; it lists {names}")
-    card = cards[names.index(model)]
-    extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
-    vocab, source = _vocabulary(options, (extra or {}).get("vocab_size"))
-    return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
-                          card.get("max_model_len"), vocab, names, extra, vocab_source=source)
+    i = names.index(model)
+    card = cards[i]
+    extra = _card_field(url, card, "kvdrain", dict, i)
+    said = _card_field(url, extra, "vocab_size", int, i, "kvdrain.") if extra else None
+    vocab, source = _vocabulary(options, said)
+    return ServerIdentity(options.base_url, model, server, _card_field(url, card, "owned_by", str, i),
+                          _card_field(url, card, "max_model_len", int, i), vocab, names, extra,
+                          vocab_source=source)
 
 
 def _given(options: HttpTargetOptions) -> str | None:
@@ -190,24 +212,64 @@ async def learn_vocabulary(session: aiohttp.ClientSession, identity: ServerIdent
     identity.vocab_size, identity.vocab_source = size, "/tokenize"
 
 
+def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str = "",
+                required: bool = False) -> object:
+    """card[name] if absent (None) or of `kind` (a positive int for int; no bool); a
+    ConnectionError naming the field otherwise: the CLI's exit 2, before anything is sent."""
+    value = card.get(name)
+    if value is None and not required:
+        return None
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (kind is not int or value > 0)
+    if not ok:
+        want = "a positive integer" if kind is int else f"a {kind.__name__}"
+        got = value if kind is int and type(value) is int else type(value).__name__
+        raise ConnectionError(f"{url}: data[{i}].{prefix}{name}: expected {want}, got {got}")
+    return value
+
+
 def _error_message(body: object) -> str:
+    """The server's error message, printable (it reaches the terminal)."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message"))
-    return str(body)[:200]
+        return printable(body["error"].get("message"))
+    return printable(body)
 
 
 @dataclass(slots=True)
 class _Stream:
-    """What one streamed response said."""
+    """What one streamed response said, kept as counts and running digests (nothing grows
+    with what the server sends: a stream of more outputs than max_tokens is an error)."""
 
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+    max_outputs: int = 0  # content chunks allowed (each carries at least one token); 0: any
+    num_tokens: int = 0
+    tokens_digest: hashlib._Hash = field(default_factory=hashlib.sha256)  # output_digest's
+    text_digest: hashlib._Hash | None = None  # of the text, when a chunk had text and no ids
     chunk_times: list[float] = field(default_factory=list)  # replay seconds of each content chunk
     finish_reason: str | None = None
     usage_completion_tokens: int | None = None
     num_cached_tokens: int | None = None  # None: the usage did not say
     error: str | None = None
     ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
+
+    def add(self, now: float, token_ids: list[int], text: str) -> None:
+        """One content chunk; a ValueError beyond max_outputs of them."""
+        if self.max_outputs and len(self.chunk_times) >= self.max_outputs:
+            raise ValueError(f"stream: more outputs than max_tokens ({self.max_outputs})")
+        self.chunk_times.append(now)
+        for token in token_ids:
+            self.tokens_digest.update(f"{',' if self.num_tokens else ''}{token}".encode())
+            self.num_tokens += 1
+        if self.max_outputs and self.num_tokens > self.max_outputs:
+            raise ValueError(f"stream: more tokens than max_tokens ({self.max_outputs})")
+        if text:
+            if self.text_digest is None:
+                self.text_digest = hashlib.sha256()
+            self.text_digest.update(text.encode("utf-8", "surrogatepass"))
+
+    def digest(self) -> str:
+        """output_digest of the token ids; of the text when the server sent none."""
+        if self.num_tokens or self.text_digest is None:
+            return self.tokens_digest.hexdigest()[:16]
+        return self.text_digest.hexdigest()[:16]
 
 
 class HttpReplay:
@@ -236,21 +298,26 @@ class HttpReplay:
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+        origins = {URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))}
+        async with aiohttp.ClientSession(headers=headers, connector=connector,
+                                         middlewares=(same_origin_only(origins),)) as session:
             self.identity = await probe(session, self.options)
             await learn_vocabulary(session, self.identity)
             check_vocab(self.options.max_token_id, self.identity)
             self.identity.version = await fetch_version(session, api_root(self.options.base_url))
             if not self.scrapers:
                 found = await discover_metrics(session, api_root(self.options.base_url))
+                origins.update(URL(m.url).origin() for m in found)  # named by the proxy itself
                 self.scrapers = [Scraper(m, 0.0) for m in found]
                 self.metrics_from = "the proxy's /health" if found else None
-            self.origin = time.monotonic() + LEAD_IN_S
-            for scraper in self.scrapers:
-                scraper.origin = self.origin
-                await scraper.scrape(session)  # picks the metric and names the engines
+            for scraper in self.scrapers:  # picks the metric and names the engines
+                scraper.origin = time.monotonic()
+                await scraper.scrape(session)
             self.facts_before = await self._read_facts(session)
             await self._read_versions(session)
+            self.origin = time.monotonic() + LEAD_IN_S  # a slow probe or first scrape delays no send
+            for scraper in self.scrapers:
+                scraper.rebase(self.origin)
             scraping = asyncio.create_task(self._scrape_loop(session))
             try:
                 await self._send_all(session, records)
@@ -353,7 +420,7 @@ class HttpReplay:
     async def _request(self, session: aiohttp.ClientSession, req: TraceRequest,
                        prompt: list[int], record: RequestRecord) -> None:
         url = api_root(self.options.base_url) + "/v1/completions"
-        stream = _Stream()
+        stream = _Stream(max_outputs=req.max_tokens)
         record.send_t = self.now()
         record.send_lateness_s = record.send_t - req.t
         try:
@@ -369,7 +436,7 @@ class HttpReplay:
             else:
                 stream.error = f"gave up after {self.options.request_timeout_s:g} s without an end"
         except Exception as e:  # a lost connection, a malformed answer: this request's error
-            stream.error = f"{type(e).__name__}: {e}"
+            stream.error = printable(f"{type(e).__name__}: {e}")
         finally:
             self._close(record, stream, req.max_tokens)
 
@@ -381,7 +448,7 @@ class HttpReplay:
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
-            chunk = json.loads(data)
+            chunk = loads_strict(data)
             if not isinstance(chunk, dict):
                 raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
             if "error" in chunk:
@@ -396,15 +463,14 @@ class HttpReplay:
         record.itls = [b - a for a, b in zip(times, times[1:])]
         record.last_token_t = times[-1] if times else None
         record.num_output_tokens = stream.usage_completion_tokens if \
-            stream.usage_completion_tokens is not None else len(stream.tokens) or len(times)
+            stream.usage_completion_tokens is not None else stream.num_tokens or len(times)
         record.num_prefix_hit_tokens = stream.num_cached_tokens
         record.finish_reason = "error" if stream.error else (stream.finish_reason or "error")
         record.error = stream.error or (None if stream.finish_reason else "stream ended without a finish_reason")
         if record.error is None and record.finish_reason == "length" and \
                 record.num_output_tokens == 0 and max_tokens >= 1:
             record.error = stream.ignored_reason or IGNORED_BY_SERVER
-        record.output_digest = output_digest(stream.tokens) if stream.tokens else \
-            output_digest([]) if not stream.text else _text_digest(stream.text)
+        record.output_digest = stream.digest()
 
     # ---- the result ------------------------------------------------------------------
 
@@ -488,9 +554,7 @@ def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
         raise ValueError("stream chunk: token_ids: expected a list of integers")
     text = _expect(choice.get("text"), (str,), "text") or ""
     if token_ids or text:
-        stream.chunk_times.append(now)
-        stream.tokens.extend(token_ids)
-        stream.text.append(text)
+        stream.add(now, token_ids, text)
     reason = _expect(choice.get("finish_reason"), (str,), "finish_reason")
     if reason is not None:
         stream.finish_reason = reason
@@ -507,10 +571,7 @@ def _int_or_none(text: str | None) -> int | None:
 
 def _json_or_text(body: bytes) -> object:
     try:
-        return json.loads(body)
+        return loads_strict(body)
     except ValueError:
         return body.decode("utf-8", "replace")
 
-
-def _text_digest(pieces: list[str]) -> str:
-    return hashlib.sha256("".join(pieces).encode()).hexdigest()[:16]

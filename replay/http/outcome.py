@@ -10,9 +10,21 @@ replay/verify/latency.py's (the report's "latency").
 """
 from __future__ import annotations
 
+import unicodedata
+
 from replay.verify.coverage import ignored_cause
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import exit_code_for, worst
+
+
+def printable(text: object, limit: int = 200) -> str:
+    """A peer's text made safe for a terminal: control and format characters (escape
+    codes, bidi overrides) written as Python escapes, at most `limit` characters."""
+    text = str(text)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return "".join(c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") or c == " "
+                   else ascii(c)[1:-1] for c in text)
 
 
 def observation_reasons(timeline: Timeline, verdict) -> list[str]:
@@ -63,21 +75,27 @@ def http_outcome(timeline: Timeline, verdict) -> dict | None:
 
 
 def outcome_lines(outcome: dict) -> list[str]:
-    """Plain lines for the terminal: who answered, what was scraped, what it lacked.
+    """Plain lines for the terminal (print them without markup): who answered, what was
+    scraped and at what cost, what it lacked. Every text from the server is printable().
 
     No verdict word: the summary's last line (replay/verify/report.py) is the verdict.
     """
     server = outcome.get("server") or {}
-    lines = [f"server: {server.get('server') or 'no Server header'}, model {server.get('model')!r} "
-             f"(owned_by {server.get('owned_by')}), max_model_len {server.get('max_model_len')}"]
+    p = printable
+    lines = [f"server: {p(server.get('server') or 'no Server header')}, model "
+             f"{p(repr(server.get('model')))} (owned_by {p(server.get('owned_by'))}), "
+             f"max_model_len {p(server.get('max_model_len'))}"]
     for m in outcome.get("metrics", []):
-        engines = ", ".join(m["engines"].values()) or "none"
-        lines.append(f"metrics {m['url']}: {m['metric'] or 'no KV-usage metric'}"
+        engines = ", ".join(p(e) for e in m["engines"].values()) or "none"
+        cost = f"; answers took up to {m['max_answer_s']:.3f} s, parsing up to " \
+               f"{m['max_parse_s']:.3f} s" if "max_parse_s" in m else ""
+        lines.append(f"metrics {p(m['url'])}: {m['metric'] or 'no KV-usage metric'}"
                      f" ({m['unit'] or '-'}), engines {engines}; {m['num_scrapes']} scrapes, "
-                     f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names found")
+                     f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names "
+                     f"found{cost}")
     if outcome["reasons"]:
         lines.append("KV usage not fully observed over HTTP:"
-                     + "".join(f"\n  - {r}" for r in outcome["reasons"]))
+                     + "".join(f"\n  - {p(r, 400)}" for r in outcome["reasons"]))
     else:
         lines.append("KV usage observed from the server's own metrics throughout")
     return lines

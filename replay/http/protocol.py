@@ -27,6 +27,7 @@ the engines' limits, before anything reaches an engine:
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from replay.http.tokenizer import WordTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
-               413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
+               408: "RequestTimeout", 413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Accepted and ignored: cannot change what a greedy engine answers.
 _IGNORED = frozenset((
@@ -137,6 +138,21 @@ def parse_completion(body: object, model: ServedModel) -> CompletionParams:
                             stream, include_usage, return_token_ids, params)
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id (X-Request-Id or the body's): valid Unicode, not too long."""
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request id: not valid UTF-8", "request_id") from None
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"request id: longer than {MAX_REQUEST_ID_CHARS} characters",
+                       "request_id")
+    return request_id
+
+
 def _include_usage(body: dict, stream: bool) -> bool:
     options = _expect(body, "stream_options", (dict,), None)
     if not options:  # vLLM: `if data.get("stream_options") and not data.get("stream")`
@@ -164,15 +180,17 @@ def _check_fields(body: dict) -> None:
 
 
 def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
+    """The prompt's token ids; its length is checked before anything costs per token."""
     if "prompt" not in body:
         raise ApiError(400, "prompt: field required", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        if model.vocab_size < 256:
-            raise ApiError(422, "text prompts need a vocabulary of 256 tokens or more; "
-                                "send token ids", "prompt")
-        ids = WordTokenizer(model.vocab_size).encode(prompt)
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        ids = _text_ids(prompt, model)
+        _check_length(len(ids), model, at_least=len(ids) >= model.max_model_len)
+    elif isinstance(prompt, list):
+        _check_length(len(prompt), model)
+        if not all(type(t) is int for t in prompt):
+            raise ApiError(400, "prompt: expected a string or a list of token ids", "prompt")
         ids = prompt
     else:
         raise ApiError(400, "prompt: expected a string or a list of token ids", "prompt")
@@ -182,12 +200,60 @@ def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
     if bad is not None:
         raise ApiError(400, f"Token id {bad} is out of vocabulary (vocab_size "
                             f"{model.vocab_size}).", "prompt")
-    if len(ids) >= model.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {model.max_model_len} "
-                            f"tokens. However, your prompt contains {len(ids)} input tokens, "
-                            f"which leaves no room for an output token. Please reduce the "
-                            f"length of the input prompt.", "input_tokens")
     return ids
+
+
+def _text_ids(prompt: str, model: ServedModel) -> list[int]:
+    """A text prompt's ids, tokenised no further than max_model_len tokens."""
+    if model.vocab_size < 256:
+        raise ApiError(422, "text prompts need a vocabulary of 256 tokens or more; "
+                            "send token ids", "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"prompt: not valid Unicode (a lone surrogate at character "
+                            f"{e.start})", "prompt") from None
+    return WordTokenizer(model.vocab_size).encode(prompt, limit=model.max_model_len - 1)
+
+
+def _check_length(num_tokens: int, model: ServedModel, at_least: bool = False) -> None:
+    if num_tokens < model.max_model_len:
+        return
+    raise ApiError(400, f"This model's maximum context length is {model.max_model_len} "
+                        f"tokens. However, your prompt contains {'at least ' if at_least else ''}"
+                        f"{num_tokens} input tokens, which leaves no room for an output token. "
+                        f"Please reduce the length of the input prompt.", "input_tokens")
+
+
+def loads_strict(raw: bytes | str) -> object:
+    """JSON that repeats no key in an object (which value was meant cannot be known); a
+    ValueError otherwise, and for JSON nested deeper than Python's recursion limit."""
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def decode_body(raw: bytes) -> object:
+    """A request body's JSON (loads_strict); ApiError 400 if it is not UTF-8 JSON."""
+    try:
+        return loads_strict(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}", getattr(e, "key", None)) from None
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKeyError(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 # ---- responses --------------------------------------------------------------------

@@ -13,13 +13,17 @@ A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a lea
 Series are told apart by their `engine` label; a URL given as NAME=URL names its
 engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
 loop state and step counts are read where the server has them (kvdrain), else 0.
+Each sample is stamped with its scrape's sending (EngineSample.send_t) and its answer
+(t): the server took the reading somewhere between (replay/verify/rules.py judges by both).
 A scrape that fails in any way (no answer, not 200, not parseable, a value read that is
 +Inf, -Inf or NaN, anything unexpected) is a counted failure with its error; the scrape
 loop goes on.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -27,11 +31,16 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from replay.http.outcome import printable
 from replay.verify.timeline import EngineSample
 
 KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
               "kvdrain:kv_blocks_used")
 PPM = 1_000_000
+MAX_METRICS_BYTES = 8 << 20  # a larger /metrics answer is a failed scrape
+PREFIXES = ("vllm:", "sglang:", "kvdrain:")
+_SAFE_LABEL = re.compile(r"[^\w.:@/-]", re.ASCII)
+_OURS = tuple(f"{head}{prefix}" for prefix in PREFIXES for head in ("", "# HELP ", "# TYPE "))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +62,26 @@ class MetricsSource:
 
 
 def parse_metrics(text: str) -> dict[str, list]:
-    """Sample name -> its samples (prometheus_client Sample: name, labels, value)."""
+    """Sample name -> its samples (prometheus_client Sample: name, labels, value), of the
+    vllm:, sglang: and kvdrain: families only: the others' lines are dropped unparsed
+    (prometheus_client's parser takes seconds per megabyte)."""
+    ours = "\n".join(line for line in text.splitlines() if line.startswith(_OURS))
     out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(ours + "\n"):
         for sample in family.samples:
             out.setdefault(sample.name, []).append(sample)
     return out
+
+
+async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or a ValueError once it is past `limit` bytes (never all of it)."""
+    chunks, size = [], 0
+    while chunk := await response.content.read(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"the answer is larger than {limit >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def family_names(samples: dict[str, list]) -> list[str]:
@@ -67,7 +90,7 @@ def family_names(samples: dict[str, list]) -> list[str]:
     for name in samples:
         for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
             name = name.removesuffix(suffix)
-        if name.split(":")[0] in ("vllm", "sglang", "kvdrain"):
+        if name.startswith(PREFIXES):
             names.add(name)
     return sorted(names)
 
@@ -92,7 +115,7 @@ def read_engines(samples: dict[str, list], metric: str) -> list[Scraped]:
     """Every engine's KV usage in `samples` per `metric` (see the module docstring)."""
     out = []
     for sample in samples.get(metric, []):
-        engine = sample.labels.get("engine", "")
+        engine = sample.labels.get("engine", "")  # the label as the server spells it
         used, total, unit = _usage(samples, metric, sample.value, engine)
         cached = int(_gauge(samples, "kvdrain:kv_blocks_cached", engine)) if unit == "blocks" else 0
         extra = {name: _gauge(samples, name, engine) for name in _EXTRA}
@@ -106,10 +129,18 @@ _EXTRA = ("vllm:num_requests_waiting", "vllm:num_requests_running",
 
 
 def _finite(name: str, value: float) -> float:
-    """value, or a ValueError if it is +Inf, -Inf or NaN (no count or fraction is)."""
+    """value, or a ValueError if it is +Inf, -Inf, NaN or negative (no count or fraction
+    is), or a fraction above 1."""
     if not math.isfinite(value):
         raise ValueError(f"{name}: not a finite value: {value}")
+    if value < 0:
+        raise ValueError(f"{name}: negative: {value}")
+    if value > 1 and name in _FRACTIONS:
+        raise ValueError(f"{name}: a fraction above 1: {value}")
     return value
+
+
+_FRACTIONS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
 def _usage(samples: dict[str, list], metric: str, value: float, engine: str) -> tuple[int, int, str]:
@@ -146,7 +177,9 @@ def _gauge(samples: dict[str, list], name: str, engine: str) -> float:
 
 
 def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
-    """The name one series gets in the timeline."""
+    """The name one series gets in the timeline (a label's characters other than letters,
+    digits and . : @ / - become _: a server's label is printed everywhere)."""
+    label = _SAFE_LABEL.sub("_", label)[:64]
     if source.name is not None:
         return source.name if num_labels == 1 else f"{source.name}:{label}"
     if num_labels > 1 or (label and not label.isdigit()):
@@ -189,29 +222,44 @@ class Scraper:
     samples: list[EngineSample] = field(default_factory=list)
     num_scrapes: int = 0
     num_failures: int = 0
+    max_answer_s: float = 0.0  # the longest wait for an answer (the server's cost)
+    max_parse_s: float = 0.0  # the longest parse of one (the client's cost)
     errors: list[str] = field(default_factory=list)  # the first few failures, in order
 
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
         """One scrape; False (and a counted failure) if it gave no usable KV reading."""
         self.num_scrapes += 1
+        send_t = time.monotonic() - self.origin
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             async with session.get(self.source.url, timeout=timeout) as response:
-                text = await response.text()
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
+                raw = await _read_capped(response, MAX_METRICS_BYTES)
             t = time.monotonic() - self.origin
-            return self._read(parse_metrics(text), t)
+            self.max_answer_s = max(self.max_answer_s, t - send_t)
+            # Off the event loop: a slow parse must not hold back the replay's sends.
+            samples = await asyncio.to_thread(parse_metrics, raw.decode("utf-8", "replace"))
+            self.max_parse_s = max(self.max_parse_s, time.monotonic() - self.origin - t)
+            return self._read(samples, send_t, t)
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on
             return self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
     def _fail(self, error: str) -> bool:
         self.num_failures += 1
         if len(self.errors) < 5:
-            self.errors.append(error)
+            self.errors.append(printable(error))
         return False
 
-    def _read(self, samples: dict[str, list], t: float) -> bool:
+    def rebase(self, origin: float) -> None:
+        """Move the replay's t = 0 to `origin` (a time.monotonic()), samples taken so far too."""
+        shift = self.origin - origin
+        for sample in self.samples:
+            sample.t += shift
+            sample.send_t += shift
+        self.origin = origin
+
+    def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
         if self.metric is None:  # chosen by the first scrape that has one
             self.metric = choose_metric(samples)
             self.names_found = family_names(samples)
@@ -226,7 +274,9 @@ class Scraper:
                 name = engine_name(self.source, scraped.engine_label, len(readings))
                 self.engines[scraped.engine_label] = name
             self.unit = scraped.unit
-            self.samples.append(to_sample(t, name, scraped, loop_state(samples, scraped.engine_label)))
+            sample = to_sample(t, name, scraped, loop_state(samples, scraped.engine_label))
+            sample.send_t = send_t
+            self.samples.append(sample)
         return True
 
     def status(self) -> dict:
@@ -234,4 +284,5 @@ class Scraper:
         return {"url": self.source.url, "metric": self.metric, "unit": self.unit,
                 "engines": dict(self.engines), "metric_names_found": self.names_found,
                 "num_scrapes": self.num_scrapes, "num_failures": self.num_failures,
+                "max_answer_s": self.max_answer_s, "max_parse_s": self.max_parse_s,
                 "errors": list(self.errors)}

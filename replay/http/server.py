@@ -34,6 +34,8 @@ from prometheus_client.registry import CollectorRegistry
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
 from replay.http import protocol
+from replay.http.connections import (BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap,
+                                     quiet_logger)
 from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel
 from replay.http.tokenize import tokenize_answer
@@ -52,6 +54,11 @@ class HttpOptions:
     port: int = 0  # 0: any free port (HttpFront.port says which)
     api_key: str | None = None
     max_body_bytes: int = 8 << 20  # larger bodies: 413
+    # A connection's request head must be whole this long after it opened or its last
+    # answer (aiohttp's keep-alive timeout: idle connections close then too).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # a body still not whole after this: 408
+    max_connections: int | None = None  # None: connections.connection_cap()
 
 
 @dataclass(slots=True)
@@ -94,6 +101,7 @@ class HttpFront:
         self._runner: web.AppRunner | None = None
         self.pump_error: BaseException | None = None
         self.port = 0
+        self.guard = ConnectionGuard(options.max_connections or connection_cap())
 
     # ---- life cycle ----------------------------------------------------------------
 
@@ -109,9 +117,13 @@ class HttpFront:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(QuietLoopErrors())
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=self.options.header_timeout_s,
+                                     logger=quiet_logger())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        site = _GuardedSite(self._runner, self.options.host, self.options.port, self.guard)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.router.request_stats()
@@ -172,6 +184,7 @@ class HttpFront:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        self.guard.set_busy(request.transport, True)
         try:
             response = await handler(request)
         except ApiError as e:
@@ -182,9 +195,11 @@ class HttpFront:
             response = _error_response(ApiError(e.status, e.text or e.reason, None))
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away; its request was aborted
-        except Exception as e:  # a bug: say so, keep serving
+        except Exception as e:  # a bug: say so here (not to the client), keep serving
             print(f"kvdrain serve --http: {request.path}: {e!r}", file=sys.stderr, flush=True)
-            response = _error_response(ApiError(500, f"internal error: {e!r}"))
+            response = _error_response(ApiError(500, f"internal error ({type(e).__name__})"))
+        finally:
+            self.guard.set_busy(request.transport, False)
         response.headers["Server"] = SERVER_HEADER
         return response
 
@@ -193,7 +208,9 @@ class HttpFront:
         key = self.options.api_key
         if key is not None and request.path.startswith(GUARDED_PREFIX):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            # aiohttp keeps a header's bytes that are not UTF-8 as surrogates: compare bytes
+            given = token.encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -225,11 +242,16 @@ class HttpFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
-        params = protocol.parse_completion(body, self.model)
-        client_id = request.headers.get("X-Request-Id") or params.request_id
+            raw = await asyncio.wait_for(request.read(), self.options.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.options.body_timeout_s:g} s") from None
+        except web.HTTPException:
+            raise  # 413: too large
+        except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
+            raise ApiError(400, f"the request body cannot be read: {e}") from None
+        params = protocol.parse_completion(protocol.decode_body(raw), self.model)
+        client_id = protocol.check_request_id(request.headers.get("X-Request-Id") or params.request_id)
         internal_id = self._submit(client_id, params)
         try:
             if params.stream:
@@ -345,3 +367,18 @@ def kvdrain_version() -> str:
 
 def _error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
+
+
+class _GuardedSite(web.TCPSite):
+    """aiohttp's TCP site with every connection admitted by a ConnectionGuard first
+    (TCPSite.start as aiohttp 3.12-3.14 writes it, with the guard's protocol factory)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+        super().__init__(runner, host, port)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self.guard.factory(self._runner.server),
+                                                self._host, self._port, backlog=BACKLOG)

@@ -8,10 +8,12 @@ of the asyncio loop: the router is never touched from two threads.
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Callable
 
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions
+from replay.live.auth import check_http_listen
 
 STOP_CHECK_S = 0.05
 
@@ -82,7 +84,10 @@ def served_model(router, engine, topology: str, name: str) -> ServedModel:
 class HttpServe:
     """`serve --http`'s part in serve_main: wrap the router for the zmq serve, then run both."""
 
-    def __init__(self, options: HttpOptions, model_name: str) -> None:
+    def __init__(self, options: HttpOptions, model_name: str, insecure: bool = False) -> None:
+        """AuthError (before anything starts) for a host beyond loopback without an API key,
+        unless insecure (then warned about at start)."""
+        self.warnings = check_http_listen(options.host, options.api_key, insecure)
         self.options = options
         self.model_name = model_name
         self.shared: SharedRouter | None = None
@@ -117,6 +122,8 @@ class HttpServe:
         url = f"http://{'[' + host + ']' if ':' in host else host}:{front.port}"
         print(f"kvdrain serve: OpenAI-compatible HTTP on {url} (model {self.model_name!r}; "
               f"/metrics)", flush=True)
+        for warning in self.warnings:
+            print(warning, file=sys.stderr, flush=True)
         try:
             while not should_stop() and front.pump_error is None:
                 await asyncio.sleep(STOP_CHECK_S)

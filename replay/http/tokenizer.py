@@ -26,14 +26,21 @@ class WordTokenizer:
                              f"tokens (one per byte), got {vocab_size}")
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The token ids of text; with a limit, stops once past it (limit + 1 ids then, so
+        a caller refusing long prompts never tokenises more than it needs to refuse)."""
+        words = text.split() if limit is None else text.split(maxsplit=limit)
         ids: list[int] = []
-        for word in text.split():
+        for word in words:
             match = _WORD.fullmatch(word)
             if match is not None and len(word) <= 12 and int(match[1]) < self.vocab_size:
                 ids.append(int(match[1]))
-            else:
+            elif limit is None:
                 ids.extend(word.encode("utf-8"))
+            else:  # each character is at least one byte
+                ids.extend(word[:limit + 1 - len(ids)].encode("utf-8"))
+            if limit is not None and len(ids) > limit:
+                return ids[:limit + 1]
         return ids
 
     @staticmethod

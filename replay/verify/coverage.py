@@ -9,9 +9,10 @@ arrival. Those are the EXPECTED windows. After the run each candidate is
 - "observed": the run saw an idle window there;
 - "busy": the model itself is busy through the gap (the trace's own work fills it),
   so it was never a window to check;
-- "missed": expected, but the run's requests were still in flight (the engines
-  lagged the model by `lag_s`), so the drain was never tested there. A missed window
-  makes the run inconclusive, never verified.
+- "missed": expected, but the run's requests were still in flight (the run lagged
+  the model by `lag_s`: the client, when its sends were late by half of it or more,
+  else the engines), so the drain was never tested there. A missed window makes the
+  run inconclusive, never verified.
 - "unreached": expected, but the replay stopped (interrupted) before the gap ended:
   also inconclusive, and said so rather than blamed on lag.
 Under the virtual clock the run is the model, so every expected window is observed.
@@ -63,6 +64,9 @@ class WindowCoverage:
     quiet_from: float | None  # when the run's requests sent before `end` had ended; None: never
     lag_s: float | None  # quiet_from - the model's quiet_from (None when not modelled)
     engine: str = ""  # "": a gap of the whole trace; else that engine's own window (windows.py)
+    # The client's part of it: the latest send among the requests still in flight when the
+    # model was quiet (None: none were, or not modelled). Late sends are the client's lag.
+    send_lateness_s: float | None = None
 
 
 def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[tuple[float, float]]:
@@ -120,8 +124,9 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
             state = "unreached"
         q_or_none = None if math.isinf(q) else q
         lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
-        out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state,
-                                  q_or_none, lag))
+        out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
+                                  state=state, quiet_from=q_or_none, lag_s=lag,
+                                  send_lateness_s=_client_lateness(w, timeline.requests)))
     return tuple(out)
 
 
@@ -132,9 +137,18 @@ def cover_engine_windows(expected: Sequence[EngineWindow], run: Sequence[EngineW
     for w in expected:
         state = "observed" if windows.observed(w, run) else \
             "unreached" if w.start >= timeline.end_t else "missed"
-        out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state, None, None,
-                                  engine=w.engine))
+        out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
+                                  state=state, quiet_from=None, lag_s=None, engine=w.engine))
     return tuple(out)
+
+
+def _client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
+    """How late the client sent the requests that kept the run busy past the model's quiet."""
+    if w.model_quiet_from is None:
+        return None
+    late = [r.send_lateness_s for r in requests if r.arrival_t < w.end
+            and (r.end_t is None or r.end_t > w.model_quiet_from)]
+    return max(late, default=None)
 
 
 def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:
@@ -159,8 +173,19 @@ def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
         if not w.is_tail:
             busy += f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold " \
                     f"{idle_threshold_s:g} s"
-    lag = "" if w.lag_s is None or w.lag_s <= 0 else f"; the engines lagged the model by {w.lag_s:.3f} s"
-    return f"expected window not observed: {where}: {busy}{lag}"
+    return f"expected window not observed: {where}: {busy}{_who_lagged(w)}"
+
+
+def _who_lagged(w: WindowCoverage) -> str:
+    """The client when its late sends account for half the lag or more, else the engines."""
+    if w.lag_s is None or w.lag_s <= 0:
+        return ""
+    late = w.send_lateness_s or 0.0
+    if late >= w.lag_s / 2:
+        return (f"; the client lagged: it sent requests up to {late:.3f} s late (the run lagged "
+                f"the model by {w.lag_s:.3f} s): a busy or slow client, not the engines")
+    return f"; the engines lagged the model by {w.lag_s:.3f} s" + \
+        (f" (the client sent up to {late:.3f} s late)" if late >= 0.001 else "")
 
 
 def ignored_cause(record: RequestRecord) -> str | None:

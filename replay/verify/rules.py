@@ -11,9 +11,14 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   blocks late); blocks taken later are a leak. A window shorter than the deadline
   that ends undrained is "undecided", not a violation. Engine stats hold their value
   until the next sample (a parked engine publishes nothing); a scraped timeline's
-  samples (Timeline.is_scraped: a server's /metrics) say nothing between scrapes, so
-  there only samples inside a window count: none is "undecided", a leak needs blocks
-  held at a sample after the deadline, "drained" needs a sample after it.
+  samples (Timeline.is_scraped: a server's /metrics) say nothing between scrapes, and
+  each reading was taken somewhere between its scrape's sending and its answer
+  (EngineSample.send_t .. t), so there only readings taken for sure after the deadline
+  and before the window ended are evidence: one that saw blocks held is a leak; all
+  zero is "drained" only if the drain is proven by the deadline (time_to_drain, from
+  the answer of the first zero reading after the last that saw blocks, is an upper
+  bound: never under-reported); otherwise (no evidence, evidence too late, a drain not
+  proven in time) "undecided".
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks.
 - a request that never ended is a violation too ("unfinished").
@@ -150,37 +155,69 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
 
     It drained at the first sample from which used blocks stay 0 until the window
     ends (the sample at or before `start` counts as the window's first). scraped:
-    the verdict is _scraped_verdict's (only samples inside the window are evidence).
+    _scraped_window judges it (only readings taken inside the window are evidence).
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
     if not times or times[0] > end:  # nothing known about this engine in the window
         return IdleWindow(series.engine, start, end, is_tail, 0, None, "undecided", 0)
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
-    first = max(lo - 1, 0)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
-    last_held = next((i for i in range(hi - 1, first - 1, -1) if samples[i].num_used_blocks),
-                     None)
-    if last_held is None:
-        drained_at, held = start, 0
-    else:
-        drained_at = samples[last_held + 1].t if last_held + 1 < hi else None
-        held = samples[last_held].num_used_blocks
     if scraped:
-        verdict = _scraped_verdict(samples[lo:hi], start + deadline_s)
-    elif drained_at is not None and drained_at - start <= deadline_s:
-        verdict = "drained"
+        verdict, drained_at, held = _scraped_window(samples[lo:hi], start, end, start + deadline_s)
     else:
-        verdict = "undecided" if drained_at is None and end - start < deadline_s else "leak"
+        verdict, drained_at, held = _stats_window(samples[max(lo - 1, 0):hi], start, end, deadline_s)
     return IdleWindow(series.engine, start, end, is_tail, at_start,
                       None if drained_at is None or verdict == "undecided" else drained_at - start,
                       verdict, held)
 
 
-def _scraped_verdict(inside: Sequence[EngineSample], deadline_t: float) -> str:
-    """Scrapes inside a window: "leak" if one after the deadline saw used blocks,
-    "drained" if some came after it and all saw none, else "undecided"."""
-    late = [s.num_used_blocks for s in inside if s.t > deadline_t]
-    return "leak" if any(late) else "drained" if late else "undecided"
+def _stats_window(samples: Sequence[EngineSample], start: float, end: float,
+                  deadline_s: float) -> tuple[str, float | None, int]:
+    """Engine stats (each value holds until the next sample): (verdict, drained_at, held)."""
+    drained_at, held = _drained_at(samples, start)
+    if drained_at is not None and drained_at - start <= deadline_s:
+        return "drained", drained_at, held
+    verdict = "undecided" if drained_at is None and end - start < deadline_s else "leak"
+    return verdict, drained_at, held
+
+
+def _drained_at(samples: Sequence[EngineSample], start: float) -> tuple[float | None, int]:
+    """(when used blocks fell to 0 for good, or start if no sample held any; None: they
+    never did) and the used blocks of the last sample that held some (0: none did)."""
+    last_held = next((i for i in range(len(samples) - 1, -1, -1) if samples[i].num_used_blocks),
+                     None)
+    if last_held is None:
+        return start, 0
+    drained_at = samples[last_held + 1].t if last_held + 1 < len(samples) else None
+    return drained_at, samples[last_held].num_used_blocks
+
+
+def _scraped_window(answered: Sequence[EngineSample], start: float, end: float,
+                    deadline_t: float) -> tuple[str, float | None, int]:
+    """Scraped readings answered inside a window: (verdict, drained_at, held).
+
+    A reading was taken in [send_t, t]; evidence is a reading taken for sure after the
+    deadline (sent after it) and before the window ended (answered before its end:
+    `answered` holds only those). Blocks held in any evidence: a leak. Otherwise drained
+    only if some evidence exists and the drain is proven by the deadline: drained_at is
+    the answer time of the first reading taken for sure inside the window (sent after
+    its start) after the last reading that saw blocks held: an upper bound on the drain.
+    """
+    evidence = [s for s in answered if _sent(s) > deadline_t]
+    last_held = next((i for i in range(len(answered) - 1, -1, -1) if answered[i].num_used_blocks),
+                     -1)
+    held = answered[last_held].num_used_blocks if last_held >= 0 else 0
+    drained_at = next((s.t for s in answered[last_held + 1:] if _sent(s) >= start), None)
+    if any(s.num_used_blocks for s in evidence):
+        return "leak", drained_at, held
+    if evidence and drained_at is not None and drained_at <= deadline_t:
+        return "drained", drained_at, held
+    return "undecided", drained_at, held
+
+
+def _sent(sample: EngineSample) -> float:
+    """When the reading's scrape was sent (the reading was taken at or after it)."""
+    return sample.t if sample.send_t is None else sample.send_t
 
 
 def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
@@ -303,8 +340,9 @@ def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[
         w = undecided[0]
         reasons.append(f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
                        f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
-                       f"no samples (for scraped metrics: none after its drain deadline), "
-                       f"or shorter than the drain deadline and not drained)")
+                       f"no samples (for scraped metrics: no reading surely taken after its "
+                       f"drain deadline and before its end, or a drain not proven by the "
+                       f"deadline), or shorter than the drain deadline and not drained)")
     num_ignored = sum(ignored.values())
     if num_ignored and not options.allow_ignored and num_ignored > options.max_ignored_share * num_requests:
         causes = ", ".join(f"{n:,} {cause}" for cause, n in ignored.items())

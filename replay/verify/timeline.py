@@ -34,6 +34,9 @@ class EngineSample:
     loop_state: str  # engine/core/liveness.py LOOP_STATE_NAMES, or "unknown" (a scraped server)
     num_steps: int  # engine steps so far
     num_wakeups: int  # transitions out of blocked, plus poll sleeps, so far
+    # A scrape's reading (SAMPLING_SCRAPED): when the scrape was sent, `t` being when its
+    # answer arrived; the server took the reading somewhere in [send_t, t]. None: taken at t.
+    send_t: float | None = None
 
 
 @dataclass(slots=True)

@@ -85,6 +85,18 @@ def test_lag_that_swallows_a_window_is_inconclusive_with_the_lag():
     assert verify(lagged, [], VerifyOptions()).status == "verified"
 
 
+def test_a_window_missed_because_the_client_sent_late_blames_the_client():
+    """The same lag, but request a was sent 2.9 s late (a client busy parsing a 10 MB
+    /metrics, say): the client lagged, not the engines."""
+    model = _two_bursts()
+    lagged = _two_bursts(a_end=3.5)
+    lagged.requests[0].send_t, lagged.requests[0].send_lateness_s = 2.9, 2.9
+    verdict = verify(lagged, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    assert verdict.coverage[0].send_lateness_s == pytest.approx(2.9)
+    assert "the client lagged: it sent requests up to 2.900 s late" in verdict.reasons[0]
+    assert "the engines lagged" not in verdict.reasons[0]
+
+
 def test_an_interrupted_run_says_which_windows_it_never_reached():
     model = _two_bursts()  # expects the gap at 0.5-4.0 and the tail
     stopped = _timeline([_record("a", 0.0, 0.3)], [_sample(0.0, 3), _sample(0.3, 0)], 0.4)

@@ -21,8 +21,9 @@ from replay.verify.verdict import EXIT_CODES, EXIT_USAGE
 pytestmark = pytest.mark.timeout(60)
 
 
-def sample(t: float, used: int) -> EngineSample:
-    return EngineSample(t, "P", used, 0, 100 - used, 100, 0, 0, 0, 0, 0, "unknown", 0, 0)
+def sample(t: float, used: int, send_t: float | None = None) -> EngineSample:
+    return EngineSample(t, "P", used, 0, 100 - used, 100, 0, 0, 0, 0, 0, "unknown", 0, 0,
+                        send_t=send_t)
 
 
 REQUESTS = [RequestRecord("a", 0.0, 0.0, 0.0, 0.2, 1.0, 8, 4, 0, "length"),
@@ -64,10 +65,40 @@ def test_scraped_leak_needs_blocks_held_after_the_deadline():
             sample(11.5, 0)]
     held_early = timeline(late, scraped=True)
     w = verify(held_early, [], options).windows[0]
-    assert w.verdict == "drained" and w.time_to_drain == pytest.approx(1.0)  # an upper bound
+    # Held at 1.1, none at 2.0: the drain came by 2.0 (1.0 s, an upper bound), maybe after
+    # the 0.5 s deadline: not proven drained, and no reading after the deadline saw blocks.
+    assert w.verdict == "undecided" and w.time_to_drain is None
+    in_time = timeline(late[:3] + [sample(1.4, 0)] + late[3:], scraped=True)
+    w = verify(in_time, [], options).windows[0]
+    assert w.verdict == "drained" and w.time_to_drain == pytest.approx(0.4)
     leaky = timeline(late[:3] + [sample(1.8, 5), sample(2.0, 0)] + late[4:], scraped=True)
     verdict = verify(leaky, [], options)
     assert verdict.windows[0].verdict == "leak" and verdict.exit_code == 1
+
+
+def test_a_scrape_is_evidence_only_for_the_time_between_its_sending_and_its_answer():
+    """Window 1.0-10.0 s, deadline 1.5 s. A reading answered late was taken early."""
+    options = VerifyOptions(drain_deadline_s=0.5)
+
+    def judge(*readings: EngineSample) -> tuple[str, float | None]:
+        w = verify(timeline([sample(0.0, 0), sample(0.5, 5), *readings, sample(10.8, 0, 10.6),
+                             sample(11.5, 0, 11.2)], scraped=True), [], options).windows[0]
+        return w.verdict, w.time_to_drain
+
+    # Taken before the window (sent at 0.8, while busy): no evidence of a drain...
+    assert judge(sample(2.5, 0, send_t=0.8)) == ("undecided", None)
+    # ...nor of a leak.
+    assert judge(sample(2.5, 5, send_t=0.8)) == ("undecided", None)
+    # Sent before the deadline, answered after it: no evidence either way.
+    assert judge(sample(1.1, 5, 1.05), sample(2.5, 5, send_t=1.4)) == ("undecided", None)
+    # Sent after the deadline, answered before the end: a leak.
+    assert judge(sample(2.5, 5, send_t=1.6))[0] == "leak"
+    # Sent after the deadline but answered after the window ended (the next request ran).
+    assert judge(sample(10.2, 5, send_t=9.9))[0] == "undecided"
+    # Zero for sure inside the window in time, and zero after the deadline: drained.
+    assert judge(sample(1.3, 0, 1.0), sample(2.5, 0, 1.6)) == ("drained", pytest.approx(0.3))
+    # The same zeros answered late: the drain is not proven by the deadline.
+    assert judge(sample(1.7, 0, 1.0), sample(2.5, 0, 1.8)) == ("undecided", None)
 
 
 def _http_timeline(samples, requests) -> Timeline:
@@ -158,3 +189,27 @@ def test_token_ids_beyond_the_servers_vocabulary_exit_2_before_t0(tmp_path: Path
     assert "prompt token id 128,000 is outside the server's vocabulary [0, 32,000) (from " \
            "--vocab-size)" in result.output
     assert "Traceback" not in result.output and "posts" not in box
+
+
+def test_a_scraped_drained_window_never_under_reports_its_time_to_drain():
+    """Any readings (each taken somewhere in [send_t, t]): a window judged drained has a
+    time to drain within the deadline, no reading surely taken between the deadline and
+    its end saw blocks, and some reading sent after the deadline was answered before it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    reading = st.tuples(st.floats(0, 12), st.floats(0, 3), st.sampled_from([0, 0, 5]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(reading, max_size=12))
+    def check(readings):
+        samples = sorted((sample(t, used, max(t - lag, 0.0)) for t, lag, used in readings),
+                         key=lambda s: s.t)
+        for w in verify(timeline(samples, scraped=True), [], VerifyOptions(drain_deadline_s=0.5)).windows:
+            if w.verdict != "drained":
+                continue
+            deadline_t = w.start + 0.5
+            assert w.time_to_drain is not None and w.time_to_drain <= 0.5
+            evidence = [s for s in samples if s.send_t > deadline_t and s.t < w.end]
+            assert evidence and not any(s.num_used_blocks for s in evidence)
+    check()
