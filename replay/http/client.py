@@ -58,6 +58,7 @@ from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceReques
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
 from replay.verify.timeline import SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline
+from replay.verify.windows import QUEUE_GAUGE, QUEUE_GAUGES
 
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
@@ -481,6 +482,10 @@ class HttpReplay:
         topology = (self.identity.kvdrain or {}).get("topology") if self.identity else None
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
                 "topology": topology,  # None: the server does not say (settings.topology)
+                # engines whose /metrics say how many requests they run and queue: their own
+                # idle windows are read from those (replay/verify/windows.py)
+                QUEUE_GAUGES: sorted({e for s in self.scrapers if QUEUE_GAUGE in s.names_found
+                                      for e in s.engines.values()}),
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
                          "metrics_from": self.metrics_from,

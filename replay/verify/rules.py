@@ -291,6 +291,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     own = idle_windows_by_engine(timeline, options.idle_threshold_s)  # {}: no engine's way known
     judged = [(series, window) for series in by_engine.values()
               for window in own.get(series.engine, observed)]
+    if timeline.is_scraped():  # a server's own routing: its engines' metrics say when each idled
+        judged += [(by_engine[w.engine], w.window) for w in engine_only_windows(
+            timeline, options.idle_threshold_s, observed) if w.engine in by_engine]
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
         w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
         windows.append(w)

@@ -28,6 +28,8 @@ from replay.verify.timeline import RequestRecord, Timeline
 
 Window = tuple[float, float, bool]  # (start, end, is_tail), as idle_windows gives them
 EPS_S = 1e-9
+QUEUE_GAUGES = "queue_gauges"  # Timeline.meta: the scraped engines whose /metrics count requests
+QUEUE_GAUGE = "vllm:num_requests_running"  # (with vllm:num_requests_waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,27 @@ def intervals(record: RequestRecord) -> list[tuple[str, float, float]]:
     return out
 
 
+def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
+    """Over HTTP, each engine's idle windows from its own metrics: runs of readings with no
+    request running or waiting there, from the first such reading's answer to the last's
+    (the engine was idle in between for sure; nothing is claimed beyond), at least the idle
+    threshold long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
+    out = {}
+    for engine in timeline.meta.get(QUEUE_GAUGES) or ():
+        runs, first, last = [], None, None
+        for sample in timeline.samples_for(engine):
+            if sample.num_running + sample.num_waiting == 0:
+                first, last = (sample.t if first is None else first), sample.t
+                continue
+            if first is not None:
+                runs.append((first, last, False))
+            first = None
+        if first is not None:
+            runs.append((first, last, True))
+        out[engine] = [w for w in runs if w[1] - w[0] >= idle_threshold_s]
+    return out
+
+
 def idle_windows_by_engine(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
     """Every engine's idle windows from its own requests; engines that had none are left out."""
     by_engine: dict[str, list[tuple[float, float]]] = {}
@@ -101,9 +124,12 @@ def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: floa
 
 def engine_only_windows(timeline: Timeline, idle_threshold_s: float,
                         trace_windows: Sequence[Window]) -> list[EngineWindow]:
-    """Each engine's idle windows that hold no window of the whole trace, in time order."""
+    """Each engine's idle windows that hold no window of the whole trace, in time order
+    (scraped: from the engines' own metrics, scraped_idle_windows)."""
     out = []
-    for engine, windows in idle_windows_by_engine(timeline, idle_threshold_s).items():
+    by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
+        else idle_windows_by_engine(timeline, idle_threshold_s)
+    for engine, windows in by_engine.items():
         out += [EngineWindow(engine, *w) for w in windows if not _holds_any(w, trace_windows)]
     return sorted(out, key=lambda w: (w.start, w.engine))
 

@@ -213,3 +213,40 @@ def test_a_scraped_drained_window_never_under_reports_its_time_to_drain():
             evidence = [s for s in samples if s.send_t > deadline_t and s.t < w.end]
             assert evidence and not any(s.num_used_blocks for s in evidence)
     check()
+
+
+def engine_reading(t: float, engine: str, used: int, running: int) -> EngineSample:
+    return EngineSample(t=t, engine=engine, num_used_blocks=used, num_cached_blocks=0,
+                        num_free_blocks=100 - used, num_blocks=100, num_waiting=0, num_skipped_waiting=0,
+                        num_waiting_for_remote_kvs=0, num_running=running, num_finished_awaiting_free=0,
+                        loop_state="unknown", num_steps=0, num_wakeups=0, send_t=t - 0.01)
+
+
+def busy_trace_with_an_idle_prefill_engine(held: int, queue_gauges: list[str]) -> Timeline:
+    """P0 has no request from t=2 to t=8 (its metrics say 0 running and waiting) and holds
+    `held` blocks, while P1 and D stay busy: no idle gap of the whole trace."""
+    samples = []
+    for i in range(100):
+        t = 0.1 * i
+        p0_idle = 2.0 <= t <= 8.0
+        samples.append(engine_reading(t, "P0", held if p0_idle else 4, 0 if p0_idle else 1))
+        samples.append(engine_reading(t, "P1", 4, 1))
+    requests = [RequestRecord(f"r{i}", 0.5 * i, 0.5 * i, 0.0, 0.5 * i + 0.2, 0.5 * i + 0.8, 8, 4, 0, "length")
+                for i in range(20)]
+    meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": queue_gauges}
+    return Timeline(["P0", "P1"], {"P0": 100, "P1": 100}, samples, requests,
+                    [r.arrival_t for r in requests], [], 10.0, meta=meta)
+
+
+def test_over_http_an_engine_idle_by_its_own_metrics_is_judged_in_that_window():
+    leak = verify(busy_trace_with_an_idle_prefill_engine(held=6, queue_gauges=["P0", "P1"]), [])
+    own = [w for w in leak.windows if w.engine == "P0" and not w.is_tail]
+    assert own and own[0].start == pytest.approx(2.0) and own[0].verdict == "leak"
+    assert leak.exit_code == 1
+    drained = verify(busy_trace_with_an_idle_prefill_engine(held=0, queue_gauges=["P0", "P1"]), [])
+    assert [w.verdict for w in drained.windows if w.engine == "P0" and not w.is_tail] == ["drained"]
+
+
+def test_over_http_without_queue_gauges_no_engine_window_is_claimed():
+    verdict = verify(busy_trace_with_an_idle_prefill_engine(held=6, queue_gauges=[]), [])
+    assert not [w for w in verdict.windows if not w.is_tail]
