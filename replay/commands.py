@@ -18,12 +18,11 @@ from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.proc.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
-from replay.pipeline import ReplayConfig, ReplayResult, launch_engines, run_replay, validate_replay_trace
+from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
 
 if TYPE_CHECKING:
-    from replay.deploy.topology import TopologyLaunch
     from replay.live.auth import AuthOptions
     from replay.live.monitor import ServeMonitor
     from replay.live.serve_client import ServeClient
@@ -75,37 +74,26 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
 
 def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
     try:
-        summary = validate_replay_trace(config)
+        prepared = prepare_replay(config)  # a local wall replay's engines start meanwhile
     except TraceError as e:
         _error(console, e)
         return EXIT_USAGE
-    engines = launch_engines(config)  # a local wall replay's: they start while the rest gets ready
-    try:
-        return _run_and_report(config, summary, paths, live, console, engines)
-    finally:
-        if engines is not None:
-            engines.close()  # nothing to do once the run handed them to its router
+    with prepared:
+        return _run_and_report(prepared, paths, live, console)
 
 
-def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPaths, live: bool, console,
-                    engines: TopologyLaunch | None) -> int:
+def _run_and_report(prepared: PreparedReplay, paths: ReportPaths, live: bool, console) -> int:
     from replay.live.monitor import ReplayMonitor, replay_state
     from replay.live.serve_client import TargetLostError
     from replay.ui.tui import LiveView
-    for message in summary.bad_line_messages:
-        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
-    if summary.num_capped:
-        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
-                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
-                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
-                      soft_wrap=True)
+    config, summary = prepared.config, prepared.summary
+    _print_trace_notes(summary, config, console)
     state = replay_state(config, summary.num_requests, summary.duration)
     view = LiveView(state, console, max_window_lines=paths.max_window_lines) if live else _NoView()
-    monitor = ReplayMonitor(state, view, config.verify,  # start-up times count from the launch
-                            start=engines.launched_at if engines is not None else None)
+    monitor = ReplayMonitor(state, view, config.verify, start=prepared.launched_at)
     try:
         with view:
-            result = run_replay(config, monitor.hooks(), summary, engines)
+            result = prepared.run(monitor.hooks())
             monitor.show_final(result)
             view.tick(force=True)
     except EngineDeadError as e:  # an engine or its connector worker died: a fault
@@ -121,6 +109,17 @@ def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPa
         _error(console, e)
         return EXIT_USAGE
     return _report(result, paths, console)
+
+
+def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> None:
+    """What the checking pass skipped, and the requests the engines will stop at max_model_len."""
+    for message in summary.bad_line_messages:
+        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
+    if summary.num_capped:
+        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
+                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
+                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
+                      soft_wrap=True)
 
 
 def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
