@@ -35,6 +35,7 @@ from typing import Iterable
 import aiohttp
 
 from replay.http.scrape import MetricsSource, Scraper
+from replay.live.interrupt import Interrupted
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
@@ -168,7 +169,15 @@ class HttpReplay:
         return time.monotonic() - self.origin
 
     def run(self, records: Iterable[TraceRecord]) -> Timeline:
-        return asyncio.run(self.run_async(records))
+        """Send the trace and observe; on Ctrl-C or SIGTERM, stop there (the requests in
+        flight cancelled) and return what was seen (meta "interrupted" names the signal)."""
+        try:
+            return asyncio.run(self.run_async(records))
+        except Interrupted as e:
+            self.end_t = max(self.now(), 0.0) if self.origin else 0.0
+            timeline = self._timeline()
+            timeline.meta["interrupted"] = e.name
+            return timeline
 
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}

@@ -79,8 +79,7 @@ def test_cli_sizes_from_memory_unless_num_blocks_is_given(given: dict, blocks: i
                                                           util: float | None) -> None:
     import cli
     options = _options(**given)
-    assert (options["num_blocks"] or cli.CPU_NUM_BLOCKS, cli._gpu_memory_utilization(options)) \
-        == (blocks, util)
+    assert (options["num_blocks"] or cli.CPU_NUM_BLOCKS, cli.gpu_share(**options)) == (blocks, util)
 
 
 def test_a_profile_sets_num_blocks_and_turns_sizing_off() -> None:
