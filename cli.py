@@ -376,25 +376,26 @@ def _auth_options(**values):
         raise click.UsageError(str(e)) from None
 
 
-TOKEN_HELP = "A shared token every client must give (loopback only; KVDRAIN_TOKEN keeps it out of `ps`)."
-SERVE_SECURITY = OptionGroup("Security", "auth", (
-    click.option("--curve-keys", type=click.Path(file_okay=False, path_type=Path), default=None,
-                 help="CURVE keys made by `kvdrain keys DIR`: required to serve beyond loopback "
-                      "(clients need client.key_secret and server.key from it)."),
-    click.option("--token", envvar="KVDRAIN_TOKEN", default=None, help=TOKEN_HELP),
-    click.option("--insecure", is_flag=True, help="Serve beyond loopback without --curve-keys "
-                 "(anyone who reaches it may submit work)."),
-), build=_auth_options)
-
-
-def client_security(target: str) -> OptionGroup:
+def security_group(curve_keys_help: str, token_help: str, *serve_only: Callable) -> OptionGroup:
     return OptionGroup("Security", "auth", (
         click.option("--curve-keys", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help=f"The serve's CURVE keys directory (`kvdrain keys DIR`), for {target} "
-                          f"beyond loopback: this side needs client.key_secret and server.key."),
-        click.option("--token", envvar="KVDRAIN_TOKEN", default=None,
-                     help="The serve's shared token (KVDRAIN_TOKEN keeps it out of `ps`)."),
-    ), build=_auth_options)
+                     help=curve_keys_help),
+        click.option("--token", envvar="KVDRAIN_TOKEN", default=None, help=token_help),
+        *serve_only), build=_auth_options)
+
+
+SERVE_SECURITY = security_group(
+    "CURVE keys made by `kvdrain keys DIR`: required to serve beyond loopback (clients need "
+    "client.key_secret and server.key from it).",
+    "A shared token every client must give (loopback only; KVDRAIN_TOKEN keeps it out of `ps`).",
+    click.option("--insecure", is_flag=True, help="Serve beyond loopback without --curve-keys "
+                 "(anyone who reaches it may submit work)."))
+
+
+def client_security(flag: str) -> OptionGroup:
+    return security_group(f"The serve's CURVE keys directory (`kvdrain keys DIR`), for {flag} "
+                          f"beyond loopback: this side needs client.key_secret and server.key.",
+                          "The serve's shared token (KVDRAIN_TOKEN keeps it out of `ps`).")
 
 
 def _explain(ctx: click.Context, param: click.Parameter, value: bool) -> None:

@@ -8,8 +8,8 @@ timeline; the live view (if any) hears every phase and tick through ReplayHooks.
 verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
 
 The trace is streamed, never held: the virtual clock reads it twice (the check, the run),
-the wall clock three times (the check, the model, the run), since the check must end
-before anything starts and the model before the run starts, while the engines start.
+the wall clock three times (the check, which ends before anything starts; the model,
+which runs while the engines start; the run), each pass in the format the check found.
 """
 from __future__ import annotations
 
