@@ -365,6 +365,19 @@ OUTPUTS = OptionGroup("Outputs", "outputs", (
 ), build=_output_files)
 
 
+def _display(live: bool, all_windows: bool):
+    from replay.commands import Display
+    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES)
+
+
+DISPLAY = OptionGroup("Replay", "display", (
+    click.option("--live/--no-live", default=True, show_default=True,
+                 help="Show the live dashboard (else only the final summary)."),
+    click.option("--all-windows", is_flag=True, help="List every idle window at the end "
+                 "[default: the first few and a count]."),
+), build=_display)
+
+
 def _auth_options(**values):
     """AuthOptions from --curve-keys / --token (/ --insecure); None if none is given."""
     if not any(values.values()):
@@ -454,12 +467,9 @@ def explain_cmd() -> None:
         click.option("--clock", type=click.Choice(CLOCKS), default="wall", show_default=True,
                      help="wall: real processes in real time; virtual: in-process, deterministic, "
                           "fast (always the mock runner, with a step-cost and transfer-latency model)."),
-        click.option("--live/--no-live", default=True, show_default=True,
-                     help="Show the live dashboard (else only the final summary)."),
-        click.option("--all-windows", is_flag=True, help="List every idle window at the end "
-                     "[default: the first few and a count]."),
         click.option("--explain", is_flag=True, is_eager=True, expose_value=False, callback=_explain,
                      help="Print what the verdicts, columns and units mean, and exit."))
+@DISPLAY
 @TRACE
 @REPLAY_ENGINE
 @titled("Engine",
@@ -476,7 +486,7 @@ def explain_cmd() -> None:
 @TARGET
 @OUTPUTS
 @client_security("--target")
-def replay_cmd(trace: Path, clock: str, live: bool, all_windows: bool, trace_input: TraceInput,
+def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
                engines: Engines, profile_name: str | None, cost_profile_path: Path | None, shaping,
                verification: Verification, target: Target, outputs, auth) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
@@ -489,7 +499,7 @@ def replay_cmd(trace: Path, clock: str, live: bool, all_windows: bool, trace_inp
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
              kvdrain replay TRACE --target http://HOST:8000 --metrics P=http://P:8100/metrics
     """
-    from replay.commands import Display, replay_main
+    from replay.commands import replay_main
     from replay.pipeline import ReplayConfig
     _check_target(target, clock, engines)
     http = target.http_options(engines.model if _given("model") and target.is_http else None)
@@ -509,7 +519,6 @@ def replay_cmd(trace: Path, clock: str, live: bool, all_windows: bool, trace_inp
             check_outputs=verification.check_outputs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    display = Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES)
     sys.exit(replay_main(config, outputs, display, Console()))
 
 
