@@ -246,15 +246,17 @@ class PreparedReplay:
         """(the config as run, its pool as the engines sized it; the timeline; the expected one)."""
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
-            expected = self._expect(config, hooks)
+            expected = self._expect(config, hooks, list)
             return config, self._run_http(log, snapshots), expected
-        if not is_pool_sized_by_engines(config):
-            expected = self._expect(config, hooks)  # while the engines start
+        sized_by_engines = is_pool_sized_by_engines(config)
+        starting = self.engines.ready_engines if self.engines is not None else list
+        if not sized_by_engines:
+            expected = self._expect(config, hooks, starting)  # while the engines start
         target = self._start_target(config, hooks)
         try:
-            if is_pool_sized_by_engines(config):
+            if sized_by_engines:
                 config = _sized(config, target)
-                expected = self._expect(config, hooks)
+                expected = self._expect(config, hooks, lambda: list(target.engines))
             hooks.phase(RUNNING, list(target.engines))
             from replay.live.driver import WallClockReplay
             replay = WallClockReplay(target, _wall_options(config), hooks.on_tick)
@@ -264,11 +266,12 @@ class PreparedReplay:
         timeline.meta.update(_target_meta(config, target))
         return _sized(config, target), timeline, expected
 
-    def _expect(self, config: ReplayConfig, hooks: ReplayHooks) -> Timeline | None:
+    def _expect(self, config: ReplayConfig, hooks: ReplayHooks,
+                ready: Callable[[], list[str]]) -> Timeline | None:
         """MODELLING: the virtual clock over the same shaped trace, on config's pool: which
         gaps become idle windows (replay/verify/coverage.py); None if it cannot run (then
-        every gap counts). An engine still starting that fails meanwhile is the run's error."""
-        ready = self.engines.ready_engines if self.engines is not None else list
+        every gap counts). `ready`: the engines ready so far, shown meanwhile; one still
+        starting that fails then (EngineDeadError from `ready`) is the run's error."""
         hooks.phase(MODELLING, ready())
         dead: list[Exception] = []  # an engine that failed meanwhile (EngineDeadError)
 
