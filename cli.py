@@ -1,19 +1,28 @@
-"""The kvdrain command line: thin click commands that parse, build configs and delegate. Runs in: frontend process."""
+"""The kvdrain command line: thin click commands that parse, build configs and delegate. Runs in: frontend process.
+
+Options come in groups (replay/trace, engine, shaping, verification, target, outputs,
+security): each is one OptionGroup, whose options' values build one dataclass that the
+verb takes as a single parameter, and whose title heads its section of --help. A new
+group is a dataclass (its fields named as its options' parameters) plus one
+`OptionGroup(...)` applied as a decorator to the verbs that take it.
+"""
 from __future__ import annotations
 
+import functools
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
-from replay.deploy.balance import ROUTER_POLICIES
-from replay.deploy.routing import TOPOLOGIES, engine_roles
 from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES, MODEL_PRESETS,
                            RUNNERS, TRANSPORTS, EngineConfig, KVTransferConfig)
-from click.core import ParameterSource
-
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from replay.deploy.balance import ROUTER_POLICIES
+from replay.deploy.routing import TOPOLOGY_FORMS, engine_roles, parse_topology
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
@@ -24,84 +33,414 @@ MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 CLOCKS = ("wall", "virtual")
 CPU_NUM_BLOCKS = 512  # --num-blocks unless the pool is sized from GPU memory
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, for all of a topology's engines together
+DEFAULT_MODEL = "tiny"
+OUTPUT_FILES = ("report", "requests", "plot", "series")  # replay/commands.py OutputFiles' fields
 
 
-def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
-    """EngineConfig and KVTransferConfig from the shared options; bad values -> usage error."""
-    try:
-        engine = EngineConfig(
-            num_blocks=o["num_blocks"] or CPU_NUM_BLOCKS, gpu_memory_utilization=_gpu_memory_utilization(o),
-            block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
-            max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
-            liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
-            runner=o["runner"], device=o["device"], model=_model_preset(o["model"]))
-        kv = KVTransferConfig(transport=o["transport"], kv_lease_s=o["kv_lease_s"],
-                              pull_delay_ms=o["pull_delay_ms"], drop_read_done=o["drop_read_done"])
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    return engine, kv
+# ---- option groups ---------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class OptionGroup:
+    """Options under one --help heading; `build` makes the verb's parameter `name` out of
+    their values (a ValueError from it is a usage error). As a decorator, adds them."""
+
+    title: str
+    name: str
+    options: tuple[Callable, ...]
+    build: Callable[..., object]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in _params(self.options)]
+
+    def __call__(self, func: Callable) -> Callable:
+        names, inner = self.param_names, func
+
+        @functools.wraps(inner)
+        def func(*args, **kwargs):
+            values = {n: kwargs.pop(n) for n in names}
+            try:
+                kwargs[self.name] = self.build(**values)
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+            return inner(*args, **kwargs)
+        for option in reversed(self.options):
+            func = option(func)
+        for param in func.__click_params__[-len(self.options):]:
+            param.group_title = self.title  # read by GroupedCommand.format_options
+        return func
 
 
-def _gpu_memory_utilization(o: dict) -> float | None:
+def _params(options: tuple[Callable, ...]) -> list[click.Parameter]:
+    def probe() -> None:
+        return None
+    for option in options:
+        option(probe)
+    return probe.__click_params__
+
+
+def titled(title: str, *options: Callable) -> Callable:
+    """Options that stay separate parameters of the verb, shown under `title` in --help."""
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        for param in func.__click_params__[-len(options):]:
+            param.group_title = title
+        return func
+    return decorate
+
+
+class GroupedCommand(click.Command):
+    """--help with one section per option group, in the order the verb declares them."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        untitled: list[tuple[str, str]] = []  # a verb's own options, and -h
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                title = getattr(param, "group_title", None)
+                (untitled if title is None else sections.setdefault(title, [])).append(record)
+        for title, records in [("Options", untitled), *sections.items()]:
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
+class KvdrainGroup(click.Group):
+    command_class = GroupedCommand  # every verb's --help in sections
+
+
+def _fields(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Engines:
+    """The engines to run: their topology, one EngineConfig before each engine's role,
+    the KV transfer between P and D, and --model as given."""
+
+    topology: str
+    router: str  # which P and D take each request (replay/deploy/balance.py)
+    config: EngineConfig
+    kv: KVTransferConfig
+    model: str  # a preset; with replay --target http:// a served model's name
+
+    @classmethod
+    def of(cls, *, topology: str, router: str, model: str, num_blocks: int | None,
+           gpu_memory_utilization: float | None, **values) -> Engines:
+        kv_fields = _fields(KVTransferConfig)
+        kv = KVTransferConfig(**{k: v for k, v in values.items() if k in kv_fields})
+        config = EngineConfig(num_blocks=num_blocks or CPU_NUM_BLOCKS,
+                              gpu_memory_utilization=gpu_share(num_blocks, gpu_memory_utilization, topology),
+                              model=MODEL_PRESETS.get(model, MODEL_PRESETS[DEFAULT_MODEL]),
+                              **{k: v for k, v in values.items() if k not in kv_fields})
+        return cls(topology=topology, router=router, config=config, kv=kv, model=model)
+
+    def check_preset(self, served_name_note: str = "") -> None:
+        if self.model not in MODEL_PRESETS:
+            raise click.UsageError(f"--model: {self.model!r} is not a preset "
+                                   f"({', '.join(sorted(MODEL_PRESETS))}){served_name_note}")
+
+
+def gpu_share(num_blocks: int | None, gpu_memory_utilization: float | None, topology: str) -> float | None:
     """None with --num-blocks (vLLM's num_gpu_blocks_override); else each engine's share:
     kvdrain puts all of a topology's engines on one GPU, as `vllm serve` twice would need."""
-    if o["num_blocks"] is not None:
+    if num_blocks is not None:
         return None
-    return o["gpu_memory_utilization"] or GPU_MEMORY_UTILIZATION / len(engine_roles(o["topology"]))
+    return gpu_memory_utilization or GPU_MEMORY_UTILIZATION / len(engine_roles(topology))
 
 
-def _model_preset(name: str):
-    if name not in MODEL_PRESETS:
-        raise click.UsageError(f"--model: {name!r} is not a preset ({', '.join(sorted(MODEL_PRESETS))});"
-                               f" a served model's name goes with --target http:// only")
-    return MODEL_PRESETS[name]
+def _topology(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        parse_topology(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: must be {TOPOLOGY_FORMS}") from None
+    return value
 
 
-ENGINE_OPTIONS = [
-    click.option("--topology", type=click.Choice(TOPOLOGIES), default="pd", show_default=True,
-                 help="pd: a prefill and a decode engine with connectors; single: one engine."),
-    click.option("--liveness", type=click.Choice(LIVENESS_POLICIES), default="event", show_default=True,
-                 help="Engine loop: legacy (the pre-#43433 leak), poll (vLLM's 1 ms fix), event."),
-    click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
-                 help="torch: the real model; mock: deterministic tokens, no torch work."),
-    click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-    click.option("--model", default="tiny", show_default=True,
-                 help=f"Model preset ({', '.join(sorted(MODEL_PRESETS))}); with --target http:// "
-                      f"the served model's name (default: the first /v1/models lists)."),
-    click.option("--num-blocks", type=click.IntRange(2), default=None,
-                 help=f"KV blocks per engine, the null block included [default: {CPU_NUM_BLOCKS}; "
-                      f"the torch runner on CUDA sizes the pool from GPU memory as vLLM does]."),
-    click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
-                 help=f"The torch runner on CUDA without --num-blocks: the share of the GPU's "
-                      f"memory each engine may use, KV cache included (vLLM's flag) [default: "
-                      f"{GPU_MEMORY_UTILIZATION} shared by the engines, so {GPU_MEMORY_UTILIZATION / 2} "
-                      f"each for pd]."),
-    click.option("--block-size", type=click.IntRange(1), default=16, show_default=True),
-    click.option("--max-num-seqs", type=click.IntRange(1), default=64, show_default=True),
-    click.option("--max-num-batched-tokens", type=click.IntRange(1), default=2048, show_default=True),
-    click.option("--max-model-len", type=click.IntRange(2), default=4096, show_default=True),
-    click.option("--transport", type=click.Choice(TRANSPORTS), default="shm", show_default=True,
-                 help="How the decode side pulls blocks: shared memory or bytes over ZMQ."),
-    click.option("--kv-lease-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
-                 show_default=True, help="P's lease on an unread request's blocks (vLLM 0.32 "
-                 "NIXL's kv_lease_duration): D's heartbeats extend it while D waits; P reaps "
-                 "it only when it steps."),
-    click.option("--pull-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
-                 help="D waits this long before reading (a fault knob)."),
-    click.option("--drop-read-done", is_flag=True, help="P never hears 'read done'; only the lease frees."),
-    click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
-                 default=EngineConfig().kv_load_failure_policy, show_default=True,
-                 help="A failed remote load: fail the request (vLLM 0.32's default) or recompute it."),
-]
+def engine_group(model_help: str) -> OptionGroup:
+    return OptionGroup("Engine", "engines", (
+        click.option("--topology", default="pd", show_default=True, callback=_topology, metavar="TOPOLOGY",
+                     help="pd (= 1p1d): a prefill and a decode engine with connectors; NpMd: N "
+                          "prefill and M decode engines (2p2d, 1p3d, ...; named P0.., D0..); "
+                          "single: one engine."),
+        click.option("--router", type=click.Choice(ROUTER_POLICIES), default="round-robin",
+                     show_default=True, help="Which P and which D take each request: in turn "
+                     "(vLLM's toy proxy), the fewest in flight, or the P holding the longest "
+                     "cached prefix of its blocks (ties by load)."),
+        click.option("--liveness", type=click.Choice(LIVENESS_POLICIES), default="event",
+                     show_default=True, help="Engine loop: legacy (the pre-#43433 leak), poll "
+                     "(vLLM's 1 ms fix), event."),
+        click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
+                     help="torch: the real model; mock: deterministic tokens, no torch work."),
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+                     help="Where the torch runner runs: auto is CUDA when torch sees it, else CPU."),
+        click.option("--model", default=DEFAULT_MODEL, show_default=True, help=model_help),
+        click.option("--num-blocks", type=click.IntRange(2), default=None,
+                     help=f"KV blocks per engine, the null block included [default: {CPU_NUM_BLOCKS}; "
+                          f"the torch runner on CUDA sizes the pool from GPU memory as vLLM does]."),
+        click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+                     help=f"The torch runner on CUDA without --num-blocks: the share of the GPU's "
+                          f"memory each engine may use, KV cache included (vLLM's flag) [default: "
+                          f"{GPU_MEMORY_UTILIZATION} shared by the engines, so "
+                          f"{GPU_MEMORY_UTILIZATION / 2} each for pd]."),
+        click.option("--block-size", type=click.IntRange(1), default=16, show_default=True,
+                     help="Tokens per KV block (vLLM's --block-size)."),
+        click.option("--max-num-seqs", type=click.IntRange(1), default=64, show_default=True,
+                     help="Requests running at once per engine (vLLM's --max-num-seqs)."),
+        click.option("--max-num-batched-tokens", type=click.IntRange(1), default=2048,
+                     show_default=True, help="Tokens scheduled per step per engine; longer "
+                     "prompts prefill in chunks (vLLM's --max-num-batched-tokens)."),
+        click.option("--max-model-len", type=click.IntRange(2), default=4096, show_default=True,
+                     help="Prompt plus output tokens per request; a longer prompt is refused, "
+                          "a longer output stopped there (vLLM's --max-model-len)."),
+        click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
+                     default=EngineConfig().kv_load_failure_policy, show_default=True,
+                     help="A failed remote load: fail the request (vLLM 0.32's default) or "
+                          "recompute it."),
+        click.option("--transport", type=click.Choice(TRANSPORTS), default="shm", show_default=True,
+                     help="How the decode side pulls blocks: shared memory or bytes over ZMQ."),
+        click.option("--kv-lease-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+                     show_default=True, help="P's lease on an unread request's blocks (vLLM 0.32 "
+                     "NIXL's kv_lease_duration): D's heartbeats extend it while D waits; P reaps "
+                     "it only when it steps."),
+        click.option("--pull-delay-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="D waits this long before reading (a fault knob)."),
+        click.option("--drop-read-done", is_flag=True,
+                     help="P never hears 'read done'; only the lease frees (a fault knob)."),
+    ), build=Engines.of)
 
 
-def engine_options(func):
-    for option in reversed(ENGINE_OPTIONS):
-        func = option(func)
-    return func
+PRESETS = ", ".join(sorted(MODEL_PRESETS))
+REPLAY_ENGINE = engine_group(f"Model preset ({PRESETS}); with --target http:// the served "
+                             f"model's name (default: the first /v1/models lists).")
+SERVE_ENGINE = engine_group(f"Model preset ({PRESETS}).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceInput:
+    """How the trace file is read."""
+
+    fmt: str | None
+    skip_bad_lines: bool
+
+
+TRACE = OptionGroup("Trace", "trace_input", (
+    click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+                 help="Trace format [default: detected from the content]."),
+    click.option("--skip-bad-lines", is_flag=True, help="Count bad lines instead of stopping."),
+), build=TraceInput)
+
+
+def _shaping(**values):
+    from replay.trace.shaping import ShapingOptions
+    return ShapingOptions(**values)
+
+
+SHAPING = OptionGroup("Shaping", "shaping", (
+    click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0,
+                 show_default=True, help="Divide every arrival time (and gap) by this."),
+    click.option("--start", type=float, default=None, help="Trace window start (trace seconds)."),
+    click.option("--end", type=float, default=None, help="Trace window end (trace seconds)."),
+    click.option("--max-requests", type=click.IntRange(1), default=None,
+                 help="Send only the first N requests of the window [default: all]."),
+    click.option("--max-gap", type=click.FloatRange(min=0), default=None,
+                 help="Cap idle gaps between arrivals to this many seconds."),
+    click.option("--insert-idle", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Insert this many seconds of idle (with --insert-idle-every or --insert-idle-at)."),
+    click.option("--insert-idle-every", type=click.IntRange(1), default=None,
+                 help="... every N requests."),
+    click.option("--insert-idle-at", type=float, multiple=True, help="... at these trace times."),
+    click.option("--scale-tokens", type=click.FloatRange(min=0, min_open=True), default=1.0,
+                 show_default=True, help="Multiply prompt and output lengths (shrink for a CPU)."),
+), build=_shaping)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verification:
+    """How the run is judged; the tolerance and the tail default by clock."""
+
+    idle_threshold_s: float
+    drain_deadline_s: float
+    snapshot_tolerance_blocks: int | None  # None: 0 on the virtual clock, 2 on the wall clock
+    tail_s: float | None
+    allow_ignored: bool
+    check_outputs: bool | None
+
+    def options(self, clock: str):
+        from replay.verify.rules import VerifyOptions
+        tolerance = self.snapshot_tolerance_blocks
+        return VerifyOptions(self.idle_threshold_s, self.drain_deadline_s,
+                             tolerance if tolerance is not None else (0 if clock == "virtual" else 2),
+                             allow_ignored=self.allow_ignored)
+
+
+VERIFICATION = OptionGroup("Verification", "verification", (
+    click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0), default=1.0,
+                 show_default=True,
+                 help="A gap with nothing in flight at least this long is an idle window (s)."),
+    click.option("--drain-deadline", "drain_deadline_s", type=click.FloatRange(min=0), default=0.5,
+                 show_default=True, help="Every engine must hold no blocks this long into an "
+                 "idle window (s)."),
+    click.option("--snapshot-tolerance", "snapshot_tolerance_blocks", type=click.IntRange(0),
+                 default=None, help="Blocks of slack when matching recorded snapshots "
+                 "[default: 0 virtual, 2 wall]."),
+    click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Seconds observed after the last request [default: covers the drain deadline]."),
+    click.option("--allow-ignored", is_flag=True,
+                 help="Do not call the run inconclusive when over 1% of requests were ignored "
+                      "(prompt over max_model_len, or never fits the pool); they are still counted."),
+    click.option("--check-outputs/--no-check-outputs", default=None,
+                 help="Hold every request's output against what a single engine generates for "
+                      "its prompt; a difference (corrupt KV) is a violation [default: on for a "
+                      "local wall replay with the mock runner, where it is cheap]."),
+), build=Verification)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """--target and what an HTTP target takes."""
+
+    address: str | None
+    metrics: tuple[str, ...]
+    prompt_format: str
+    scrape_interval_s: float
+    api_key: str | None
+    vocab_size: int | None
+
+    @property
+    def is_http(self) -> bool:
+        return self.address is not None and self.address.startswith(("http://", "https://"))
+
+    def http_options(self, served_model: str | None):
+        """HttpTargetOptions for --target http://...; None for other targets (HTTP options refused)."""
+        if not self.is_http:
+            given = [n for n, v in (("--metrics", self.metrics), ("--api-key", self.api_key),
+                                    ("--vocab-size", self.vocab_size)) if v]
+            if given:
+                raise click.UsageError(f"{given[0]}: only with --target http://")
+            return None
+        from replay.http.client import HttpTargetOptions
+        from replay.http.scrape import MetricsSource
+        try:
+            return HttpTargetOptions(self.address, tuple(MetricsSource.parse(m) for m in self.metrics),
+                                     served_model, self.prompt_format, self.scrape_interval_s,
+                                     self.api_key, vocab_size=self.vocab_size)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+
+def _target(address: str | None, **values) -> Target:
+    return Target(address=normalize_target(address), **values)
+
+
+TARGET = OptionGroup("Target (a running server instead of local engines)", "target", (
+    click.option("--target", "address", default=None,
+                 help="Replay against a running `kvdrain serve` at ADDRESS (tcp://HOST:PORT, "
+                      "HOST:PORT or ipc://PATH), or any OpenAI-compatible server at "
+                      "http://HOST:PORT (vLLM, SGLang, a P/D proxy)."),
+    click.option("--metrics", multiple=True, metavar="[NAME=]URL",
+                 help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
+                      "P's and D's; NAME names the engine)."),
+    click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids",
+                 show_default=True, help="With --target http://: prompts as token ids, or as "
+                 "kvdrain's word-tokenizer text."),
+    click.option("--scrape-interval", "scrape_interval_s", type=click.FloatRange(min=0, min_open=True),
+                 default=0.1, show_default=True, help="With --target http://: seconds between scrapes."),
+    click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token."),
+    click.option("--vocab-size", type=click.IntRange(1), default=None,
+                 help="With --target http://: the model's vocabulary size, when the server does not "
+                      "say it (kvdrain's /v1/models and vLLM's /tokenize over kvdrain's words do)."),
+), build=_target)
+
+
+def normalize_target(target: str | None) -> str | None:
+    """tcp://, ipc:// or http(s):// as given; a plain HOST:PORT means tcp://."""
+    if target is None:
+        return None
+    if "://" not in target:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise click.UsageError(f"--target: {target!r} is not tcp://HOST:PORT, HOST:PORT, "
+                                   f"ipc://PATH or http://HOST:PORT")
+        return f"tcp://{target}"
+    if not target.startswith(("tcp://", "ipc://", "http://", "https://")):
+        raise click.UsageError(f"--target: {target!r}: the scheme must be tcp, ipc, http or https")
+    return target
+
+
+def _output_files(**values):
+    from replay.commands import OutputFiles
+    return OutputFiles(**values)
+
+
+def _path_option(flag: str, help: str) -> Callable:
+    return click.option(flag, type=click.Path(dir_okay=False, path_type=Path), default=None, help=help)
+
+
+OUTPUTS = OptionGroup("Outputs", "outputs", (
+    _path_option("--report", "Write the machine-readable report (JSON)."),
+    _path_option("--requests", "Write one JSON line per request."),
+    _path_option("--plot", "Write a PNG of blocks used over time, idle windows shaded (.png)."),
+    _path_option("--series", "Write the plot's time series (every engine sample) as CSV."),
+), build=_output_files)
+
+
+def _display(live: bool, all_windows: bool):
+    from replay.commands import Display
+    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES)
+
+
+DISPLAY = OptionGroup("Replay", "display", (
+    click.option("--live/--no-live", default=True, show_default=True,
+                 help="Show the live dashboard (else only the final summary)."),
+    click.option("--all-windows", is_flag=True, help="List every idle window at the end "
+                 "[default: the first few and a count]."),
+), build=_display)
+
+
+def _auth_options(**values):
+    """AuthOptions from --curve-keys / --token (/ --insecure); None if none is given."""
+    if not any(values.values()):
+        return None
+    from replay.live.auth import AuthError, AuthOptions
+    try:
+        return AuthOptions(**values)
+    except AuthError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def security_group(curve_keys_help: str, token_help: str, *serve_only: Callable) -> OptionGroup:
+    return OptionGroup("Security", "auth", (
+        click.option("--curve-keys", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help=curve_keys_help),
+        click.option("--token", envvar="KVDRAIN_TOKEN", default=None, help=token_help),
+        *serve_only), build=_auth_options)
+
+
+SERVE_SECURITY = security_group(
+    "CURVE keys made by `kvdrain keys DIR`: required to serve beyond loopback (clients need "
+    "client.key_secret and server.key from it).",
+    "A shared token every client must give (loopback only; KVDRAIN_TOKEN keeps it out of `ps`).",
+    click.option("--insecure", is_flag=True, help="Serve beyond loopback without --curve-keys (zmq) "
+                 "or --api-key (--http): anyone who reaches it may submit work."))
+
+
+def client_security(flag: str) -> OptionGroup:
+    return security_group(f"The serve's CURVE keys directory (`kvdrain keys DIR`), for {flag} "
+                          f"beyond loopback: this side needs client.key_secret and server.key.",
+                          "The serve's shared token (KVDRAIN_TOKEN keeps it out of `ps`).")
+
+
+def _explain(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        explain_cmd.callback()
+        ctx.exit(0)
+
+
+# ---- verbs ---------------------------------------------------------------------------
+
+@click.group(cls=KvdrainGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvdrain")
 def cli() -> None:
     """kvdrain: replay traces against a miniature vLLM v1 engine and find KV-block leaks.
@@ -111,13 +450,14 @@ def cli() -> None:
     kvdrain replay TRACE --clock virtual --liveness legacy
     kvdrain serve --record traffic.jsonl             # then: kvdrain top --connect ADDR
     kvdrain inspect traces/AzureLLMInferenceTrace_code.csv
+    kvdrain explain                                  # what verdicts, columns and units mean
     """
 
 
 @cli.command(name="inspect")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Trace format (default: detected).")
+              help="Trace format [default: detected].")
 @click.option("--idle-threshold", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="List gaps between arrivals at least this long (seconds).")
 def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
@@ -135,197 +475,96 @@ def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
         raise click.UsageError(str(e)) from None
 
 
-SHAPING_OPTIONS = [
-    click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-                 help="Trace format (default: detected from the content)."),
-    click.option("--skip-bad-lines", is_flag=True, help="Count bad lines instead of stopping."),
-    click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True),
-    click.option("--start", type=float, default=None, help="Trace window start (trace seconds)."),
-    click.option("--end", type=float, default=None, help="Trace window end (trace seconds)."),
-    click.option("--max-requests", type=click.IntRange(1), default=None),
-    click.option("--max-gap", type=click.FloatRange(min=0), default=None,
-                 help="Cap idle gaps between arrivals to this many seconds."),
-    click.option("--insert-idle", type=click.FloatRange(min=0, min_open=True), default=None,
-                 help="Insert this many seconds of idle (with --insert-idle-every or --insert-idle-at)."),
-    click.option("--insert-idle-every", type=click.IntRange(1), default=None, help="... every N requests."),
-    click.option("--insert-idle-at", type=float, multiple=True, help="... at these trace times."),
-    click.option("--scale-tokens", type=click.FloatRange(min=0, min_open=True), default=1.0,
-                 show_default=True, help="Multiply prompt and output lengths (shrink for a CPU)."),
-]
-
-
-AUTH_OPTIONS = [
-    click.option("--curve-keys", type=click.Path(file_okay=False, path_type=Path), default=None,
-                 help="CURVE keys made by `kvdrain keys DIR`: required to serve beyond loopback; "
-                      "a client needs client.key_secret and server.key from it."),
-    click.option("--token", envvar="KVDRAIN_TOKEN", default=None,
-                 help="A shared token every client must give (loopback; KVDRAIN_TOKEN keeps it "
-                      "out of `ps`)."),
-]
-
-
-def auth_options(func):
-    for option in reversed(AUTH_OPTIONS):
-        func = option(func)
-    return func
-
-
-def _auth(options: dict, insecure: bool = False):
-    """AuthOptions from --curve-keys / --token (popped from options); None if neither."""
-    from replay.live.auth import AuthError, AuthOptions
-    curve_keys, token = options.pop("curve_keys"), options.pop("token")
-    if curve_keys is None and token is None and not insecure:
-        return None
-    try:
-        return AuthOptions(curve_keys, token, insecure)
-    except AuthError as e:
-        raise click.UsageError(str(e)) from None
-
-
-def shaping_options(func):
-    for option in reversed(SHAPING_OPTIONS):
-        func = option(func)
-    return func
+@cli.command(name="explain")
+def explain_cmd() -> None:
+    """Print what the verdicts, exit statuses, columns and units of a replay mean."""
+    from replay.verify.report import LEGEND
+    click.echo(LEGEND)
 
 
 @cli.command(name="replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--clock", type=click.Choice(CLOCKS), default="wall", show_default=True,
-              help="wall: real processes in real time; virtual: in-process, deterministic, fast "
-                   "(always the mock runner, with a step-cost and transfer-latency model).")
-@engine_options
-@shaping_options
-@click.option("--idle-threshold", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="A gap with nothing in flight at least this long is an idle window (s).")
-@click.option("--drain-deadline", type=click.FloatRange(min=0), default=0.5, show_default=True,
-              help="Every engine must hold no blocks this long into an idle window (s).")
-@click.option("--snapshot-tolerance", type=click.IntRange(0), default=None,
-              help="Blocks of slack when matching recorded snapshots (default: 0 virtual, 2 wall).")
-@click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds observed after the last request (default: covers the drain deadline).")
-@click.option("--target", default=None,
-              help="Replay against a running `kvdrain serve` at ADDRESS (tcp://...), or any "
-                   "OpenAI-compatible server at http://HOST:PORT (vLLM, SGLang, a P/D proxy).")
-@click.option("--metrics", "metrics_urls", multiple=True, metavar="[NAME=]URL",
-              help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
-                   "P's and D's; NAME names the engine).")
-@click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids", show_default=True,
-              help="With --target http://: prompts as token ids, or as kvdrain's word-tokenizer text.")
-@click.option("--scrape-interval", type=click.FloatRange(min=0, min_open=True), default=0.1,
-              show_default=True, help="With --target http://: seconds between scrapes.")
-@click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token.")
-@click.option("--vocab-size", type=click.IntRange(1), default=None,
-              help="With --target http://: the model's vocabulary size, when the server does not "
-                   "say it (kvdrain's /v1/models and vLLM's /tokenize over kvdrain's words do).")
-@click.option("--cost-profile", "cost_profile_path", default=None,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="With --clock virtual: step costs measured by `kvdrain calibrate`.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the machine-readable report (JSON).")
-@click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Write one JSON line per request.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG of blocks used over time, idle windows shaded.")
-@click.option("--series", "series_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the plot's time series (every engine sample) as CSV.")
-@click.option("--profile", "profile_name", type=click.Choice(sorted(PROFILES)), default=None,
-              help=f"Size the engines like a real deployment (KV blocks from GPU memory as vLLM "
-                   f"does, max_model_len, batch limits); explicit size options win. Default: "
-                   f"{DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the wall clock.")
-@click.option("--allow-ignored", is_flag=True,
-              help="Do not call the run inconclusive when over 1% of requests were ignored "
-                   "(prompt over max_model_len, or never fits the pool); they are still counted.")
-@click.option("--check-outputs/--no-check-outputs", default=None,
-              help="Hold every request's output against what a single engine generates for "
-                   "its prompt; a difference (corrupt KV) is a violation. Default: on for a "
-                   "local wall replay with the mock runner, where it is cheap.")
-@click.option("--all-windows", is_flag=True, help="List every idle window at the end (default: "
-              "the first few and a count).")
-@click.option("--explain", is_flag=True, help="Print what the verdicts, columns and units mean.")
-@click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
-@auth_options
-def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
-               snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
-               report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
-               series_path: Path | None, profile_name: str | None, allow_ignored: bool,
-               check_outputs: bool | None, all_windows: bool, explain: bool, live: bool, metrics_urls: tuple[str, ...], prompt_format: str,
-               scrape_interval: float, api_key: str | None, cost_profile_path: Path | None,
-               **options) -> None:
+@titled("Replay",
+        click.option("--clock", type=click.Choice(CLOCKS), default="wall", show_default=True,
+                     help="wall: real processes in real time; virtual: in-process, deterministic, "
+                          "fast (always the mock runner, with a step-cost and transfer-latency model)."),
+        click.option("--explain", is_flag=True, is_eager=True, expose_value=False, callback=_explain,
+                     help="Print what the verdicts, columns and units mean, and exit."))
+@DISPLAY
+@TRACE
+@REPLAY_ENGINE
+@titled("Engine",
+        click.option("--profile", "profile_name", type=click.Choice(sorted(PROFILES)), default=None,
+                     help=f"Size the engines like a real deployment (KV blocks from GPU memory as "
+                          f"vLLM does, max_model_len, batch limits); explicit size options win "
+                          f"[default: {DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the "
+                          f"wall clock]."),
+        click.option("--cost-profile", "cost_profile_path", default=None,
+                     type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="With --clock virtual: step costs measured by `kvdrain calibrate`."))
+@SHAPING
+@VERIFICATION
+@TARGET
+@OUTPUTS
+@client_security("--target")
+def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
+               engines: Engines, profile_name: str | None, cost_profile_path: Path | None, shaping,
+               verification: Verification, target: Target, outputs, auth) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
 
     \b
     Exit status: 0 verified, 1 a violation, 2 bad usage, input or an unreachable
     target, 3 inconclusive (an expected idle window not observed, over 1% of requests
     ignored, KV usage not observable), 4 an engine or connector-worker fault,
-    130 Ctrl-C, 143 SIGTERM (--explain says more).
+    130 Ctrl-C, 143 SIGTERM (`kvdrain explain` says more).
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
              kvdrain replay TRACE --target http://HOST:8000 --metrics P=http://P:8100/metrics
     """
-    from replay.commands import ReportPaths, replay_main
+    from replay.commands import replay_main
     from replay.pipeline import ReplayConfig
-    from replay.trace.shaping import ShapingOptions
-    from replay.verify.rules import VerifyOptions
-    target = _normalize_target(target, clock)
-    http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
-    engine, kv = _build_configs(options)
-    engine = _apply_profile(engine, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
-                                                     else None))
+    _check_target(target, clock, engines)
+    http = target.http_options(engines.model if _given("model") and target.is_http else None)
+    if not target.is_http:
+        engines.check_preset("; a served model's name goes with --target http:// only")
+    engine = _apply_profile(engines.config, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
+                                                             else None))
+    if auth is not None and (target.address is None or target.is_http):
+        raise click.UsageError("--curve-keys/--token: only with --target of a kvdrain serve "
+                               "(an HTTP server takes --api-key)")
     try:
         config = ReplayConfig(
-            trace=trace, fmt=options["fmt"], skip_bad_lines=options["skip_bad_lines"], clock=clock,
-            topology=options["topology"], engine=engine, kv=kv, tail_s=tail_s, target=target, http=http,
-            shaping=ShapingOptions(
-                speedup=options["speedup"], start=options["start"], end=options["end"],
-                max_requests=options["max_requests"], max_gap=options["max_gap"],
-                insert_idle=options["insert_idle"], insert_idle_every=options["insert_idle_every"],
-                insert_idle_at=tuple(options["insert_idle_at"]), scale_tokens=options["scale_tokens"]),
-            verify=VerifyOptions(idle_threshold, drain_deadline,
-                                 snapshot_tolerance if snapshot_tolerance is not None
-                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored),
-            cost_profile=_cost_profile(cost_profile_path), target_auth=_target_auth(options, target),
-            check_outputs=check_outputs)
+            trace=trace, fmt=trace_input.fmt, skip_bad_lines=trace_input.skip_bad_lines, clock=clock,
+            topology=engines.topology, router=engines.router, engine=engine, kv=engines.kv,
+            tail_s=verification.tail_s,
+            target=target.address, http=http, shaping=shaping, verify=verification.options(clock),
+            cost_profile=_cost_profile(cost_profile_path), target_auth=auth,
+            check_outputs=verification.check_outputs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,
-                        None if all_windows else MAX_WINDOW_LINES)
-    sys.exit(replay_main(config, paths, live, Console()))
+    sys.exit(replay_main(config, outputs, display, Console()))
 
 
-# Explicit engine options that a running server ignores: refused with --target.
-SERVER_SIDE = ("topology", "liveness", "runner", "device", "model", "num_blocks",
-               "gpu_memory_utilization", "block_size",
-               "max_num_seqs", "max_num_batched_tokens", "max_model_len", "transport", "kv_lease_s",
-               "kv_expiry_s", "pull_delay_ms", "drop_read_done", "kv_load_failure_policy",
-               "profile_name")
+def _given(name: str) -> bool:
+    """Whether the option with parameter `name` was set on the command line (or its variable)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
-def _normalize_target(target: str | None, clock: str) -> str | None:
-    """tcp://, ipc:// or http(s):// as given; a plain HOST:PORT means tcp://. Options set on
-    the command line that only the server's engines could honour are refused."""
-    if target is None:
-        return None
+def _check_target(target: Target, clock: str, engines: Engines) -> None:
+    """--target runs in real time on the server's own engines: engine options set on the
+    command line, which only those engines could honour, are refused."""
+    if target.address is None:
+        return
     if clock == "virtual":
         raise click.UsageError("--target: replays against a running server in real time; "
                                "not with --clock virtual")
-    if "://" not in target:
-        host, sep, port = target.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise click.UsageError(f"--target: {target!r} is not tcp://HOST:PORT, HOST:PORT, "
-                                   f"ipc://PATH or http://HOST:PORT")
-        target = f"tcp://{target}"
-    elif not target.startswith(("tcp://", "ipc://", "http://", "https://")):
-        raise click.UsageError(f"--target: {target!r}: the scheme must be tcp, ipc, http or https")
-    ctx = click.get_current_context()
-    explicit = [name for name in SERVER_SIDE if name in ctx.params
-                and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
-                                                       ParameterSource.ENVIRONMENT)
-                and not (name == "model" and target.startswith("http"))]
+    server_side = [*REPLAY_ENGINE.param_names, "profile_name"]
+    explicit = [n for n in server_side if _given(n) and not (n == "model" and target.is_http)]
     if explicit:
         flag = "--profile" if explicit[0] == "profile_name" else "--" + explicit[0].replace("_", "-")
         raise click.UsageError(f"{flag}: does not apply with --target: the server runs its own "
                                f"engines (set it on `kvdrain serve`); the report records the "
                                f"server's own configuration")
-    return target
 
 
 def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
@@ -341,45 +580,24 @@ def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
         raise click.UsageError(f"--profile {name}: {e}") from None
 
 
-def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_format: str,
-                 scrape_interval: float, api_key: str | None, options: dict):
-    """HttpTargetOptions for --target http://...; None for other targets (HTTP options refused)."""
-    vocab_size = options.pop("vocab_size")
-    if target is None or not target.startswith(("http://", "https://")):
-        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key),
-                                ("--vocab-size", vocab_size)) if v]
-        if given:
-            raise click.UsageError(f"{given[0]}: only with --target http://")
-        return None
-    from replay.http.client import HttpTargetOptions
-    from replay.http.scrape import MetricsSource
-    source = click.get_current_context().get_parameter_source("model")
-    served = options["model"] if source is not click.core.ParameterSource.DEFAULT else None
-    options["model"] = "tiny"  # the engine options do not apply to someone else's server
-    try:
-        return HttpTargetOptions(target, tuple(MetricsSource.parse(m) for m in metrics_urls),
-                                 served, prompt_format, scrape_interval, api_key, vocab_size=vocab_size)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-
-
 @cli.command(name="serve")
-@engine_options
-@click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
-              help="Where clients connect (port 0: any free port, printed at start-up).")
-@click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Record the requests received and idle-time block counts as a kvdrain trace.")
-@click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
-@click.option("--http", "http_address", default=None, metavar="[HOST:]PORT",
-              help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, /health, "
-                   "/metrics) here; host 127.0.0.1 by default, port 0 picks a free one.")
-@click.option("--api-key", default=None, help="With --http: require 'Authorization: Bearer KEY' on /v1.")
-@auth_options
-@click.option("--insecure", is_flag=True,
-              help="Serve beyond loopback without --curve-keys (zmq) or --api-key (--http): "
-                   "anyone who reaches it may submit work.")
-def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: str | None,
-              api_key: str | None, **options) -> None:
+@titled("Serve",
+        click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
+                     help="Where clients connect (port 0: any free port, printed at start-up)."),
+        click.option("--http", "http_address", default=None, metavar="[HOST:]PORT",
+                     help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, "
+                          "/health, /metrics) here; host 127.0.0.1 by default, port 0 picks a free one."),
+        click.option("--api-key", default=None,
+                     help="With --http: require 'Authorization: Bearer KEY' on /v1."),
+        click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path),
+                     default=None, help="Record the requests received and idle-time block counts "
+                     "as a kvdrain trace."),
+        click.option("--live/--no-live", default=True, show_default=True,
+                     help="Show the live dashboard."))
+@SERVE_ENGINE
+@SERVE_SECURITY
+def serve_cmd(address: str, http_address: str | None, api_key: str | None, record_path: Path | None,
+              live: bool, engines: Engines, auth) -> None:
     """Start the engines and accept requests from clients until Ctrl-C.
 
     \b
@@ -389,32 +607,22 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
              kvdrain serve --http 8000   (then --target http://127.0.0.1:8000)
     """
     from replay.commands import serve_main
-    engine, kv = _build_configs(options)
+    engines.check_preset()
     http = None
     if http_address is not None:
-        from replay.http.shared_serve import HttpServe, parse_http_address
         from replay.http.server import HttpOptions
+        from replay.http.shared_serve import HttpServe, parse_http_address
         from replay.live.auth import AuthError
         try:
             host, port = parse_http_address(http_address)
-            http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{options['model']}",
-                             options["insecure"])
+            http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{engines.model}",
+                             bool(auth is not None and auth.insecure))
         except (ValueError, AuthError) as e:
             raise click.UsageError(str(e)) from None
     elif api_key is not None:
         raise click.UsageError("--api-key: only with --http")
-    auth = _auth(options, options.pop("insecure"))
-    sys.exit(serve_main(engine, kv, options["topology"], address, record_path, live, Console(), http,
-                        auth))
-
-
-def _target_auth(options: dict, target: str | None):
-    """--curve-keys / --token for --target of a kvdrain serve (refused anywhere else)."""
-    auth = _auth(options)
-    if auth is not None and (target is None or target.startswith(("http://", "https://"))):
-        raise click.UsageError("--curve-keys/--token: only with --target of a kvdrain serve "
-                               "(an HTTP server takes --api-key)")
-    return auth
+    sys.exit(serve_main(engines.config, engines.kv, engines.topology, address, record_path, live,
+                        Console(), http, auth, policy=engines.router))
 
 
 @cli.command(name="keys")
@@ -449,14 +657,16 @@ def _cost_profile(path: Path | None):
 @cli.command(name="calibrate")
 @click.option("--runner", type=click.Choice(RUNNERS), default="torch", show_default=True,
               help="torch: the real model runner; mock: the engine core's own step cost.")
-@click.option("--model", type=click.Choice(sorted(MODEL_PRESETS)), default="tiny", show_default=True)
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--model", type=click.Choice(sorted(MODEL_PRESETS)), default=DEFAULT_MODEL,
+              show_default=True, help="Model preset to time.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="Where to time it: auto is CUDA when torch sees it, else CPU.")
 @click.option("--reps", type=click.IntRange(1, 100), default=5, show_default=True,
               help="Timed steps per grid point (the median counts).")
 @click.option("--loop-overhead/--no-loop-overhead", default=True, show_default=True,
               help="Also time one real engine-core process and add its per-step loop cost.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("cost-profile.json"), show_default=True)
+              default=Path("cost-profile.json"), show_default=True, help="The cost profile (JSON).")
 def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead: bool,
                   output: Path) -> None:
     """Time the runner's steps on this device and write a cost profile for --clock virtual.
@@ -477,16 +687,16 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
 @cli.command(name="top")
 @click.option("--connect", "address", required=True, help="The address a `kvdrain serve` printed.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Stop after this long (default: until Ctrl-C).")
-@auth_options
-def top_cmd(address: str, seconds: float | None, **options) -> None:
+              help="Stop after this long [default: until Ctrl-C or q].")
+@client_security("--connect")
+def top_cmd(address: str, seconds: float | None, auth) -> None:
     """Attach the live dashboard to a running `kvdrain serve`.
 
     \b
     Example: kvdrain top --connect tcp://127.0.0.1:5555
     """
     from replay.commands import top_main
-    sys.exit(top_main(address, seconds, Console(), _auth(options)))
+    sys.exit(top_main(address, seconds, Console(), auth))
 
 
 @cli.command(name="proxy")

@@ -65,7 +65,8 @@ def wrap(owner, attr, name):
         note(name)
         return result
     setattr(owner, attr, hooked)
-wrap(pipeline, "validate_replay_trace", "trace validated")
+wrap(pipeline, "validate_replay_trace" if hasattr(pipeline, "validate_replay_trace") else "validate_trace",
+     "trace validated")
 if hasattr(pipeline, "launch_engines"):  # a checkout that starts the engines early
     wrap(pipeline, "launch_engines", "engines launched")
     wrap(topology.TopologyLaunch, "wait_ready", "engines ready")

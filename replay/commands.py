@@ -7,9 +7,10 @@ where they are used, not here.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,24 +19,64 @@ from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.proc.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
-from replay.pipeline import ReplayConfig, ReplayResult, launch_engines, run_replay, validate_replay_trace
+from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
 
 if TYPE_CHECKING:
-    from replay.deploy.topology import TopologyLaunch
     from replay.live.auth import AuthOptions
     from replay.live.monitor import ServeMonitor
     from replay.live.serve_client import ServeClient
 
 
-@dataclass(frozen=True, slots=True)
-class ReportPaths:
-    report: Path | None = None
-    requests: Path | None = None
-    plot: Path | None = None
+PLOT_SUFFIX = ".png"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputFiles:
+    """The files a replay writes once it has a verdict (None: not written)."""
+
+    report: Path | None = None  # the machine-readable report (JSON)
+    requests: Path | None = None  # one JSON line per request
+    plot: Path | None = None  # a PNG of blocks used over time
     series: Path | None = None  # the plot's time series as CSV
-    explain: bool = False  # print the legend of verdicts, columns and units
+
+    def given(self) -> list[tuple[str, Path]]:
+        """(--flag, path) of each file asked for."""
+        return [(f"--{f.name}", getattr(self, f.name)) for f in fields(self)
+                if getattr(self, f.name) is not None]
+
+    def check(self) -> None:
+        """A ValueError naming the first file that could not be written, before a run
+        that may take hours; a write can still fail later (a full disk: /dev/full)."""
+        for flag, path in self.given():
+            why = unwritable(path)
+            if why is not None:
+                raise ValueError(f"{flag} {path}: {why}")
+        if self.plot is not None and self.plot.suffix.lower() != PLOT_SUFFIX:
+            raise ValueError(f"--plot {self.plot}: the plot is a PNG; name the file *{PLOT_SUFFIX}")
+        paths = [path.resolve() for _, path in self.given()]
+        if len(set(paths)) < len(paths):
+            raise ValueError("--report/--requests/--plot/--series: two outputs name the same file")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be opened for writing, or None."""
+    if path.is_dir():
+        return "is a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "not writable"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"no such directory: {parent}"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"the directory {parent} is not writable"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Display:
+    """What the terminal shows while and after a replay runs."""
+
+    live: bool = True  # the live dashboard (else only the final summary)
     max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
 
 
@@ -59,12 +100,18 @@ class _NoView:
         return None
 
 
-def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
+def replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
     """Ctrl-C and SIGTERM stop the replay alike: the engines shut down, the run dir goes,
-    the partial verdict is printed, and the exit status is 130 or 143."""
+    the partial verdict is printed and the outputs written, and the exit status is 130 or
+    143. An output that cannot be written is exit 2: before the run if it is known then."""
+    try:
+        outputs.check()
+    except ValueError as e:
+        _error(console, e)
+        return EXIT_USAGE
     with interruptible():
         try:
-            return _replay_main(config, paths, live, console)
+            return _replay_main(config, outputs, display, console)
         except Interrupted as e:
             _error(console, f"interrupted by {e.name}; nothing is left running")
             return e.exit_code
@@ -73,39 +120,29 @@ def replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -
             return EXIT_INTERRUPTED
 
 
-def _replay_main(config: ReplayConfig, paths: ReportPaths, live: bool, console) -> int:
+def _replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
     try:
-        summary = validate_replay_trace(config)
+        prepared = prepare_replay(config)  # a local wall replay's engines start meanwhile
     except TraceError as e:
         _error(console, e)
         return EXIT_USAGE
-    engines = launch_engines(config)  # a local wall replay's: they start while the rest gets ready
-    try:
-        return _run_and_report(config, summary, paths, live, console, engines)
-    finally:
-        if engines is not None:
-            engines.close()  # nothing to do once the run handed them to its router
+    with prepared:
+        return _run_and_report(prepared, outputs, display, console)
 
 
-def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPaths, live: bool, console,
-                    engines: TopologyLaunch | None) -> int:
+def _run_and_report(prepared: PreparedReplay, outputs: OutputFiles, display: Display, console) -> int:
     from replay.live.monitor import ReplayMonitor, replay_state
     from replay.live.serve_client import TargetLostError
     from replay.ui.tui import LiveView
-    for message in summary.bad_line_messages:
-        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
-    if summary.num_capped:
-        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
-                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
-                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
-                      soft_wrap=True)
+    config, summary = prepared.config, prepared.summary
+    _print_trace_notes(summary, config, console)
     state = replay_state(config, summary.num_requests, summary.duration)
-    view = LiveView(state, console, max_window_lines=paths.max_window_lines) if live else _NoView()
-    monitor = ReplayMonitor(state, view, config.verify,  # start-up times count from the launch
-                            start=engines.launched_at if engines is not None else None)
+    view = (LiveView(state, console, max_window_lines=display.max_window_lines) if display.live
+            else _NoView())
+    monitor = ReplayMonitor(state, view, config.verify, start=prepared.launched_at)
     try:
         with view:
-            result = run_replay(config, monitor.hooks(), summary, engines)
+            result = prepared.run(monitor.hooks())
             monitor.show_final(result)
             view.tick(force=True)
     except EngineDeadError as e:  # an engine or its connector worker died: a fault
@@ -120,12 +157,22 @@ def _run_and_report(config: ReplayConfig, summary: TraceSummary, paths: ReportPa
     except ValueError as e:  # TraceError among them: input the target cannot take
         _error(console, e)
         return EXIT_USAGE
-    return _report(result, paths, console)
+    return _report(result, outputs, console)
 
 
-def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
-    from replay.verify.plot import write_plot, write_series
-    from replay.verify.report import build_report, print_summary, set_status, write_report, write_requests
+def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> None:
+    """What the checking pass skipped, and the requests the engines will stop at max_model_len."""
+    for message in summary.bad_line_messages:
+        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
+    if summary.num_capped:
+        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
+                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
+                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
+                      soft_wrap=True)
+
+
+def _report(result: ReplayResult, outputs: OutputFiles, console) -> int:
+    from replay.verify.report import build_report, print_summary, set_status
     s = result.summary
     trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
              "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
@@ -139,24 +186,38 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
-    print_summary(console, report, paths.explain)
+    print_summary(console, report)
     interrupted = _interruption(result, report, console)
-    if paths.report is not None:
-        write_report(paths.report, report)
-    if paths.requests is not None:
-        write_requests(paths.requests, result.timeline)
-    if paths.series is not None:
-        write_series(paths.series, result.timeline)
-    if paths.plot is not None:
-        try:
-            write_plot(paths.plot, result.timeline, result.verdict, _plot_title(result, report),
-                       result.config.verify.drain_deadline_s)
-        except RuntimeError as e:
-            _error(console, e)
-            return EXIT_USAGE
+    written = _write_outputs(outputs, result, report, console)
     if interrupted is not None:
         return interrupted.exit_code
-    return report["exit_code"]
+    return report["exit_code"] if written else EXIT_USAGE
+
+
+def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, console) -> bool:
+    """Every file asked for, each said when written; a failure is one line and the rest
+    are still written. False if any failed."""
+    from replay.verify.plot import write_plot, write_series
+    from replay.verify.report import write_report, write_requests
+    writers = {
+        "report": lambda path: write_report(path, report),
+        "requests": lambda path: write_requests(path, result.timeline),
+        "series": lambda path: write_series(path, result.timeline),
+        "plot": lambda path: write_plot(path, result.timeline, result.verdict, _plot_title(result, report),
+                                        result.config.verify.drain_deadline_s)}
+    ok = True
+    for flag, path in outputs.given():
+        try:
+            writers[flag[2:]](path)
+        except OSError as e:
+            _error(console, f"{flag} {path}: not written: {e.strerror or e} (exit {EXIT_USAGE})")
+            ok = False
+        except RuntimeError as e:  # --plot without matplotlib
+            _error(console, f"{flag} {path}: not written: {e} (exit {EXIT_USAGE})")
+            ok = False
+        else:
+            console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    return ok
 
 
 def _plot_title(result: ReplayResult, report: dict) -> str:
@@ -205,7 +266,8 @@ class _StopFlag:
 
 
 def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
-               record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None) -> int:
+               record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None,
+               policy: str = "round-robin") -> int:
     """http: replay/http/shared_serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
     auth: the credentials clients must give (replay/live/auth.py)."""
     from replay.live.auth import AuthOptions
@@ -223,7 +285,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     for warning in front.warnings:
         console.print(f"[bold red]{warning}[/]", highlight=False, soft_wrap=True)
     try:
-        router = start_topology(engine, kv, topology)
+        router = start_topology(engine, kv, topology, router=policy)
     except BaseException:
         front.close()
         raise

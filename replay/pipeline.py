@@ -1,12 +1,19 @@
-"""One replay from a trace file to a verdict: validate, shape, drive, verify. Runs in: frontend process.
+"""One replay from a trace file to a verdict: prepare, then run. Runs in: frontend process.
 
-The CLI parses options into a ReplayConfig and calls run_replay; the live view (if
-any) is notified on every tick. A bad trace raises TraceError before anything is
-sent (the CLI's exit status 2); a verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
+prepare_replay checks the trace against the engines' limits (a bad one raises TraceError
+with nothing started: the CLI's exit status 2) and launches a local wall replay's
+engines; PreparedReplay.run models the expected idle windows once (MODELLING), drives
+the trace (virtual clock, local engines, a serve or an HTTP server) and verifies the
+timeline; the live view (if any) hears every phase and tick through ReplayHooks. A
+verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
+
+The trace is streamed, never held: the virtual clock reads it twice (the check, the run),
+the wall clock three times (the check, which ends before anything starts; the model,
+which runs while the engines start; the run), each pass in the format the check found.
 """
 from __future__ import annotations
 
-import contextlib
+import os
 import time
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -18,6 +25,7 @@ from replay.deploy.balance import RouterPolicy
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
+from replay.live.interrupt import Interrupted
 from replay.verify.timeline import Timeline
 from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
                                  validate_trace)
@@ -28,7 +36,7 @@ from replay.verify.rules import Verdict, VerifyOptions, verify
 
 if TYPE_CHECKING:  # imported where used: a wall replay's engines start before they load
     from replay.deploy.topology import TopologyLaunch
-    from replay.live.driver import ReplayTarget, WallClockReplay
+    from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
     from replay.sim.simulation import ProgressCallback
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
@@ -152,89 +160,209 @@ def trace_limits(config: ReplayConfig) -> TraceLimits:
     return TraceLimits(config.engine.max_model_len, config.engine.model.vocab_size, scale)
 
 
-def validate_replay_trace(config: ReplayConfig) -> TraceSummary:
-    """The validating pass over config's trace, against the engines' limits; TraceError if bad."""
-    return validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+def is_pool_sized_by_engines(config: ReplayConfig) -> bool:
+    """Whether only the engines know their pool's size until they are ready: a --target
+    serve's, or the torch runner's on CUDA sized from GPU memory (vLLM's profile run).
+    Without torch here, "auto" counts as CUDA wherever a GPU driver is present."""
+    if config.target is not None:
+        return True
+    engine = config.engine
+    if config.http is not None or engine.runner != "torch" or engine.gpu_memory_utilization is None:
+        return False
+    return engine.device == "cuda" or (engine.device == "auto" and _may_have_cuda())
+
+
+def _may_have_cuda() -> bool:
+    return os.environ.get("CUDA_VISIBLE_DEVICES") != "" and os.path.exists("/dev/nvidiactl")
+
+
+def prepare_replay(config: ReplayConfig) -> PreparedReplay:
+    """The trace checked against the engines' limits (TraceError if bad: nothing started),
+    then a local wall-clock replay's engines launched, left starting while the caller
+    draws its view and the run models the idle windows. The caller closes it."""
+    summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    return PreparedReplay(config=config, summary=summary, engines=launch_engines(config))
 
 
 def launch_engines(config: ReplayConfig) -> TopologyLaunch | None:
-    """A local wall-clock replay's engines, spawned now and left starting, so that the
-    frontend can model the trace and draw its view meanwhile (run_replay waits for
-    them); None under the virtual clock and with a --target. The caller closes it."""
+    """A local wall-clock replay's engines, spawned now; None under the virtual clock and
+    with a --target."""
     if config.clock != "wall" or config.target is not None or config.http is not None:
         return None
     from replay.deploy.topology import TopologyLaunch  # engine processes only for a wall replay
     return TopologyLaunch(config.engine, config.kv, config.topology, router=config.router)
 
 
-def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None,
-               summary: TraceSummary | None = None,
-               engines: TopologyLaunch | None = None) -> ReplayResult:
-    """Validate (unless a summary of that pass is given), shape, drive, verify.
-
-    engines: launch_engines(config)'s, still starting (the caller closes them: a no-op
-    once the run handed them to its router); without, a local wall replay launches its own."""
-    hooks = hooks or ReplayHooks()
-    if summary is None:
-        summary = validate_replay_trace(config)
-    log = ShapingLog()
-    snapshots: list[TraceSnapshot] = []
-    trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
-    records = _keep_snapshots(shape(trace, config.shaping, log), snapshots)
-    start = time.monotonic()
-    if config.clock == "virtual":
-        from replay.sim.simulation import simulate
-        timeline = model = simulate(records, _sim_options(config), hooks.on_progress)
-    else:
-        launched = launch_engines(config) if engines is None else None
-        with launched or contextlib.nullcontext():  # launched here: closed here, whatever happens
-            timeline, model = _model_and_replay_wall(config, records, hooks, summary, engines or launched)
-        server = timeline.meta.get("server") or {}  # --target: the serve's engines sized theirs
-        sized = timeline.meta.get("num_blocks") or server.get("num_blocks") or config.engine.num_blocks
-        if sized != config.engine.num_blocks:  # pools sized from GPU memory: report and model them
-            config = replace(config, engine=replace(config.engine, num_blocks=sized))
-            model = model_timeline(replace(config, engine=replace(config.engine, gpu_memory_utilization=None)))
-    arrivals = timeline.arrivals if model is None else model.arrivals
-    expected = expected_windows(arrivals, config.verify.idle_threshold_s, model)
-    expected_own = expected_engine_windows(model, config.verify.idle_threshold_s)
-    verdict = verify(timeline, snapshots, config.verify, expected, expected_own)
-    return ReplayResult(config, summary, log, timeline, verdict, time.monotonic() - start)
+def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None) -> ReplayResult:
+    """prepare_replay then PreparedReplay.run, for a caller with nothing to show between."""
+    with prepare_replay(config) as prepared:
+        return prepared.run(hooks)
 
 
-def _model_and_replay_wall(config: ReplayConfig, records: Iterator[TraceRecord], hooks: ReplayHooks,
-                           summary: TraceSummary, engines: TopologyLaunch | None
-                           ) -> tuple[Timeline, Timeline | None]:
-    """Model the idle windows while the engines start (separate processes), then run."""
-    if engines is not None and not engines.is_for(config.engine, config.kv, config.topology):
-        raise ValueError("run_replay: the engines given were launched for another configuration")
-    ready = engines.ready_engines if engines is not None else list
-    hooks.phase(MODELLING, ready())
-    dead: list[Exception] = []  # an engine that failed meanwhile (EngineDeadError)
+@dataclass(slots=True, kw_only=True)
+class PreparedReplay:
+    """A replay whose trace was checked, its engines (a local wall replay's) starting.
 
-    def on_progress(num_done: int, t: float) -> None:  # the engines ready so far, too
+    run() goes through the phases: the expected idle windows modelled once, on the pool
+    the engines run (MODELLING: while they start when that pool is known beforehand), the
+    trace driven (CONNECTING or STARTING, then RUNNING), the timeline verified."""
+
+    config: ReplayConfig
+    summary: TraceSummary  # the checking pass's
+    engines: TopologyLaunch | None  # a local wall replay's, handed to its router by run()
+
+    def close(self) -> None:
+        """Shut down engines not handed to a run (a no-op once run() took them)."""
+        if self.engines is not None:
+            self.engines.close()
+
+    def __enter__(self) -> PreparedReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def launched_at(self) -> float | None:
+        """When the engines were launched (the live view's start-up clock counts from it)."""
+        return self.engines.launched_at if self.engines is not None else None
+
+    def records(self, config: ReplayConfig, log: ShapingLog) -> Iterator[TraceRecord]:
+        """A pass over the shaped trace, in the format the checking pass found."""
+        trace = read_trace(config.trace, self.summary.format, config.skip_bad_lines, trace_limits(config))
+        return shape(trace, config.shaping, log)
+
+    def run(self, hooks: ReplayHooks | None = None) -> ReplayResult:
+        hooks = hooks or ReplayHooks()
+        config, log, snapshots = self.config, ShapingLog(), []
+        start = time.monotonic()
+        if config.clock == "virtual":
+            timeline = expected = simulate_interruptible(
+                _keep_snapshots(self.records(config, log), snapshots), _sim_options(config),
+                hooks.on_progress)
+        else:
+            config, timeline, expected = self._run_wall(hooks, log, snapshots)
+        windows = expected_windows(timeline.arrivals if expected is None else expected.arrivals,
+                                   config.verify.idle_threshold_s, expected)
+        own = expected_engine_windows(expected, config.verify.idle_threshold_s)
+        verdict = verify(timeline, snapshots, config.verify, windows, own)
+        return ReplayResult(config, self.summary, log, timeline, verdict, time.monotonic() - start)
+
+    def _run_wall(self, hooks: ReplayHooks, log: ShapingLog, snapshots: list[TraceSnapshot]
+                  ) -> tuple[ReplayConfig, Timeline, Timeline | None]:
+        """(the config as run, its pool as the engines sized it; the timeline; the expected one)."""
+        config = self.config
+        if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
+            expected = self._expect(config, hooks, list)
+            return config, self._run_http(log, snapshots), expected
+        sized_by_engines = is_pool_sized_by_engines(config)
+        starting = self.engines.ready_engines if self.engines is not None else list
+        if not sized_by_engines:
+            expected = self._expect(config, hooks, starting)  # while the engines start
+        target = self._start_target(config, hooks)
         try:
-            now_ready = ready()
-        except Exception as e:  # a RuntimeError: model_timeline would take it for the model's
-            dead.append(e)
-            raise
-        hooks.phase(MODELLING, now_ready)
-        if hooks.on_progress is not None:
-            hooks.on_progress(num_done, t)
-    model = model_timeline(config, on_progress)  # before running: which idle windows to expect
-    if dead:
-        raise dead[0]
-    return _replay_wall(config, records, hooks, summary, engines), model
+            if sized_by_engines:
+                config = _sized(config, target)
+                expected = self._expect(config, hooks, lambda: list(target.engines))
+            hooks.phase(RUNNING, list(target.engines))
+            from replay.live.driver import WallClockReplay
+            replay = WallClockReplay(target, _wall_options(config), hooks.on_tick)
+            timeline = replay.run(_keep_snapshots(self.records(config, log), snapshots))
+        finally:
+            target.shutdown()
+        timeline.meta.update(_target_meta(config, target))
+        return _sized(config, target), timeline, expected
+
+    def _expect(self, config: ReplayConfig, hooks: ReplayHooks,
+                ready: Callable[[], list[str]]) -> Timeline | None:
+        """MODELLING: the virtual clock over the same shaped trace, on config's pool: which
+        gaps become idle windows (replay/verify/coverage.py); None if it cannot run (then
+        every gap counts). `ready`: the engines ready so far, shown meanwhile; one still
+        starting that fails then (EngineDeadError from `ready`) is the run's error."""
+        hooks.phase(MODELLING, ready())
+        dead: list[Exception] = []  # an engine that failed meanwhile (EngineDeadError)
+
+        def on_progress(num_done: int, t: float) -> None:  # the engines ready so far, too
+            try:
+                now_ready = ready()
+            except Exception as e:  # a RuntimeError: it would pass for the model's own
+                dead.append(e)
+                raise
+            hooks.phase(MODELLING, now_ready)
+            if hooks.on_progress is not None:
+                hooks.on_progress(num_done, t)
+        expected = model_timeline(self.records(config, ShapingLog()), config, on_progress)
+        if dead:
+            raise dead[0]
+        return expected
+
+    def _start_target(self, config: ReplayConfig, hooks: ReplayHooks) -> ReplayTarget:
+        """A running serve's client (--target), else the local engines once all are ready."""
+        if config.target is not None:
+            hooks.phase(CONNECTING)
+            from replay.live.serve_client import ServeClient
+            return ServeClient(config.target, auth=config.target_auth)
+        engines = self.engines
+        ready = engines.ready_engines()
+        if len(ready) < len(engines.clients):  # a phase only if there is still a wait
+            hooks.phase(STARTING, ready)
+        return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
+
+    def _run_http(self, log: ShapingLog, snapshots: list[TraceSnapshot]) -> Timeline:
+        from replay.http.client import HttpReplay
+        config = self.config
+        options = replace(config.http, tail_s=config.effective_tail_s(),
+                          max_token_id=self.summary.max_prompt_token_id)
+        return HttpReplay(options).run(_keep_snapshots(self.records(config, log), snapshots))
 
 
-def model_timeline(config: ReplayConfig, on_progress: ProgressCallback | None = None) -> Timeline | None:
-    """The virtual clock over the same shaped trace: the model of which gaps become idle
-    windows (replay/verify/coverage.py); None if it cannot run (then every gap counts)."""
+def model_timeline(records: Iterator[TraceRecord], config: ReplayConfig,
+                   on_progress: ProgressCallback | None = None) -> Timeline | None:
+    """The virtual clock over `records` on config's engines: the expected timeline; None
+    if it cannot run."""
     from replay.sim.simulation import simulate
-    trace = read_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
     try:
-        return simulate(shape(trace, config.shaping, ShapingLog()), _sim_options(config), on_progress)
+        return simulate(records, _sim_options(config), on_progress)
     except (ValueError, RuntimeError):
         return None
+
+
+def simulate_interruptible(records: Iterator[TraceRecord], options: SimOptions,
+                           on_progress: ProgressCallback | None) -> Timeline:
+    """The virtual clock's replay; Ctrl-C or SIGTERM stops it where it is, with the
+    timeline so far (meta "interrupted" names the signal), as the wall clock's driver does."""
+    from replay.sim.simulation import Simulation
+    simulation = Simulation(records, options, on_progress)
+    try:
+        return simulation.run()
+    except Interrupted as e:
+        return simulation.stopped(e.name)
+
+
+def _sized(config: ReplayConfig, target: ReplayTarget) -> ReplayConfig:
+    """config with the pool the engines allocated (from GPU memory, or a serve's own)."""
+    info = getattr(target, "info", None)  # a serve's ServeInfo; num_blocks 0: not said
+    sized = (info.num_blocks if info is not None else target.num_blocks) or config.engine.num_blocks
+    if sized == config.engine.num_blocks:
+        return config
+    return replace(config, engine=replace(config.engine, num_blocks=sized))
+
+
+def _target_meta(config: ReplayConfig, target: ReplayTarget) -> dict:
+    info = getattr(target, "info", None)  # a serve's ServeInfo: its own configuration
+    if info is not None:
+        server = {f.name: getattr(info, f.name) for f in fields(info)}
+        return {"liveness": info.liveness, "topology": info.topology, "server": server}
+    # the pool the engines allocated (sized from GPU memory, maybe)
+    return {"liveness": config.engine.liveness, "topology": config.topology,
+            "num_blocks": target.num_blocks}
+
+
+def _wall_options(config: ReplayConfig) -> WallOptions:
+    from replay.live.driver import WallOptions
+    expected = (partial(mock_output_tokens, engine=config.engine)
+                if config.effective_check_outputs() else None)
+    return WallOptions(tail_s=config.effective_tail_s(), expected_tokens=expected)
 
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
@@ -244,47 +372,6 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
     return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology, router=config.router,
                       tail_s=config.effective_tail_s(),
                       cost_model=profile.model if profile is not None else None)
-
-
-def _replay_wall(config: ReplayConfig, records: Iterator[TraceRecord], hooks: ReplayHooks,
-                 summary: TraceSummary, engines: TopologyLaunch | None) -> Timeline:
-    if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
-        from replay.http.client import HttpReplay
-        return HttpReplay(replace(config.http, tail_s=config.effective_tail_s(),
-                                  max_token_id=summary.max_prompt_token_id)).run(records)
-    from replay.live.driver import WallClockReplay, WallOptions
-    expected = (partial(mock_output_tokens, engine=config.engine)
-                if config.effective_check_outputs() else None)
-    options = WallOptions(tail_s=config.effective_tail_s(), expected_tokens=expected)
-    target = _start_target(config, hooks, engines)
-    try:
-        hooks.phase(RUNNING, list(target.engines))
-        replay = WallClockReplay(target, options, hooks.on_tick)
-        timeline = replay.run(records)
-    finally:
-        target.shutdown()
-    info = getattr(target, "info", None)  # a serve's ServeInfo: its own configuration
-    if info is not None:
-        server = {f.name: getattr(info, f.name) for f in fields(info)}
-        timeline.meta.update({"liveness": info.liveness, "topology": info.topology, "server": server})
-    else:  # the pool the engines allocated (sized from GPU memory, maybe)
-        timeline.meta.update({"liveness": config.engine.liveness, "topology": config.topology,
-                              "num_blocks": target.num_blocks})
-    return timeline
-
-
-def _start_target(config: ReplayConfig, hooks: ReplayHooks,
-                  engines: TopologyLaunch | None) -> ReplayTarget:
-    """A running serve's client (--target), else the local engines once all are ready."""
-    if config.target is not None:
-        hooks.phase(CONNECTING)
-        from replay.live.serve_client import ServeClient
-        return ServeClient(config.target, auth=config.target_auth)
-    assert engines is not None  # run_replay launches them for a local wall replay
-    ready = engines.ready_engines()
-    if len(ready) < len(engines.clients):  # a phase only if there is still a wait
-        hooks.phase(STARTING, ready)
-    return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
 
 def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:

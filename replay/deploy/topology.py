@@ -93,10 +93,6 @@ class TopologyLaunch:
         with spawning_without_main():
             return MPClient(config, self.run_dir, wait=False)
 
-    def is_for(self, base: EngineConfig, kv: KVTransferConfig, topology: str) -> bool:
-        """Whether these engines run exactly this configuration."""
-        return (self.base, self.kv, self.topology) == (base, kv, topology)
-
     def ready_engines(self) -> list[str]:
         """The engines ready so far, without waiting; EngineDeadError if one failed."""
         try:

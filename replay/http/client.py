@@ -53,6 +53,7 @@ from replay.http.protocol import DuplicateKeyError, loads_strict
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
                                       probe_vocab_size, read_facts, root_of)
+from replay.live.interrupt import Interrupted
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
@@ -294,7 +295,15 @@ class HttpReplay:
         return time.monotonic() - self.origin
 
     def run(self, records: Iterable[TraceRecord]) -> Timeline:
-        return asyncio.run(self.run_async(records))
+        """Send the trace and observe; on Ctrl-C or SIGTERM, stop there (the requests in
+        flight cancelled) and return what was seen (meta "interrupted" names the signal)."""
+        try:
+            return asyncio.run(self.run_async(records))
+        except Interrupted as e:
+            self.end_t = max(self.now(), 0.0) if self.origin else 0.0
+            timeline = self._timeline()
+            timeline.meta["interrupted"] = e.name
+            return timeline
 
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}

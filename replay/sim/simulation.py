@@ -202,6 +202,12 @@ class Simulation:
         if self.end is None or nxt <= self.end:
             self.loop.push(nxt, TICK, 0, self._tick)
 
+    def stopped(self, signal_name: str) -> Timeline:
+        """The timeline so far of a run that a signal stopped (meta "interrupted" names it)."""
+        timeline = self._finish()
+        timeline.meta["interrupted"] = signal_name
+        return timeline
+
     def _finish(self) -> Timeline:
         self.loop.now = self.end if self.end is not None else self.loop.now
         if self.on_progress is not None:

@@ -13,6 +13,7 @@ what was replayed against: kvdrain and its liveness policy, or the server and ve
 from __future__ import annotations
 
 import csv
+import io
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -132,8 +133,10 @@ def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = ""
     axes[-1, 0].set_xlabel("replay time (s)")
     fig.suptitle(title or "kvdrain replay", fontsize=11, x=0.01, ha="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()  # rendered whole, then written: a failed write raises OSError
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    path.write_bytes(png.getvalue())
 
 
 def system_label(settings: dict) -> str:

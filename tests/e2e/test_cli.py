@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import click
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,69 @@ def test_live_view_on_a_real_terminal():
     assert os.waitstatus_to_exitcode(status) == 1
     for text in ("engine P", "engine D", "idle windows", "leak", "drained", "VIOLATION:"):
         assert text in screen, text
+
+
+def _options(command: str) -> list:
+    return [p for p in cli.commands[command].params if isinstance(p, click.Option)]
+
+
+def test_every_option_of_every_verb_is_described_under_a_section_of_its_help():
+    for name, command in cli.commands.items():
+        for option in _options(name):
+            assert option.help, f"{name} {option.opts[0]} has no help"
+    text = invoke("replay", "--help").output
+    for title in ("Engine:", "Shaping:", "Verification:", "Target", "Outputs:", "Security:"):
+        assert f"\n{title}" in text, title
+    for flag in ("--device", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--max-model-len", "--speedup", "--max-requests"):
+        option = next(o for o in _options("replay") if flag in o.opts)
+        assert len(option.help) > 20, flag
+
+
+def test_help_says_what_holds_where_it_stands():
+    """serve's --model is a preset only; a client's --curve-keys is not what a serve needs."""
+    model = next(o for o in _options("serve") if o.name == "model")
+    assert "--target" not in model.help
+    for verb in ("serve", "replay", "top"):
+        keys = next(o for o in _options(verb) if o.name == "curve_keys")
+        assert ("required to serve beyond loopback" in keys.help) == (verb == "serve"), verb
+
+
+def test_no_verb_takes_more_than_a_dozen_or_so_parameters():
+    import inspect
+    for name, command in cli.commands.items():
+        assert len(inspect.signature(command.callback).parameters) <= 12, name
+
+
+def test_explain_prints_the_glossary_at_once_without_a_trace(monkeypatch):
+    import replay.commands as commands
+
+    def never(*args, **kwargs):
+        raise AssertionError("the replay ran")
+    monkeypatch.setattr(commands, "replay_main", never)
+    for args in (["explain"], ["replay", "--explain"], ["replay", str(EXAMPLE), "--explain"]):
+        result = invoke(*args)
+        assert result.exit_code == 0 and result.output.startswith("Verdicts (exit status):"), args
+
+
+@pytest.mark.parametrize("option", [o for o in cli.commands["replay"].params
+                                    if "group_title" in vars(o) and o.group_title == "Engine"],
+                         ids=lambda o: o.opts[0])
+def test_every_engine_option_set_with_target_is_refused(option):
+    """The list of what only a server's engines honour is the engine group itself."""
+    if option.is_flag:
+        value = []
+    elif isinstance(option.type, click.Choice):
+        value = [option.type.choices[-1]]
+    elif isinstance(option.type, click.Path):
+        value = [str(EXAMPLE)]
+    elif isinstance(option.type, click.FloatRange):
+        value = ["0.5"]
+    elif option.name == "topology":
+        value = ["2p2d"]
+    else:
+        value = ["2"]
+    if option.name in ("model", "cost_profile_path"):
+        pytest.skip("--model names the served model over HTTP; --cost-profile is the virtual clock's")
+    result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)
+    assert result.exit_code == 2 and "does not apply with --target" in result.output, result.output

@@ -16,11 +16,11 @@ def _wall_config():
                         shaping=ShapingOptions(speedup=100), tail_s=1.0)
 
 
-def _dying_launch(config):
+def _dying_launch(config, launch_engines=None):
     """launch_engines' engines, P killed at the model's first look at them (while it is
     still starting), so the model's last progress call is the one that finds it dead."""
-    from replay.pipeline import launch_engines
-    engines = launch_engines(config)
+    from replay import pipeline
+    engines = (launch_engines or pipeline.launch_engines)(config)
     real = engines.ready_engines
     calls = []
 
@@ -42,15 +42,14 @@ def test_an_engine_dying_while_the_model_runs_is_a_fault_not_a_crash():
     engine's own), not swallowed with the model's errors and followed by a RuntimeError
     about a closed launch; nothing is left running."""
     from engine.proc.client import EngineDeadError
-    from replay.pipeline import run_replay
+    from replay.pipeline import PreparedReplay, validate_trace
     config = _wall_config()
     engines, calls = _dying_launch(config)
-    try:
+    prepared = PreparedReplay(config=config, summary=validate_trace(config.trace), engines=engines)
+    with prepared:
         with pytest.raises(EngineDeadError, match="engine core P"):
-            run_replay(config, engines=engines)
+            prepared.run()
         assert len(calls) >= 2  # the death was found inside the model's progress
-    finally:
-        engines.close()
     assert multiprocessing.active_children() == []
 
 
@@ -58,9 +57,10 @@ def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
     """Through the CLI: exit 4 (fault) as the verdict table says, with the engine named."""
     from click.testing import CliRunner
 
-    import replay.commands
+    import replay.pipeline
     from cli import cli
-    monkeypatch.setattr(replay.commands, "launch_engines", lambda config: _dying_launch(config)[0])
+    launch = replay.pipeline.launch_engines
+    monkeypatch.setattr(replay.pipeline, "launch_engines", lambda config: _dying_launch(config, launch)[0])
     result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--runner", "mock", "--no-live",
                                       "--num-blocks", "256", "--speedup", "100", "--tail", "1"])
     assert result.exit_code == 4, (result.output, result.exception)
@@ -85,8 +85,8 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, 
     from replay.trace.shaping import ShapingOptions
     modelled: list[int] = []
     model_timeline = pipeline.model_timeline
-    monkeypatch.setattr(pipeline, "model_timeline", lambda config, on_progress=None: (
-        modelled.append(config.engine.num_blocks) or model_timeline(config, on_progress)))
+    monkeypatch.setattr(pipeline, "model_timeline", lambda records, config, on_progress=None: (
+        modelled.append(config.engine.num_blocks) or model_timeline(records, config, on_progress)))
     router = start_topology(EngineConfig(num_blocks=300, runner="mock"), KVTransferConfig(), "pd")
     stop = threading.Event()
     try:

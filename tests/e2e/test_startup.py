@@ -222,22 +222,19 @@ def _what_ran(result) -> tuple:
 
 
 def test_engines_launched_early_run_the_replay_as_engines_the_replay_launches():
-    """run_replay with launch_engines' engines (all Ready before it starts) uses them (no
-    second launch), reports them ready in its first phase and never waits in STARTING; the
-    outcome equals run_replay's with engines it launches itself; nothing is left running."""
+    """A prepared replay whose engines are all Ready before it runs uses them (no second
+    launch), reports them ready in its first phase and never waits in STARTING; the
+    outcome equals that of a replay prepared and run at once; nothing is left running."""
     import multiprocessing
     from replay.deploy.topology import wait_all_ready
-    from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayHooks, launch_engines, run_replay
+    from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayHooks, prepare_replay, run_replay
     config = _wall_config()
     heard: list[tuple[str, list[str]]] = []
     hooks = ReplayHooks(on_phase=lambda phase, ready: heard.append((phase, sorted(ready))))
-    engines = launch_engines(config)
-    try:
-        wait_all_ready(engines.clients)
-        early = run_replay(config, hooks, engines=engines)
-        assert engines.clients == [] and engines.run_dir is None  # handed to the run's router
-    finally:
-        engines.close()
+    with prepare_replay(config) as prepared:
+        wait_all_ready(prepared.engines.clients)
+        early = prepared.run(hooks)
+        assert prepared.engines.clients == [] and prepared.engines.run_dir is None  # the router's
     assert heard[0] == (MODELLING, ["D", "P"]) and heard[-1] == (RUNNING, ["D", "P"])
     assert STARTING not in {phase for phase, _ in heard}
     heard.clear()
@@ -248,13 +245,11 @@ def test_engines_launched_early_run_the_replay_as_engines_the_replay_launches():
     assert multiprocessing.active_children() == []
 
 
-def test_a_launch_closed_unused_leaves_nothing_and_a_mismatched_one_is_refused():
+def test_a_launch_closed_unused_leaves_nothing():
     """Closing engines that are still starting stops them all and removes their run dir
-    (a bad trace or Ctrl-C before the run); run_replay refuses engines launched for
-    another configuration instead of running the trace on them."""
+    (a bad trace or Ctrl-C before the run)."""
     import multiprocessing
-    from dataclasses import replace
-    from replay.pipeline import launch_engines, run_replay
+    from replay.pipeline import launch_engines
     config = _wall_config()
     engines = launch_engines(config)
     run_dir = engines.run_dir
@@ -263,11 +258,6 @@ def test_a_launch_closed_unused_leaves_nothing_and_a_mismatched_one_is_refused()
     assert not os.path.exists(run_dir) and multiprocessing.active_children() == []
     with pytest.raises(RuntimeError, match="closed"):
         engines.wait_ready()
-    other = replace(config, engine=replace(config.engine, num_blocks=128))
-    with launch_engines(config) as engines:
-        with pytest.raises(ValueError, match="another configuration"):
-            run_replay(other, engines=engines)
-    assert multiprocessing.active_children() == []
 
 
 def test_a_bad_trace_launches_no_engine(tmp_path, monkeypatch):
@@ -275,12 +265,12 @@ def test_a_bad_trace_launches_no_engine(tmp_path, monkeypatch):
     nothing started."""
     from click.testing import CliRunner
 
-    import replay.commands
+    import replay.pipeline
     from cli import cli
 
     def no_engines(*a, **k):
         raise AssertionError("the engines were launched before the trace was checked")
-    monkeypatch.setattr(replay.commands, "launch_engines", no_engines)
+    monkeypatch.setattr(replay.pipeline, "launch_engines", no_engines)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"t": 0, "id": "a", "prompt_len": -1, "max_tokens": 2}\n')
     result = CliRunner().invoke(cli, ["replay", str(bad), "--runner", "mock", "--no-live"],

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-import replay.commands as commands
+from replay.pipeline import PreparedReplay
 import replay.live.serve_client as serve_client
 from cli import EXAMPLE, cli
 from engine.proc.client import EngineDeadError
@@ -76,14 +76,14 @@ def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):
 def test_a_dead_engine_is_exit_4_and_ctrl_c_is_130(monkeypatch):
     def dead(*args, **kwargs):
         raise EngineDeadError("engine P died (exit code -9)")
-    monkeypatch.setattr(commands, "run_replay", dead)
+    monkeypatch.setattr(PreparedReplay, "run", dead)
     result = invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST)
     assert result.exit_code == 4 and "fault: engine P died" in result.output
     _one_error_line(result.output)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(commands, "run_replay", interrupted)
+    monkeypatch.setattr(PreparedReplay, "run", interrupted)
     assert invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST).exit_code == 130
 
 

@@ -78,8 +78,7 @@ def test_cli_sizes_from_memory_unless_num_blocks_is_given(given: dict, blocks: i
                                                           util: float | None) -> None:
     import cli
     options = _options(**given)
-    assert (options["num_blocks"] or cli.CPU_NUM_BLOCKS, cli._gpu_memory_utilization(options)) \
-        == (blocks, util)
+    assert (options["num_blocks"] or cli.CPU_NUM_BLOCKS, cli.gpu_share(**options)) == (blocks, util)
 
 
 def test_a_profile_sets_num_blocks_and_turns_sizing_off() -> None:
@@ -126,8 +125,8 @@ def test_engine_on_cuda_sizes_its_pool_from_free_memory_and_reports_it() -> None
 
 def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeypatch) -> None:
     """Engines that sized their pools from GPU memory report them in Ready; the replay's
-    settings then say that size, and its idle-window model runs on it (not on the CPU
-    default the frontend started with). The GPU's sizing is stood in for by the router's
+    settings then say that size, and its idle-window model runs once, on it (not on the
+    CPU default the frontend started with). The GPU's sizing is stood in for by the router's
     answer, on the mock runner."""
     from replay.deploy.router import PDRouter
     from replay import pipeline
@@ -135,13 +134,14 @@ def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeyp
     modelled: list[int] = []
     model_timeline = pipeline.model_timeline
     monkeypatch.setattr(PDRouter, "num_blocks", property(lambda self: 300))
-    monkeypatch.setattr(pipeline, "model_timeline", lambda config, on_progress=None: (
-        modelled.append(config.engine.num_blocks) or model_timeline(config, on_progress)))
+    monkeypatch.setattr(pipeline, "is_pool_sized_by_engines", lambda config: True)
+    monkeypatch.setattr(pipeline, "model_timeline", lambda records, config, on_progress=None: (
+        modelled.append(config.engine.num_blocks) or model_timeline(records, config, on_progress)))
     config = pipeline.ReplayConfig(
         trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock", gpu_memory_utilization=0.45),
         shaping=ShapingOptions(speedup=100), tail_s=1.0)
     result = pipeline.run_replay(config)
-    assert modelled == [256, 300]  # while the engines started, then on what they allocated
+    assert modelled == [300]  # once, on what they allocated
     assert result.config.engine.num_blocks == 300 and result.verdict.exit_code == 0
 
 

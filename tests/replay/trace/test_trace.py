@@ -471,7 +471,6 @@ def test_invalid_utf8_and_surrogates_anywhere_are_named(tmp_path):
 def test_replay_of_a_trace_bad_on_line_2_starts_nothing(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import replay.commands as commands
     import replay.pipeline as pipeline
     import replay.sim.simulation as simulation
     from cli import cli
@@ -479,7 +478,7 @@ def test_replay_of_a_trace_bad_on_line_2_starts_nothing(tmp_path, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("engines started")
     monkeypatch.setattr(simulation, "simulate", never)  # the virtual clock's engines
-    monkeypatch.setattr(commands, "launch_engines", never)  # the wall clock's
+    monkeypatch.setattr(pipeline, "launch_engines", never)  # the wall clock's
     path = write(tmp_path, "r.jsonl", [GOOD, {"t": 1, "id": "b", "prompt_len": 5000,
                                               "max_tokens": 2}])
     for clock in ("virtual", "wall"):
