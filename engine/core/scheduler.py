@@ -82,7 +82,6 @@ class Scheduler:
         reason = self._why_unschedulable(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
-            request.stop_reason = reason
             if self.connector is not None:
                 # It may carry a remote prefill whose blocks P holds for us: the connector
                 # must hear of it (it tells P to free them), and the id must reach the
@@ -441,7 +440,6 @@ class Scheduler:
         error = runner_out.failed.get(request.req_id)
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = error
             params = self._free_request(request)
             return RequestOutput(request.req_id, [], "error", params, error=error)
         token = runner_out.sampled_token_ids.get(request.req_id)
@@ -451,8 +449,6 @@ class Scheduler:
         return self._stop_request(request, token)
 
     def _fail_requests(self, req_ids: list[str], why: str) -> list[RequestOutput]:
-        for req_id in req_ids:
-            self.requests[req_id].stop_reason = why
         outputs = self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
         for output in outputs:
             output.error = why

@@ -37,7 +37,7 @@ def pool_state(sched: Scheduler) -> tuple:
 def request_state(request: Request) -> tuple:
     return (request.req_id, request.status, request.num_computed_tokens, request.num_tokens,
             list(request.all_token_ids), list(request.output_token_ids), list(request.block_hashes),
-            request.num_cached_tokens, request.num_preemptions, request.stop_reason)
+            request.num_cached_tokens, request.num_preemptions)
 
 
 def scheduler_state(sched: Scheduler) -> tuple:
