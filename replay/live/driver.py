@@ -103,7 +103,7 @@ class WallClockReplay:
             self.interrupted = e.name
             self.end_t = self.now()
         except EngineDeadError as e:  # the run ends here; the verdict names the fault
-            self.faults.on_error(self.now(), _engine_in(str(e), self.target.engines), str(e), "died")
+            self.faults.on_error(self.now(), e.engine_id, str(e), "died")
             self.end_t = self.now()
         return self._timeline()
 
@@ -223,7 +223,3 @@ class WallClockReplay:
                             {"interrupted": self.interrupted} if self.interrupted else {}),
                             "faults": [asdict(f) for f in self.faults.faults]})
 
-
-def _engine_in(message: str, engines: list[str]) -> str:
-    """The engine an EngineDeadError names ("engine core D (pid ...) died ..."), else ""."""
-    return next((e for e in engines if f"engine core {e} " in message or f"engine {e} " in message), "")

@@ -75,7 +75,7 @@ def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):
 
 def test_a_dead_engine_is_exit_4_and_ctrl_c_is_130(monkeypatch):
     def dead(*args, **kwargs):
-        raise EngineDeadError("engine P died (exit code -9)")
+        raise EngineDeadError("P", "engine P died (exit code -9)")
     monkeypatch.setattr(commands, "run_replay", dead)
     result = invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST)
     assert result.exit_code == 4 and "fault: engine P died" in result.output
