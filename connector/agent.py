@@ -132,11 +132,13 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.socket = self.ctx.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
-        set_max_message_size(self.socket, connector_control_bytes(config.num_blocks, config.max_num_seqs))
-        worker_config = ConnectorWorkerConfig(
-            config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_lease_s,
-            kv.pull_delay_ms, kv.drop_read_done,
-            max_control_bytes=connector_control_bytes(config.num_blocks, config.max_num_seqs))
+        control_bytes = connector_control_bytes(config.num_blocks, config.max_num_seqs)
+        set_max_message_size(self.socket, control_bytes)
+        worker_config = ConnectorWorkerConfig(engine_id=config.engine_id, agent_addr=kv.agent_addr,
+                                              kv_addr=kv.kv_addr, transport=kv.transport,
+                                              kv_lease_s=kv.kv_lease_s, pull_delay_ms=kv.pull_delay_ms,
+                                              drop_read_done=kv.drop_read_done,
+                                              max_control_bytes=control_bytes)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
         self.process.start()

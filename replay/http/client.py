@@ -209,7 +209,8 @@ class HttpReplay:
 
     def _start(self, session: aiohttp.ClientSession, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.identity.vocab_size)
-        record = RequestRecord(req.req_id, req.t, 0.0, 0.0, None, None, len(prompt), 0, 0, None)
+        # Sent at its arrival until _request (or _close_unsent) stamps when it was.
+        record = RequestRecord.sent(req.req_id, req.t, req.t, len(prompt))
         self.requests[req.req_id] = record
         self.arrivals.append(req.t)
         task = asyncio.create_task(self._request(session, req, prompt, record))

@@ -145,8 +145,7 @@ class WallClockReplay:
         self.num_sent += 1
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
-        record = self.requests[req.req_id] = RequestRecord(
-            req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
+        record = self.requests[req.req_id] = RequestRecord.sent(req.req_id, req.t, sent, len(prompt))
         if self.options.expected_tokens is not None:
             record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
         self._tokens[req.req_id] = []

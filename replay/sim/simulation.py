@@ -62,7 +62,7 @@ class _Frontend:
             raise ValueError(f"id: duplicate request id {req.req_id!r} (line {req.line})")
         self.seen.add(req.req_id)
         prompt, t = synth_prompt(req, self.vocab_size, self.memo), self.sim.loop.now / NS
-        record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
+        record = RequestRecord.sent(req.req_id, t, t, len(prompt))
         self.records.append(record)
         hashes = None  # for a prompt checked here once, as every engine core would check it
         if self.share_hashes and self._is_well_formed(req, prompt):

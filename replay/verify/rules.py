@@ -58,7 +58,7 @@ class VerifyOptions:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IdleWindow:
     """One engine over one idle window."""
 
@@ -168,7 +168,8 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
     if not times or times[0] > end:  # nothing known about this engine in the window
-        return IdleWindow(series.engine, start, end, is_tail, 0, None, "undecided", 0)
+        return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=0,
+                          time_to_drain=None, verdict="undecided", num_blocks_held=0)
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
     first = max(lo - 1, 0)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
@@ -185,9 +186,9 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
         verdict = "drained"
     else:
         verdict = "undecided" if drained_at is None and end - start < deadline_s else "leak"
-    return IdleWindow(series.engine, start, end, is_tail, at_start,
-                      None if drained_at is None or verdict == "undecided" else drained_at - start,
-                      verdict, held)
+    time_to_drain = None if drained_at is None or verdict == "undecided" else drained_at - start
+    return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=at_start,
+                      time_to_drain=time_to_drain, verdict=verdict, num_blocks_held=held)
 
 
 def _scraped_verdict(inside: Sequence[EngineSample], deadline_t: float) -> str:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 SAMPLING_SCRAPED = "scraped"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineSample:
     """One engine's KV pool and queues at `t` (block counts exclude the null block)."""
 
@@ -36,7 +36,7 @@ class EngineSample:
     num_wakeups: int  # transitions out of blocked, plus poll sleeps, so far
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestRecord:
     """One client request from arrival to its final output (the client's view)."""
 
@@ -60,6 +60,13 @@ class RequestRecord:
     # as output_digest; "": not checked.
     expected_digest: str = ""
 
+    @classmethod
+    def sent(cls, req_id: str, arrival_t: float, send_t: float, num_prompt_tokens: int) -> RequestRecord:
+        """The record of a request just sent: nothing received yet."""
+        return cls(req_id=req_id, arrival_t=arrival_t, send_t=send_t, send_lateness_s=send_t - arrival_t,
+                   first_token_t=None, end_t=None, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=0, num_prefix_hit_tokens=0, finish_reason=None)
+
     def on_tokens(self, t: float) -> None:
         """Tokens arrived at t: the first-token time, else one more inter-token latency."""
         if self.first_token_t is None:
@@ -82,7 +89,7 @@ class AbortRecord:
     req_id: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Timeline:
     """Everything a replay observed; the input of verify() and the reports."""
 

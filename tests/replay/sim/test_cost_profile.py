@@ -73,7 +73,8 @@ def test_fit_refuses_no_points_or_non_positive_times():
 
 def profile() -> CostProfile:
     points = tuple(CostPoint(s, TRUE.cost_s(s), 5) for s in GRID)
-    return CostProfile(TRUE, points, "torch", "tiny", "cpu", "float32", "2.5.0", 1e-5)
+    return CostProfile(model=TRUE, points=points, runner="torch", model_preset="tiny", device="cpu",
+                       dtype="float32", torch_version="2.5.0", loop_overhead_s=1e-5)
 
 
 def test_profile_save_load_round_trip(tmp_path: Path):

@@ -311,7 +311,8 @@ def test_conservation_and_unfinished_requests_are_violations(tmp_path):
 
 
 def test_idle_windows_follow_the_clients_view():
-    timeline = Timeline(["E"], {"E": 10}, [], [], [], [], end_t=20.0)
+    timeline = Timeline(engines=["E"], num_blocks={"E": 10}, samples=[], requests=[], arrivals=[], aborts=[],
+                        end_t=20.0)
     timeline.requests = [_record("a", 0.0, 5.0), _record("b", 1.0, 2.0), _record("c", 6.0, 7.0),
                          _record("d", 6.5, 9.0)]
     assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False), (9.0, 20.0, True)]
@@ -321,7 +322,9 @@ def test_idle_windows_follow_the_clients_view():
 
 
 def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
-    return RequestRecord(req_id, arrival, arrival, 0.0, None, end, 1, 1, 0, "length")
+    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
+                         first_token_t=None, end_t=end, num_prompt_tokens=1, num_output_tokens=1,
+                         num_prefix_hit_tokens=0, finish_reason="length")
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"public traces not at {TRACES}")

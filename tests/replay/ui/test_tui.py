@@ -54,7 +54,9 @@ def make_state() -> DashboardState:
     for lateness in (0.001, 0.002, 0.008):
         state.progress.record_send(lateness)
     state.progress.trace_t = 12.3
-    state.windows = [WindowVerdict.of(IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)),
+    state.windows = [WindowVerdict.of(IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
+                                                 num_used_at_start=12, time_to_drain=0.12, verdict="drained",
+                                                 num_blocks_held=0)),
                      WindowVerdict("D", 6.0, 2.5, 8, None, "leak")]
     state.messages = ["connector worker of D (pid 4243) died"]
     return state
@@ -110,7 +112,11 @@ def test_engine_view_rates_and_history_from_two_updates():
 def test_apply_sample_feeds_a_virtual_clock_engine():
     state = DashboardState()
     for t, steps in ((1.0, 10), (1.5, 30)):
-        state.apply_sample(EngineSample(t, "E", 5, 2, 100, 105, 1, 0, 0, 2, 0, "stepping", steps, 1))
+        state.apply_sample(EngineSample(t=t, engine="E", num_used_blocks=5, num_cached_blocks=2,
+                                        num_free_blocks=100, num_blocks=105, num_waiting=1,
+                                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=2,
+                                        num_finished_awaiting_free=0, loop_state="stepping", num_steps=steps,
+                                        num_wakeups=1))
     view = state.engines["E"]
     assert view.steps_per_s == pytest.approx(40.0) and not view.has_connector
     assert view.counts["num_free_blocks"] == 100 and view.counts["num_blocks"] == 105
@@ -198,7 +204,9 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=2, duration_s=4.0, clock="wall"))
     view = CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
-    records = {r: RequestRecord(r, t, t + 0.003, 0.003, None, None, 8, 0, 0, None)
+    records = {r: RequestRecord(req_id=r, arrival_t=t, send_t=t + 0.003, send_lateness_s=0.003,
+                                first_token_t=None, end_t=None, num_prompt_tokens=8, num_output_tokens=0,
+                                num_prefix_hit_tokens=0, finish_reason=None)
                for r, t in (("r0", 0.0), ("r1", 0.5))}
     faults = FaultWatch(["P", "D"])  # the driver's: what died or stalled, named
     faults.on_error(1.0, "D", "Traceback (most recent call last):\nRuntimeError: engine D died")
@@ -209,10 +217,17 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
     assert state.progress.trace_t == 1.5 and state.messages == ["fault: D: RuntimeError: engine D died"]
     final = SimpleNamespace(
-        timeline=SimpleNamespace(samples=[EngineSample(t, "P", used, 0, 127 - used, 127, 0, 0, 0, 0, 0,
-                                                       "blocked", 9, 2) for t, used in ((1.0, 5), (2.0, 0))],
+        timeline=SimpleNamespace(samples=[EngineSample(t=t, engine="P", num_used_blocks=used,
+                                                       num_cached_blocks=0, num_free_blocks=127 - used,
+                                                       num_blocks=127, num_waiting=0, num_skipped_waiting=0,
+                                                       num_waiting_for_remote_kvs=0, num_running=0,
+                                                       num_finished_awaiting_free=0, loop_state="blocked",
+                                                       num_steps=9,
+                                                       num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
                                  requests=list(records.values()), end_t=6.0),
-        verdict=SimpleNamespace(windows=[IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)]))
+        verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
+                                                    num_used_at_start=12, time_to_drain=0.12,
+                                                    verdict="drained", num_blocks_held=0)]))
     monitor.show_final(final)
     assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
     assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
