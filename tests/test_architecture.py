@@ -146,3 +146,22 @@ def test_packages_say_what_they_are_for():
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             assert len(doc.split()) > 4, f"{module}: {doc!r}"
+
+
+# Records of many fields, each built at several sites: only keywords say which value is which.
+WIDE_RECORDS = ("replay.verify.timeline:RequestRecord", "replay.verify.timeline:EngineSample",
+                "replay.verify.timeline:Timeline", "replay.trace.reader:TraceSummary",
+                "replay.trace.inspect:TraceInspection", "replay.verify.rules:IdleWindow",
+                "replay.verify.rules:Verdict", "replay.verify.coverage:WindowCoverage",
+                "replay.sim.cost:CostProfile", "replay.ui.dashboard:ReplayProgress",
+                "replay.ui.dashboard:WindowVerdict", "connector.worker_proc:ConnectorWorkerConfig")
+
+
+@pytest.mark.parametrize("name", WIDE_RECORDS)
+def test_wide_records_take_keywords_only(name):
+    import dataclasses
+    import importlib
+    module, _, attr = name.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    positional = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]
+    assert not positional, f"{attr} takes {positional} by position"

@@ -30,8 +30,9 @@ def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> Da
     """The dashboard of a replay of `num_requests` over `duration` trace seconds, before it starts."""
     state = DashboardState(title=f"kvdrain replay {config.trace.name}")
     total = min(num_requests, config.shaping.max_requests or num_requests)
-    state.progress = ReplayProgress(config.trace.name, total, duration / config.shaping.speedup,
-                                    config.clock, config.engine.liveness, config.shaping.speedup)
+    state.progress = ReplayProgress(trace_name=config.trace.name, num_total=total,
+                                    duration_s=duration / config.shaping.speedup, clock=config.clock,
+                                    liveness=config.engine.liveness, speedup=config.shaping.speedup)
     if config.clock == "wall" and config.http is None:
         local = config.target is None
         state.startup = StartupState(engines=[e for e, _ in engine_roles(config.topology)] if local else [])

@@ -50,7 +50,7 @@ class ExpectedWindow:
     is_expected: bool  # the model observes an idle window here (True when not modelled)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WindowCoverage:
     """One candidate after the run."""
 
@@ -117,8 +117,8 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
             state = "unreached"
         q_or_none = None if math.isinf(q) else q
         lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
-        out.append(WindowCoverage(w.start, None if w.is_tail else w.end, w.is_tail, state,
-                                  q_or_none, lag))
+        out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
+                                  state=state, quiet_from=q_or_none, lag_s=lag))
     return tuple(out)
 
 

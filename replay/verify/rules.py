@@ -84,7 +84,7 @@ class Violation:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Verdict:
     windows: tuple[IdleWindow, ...]
     violations: tuple[Violation, ...]
@@ -278,7 +278,8 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     coverage = () if expected is None else cover(expected, timeline, observed)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
-    return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored, faults)
+    return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
+                   reasons=tuple(reasons), ignored=ignored, faults=faults)
 
 
 def _check_kv_integrity(timeline: Timeline) -> list[Violation]:

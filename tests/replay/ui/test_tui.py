@@ -49,7 +49,7 @@ def make_state() -> DashboardState:
                            num_cached_blocks=30, num_free_blocks=115, num_sends_pending=0,
                            num_recvs_in_flight=7, num_failed_recvs=1, connector_worker_pid=4243)
     state.apply_snapshot(StatsSnapshot("D", 1, 3.0, "stepping", 100, 2, d_counts))
-    state.progress = ReplayProgress("pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
+    state.progress = ReplayProgress(trace_name="pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
                                     liveness="event", speedup=2.0)
     for lateness in (0.001, 0.002, 0.008):
         state.progress.record_send(lateness)
@@ -57,7 +57,8 @@ def make_state() -> DashboardState:
     state.windows = [WindowVerdict.of(IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
                                                  num_used_at_start=12, time_to_drain=0.12, verdict="drained",
                                                  num_blocks_held=0)),
-                     WindowVerdict("D", 6.0, 2.5, 8, None, "leak")]
+                     WindowVerdict(engine="D", start=6.0, length=2.5, num_used_at_start=8, time_to_drain=None,
+                                   verdict="leak")]
     state.messages = ["connector worker of D (pid 4243) died"]
     return state
 
@@ -163,7 +164,8 @@ def test_live_view_on_a_terminal_keeps_the_last_frame():
     console = Console(file=out, force_terminal=True, width=80, height=24)
     with LiveView(state, console, clock=lambda: now[0]) as view:
         assert view.is_live
-        state.windows.append(WindowVerdict("P", 9.0, 1.0, 0, 0.0, "drained"))
+        state.windows.append(WindowVerdict(engine="P", start=9.0, length=1.0, num_used_at_start=0,
+                                           time_to_drain=0.0, verdict="drained"))
     assert "idle windows 3" in out.getvalue()  # the exit refresh drew the final state
 
 
@@ -201,7 +203,8 @@ def test_top_feed_applies_every_snapshot_in_order():
 
 
 def test_replay_feed_copies_progress_errors_and_the_final_picture():
-    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=2, duration_s=4.0, clock="wall"))
+    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=2, duration_s=4.0,
+                                                   clock="wall"))
     view = CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
     records = {r: RequestRecord(req_id=r, arrival_t=t, send_t=t + 0.003, send_lateness_s=0.003,
@@ -241,7 +244,8 @@ def test_startup_phases_tick_and_end_in_ready():
     """The start-up panel shows the phase with its own clock and each engine's state;
     RUNNING ends it with "ready in N s"; plain output gets one line per event."""
     state = DashboardState(title="kvdrain replay t.jsonl", startup=StartupState(engines=["P", "D"]),
-                           progress=ReplayProgress("t.jsonl", num_total=4, duration_s=2.0, clock="wall"))
+                           progress=ReplayProgress(trace_name="t.jsonl", num_total=4, duration_s=2.0,
+                                                   clock="wall"))
     out, view = io.StringIO(), CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
     monitor.start -= 10.0  # ten seconds in
@@ -268,7 +272,7 @@ def test_startup_phases_tick_and_end_in_ready():
 
 
 def test_virtual_progress_has_rate_and_eta():
-    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=1000, duration_s=60.0))
+    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=1000, duration_s=60.0))
     monitor = ReplayMonitor(state, CountingView(), VerifyOptions())
     monitor.start -= 2.0
     monitor.on_progress(250, 30.0)
