@@ -145,7 +145,7 @@ class SchedulerStats:
     num_waiting_for_remote_kvs: int = 0
     num_running: int = 0
     num_finished_awaiting_free: int = 0
-    num_blocks: int = 0  # usable blocks, the null block excluded
+    num_usable_blocks: int = 0  # the pool's blocks but the null block: used + free
     num_used_blocks: int = 0
     num_cached_blocks: int = 0  # free but still holding a prefix hash
     num_free_blocks: int = 0

@@ -117,9 +117,9 @@ class Scheduler:
         # The last sampled token never gets a KV slot: at most max_len - 1 are computed.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len - 1)
-        if need > self.config.num_blocks - 1:
+        if need > self.block_pool.num_usable_blocks:
             return (f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
-                    f"{self.config.num_blocks - 1}")
+                    f"{self.block_pool.num_usable_blocks}")
         return None
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
@@ -586,7 +586,7 @@ class Scheduler:
             num_waiting_for_remote_kvs=num_remote,
             num_running=len(self.running),
             num_finished_awaiting_free=len(self.requests) - self.get_num_unfinished_requests(),
-            num_blocks=pool.num_blocks - 1,
+            num_usable_blocks=pool.num_usable_blocks,
             num_used_blocks=pool.get_num_used_blocks(),
             num_cached_blocks=pool.num_cached_free_blocks,
             num_free_blocks=pool.get_num_free_blocks(),

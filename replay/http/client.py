@@ -326,14 +326,14 @@ class HttpReplay:
     def _timeline(self) -> Timeline:
         samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
         engines = list(dict.fromkeys(s.engine for s in samples))
-        num_blocks = {s.engine: s.num_blocks for s in samples}
+        num_usable_blocks = {s.engine: s.num_usable_blocks for s in samples}
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
                          "prompt_format": self.options.prompt_format,
                          "scrape_interval_s": self.options.scrape_interval_s,
                          "latency": latency_summary(self.requests.values())}}
-        return Timeline(engines=engines, num_blocks=num_blocks, samples=samples,
+        return Timeline(engines=engines, num_usable_blocks=num_usable_blocks, samples=samples,
                         requests=list(self.requests.values()), arrivals=self.arrivals,
                         aborts=self.aborts, end_t=self.end_t, counters={}, meta=meta)
 

@@ -62,7 +62,7 @@ def sample_from_snapshot(t: float, snap: StatsSnapshot) -> EngineSample:
     return EngineSample(
         t=t, engine=snap.engine_id, num_used_blocks=c["num_used_blocks"],
         num_cached_blocks=c["num_cached_blocks"], num_free_blocks=c["num_free_blocks"],
-        num_blocks=c["num_blocks"], num_waiting=c["num_waiting"],
+        num_usable_blocks=c["num_usable_blocks"], num_waiting=c["num_waiting"],
         num_skipped_waiting=c["num_skipped_waiting"],
         num_waiting_for_remote_kvs=c["num_waiting_for_remote_kvs"], num_running=c["num_running"],
         num_finished_awaiting_free=c["num_finished_awaiting_free"],
@@ -212,10 +212,10 @@ class WallClockReplay:
 
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
-        num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
+        num_usable_blocks = {e: s.counts["num_usable_blocks"] for e, s in self.latest.items()}
         counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
                     for e, s in self.latest.items()}
-        return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
+        return Timeline(engines=list(self.target.engines), num_usable_blocks=num_usable_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
                         counters=counters, meta={"driver": "wall", **(

@@ -217,7 +217,7 @@ class SnapshotWindows:
                               key=lambda s: s.t)
 
     def _judge(self, window: tuple[float, float, bool]) -> list[WindowVerdict]:
-        timeline = Timeline(engines=sorted(self.busy), num_blocks={}, samples=self.samples,
+        timeline = Timeline(engines=sorted(self.busy), num_usable_blocks={}, samples=self.samples,
                             requests=[], arrivals=[], aborts=[], end_t=window[1])
         return [WindowVerdict.of(check_window(EngineSeries.of(timeline, engine), window,
                                               self.options.drain_deadline_s))
@@ -236,7 +236,8 @@ class SnapshotWindows:
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:
     """Verdicts of the idle windows that have ended so far (the tail is judged at the end)."""
     now = replay.now()
-    timeline = Timeline(engines=list(replay.latest), num_blocks={}, samples=sorted(replay.samples, key=lambda s: s.t),
+    timeline = Timeline(engines=list(replay.latest), num_usable_blocks={},
+                        samples=sorted(replay.samples, key=lambda s: s.t),
                         requests=list(replay.requests.values()), arrivals=list(replay.arrivals),
                         aborts=list(replay.aborts), end_t=now)
     verdicts = []

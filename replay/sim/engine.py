@@ -294,7 +294,7 @@ class SimEngine:
         self.sampled = (s, self.state)
         sample = EngineSample(t=t / NS, engine=self.name, num_used_blocks=s.num_used_blocks,
                               num_cached_blocks=s.num_cached_blocks, num_free_blocks=s.num_free_blocks,
-                              num_blocks=s.num_blocks, num_waiting=s.num_waiting,
+                              num_usable_blocks=s.num_usable_blocks, num_waiting=s.num_waiting,
                               num_skipped_waiting=s.num_skipped_waiting,
                               num_waiting_for_remote_kvs=s.num_waiting_for_remote_kvs,
                               num_running=s.num_running,

@@ -210,8 +210,8 @@ class Simulation:
                 next(s for s in reversed(self.samples) if s.engine == name)
             counters[name] = engine.counters(last)
         return Timeline(
-            engines=list(self.engines), num_blocks={n: self.options.engine.num_blocks - 1
-                                                    for n in self.engines},
+            engines=list(self.engines),
+            num_usable_blocks={n: self.options.engine.num_blocks - 1 for n in self.engines},
             samples=self.samples, requests=self.frontend.records, arrivals=self.arrivals,
             aborts=self.aborts, end_t=self.loop.now / NS, counters=counters,
             meta={"driver": "virtual", **asdict(self.options)})

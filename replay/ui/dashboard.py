@@ -11,7 +11,7 @@ from replay.verify.rules import IdleWindow
 
 HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
 SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-                 "num_finished_awaiting_free", "num_blocks", "num_used_blocks", "num_cached_blocks",
+                 "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
                  "num_free_blocks")
 
 

@@ -1,7 +1,7 @@
 """Verification of a replay timeline: conservation, drain in idle windows, recorded snapshots. Runs in: frontend process.
 
 Pure functions of a Timeline (from either replay driver) and the trace's snapshots.
-- conservation: at every sample used + free == num_blocks (usable blocks).
+- conservation: at every sample used + free == num_usable_blocks.
 - idle windows, from the client's view: after every request sent so far has ended,
   until the next arrival, when that is at least idle_threshold_s away; plus the tail
   after the last request until the timeline ends. In each window every engine must
@@ -219,11 +219,11 @@ def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
 def _check_conservation(timeline: Timeline) -> list[Violation]:
     out = []
     for s in timeline.samples:
-        total = timeline.num_blocks.get(s.engine)
-        if s.num_used_blocks + s.num_free_blocks != s.num_blocks or s.num_blocks != total:
+        total = timeline.num_usable_blocks.get(s.engine)
+        if s.num_used_blocks + s.num_free_blocks != s.num_usable_blocks or s.num_usable_blocks != total:
             out.append(Violation("conservation", s.engine, s.t,
                                  f"used {s.num_used_blocks} + free {s.num_free_blocks} != "
-                                 f"{total} blocks (sample says {s.num_blocks})"))
+                                 f"{total} blocks (sample says {s.num_usable_blocks})"))
     return out
 
 

@@ -25,7 +25,7 @@ class EngineSample:
     num_used_blocks: int  # held by requests (ref > 0)
     num_cached_blocks: int  # free (ref 0) but still holding a prefix hash
     num_free_blocks: int  # ref 0, cached ones included
-    num_blocks: int  # usable blocks: used + free
+    num_usable_blocks: int  # the pool's blocks but the null block: used + free
     num_waiting: int
     num_skipped_waiting: int
     num_waiting_for_remote_kvs: int
@@ -94,7 +94,7 @@ class Timeline:
     """Everything a replay observed; the input of verify() and the reports."""
 
     engines: list[str]
-    num_blocks: dict[str, int]  # usable blocks per engine
+    num_usable_blocks: dict[str, int]  # per engine, the null block excluded
     samples: list[EngineSample]  # in time order
     requests: list[RequestRecord]  # in arrival order
     arrivals: list[float]  # request arrival times, non-decreasing
@@ -102,7 +102,8 @@ class Timeline:
     end_t: float  # the replay stopped observing here
     # Per-engine totals at end_t (num_steps, num_wakeups, num_expired, ...).
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
-    # How the timeline was made (driver, liveness, topology, options), JSON-ready.
+    # How the timeline was made (driver, liveness, topology, options), JSON-ready; a
+    # "num_blocks" there is EngineConfig's, the null block included.
     meta: dict[str, object] = field(default_factory=dict)
 
     def samples_for(self, engine: str) -> list[EngineSample]:
@@ -125,7 +126,7 @@ class Timeline:
         """Plain dicts and lists, ready for json.dumps."""
         return {
             "engines": list(self.engines),
-            "num_blocks": dict(self.num_blocks),
+            "num_usable_blocks": dict(self.num_usable_blocks),
             "samples": [asdict(s) for s in self.samples],
             "requests": [asdict(r) for r in self.requests],
             "arrivals": list(self.arrivals),
@@ -141,7 +142,7 @@ class Timeline:
         try:
             return Timeline(
                 engines=list(data["engines"]),
-                num_blocks={str(k): int(v) for k, v in data["num_blocks"].items()},
+                num_usable_blocks={str(k): int(v) for k, v in data["num_usable_blocks"].items()},
                 samples=[_build(EngineSample, s) for s in data["samples"]],
                 requests=[_build(RequestRecord, r) for r in data["requests"]],
                 arrivals=[float(t) for t in data["arrivals"]],

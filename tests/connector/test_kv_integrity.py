@@ -191,10 +191,10 @@ def test_stamped_kv_keeps_the_mock_formula_and_corrupt_kv_changes_the_output():
 def _timeline(records, counters=None):
     from replay.verify.timeline import EngineSample, Timeline
     samples = [EngineSample(t=0.0, engine="P", num_used_blocks=0, num_cached_blocks=0, num_free_blocks=10,
-                            num_blocks=10, num_waiting=0, num_skipped_waiting=0, num_waiting_for_remote_kvs=0,
-                            num_running=0, num_finished_awaiting_free=0, loop_state="blocked", num_steps=0,
-                            num_wakeups=0)]
-    return Timeline(engines=["P"], num_blocks={"P": 10}, samples=samples, requests=records,
+                            num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
+                            num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
+                            loop_state="blocked", num_steps=0, num_wakeups=0)]
+    return Timeline(engines=["P"], num_usable_blocks={"P": 10}, samples=samples, requests=records,
                     arrivals=[r.arrival_t for r in records], aborts=[], end_t=5.0, counters=counters or {})
 
 

@@ -311,8 +311,8 @@ def test_conservation_and_unfinished_requests_are_violations(tmp_path):
 
 
 def test_idle_windows_follow_the_clients_view():
-    timeline = Timeline(engines=["E"], num_blocks={"E": 10}, samples=[], requests=[], arrivals=[], aborts=[],
-                        end_t=20.0)
+    timeline = Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=[], requests=[], arrivals=[],
+                        aborts=[], end_t=20.0)
     timeline.requests = [_record("a", 0.0, 5.0), _record("b", 1.0, 2.0), _record("c", 6.0, 7.0),
                          _record("d", 6.5, 9.0)]
     assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False), (9.0, 20.0, True)]

@@ -33,7 +33,7 @@ CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, n
 
 def make_counts(**overrides: int) -> dict[str, int]:
     counts = dict(num_waiting=3, num_skipped_waiting=1, num_waiting_for_remote_kvs=0, num_running=4,
-                  num_finished_awaiting_free=2, num_blocks=127, num_used_blocks=40,
+                  num_finished_awaiting_free=2, num_usable_blocks=127, num_used_blocks=40,
                   num_cached_blocks=12, num_free_blocks=87, num_preemptions=0,
                   num_stale_kv_reports=0, num_prefix_hit_tokens=64, num_bad_messages=0, **CONNECTOR)
     counts.update(overrides)
@@ -114,13 +114,13 @@ def test_apply_sample_feeds_a_virtual_clock_engine():
     state = DashboardState()
     for t, steps in ((1.0, 10), (1.5, 30)):
         state.apply_sample(EngineSample(t=t, engine="E", num_used_blocks=5, num_cached_blocks=2,
-                                        num_free_blocks=100, num_blocks=105, num_waiting=1,
+                                        num_free_blocks=100, num_usable_blocks=105, num_waiting=1,
                                         num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=2,
                                         num_finished_awaiting_free=0, loop_state="stepping", num_steps=steps,
                                         num_wakeups=1))
     view = state.engines["E"]
     assert view.steps_per_s == pytest.approx(40.0) and not view.has_connector
-    assert view.counts["num_free_blocks"] == 100 and view.counts["num_blocks"] == 105
+    assert view.counts["num_free_blocks"] == 100 and view.counts["num_usable_blocks"] == 105
     assert "E used 5/105 stepping" in plain_line(state)
 
 
@@ -222,10 +222,10 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     final = SimpleNamespace(
         timeline=SimpleNamespace(samples=[EngineSample(t=t, engine="P", num_used_blocks=used,
                                                        num_cached_blocks=0, num_free_blocks=127 - used,
-                                                       num_blocks=127, num_waiting=0, num_skipped_waiting=0,
-                                                       num_waiting_for_remote_kvs=0, num_running=0,
-                                                       num_finished_awaiting_free=0, loop_state="blocked",
-                                                       num_steps=9,
+                                                       num_usable_blocks=127, num_waiting=0,
+                                                       num_skipped_waiting=0, num_waiting_for_remote_kvs=0,
+                                                       num_running=0, num_finished_awaiting_free=0,
+                                                       loop_state="blocked", num_steps=9,
                                                        num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
                                  requests=list(records.values()), end_t=6.0),
         verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,

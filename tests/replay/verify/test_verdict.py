@@ -34,13 +34,13 @@ def _record(req_id: str, arrival: float, end: float | None, *, tokens: int = 1,
 
 def _sample(t: float, used: int) -> EngineSample:
     return EngineSample(t=t, engine="E", num_used_blocks=used, num_cached_blocks=0, num_free_blocks=10 - used,
-                        num_blocks=10, num_waiting=0, num_skipped_waiting=0, num_waiting_for_remote_kvs=0,
-                        num_running=0, num_finished_awaiting_free=0, loop_state="blocked", num_steps=0,
-                        num_wakeups=0)
+                        num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
+                        num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
+                        loop_state="blocked", num_steps=0, num_wakeups=0)
 
 
 def _timeline(records: list[RequestRecord], samples: list[EngineSample], end_t: float) -> Timeline:
-    return Timeline(engines=["E"], num_blocks={"E": 10}, samples=samples, requests=records,
+    return Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=samples, requests=records,
                     arrivals=[r.arrival_t for r in records], aborts=[], end_t=end_t)
 
 

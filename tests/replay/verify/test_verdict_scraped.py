@@ -23,9 +23,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def sample(t: float, used: int) -> EngineSample:
     return EngineSample(t=t, engine="P", num_used_blocks=used, num_cached_blocks=0,
-                        num_free_blocks=100 - used, num_blocks=100, num_waiting=0, num_skipped_waiting=0,
-                        num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
-                        loop_state="unknown", num_steps=0, num_wakeups=0)
+                        num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
+                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
+                        num_finished_awaiting_free=0, loop_state="unknown", num_steps=0, num_wakeups=0)
 
 
 REQUESTS = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.2,
@@ -38,7 +38,7 @@ REQUESTS = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s
 
 def timeline(samples: list[EngineSample], scraped: bool) -> Timeline:
     meta = {"sampling": SAMPLING_SCRAPED} if scraped else {}
-    return Timeline(engines=["P"], num_blocks={"P": 100}, samples=samples, requests=REQUESTS,
+    return Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=REQUESTS,
                     arrivals=[0.0, 10.0], aborts=[], end_t=12.0, meta=meta)
 
 
@@ -82,7 +82,7 @@ def _http_timeline(samples, requests) -> Timeline:
     status = {"url": "http://x/metrics", "metric": "vllm:kv_cache_usage_perc", "unit": "blocks",
               "engines": {"0": "P"}, "metric_names_found": [], "num_scrapes": len(samples),
               "num_failures": 0, "errors": []}
-    return Timeline(engines=["P"], num_blocks={"P": 100}, samples=samples, requests=requests,
+    return Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=requests,
                     arrivals=[r.arrival_t for r in requests], aborts=[], end_t=9.0,
                     meta={"driver": "http", "sampling": SAMPLING_SCRAPED,
                           "http": {"server": {}, "metrics": [status], "latency": {}}})
