@@ -46,7 +46,7 @@ class SchedulerOutput:
     # Chunks that end before their request's known tokens do: nothing to sample.
     partial_req_ids: set[str]
     total_num_scheduled_tokens: int
-    # Finished since the previous schedule(): the worker side drops their state.
+    # Finished since the previous schedule(): the connector's agent drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     kv_connector_metadata: object | None
@@ -95,12 +95,12 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class KVConnectorOutput:
-    """What the connector's worker side reports back through the runner output."""
+    """What the connector's agent reports back through the runner output."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    # What died on the worker side (say, the connector worker process); None: healthy.
+    # What died behind the agent (say, the connector worker process); None: healthy.
     worker_error: str | None = None
 
     def is_empty(self) -> bool:

@@ -45,7 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids the connector told to ask again later (get_num_new_matched_tokens None).
         self.deferred_req_ids: set[str] = set()
-        # Finished since the last schedule(); shipped to the worker side, then reset.
+        # Finished since the last schedule(); shipped to the connector's agent, then reset.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
@@ -69,7 +69,7 @@ class Scheduler:
         """Queue a request; one that can never run finishes FINISHED_IGNORED at once.
 
         A duplicate id fails alone ("error") and nothing of the original is touched:
-        no finished id (the worker side would drop the original's state); only what
+        no finished id (the agent would drop the original's state); only what
         the duplicate's own params hold elsewhere is released. vLLM never sees one:
         its front makes ids unique (a random suffix).
         """
@@ -85,7 +85,7 @@ class Scheduler:
             if self.connector is not None:
                 # It may carry a remote prefill whose blocks P holds for us: the connector
                 # must hear of it (it tells P to free them), and the id must reach the
-                # worker side in a step, so it goes out like any finished id.
+                # connector's agent in a step, so it goes out like any finished id.
                 self.connector.request_finished(request, [])
                 self.finished_req_ids.add(request.req_id)
             # vLLM reports FINISHED_IGNORED as "length"; the reason is in `error`.
@@ -359,7 +359,7 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
-        if self.connector is not None:  # first: it may say the worker side is gone
+        if self.connector is not None:  # first: it may say the worker process is gone
             kv_out = kv_out or KVConnectorOutput()
             self.connector.update_connector_output(kv_out)
         failed_ids: set[str] = set()
@@ -455,7 +455,7 @@ class Scheduler:
         return outputs
 
     # ---- KV transfer: remote loads, delayed frees, reports ----------------------
-    # Reports come from the worker side through the runner output. Each finished
+    # Reports come from the connector's agent through the runner output. Each finished
     # request that still holds blocks waits for exactly one report: `held_for_send`
     # (the connector delayed its free) for finished_sending, `held_for_recv` (aborted
     # while its remote load was in flight, vLLM #32255) for finished_recving. Anything

@@ -120,7 +120,8 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig, slot: EngineSlot, loop: EventLoop,
                  options: SimOptions, worker: SimKVWorker | None = None) -> None:
-        """`worker` is the connector's worker side; with one, config must name a connector."""
+        """`worker` is the simulated connector worker, the engine's agent too; with one,
+        config must name a connector."""
         self.options, self.slot, self.loop = options, slot, loop
         self.name, self.rank = config.engine_id, slot.rank
         self.worker = worker

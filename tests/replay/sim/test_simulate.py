@@ -427,7 +427,7 @@ def test_engines_build_their_connector_through_the_configured_factory(tmp_path):
     records = load(tmp_path, bursts(num_bursts=1))
     FACTORY_CALLS.clear()
     named = run(records, "event", kv_connector="tests.replay.sim.test_simulate:recording_factory")
-    assert FACTORY_CALLS == [("P", "scheduler"), ("D", "scheduler")]  # the worker side is simulated
+    assert FACTORY_CALLS == [("P", "scheduler"), ("D", "scheduler")]  # the agent is simulated
     named.meta.clear()
     default = run(records, "event")
     default.meta.clear()
