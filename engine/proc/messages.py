@@ -262,22 +262,6 @@ class EngineError:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class ServeInfo:
-    """`kvdrain serve` -> a client that subscribed (GetStats): what is being served."""
-
-    engines: list[str]
-    topology: str
-    liveness: str
-    vocab_size: int
-    block_size: int
-    # Appended (issue 12): the rest of what the serve's engines run with, for the report.
-    runner: str = ""
-    max_model_len: int = 0
-    num_blocks: int = 0  # per engine, the null block included
-    model: str = ""  # the model preset's name
-
-
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.
 MESSAGES: dict[int, type] = {
     0: AddRequest,
@@ -288,7 +272,7 @@ MESSAGES: dict[int, type] = {
     5: RequestOutputs,
     6: StatsSnapshot,
     7: EngineError,
-    8: ServeInfo,
+    # 8 is taken: the serve protocol (a frontend's, over these messages) adds its own there.
 }
 CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
 encode = CODEC.encode

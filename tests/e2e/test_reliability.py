@@ -243,8 +243,8 @@ def _counts(num_usable_blocks: int = 8, used: int = 0) -> dict[str, int]:
 
 
 def _serve(tmp_path, address: str | None = None, **options):
-    from engine.proc.messages import ServeInfo
     from replay.live.serve import Server, ServeOptions
+    from replay.live.serve_messages import ServeInfo
     return Server(_QuietRouter(), ServeOptions(address or f"ipc://{tmp_path}/serve", **options),
                   ServeInfo(["P", "D"], "pd", "event", 512, 4))
 
@@ -341,7 +341,7 @@ def _dealer_answering(fake, make_client):
     returns the client and its identity at the fake serve."""
     import threading
 
-    from engine.proc.messages import ServeInfo, encode
+    from replay.live.serve_messages import ServeInfo, encode
     made: list = []
     thread = threading.Thread(target=lambda: made.append(make_client()))
     thread.start()

@@ -18,7 +18,8 @@ import replay.commands as commands
 import replay.live.serve_client as serve_client
 from cli import EXAMPLE, cli
 from engine.proc.client import EngineDeadError
-from engine.proc.messages import GetStats, ServeInfo, decode, encode
+from engine.proc.messages import GetStats
+from replay.live.serve_messages import ServeInfo, decode, encode
 
 FAST = ["--runner", "mock", "--no-live"]
 
