@@ -154,7 +154,8 @@ WIDE_RECORDS = ("replay.verify.timeline:RequestRecord", "replay.verify.timeline:
                 "replay.trace.inspect:TraceInspection", "replay.verify.rules:IdleWindow",
                 "replay.verify.rules:Verdict", "replay.verify.coverage:WindowCoverage",
                 "replay.sim.cost:CostProfile", "replay.ui.dashboard:ReplayProgress",
-                "replay.ui.dashboard:WindowVerdict", "connector.worker_proc:ConnectorWorkerConfig")
+                "replay.ui.dashboard:WindowVerdict", "connector.worker_proc:ConnectorWorkerConfig",
+                "engine.core.outputs:ScheduledRequest")
 
 
 @pytest.mark.parametrize("name", WIDE_RECORDS)

@@ -5,7 +5,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions from `num_computed_tokens`."""
 
@@ -86,9 +86,10 @@ class SchedulerOutput:
         new_block_ids, new_req_ids, partial = self.new_block_ids, self.new_req_ids, self.partial_req_ids
         for req_id, num_computed, num_new in zip(self.req_ids, self.num_computed_tokens,
                                                  self.num_scheduled_tokens):
-            records.append(ScheduledRequest(
-                req_id, self.token_ids[offset:offset + num_new], num_computed,
-                new_block_ids.get(req_id, []), req_id in new_req_ids, req_id not in partial))
+            records.append(ScheduledRequest(req_id=req_id, token_ids=self.token_ids[offset:offset + num_new],
+                                            num_computed_tokens=num_computed,
+                                            new_block_ids=new_block_ids.get(req_id, []),
+                                            is_new=req_id in new_req_ids, sample=req_id not in partial))
             offset += num_new
         return tuple(records)
 

@@ -75,9 +75,9 @@ class InprocClient:
         self.core, self.kv_cache = build_engine_core(config)
         self._pending: list[RequestOutput] = []
         self.errors: list[str] = []  # stays empty: an in-process engine's failure raises here
-        self.ready = Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
-                           config.max_model_len, config.model.vocab_size,
-                           kv_device(config, self.kv_cache))
+        self.ready = Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
+                           block_size=config.block_size, max_model_len=config.max_model_len,
+                           vocab_size=config.model.vocab_size, device=kv_device(config, self.kv_cache))
 
     def wait_ready(self) -> Ready:
         return self.ready

@@ -113,8 +113,9 @@ class EngineCoreProc:
         self._pollers: dict[tuple, zmq.Poller] = {}
         self._input_poller = zmq.Poller()
         self._input_poller.register(self.input, zmq.POLLIN)
-        self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
-                         config.max_model_len, config.model.vocab_size, self._device()))
+        self._send(Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
+                         block_size=config.block_size, max_model_len=config.max_model_len,
+                         vocab_size=config.model.vocab_size, device=self._device()))
 
     def _socket(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -251,8 +252,9 @@ class EngineCoreProc:
         self._last_published = key
         agent = self.core.connector_agent
         self._stats_seq += 1
-        self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
-                                 self.loop_state, self.core.num_steps, self.num_wakeups, counts))
+        self._send(StatsSnapshot(engine_id=self.config.engine_id, seq=self._stats_seq,
+                                 monotonic=time.monotonic(), loop_state=self.loop_state,
+                                 num_steps=self.core.num_steps, num_wakeups=self.num_wakeups, counts=counts))
         if agent is not None and agent.error is not None and not self._error_sent:
             self._error_sent = True
             self._send(EngineError(self.config.engine_id, agent.error))

@@ -3,7 +3,9 @@
 Each message is a frozen dataclass under a fixed numeric tag (MESSAGES), encoded as
 msgpack([tag, field, ...]). Decoding checks the tag, the arity and every field's type
 against the dataclass annotations and raises DecodeError saying what is wrong. No
-pickle: a peer can only ever make us build one of the registered types.
+pickle: a peer can only ever make us build one of the registered types. The codec
+builds a message from its fields in order, so wire types are not kw_only as other wide
+records are; their callers pass keywords all the same.
 stdlib, msgpack and the pure engine/core/outputs.py only, so anything can import this cheaply.
 """
 from __future__ import annotations

@@ -166,9 +166,12 @@ def test_decode_fast_path_allocates_a_block_only_at_a_boundary():
 
 
 def test_scheduler_output_columns_round_trip_records():
-    records = [ScheduledRequest("p", [1, 2, 3], 4, [5], True, False),
-               ScheduledRequest("d", [9], 20, [], False, True),
-               ScheduledRequest("e", [8], 31, [6], False, True)]
+    records = [ScheduledRequest(req_id="p", token_ids=[1, 2, 3], num_computed_tokens=4, new_block_ids=[5],
+                                is_new=True, sample=False),
+               ScheduledRequest(req_id="d", token_ids=[9], num_computed_tokens=20, new_block_ids=[],
+                                is_new=False, sample=True),
+               ScheduledRequest(req_id="e", token_ids=[8], num_computed_tokens=31, new_block_ids=[6],
+                                is_new=False, sample=True)]
     out = SchedulerOutput(records, 5)
     assert out.scheduled == tuple(records)
     assert (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.token_ids) == (
