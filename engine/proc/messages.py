@@ -212,7 +212,7 @@ class GetStats:
 class Ready:
     engine_id: str
     pid: int
-    num_blocks: int
+    num_blocks: int  # the pool as allocated, the null block included
     block_size: int
     max_model_len: int
     vocab_size: int
