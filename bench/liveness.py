@@ -66,7 +66,7 @@ WINDOW_S = 3.0
 NUM_CACHE_BLOCKS = 256
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Result:
     policy: str
     cpu_s: dict[str, float]  # "P", "worker", maybe "D": schedstat, all threads
@@ -177,11 +177,11 @@ def measure_window(obs: Observer, policy: str, pids: dict[str, int],
 
     def rate(a: StatsSnapshot, b: StatsSnapshot) -> float:
         return (b.num_wakeups - a.num_wakeups) / (b.monotonic - a.monotonic)
-    return Result(policy, {n: cpu1[n][0] - cpu0[n][0] for n in pids},
-                  {n: cpu1[n][1] - cpu0[n][1] for n in pids},
-                  {n: cpu1[n][2] - cpu0[n][2] for n in pids}, rate(snap0, snap1),
-                  last.monotonic - snap0.monotonic, rate(snap0, last), num_freed(snap1), 0,
-                  snap1.counts["num_used_blocks"])
+    return Result(policy=policy, cpu_s={n: cpu1[n][0] - cpu0[n][0] for n in pids},
+                  ticks_s={n: cpu1[n][1] - cpu0[n][1] for n in pids},
+                  io_s={n: cpu1[n][2] - cpu0[n][2] for n in pids}, wakeups_per_s=rate(snap0, snap1),
+                  held_s=last.monotonic - snap0.monotonic, held_wakeups_per_s=rate(snap0, last),
+                  num_freed=num_freed(snap1), num_done=0, blocks_held=snap1.counts["num_used_blocks"])
 
 
 def measure_topology(policy: str) -> Result:

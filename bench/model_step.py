@@ -87,8 +87,9 @@ def paged_decode(runner: ModelRunner, batch: int, context: int,
     tokens = [random.Random(i).randrange(runner.config.model.vocab_size) for i in range(batch)]
 
     def step(i: int) -> None:
-        reqs = [ScheduledRequest(f"{step_id}{r}", [tokens[r]], context + i,
-                                 tables[r] if i == 0 else [], i == 0, True) for r in range(batch)]
+        reqs = [ScheduledRequest(req_id=f"{step_id}{r}", token_ids=[tokens[r]],
+                                 num_computed_tokens=context + i, new_block_ids=tables[r] if i == 0 else [],
+                                 is_new=i == 0, sample=True) for r in range(batch)]
         sampled = runner.execute(SchedulerOutput(reqs, batch)).sampled_token_ids
         tokens[:] = [sampled[f"{step_id}{r}"] for r in range(batch)]
     return step
@@ -118,9 +119,10 @@ def paged_prefill(runner: ModelRunner, batch: int, prompt_len: int) -> Callable[
     prompts = [[random.Random(r).randrange(vocab) for _ in range(prompt_len)] for r in range(batch)]
 
     def step(i: int) -> None:
-        reqs = [ScheduledRequest(f"p{i}-{r}", prompts[r], 0,
-                                 list(range(1 + r * blocks_per_req, 1 + (r + 1) * blocks_per_req)),
-                                 True, True) for r in range(batch)]
+        reqs = [ScheduledRequest(req_id=f"p{i}-{r}", token_ids=prompts[r], num_computed_tokens=0,
+                                 new_block_ids=list(range(1 + r * blocks_per_req,
+                                                          1 + (r + 1) * blocks_per_req)),
+                                 is_new=True, sample=True) for r in range(batch)]
         done = {f"p{i - 1}-{r}" for r in range(batch)}
         runner.execute(SchedulerOutput(reqs, batch * prompt_len, finished_req_ids=done))
     return step

@@ -72,7 +72,8 @@ class PrefillWorker:
 
     def __init__(self, cache: KVCache, run_dir: str) -> None:
         self.kv_addr = f"ipc://{run_dir}/P-kv"
-        config = ConnectorWorkerConfig("P", f"ipc://{run_dir}/P-agent", self.kv_addr)
+        config = ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{run_dir}/P-agent",
+                                       kv_addr=self.kv_addr)
         self.ctx = zmq.Context.instance()
         self.agent = self.ctx.socket(zmq.PAIR)
         self.agent.setsockopt(zmq.LINGER, 0)

@@ -1,4 +1,4 @@
-"""The connector's worker side inside the engine core: spawns and talks to the connector worker process. Runs in: engine-core process.
+"""The connector's agent in the engine core (vLLM's worker role): spawns and talks to its connector worker process. Runs in: engine-core process.
 
 start_load_kv ships each step's metadata; get_finished drains the reports the worker
 has sent since (never blocking). Reports wait in the socket until then, so an engine
@@ -25,7 +25,7 @@ from connector.pd import PDConnectorMetadata
 from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
-from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorAgentBase
 from engine.proc.messages import DecodeError
 from engine.core.outputs import KVConnectorOutput
 from engine.proc.socket_limits import connector_control_bytes, set_max_message_size
@@ -123,7 +123,7 @@ class PendingTransfers:
         return None if self.orphaned_at is None or not self.sends else self.orphaned_at + READ_LEASE_NS
 
 
-class PDConnectorAgent(KVConnectorWorkerBase):
+class PDConnectorAgent(KVConnectorAgentBase):
     def __init__(self, config: EngineConfig, kv_cache_handle: dict) -> None:
         kv = config.kv_transfer
         assert kv is not None
@@ -132,11 +132,13 @@ class PDConnectorAgent(KVConnectorWorkerBase):
         self.socket = self.ctx.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
-        set_max_message_size(self.socket, connector_control_bytes(config.num_blocks, config.max_num_seqs))
-        worker_config = ConnectorWorkerConfig(
-            config.engine_id, kv.agent_addr, kv.kv_addr, kv.transport, kv.kv_lease_s,
-            kv.pull_delay_ms, kv.drop_read_done,
-            max_control_bytes=connector_control_bytes(config.num_blocks, config.max_num_seqs))
+        control_bytes = connector_control_bytes(config.num_blocks, config.max_num_seqs)
+        set_max_message_size(self.socket, control_bytes)
+        worker_config = ConnectorWorkerConfig(engine_id=config.engine_id, agent_addr=kv.agent_addr,
+                                              kv_addr=kv.kv_addr, transport=kv.transport,
+                                              kv_lease_s=kv.kv_lease_s, pull_delay_ms=kv.pull_delay_ms,
+                                              drop_read_done=kv.drop_read_done,
+                                              max_control_bytes=control_bytes)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
         self.process.start()

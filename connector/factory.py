@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from connector.pd import PDConnector
 from engine.config import EngineConfig
-from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, KVConnectorAgentBase
 
 
 def make_pd_connector(config: EngineConfig, role: KVConnectorRole,
-                      kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase:
-    """The scheduler side (PDConnector) or the worker side (PDConnectorAgent) of one engine."""
+                      kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorAgentBase:
+    """The scheduler side (PDConnector) or the agent (PDConnectorAgent) of one engine."""
     if role is KVConnectorRole.SCHEDULER:
         return PDConnector(config)
     # zmq, torch and a process: imported only where the worker role is built

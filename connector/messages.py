@@ -1,7 +1,7 @@
 """Wire types engine core <-> connector worker and worker <-> worker, on the engine's codec. Runs in: engine-core and connector-worker processes.
 
 KV block bytes never travel inside a message: each BlockData is followed by one raw,
-zero-copy ZMQ frame holding `num_blocks` of the blocks asked for, from `first_block`
+zero-copy ZMQ frame holding `num_chunk_blocks` of the blocks asked for, from `first_block`
 on, in the order they were asked for. A read is answered in chunks (several such
 messages, in order), so the reader writes one chunk while the next is on the wire.
 """
@@ -34,7 +34,7 @@ class KVCacheRegistered:
     vLLM registers its KV caches with NIXL before the engine serves, too."""
 
     engine_id: str
-    num_blocks: int
+    num_blocks: int  # the pool's, the null block included
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,7 @@ class BlockData:
     ok: bool
     error: str
     first_block: int = 0  # index into ReadBlocks.block_ids of the chunk's first block
-    num_blocks: int = 0  # blocks in this chunk
+    num_chunk_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ Leases (vLLM 0.32's NIXL): P stamps each held send with a deadline, now +
 kv_lease_s, in request_finished; it travels in the metadata to P's worker, which
 reaps it when P steps past it. While D waits for the blocks it heartbeats
 (connector/heartbeats.py), and P's worker extends the leases it names. Time is the
-worker side's clock, given by the engine core (set_time; engine/core/kv_connector.py).
+agent's clock, given by the engine core (set_time; engine/core/kv_connector.py).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class PDConnector(KVConnectorBase):
         self._now = 0  # the engine's clock (ns), from set_time
         self.num_bad_params = 0  # requests (not admission attempts) whose params did not fit
         self._bad_params_counted: set[str] = set()  # waiting ones, counted already
-        # Once the worker side is gone nobody serves reads: offer no KV to decode any
+        # Once the worker process is gone nobody serves reads: offer no KV to decode any
         # more (the router then lets D prefill itself), or D could read freed blocks.
         self.worker_error: str | None = None
 

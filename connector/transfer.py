@@ -183,11 +183,11 @@ class Puller:
         if not isinstance(reply, BlockData) or not reply.ok or len(frames) != 1:
             why = reply.error if isinstance(reply, BlockData) else type(reply).__name__
             raise TransferError(f"{spec.req_id}: read refused by {spec.remote_addr}: {why}")
-        end = num_done + reply.num_blocks
-        num_blocks = len(spec.local_block_ids)
+        end = num_done + reply.num_chunk_blocks
+        num_wanted = len(spec.local_block_ids)
         if (reply.req_id != spec.remote_request_id or reply.first_block != num_done
-                or end > num_blocks or (reply.num_blocks <= 0 < num_blocks)):
-            raise TransferError(f"{spec.req_id}: chunk of {reply.num_blocks} blocks from "
+                or end > num_wanted or (reply.num_chunk_blocks <= 0 < num_wanted)):
+            raise TransferError(f"{spec.req_id}: chunk of {reply.num_chunk_blocks} blocks from "
                                 f"{reply.first_block} of {reply.req_id!r} after {num_done} blocks")
         try:
             local.write_blocks(spec.local_block_ids[num_done:end], frames[0].buffer)

@@ -45,7 +45,7 @@ from engine.proc.socket_limits import block_payload_bytes, set_max_message_size
 NOTIFY_BATCH_NS = SLOW_REPLY_MS * 1_000_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectorWorkerConfig:
     engine_id: str
     agent_addr: str  # PAIR with the engine core's agent

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from replay.deploy.topology import start_topology
 from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
-from engine.proc.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
+from replay.live.serve_messages import ServeInfo
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst

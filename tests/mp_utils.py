@@ -106,7 +106,8 @@ def spawned_p_worker(tmp_path, **config_kw):
     """A real prefill connector worker process with its KV cache registered:
     yields (config, cache, agent, peer); killed and closed on the way out."""
     ctx = zmq.Context.instance()
-    config = ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv", **config_kw)
+    config = ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{tmp_path}/agent",
+                                   kv_addr=f"ipc://{tmp_path}/kv", **config_kw)
     cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
     agent, peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.DEALER)
     proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))

@@ -181,3 +181,23 @@ def test_readme_indexes_every_fast_path_test():
     index = text[text.index("### Fast paths and the tests that pin them"):]
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fast_paths.py"))
     assert files and all(f"`{f}`" in index for f in files), files
+
+
+# Records of many fields, each built at several sites: only keywords say which value is which.
+WIDE_RECORDS = ("replay.verify.timeline:RequestRecord", "replay.verify.timeline:EngineSample",
+                "replay.verify.timeline:Timeline", "replay.trace.reader:TraceSummary",
+                "replay.trace.inspect:TraceInspection", "replay.verify.rules:IdleWindow",
+                "replay.verify.rules:Verdict", "replay.verify.coverage:WindowCoverage",
+                "replay.sim.cost:CostProfile", "replay.ui.dashboard:ReplayProgress",
+                "replay.ui.dashboard:WindowVerdict", "connector.worker_proc:ConnectorWorkerConfig",
+                "engine.core.outputs:ScheduledRequest")
+
+
+@pytest.mark.parametrize("name", WIDE_RECORDS)
+def test_wide_records_take_keywords_only(name):
+    import dataclasses
+    import importlib
+    module, _, attr = name.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    positional = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]
+    assert not positional, f"{attr} takes {positional} by position"

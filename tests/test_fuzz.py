@@ -4,7 +4,8 @@ Properties, each with bounded examples, sizes and time:
 - The trace reader, on arbitrary bytes and on JSON / CSV lines of hostile shapes, in every
   format (sniffed or named), raises nothing but TraceError and allocates little; a trace
   that validates against the engines' limits synthesises only prompts that fit them.
-- CODEC.decode (engine/proc/messages.py) and CONNECTOR_CODEC.decode (connector/messages.py),
+- CODEC.decode (engine/proc/messages.py), SERVE_CODEC.decode (replay/live/serve_messages.py)
+  and CONNECTOR_CODEC.decode (connector/messages.py),
   on arbitrary bytes and on well-formed msgpack of random shapes (registered tags and
   arities included), raise nothing but DecodeError and return only registered types.
 """
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 
 from connector.messages import CONNECTOR_CODEC
 from engine.proc.messages import CODEC, DecodeError
+from replay.live.serve_messages import SERVE_CODEC
 from replay.trace.inspect import inspect_trace
 from replay.trace.reader import (FORMATS, TraceError, TraceLimits, TraceRequest, read_trace,
                                  validate_trace)
@@ -113,7 +115,7 @@ def test_trace_reader_on_text_lines(trace_path, data, fmt):
 
 # ---- wire decoders -----------------------------------------------------------------
 
-CODECS = {"engine": CODEC, "connector": CONNECTOR_CODEC}
+CODECS = {"engine": CODEC, "serve": SERVE_CODEC, "connector": CONNECTOR_CODEC}
 wire_scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
                 | st.text(max_size=8) | st.binary(max_size=8))
 wire_values = st.recursive(wire_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(

@@ -60,5 +60,5 @@ def assert_scheduler_empty(sched: Scheduler) -> None:
     assert not sched.finished_recving_kv_req_ids and not sched.failed_recving_kv_req_ids
     assert not sched.kv_cache_manager.req_to_blocks
     pool = sched.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
     pool.check_invariants()

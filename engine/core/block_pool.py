@@ -182,7 +182,8 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """`num_blocks` blocks; block 0 is the null block, never allocated or freed.
+    """`num_blocks` blocks (vLLM's num_gpu_blocks); block 0 is the null block, never
+    allocated or freed, so `num_usable_blocks` (num_blocks - 1) are a request's to hold.
 
     A freed block keeps its hash and stays in the free queue, evictable: a later
     prefix hit takes it back (touch), a later allocation evicts it (its hash dropped).
@@ -192,6 +193,7 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"num_blocks: must be >= 2, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.num_usable_blocks = num_blocks - 1
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
@@ -200,7 +202,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.num_cached_free_blocks = 0  # free blocks that still hold a hash
         # Blocks with ref_cnt > 0, counted apart from the free queue, so that
-        # used + free == num_blocks - 1 is a real check, not an identity.
+        # used + free == num_usable_blocks is a real check, not an identity.
         self.num_used_blocks = 0
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -286,7 +288,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash; refused (False) while any block is in use, like vLLM."""
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for _, block in self.cached_block_hash_to_block.items():
             block.block_hash = None
@@ -301,7 +303,7 @@ class BlockPool:
         return self.num_used_blocks
 
     def check_invariants(self) -> None:
-        """free + referenced == num_blocks - 1; no block both; hashes consistent."""
+        """free + referenced == num_usable_blocks; no block both; hashes consistent."""
         free_ids = [b.block_id for b in self.free_block_queue]
         if len(free_ids) != self.free_block_queue.num_free_blocks:
             raise AssertionError("free queue length disagrees with its counter")
@@ -314,8 +316,8 @@ class BlockPool:
             raise AssertionError("a block is both free and referenced")
         if len(referenced) != self.num_used_blocks:
             raise AssertionError(f"used counter {self.num_used_blocks} != {len(referenced)} referenced")
-        if len(free_ids) + len(referenced) != self.num_blocks - 1:
-            raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_blocks - 1}")
+        if len(free_ids) + len(referenced) != self.num_usable_blocks:
+            raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_usable_blocks}")
         cached = list(self.cached_block_hash_to_block.items())
         for block_hash, block in cached:
             if block.block_hash != block_hash:

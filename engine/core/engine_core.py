@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core.kv_connector import KVConnectorBase, KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorBase, KVConnectorAgentBase
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
@@ -47,12 +47,12 @@ class EngineCore:
         config: EngineConfig,
         model_runner: ModelRunnerProtocol,
         connector: KVConnectorBase | None = None,
-        connector_worker: KVConnectorWorkerBase | None = None,
+        connector_agent: KVConnectorAgentBase | None = None,
     ) -> None:
         self.config = config
         self.scheduler = Scheduler(config, connector)
         self.model_runner = model_runner
-        self.connector_worker = connector_worker
+        self.connector_agent = connector_agent
         self.num_steps = 0
         self.num_model_steps = 0
 
@@ -95,19 +95,19 @@ class EngineCore:
         """schedule -> execute -> update; the outputs and what the step did.
 
         A zero-token step is still a full round trip: finished ids and connector
-        metadata reach the worker side, and its reports come back.
+        metadata reach the connector's agent, and its reports come back.
         """
         if not self.scheduler.has_requests():
             return EngineStepResult([], False, False, False)
         self._tell_time()
         sched_out = self.scheduler.schedule()
-        worker = self.connector_worker
-        if worker is not None:
-            worker.start_load_kv(sched_out.kv_connector_metadata)
+        agent = self.connector_agent
+        if agent is not None:
+            agent.start_load_kv(sched_out.kv_connector_metadata)
         runner_out = self.model_runner.execute(sched_out)
         got_kv_reports = False
-        if worker is not None:
-            kv_out = worker.get_finished(sched_out.finished_req_ids)
+        if agent is not None:
+            kv_out = agent.get_finished(sched_out.finished_req_ids)
             runner_out.kv_connector_output = kv_out
             got_kv_reports = not kv_out.is_empty()
         self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
@@ -119,9 +119,9 @@ class EngineCore:
         return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
 
     def _tell_time(self) -> None:
-        """The scheduler side's clock is the worker side's (engine/core/kv_connector.py)."""
-        connector, worker = self.scheduler.connector, self.connector_worker
-        now = worker.now_ns() if worker is not None else None
+        """The scheduler side's clock is the agent's (engine/core/kv_connector.py)."""
+        connector, agent = self.scheduler.connector, self.connector_agent
+        now = agent.now_ns() if agent is not None else None
         if connector is not None and now is not None:
             connector.set_time(now)
 
@@ -130,13 +130,13 @@ class EngineCore:
 
     def next_deadline_ns(self) -> int | None:
         """When either connector half next acts on time alone (a heartbeat due, a lease
-        to reap), on the worker side's clock; None: nothing timed."""
-        connector, worker = self.scheduler.connector, self.connector_worker
+        to reap), on the agent's clock; None: nothing timed."""
+        connector, agent = self.scheduler.connector, self.connector_agent
         due = connector.next_deadline_ns() if connector is not None else None
-        worker_due = worker.next_deadline_ns() if worker is not None else None
-        if due is None or worker_due is None:  # asked after every report: no list, no min()
-            return worker_due if due is None else due
-        return min(due, worker_due)
+        agent_due = agent.next_deadline_ns() if agent is not None else None
+        if due is None or agent_due is None:  # asked after every report: no list, no min()
+            return agent_due if due is None else due
+        return min(due, agent_due)
 
     def must_poll(self) -> bool:
         """A connector deferred a request and will not say when to ask again."""
@@ -146,5 +146,5 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
-        if self.connector_worker is not None:
-            self.connector_worker.shutdown()
+        if self.connector_agent is not None:
+            self.connector_agent.shutdown()

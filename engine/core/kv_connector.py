@@ -1,13 +1,16 @@
 """The KV connector interfaces the engine owns; connectors implement them. Runs in: engine-core process.
 
 Two halves, as in vLLM's KVConnectorBase_V1. The scheduler side is pure and lives
-inside the Scheduler. The worker side lives next to the model runner: it ships each
-step's metadata to wherever the blocks are moved (for kvdrain, a connector worker
-process) and collects completion reports. Reports pile up until `get_finished` is
-called, which happens only when the engine steps: that is the liveness question.
+inside the Scheduler. The other half is vLLM's worker role (KVConnectorRole.WORKER,
+the role's name kept); kvdrain calls its object the agent, since "worker" here always
+means the connector worker process. The agent lives in the engine core next to the
+model runner: it ships each step's metadata to wherever the blocks are moved (for
+kvdrain, its connector worker process) and collects completion reports. Reports pile
+up until `get_finished` is called, which happens only when the engine steps: that is
+the liveness question.
 
-Time: the scheduler side is pure and reads no clock. Its time comes from the worker
-side's clock (`KVConnectorWorkerBase.now_ns`: time.monotonic_ns() in the engine-core
+Time: the scheduler side is pure and reads no clock. Its time comes from the agent's
+clock (`KVConnectorAgentBase.now_ns`: time.monotonic_ns() in the engine-core
 process, virtual time in the simulator), handed over by EngineCore.step through
 `KVConnectorBase.set_time` before schedule() and again before update_from_output, the
 moments vLLM's NIXL scheduler reads time.perf_counter() (build_connector_meta's
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class KVConnectorMetadata:
-    """Per-step instructions from the scheduler side to the worker side."""
+    """Per-step instructions from the scheduler side to the agent."""
 
     def is_empty(self) -> bool:
         return True
@@ -55,7 +58,7 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Everything decided since the last call, for the worker side. Resets state."""
+        """Everything decided since the last call, for the agent. Resets state."""
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -67,7 +70,7 @@ class KVConnectorBase(ABC):
         never come for it (P/D: P's blocks). Default: nothing."""
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Observe the worker side's reports (counters, leases). Default: nothing."""
+        """Observe the agent's reports (counters, leases). Default: nothing."""
 
     def on_new_request(self, request: Request) -> None:
         """A request was added (vLLM's on_new_request: say, start its heartbeats)."""
@@ -85,10 +88,11 @@ class KVConnectorBase(ABC):
         return {}
 
 
-class KVConnectorWorkerBase(ABC):
-    """Worker side, inside the engine-core process next to the model runner."""
+class KVConnectorAgentBase(ABC):
+    """The agent (vLLM's worker role), in the engine-core process next to the model runner."""
 
-    # What died or broke on the worker side, for the engine to report; None: healthy.
+    # What died or broke behind the agent (its worker process, say), for the engine to
+    # report; None: healthy.
     error: str | None = None
 
     @abstractmethod
@@ -122,6 +126,8 @@ class KVConnectorWorkerBase(ABC):
 
 
 class KVConnectorRole(enum.Enum):
+    """vLLM's roles; WORKER builds the agent (KVConnectorAgentBase)."""
+
     SCHEDULER = "scheduler"
     WORKER = "worker"
 
@@ -132,7 +138,7 @@ class KVConnectorFactory(Protocol):
     which calls it once per role, so the engine never imports a connector package."""
 
     def __call__(self, config: EngineConfig, role: KVConnectorRole,
-                 kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorWorkerBase: ...
+                 kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorAgentBase: ...
 
 
 def import_factory(name: str) -> KVConnectorFactory:

@@ -5,7 +5,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions from `num_computed_tokens`."""
 
@@ -46,7 +46,7 @@ class SchedulerOutput:
     # Chunks that end before their request's known tokens do: nothing to sample.
     partial_req_ids: set[str]
     total_num_scheduled_tokens: int
-    # Finished since the previous schedule(): the worker side drops their state.
+    # Finished since the previous schedule(): the connector's agent drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     kv_connector_metadata: object | None
@@ -86,21 +86,22 @@ class SchedulerOutput:
         new_block_ids, new_req_ids, partial = self.new_block_ids, self.new_req_ids, self.partial_req_ids
         for req_id, num_computed, num_new in zip(self.req_ids, self.num_computed_tokens,
                                                  self.num_scheduled_tokens):
-            records.append(ScheduledRequest(
-                req_id, self.token_ids[offset:offset + num_new], num_computed,
-                new_block_ids.get(req_id, []), req_id in new_req_ids, req_id not in partial))
+            records.append(ScheduledRequest(req_id=req_id, token_ids=self.token_ids[offset:offset + num_new],
+                                            num_computed_tokens=num_computed,
+                                            new_block_ids=new_block_ids.get(req_id, []),
+                                            is_new=req_id in new_req_ids, sample=req_id not in partial))
             offset += num_new
         return tuple(records)
 
 
 @dataclass(slots=True)
 class KVConnectorOutput:
-    """What the connector's worker side reports back through the runner output."""
+    """What the connector's agent reports back through the runner output."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    # What died on the worker side (say, the connector worker process); None: healthy.
+    # What died behind the agent (say, the connector worker process); None: healthy.
     worker_error: str | None = None
 
     def is_empty(self) -> bool:
@@ -145,7 +146,7 @@ class SchedulerStats:
     num_waiting_for_remote_kvs: int = 0
     num_running: int = 0
     num_finished_awaiting_free: int = 0
-    num_blocks: int = 0  # usable blocks, the null block excluded
+    num_usable_blocks: int = 0  # the pool's blocks but the null block: used + free
     num_used_blocks: int = 0
     num_cached_blocks: int = 0  # free but still holding a prefix hash
     num_free_blocks: int = 0

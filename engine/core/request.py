@@ -54,7 +54,6 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
-    stop_reason: str | None = None  # why it finished, in words, for errors and ignores
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

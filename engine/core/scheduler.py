@@ -45,7 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids the connector told to ask again later (get_num_new_matched_tokens None).
         self.deferred_req_ids: set[str] = set()
-        # Finished since the last schedule(); shipped to the worker side, then reset.
+        # Finished since the last schedule(); shipped to the connector's agent, then reset.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
@@ -69,7 +69,7 @@ class Scheduler:
         """Queue a request; one that can never run finishes FINISHED_IGNORED at once.
 
         A duplicate id fails alone ("error") and nothing of the original is touched:
-        no finished id (the worker side would drop the original's state); only what
+        no finished id (the agent would drop the original's state); only what
         the duplicate's own params hold elsewhere is released. vLLM never sees one:
         its front makes ids unique (a random suffix).
         """
@@ -82,11 +82,10 @@ class Scheduler:
         reason = self._why_unschedulable(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
-            request.stop_reason = reason
             if self.connector is not None:
                 # It may carry a remote prefill whose blocks P holds for us: the connector
                 # must hear of it (it tells P to free them), and the id must reach the
-                # worker side in a step, so it goes out like any finished id.
+                # connector's agent in a step, so it goes out like any finished id.
                 self.connector.request_finished(request, [])
                 self.finished_req_ids.add(request.req_id)
             # vLLM reports FINISHED_IGNORED as "length"; the reason is in `error`.
@@ -118,9 +117,9 @@ class Scheduler:
         # The last sampled token never gets a KV slot: at most max_len - 1 are computed.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len - 1)
-        if need > self.config.num_blocks - 1:
+        if need > self.block_pool.num_usable_blocks:
             return (f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
-                    f"{self.config.num_blocks - 1}")
+                    f"{self.block_pool.num_usable_blocks}")
         return None
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
@@ -360,7 +359,7 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
-        if self.connector is not None:  # first: it may say the worker side is gone
+        if self.connector is not None:  # first: it may say the worker process is gone
             kv_out = kv_out or KVConnectorOutput()
             self.connector.update_connector_output(kv_out)
         failed_ids: set[str] = set()
@@ -441,7 +440,6 @@ class Scheduler:
         error = runner_out.failed.get(request.req_id)
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = error
             params = self._free_request(request)
             return RequestOutput(request.req_id, [], "error", params, error=error)
         token = runner_out.sampled_token_ids.get(request.req_id)
@@ -451,15 +449,13 @@ class Scheduler:
         return self._stop_request(request, token)
 
     def _fail_requests(self, req_ids: list[str], why: str) -> list[RequestOutput]:
-        for req_id in req_ids:
-            self.requests[req_id].stop_reason = why
         outputs = self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
         for output in outputs:
             output.error = why
         return outputs
 
     # ---- KV transfer: remote loads, delayed frees, reports ----------------------
-    # Reports come from the worker side through the runner output. Each finished
+    # Reports come from the connector's agent through the runner output. Each finished
     # request that still holds blocks waits for exactly one report: `held_for_send`
     # (the connector delayed its free) for finished_sending, `held_for_recv` (aborted
     # while its remote load was in flight, vLLM #32255) for finished_recving. Anything
@@ -590,7 +586,7 @@ class Scheduler:
             num_waiting_for_remote_kvs=num_remote,
             num_running=len(self.running),
             num_finished_awaiting_free=len(self.requests) - self.get_num_unfinished_requests(),
-            num_blocks=pool.num_blocks - 1,
+            num_usable_blocks=pool.num_usable_blocks,
             num_used_blocks=pool.get_num_used_blocks(),
             num_cached_blocks=pool.num_cached_free_blocks,
             num_free_blocks=pool.get_num_free_blocks(),

@@ -34,7 +34,11 @@ SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well befo
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process died or reported a fatal error."""
+    """The engine core process `engine_id` died or reported a fatal error."""
+
+    def __init__(self, engine_id: str, message: str) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
 
 
 class EngineClient(Protocol):
@@ -71,9 +75,9 @@ class InprocClient:
         self.core, self.kv_cache = build_engine_core(config)
         self._pending: list[RequestOutput] = []
         self.errors: list[str] = []  # stays empty: an in-process engine's failure raises here
-        self.ready = Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
-                           config.max_model_len, config.model.vocab_size,
-                           kv_device(config, self.kv_cache))
+        self.ready = Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
+                           block_size=config.block_size, max_model_len=config.max_model_len,
+                           vocab_size=config.model.vocab_size, device=kv_device(config, self.kv_cache))
 
     def wait_ready(self) -> Ready:
         return self.ready
@@ -161,17 +165,19 @@ class MPClient:
             return msg
         if isinstance(msg, EngineError):
             self.kill()
-            raise EngineDeadError(f"engine {self.engine_id} failed to start:\n{msg.message}")
+            raise EngineDeadError(self.engine_id, f"engine {self.engine_id} failed to start:\n"
+                                                  f"{msg.message}")
         self._check_alive()
         if time.monotonic() > self.ready_deadline:
             self.kill()
-            raise EngineDeadError(f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
+            raise EngineDeadError(self.engine_id,
+                                  f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
         return None
 
     def _check_alive(self) -> None:
         if not self.process.is_alive():
-            raise EngineDeadError(f"engine core {self.engine_id} (pid {self.process.pid}) died "
-                                  f"with exit code {self.process.exitcode}")
+            raise EngineDeadError(self.engine_id, f"engine core {self.engine_id} (pid {self.process.pid}) "
+                                  f"died with exit code {self.process.exitcode}")
 
     def _recv(self, timeout_s: float) -> object | None:
         if not self.output.poll(int(timeout_s * 1000), zmq.POLLIN):
@@ -193,8 +199,8 @@ class MPClient:
             except zmq.Again:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"engine {self.engine_id} takes no input for "
-                                          f"{SEND_TIMEOUT_S} s") from None
+                    raise EngineDeadError(self.engine_id, f"engine {self.engine_id} takes no "
+                                          f"input for {SEND_TIMEOUT_S} s") from None
                 self.input.poll(50, zmq.POLLOUT)
 
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:

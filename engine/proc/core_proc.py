@@ -68,12 +68,12 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
             from engine.runner.kv_cache import KVCache
             kv_cache = KVCache.allocate(config.model, config.num_blocks, config.block_size, "cpu")
         runner = MockModelRunner(config, kv_cache)  # it stamps tokens into the KV it has
-    connector = worker = None
+    connector = agent = None
     if config.kv_transfer is not None:
         factory = import_factory(config.kv_transfer.kv_connector)
         connector = factory(config, KVConnectorRole.SCHEDULER)
-        worker = factory(config, KVConnectorRole.WORKER, kv_cache.handle.to_dict())
-    return EngineCore(config, runner, connector, worker), kv_cache
+        agent = factory(config, KVConnectorRole.WORKER, kv_cache.handle.to_dict())
+    return EngineCore(config, runner, connector, agent), kv_cache
 
 
 def stats_counts(stats: SchedulerStats) -> dict[str, int]:
@@ -113,8 +113,9 @@ class EngineCoreProc:
         self._pollers: dict[tuple, zmq.Poller] = {}
         self._input_poller = zmq.Poller()
         self._input_poller.register(self.input, zmq.POLLIN)
-        self._send(Ready(config.engine_id, os.getpid(), config.num_blocks, config.block_size,
-                         config.max_model_len, config.model.vocab_size, self._device()))
+        self._send(Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
+                         block_size=config.block_size, max_model_len=config.max_model_len,
+                         vocab_size=config.model.vocab_size, device=self._device()))
 
     def _socket(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -183,8 +184,8 @@ class EngineCoreProc:
         The parent's sentinel and the SIGTERM wakeup fd are always watched. Returns
         whether the frontend input may hold messages: True when it was not watched.
         """
-        worker = self.core.connector_worker
-        handles = tuple(worker.wait_handles()) if with_connector and worker is not None else ()
+        agent = self.core.connector_agent
+        handles = tuple(agent.wait_handles()) if with_connector and agent is not None else ()
         events = self._poller(with_input, handles).poll(timeout_ms)
         self.num_wakeups += 1
         if not events:  # the timeout
@@ -249,24 +250,25 @@ class EngineCoreProc:
         if not force and key == self._last_published:
             return
         self._last_published = key
-        worker = self.core.connector_worker
+        agent = self.core.connector_agent
         self._stats_seq += 1
-        self._send(StatsSnapshot(self.config.engine_id, self._stats_seq, time.monotonic(),
-                                 self.loop_state, self.core.num_steps, self.num_wakeups, counts))
-        if worker is not None and worker.error is not None and not self._error_sent:
+        self._send(StatsSnapshot(engine_id=self.config.engine_id, seq=self._stats_seq,
+                                 monotonic=time.monotonic(), loop_state=self.loop_state,
+                                 num_steps=self.core.num_steps, num_wakeups=self.num_wakeups, counts=counts))
+        if agent is not None and agent.error is not None and not self._error_sent:
             self._error_sent = True
-            self._send(EngineError(self.config.engine_id, worker.error))
+            self._send(EngineError(self.config.engine_id, agent.error))
 
     def _counts(self) -> dict[str, int]:
-        """What a snapshot shows: SchedulerStats, then the connector's and the worker
-        side's counters, then the loop's own (a later name wins, as dict.update)."""
+        """What a snapshot shows: SchedulerStats, then the connector's and its agent's
+        counters, then the loop's own (a later name wins, as dict.update)."""
         core = self.core
         counts = stats_counts(core.make_stats())
-        connector, worker = core.scheduler.connector, core.connector_worker
+        connector, agent = core.scheduler.connector, core.connector_agent
         if connector is not None:
             counts.update(connector.get_counters())
-        if worker is not None:
-            counts.update(worker.get_counters())
+        if agent is not None:
+            counts.update(agent.get_counters())
         counts["num_bad_messages"] = self.num_bad_messages
         return counts
 

@@ -3,7 +3,9 @@
 Each message is a frozen dataclass under a fixed numeric tag (MESSAGES), encoded as
 msgpack([tag, field, ...]). Decoding checks the tag, the arity and every field's type
 against the dataclass annotations and raises DecodeError saying what is wrong. No
-pickle: a peer can only ever make us build one of the registered types.
+pickle: a peer can only ever make us build one of the registered types. The codec
+builds a message from its fields in order, so wire types are not kw_only as other wide
+records are; their callers pass keywords all the same.
 stdlib, msgpack and the pure engine/core/outputs.py only, so anything can import this cheaply.
 """
 from __future__ import annotations
@@ -210,7 +212,7 @@ class GetStats:
 class Ready:
     engine_id: str
     pid: int
-    num_blocks: int
+    num_blocks: int  # the pool as allocated, the null block included
     block_size: int
     max_model_len: int
     vocab_size: int
@@ -262,22 +264,6 @@ class EngineError:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class ServeInfo:
-    """`kvdrain serve` -> a client that subscribed (GetStats): what is being served."""
-
-    engines: list[str]
-    topology: str
-    liveness: str
-    vocab_size: int
-    block_size: int
-    # Appended (issue 12): the rest of what the serve's engines run with, for the report.
-    runner: str = ""
-    max_model_len: int = 0
-    num_blocks: int = 0  # per engine, the null block included
-    model: str = ""  # the model preset's name
-
-
 # Wire tags: fixed forever (peers decode by them); a new type takes a new number.
 MESSAGES: dict[int, type] = {
     0: AddRequest,
@@ -288,7 +274,7 @@ MESSAGES: dict[int, type] = {
     5: RequestOutputs,
     6: StatsSnapshot,
     7: EngineError,
-    8: ServeInfo,
+    # 8 is taken: the serve protocol (a frontend's, over these messages) adds its own there.
 }
 CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
 encode = CODEC.encode

@@ -29,6 +29,6 @@ def snapshot_problem(snap: StatsSnapshot, engines: list[str] | tuple[str, ...]) 
         value = counts.get(name)
         if type(value) is not int or value < 0:
             return f"engine {snap.engine_id}: count {name} is {value!r}"
-    if counts["num_used_blocks"] + counts["num_free_blocks"] != counts["num_blocks"]:
-        return f"engine {snap.engine_id}: used + free blocks != num_blocks"
+    if counts["num_used_blocks"] + counts["num_free_blocks"] != counts["num_usable_blocks"]:
+        return f"engine {snap.engine_id}: used + free blocks != num_usable_blocks"
     return None

@@ -87,11 +87,11 @@ class PagedAttentionMetadata:
         """One query token per request, batched: gather [D, max_ctx] keys via block tables."""
         num_decodes, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_layer.shape[2:4]
-        num_blocks = self.decode_mask.shape[-1] // block_size
+        blocks_per_seq = self.decode_mask.shape[-1] // block_size
         k, v = self._gather(kv_layer, self.decode_block_ids)
         # [D*blocks, block_size, Hkv, hd] -> [D, Hkv, ctx, hd]
-        k = k.view(num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-        v = v.view(num_decodes, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        k = k.view(num_decodes, blocks_per_seq * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(num_decodes, blocks_per_seq * block_size, num_kv_heads, head_dim).transpose(1, 2)
         # GQA without copying K/V: a KV head's query group plays the role of query rows.
         q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)

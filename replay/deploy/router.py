@@ -52,7 +52,8 @@ class PDRouter:
 
     @property
     def num_blocks(self) -> int:
-        """The smallest engine's KV pool as it reported it (sized from GPU memory, maybe)."""
+        """The smallest engine's KV pool as it reported it (sized from GPU memory, maybe),
+        the null block included."""
         return min(c.wait_ready().num_blocks for c in self.clients.values())
 
     @property

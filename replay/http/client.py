@@ -372,7 +372,8 @@ class HttpReplay:
 
     def _start(self, session: aiohttp.ClientSession, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.identity.vocab_size)
-        record = RequestRecord(req.req_id, req.t, 0.0, 0.0, None, None, len(prompt), 0, 0, None)
+        # Sent at its arrival until _request (or _close_unsent) stamps when it was.
+        record = RequestRecord.sent(req.req_id, req.t, req.t, len(prompt))
         self.requests[req.req_id] = record
         self.arrivals.append(req.t)
         task = asyncio.create_task(self._request(session, req, prompt, record))
@@ -487,7 +488,7 @@ class HttpReplay:
     def _timeline(self) -> Timeline:
         samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
         engines = list(dict.fromkeys(s.engine for s in samples))
-        num_blocks = {s.engine: s.num_blocks for s in samples}
+        num_usable_blocks = {s.engine: s.num_usable_blocks for s in samples}
         topology = (self.identity.kvdrain or {}).get("topology") if self.identity else None
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
                 "topology": topology,  # None: the server does not say (settings.topology)
@@ -504,7 +505,7 @@ class HttpReplay:
                          "settings": self.settings(engines)}}
         counters = {e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e))
                     for e in engines}
-        return Timeline(engines=engines, num_blocks=num_blocks, samples=samples,
+        return Timeline(engines=engines, num_usable_blocks=num_usable_blocks, samples=samples,
                         requests=list(self.requests.values()), arrivals=self.arrivals,
                         aborts=self.aborts, end_t=self.end_t, counters=counters, meta=meta)
 

@@ -75,7 +75,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 # StatsSnapshot.counts keys that are not the connector's.
 _ENGINE_KEYS = frozenset((
     "num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-    "num_finished_awaiting_free", "num_blocks", "num_used_blocks", "num_cached_blocks",
+    "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
     "num_free_blocks", "num_preemptions", "num_prefix_hit_tokens", "num_prefix_query_tokens",
     "connector_worker_pid"))
 
@@ -186,18 +186,18 @@ def _new_families() -> dict[str, object]:
 def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: float,
                   block_size: int) -> None:
     c = snap.counts
-    num_blocks = c.get("num_blocks", 0)
+    num_usable = c.get("num_usable_blocks", 0)
     values = {
         "vllm:num_requests_running": c.get("num_running", 0),
         "vllm:num_requests_waiting": c.get("num_waiting", 0) + c.get("num_skipped_waiting", 0),
-        "vllm:kv_cache_usage_perc": c.get("num_used_blocks", 0) / num_blocks if num_blocks else 0.0,
+        "vllm:kv_cache_usage_perc": c.get("num_used_blocks", 0) / num_usable if num_usable else 0.0,
         "vllm:num_preemptions": c.get("num_preemptions", 0),
         "vllm:prefix_cache_queries": c.get("num_prefix_query_tokens", 0),
         "vllm:prefix_cache_hits": c.get("num_prefix_hit_tokens", 0),
         "kvdrain:kv_blocks_used": c.get("num_used_blocks", 0),
         "kvdrain:kv_blocks_cached": c.get("num_cached_blocks", 0),
         "kvdrain:kv_blocks_free": c.get("num_free_blocks", 0),
-        "kvdrain:kv_blocks_usable": num_blocks,
+        "kvdrain:kv_blocks_usable": num_usable,
         "kvdrain:delayed_free_requests": c.get("num_finished_awaiting_free", 0),
         "kvdrain:requests_waiting_for_remote_kvs": c.get("num_waiting_for_remote_kvs", 0),
         "kvdrain:engine_steps": snap.num_steps,
@@ -208,7 +208,7 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
         families[name].add_metric(labels, value)
     # vLLM's num_gpu_blocks counts the null block too.
     families["vllm:cache_config_info"].add_metric(
-        [str(block_size), str(num_blocks + 1), labels[1]], 1)
+        [str(block_size), str(num_usable + 1), labels[1]], 1)
     for state in LOOP_STATE_NAMES:
         families["kvdrain:loop_state"].add_metric(labels + [state], float(snap.loop_state == state))
     for key, value in sorted(c.items()):

@@ -191,7 +191,7 @@ def to_sample(t: float, engine: str, scraped: Scraped, loop_state: str) -> Engin
     g = scraped.labels
     return EngineSample(
         t=t, engine=engine, num_used_blocks=scraped.used, num_cached_blocks=scraped.cached,
-        num_free_blocks=scraped.free, num_blocks=scraped.used + scraped.free,
+        num_free_blocks=scraped.free, num_usable_blocks=scraped.used + scraped.free,
         num_waiting=int(g.get("vllm:num_requests_waiting", 0)), num_skipped_waiting=0,
         num_waiting_for_remote_kvs=int(g.get("kvdrain:requests_waiting_for_remote_kvs", 0)),
         num_running=int(g.get("vllm:num_requests_running", 0)),

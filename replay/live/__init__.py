@@ -4,6 +4,7 @@
 - faults: an engine or worker that died, stopped answering or stalled, named;
 - interrupt: Ctrl-C and SIGTERM as one exception;
 - serve: `kvdrain serve`, the topology behind a client socket;
+- serve_messages: the serve's protocol (its wire types, ServeInfo among them);
 - serve_client: a client of `kvdrain serve`;
 - auth: who may talk to a serve (CURVE beyond loopback, a token on it);
 - recorder: `serve --record`;

@@ -208,8 +208,9 @@ def calibrate(options: CalibrateOptions, log: Callable[[str], None] = lambda lin
     overhead = measure_loop_overhead(config, model) if options.loop_overhead else 0.0
     if overhead:
         model = replace(model, base_s=model.base_s + overhead)
-    return CostProfile(model, tuple(points), options.runner, options.model, device, dtype,
-                       _torch_version(options.runner), overhead)
+    return CostProfile(model=model, points=tuple(points), runner=options.runner, model_preset=options.model,
+                       device=device, dtype=dtype, torch_version=_torch_version(options.runner),
+                       loop_overhead_s=overhead)
 
 
 def _where(bench: _Bench) -> tuple[str, str]:

@@ -62,7 +62,7 @@ def sample_from_snapshot(t: float, snap: StatsSnapshot) -> EngineSample:
     return EngineSample(
         t=t, engine=snap.engine_id, num_used_blocks=c["num_used_blocks"],
         num_cached_blocks=c["num_cached_blocks"], num_free_blocks=c["num_free_blocks"],
-        num_blocks=c["num_blocks"], num_waiting=c["num_waiting"],
+        num_usable_blocks=c["num_usable_blocks"], num_waiting=c["num_waiting"],
         num_skipped_waiting=c["num_skipped_waiting"],
         num_waiting_for_remote_kvs=c["num_waiting_for_remote_kvs"], num_running=c["num_running"],
         num_finished_awaiting_free=c["num_finished_awaiting_free"],
@@ -108,7 +108,7 @@ class WallClockReplay:
             self.interrupted = e.name
             self.end_t = self.now()
         except EngineDeadError as e:  # the run ends here; the verdict names the fault
-            self.faults.on_error(self.now(), _engine_in(str(e), self.target.engines), str(e), "died")
+            self.faults.on_error(self.now(), e.engine_id, str(e), "died")
             self.end_t = self.now()
         return self._timeline()
 
@@ -150,8 +150,7 @@ class WallClockReplay:
         self.num_sent += 1
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
-        record = self.requests[req.req_id] = RequestRecord(
-            req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
+        record = self.requests[req.req_id] = RequestRecord.sent(req.req_id, req.t, sent, len(prompt))
         self._take_moves()
         if self.options.expected_tokens is not None:
             record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
@@ -229,20 +228,16 @@ class WallClockReplay:
 
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
-        num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
+        num_usable_blocks = {e: s.counts["num_usable_blocks"] for e, s in self.latest.items()}
         counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
                     for e, s in self.latest.items()}
         routing = getattr(self.target, "routing", None)  # a local router: what each engine got
         for engine, n in (routing.balancer.num_requests.items() if routing is not None else ()):
             counters.setdefault(engine, {})["num_routed_requests"] = n
-        return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
+        return Timeline(engines=list(self.target.engines), num_usable_blocks=num_usable_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
                         counters=counters, meta={"driver": "wall", **(
                             {"interrupted": self.interrupted} if self.interrupted else {}),
                             "faults": [asdict(f) for f in self.faults.faults]})
 
-
-def _engine_in(message: str, engines: list[str]) -> str:
-    """The engine an EngineDeadError names ("engine core D (pid ...) died ..."), else ""."""
-    return next((e for e in engines if f"engine core {e} " in message or f"engine {e} " in message), "")

@@ -30,8 +30,9 @@ def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> Da
     """The dashboard of a replay of `num_requests` over `duration` trace seconds, before it starts."""
     state = DashboardState(title=f"kvdrain replay {config.trace.name}")
     total = min(num_requests, config.shaping.max_requests or num_requests)
-    state.progress = ReplayProgress(config.trace.name, total, duration / config.shaping.speedup,
-                                    config.clock, config.engine.liveness, config.shaping.speedup)
+    state.progress = ReplayProgress(trace_name=config.trace.name, num_total=total,
+                                    duration_s=duration / config.shaping.speedup, clock=config.clock,
+                                    liveness=config.engine.liveness, speedup=config.shaping.speedup)
     if config.clock == "wall" and config.http is None:
         local = config.target is None
         state.startup = StartupState(engines=[e for e, _ in engine_roles(config.topology)] if local else [])
@@ -216,7 +217,7 @@ class SnapshotWindows:
                               key=lambda s: s.t)
 
     def _judge(self, window: tuple[float, float, bool]) -> list[WindowVerdict]:
-        timeline = Timeline(engines=sorted(self.busy), num_blocks={}, samples=self.samples,
+        timeline = Timeline(engines=sorted(self.busy), num_usable_blocks={}, samples=self.samples,
                             requests=[], arrivals=[], aborts=[], end_t=window[1])
         return [WindowVerdict.of(check_window(EngineSeries.of(timeline, engine), window,
                                               self.options.drain_deadline_s))
@@ -235,7 +236,8 @@ class SnapshotWindows:
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:
     """Verdicts of the idle windows that have ended so far (the tail is judged at the end)."""
     now = replay.now()
-    timeline = Timeline(engines=list(replay.latest), num_blocks={}, samples=sorted(replay.samples, key=lambda s: s.t),
+    timeline = Timeline(engines=list(replay.latest), num_usable_blocks={},
+                        samples=sorted(replay.samples, key=lambda s: s.t),
                         requests=list(replay.requests.values()), arrivals=list(replay.arrivals),
                         aborts=list(replay.aborts), end_t=now)
     verdicts = []

@@ -20,12 +20,13 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from replay.deploy.router import PDRouter
-from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
-                             StatsSnapshot, decode, encode, output_to_msg)
+from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs,
+                             StatsSnapshot, output_to_msg)
 from engine.core.outputs import RequestOutput
 from engine.proc.socket_limits import request_bytes, set_max_message_size
 from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
+from replay.live.serve_messages import ServeInfo, decode, encode
 
 SNAPSHOT_INTERVAL_S = 0.5
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)

@@ -11,13 +11,14 @@ import time
 
 import zmq
 
-from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
-                             StatsSnapshot, decode, encode, output_from_msg)
+from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs,
+                             StatsSnapshot, output_from_msg)
 from engine.core.outputs import RequestOutput
 from engine.proc.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
 from replay.live.auth import AuthError, AuthOptions, secure_client
 from replay.live.serve import SUBSCRIPTION_RENEW_S
+from replay.live.serve_messages import ServeInfo, decode, encode
 
 CONNECT_TIMEOUT_S = 5.0
 PING_AFTER_S = 1.0  # silent this long: ask for stats (the serve answers at once)

@@ -123,7 +123,7 @@ def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CostProfile:
     """A calibration: where it was measured, the points, and the fitted model."""
 
@@ -159,9 +159,10 @@ class CostProfile:
             model = CostModel(**{name: float(data["cost_model"][name]) for name in COEFFICIENTS})
             points = tuple(CostPoint(StepShape(*(int(p[f]) for f in FEATURES)), float(p["seconds"]),
                                      int(p["num_samples"])) for p in data["points"])
-            return CostProfile(model, points, str(data["runner"]), str(data["model_preset"]),
-                               str(data["device"]), str(data["dtype"]), data["torch_version"],
-                               float(data["loop_overhead_s"]))
+            return CostProfile(model=model, points=points, runner=str(data["runner"]),
+                               model_preset=str(data["model_preset"]), device=str(data["device"]),
+                               dtype=str(data["dtype"]), torch_version=data["torch_version"],
+                               loop_overhead_s=float(data["loop_overhead_s"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"cost profile: malformed: missing or bad {e}") from None
 

@@ -120,7 +120,8 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig, slot: EngineSlot, loop: EventLoop,
                  options: SimOptions, worker: SimKVWorker | None = None) -> None:
-        """`worker` is the connector's worker side; with one, config must name a connector."""
+        """`worker` is the simulated connector worker, the engine's agent too; with one,
+        config must name a connector."""
         self.options, self.slot, self.loop = options, slot, loop
         self.name, self.rank = config.engine_id, slot.rank
         self.worker = worker
@@ -292,10 +293,14 @@ class SimEngine:
             steps += (t - s0) // period + 1 if t >= s0 else 0
             wakeups += per_step * ((t - s0 - self.zero) // period + 1) if t >= s0 + self.zero else 0
         self.sampled = (s, self.state)
-        sample = EngineSample(
-            t / NS, self.name, s.num_used_blocks, s.num_cached_blocks, s.num_free_blocks,
-            s.num_blocks, s.num_waiting, s.num_skipped_waiting, s.num_waiting_for_remote_kvs,
-            s.num_running, s.num_finished_awaiting_free, self.state, steps, wakeups)
+        sample = EngineSample(t=t / NS, engine=self.name, num_used_blocks=s.num_used_blocks,
+                              num_cached_blocks=s.num_cached_blocks, num_free_blocks=s.num_free_blocks,
+                              num_usable_blocks=s.num_usable_blocks, num_waiting=s.num_waiting,
+                              num_skipped_waiting=s.num_skipped_waiting,
+                              num_waiting_for_remote_kvs=s.num_waiting_for_remote_kvs,
+                              num_running=s.num_running,
+                              num_finished_awaiting_free=s.num_finished_awaiting_free, loop_state=self.state,
+                              num_steps=steps, num_wakeups=wakeups)
         self.slot.on_sample(sample)
         return sample
 

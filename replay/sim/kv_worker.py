@@ -27,14 +27,15 @@ from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
 from connector.pull_outcome import copy_within_read_lease, pull_outcome
 from connector.send_ledger import LedgerOutput, ReadReply, ReapSchedule, SendLedger
-from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorAgentBase
 from engine.core.outputs import KVConnectorOutput
 from replay.sim.clock import DELIVER, EventLoop, to_ns
 from replay.sim.options import SimOptions
 
 
-class SimKVWorker(KVConnectorWorkerBase):
-    """A P/D connector worker on the virtual clock; `peers` holds every engine's, by name."""
+class SimKVWorker(KVConnectorAgentBase):
+    """A P/D connector worker on the virtual clock, which is its engine's agent too (no
+    socket between them); `peers` holds every engine's, by name."""
 
     def __init__(self, name: str, loop: EventLoop, options: SimOptions,
                  peers: dict[str, SimKVWorker]) -> None:

@@ -62,7 +62,7 @@ class _Frontend:
             raise ValueError(f"id: duplicate request id {req.req_id!r} (line {req.line})")
         self.seen.add(req.req_id)
         prompt, t = synth_prompt(req, self.vocab_size, self.memo), self.sim.loop.now / NS
-        record = RequestRecord(req.req_id, t, t, 0.0, None, None, len(prompt), 0, 0, None)
+        record = RequestRecord.sent(req.req_id, t, t, len(prompt))
         self.records.append(record)
         hashes = None  # for a prompt checked here once, as every engine core would check it
         if self.share_hashes and self._is_well_formed(req, prompt):
@@ -219,8 +219,8 @@ class Simulation:
             counters[name] = engine.counters(last)
             counters[name]["num_routed_requests"] = self.frontend.routing.balancer.num_requests[name]
         return Timeline(
-            engines=list(self.engines), num_blocks={n: self.options.engine.num_blocks - 1
-                                                    for n in self.engines},
+            engines=list(self.engines),
+            num_usable_blocks={n: self.options.engine.num_blocks - 1 for n in self.engines},
             samples=self.samples, requests=self.frontend.records, arrivals=self.arrivals,
             aborts=self.aborts, end_t=self.loop.now / NS, counters=counters,
             meta={"driver": "virtual", **asdict(self.options)})

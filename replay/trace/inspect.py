@@ -19,7 +19,7 @@ class IdleGap:
     after_line: int  # file line of that arrival
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TraceInspection:
     """What `inspect_trace` measured; arrivals and gaps are in trace seconds."""
 
@@ -84,9 +84,11 @@ def inspect_trace(path: str | Path, fmt: str | None = None,
         num_refs += len(rec.hash_ids or ())
     gaps = tuple(IdleGap(start, length, line) for length, start, line in sorted(top, reverse=True))
     duration = last.t - first.t if last is not None else 0.0
-    return TraceInspection(str(path), fmt, counts[TraceRequest],
-                           counts[TraceAbort], counts[TraceSnapshot], duration, prompt, output,
-                           idle_threshold, num_gaps, gaps, num_refs, num_reused)
+    return TraceInspection(path=str(path), format=fmt, num_requests=counts[TraceRequest],
+                           num_aborts=counts[TraceAbort], num_snapshots=counts[TraceSnapshot],
+                           duration=duration, total_prompt_tokens=prompt, total_output_tokens=output,
+                           idle_threshold=idle_threshold, num_idle_gaps=num_gaps, top_gaps=gaps,
+                           num_hash_refs=num_refs, num_reused_refs=num_reused)
 
 
 def format_inspection(insp: TraceInspection) -> list[str]:

@@ -72,7 +72,7 @@ class TraceError(ValueError):
     """A trace that cannot be read; the message says where and why."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TraceSummary:
     """What one full validating pass over a trace found."""
 
@@ -308,7 +308,10 @@ def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: boo
     if counts[TraceRequest] == 0:
         raise TraceError(f"{path}: trace: no requests ({scan.num_bad_lines} bad lines, "
                          f"{scan.num_skipped} zero-length rows skipped)")
-    return TraceSummary(str(path), scan.fmt, header, counts[TraceRequest], counts[TraceAbort],
-                        counts[TraceSnapshot], scan.num_skipped, last_t - (first_t or 0.0),
-                        prompt, output, scan.num_bad_lines, tuple(scan.bad_line_messages),
-                        scan.sha256.hexdigest(), scan.num_capped, max_id)
+    return TraceSummary(path=str(path), format=scan.fmt, header=header, num_requests=counts[TraceRequest],
+                        num_aborts=counts[TraceAbort], num_snapshots=counts[TraceSnapshot],
+                        num_skipped=scan.num_skipped, duration=last_t - (first_t or 0.0),
+                        total_prompt_tokens=prompt, total_output_tokens=output,
+                        num_bad_lines=scan.num_bad_lines, bad_line_messages=tuple(scan.bad_line_messages),
+                        sha256=scan.sha256.hexdigest(), num_capped=scan.num_capped,
+                        max_prompt_token_id=max_id)

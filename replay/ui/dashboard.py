@@ -11,7 +11,7 @@ from replay.verify.rules import IdleWindow
 
 HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
 SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-                 "num_finished_awaiting_free", "num_blocks", "num_used_blocks", "num_cached_blocks",
+                 "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
                  "num_free_blocks")
 
 
@@ -54,7 +54,7 @@ def sample_counts(sample: EngineSample) -> dict[str, int]:
     return {name: getattr(sample, name) for name in SAMPLE_COUNTS}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ReplayProgress:
     """Where the replay is: requests sent, trace time, how late the sends were."""
 
@@ -87,7 +87,7 @@ class ReplayProgress:
         return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WindowVerdict:
     """One closed idle window of one engine, as the dashboard lists it."""
 
@@ -100,8 +100,9 @@ class WindowVerdict:
 
     @staticmethod
     def of(window: IdleWindow) -> WindowVerdict:
-        return WindowVerdict(window.engine, window.start, window.length, window.num_used_at_start,
-                             window.time_to_drain, window.verdict)
+        return WindowVerdict(engine=window.engine, start=window.start, length=window.length,
+                             num_used_at_start=window.num_used_at_start, time_to_drain=window.time_to_drain,
+                             verdict=window.verdict)
 
 
 @dataclass(slots=True)

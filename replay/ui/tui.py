@@ -88,7 +88,7 @@ def plain_line(state: DashboardState) -> str:
              + (f" sent {p.num_sent}/{p.num_total}{_rate_eta(p)}" if p else "")]
     for view in ordered_views(state):
         c = view.counts
-        parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
+        parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_usable_blocks', 0)}"
                      f" {view.loop_state}")
     counts = _window_counts(state.windows)
     parts.append(f"windows {counts['drained']} drained {counts['leak']} leak"
@@ -131,7 +131,7 @@ class _Fit:
 
 def _kv_bar(counts: dict[str, int], width: int) -> Text:
     """used | cached (free, still hashed) | free, in cells proportional to blocks."""
-    total = max(counts.get("num_blocks", 0), 1)
+    total = max(counts.get("num_usable_blocks", 0), 1)
     used, cached = counts.get("num_used_blocks", 0), counts.get("num_cached_blocks", 0)
     num_used = min(max(round(width * used / total), 1 if used else 0), width)
     num_cached = min(round(width * (used + cached) / total), width) - num_used
@@ -172,7 +172,7 @@ def _connector_grid(c: dict[str, int]) -> Table:
 
 def _detail_grid(view: EngineView) -> Table:
     c, history = view.counts, list(view.used_history)
-    used = f" {c.get('num_used_blocks', 0)}/{c.get('num_blocks', 0)}"
+    used = f" {c.get('num_used_blocks', 0)}/{c.get('num_usable_blocks', 0)}"
     grid = Table.grid(padding=(0, 1), expand=True)
     grid.add_column(style="dim", no_wrap=True)
     grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")

@@ -53,7 +53,7 @@ class ExpectedWindow:
     is_expected: bool  # the model observes an idle window here (True when not modelled)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WindowCoverage:
     """One candidate after the run."""
 

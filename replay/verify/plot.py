@@ -69,7 +69,7 @@ def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
     samples = timeline.samples_for(engine)
     xs, ys = _steps(samples, timeline.end_t, "num_used_blocks")
     ax.step(xs, ys, where="post", color="tab:purple", lw=1.4, label="used blocks")
-    peak, capacity = max(ys, default=0), timeline.num_blocks.get(engine, 0)
+    peak, capacity = max(ys, default=0), timeline.num_usable_blocks.get(engine, 0)
     top = max(peak * 1.15, 1.0)
     if capacity and capacity <= CAPACITY_IN_RANGE * max(peak, 1):
         ax.axhline(capacity, color="black", ls="--", lw=0.9, label=f"capacity {capacity:,}")

@@ -63,7 +63,9 @@ def engine_summary(timeline: Timeline, verdict: Verdict, engine: str) -> dict:
     counters = timeline.counters.get(engine, {})
     return {
         "engine": engine,
-        "num_blocks": timeline.num_blocks.get(engine, 0),
+        # The key says num_blocks (kept for the report's readers); the value is the usable
+        # blocks, the null block excluded, unlike settings.engine.num_blocks.
+        "num_blocks": timeline.num_usable_blocks.get(engine, 0),
         "peak_used_blocks": max((s.num_used_blocks for s in samples), default=0),
         "final_used_blocks": samples[-1].num_used_blocks if samples else 0,
         "num_windows": len(windows),

@@ -1,7 +1,7 @@
 """Verification of a replay timeline: conservation, drain in idle windows, recorded snapshots. Runs in: frontend process.
 
 Pure functions of a Timeline (from either replay driver) and the trace's snapshots.
-- conservation: at every sample used + free == num_blocks (usable blocks).
+- conservation: at every sample used + free == num_usable_blocks.
 - idle windows, from the client's view: after every request sent so far has ended,
   until the next arrival, when that is at least idle_threshold_s away; plus the tail
   after the last request until the timeline ends. In each window every engine must
@@ -64,7 +64,7 @@ class VerifyOptions:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IdleWindow:
     """One engine over one idle window."""
 
@@ -90,7 +90,7 @@ class Violation:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Verdict:
     windows: tuple[IdleWindow, ...]
     violations: tuple[Violation, ...]
@@ -159,16 +159,17 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
     if not times or times[0] > end:  # nothing known about this engine in the window
-        return IdleWindow(series.engine, start, end, is_tail, 0, None, "undecided", 0)
+        return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=0,
+                          time_to_drain=None, verdict="undecided", num_blocks_held=0)
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
     if scraped:
         verdict, drained_at, held = _scraped_window(samples[lo:hi], start, end, start + deadline_s)
     else:
         verdict, drained_at, held = _stats_window(samples[max(lo - 1, 0):hi], start, end, deadline_s)
-    return IdleWindow(series.engine, start, end, is_tail, at_start,
-                      None if drained_at is None or verdict == "undecided" else drained_at - start,
-                      verdict, held)
+    time_to_drain = None if drained_at is None or verdict == "undecided" else drained_at - start
+    return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=at_start,
+                      time_to_drain=time_to_drain, verdict=verdict, num_blocks_held=held)
 
 
 def _stats_window(samples: Sequence[EngineSample], start: float, end: float,
@@ -241,11 +242,11 @@ def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
 def _check_conservation(timeline: Timeline) -> list[Violation]:
     out = []
     for s in timeline.samples:
-        total = timeline.num_blocks.get(s.engine)
-        if s.num_used_blocks + s.num_free_blocks != s.num_blocks or s.num_blocks != total:
+        total = timeline.num_usable_blocks.get(s.engine)
+        if s.num_used_blocks + s.num_free_blocks != s.num_usable_blocks or s.num_usable_blocks != total:
             out.append(Violation("conservation", s.engine, s.t,
                                  f"used {s.num_used_blocks} + free {s.num_free_blocks} != "
-                                 f"{total} blocks (sample says {s.num_blocks})"))
+                                 f"{total} blocks (sample says {s.num_usable_blocks})"))
     return out
 
 
@@ -310,7 +311,8 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
-    return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored, faults)
+    return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
+                   reasons=tuple(reasons), ignored=ignored, faults=faults)
 
 
 def _check_kv_integrity(timeline: Timeline) -> list[Violation]:

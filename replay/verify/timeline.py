@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 SAMPLING_SCRAPED = "scraped"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineSample:
     """One engine's KV pool and queues at `t` (block counts exclude the null block)."""
 
@@ -25,7 +25,7 @@ class EngineSample:
     num_used_blocks: int  # held by requests (ref > 0)
     num_cached_blocks: int  # free (ref 0) but still holding a prefix hash
     num_free_blocks: int  # ref 0, cached ones included
-    num_blocks: int  # usable blocks: used + free
+    num_usable_blocks: int  # the pool's blocks but the null block: used + free
     num_waiting: int
     num_skipped_waiting: int
     num_waiting_for_remote_kvs: int
@@ -39,7 +39,7 @@ class EngineSample:
     send_t: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestRecord:
     """One client request from arrival to its final output (the client's view)."""
 
@@ -72,6 +72,13 @@ class RequestRecord:
         if self.end_t is None:
             self.stages.append([engine, t])
 
+    @classmethod
+    def sent(cls, req_id: str, arrival_t: float, send_t: float, num_prompt_tokens: int) -> RequestRecord:
+        """The record of a request just sent: nothing received yet."""
+        return cls(req_id=req_id, arrival_t=arrival_t, send_t=send_t, send_lateness_s=send_t - arrival_t,
+                   first_token_t=None, end_t=None, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=0, num_prefix_hit_tokens=0, finish_reason=None)
+
     def on_tokens(self, t: float) -> None:
         """Tokens arrived at t: the first-token time, else one more inter-token latency."""
         if self.first_token_t is None:
@@ -94,12 +101,12 @@ class AbortRecord:
     req_id: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Timeline:
     """Everything a replay observed; the input of verify() and the reports."""
 
     engines: list[str]
-    num_blocks: dict[str, int]  # usable blocks per engine
+    num_usable_blocks: dict[str, int]  # per engine, the null block excluded
     samples: list[EngineSample]  # in time order
     requests: list[RequestRecord]  # in arrival order
     arrivals: list[float]  # request arrival times, non-decreasing
@@ -107,7 +114,8 @@ class Timeline:
     end_t: float  # the replay stopped observing here
     # Per-engine totals at end_t (num_steps, num_wakeups, num_expired, ...).
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
-    # How the timeline was made (driver, liveness, topology, options), JSON-ready.
+    # How the timeline was made (driver, liveness, topology, options), JSON-ready; a
+    # "num_blocks" there is EngineConfig's, the null block included.
     meta: dict[str, object] = field(default_factory=dict)
 
     def samples_for(self, engine: str) -> list[EngineSample]:
@@ -130,7 +138,7 @@ class Timeline:
         """Plain dicts and lists, ready for json.dumps."""
         return {
             "engines": list(self.engines),
-            "num_blocks": dict(self.num_blocks),
+            "num_usable_blocks": dict(self.num_usable_blocks),
             "samples": [asdict(s) for s in self.samples],
             "requests": [asdict(r) for r in self.requests],
             "arrivals": list(self.arrivals),
@@ -146,7 +154,7 @@ class Timeline:
         try:
             return Timeline(
                 engines=list(data["engines"]),
-                num_blocks={str(k): int(v) for k, v in data["num_blocks"].items()},
+                num_usable_blocks={str(k): int(v) for k, v in data["num_usable_blocks"].items()},
                 samples=[_build(EngineSample, s) for s in data["samples"]],
                 requests=[_build(RequestRecord, r) for r in data["requests"]],
                 arrivals=[float(t) for t in data["arrivals"]],

@@ -256,7 +256,8 @@ def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
 
 def test_decode_worker_sends_the_heartbeats_of_its_step(tmp_path):
     """D's worker forwards each HeartbeatSpec of a StepMeta to that P worker."""
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
+                                                     kv_addr=f"ipc://{tmp_path}/kv"))
     p_kv = zmq.Context.instance().socket(zmq.ROUTER)
     p_kv.setsockopt(zmq.LINGER, 0)
     try:
@@ -272,7 +273,8 @@ def test_decode_worker_sends_the_heartbeats_of_its_step(tmp_path):
 
 @pytest.fixture
 def worker_proc(tmp_path):
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig("P", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{tmp_path}/agent",
+                                                     kv_addr=f"ipc://{tmp_path}/kv"))
     yield proc
     proc.close()
 
@@ -398,8 +400,9 @@ def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_pa
 
     def run(batch_ns: int) -> tuple[list[tuple], list[str]]:
         monkeypatch.setattr(wp, "NOTIFY_BATCH_NS", batch_ns)
-        proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/a{batch_ns}",
-                                                         f"ipc://{tmp_path}/k{batch_ns}"))
+        proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D",
+                                                         agent_addr=f"ipc://{tmp_path}/a{batch_ns}",
+                                                         kv_addr=f"ipc://{tmp_path}/k{batch_ns}"))
         events: list[tuple] = []
 
         class Link:
@@ -443,7 +446,8 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
     (SystemExit: SIGTERM) still lets the held news out."""
     from connector.transfer import PeerLink
     ctx = zmq.Context.instance()
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
+                                                     kv_addr=f"ipc://{tmp_path}/kv"))
     peers = {name: ctx.socket(zmq.ROUTER) for name in ("p1", "silent")}
     events: list[tuple] = []
     real_pull, real_send = proc.puller.pull, PeerLink.send
@@ -491,7 +495,8 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
 def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
     """SIGTERM (SystemExit) in the middle of sending a batch's news: what was not sent
     stays held (the item being sent included), and close() sends it before the links go."""
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
+                                                     kv_addr=f"ipc://{tmp_path}/kv"))
     sent: list[object] = []
     signals = [SystemExit(0)]
 

@@ -133,7 +133,8 @@ def test_an_shm_read_of_a_held_send_is_pinned_and_exact(prefill_worker):
 def test_a_refused_pull_fails_the_load_and_releases_p(tmp_path):
     """D's worker: the refusal becomes invalid blocks (kv_load_failure_policy decides) and
     P hears ReadAbandoned, never "read done"."""
-    d = ConnectorWorkerProc(ConnectorWorkerConfig("D", f"ipc://{tmp_path}/agent", f"ipc://{tmp_path}/kv"))
+    d = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
+                                                  kv_addr=f"ipc://{tmp_path}/kv"))
     p_kv = zmq.Context.instance().socket(zmq.ROUTER)
     p_kv.setsockopt(zmq.LINGER, 0)
     try:
@@ -189,15 +190,19 @@ def test_stamped_kv_keeps_the_mock_formula_and_corrupt_kv_changes_the_output():
 
 def _timeline(records, counters=None):
     from replay.verify.timeline import EngineSample, Timeline
-    samples = [EngineSample(0.0, "P", 0, 0, 10, 10, 0, 0, 0, 0, 0, "blocked", 0, 0)]
-    return Timeline(["P"], {"P": 10}, samples, records, [r.arrival_t for r in records], [], 5.0,
-                    counters or {})
+    samples = [EngineSample(t=0.0, engine="P", num_used_blocks=0, num_cached_blocks=0, num_free_blocks=10,
+                            num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
+                            num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
+                            loop_state="blocked", num_steps=0, num_wakeups=0)]
+    return Timeline(engines=["P"], num_usable_blocks={"P": 10}, samples=samples, requests=records,
+                    arrivals=[r.arrival_t for r in records], aborts=[], end_t=5.0, counters=counters or {})
 
 
 def _record(req_id: str, digest: str, expected: str, reason: str = "length", error: str | None = None):
     from replay.verify.timeline import RequestRecord
-    return RequestRecord(req_id, 0.0, 0.0, 0.0, 0.1, 0.2, 8, 3, 0, reason, error,
-                         output_digest=digest, expected_digest=expected)
+    return RequestRecord(req_id=req_id, arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.1,
+                         end_t=0.2, num_prompt_tokens=8, num_output_tokens=3, num_prefix_hit_tokens=0,
+                         finish_reason=reason, error=error, output_digest=digest, expected_digest=expected)
 
 
 def test_a_read_after_expiry_is_a_violation_with_its_cause():

@@ -116,7 +116,7 @@ def test_a_malformed_request_on_d_releases_p():
     for req_id, prompt, max_tokens in (("zero", [1] * 12, 0), ("empty", [], 4), ("oov", [VOCAB] * 12, 4)):
         (out,) = core.add_request(req_id, prompt, max_tokens, remote_params(f"p-{req_id}"))
         assert out.finish_reason == "error"
-    assert core.has_work()  # the release must reach the worker side in a step
+    assert core.has_work()  # the release must reach the connector's agent in a step
     assert releases(core.scheduler) == [("empty", "p-empty"), ("oov", "p-oov"), ("zero", "p-zero")]
 
 

@@ -82,7 +82,7 @@ def _chunks(router: zmq.Socket, dealer: zmq.Socket, cache: KVCache, block_ids: l
         assert dealer.poll(10_000)
         header, data = dealer.recv_multipart()
         chunks.append((CONNECTOR_CODEC.decode(header), data))
-        num_done += max(chunks[-1][0].num_blocks, 1)
+        num_done += max(chunks[-1][0].num_chunk_blocks, 1)
     assert not dealer.poll(50)  # nothing after the last chunk
     return chunks
 
@@ -102,7 +102,7 @@ def test_send_blocks_sends_whole_blocks_in_order(caches, peer, monkeypatch, max_
     dealer.connect(addr)
     try:
         chunks = _chunks(router, dealer, src, SRC_IDS, blocks_per_chunk * src.num_bytes_per_block)
-        assert [(h.first_block, h.num_blocks) for h, _ in chunks] == expected
+        assert [(h.first_block, h.num_chunk_blocks) for h, _ in chunks] == expected
         assert all(h.req_id == "r1" and h.ok for h, _ in chunks)
         assert b"".join(data for _, data in chunks) == src.read_blocks(SRC_IDS)
         (empty,) = _chunks(router, dealer, src, [], src.num_bytes_per_block)  # one empty chunk
@@ -129,7 +129,7 @@ def test_a_chunk_out_of_step_fails_the_pull(caches, peer, second):
 
     def answer(identity: zmq.Frame, msg: ReadBlocks) -> None:
         _send_chunk(router, identity, BlockData("p1", True, "", 0, 2), block * 2)
-        _send_chunk(router, identity, second, block * second.num_blocks)
+        _send_chunk(router, identity, second, block * second.num_chunk_blocks)
     thread = _serve_one_read(router, answer)
     with pytest.raises(TransferError) as err:
         puller.pull(dst, RecvSpec("d1", [2, 3, 4], [1, 1, 1], "P", "p1", addr))

@@ -79,7 +79,7 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, 
 
     from replay.deploy.topology import start_topology
     from engine.config import EngineConfig, KVTransferConfig
-    from engine.proc.messages import ServeInfo
+    from replay.live.serve_messages import ServeInfo
     from replay import pipeline
     from replay.live.serve import Server, ServeOptions
     from replay.trace.shaping import ShapingOptions

@@ -70,10 +70,16 @@ def test_an_engine_that_answers_no_probe_is_stalled_until_it_answers():
 
 
 def _timeline(faults: list[dict]) -> Timeline:
-    used = [EngineSample(t, "P", n, 0, 10 - n, 10, 0, 0, 0, 0, 0, "blocked", 0, 0)
+    used = [EngineSample(t=t, engine="P", num_used_blocks=n, num_cached_blocks=0, num_free_blocks=10 - n,
+                         num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
+                         num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
+                         loop_state="blocked", num_steps=0, num_wakeups=0)
             for t, n in ((0.0, 4), (1.0, 4), (9.0, 4))]
-    record = RequestRecord("r", 0.0, 0.0, 0.0, 0.1, 0.5, 8, 1, 0, "length")
-    return Timeline(["P"], {"P": 10}, used, [record], [0.0], [], 10.0, meta={"faults": faults})
+    record = RequestRecord(req_id="r", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.1,
+                           end_t=0.5, num_prompt_tokens=8, num_output_tokens=1, num_prefix_hit_tokens=0,
+                           finish_reason="length")
+    return Timeline(engines=["P"], num_usable_blocks={"P": 10}, samples=used, requests=[record],
+                    arrivals=[0.0], aborts=[], end_t=10.0, meta={"faults": faults})
 
 
 def test_a_leak_after_a_fault_is_the_faults_and_the_status_is_fault():

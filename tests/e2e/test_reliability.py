@@ -234,16 +234,17 @@ class _QuietRouter:
         return None
 
 
-def _counts(num_blocks: int = 8, used: int = 0) -> dict[str, int]:
+def _counts(num_usable_blocks: int = 8, used: int = 0) -> dict[str, int]:
     from engine.proc.stats_check import REQUIRED_COUNTS
     counts = dict.fromkeys(REQUIRED_COUNTS, 0)
-    counts.update(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used)
+    counts.update(num_usable_blocks=num_usable_blocks, num_used_blocks=used,
+                  num_free_blocks=num_usable_blocks - used)
     return counts
 
 
 def _serve(tmp_path, address: str | None = None, **options):
-    from engine.proc.messages import ServeInfo
     from replay.live.serve import Server, ServeOptions
+    from replay.live.serve_messages import ServeInfo
     return Server(_QuietRouter(), ServeOptions(address or f"ipc://{tmp_path}/serve", **options),
                   ServeInfo(["P", "D"], "pd", "event", 512, 4))
 
@@ -340,7 +341,7 @@ def _dealer_answering(fake, make_client):
     returns the client and its identity at the fake serve."""
     import threading
 
-    from engine.proc.messages import ServeInfo, encode
+    from replay.live.serve_messages import ServeInfo, encode
     made: list = []
     thread = threading.Thread(target=lambda: made.append(make_client()))
     thread.start()
@@ -398,7 +399,8 @@ def test_forged_stats_on_an_engine_output_socket_are_dropped_and_counted(run_roo
             forger.close()
         snap = h.stats("P")
         assert client.num_bad_messages == 2
-        assert snap.engine_id == "P" and snap.counts["num_blocks"] == 127 and snap.monotonic < time.monotonic()
+        assert snap.engine_id == "P" and snap.counts["num_usable_blocks"] == 127
+        assert snap.monotonic < time.monotonic()
 
 
 def _dealer_like(kind: int, address: str):

@@ -291,7 +291,7 @@ class _AnsweringTarget:
 
     def request_stats(self) -> None:
         self.num_stats_requests += 1
-        counts = dict.fromkeys(REQUIRED_COUNTS, 0) | {"num_blocks": 8, "num_free_blocks": 7}
+        counts = dict.fromkeys(REQUIRED_COUNTS, 0) | {"num_usable_blocks": 8, "num_free_blocks": 7}
         self.stats += [StatsSnapshot(e, self.num_stats_requests, time.monotonic(), "blocked", 0, 0, counts)
                        for e in self.answering]
 
@@ -336,9 +336,9 @@ def test_the_trace_starts_once_every_engine_answered_else_after_the_lead_in():
         [request] = timeline.requests
         assert (request.req_id, request.num_output_tokens, request.finish_reason) == ("r", 1, "length")
         assert 0 <= request.send_lateness_s < LEAD_IN_S / 2
-    first = [(s.engine, s.num_blocks, s.num_free_blocks) for s in fast.samples if s.t <= 0]
+    first = [(s.engine, s.num_usable_blocks, s.num_free_blocks) for s in fast.samples if s.t <= 0]
     assert first == [("P", 8, 7), ("D", 8, 7)]
-    assert [x for x in first if x[0] == "P"] == [(s.engine, s.num_blocks, s.num_free_blocks)
+    assert [x for x in first if x[0] == "P"] == [(s.engine, s.num_usable_blocks, s.num_free_blocks)
                                                 for s in slow.samples if s.t <= 0]
     assert fast.requests[0].output_digest == slow.requests[0].output_digest
 

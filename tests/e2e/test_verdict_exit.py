@@ -18,7 +18,8 @@ from replay.pipeline import PreparedReplay
 import replay.live.serve_client as serve_client
 from cli import EXAMPLE, cli
 from engine.proc.client import EngineDeadError
-from engine.proc.messages import GetStats, ServeInfo, decode, encode
+from engine.proc.messages import GetStats
+from replay.live.serve_messages import ServeInfo, decode, encode
 
 FAST = ["--runner", "mock", "--no-live"]
 
@@ -75,7 +76,7 @@ def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):
 
 def test_a_dead_engine_is_exit_4_and_ctrl_c_is_130(monkeypatch):
     def dead(*args, **kwargs):
-        raise EngineDeadError("engine P died (exit code -9)")
+        raise EngineDeadError("P", "engine P died (exit code -9)")
     monkeypatch.setattr(PreparedReplay, "run", dead)
     result = invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST)
     assert result.exit_code == 4 and "fault: engine P died" in result.output

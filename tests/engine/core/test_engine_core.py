@@ -8,16 +8,16 @@ from engine.config import KVTransferConfig
 from engine.core.engine_core import EngineCore, EngineStepResult
 from engine.core.liveness import LoopAction, next_action
 from engine.runner.mock_runner import MockModelRunner
-from tests.fake_kv_worker import FakeKVWorker
+from tests.fake_kv_agent import FakeKVAgent
 from tests.utils import make_config
 
 
 def make_core(liveness: str, send_after: int = 3, connector: bool = True) -> EngineCore:
     config = make_config(liveness=liveness,
                          kv_transfer=KVTransferConfig() if connector else None)
-    worker = FakeKVWorker(send_after) if connector else None
+    agent = FakeKVAgent(send_after) if connector else None
     return EngineCore(config, MockModelRunner(config),
-                      PDConnector(config) if connector else None, worker)
+                      PDConnector(config) if connector else None, agent)
 
 
 def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction]:
@@ -30,7 +30,7 @@ def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction
                              has_unfinished=core.has_unfinished_requests())
         actions.append(action)
         if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
-            if action == LoopAction.WAIT_ANY and core.connector_worker.pending_send:
+            if action == LoopAction.WAIT_ANY and core.connector_agent.pending_send:
                 continue  # a connector report would wake it; the fake reports on poll
             return actions
     raise AssertionError("the loop never blocked")
@@ -46,7 +46,7 @@ def test_engine_loop_collects_delayed_free_only_when_fixed(liveness):
         # Parks right after shipping the finished id: the blocks stay held.
         assert actions[-1] == LoopAction.WAIT_INPUT
         assert stats.num_used_blocks == 5 and stats.num_finished_awaiting_free == 1
-        assert core.connector_worker.num_polls == 2
+        assert core.connector_agent.num_polls == 2
         # The next request wakes the loop, and only then are the blocks freed.
         core.add_request("next", list(range(100, 104)), 1)
         run_until_blocked(core)
@@ -68,7 +68,7 @@ def test_zero_token_steps_still_carry_finished_ids_and_metadata():
     # The report only freed a finished request's blocks: nothing left for another step.
     assert second == EngineStepResult([], model_executed=False, can_progress=False,
                                       got_kv_reports=True)
-    assert core.connector_worker.num_polls == 2
+    assert core.connector_agent.num_polls == 2
     assert not core.scheduler.requests  # the report came back in the zero-token step
     assert core.step() == EngineStepResult([], False, False, False)  # no work: no step
     assert core.num_steps == 2
@@ -79,7 +79,7 @@ def test_a_report_is_progress_only_while_unfinished_requests_remain():
     step again at once. With nothing unfinished the next step would be a no-op (event
     blocks instead of taking it), and it is one: it schedules, ships and frees nothing."""
     config = make_config(liveness="event", num_blocks=6, kv_transfer=KVTransferConfig())
-    core = EngineCore(config, MockModelRunner(config), PDConnector(config), FakeKVWorker(1))
+    core = EngineCore(config, MockModelRunner(config), PDConnector(config), FakeKVAgent(1))
     core.add_request("r", list(range(16)), 1, {"do_remote_decode": True})  # 4 of 5 blocks
     assert core.step().model_executed
     core.add_request("w", list(range(100, 116)), 1)  # needs 4 blocks: waits for r's
@@ -131,7 +131,7 @@ def test_legacy_sleeps_while_unfinished_requests_wait_and_never_spins():
 
 def test_legacy_decode_sleeps_between_steps_while_its_load_waits():
     core = make_core("legacy")
-    core.connector_worker.recv_after = 10**9  # the load never lands
+    core.connector_agent.recv_after = 10**9  # the load never lands
     params = {"do_remote_prefill": True, "remote_request_id": "p0", "remote_engine_id": "P",
               "remote_block_ids": [7, 8], "remote_addr": "ipc:///tmp/p-kv"}
     core.add_request("d", list(range(8)), 4, params)

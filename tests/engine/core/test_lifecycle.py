@@ -236,7 +236,7 @@ def test_decode_side_that_ignores_a_request_still_releases_prefill():
     sched = make_scheduler(use_kv_connector=True, num_blocks=5)
     output = sched.add_request(make_request("d", 10, max_tokens=50, params=remote_prefill_params(10)))
     assert output.finish_reason == "length"  # FINISHED_IGNORED, as vLLM reports it
-    assert sched.has_requests()  # the id still has to reach the worker side
+    assert sched.has_requests()  # the id still has to reach the connector's agent
     out, _ = step(sched)
     (release,) = out.kv_connector_metadata.reqs_to_recv.values()
     assert release.local_block_ids == [] and release.remote_request_id == "x"

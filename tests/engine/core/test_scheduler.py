@@ -207,3 +207,13 @@ def test_duplicate_request_id_is_refused_and_the_original_runs_on():
     tokens = run_to_completion(sched)
     assert tokens["r"] == [7] and original.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert_scheduler_empty(sched)
+
+
+def test_the_stats_count_the_usable_blocks_which_are_the_pools_blocks_but_the_null_block():
+    sched = make_scheduler(num_blocks=8)  # vLLM's num_gpu_blocks: the null block 0 included
+    sched.add_request(make_request("a", num_tokens=6))
+    step(sched)
+    stats = sched.make_stats()
+    assert sched.block_pool.num_blocks == 8 and stats.num_usable_blocks == 7
+    assert stats.num_used_blocks + stats.num_free_blocks == stats.num_usable_blocks
+    assert stats.num_used_blocks == 2

@@ -37,7 +37,7 @@ def pool_state(sched: Scheduler) -> tuple:
 def request_state(request: Request) -> tuple:
     return (request.req_id, request.status, request.num_computed_tokens, request.num_tokens,
             list(request.all_token_ids), list(request.output_token_ids), list(request.block_hashes),
-            request.num_cached_tokens, request.num_preemptions, request.stop_reason)
+            request.num_cached_tokens, request.num_preemptions)
 
 
 def scheduler_state(sched: Scheduler) -> tuple:
@@ -166,9 +166,12 @@ def test_decode_fast_path_allocates_a_block_only_at_a_boundary():
 
 
 def test_scheduler_output_columns_round_trip_records():
-    records = [ScheduledRequest("p", [1, 2, 3], 4, [5], True, False),
-               ScheduledRequest("d", [9], 20, [], False, True),
-               ScheduledRequest("e", [8], 31, [6], False, True)]
+    records = [ScheduledRequest(req_id="p", token_ids=[1, 2, 3], num_computed_tokens=4, new_block_ids=[5],
+                                is_new=True, sample=False),
+               ScheduledRequest(req_id="d", token_ids=[9], num_computed_tokens=20, new_block_ids=[],
+                                is_new=False, sample=True),
+               ScheduledRequest(req_id="e", token_ids=[8], num_computed_tokens=31, new_block_ids=[6],
+                                is_new=False, sample=True)]
     out = SchedulerOutput(records, 5)
     assert out.scheduled == tuple(records)
     assert (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.token_ids) == (

@@ -73,8 +73,9 @@ def reference_shape(sched_out: SchedulerOutput) -> StepShape:
 def test_step_shape_from_columns_equals_the_records():
     rng = random.Random(0)
     for _ in range(200):
-        records = [ScheduledRequest(f"r{i}", [7] * rng.choice([1, 1, 2, 5, 64]), rng.randrange(500),
-                                    [], rng.random() < 0.3, True) for i in range(rng.randint(0, 8))]
+        records = [ScheduledRequest(req_id=f"r{i}", token_ids=[7] * rng.choice([1, 1, 2, 5, 64]),
+                                    num_computed_tokens=rng.randrange(500), new_block_ids=[],
+                                    is_new=rng.random() < 0.3, sample=True) for i in range(rng.randint(0, 8))]
         sched_out = SchedulerOutput(records, sum(len(r.token_ids) for r in records))
         assert StepShape.of(sched_out) == reference_shape(sched_out)
 

@@ -94,8 +94,8 @@ def test_one_poller_per_kind_of_wait(engine_loop):
     assert len(proc._pollers) == 1  # every wait so far was on the input alone, one poller
 
 
-class _PipeWorker:
-    """A connector worker side whose only wait handle is a pipe the test writes to."""
+class _PipeAgent:
+    """A connector agent whose only wait handle is a pipe the test writes to."""
 
     error = None
 
@@ -116,21 +116,21 @@ def test_a_wait_says_whether_the_input_may_hold_messages(tmp_path):
     to_engine.bind(addrs.input)
     from_engine.bind(addrs.output)
     proc = EngineCoreProc(EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event"), addrs)
-    worker = proc.core.connector_worker = _PipeWorker()
+    agent = proc.core.connector_agent = _PipeAgent()
     try:
         assert proc._wait(with_connector=True, timeout_ms=0) is False  # timeout, input watched
         assert proc._wait(with_connector=False, timeout_ms=0, with_input=False) is True  # not watched
-        os.write(worker.write_fd, b"x")  # a "report": the connector handle is readable
+        os.write(agent.write_fd, b"x")  # a "report": the connector handle is readable
         assert proc._wait(with_connector=True, timeout_ms=TIMEOUT_MS) is False
-        os.read(worker.read_fd, 1)
+        os.read(agent.read_fd, 1)
         to_engine.send(encode(GetStats()))
         assert proc._wait(with_connector=True, timeout_ms=TIMEOUT_MS) is True
         assert proc._wait(with_connector=False, timeout_ms=TIMEOUT_MS) is True
         assert proc.num_wakeups == 5
     finally:
-        proc.core.connector_worker = None
-        os.close(worker.read_fd)
-        os.close(worker.write_fd)
+        proc.core.connector_agent = None
+        os.close(agent.read_fd)
+        os.close(agent.write_fd)
         proc.close()
         to_engine.close(0)
         from_engine.close(0)

@@ -13,9 +13,10 @@ from connector.messages import (CONNECTOR_CODEC, CONNECTOR_MESSAGES, BlockData, 
                                 ReadGranted, ReapLeases, RecvSpec,
                                 KVCacheRegistered, RegisterKVCache, StepMeta, WorkerReady)
 from engine.proc.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, DecodeError, EngineError,
-                             GetStats, Ready, RequestOutputMsg, RequestOutputs, ServeInfo, Shutdown,
+                             GetStats, Ready, RequestOutputMsg, RequestOutputs, Shutdown,
                              StatsSnapshot, output_from_msg, output_to_msg)
 from engine.core.outputs import RequestOutput
+from replay.live.serve_messages import SERVE_CODEC, SERVE_MESSAGES, ServeInfo
 
 SAMPLES = {
     AddRequest: AddRequest("r1", [1, 2, 3], 16, {"do_remote_decode": True}, [7]),
@@ -52,8 +53,9 @@ SAMPLES = {
 # Every wire tag, pinned: peers decode by them, so a tag never changes or moves.
 ENGINE_TAGS = {
     "AddRequest": 0, "Abort": 1, "Shutdown": 2, "GetStats": 3, "Ready": 4, "RequestOutputs": 5,
-    "StatsSnapshot": 6, "EngineError": 7, "ServeInfo": 8,
+    "StatsSnapshot": 6, "EngineError": 7,
 }
+SERVE_TAGS = {**ENGINE_TAGS, "ServeInfo": 8}  # a serve speaks the engine's messages, and one more
 CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
     "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,
@@ -63,14 +65,24 @@ CONNECTOR_TAGS = {
 
 
 def test_every_message_type_round_trips():
-    assert set(SAMPLES) == set(MESSAGES.values()) | set(CONNECTOR_MESSAGES.values())
+    assert set(SAMPLES) == set(SERVE_MESSAGES.values()) | set(CONNECTOR_MESSAGES.values())
     for cls, msg in SAMPLES.items():
-        codec = CODEC if cls in MESSAGES.values() else CONNECTOR_CODEC
+        codec = (CODEC if cls in MESSAGES.values() else SERVE_CODEC if cls in SERVE_MESSAGES.values()
+                 else CONNECTOR_CODEC)
         assert codec.decode(codec.encode(msg)) == msg
 
 
+def test_a_serve_info_is_the_serves_message_which_the_engines_codec_refuses():
+    frame = SERVE_CODEC.encode(SAMPLES[ServeInfo])
+    assert ServeInfo not in MESSAGES.values()
+    with pytest.raises(DecodeError, match="unknown message tag 8"):
+        CODEC.decode(frame)
+    assert SERVE_CODEC.decode(CODEC.encode(SAMPLES[Ready])) == SAMPLES[Ready]  # the engine's, as they are
+
+
 @pytest.mark.parametrize("codec,registry,pinned", [
-    (CODEC, MESSAGES, ENGINE_TAGS), (CONNECTOR_CODEC, CONNECTOR_MESSAGES, CONNECTOR_TAGS)])
+    (CODEC, MESSAGES, ENGINE_TAGS), (SERVE_CODEC, SERVE_MESSAGES, SERVE_TAGS),
+    (CONNECTOR_CODEC, CONNECTOR_MESSAGES, CONNECTOR_TAGS)])
 def test_tags_are_pinned_and_unique(codec: Codec, registry: dict, pinned: dict):
     assert {cls.__name__: tag for tag, cls in registry.items()} == pinned
     assert len(set(pinned.values())) == len(pinned) == len(set(registry.values()))
@@ -127,9 +139,9 @@ def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
     client.setsockopt(zmq.LINGER, 0)
     try:
         client.connect(server.address)
-        for frame in (b"junk", msgpack.packb([0, 1, 2]), CODEC.encode(Shutdown(1.0))):
+        for frame in (b"junk", msgpack.packb([0, 1, 2]), SERVE_CODEC.encode(Shutdown(1.0))):
             client.send(frame)
-        client.send(CODEC.encode(AddRequest("a", [1, 2, 3], 2)))
+        client.send(SERVE_CODEC.encode(AddRequest("a", [1, 2, 3], 2)))
         outputs = []
         for _ in range(200):
             if server.socket.poll(50):
@@ -137,7 +149,7 @@ def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
             for output in router.poll(0):
                 server._forward(output)
             while client.poll(0):
-                outputs.extend(CODEC.decode(client.recv()).outputs)
+                outputs.extend(SERVE_CODEC.decode(client.recv()).outputs)
             if outputs and outputs[-1].finish_reason:
                 break
         assert server.num_bad_messages == 3
@@ -170,7 +182,8 @@ _FUZZ_VALUES = [0, 7, -1, True, False, 1.5, "s", "", b"b", None, [], [1, 2], [1,
                 [["r", [3], [9], "P", "r", "a"]], [["P", "a", ["r"]]], [["P", "a", [1]]]]
 
 
-@pytest.mark.parametrize("codec,registry", [(CODEC, MESSAGES), (CONNECTOR_CODEC, CONNECTOR_MESSAGES)])
+@pytest.mark.parametrize("codec,registry", [(CODEC, MESSAGES), (SERVE_CODEC, SERVE_MESSAGES),
+                                            (CONNECTOR_CODEC, CONNECTOR_MESSAGES)])
 def test_fast_decode_equals_the_reference_checks(codec: Codec, registry: dict):
     """The fast field checks (type sets, one C pass per list or dict) accept exactly
     what the reference per-item checks accept, and raise the same error otherwise."""

@@ -94,8 +94,8 @@ class ToyScheduler:
             self.scheduled_once.add(req_id)
             new = [self.free_block_ids.pop(0) for _ in range(cdiv(end, BLOCK_SIZE) - len(table))]
             table.extend(new)
-            out.add(ScheduledRequest(req_id, tokens[start:end], start,
-                                     list(table) if is_new else new, is_new,
+            out.add(ScheduledRequest(req_id=req_id, token_ids=tokens[start:end], num_computed_tokens=start,
+                                     new_block_ids=list(table) if is_new else new, is_new=is_new,
                                      sample=end == len(tokens)))
         out.total_num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         return out
@@ -273,17 +273,25 @@ def test_moved_blocks_continue_decoding_identically(how: str, make_runner) -> No
 # --- runner: bad input, state ---------------------------------------------------------
 
 @pytest.mark.parametrize("bad, reason", [
-    (ScheduledRequest("bad", [1, 512], 0, [5], True, True), "token id 512"),
-    (ScheduledRequest("bad", [-1], 0, [5], True, True), "token id -1"),
-    (ScheduledRequest("bad", [1, 2], 0, [64], True, True), "past the cache"),
-    (ScheduledRequest("bad", [1, 2], 0, [0], True, True), "null block"),
-    (ScheduledRequest("bad", [1] * 9, 0, [5, 6], True, True), "9 needed"),
-    (ScheduledRequest("bad", [1], 3, [5], False, True), "no block table"),
-    (ScheduledRequest("bad", [], 0, [5], True, True), "no tokens"),
+    (ScheduledRequest(req_id="bad", token_ids=[1, 512], num_computed_tokens=0, new_block_ids=[5], is_new=True,
+                      sample=True), "token id 512"),
+    (ScheduledRequest(req_id="bad", token_ids=[-1], num_computed_tokens=0, new_block_ids=[5], is_new=True,
+                      sample=True), "token id -1"),
+    (ScheduledRequest(req_id="bad", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[64], is_new=True,
+                      sample=True), "past the cache"),
+    (ScheduledRequest(req_id="bad", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[0], is_new=True,
+                      sample=True), "null block"),
+    (ScheduledRequest(req_id="bad", token_ids=[1] * 9, num_computed_tokens=0, new_block_ids=[5, 6],
+                      is_new=True, sample=True), "9 needed"),
+    (ScheduledRequest(req_id="bad", token_ids=[1], num_computed_tokens=3, new_block_ids=[5], is_new=False,
+                      sample=True), "no block table"),
+    (ScheduledRequest(req_id="bad", token_ids=[], num_computed_tokens=0, new_block_ids=[5], is_new=True,
+                      sample=True), "no tokens"),
 ])
 def test_bad_request_fails_alone(bad: ScheduledRequest, reason: str, make_runner) -> None:
     runner = make_runner()
-    good = ScheduledRequest("good", random_tokens(40, 6), 0, [1, 2], True, True)
+    good = ScheduledRequest(req_id="good", token_ids=random_tokens(40, 6), num_computed_tokens=0,
+                            new_block_ids=[1, 2], is_new=True, sample=True)
     out = runner.execute(SchedulerOutput([good, bad], 6 + len(bad.token_ids)))
     assert set(out.failed) == {"bad"} and reason in out.failed["bad"]
     assert set(out.sampled_token_ids) == {"good"}
@@ -292,15 +300,18 @@ def test_bad_request_fails_alone(bad: ScheduledRequest, reason: str, make_runner
 
 def test_zero_token_step_dropped_state_and_resume_after_preemption(make_runner) -> None:
     runner = make_runner()
-    step = SchedulerOutput([ScheduledRequest("a", [1, 2, 3], 0, [1], True, False),
-                            ScheduledRequest("b", [4, 5], 0, [2], True, True)], 5)
+    step = SchedulerOutput([ScheduledRequest(req_id="a", token_ids=[1, 2, 3], num_computed_tokens=0,
+                                             new_block_ids=[1], is_new=True, sample=False),
+                            ScheduledRequest(req_id="b", token_ids=[4, 5], num_computed_tokens=0,
+                                             new_block_ids=[2], is_new=True, sample=True)], 5)
     out = runner.execute(step)
     assert set(out.sampled_token_ids) == {"b"} and not out.failed  # "a" is mid-prefill
     assert runner.execute(SchedulerOutput()) == ModelRunnerOutput()
     runner.execute(SchedulerOutput(finished_req_ids={"a"}, preempted_req_ids={"b"}))
     assert runner.block_tables == {}
     # Recompute after preemption: the table starts over on other blocks, same token.
-    resume = ScheduledRequest("b", [4, 5], 0, [7], is_new=True, sample=True)
+    resume = ScheduledRequest(req_id="b", token_ids=[4, 5], num_computed_tokens=0, new_block_ids=[7],
+                              is_new=True, sample=True)
     resumed = runner.execute(SchedulerOutput([resume], 2))
     assert resumed.sampled_token_ids == out.sampled_token_ids
 

@@ -58,7 +58,8 @@ class FakeRouter:
 
     def take_stats(self) -> list[StatsSnapshot]:
         self.seq += 1
-        counts = {"num_blocks": 100, "num_used_blocks": 0, "num_free_blocks": 100, "num_cached_blocks": 0}
+        counts = {"num_usable_blocks": 100, "num_used_blocks": 0, "num_free_blocks": 100,
+                  "num_cached_blocks": 0}
         return [StatsSnapshot(e, self.seq, time.monotonic(), "blocked", self.seq, 0, counts)
                 for e in self.engines]
 

@@ -11,7 +11,7 @@ from engine.proc.messages import StatsSnapshot
 from replay.http.metrics import E2E_BUCKETS, FAMILIES, TTFT_BUCKETS, EngineCollector, FrontStats
 
 COUNTS = {"num_waiting": 2, "num_skipped_waiting": 1, "num_waiting_for_remote_kvs": 1,
-          "num_running": 3, "num_finished_awaiting_free": 4, "num_blocks": 100,
+          "num_running": 3, "num_finished_awaiting_free": 4, "num_usable_blocks": 100,
           "num_used_blocks": 25, "num_cached_blocks": 10, "num_free_blocks": 75,
           "num_preemptions": 5, "num_stale_kv_reports": 0, "num_prefix_hit_tokens": 32,
           "num_prefix_query_tokens": 96, "num_kv_load_failures": 0, "num_sent": 7,

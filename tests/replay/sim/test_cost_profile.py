@@ -26,9 +26,12 @@ GRID = [StepShape(n, b, c) for n in (0, 16, 256, 1024) for b in (0, 1, 16) for c
 
 def test_step_shape_counts_prefill_tokens_decode_seqs_and_context():
     out = SchedulerOutput(scheduled=[
-        ScheduledRequest("p", list(range(10)), 32, [], False, True),  # a chunk after 32 cached
-        ScheduledRequest("d1", [5], 100, [], False, True),
-        ScheduledRequest("d2", [6], 7, [], False, True)], total_num_scheduled_tokens=12)
+        ScheduledRequest(req_id="p", token_ids=list(range(10)), num_computed_tokens=32, new_block_ids=[],
+                         is_new=False, sample=True),  # a chunk after 32 cached
+        ScheduledRequest(req_id="d1", token_ids=[5], num_computed_tokens=100, new_block_ids=[], is_new=False,
+                         sample=True),
+        ScheduledRequest(req_id="d2", token_ids=[6], num_computed_tokens=7, new_block_ids=[], is_new=False,
+                         sample=True)], total_num_scheduled_tokens=12)
     assert StepShape.of(out) == StepShape(num_prefill_tokens=10, num_decode_seqs=2,
                                           num_context_tokens=139)
 
@@ -73,7 +76,8 @@ def test_fit_refuses_no_points_or_non_positive_times():
 
 def profile() -> CostProfile:
     points = tuple(CostPoint(s, TRUE.cost_s(s), 5) for s in GRID)
-    return CostProfile(TRUE, points, "torch", "tiny", "cpu", "float32", "2.5.0", 1e-5)
+    return CostProfile(model=TRUE, points=points, runner="torch", model_preset="tiny", device="cpu",
+                       dtype="float32", torch_version="2.5.0", loop_overhead_s=1e-5)
 
 
 def test_profile_save_load_round_trip(tmp_path: Path):

@@ -306,7 +306,8 @@ def test_conservation_and_unfinished_requests_are_violations(tmp_path):
 
 
 def test_idle_windows_follow_the_clients_view():
-    timeline = Timeline(["E"], {"E": 10}, [], [], [], [], end_t=20.0)
+    timeline = Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=[], requests=[], arrivals=[],
+                        aborts=[], end_t=20.0)
     timeline.requests = [_record("a", 0.0, 5.0), _record("b", 1.0, 2.0), _record("c", 6.0, 7.0),
                          _record("d", 6.5, 9.0)]
     assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False), (9.0, 20.0, True)]
@@ -316,7 +317,9 @@ def test_idle_windows_follow_the_clients_view():
 
 
 def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
-    return RequestRecord(req_id, arrival, arrival, 0.0, None, end, 1, 1, 0, "length")
+    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
+                         first_token_t=None, end_t=end, num_prompt_tokens=1, num_output_tokens=1,
+                         num_prefix_hit_tokens=0, finish_reason="length")
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"public traces not at {TRACES}")
@@ -419,7 +422,7 @@ def test_engines_build_their_connector_through_the_configured_factory(tmp_path):
     records = load(tmp_path, bursts(num_bursts=1))
     FACTORY_CALLS.clear()
     named = run(records, "event", kv_connector="tests.replay.sim.test_simulate:recording_factory")
-    assert FACTORY_CALLS == [("P", "scheduler"), ("D", "scheduler")]  # the worker side is simulated
+    assert FACTORY_CALLS == [("P", "scheduler"), ("D", "scheduler")]  # the agent is simulated
     named.meta.clear()
     default = run(records, "event")
     default.meta.clear()

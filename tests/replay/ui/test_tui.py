@@ -32,7 +32,7 @@ CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, n
 
 def make_counts(**overrides: int) -> dict[str, int]:
     counts = dict(num_waiting=3, num_skipped_waiting=1, num_waiting_for_remote_kvs=0, num_running=4,
-                  num_finished_awaiting_free=2, num_blocks=127, num_used_blocks=40,
+                  num_finished_awaiting_free=2, num_usable_blocks=127, num_used_blocks=40,
                   num_cached_blocks=12, num_free_blocks=87, num_preemptions=0,
                   num_stale_kv_reports=0, num_prefix_hit_tokens=64, num_bad_messages=0, **CONNECTOR)
     counts.update(overrides)
@@ -48,13 +48,16 @@ def make_state() -> DashboardState:
                            num_cached_blocks=30, num_free_blocks=115, num_sends_pending=0,
                            num_recvs_in_flight=7, num_failed_recvs=1, connector_worker_pid=4243)
     state.apply_snapshot(StatsSnapshot("D", 1, 3.0, "stepping", 100, 2, d_counts))
-    state.progress = ReplayProgress("pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
+    state.progress = ReplayProgress(trace_name="pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
                                     liveness="event", speedup=2.0)
     for lateness in (0.001, 0.002, 0.008):
         state.progress.record_send(lateness)
     state.progress.trace_t = 12.3
-    state.windows = [WindowVerdict.of(IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)),
-                     WindowVerdict("D", 6.0, 2.5, 8, None, "leak")]
+    state.windows = [WindowVerdict.of(IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
+                                                 num_used_at_start=12, time_to_drain=0.12, verdict="drained",
+                                                 num_blocks_held=0)),
+                     WindowVerdict(engine="D", start=6.0, length=2.5, num_used_at_start=8, time_to_drain=None,
+                                   verdict="leak")]
     state.messages = ["connector worker of D (pid 4243) died"]
     return state
 
@@ -109,10 +112,14 @@ def test_engine_view_rates_and_history_from_two_updates():
 def test_apply_sample_feeds_a_virtual_clock_engine():
     state = DashboardState()
     for t, steps in ((1.0, 10), (1.5, 30)):
-        state.apply_sample(EngineSample(t, "E", 5, 2, 100, 105, 1, 0, 0, 2, 0, "stepping", steps, 1))
+        state.apply_sample(EngineSample(t=t, engine="E", num_used_blocks=5, num_cached_blocks=2,
+                                        num_free_blocks=100, num_usable_blocks=105, num_waiting=1,
+                                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=2,
+                                        num_finished_awaiting_free=0, loop_state="stepping", num_steps=steps,
+                                        num_wakeups=1))
     view = state.engines["E"]
     assert view.steps_per_s == pytest.approx(40.0) and not view.has_connector
-    assert view.counts["num_free_blocks"] == 100 and view.counts["num_blocks"] == 105
+    assert view.counts["num_free_blocks"] == 100 and view.counts["num_usable_blocks"] == 105
     assert "E used 5/105 stepping" in plain_line(state)
 
 
@@ -156,7 +163,8 @@ def test_live_view_on_a_terminal_keeps_the_last_frame():
     console = Console(file=out, force_terminal=True, width=80, height=24)
     with LiveView(state, console, clock=lambda: now[0]) as view:
         assert view.is_live
-        state.windows.append(WindowVerdict("P", 9.0, 1.0, 0, 0.0, "drained"))
+        state.windows.append(WindowVerdict(engine="P", start=9.0, length=1.0, num_used_at_start=0,
+                                           time_to_drain=0.0, verdict="drained"))
     assert "idle windows 3" in out.getvalue()  # the exit refresh drew the final state
 
 
@@ -194,10 +202,13 @@ def test_top_feed_applies_every_snapshot_in_order():
 
 
 def test_replay_feed_copies_progress_errors_and_the_final_picture():
-    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=2, duration_s=4.0, clock="wall"))
+    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=2, duration_s=4.0,
+                                                   clock="wall"))
     view = CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
-    records = {r: RequestRecord(r, t, t + 0.003, 0.003, None, None, 8, 0, 0, None)
+    records = {r: RequestRecord(req_id=r, arrival_t=t, send_t=t + 0.003, send_lateness_s=0.003,
+                                first_token_t=None, end_t=None, num_prompt_tokens=8, num_output_tokens=0,
+                                num_prefix_hit_tokens=0, finish_reason=None)
                for r, t in (("r0", 0.0), ("r1", 0.5))}
     faults = FaultWatch(["P", "D"])  # the driver's: what died or stalled, named
     faults.on_error(1.0, "D", "Traceback (most recent call last):\nRuntimeError: engine D died")
@@ -208,10 +219,17 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
     assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
     assert state.progress.trace_t == 1.5 and state.messages == ["fault: D: RuntimeError: engine D died"]
     final = SimpleNamespace(
-        timeline=SimpleNamespace(samples=[EngineSample(t, "P", used, 0, 127 - used, 127, 0, 0, 0, 0, 0,
-                                                       "blocked", 9, 2) for t, used in ((1.0, 5), (2.0, 0))],
+        timeline=SimpleNamespace(samples=[EngineSample(t=t, engine="P", num_used_blocks=used,
+                                                       num_cached_blocks=0, num_free_blocks=127 - used,
+                                                       num_usable_blocks=127, num_waiting=0,
+                                                       num_skipped_waiting=0, num_waiting_for_remote_kvs=0,
+                                                       num_running=0, num_finished_awaiting_free=0,
+                                                       loop_state="blocked", num_steps=9,
+                                                       num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
                                  requests=list(records.values()), end_t=6.0),
-        verdict=SimpleNamespace(windows=[IdleWindow("P", 3.0, 5.0, False, 12, 0.12, "drained", 0)]))
+        verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
+                                                    num_used_at_start=12, time_to_drain=0.12,
+                                                    verdict="drained", num_blocks_held=0)]))
     monitor.show_final(final)
     assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
     assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
@@ -225,7 +243,8 @@ def test_startup_phases_tick_and_end_in_ready():
     """The start-up panel shows the phase with its own clock and each engine's state;
     RUNNING ends it with "ready in N s"; plain output gets one line per event."""
     state = DashboardState(title="kvdrain replay t.jsonl", startup=StartupState(engines=["P", "D"]),
-                           progress=ReplayProgress("t.jsonl", num_total=4, duration_s=2.0, clock="wall"))
+                           progress=ReplayProgress(trace_name="t.jsonl", num_total=4, duration_s=2.0,
+                                                   clock="wall"))
     out, view = io.StringIO(), CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
     monitor.start -= 10.0  # ten seconds in
@@ -252,7 +271,7 @@ def test_startup_phases_tick_and_end_in_ready():
 
 
 def test_virtual_progress_has_rate_and_eta():
-    state = DashboardState(progress=ReplayProgress("t.jsonl", num_total=1000, duration_s=60.0))
+    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=1000, duration_s=60.0))
     monitor = ReplayMonitor(state, CountingView(), VerifyOptions())
     monitor.start -= 2.0
     monitor.on_progress(250, 30.0)

@@ -14,7 +14,9 @@ from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 
 
 def _record(req_id: str, arrival: float, hits: int | None) -> RequestRecord:
-    return RequestRecord(req_id, arrival, arrival, 0.0, arrival, arrival + 0.5, 8, 1, hits, "length")
+    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
+                         first_token_t=arrival, end_t=arrival + 0.5, num_prompt_tokens=8,
+                         num_output_tokens=1, num_prefix_hit_tokens=hits, finish_reason="length")
 
 
 def _sample(engine: str, t: float, used: int, cached: int = 0) -> EngineSample:

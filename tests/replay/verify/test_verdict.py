@@ -24,16 +24,21 @@ from tests.paths import AZURE, EXAMPLE, TRACES
 
 def _record(req_id: str, arrival: float, end: float | None, *, tokens: int = 1,
             reason: str | None = "length", error: str | None = None) -> RequestRecord:
-    return RequestRecord(req_id, arrival, arrival, 0.0, None if end is None else arrival,
-                         end, 8, tokens, 0, reason, error)
+    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
+                         first_token_t=None if end is None else arrival, end_t=end, num_prompt_tokens=8,
+                         num_output_tokens=tokens, num_prefix_hit_tokens=0, finish_reason=reason, error=error)
 
 
 def _sample(t: float, used: int) -> EngineSample:
-    return EngineSample(t, "E", used, 0, 10 - used, 10, 0, 0, 0, 0, 0, "blocked", 0, 0)
+    return EngineSample(t=t, engine="E", num_used_blocks=used, num_cached_blocks=0, num_free_blocks=10 - used,
+                        num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
+                        num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
+                        loop_state="blocked", num_steps=0, num_wakeups=0)
 
 
 def _timeline(records: list[RequestRecord], samples: list[EngineSample], end_t: float) -> Timeline:
-    return Timeline(["E"], {"E": 10}, samples, records, [r.arrival_t for r in records], [], end_t)
+    return Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=samples, requests=records,
+                    arrivals=[r.arrival_t for r in records], aborts=[], end_t=end_t)
 
 
 # Two bursts with a 4 s gap: a at 0 (ends 0.5), b at 4 (ends 4.5), tail to 8.

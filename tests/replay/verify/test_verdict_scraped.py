@@ -22,17 +22,25 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def sample(t: float, used: int, send_t: float | None = None) -> EngineSample:
-    return EngineSample(t, "P", used, 0, 100 - used, 100, 0, 0, 0, 0, 0, "unknown", 0, 0,
+    return EngineSample(t=t, engine="P", num_used_blocks=used, num_cached_blocks=0,
+                        num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
+                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
+                        num_finished_awaiting_free=0, loop_state="unknown", num_steps=0, num_wakeups=0,
                         send_t=send_t)
 
 
-REQUESTS = [RequestRecord("a", 0.0, 0.0, 0.0, 0.2, 1.0, 8, 4, 0, "length"),
-            RequestRecord("b", 10.0, 10.0, 0.0, 10.2, 10.5, 8, 4, 0, "length")]
+REQUESTS = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.2,
+                          end_t=1.0, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                          finish_reason="length"),
+            RequestRecord(req_id="b", arrival_t=10.0, send_t=10.0, send_lateness_s=0.0, first_token_t=10.2,
+                          end_t=10.5, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                          finish_reason="length")]
 
 
 def timeline(samples: list[EngineSample], scraped: bool) -> Timeline:
     meta = {"sampling": SAMPLING_SCRAPED} if scraped else {}
-    return Timeline(["P"], {"P": 100}, samples, REQUESTS, [0.0, 10.0], [], 12.0, meta=meta)
+    return Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=REQUESTS,
+                    arrivals=[0.0, 10.0], aborts=[], end_t=12.0, meta=meta)
 
 
 def test_a_scraped_window_without_a_sample_inside_is_undecided_not_a_leak():
@@ -105,15 +113,20 @@ def _http_timeline(samples, requests) -> Timeline:
     status = {"url": "http://x/metrics", "metric": "vllm:kv_cache_usage_perc", "unit": "blocks",
               "engines": {"0": "P"}, "metric_names_found": [], "num_scrapes": len(samples),
               "num_failures": 0, "errors": []}
-    return Timeline(["P"], {"P": 100}, samples, requests, [r.arrival_t for r in requests], [], 9.0,
+    return Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=requests,
+                    arrivals=[r.arrival_t for r in requests], aborts=[], end_t=9.0,
                     meta={"driver": "http", "sampling": SAMPLING_SCRAPED,
                           "http": {"server": {}, "metrics": [status], "latency": {}}})
 
 
 def test_the_http_section_says_the_runs_status_not_its_own():
     """An expected window missed (the server lagged): inconclusive everywhere, never VERIFIED."""
-    requests = [RequestRecord("a", 0.0, 0.0, 0.0, 0.2, 4.5, 8, 4, 0, "length"),
-                RequestRecord("b", 5.0, 5.0, 0.0, 5.2, 5.5, 8, 4, 0, "length")]
+    requests = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.2,
+                              end_t=4.5, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                              finish_reason="length"),
+                RequestRecord(req_id="b", arrival_t=5.0, send_t=5.0, send_lateness_s=0.0, first_token_t=5.2,
+                              end_t=5.5, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                              finish_reason="length")]
     samples = [sample(t / 10, 5 if (t < 45 or 50 <= t < 55) else 0) for t in range(0, 90)]
     tl = _http_timeline(samples, requests)
     verdict = verify(tl, [], expected=expected_windows([0.0, 5.0], 1.0, None))
@@ -128,7 +141,9 @@ def test_the_http_section_says_the_runs_status_not_its_own():
 
 
 def test_a_violation_stays_one_and_http_gaps_make_a_clean_run_inconclusive():
-    requests = [RequestRecord("a", 0.0, 0.0, 0.0, 0.2, 1.0, 8, 4, 0, "length")]
+    requests = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.2,
+                              end_t=1.0, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                              finish_reason="length")]
     held = [sample(t / 10, 5) for t in range(0, 90)]
     tl = _http_timeline(held, requests)
     tl.meta["http"]["metrics"][0].update(num_failures=2, errors=["HTTP 500"])
@@ -217,7 +232,7 @@ def test_a_scraped_drained_window_never_under_reports_its_time_to_drain():
 
 def engine_reading(t: float, engine: str, used: int, running: int) -> EngineSample:
     return EngineSample(t=t, engine=engine, num_used_blocks=used, num_cached_blocks=0,
-                        num_free_blocks=100 - used, num_blocks=100, num_waiting=0, num_skipped_waiting=0,
+                        num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0, num_skipped_waiting=0,
                         num_waiting_for_remote_kvs=0, num_running=running, num_finished_awaiting_free=0,
                         loop_state="unknown", num_steps=0, num_wakeups=0, send_t=t - 0.01)
 
@@ -231,11 +246,14 @@ def busy_trace_with_an_idle_prefill_engine(held: int, queue_gauges: list[str]) -
         p0_idle = 2.0 <= t <= 8.0
         samples.append(engine_reading(t, "P0", held if p0_idle else 4, 0 if p0_idle else 1))
         samples.append(engine_reading(t, "P1", 4, 1))
-    requests = [RequestRecord(f"r{i}", 0.5 * i, 0.5 * i, 0.0, 0.5 * i + 0.2, 0.5 * i + 0.8, 8, 4, 0, "length")
+    requests = [RequestRecord(req_id=f"r{i}", arrival_t=0.5 * i, send_t=0.5 * i, send_lateness_s=0.0,
+                              first_token_t=0.5 * i + 0.2, end_t=0.5 * i + 0.8, num_prompt_tokens=8,
+                              num_output_tokens=4, num_prefix_hit_tokens=0, finish_reason="length")
                 for i in range(20)]
     meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": queue_gauges}
-    return Timeline(["P0", "P1"], {"P0": 100, "P1": 100}, samples, requests,
-                    [r.arrival_t for r in requests], [], 10.0, meta=meta)
+    return Timeline(engines=["P0", "P1"], num_usable_blocks={"P0": 100, "P1": 100}, samples=samples,
+                    requests=requests, arrivals=[r.arrival_t for r in requests], aborts=[], end_t=10.0,
+                    meta=meta)
 
 
 def test_over_http_an_engine_idle_by_its_own_metrics_is_judged_in_that_window():

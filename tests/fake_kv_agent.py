@@ -1,11 +1,11 @@
-"""An in-process connector worker side for core tests: reports after a set number of polls."""
+"""An in-process connector agent for core tests: reports after a set number of polls."""
 from __future__ import annotations
 
-from engine.core.kv_connector import KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorAgentBase
 from engine.core.outputs import KVConnectorOutput
 
 
-class FakeKVWorker(KVConnectorWorkerBase):
+class FakeKVAgent(KVConnectorAgentBase):
     """Sends complete `send_after` get_finished calls after they are registered; loads too."""
 
     def __init__(self, send_after: int = 3, recv_after: int = 2) -> None:
