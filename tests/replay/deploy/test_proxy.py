@@ -385,7 +385,8 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
         # Speedup 2 for slack: P prefills, then D prefills again (a single engine has no
         # connector), behind a proxy, on a small shared machine.
         result = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
-                        "--report", str(report), *fast[2:-2], "--speedup", "2")
+                        "--report", str(report), *fast[2:-2], "--speedup", "2",
+                        "--scrape-interval", "0.01")  # D's requests last milliseconds: catch them
         assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
         data = json.loads(report.read_text())
         assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}

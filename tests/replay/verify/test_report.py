@@ -20,14 +20,18 @@ def _record(req_id: str, arrival: float, hits: int | None) -> RequestRecord:
 
 
 def _sample(engine: str, t: float, used: int, cached: int = 0) -> EngineSample:
-    return EngineSample(t, engine, used, cached, 10 - used, 10, 0, 0, 0, 0, 0, "unknown", 0, 0)
+    return EngineSample(t=t, engine=engine, num_used_blocks=used, num_cached_blocks=cached,
+                        num_free_blocks=10 - used, num_usable_blocks=10, num_waiting=0,
+                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
+                        num_finished_awaiting_free=0, loop_state="unknown", num_steps=0, num_wakeups=0)
 
 
 def _timeline(hits: list[int | None], counters: dict, engines=("P", "D"), cached: int = 0) -> Timeline:
     records = [_record(f"r{i}", 2.0 * i, h) for i, h in enumerate(hits)]
     samples = [_sample(e, t, used, cached) for e in engines for t, used in ((0.0, 3), (0.6, 0), (4.0, 0))]
-    return Timeline(list(engines), {e: 10 for e in engines}, samples, records,
-                    [r.arrival_t for r in records], [], 5.0, counters=counters)
+    return Timeline(engines=list(engines), num_usable_blocks={e: 10 for e in engines}, samples=samples,
+                    requests=records, arrivals=[r.arrival_t for r in records], aborts=[], end_t=5.0,
+                    counters=counters)
 
 
 UNKNOWN = {"num_steps": None, "num_wakeups": None, "num_expired": None, "num_prefix_hit_tokens": None}
@@ -77,7 +81,7 @@ def test_the_plot_leaves_out_panels_without_data(tmp_path: Path, monkeypatch, en
 
     def savefig(fig, path, **kwargs):
         drawn["axes"], drawn["title"] = len(fig.axes), fig._suptitle.get_text()
-        Path(path).write_bytes(b"\x89PNG")
+        path.write(b"\x89PNG")  # the plot is drawn into memory, then written
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     timeline = _timeline([1], {}, engines, cached)
     write_plot(tmp_path / "usage.png", timeline, verify(timeline, []), "pd_idle.jsonl | vLLM 0.32.0")
