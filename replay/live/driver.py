@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
-from replay.live.faults import FaultWatch
+from replay.live.faults import FaultWatch, since_start
 from replay.live.interrupt import Interrupted
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
@@ -78,6 +78,7 @@ class WallClockReplay:
         self.origin = time.monotonic() + LEAD_IN_S
         self.samples: list[EngineSample] = []
         self.latest: dict[str, StatsSnapshot] = {}
+        self.first: dict[str, StatsSnapshot] = {}  # each engine's first: counts grow from it
         self.requests: dict[str, RequestRecord] = {}
         self.open: set[str] = set()
         self.arrivals: list[float] = []
@@ -165,6 +166,7 @@ class WallClockReplay:
     def _on_stats(self, snapshots: list[StatsSnapshot]) -> None:
         for snap in snapshots:
             self.latest[snap.engine_id] = snap
+            self.first.setdefault(snap.engine_id, snap)
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
             self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
 
@@ -214,7 +216,7 @@ class WallClockReplay:
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
         num_blocks = {e: s.counts["num_blocks"] for e, s in self.latest.items()}
-        counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
+        counters = {e: since_start(_counters(self.first[e]), _counters(s))  # a serve's outlive replays
                     for e, s in self.latest.items()}
         return Timeline(engines=list(self.target.engines), num_blocks=num_blocks,
                         samples=self.samples, requests=list(self.requests.values()),
@@ -222,6 +224,10 @@ class WallClockReplay:
                         counters=counters, meta={"driver": "wall", **(
                             {"interrupted": self.interrupted} if self.interrupted else {}),
                             "faults": [asdict(f) for f in self.faults.faults]})
+
+
+def _counters(snap: StatsSnapshot) -> dict[str, int]:
+    return {"num_steps": snap.num_steps, "num_wakeups": snap.num_wakeups, **snap.counts}
 
 
 def _engine_in(message: str, engines: list[str]) -> str:
