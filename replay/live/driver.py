@@ -89,6 +89,7 @@ class WallClockReplay:
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines))
+        self.quiet_since: float | None = float("-inf")  # nothing of ours in flight since (None: some)
         self._num_errors = 0  # of target.errors, seen
 
     def now(self) -> float:
@@ -146,6 +147,7 @@ class WallClockReplay:
         self.num_sent += 1
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
+        self.quiet_since = None
         record = self.requests[req.req_id] = RequestRecord(
             req.req_id, req.t, sent, sent - req.t, None, None, len(prompt), 0, 0, None)
         if self.options.expected_tokens is not None:
@@ -169,6 +171,8 @@ class WallClockReplay:
             self.first.setdefault(snap.engine_id, snap)
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
             self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
+            self.faults.on_activity(snap.monotonic - self.origin, snap.engine_id, snap.counts,
+                                    self.quiet_since)
 
     def _on_output(self, output: RequestOutput) -> None:
         record = self.requests.get(output.req_id)
@@ -184,6 +188,8 @@ class WallClockReplay:
             record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
             record.output_digest = output_digest(self._tokens.pop(output.req_id))
             self.open.discard(output.req_id)
+            if not self.open:
+                self.quiet_since = now
 
     def _watch_faults(self, now: float) -> None:
         """Engines' errors, and a stats probe for engines that have been silent a while."""

@@ -14,6 +14,9 @@ clock, and asks when to probe. Sources:
 These counts live as long as the engines, and a serve's outlive many replays, so each
 replay judges them from its own start: an engine's first snapshot is its baseline and
 only what grew since is a fault (since_start does the same for the Timeline's counters).
+- another client's work: an engine snapshot taken while this replay had no request in
+  flight that shows requests waiting or running (a serve shared with another replay,
+  whose blocks cannot be told from this one's; kind "shared").
 Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
 numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
 leak that follows a fault from a liveness leak.
@@ -31,7 +34,7 @@ PROBE_INTERVAL_S = 1.0
 class Fault:
     t: float  # first seen (replay seconds)
     engine: str  # "" when no one engine is to blame
-    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap"
+    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap" | "shared"
     cause: str
     end_t: float | None = None  # a stall that ended (the engine answered again)
 
@@ -54,6 +57,9 @@ _COUNTER_CAUSES: dict[str, tuple[str, Callable[[int, dict[str, int]], str]]] = {
 TIMELINE_COUNTS = ("num_steps", "num_wakeups", "num_model_steps", "num_expired",
                    "num_reads_after_expiry", "num_read_done_dropped", "num_bad_params",
                    "num_stale_kv_reports", "num_preemptions", "num_prefix_hit_tokens")
+
+
+_ACTIVE = ("num_waiting", "num_skipped_waiting", "num_running")  # an engine's requests in flight
 
 
 def _waits(n: int, one: str, many: str, latest_ms: int) -> str:
@@ -101,6 +107,20 @@ class FaultWatch:
             grown = counts.get(name, 0) - first.get(name, 0)
             if grown > 0:
                 self._note(t, engine, kind, say(grown, counts))
+
+    def on_activity(self, t: float, engine: str, counts: dict[str, int],
+                    quiet_since: float | None) -> None:
+        """A snapshot taken at t; quiet_since: since when this replay has had no request in
+        flight (None: it has some). Requests on the engine then are another client's."""
+        if quiet_since is None or t <= quiet_since:
+            return
+        num_active = sum(counts.get(name, 0) for name in _ACTIVE)
+        if num_active > 0:
+            self._note(t, engine, "shared", (
+                f"{num_active} request{'s' if num_active != 1 else ''} of another client "
+                f"waiting or running while this replay had none in flight: the serve is shared, "
+                f"and its blocks cannot be told from this replay's (replay against a serve of "
+                f"your own)"))
 
     def should_probe(self, t: float) -> bool:
         """Ask for stats now? (some engine has been silent a while; at most once per interval)"""

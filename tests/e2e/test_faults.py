@@ -69,6 +69,19 @@ def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
     assert "2 KV loads waited over a second (the latest 1.2 s) past their pull delay" in slow.cause
 
 
+def test_requests_on_an_engine_while_the_replay_has_none_in_flight_are_another_clients():
+    watch = FaultWatch(["P", "D"])
+    busy = {"num_waiting": 0, "num_skipped_waiting": 1, "num_running": 2, "num_used_blocks": 9}
+    watch.on_activity(1.0, "P", busy, quiet_since=None)  # ours in flight: they may be ours
+    watch.on_activity(2.0, "P", busy, quiet_since=2.0)  # taken before ours ended
+    watch.on_activity(2.5, "P", {**busy, "num_skipped_waiting": 0, "num_running": 0}, 2.0)
+    assert watch.faults == []
+    watch.on_activity(2.6, "D", busy, quiet_since=2.0)
+    (shared,) = watch.faults
+    assert (shared.t, shared.engine, shared.kind) == (2.6, "D", "shared")
+    assert "3 requests of another client" in shared.cause and "the serve is shared" in shared.cause
+
+
 def test_a_replays_counters_are_what_grew_since_its_start():
     first = {"num_steps": 900, "num_reads_after_expiry": 1, "num_expired": 4, "num_used_blocks": 3}
     latest = {"num_steps": 950, "num_reads_after_expiry": 1, "num_expired": 6, "num_used_blocks": 0}
