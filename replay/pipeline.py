@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
+from replay.trace.source import watch_trace
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
 from replay.verify.timeline import Timeline
@@ -148,6 +149,7 @@ def trace_limits(config: ReplayConfig) -> TraceLimits:
 
 def validate_replay_trace(config: ReplayConfig) -> TraceSummary:
     """The validating pass over config's trace, against the engines' limits; TraceError if bad."""
+    watch_trace(config.trace)  # every later pass reads these bytes (replay/trace/source.py)
     return validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
 
 
