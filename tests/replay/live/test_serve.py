@@ -1,0 +1,116 @@
+"""`kvdrain serve`'s client side (replay/live/serve.py): clients that do not read, or have left."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+import replay.live.serve as serve
+from engine.core.outputs import RequestOutput
+from engine.proc.messages import AddRequest, GetStats, ServeInfo, StatsSnapshot, encode
+from engine.proc.stats_check import REQUIRED_COUNTS
+from replay.live.serve import Server, ServeOptions
+
+
+class _ScriptedRouter:
+    """A router with no engines: outputs and snapshots as the test hands them over."""
+
+    engines = ["P", "D"]
+    has_pending = False
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.outputs: list[RequestOutput] = []
+        self.stats: list[StatsSnapshot] = []
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens) -> None:
+        self.added.append(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self.aborted.append(req_id)
+
+    def poll(self, timeout_s):
+        out, self.outputs = self.outputs, []
+        return out
+
+    def take_stats(self):
+        out, self.stats = self.stats, []
+        return out
+
+    def request_stats(self) -> None:
+        return None
+
+
+def _snapshot(seq: int) -> StatsSnapshot:
+    return StatsSnapshot("P", seq, time.monotonic(), "stepping", seq, 0, dict.fromkeys(REQUIRED_COUNTS, 0))
+
+
+def _client(address: str, rcvhwm: int = 0) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(address)
+    return sock
+
+
+def _run_until(server: Server, until, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "the serve did not get there in time"
+        server.run_once(5)
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "MAX_QUEUED_PER_CLIENT", 200)
+    router = _ScriptedRouter()
+    server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"), ServeInfo(["P", "D"], "pd", "event", 512, 4))
+    yield server
+    server.close()
+
+
+def test_a_subscriber_that_does_not_read_is_dropped_and_its_requests_aborted(server):
+    idle = _client(server.address, rcvhwm=1)
+    try:
+        idle.send(encode(GetStats()))
+        for i in range(3):
+            idle.send(encode(AddRequest(f"q{i}", [1, 2, 3], 8)))
+        _run_until(server, lambda: len(server.router.added) == 3 and server.subscribers)
+        seq = 0
+        while server.num_dropped_clients == 0:  # the fan-out fills its queue: it is dropped
+            assert seq < 200_000, "a subscriber that never reads was never dropped"
+            server.router.stats = [_snapshot(seq := seq + 1) for _ in range(100)]
+            server.run_once(0)
+        assert not server.subscribers and server.num_dropped_clients == 1
+        assert sorted(server.router.aborted) == sorted(server.router.added)
+        assert server.owners == {} and server.internal_ids == {}
+    finally:
+        idle.close()
+
+
+def test_a_client_that_left_has_its_requests_aborted_at_their_next_output(server):
+    gone = _client(server.address)
+    stays = _client(server.address)
+    try:
+        for sock, name in ((gone, "g"), (stays, "s")):
+            sock.send(encode(AddRequest(f"{name}0", [1, 2, 3], 8)))
+            sock.send(encode(AddRequest(f"{name}1", [1, 2, 3], 8)))
+        _run_until(server, lambda: len(server.router.added) == 4)
+        ids = {server.owners[r][1]: r for r in server.router.added}
+        gone.close()
+        deadline = time.monotonic() + 10
+        while not server.router.aborted:  # each output finds the client gone once its pipe is
+            assert time.monotonic() < deadline, "a departed client's requests were never aborted"
+            server.router.outputs = [RequestOutput(ids["g0"], [7])]
+            server.run_once(10)
+        assert sorted(server.router.aborted) == sorted([ids["g0"], ids["g1"]])
+        server.router.outputs = [RequestOutput(ids["s0"], [7])]
+        server.run_once(10)
+        assert stays.poll(5000) and server.num_dropped_clients == 1
+        assert set(server.owners) == {ids["s0"], ids["s1"]}
+    finally:
+        gone.close()
+        stays.close()
