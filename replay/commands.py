@@ -301,4 +301,5 @@ def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) ->
             monitor.state.title += " (disconnected)"
             return EXIT_FAULT
         monitor.on_snapshots(client.take_stats())
+        monitor.on_restarts(client.restarts)
     return EXIT_OK

@@ -13,9 +13,10 @@ Garbage is counted and dropped; a frame over the largest legitimate request
 """
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -126,7 +127,7 @@ class Server:
                  front: ServeFront | None = None) -> None:
         """front: open_front's, made before the engines started (opened here if None)."""
         self.router = router
-        self.info = info
+        self.info = info if info.serve_id else replace(info, serve_id=secrets.token_hex(8))
         if front is None:
             front = open_front(options, recording_metadata(info.topology, info.liveness,
                                                            info.block_size))

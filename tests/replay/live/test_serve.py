@@ -114,3 +114,68 @@ def test_a_client_that_left_has_its_requests_aborted_at_their_next_output(server
     finally:
         gone.close()
         stays.close()
+
+
+def test_every_serve_start_has_its_own_id(server, tmp_path):
+    other = Server(_ScriptedRouter(), ServeOptions(f"ipc://{tmp_path}/other"),
+                   ServeInfo(["P", "D"], "pd", "event", 512, 4))
+    try:
+        assert len(server.info.serve_id) == 16 and other.info.serve_id != server.info.serve_id
+    finally:
+        other.close()
+
+
+def _fake_serve(address: str) -> zmq.Socket:
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.setsockopt(zmq.RCVTIMEO, 5000)  # every wait bounded
+    fake.bind(address)
+    return fake
+
+
+def _answered_client(fake: zmq.Socket, address: str, info: ServeInfo):
+    """A ServeClient made in a thread while `fake` answers its GetStats with info."""
+    import threading
+
+    from replay.live.serve_client import ServeClient
+    made: list = []
+    thread = threading.Thread(target=lambda: made.append(ServeClient(address)))
+    thread.start()
+    identity, _ = fake.recv_multipart()
+    fake.send_multipart([identity, encode(info)])
+    thread.join(10)
+    return made[0], identity
+
+
+def test_a_serve_restarted_at_the_same_address_is_noticed_not_spliced(tmp_path):
+    from dataclasses import replace
+
+    from replay.live.monitor import ServeMonitor
+    from replay.ui.dashboard import DashboardState
+    address = f"ipc://{tmp_path}/fake"
+    info = ServeInfo(["P", "D"], "pd", "event", 512, 4, serve_id="first")
+    fake = _fake_serve(address)
+    client = None
+    try:
+        client, identity = _answered_client(fake, address, info)
+        old = StatsSnapshot("P", 900, time.monotonic(), "blocked", 900, 1, dict.fromkeys(REQUIRED_COUNTS, 0))
+        fake.send_multipart([identity, encode(old)])
+        fake.send_multipart([identity, encode(info)])  # a renewal's answer: the same serve
+        new = _snapshot(1)
+        for msg in (replace(info, serve_id="second"), new):
+            fake.send_multipart([identity, encode(msg)])
+        deadline = time.monotonic() + 10
+        while client.latest.get("P") != new:
+            assert time.monotonic() < deadline, "the new serve's snapshot never came"
+            client.poll(0.05)
+        assert len(client.restarts) == 1 and "restarted" in client.restarts[0]
+        assert client.errors == [("", client.restarts[0])] and client.info.serve_id == "second"
+        state = DashboardState(title="kvdrain top")
+        monitor = ServeMonitor(state, view=type("View", (), {"tick": lambda self: None})())
+        monitor.on_restarts(client.restarts)
+        monitor.on_restarts(client.restarts)  # said once
+        assert state.messages == client.restarts and state.title.endswith("(restarted)")
+    finally:
+        if client is not None:
+            client.shutdown()
+        fake.close()
