@@ -20,7 +20,7 @@ from engine.proc.messages import ServeInfo
 from replay.live.interrupt import Interrupted, interruptible
 from replay.pipeline import ReplayConfig, ReplayResult, launch_engines, run_replay, validate_replay_trace
 from replay.trace.reader import TraceError, TraceSummary
-from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
+from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, status_for, worst
 
 if TYPE_CHECKING:
     from replay.deploy.topology import TopologyLaunch
@@ -255,7 +255,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         server.close()
         router.shutdown()
     print(f"kvdrain serve: stopped after {server.num_requests} requests", flush=True)
-    return EXIT_OK
+    return EXIT_TERMINATED if stop() else EXIT_OK  # SIGTERM: 128 + 15, as the verdict table says
 
 
 def _preset_name(engine: EngineConfig) -> str:

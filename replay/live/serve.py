@@ -23,6 +23,7 @@ from typing import Callable
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from engine.proc.client import EngineDeadError
 from replay.deploy.router import PDRouter
 from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs, ServeInfo,
                              StatsSnapshot, decode, encode, output_to_msg)
@@ -152,9 +153,17 @@ class Server:
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until should_stop(). An engine that died once a stop was asked for ends
+        the serve quietly: a SIGTERM to the process group reaches the engines too, and they
+        may exit before this loop sees the stop."""
         self.router.request_stats()
         while not should_stop():
-            self.run_once(10)
+            try:
+                self.run_once(10)
+            except EngineDeadError:
+                if should_stop():
+                    return
+                raise
             if on_tick is not None:
                 on_tick(self)
 

@@ -179,3 +179,51 @@ def test_a_serve_restarted_at_the_same_address_is_noticed_not_spliced(tmp_path):
         if client is not None:
             client.shutdown()
         fake.close()
+
+
+class _DyingRouter(_ScriptedRouter):
+    """Its engines die at the first poll (a SIGTERM to the whole process group)."""
+
+    def poll(self, timeout_s):
+        from engine.proc.client import EngineDeadError
+        raise EngineDeadError("engine core P (pid 1) died with exit code 0")
+
+
+def test_engines_that_die_once_a_stop_was_asked_for_end_the_serve_quietly(tmp_path):
+    from engine.proc.client import EngineDeadError
+    server = Server(_DyingRouter(), ServeOptions(f"ipc://{tmp_path}/serve"),
+                    ServeInfo(["P", "D"], "pd", "event", 512, 4))
+    try:
+        asked = iter([False, True])  # the stop comes while the round runs
+        server.serve_forever(should_stop=lambda: next(asked, True))
+        with pytest.raises(EngineDeadError):  # no stop asked: the death is the serve's error
+            server.serve_forever(should_stop=lambda: False)
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_group_sigterm_stops_the_serve_with_exit_143_and_no_traceback():
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from replay.verify.verdict import EXIT_TERMINATED
+    from tests.paths import ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--runner", "mock", "--no-live",
+                             "--num-blocks", "64"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not re.search("listening on", proc.stdout.readline() or ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "the serve did not start"
+        os.killpg(proc.pid, signal.SIGTERM)  # the serve and every engine and worker at once
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == EXIT_TERMINATED, out
+    assert "Traceback" not in out and "stopped after 0 requests" in out
