@@ -518,3 +518,38 @@ def test_samples_skip_only_stretches_in_which_every_engine_is_blocked(tmp_path):
             assert all(sample_at(timeline, e, t0).loop_state == "blocked" for e in timeline.engines)
     # A leak stays visible through the gap: the sample in force holds P's blocks.
     assert sample_at(timeline, "P", 2.5).num_used_blocks == 8
+
+
+def _poisson(num_requests: int, seed: int = 1) -> list[dict]:
+    """P/D requests arriving at 50/s, with a 2 s pause every 100."""
+    import random
+    rnd, t, lines = random.Random(seed), 0.0, []
+    for i in range(num_requests):
+        t += rnd.expovariate(50.0) + (2.0 if i % 100 == 99 else 0.0)
+        lines.append({"t": round(t, 6), "id": f"r{i}", "prompt_len": rnd.randint(50, 400),
+                      "max_tokens": rnd.randint(2, 16), "pd": True})
+    return lines
+
+
+@pytest.mark.slow
+def test_a_replay_holds_under_three_kilobytes_per_request(tmp_path):
+    """What a long replay costs grows with its requests alone (timeline samples, request
+    records: about 2.5 KB each, 6.4 samples a request), so 2 million lines fit in ~5 GB."""
+    import gc
+    import tracemalloc
+
+    def retained(num_requests: int) -> int:
+        records = load(tmp_path, _poisson(num_requests))
+        gc.collect()
+        tracemalloc.start()
+        try:
+            timeline = simulate(records, sim_options(liveness="event", num_blocks=2048))
+            verdict = verify(timeline, [])
+            gc.collect()
+            assert verdict.exit_code == 0 and len(timeline.requests) == num_requests
+            return tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+    small, large = retained(300), retained(1200)
+    per_request = (large - small) / 900
+    assert 1000 < per_request < 3000, per_request
