@@ -15,6 +15,7 @@ import multiprocessing
 import multiprocessing.connection
 import select
 import time
+from typing import Literal
 
 import zmq
 
@@ -66,7 +67,7 @@ class PendingTransfers:
         """One message from the worker: a report into `out`, a LeaseDue noted; a reap's
         answer is noted and returned. Garbage is counted and dropped. A load reported
         over SLOW_NS after its pull delay (the report's own send time, report_ns, so the
-        engine's step length does not count) is noted in max_recv_wait_ms: only a stopped
+        engine's step length does not count) is noted (note_wait): only a stopped
         or stuck worker, P's or ours, takes that long."""
         try:
             report = CONNECTOR_CODEC.decode(data)
@@ -91,14 +92,19 @@ class PendingTransfers:
             self.recvs.pop(req_id, None)
             started = self.recv_started.pop(req_id, None)
             if type(reported) is int and started is not None:
-                self.note_wait("max_recv_wait_ms", reported - started - self.pull_delay_ns)
+                self.note_wait("recv", reported - started - self.pull_delay_ns)
         self.counters.update(counters)
         return None
 
-    def note_wait(self, name: str, waited_ns: int) -> None:
-        """A wait over SLOW_NS (a load, a reap): the longest, in ms, in counters[name]."""
+    def note_wait(self, kind: Literal["recv", "reap"], waited_ns: int) -> None:
+        """A wait over SLOW_NS (a load, a reap): counted in num_slow_{kind}s, the latest
+        and the longest in ms in last_/max_{kind}_wait_ms. Counts only grow, so a replay
+        tells the stalls it saw from older ones by their change (replay/live/faults.py)."""
         if waited_ns > SLOW_NS:
-            self.counters[name] = max(self.counters.get(name, 0), waited_ns // 1_000_000)
+            waited_ms, counters = waited_ns // 1_000_000, self.counters
+            counters[f"max_{kind}_wait_ms"] = max(counters.get(f"max_{kind}_wait_ms", 0), waited_ms)
+            counters[f"last_{kind}_wait_ms"] = waited_ms
+            counters[f"num_slow_{kind}s"] = counters.get(f"num_slow_{kind}s", 0) + 1
 
     def resolve_orphans(self, out: KVConnectorOutput, now: int) -> list[RecvSpec]:
         """The worker is dead: every load it owned fails now (returned, so that their
@@ -228,7 +234,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
         while time.monotonic() < deadline:
             if self.socket.poll(100, zmq.POLLIN):
                 if self.pending.merge(self.socket.recv(), out) is not None:
-                    self.pending.note_wait("max_reap_wait_ms", time.monotonic_ns() - asked)
+                    self.pending.note_wait("reap", time.monotonic_ns() - asked)
                     return
             elif multiprocessing.connection.wait([self.process.sentinel], 0):
                 return  # dead: get_finished resolves what it owned

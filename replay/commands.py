@@ -21,7 +21,7 @@ from replay.live.interrupt import Interrupted, interruptible
 from replay.live.serve_messages import ServeInfo
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
-from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, status_for, worst
+from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, status_for, worst
 
 if TYPE_CHECKING:
     from replay.live.auth import AuthOptions
@@ -318,7 +318,7 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     over_http = "" if http is None else f" ({http.num_requests} over HTTP)"
     print(f"kvdrain serve: stopped after {server.num_requests + (http.num_requests if http else 0)} "
           f"requests{over_http}", flush=True)
-    return EXIT_OK
+    return EXIT_TERMINATED if stop() else EXIT_OK  # SIGTERM: 128 + 15, as the verdict table says
 
 
 def _preset_name(engine: EngineConfig) -> str:
@@ -364,4 +364,5 @@ def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) ->
             monitor.state.title += " (disconnected)"
             return EXIT_FAULT
         monitor.on_snapshots(client.take_stats())
+        monitor.on_restarts(client.restarts)
     return EXIT_OK

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from engine.config import EngineConfig, KVTransferConfig, config_to_dict
 from replay.deploy.balance import RouterPolicy
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
+from replay.trace.source import watch_trace
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
 from replay.live.interrupt import Interrupted
@@ -180,6 +181,7 @@ def prepare_replay(config: ReplayConfig) -> PreparedReplay:
     """The trace checked against the engines' limits (TraceError if bad: nothing started),
     then a local wall-clock replay's engines launched, left starting while the caller
     draws its view and the run models the idle windows. The caller closes it."""
+    watch_trace(config.trace)  # every later pass reads these bytes (replay/trace/source.py)
     summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
     return PreparedReplay(config=config, summary=summary, engines=launch_engines(config))
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
-from replay.live.faults import FaultWatch
+from replay.live.faults import FaultWatch, since_start
 from replay.live.interrupt import Interrupted
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
@@ -78,6 +78,7 @@ class WallClockReplay:
         self.origin = time.monotonic() + LEAD_IN_S
         self.samples: list[EngineSample] = []
         self.latest: dict[str, StatsSnapshot] = {}
+        self.first: dict[str, StatsSnapshot] = {}  # each engine's first: counts grow from it
         self.requests: dict[str, RequestRecord] = {}
         self.open: set[str] = set()
         self.arrivals: list[float] = []
@@ -88,6 +89,7 @@ class WallClockReplay:
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines))
+        self.quiet_since: float | None = float("-inf")  # nothing of ours in flight since (None: some)
         self._num_errors = 0  # of target.errors, seen
         # (req_id, engine, t) the router told of, not yet recorded: stamped as it hands the
         # request over, before the engine can have it (an engine's sample never precedes it)
@@ -150,6 +152,7 @@ class WallClockReplay:
         self.num_sent += 1
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
+        self.quiet_since = None
         record = self.requests[req.req_id] = RequestRecord.sent(req.req_id, req.t, sent, len(prompt))
         self._take_moves()
         if self.options.expected_tokens is not None:
@@ -180,8 +183,11 @@ class WallClockReplay:
     def _on_stats(self, snapshots: list[StatsSnapshot]) -> None:
         for snap in snapshots:
             self.latest[snap.engine_id] = snap
+            self.first.setdefault(snap.engine_id, snap)
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
             self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
+            self.faults.on_activity(snap.monotonic - self.origin, snap.engine_id, snap.counts,
+                                    self.quiet_since)
 
     def _on_output(self, output: RequestOutput) -> None:
         record = self.requests.get(output.req_id)
@@ -197,6 +203,8 @@ class WallClockReplay:
             record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
             record.output_digest = output_digest(self._tokens.pop(output.req_id))
             self.open.discard(output.req_id)
+            if not self.open:
+                self.quiet_since = now
 
     def _watch_faults(self, now: float) -> None:
         """Engines' errors, and a stats probe for engines that have been silent a while."""
@@ -229,7 +237,7 @@ class WallClockReplay:
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
         num_usable_blocks = {e: s.counts["num_usable_blocks"] for e, s in self.latest.items()}
-        counters = {e: {"num_steps": s.num_steps, "num_wakeups": s.num_wakeups, **s.counts}
+        counters = {e: since_start(_counters(self.first[e]), _counters(s))  # a serve's outlive replays
                     for e, s in self.latest.items()}
         routing = getattr(self.target, "routing", None)  # a local router: what each engine got
         for engine, n in (routing.balancer.num_requests.items() if routing is not None else ()):
@@ -241,3 +249,7 @@ class WallClockReplay:
                             {"interrupted": self.interrupted} if self.interrupted else {}),
                             "faults": [asdict(f) for f in self.faults.faults]})
 
+
+
+def _counters(snap: StatsSnapshot) -> dict[str, int]:
+    return {"num_steps": snap.num_steps, "num_wakeups": snap.num_wakeups, **snap.counts}

@@ -10,13 +10,20 @@ clock, and asks when to probe. Sources:
   not step: a probe never frees its blocks);
 - connector counters in the stats that only a stall moves: reads of P's blocks that
   timed out (num_pull_timeouts, D's worker), a KV load or a lease reap that waited over a
-  second (max_recv_wait_ms on D, max_reap_wait_ms on P: connector/agent.py).
+  second (num_slow_recvs on D, num_slow_reaps on P: connector/agent.py).
+These counts live as long as the engines, and a serve's outlive many replays, so each
+replay judges them from its own start: an engine's first snapshot is its baseline and
+only what grew since is a fault (since_start does the same for the Timeline's counters).
+- another client's work: an engine snapshot taken while this replay had no request in
+  flight that shows requests waiting or running (a serve shared with another replay,
+  whose blocks cannot be told from this one's; kind "shared").
 Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
 numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
 leak that follows a fault from a liveness leak.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
@@ -27,22 +34,47 @@ PROBE_INTERVAL_S = 1.0
 class Fault:
     t: float  # first seen (replay seconds)
     engine: str  # "" when no one engine is to blame
-    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap"
+    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap" | "shared"
     cause: str
     end_t: float | None = None  # a stall that ended (the engine answered again)
 
 
-# Counter -> (kind, how to say it); each counter only moves when something stalls.
-_COUNTER_CAUSES = {
-    "num_pull_timeouts": ("transfer_timeout", lambda v: (
-        f"{v} read{'s' if v != 1 else ''} of the prefill engine's KV timed out: its connector "
+# Count -> (kind, how to say it from the growth n and the counts); each count only grows,
+# and only when something stalls.
+_COUNTER_CAUSES: dict[str, tuple[str, Callable[[int, dict[str, int]], str]]] = {
+    "num_pull_timeouts": ("transfer_timeout", lambda n, c: (
+        f"{n} read{'s' if n != 1 else ''} of the prefill engine's KV timed out: its connector "
         f"worker did not answer (stopped, stuck or dead)")),
-    "max_recv_wait_ms": ("slow_load", lambda v: (
-        f"a KV load waited {v / 1000:.1f} s past its pull delay: a connector worker was stopped "
-        f"or stuck")),
-    "max_reap_wait_ms": ("slow_reap", lambda v: (
-        f"its connector worker took {v / 1000:.1f} s to answer a lease reap (stopped or stuck)")),
+    "num_slow_recvs": ("slow_load", lambda n, c: (
+        f"{_waits(n, 'a KV load', 'KV loads', c.get('last_recv_wait_ms', 0))} past "
+        f"{'its' if n == 1 else 'their'} pull delay: a connector worker was stopped or stuck")),
+    "num_slow_reaps": ("slow_reap", lambda n, c: (
+        f"{_waits(n, 'a lease reap', 'lease reaps', c.get('last_reap_wait_ms', 0))} for its "
+        f"connector worker's answer (stopped or stuck)")),
 }
+# The Timeline's counters that are counts (replay/sim/engine.py SimEngine.counters has
+# the same names): per replay, like the fault counts.
+TIMELINE_COUNTS = ("num_steps", "num_wakeups", "num_model_steps", "num_expired",
+                   "num_reads_after_expiry", "num_read_done_dropped", "num_bad_params",
+                   "num_stale_kv_reports", "num_preemptions", "num_prefix_hit_tokens")
+
+
+_ACTIVE = ("num_waiting", "num_skipped_waiting", "num_running")  # an engine's requests in flight
+
+
+def _waits(n: int, one: str, many: str, latest_ms: int) -> str:
+    """'a KV load waited 2.4 s' or '3 KV loads waited over a second (the latest 1.2 s)'."""
+    if n == 1:
+        return f"{one} waited {latest_ms / 1000:.1f} s"
+    return f"{n} {many} waited over a second (the latest {latest_ms / 1000:.1f} s)"
+
+
+def since_start(first: dict[str, int], latest: dict[str, int],
+                counts: tuple[str, ...] = TIMELINE_COUNTS) -> dict[str, int]:
+    """`latest` with each of `counts` as its growth since `first` (an engine's first
+    snapshot of this replay); the rest (gauges) as they are."""
+    return {name: value - first.get(name, 0) if name in counts else value
+            for name, value in latest.items()}
 
 
 class FaultWatch:
@@ -53,6 +85,7 @@ class FaultWatch:
         self.asked: dict[str, float | None] = dict.fromkeys(engines)  # first unanswered probe
         self.last_probe = float("-inf")
         self.by_key: dict[tuple[str, str], Fault] = {}
+        self.first: dict[str, dict[str, int]] = {}  # each engine's first counts: the baseline
 
     @property
     def faults(self) -> list[Fault]:
@@ -69,10 +102,25 @@ class FaultWatch:
         stall = self.by_key.get((engine, "stalled"))
         if stall is not None and stall.end_t is None:
             stall.end_t = t
+        first = self.first.setdefault(engine, dict(counts))
         for name, (kind, say) in _COUNTER_CAUSES.items():
-            value = counts.get(name, 0)
-            if value > 0:
-                self._note(t, engine, kind, say(value))
+            grown = counts.get(name, 0) - first.get(name, 0)
+            if grown > 0:
+                self._note(t, engine, kind, say(grown, counts))
+
+    def on_activity(self, t: float, engine: str, counts: dict[str, int],
+                    quiet_since: float | None) -> None:
+        """A snapshot taken at t; quiet_since: since when this replay has had no request in
+        flight (None: it has some). Requests on the engine then are another client's."""
+        if quiet_since is None or t <= quiet_since:
+            return
+        num_active = sum(counts.get(name, 0) for name in _ACTIVE)
+        if num_active > 0:
+            self._note(t, engine, "shared", (
+                f"{num_active} request{'s' if num_active != 1 else ''} of another client "
+                f"waiting or running while this replay had none in flight: the serve is shared, "
+                f"and its blocks cannot be told from this replay's (replay against a serve of "
+                f"your own)"))
 
     def should_probe(self, t: float) -> bool:
         """Ask for stats now? (some engine has been silent a while; at most once per interval)"""

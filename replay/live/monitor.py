@@ -141,6 +141,7 @@ class ServeMonitor:
         self.start = time.monotonic()
         self.windows = SnapshotWindows(verify_options)
         self._last_window_check = -WINDOW_CHECK_INTERVAL_S
+        self._num_restarts = 0
 
     def on_tick(self, server: Server) -> None:
         """The panels show each engine's newest snapshot; the windows need every one
@@ -156,6 +157,16 @@ class ServeMonitor:
             self.state.apply_snapshot(snapshot)
             self.windows.add(snapshot)
         self._refresh()
+
+    def on_restarts(self, restarts: list[str]) -> None:
+        """The serve's restarts so far (ServeClient.restarts): each said once, and the idle
+        windows start again (the new engines' counts are not the old ones')."""
+        for notice in restarts[self._num_restarts:]:
+            self.state.messages.append(notice)
+            self.windows = SnapshotWindows(self.windows.options)
+        if len(restarts) > self._num_restarts and "(restarted)" not in self.state.title:
+            self.state.title += " (restarted)"
+        self._num_restarts = len(restarts)
 
     def _refresh(self) -> None:
         self.state.elapsed_s = time.monotonic() - self.start

@@ -5,20 +5,25 @@ Abort go to the P/D router; a client's outputs come back to it as RequestOutputs
 GetStats subscribes a client to every engine's stats snapshots (ServeInfo first);
 clients renew it (ServeClient sends GetStats every SUBSCRIPTION_RENEW_S), and a
 subscriber not heard from for SUBSCRIBER_TTL_S is dropped, so clients that left cost
-nothing. Garbage is counted and dropped; a frame over the largest legitimate request
+nothing. A client's messages queue in the serve up to MAX_QUEUED_PER_CLIENT: a client that
+does not read (a full queue) or has left (its connection is gone) is dropped at the next
+message to it, and its requests are aborted, so neither costs memory or engine time.
+Garbage is counted and dropped; a frame over the largest legitimate request
 (engine/proc/socket_limits.py) drops its connection. Binds 127.0.0.1 (or an ipc path) by default.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from engine.proc.client import EngineDeadError
 from replay.deploy.router import PDRouter
 from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs,
                              StatsSnapshot, output_to_msg)
@@ -32,6 +37,10 @@ SNAPSHOT_INTERVAL_S = 0.5
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
 SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
 MAX_NEW_STATS = 10_000  # snapshots kept for the dashboard between two take_stats()
+# Messages queued for one client, at most. A ServeClient's own zmq thread takes them as
+# they come (its receive queue is unbounded), so only a client that does not read at all
+# fills it: a few MB of stats snapshots.
+MAX_QUEUED_PER_CLIENT = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +104,11 @@ def _bind(options: ServeOptions) -> ServeFront:
     secured = options.auth.curve_keys is not None or options.auth.token is not None
     socket = (zmq.Context() if secured else zmq.Context.instance()).socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
-    # A ROUTER drops what it cannot queue; a client's outputs must never be dropped
-    # (a burst of requests outruns a client still sending), so no high-water mark.
-    socket.setsockopt(zmq.SNDHWM, 0)
+    # A ROUTER silently drops what it cannot queue or route; a client's outputs must never
+    # be dropped unseen, so a send that cannot go raises (ROUTER_MANDATORY) and the serve
+    # drops that client whole (Server._drop_client).
+    socket.setsockopt(zmq.SNDHWM, MAX_QUEUED_PER_CLIENT)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     set_max_message_size(socket, request_bytes(options.max_model_len))
     front = ServeFront(socket, "", None, None, warnings)
     try:
@@ -118,7 +129,7 @@ class Server:
                  front: ServeFront | None = None) -> None:
         """front: open_front's, made before the engines started (opened here if None)."""
         self.router = router
-        self.info = info
+        self.info = info if info.serve_id else replace(info, serve_id=secrets.token_hex(8))
         if front is None:
             front = open_front(options, recording_metadata(info.topology, info.liveness,
                                                            info.block_size))
@@ -136,14 +147,24 @@ class Server:
         self.num_bad_messages = 0
         self.num_requests = 0
         self.num_expired_subscribers = 0
+        self.num_dropped_clients = 0  # that did not read, or had left
+        self.num_dropped_requests = 0  # theirs, aborted
         self.clock: Callable[[], float] = time.monotonic
         self._last_snapshot = self._last_expiry = 0.0
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until should_stop(). An engine that died once a stop was asked for ends
+        the serve quietly: a SIGTERM to the process group reaches the engines too, and they
+        may exit before this loop sees the stop."""
         self.router.request_stats()
         while not should_stop():
-            self.run_once(10)
+            try:
+                self.run_once(10)
+            except EngineDeadError:
+                if should_stop():
+                    return
+                raise
             if on_tick is not None:
                 on_tick(self)
 
@@ -210,7 +231,28 @@ class Server:
             self.num_bad_messages += 1
 
     def _send(self, identity: bytes, msg: object) -> None:
-        self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        """Queue msg for the client; one whose queue is full or that has left is dropped."""
+        try:
+            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
+                raise
+            self._drop_client(identity)
+
+    def _drop_client(self, identity: bytes) -> None:
+        """Forget a client that does not read or has left, and abort its requests."""
+        was_subscribed = self.subscribers.pop(identity, None) is not None
+        theirs = [req_id for req_id, (owner, _) in self.owners.items() if owner == identity]
+        if not (was_subscribed or theirs):
+            return  # dropped already, or never known
+        self.num_dropped_clients += 1
+        self.num_dropped_requests += len(theirs)
+        for req_id in theirs:
+            _, client_req_id = self.owners.pop(req_id)
+            self.internal_ids.pop((identity, client_req_id), None)
+            self.router.abort(req_id)
+            if self.recorder is not None:
+                self.recorder.abort(req_id)
 
     def _forward(self, output: RequestOutput) -> None:
         owner = self.owners.get(output.req_id)
@@ -232,7 +274,7 @@ class Server:
     def _fan_out(self, snap: StatsSnapshot) -> None:
         self.latest[snap.engine_id] = snap
         self.new_stats.append(snap)
-        for identity in self.subscribers:  # a gone client's messages are dropped by zmq
+        for identity in list(self.subscribers):  # _send may drop one
             self._send(identity, snap)
 
     def _maybe_record_snapshot(self) -> None:

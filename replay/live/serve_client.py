@@ -36,7 +36,9 @@ class ServeClient:
         self.address = address
         self.lost_after_s = LOST_AFTER_S if lost_after_s is None else lost_after_s
         self.last_heard = self.last_ping = time.monotonic()
-        self.errors: list[tuple[str, str]] = []  # stays empty: the serve does not forward its engines' errors
+        # (engine, message): a restart of the serve ("" for the engine); the serve does not
+        # forward its engines' errors.
+        self.errors: list[tuple[str, str]] = []
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)  # the serve's ROUTER would drop what we cannot queue
@@ -54,6 +56,9 @@ class ServeClient:
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
         self.info: ServeInfo | None = None  # snapshots before it are dropped: no engines to check against
+        # A serve restarted at the same address (zmq reconnects by itself): one line each,
+        # as the client noticed them (its ServeInfo.serve_id changed).
+        self.restarts: list[str] = []
         self.info = self._subscribe(timeout_s)
 
     def _subscribe(self, timeout_s: float) -> ServeInfo:
@@ -83,6 +88,8 @@ class ServeClient:
         except DecodeError:
             self.num_bad_messages += 1
             return None
+        if isinstance(msg, ServeInfo) and self.info is not None and msg.serve_id != self.info.serve_id:
+            self._on_restart(msg)
         if isinstance(msg, StatsSnapshot):
             if self.info is None or snapshot_problem(msg, self.info.engines) is not None:
                 self.num_bad_messages += 1  # forged or broken: never used
@@ -90,6 +97,17 @@ class ServeClient:
             self.latest[msg.engine_id] = msg
             self.new_stats.append(msg)
         return msg
+
+    def _on_restart(self, info: ServeInfo) -> None:
+        """Another serve answers at this address: what came before was another's engines.
+        Its engines' numbers start again (latest is cleared); a replay's requests sent to the
+        old one are lost, so the restart is also an error (a replay's fault)."""
+        notice = (f"the kvdrain serve at {self.address} restarted (another serve answers since "
+                  f"{time.strftime('%H:%M:%S')}): its engines' counts start again")
+        self.restarts.append(notice)
+        self.errors.append(("", notice))
+        self.latest.clear()
+        self.info = info
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                     pd: bool | None = None) -> None:

@@ -28,6 +28,7 @@ class ServeInfo:
     max_model_len: int = 0
     num_blocks: int = 0  # per engine, the null block included
     model: str = ""  # the model preset's name
+    serve_id: str = ""  # new at every start of a serve: a client that sees it change knows
 
 
 SERVE_INFO_TAG = 8  # fixed forever, as the engine's tags

@@ -94,6 +94,7 @@ class EngineSlot:
     rank: int
     on_outputs: Callable[[str, list[RequestOutput]], None]  # the router
     on_sample: Callable[[EngineSample], None]  # the timeline
+    on_wake: Callable[[], None] = lambda: None  # the sample grid: an engine left a block
 
 
 def build_connector(config: EngineConfig) -> KVConnectorBase | None:
@@ -158,6 +159,12 @@ class SimEngine:
         self.num_wakeups += 1
         self._enter("stepping")
         self.loop.push(self.loop.now, STEP_START, self.rank, self._step_start)
+        self.slot.on_wake()
+
+    @property
+    def is_blocked(self) -> bool:
+        """Parked on a wait: its samples stay the same until something wakes it."""
+        return self.blocked_on is not None
 
     def _drain(self) -> list[RequestOutput]:
         outputs = []

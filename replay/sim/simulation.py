@@ -150,11 +150,13 @@ class Simulation:
                         for rank, (name, role) in enumerate(engine_roles(options.topology))}
         self.end: int | None = None
         self.last_tick = -1
+        self.grid = to_ns(options.sample_interval_s)
+        self.is_grid_paused = False
 
     def _engine(self, name: str, rank: int, role: str | None) -> SimEngine:
         config = self.options.engine_config(name, role)
         worker = None if role is None else SimKVWorker(name, self.loop, self.options, self.workers)
-        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append)
+        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append, self._resume_grid)
         return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
@@ -195,12 +197,26 @@ class Simulation:
         self._feed()  # snapshots are verify()'s business
 
     def _tick(self, _: object) -> None:
+        """Sample every engine; the next tick one grid step on, unless every engine is
+        blocked: then nothing a sample shows can change until one wakes (_resume_grid),
+        so an idle stretch costs one tick, however long it is."""
         self.last_tick = self.loop.now
         for engine in self.engines.values():
             engine.sample()
-        nxt = self.loop.now + to_ns(self.options.sample_interval_s)
-        if self.end is None or nxt <= self.end:
-            self.loop.push(nxt, TICK, 0, self._tick)
+        if all(engine.is_blocked for engine in self.engines.values()):
+            self.is_grid_paused = True
+            return
+        self._push_tick(self.loop.now + self.grid)
+
+    def _resume_grid(self) -> None:
+        """An engine woke: the grid goes on from its next point at or after now."""
+        if self.is_grid_paused:
+            self.is_grid_paused = False
+            self._push_tick(-(-self.loop.now // self.grid) * self.grid)
+
+    def _push_tick(self, t: int) -> None:
+        if self.end is None or t <= self.end:
+            self.loop.push(t, TICK, 0, self._tick)
 
     def stopped(self, signal_name: str) -> Timeline:
         """The timeline so far of a run that a signal stopped (meta "interrupted" names it)."""

@@ -3,6 +3,7 @@
 - records: what one line of a trace means, whatever its format;
 - formats: the line parsers (kvdrain JSONL, Mooncake JSONL, Azure CSV);
 - reader: streaming readers and format detection;
+- source: the trace's bytes: a non-regular file read once into a bounded copy, changes detected;
 - limits: the engines' limits requests are checked against;
 - synth: prompt token ids synthesised from hash ids;
 - shaping: window, gap caps, idle insertion, token scaling;

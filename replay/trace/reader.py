@@ -36,7 +36,9 @@ optional `.` and 1 to 9 fractional digits, optional `Z` or `+HH:MM` zone, no zon
 "az-<line>" (the header is line 1). In both public formats a row with zero input or
 output tokens (a failed request) is skipped and counted (`num_skipped`), not an error.
 
-Reading is bounded (the caps are in replay/trace/records.py): a line is at most 8 MiB (a
+Every pass opens the trace through replay/trace/source.py: a pipe or FIFO is read once
+into a bounded copy, a device refused, and a watched file that changes between or during
+passes is named as changed. Reading is bounded (the caps are in replay/trace/records.py): a line is at most 8 MiB (a
 longer one is an error and is never held whole), UTF-8, JSON nested at most 64 deep; t is at
 most 1e7 s; prompts, max_tokens and hash blocks at most 2**20 tokens; ids 256 characters.
 Given TraceLimits, each request is also checked against the engines' limits after token
@@ -54,6 +56,7 @@ from pathlib import Path
 from replay.trace.formats import (AZURE_COLUMNS, MOONCAKE_BLOCK_SIZE, AzureRows, FieldError,
                                   check_strings, parse_json, parse_kvdrain, parse_mooncake, show)
 from replay.trace.limits import TraceLimits, check_request
+from replay.trace.source import CHECK_EVERY_LINES, TraceError, check_digest, check_unchanged, open_trace
 from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_LINE_BYTES, TraceAbort, TraceHeader,
                                   TraceRecord, TraceRequest, TraceSnapshot)
 
@@ -66,10 +69,6 @@ FORMATS = ("kvdrain", "mooncake", "azure")
 TRACE_VERSION = 1
 MAX_BAD_LINE_MESSAGES = 10
 _TIME_FIELD = {"kvdrain": "t", "mooncake": "timestamp", "azure": "TIMESTAMP"}
-
-
-class TraceError(ValueError):
-    """A trace that cannot be read; the message says where and why."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,10 +98,12 @@ def _lines(path: Path, sha256=None) -> Iterator[tuple[int, bytes | None]]:
     A line over MAX_LINE_BYTES comes as None: its bytes are hashed and skipped in
     bounded chunks, never held whole.
     """
-    with open(path, "rb") as f:
+    with open_trace(path) as f:
         line = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             line += 1
+            if line % CHECK_EVERY_LINES == 0:
+                check_unchanged(path)
             if sha256 is not None:
                 sha256.update(raw)
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
@@ -114,6 +115,7 @@ def _lines(path: Path, sha256=None) -> Iterator[tuple[int, bytes | None]]:
                 yield line, None
                 continue
             yield line, raw
+        check_unchanged(path)
 
 
 def _text(raw: bytes | None) -> str:
@@ -158,6 +160,7 @@ class _Scan:
                 if record is not None:
                     self._check(record)
             except FieldError as e:
+                check_unchanged(self.path)  # a rewritten file's bad line is not the trace's
                 if first and self.fmt == "azure":  # fatal: every row needs the header
                     raise TraceError(f"{self.path}:{line}: {e}") from None
                 self._bad(f"{self.path}:{line}: {e}")
@@ -167,6 +170,7 @@ class _Scan:
                 yield record
         if first:
             raise TraceError(f"{self.path}: file: empty, no records")
+        check_digest(self.path, self.sha256.hexdigest())
 
     def _bad(self, message: str) -> None:
         if not self.skip_bad_lines:

@@ -220,7 +220,7 @@ def verdict_line(report: dict) -> str:
         what = (f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
                 f"{plural(len(report['reasons']), 'reason')}, below")
     elif status == "fault" and report.get("faults"):
-        what = (f"{plural(len(report['faults']), 'engine or connector-worker fault')}; the liveness verdict "
+        what = (f"{plural(len(report['faults']), 'fault')}; the liveness verdict "
                 f"does not hold from the first one on")
     else:
         what = report.get("reasons", [status])[-1] if report.get("reasons") else status

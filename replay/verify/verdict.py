@@ -7,7 +7,8 @@
 | `error`        | 2    | bad usage or input (options, trace), or a target that cannot be reached  |
 | `inconclusive` | 3    | the run proves nothing either way: an expected window not observed (the  |
 |                |      | engines lagged), too many requests ignored, KV usage not observable      |
-| `fault`        | 4    | an engine or connector worker died or stopped answering mid-run          |
+| `fault`        | 4    | an engine or connector worker died or stopped answering mid-run, or      |
+|                |      | another client's requests shared the engines                             |
 | `interrupted`  | 130  | Ctrl-C (SIGINT, 128 + 2)                                                 |
 | `terminated`   | 143  | SIGTERM (128 + 15)                                                       |
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from engine.proc.run_dir import is_alive
-from replay.live.faults import FaultWatch
+from replay.live.faults import FaultWatch, since_start
 from replay.verify.rules import verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_FAULT
@@ -42,14 +42,51 @@ from tests.paths import ROOT
 
 def test_errors_and_stall_counters_become_named_faults_once_each():
     watch = FaultWatch(["P", "D"])
+    watch.on_snapshot(0.0, "D", {"num_pull_timeouts": 0})
+    watch.on_snapshot(0.0, "P", {})
     watch.on_error(1.0, "P", "connector worker of engine P (pid 7) died with exit code -9")
     watch.on_snapshot(1.5, "D", {"num_pull_timeouts": 1})
-    watch.on_snapshot(2.5, "D", {"num_pull_timeouts": 3, "max_recv_wait_ms": 2100})
-    watch.on_snapshot(2.6, "P", {"max_reap_wait_ms": 0})  # under the threshold: nothing
+    watch.on_snapshot(2.5, "D", {"num_pull_timeouts": 3, "num_slow_recvs": 1, "last_recv_wait_ms": 2100})
+    watch.on_snapshot(2.6, "P", {"num_slow_reaps": 0})
     assert [(f.t, f.engine, f.kind) for f in watch.faults] == [
         (1.0, "P", "error"), (1.5, "D", "transfer_timeout"), (2.5, "D", "slow_load")]
     assert "3 reads of the prefill engine's KV timed out" in watch.faults[1].cause
     assert "2.1 s" in watch.faults[2].cause
+
+
+def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
+    """A serve's counts outlive replays: an engine's first snapshot is the baseline."""
+    watch = FaultWatch(["P", "D"])
+    before = {"num_pull_timeouts": 2, "num_slow_recvs": 1, "last_recv_wait_ms": 2400,
+              "max_recv_wait_ms": 2400}
+    watch.on_snapshot(0.0, "D", before)
+    watch.on_snapshot(0.0, "P", {"num_slow_reaps": 1, "last_reap_wait_ms": 1500})
+    watch.on_snapshot(3.0, "D", before)
+    assert watch.faults == []
+    watch.on_snapshot(4.0, "D", {**before, "num_slow_recvs": 3, "last_recv_wait_ms": 1200})
+    (slow,) = watch.faults
+    assert (slow.t, slow.engine, slow.kind) == (4.0, "D", "slow_load")
+    assert "2 KV loads waited over a second (the latest 1.2 s) past their pull delay" in slow.cause
+
+
+def test_requests_on_an_engine_while_the_replay_has_none_in_flight_are_another_clients():
+    watch = FaultWatch(["P", "D"])
+    busy = {"num_waiting": 0, "num_skipped_waiting": 1, "num_running": 2, "num_used_blocks": 9}
+    watch.on_activity(1.0, "P", busy, quiet_since=None)  # ours in flight: they may be ours
+    watch.on_activity(2.0, "P", busy, quiet_since=2.0)  # taken before ours ended
+    watch.on_activity(2.5, "P", {**busy, "num_skipped_waiting": 0, "num_running": 0}, 2.0)
+    assert watch.faults == []
+    watch.on_activity(2.6, "D", busy, quiet_since=2.0)
+    (shared,) = watch.faults
+    assert (shared.t, shared.engine, shared.kind) == (2.6, "D", "shared")
+    assert "3 requests of another client" in shared.cause and "the serve is shared" in shared.cause
+
+
+def test_a_replays_counters_are_what_grew_since_its_start():
+    first = {"num_steps": 900, "num_reads_after_expiry": 1, "num_expired": 4, "num_used_blocks": 3}
+    latest = {"num_steps": 950, "num_reads_after_expiry": 1, "num_expired": 6, "num_used_blocks": 0}
+    assert since_start(first, latest) == {"num_steps": 50, "num_reads_after_expiry": 0,
+                                          "num_expired": 2, "num_used_blocks": 0}
 
 
 def test_an_engine_that_answers_no_probe_is_stalled_until_it_answers():
@@ -163,7 +200,7 @@ CASES = [
     ("P engine", signal.SIGSTOP, ("engine P answered no stats request",)),
     ("D engine", signal.SIGSTOP, ("engine D answered no stats request",)),
     ("P worker", signal.SIGSTOP, ("D: ", "timed out")),
-    ("D worker", signal.SIGSTOP, ("D: ", "a KV load waited")),
+    ("D worker", signal.SIGSTOP, ("D: ", "KV load", "past")),
 ]
 STOP_S = 4.0
 

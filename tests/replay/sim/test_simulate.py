@@ -72,6 +72,12 @@ def hold_intervals(timeline: Timeline, engine: str) -> list[float]:
     return spans + ([timeline.end_t - since] if since is not None else [])
 
 
+def sample_at(timeline: Timeline, engine: str, t: float) -> EngineSample:
+    """The engine's sample in force at t (the last at or before it: a value holds until
+    the next sample)."""
+    return [s for s in timeline.samples_for(engine) if s.t <= t][-1]
+
+
 def dump(timeline: Timeline) -> str:
     return json.dumps(timeline.to_dict(), sort_keys=True)
 
@@ -88,7 +94,7 @@ def test_legacy_holds_prefill_blocks_through_idle_gaps(tmp_path):
         else:
             assert w.verdict == "drained"
     # Parked on its input with the delayed free: the connector's report is never read.
-    gap_sample = next(s for s in timeline.samples_for("P") if s.t > 2.0)
+    gap_sample = sample_at(timeline, "P", 2.5)
     assert gap_sample.loop_state == "blocked" and gap_sample.num_finished_awaiting_free == 1
     assert min(hold_intervals(timeline, "P")) > 2.5
 
@@ -481,3 +487,67 @@ def test_virtual_replay_reports_no_read_after_expiry_the_process_cannot_produce(
         assert timeline.counters["P"]["num_expired"] == 1
         assert timeline.counters["P"]["num_reads_after_expiry"] == 0
         assert list(_check_kv_integrity(timeline)) == []
+
+
+def spaced(gap_s: float, num_requests: int = 5) -> list[dict]:
+    """`num_requests` P/D requests, `gap_s` apart."""
+    return [{"t": i * gap_s, "id": f"r{i}", "prompt_len": 100, "max_tokens": 4, "pd": True}
+            for i in range(num_requests)]
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "event"])
+def test_a_gap_of_hours_costs_what_a_ten_second_gap_costs(tmp_path, liveness):
+    short = run(load(tmp_path, spaced(10.0)), liveness)
+    long = run(load(tmp_path, spaced(1e4)), liveness)
+    assert long.end_t > 4e4 and len(long.samples) == len(short.samples) < 200
+    options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5)
+    judged = [[(w.engine, w.verdict, w.num_used_at_start, w.time_to_drain, w.num_blocks_held)
+               for w in verify(t, [], options).windows] for t in (short, long)]
+    assert judged[0] == judged[1] and len(judged[0]) == 10
+
+
+def test_samples_skip_only_stretches_in_which_every_engine_is_blocked(tmp_path):
+    """Between two samples of an engine nothing it shows changed, except where some
+    engine was not blocked: there the grid goes on, sample_interval_s apart."""
+    timeline = run(load(tmp_path, bursts(spacing=0.3)), "legacy", sample_interval_s=0.1)
+    times = sorted({s.t for s in timeline.samples})
+    for t0, t1 in zip(times, times[1:]):
+        if t1 - t0 > 0.1 + 1e-9:
+            assert all(sample_at(timeline, e, t0).loop_state == "blocked" for e in timeline.engines)
+    # A leak stays visible through the gap: the sample in force holds P's blocks.
+    assert sample_at(timeline, "P", 2.5).num_used_blocks == 8
+
+
+def _poisson(num_requests: int, seed: int = 1) -> list[dict]:
+    """P/D requests arriving at 50/s, with a 2 s pause every 100."""
+    import random
+    rnd, t, lines = random.Random(seed), 0.0, []
+    for i in range(num_requests):
+        t += rnd.expovariate(50.0) + (2.0 if i % 100 == 99 else 0.0)
+        lines.append({"t": round(t, 6), "id": f"r{i}", "prompt_len": rnd.randint(50, 400),
+                      "max_tokens": rnd.randint(2, 16), "pd": True})
+    return lines
+
+
+@pytest.mark.slow
+def test_a_replay_holds_under_three_kilobytes_per_request(tmp_path):
+    """What a long replay costs grows with its requests alone (timeline samples, request
+    records: about 2.5 KB each, 6.4 samples a request), so 2 million lines fit in ~5 GB."""
+    import gc
+    import tracemalloc
+
+    def retained(num_requests: int) -> int:
+        records = load(tmp_path, _poisson(num_requests))
+        gc.collect()
+        tracemalloc.start()
+        try:
+            timeline = simulate(records, sim_options(liveness="event", num_blocks=2048))
+            verdict = verify(timeline, [])
+            gc.collect()
+            assert verdict.exit_code == 0 and len(timeline.requests) == num_requests
+            return tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+    small, large = retained(300), retained(1200)
+    per_request = (large - small) / 900
+    assert 1000 < per_request < 3000, per_request
