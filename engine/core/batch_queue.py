@@ -1,0 +1,90 @@
+"""The engine core's batch queue: schedule step N+1 before step N's output is processed. Runs in: engine-core process.
+
+vLLM's EngineCore.step_with_batch_queue (vllm/v1/engine/core.py, 0.32/0.33) with
+async scheduling: a queue of max_concurrent_batches = 2. Each call
+
+1. schedules a new batch if the scheduler has requests, submits it (here the runner
+   runs it at once, and the connector worker starts its loads and reports what
+   finished, as it would inside the forward) and queues it; if the queue is not
+   full and the batch had tokens or the scheduler still has requests, it returns
+   without output (filling the queue comes first);
+2. otherwise processes the oldest batch: update_from_output with its output.
+
+The engine loop steps while the scheduler has requests or a batch is queued (vLLM's
+has_work), so the last batch in flight is always processed.
+
+A placeholder (a token sampled by a batch still queued) is filled from that batch's
+output before the new batch runs, as vLLM's model runner takes its previous sampled
+tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore, EngineStepResult
+
+BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling, no PP
+
+
+@dataclass(slots=True)
+class QueuedBatch:
+    sched_out: SchedulerOutput
+    runner_out: ModelRunnerOutput
+    got_kv_reports: bool
+
+
+class BatchQueue:
+    def __init__(self, size: int = BATCH_QUEUE_SIZE) -> None:
+        self.size = size
+        self.batches: deque[QueuedBatch] = deque()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def fill_placeholders(self, sched_out: SchedulerOutput) -> None:
+        """Replace each placeholder with the token the batch in flight sampled."""
+        tokens = sched_out.token_ids
+        if PLACEHOLDER_TOKEN_ID not in tokens:
+            return
+        end = 0
+        for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
+            end += num_new
+            if tokens[end - 1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            for batch in reversed(self.batches):  # the newest batch that sampled it
+                token = batch.runner_out.sampled_token_ids.get(req_id)
+                if token is not None:
+                    tokens[end - 1] = token
+                    break
+
+
+def step_with_batch_queue(core: EngineCore, queue: BatchQueue) -> EngineStepResult:
+    """One call of vLLM's step_with_batch_queue on `core` (module docstring)."""
+    from engine.core.engine_core import EngineStepResult  # the record lives with EngineCore
+
+    scheduler = core.scheduler
+    model_executed = False
+    if scheduler.has_requests():
+        core._tell_time()
+        sched_out = scheduler.schedule()
+        queue.fill_placeholders(sched_out)
+        runner_out, got_kv_reports = core.execute(sched_out)
+        model_executed = sched_out.total_num_scheduled_tokens > 0
+        queue.batches.append(QueuedBatch(sched_out, runner_out, got_kv_reports))
+        core.num_model_steps += model_executed
+        if len(queue) < queue.size and (model_executed or scheduler.has_requests()):
+            return EngineStepResult([], model_executed, True, got_kv_reports)
+    elif not queue.batches:
+        return EngineStepResult([], False, False, False)
+    core.num_steps += 1  # a step: one batch's output processed
+    batch = queue.batches.popleft()
+    core._tell_time()
+    outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
+    can_progress = bool(queue.batches) or scheduler.can_progress(batch.sched_out, batch.got_kv_reports)
+    return EngineStepResult(outputs, model_executed, can_progress, batch.got_kv_reports)
