@@ -33,6 +33,7 @@ def _build_configs(o: dict) -> tuple[EngineConfig, KVTransferConfig]:
             block_size=o["block_size"], max_num_seqs=o["max_num_seqs"],
             max_num_batched_tokens=o["max_num_batched_tokens"], max_model_len=o["max_model_len"],
             liveness=o["liveness"], kv_load_failure_policy=o["kv_load_failure_policy"],
+            async_scheduling=o.get("async_scheduling", False),
             runner=o["runner"], device=o["device"], model=_model_preset(o["model"]))
         kv = KVTransferConfig(transport=o["transport"], kv_lease_s=o["kv_lease_s"],
                               pull_delay_ms=o["pull_delay_ms"], drop_read_done=o["drop_read_done"])
@@ -91,6 +92,9 @@ ENGINE_OPTIONS = [
     click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
                  default=EngineConfig().kv_load_failure_policy, show_default=True,
                  help="A failed remote load: fail the request (vLLM 0.32's default) or recompute it."),
+    click.option("--async-scheduling", is_flag=True,
+                 help="Schedule step N+1 before step N's output is processed (vLLM's "
+                      "AsyncScheduler and batch queue; vLLM 0.32/0.33's default)."),
 ]
 
 
@@ -292,7 +296,7 @@ SERVER_SIDE = ("topology", "liveness", "runner", "device", "model", "num_blocks"
                "gpu_memory_utilization", "block_size",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "transport", "kv_lease_s",
                "kv_expiry_s", "pull_delay_ms", "drop_read_done", "kv_load_failure_policy",
-               "profile_name")
+               "async_scheduling", "profile_name")
 
 
 def _normalize_target(target: str | None, clock: str) -> str | None:

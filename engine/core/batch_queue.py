@@ -47,6 +47,12 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self.batches)
 
+    def has_pending_work(self) -> bool:
+        """Processing a queued batch would change something: it ran tokens or carries
+        connector reports. (An empty batch of a waiting engine changes nothing: the
+        event policy may block with it queued, as with nothing queued.)"""
+        return any(b.sched_out.total_num_scheduled_tokens or b.got_kv_reports for b in self.batches)
+
     def fill_placeholders(self, sched_out: SchedulerOutput) -> None:
         """Replace each placeholder with the token the batch in flight sampled."""
         tokens = sched_out.token_ids
@@ -79,12 +85,13 @@ def step_with_batch_queue(core: EngineCore, queue: BatchQueue) -> EngineStepResu
         queue.batches.append(QueuedBatch(sched_out, runner_out, got_kv_reports))
         core.num_model_steps += model_executed
         if len(queue) < queue.size and (model_executed or scheduler.has_requests()):
-            return EngineStepResult([], model_executed, True, got_kv_reports)
+            can_progress = queue.has_pending_work() or scheduler.can_progress(sched_out, False)
+            return EngineStepResult([], model_executed, can_progress, got_kv_reports)
     elif not queue.batches:
         return EngineStepResult([], False, False, False)
     core.num_steps += 1  # a step: one batch's output processed
     batch = queue.batches.popleft()
     core._tell_time()
     outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
-    can_progress = bool(queue.batches) or scheduler.can_progress(batch.sched_out, batch.got_kv_reports)
+    can_progress = queue.has_pending_work() or scheduler.can_progress(batch.sched_out, batch.got_kv_reports)
     return EngineStepResult(outputs, model_executed, can_progress, batch.got_kv_reports)

@@ -97,8 +97,10 @@ class EngineCore:
         """vLLM's EngineCore.has_work: requests, or a batch in flight to process."""
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
-    def has_batch_in_flight(self) -> bool:
-        return bool(self.batch_queue)
+    def only_in_flight(self) -> bool:
+        """The only work is a batch in flight (async scheduling): the next step processes
+        it at once (engine/core/liveness.py next_action)."""
+        return bool(self.batch_queue) and not self.scheduler.has_requests()
 
     def step(self) -> EngineStepResult:
         """schedule -> execute -> update; the outputs and what the step did.

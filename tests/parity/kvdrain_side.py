@@ -105,6 +105,36 @@ class FakeWorker(KVConnectorWorkerBase):
                                  set(reports.invalid_block_ids))
 
 
+class Coverage:
+    """Counts the in-flight cases a run reached (kvdrain's side; the sides agree on them):
+    a preemption or an abort while the request's output is in flight, a free deferred
+    for a step in flight, and the connector reports consumed (delayed frees, loads)."""
+
+    NAMES = ("preempted_in_flight", "aborted_in_flight", "deferred_frees", "kv_reports")
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.counts = dict.fromkeys(self.NAMES, 0)
+        preempt, release = scheduler._preempt, scheduler._release_blocks
+        on_reports = scheduler._update_from_kv_xfer_finished
+        can_free = getattr(scheduler, "_blocks_can_be_freed", lambda request: True)
+
+        def counting_preempt(request, out):
+            self.counts["preempted_in_flight"] += request.num_in_flight_tokens > 0
+            preempt(request, out)
+
+        def counting_release(request):
+            self.counts["deferred_frees"] += not can_free(request)
+            release(request)
+
+        def counting_reports(kv_out):
+            self.counts["kv_reports"] += len(kv_out.finished_sending) + len(kv_out.finished_recving)
+            on_reports(kv_out)
+
+        scheduler._preempt = counting_preempt
+        scheduler._release_blocks = counting_release
+        scheduler._update_from_kv_xfer_finished = counting_reports
+
+
 class KvdrainSide:
     name = "kvdrain"
 
@@ -118,6 +148,7 @@ class KvdrainSide:
         self.scheduler = self.core.scheduler
         self.runner.scheduler = self.scheduler
         self.evictions = EvictionCounter(self.scheduler.block_pool)
+        self.coverage = Coverage(self.scheduler)
 
     def add(self, spec: RequestSpec) -> None:
         request = Request(spec.req_id, list(spec.prompt), spec.max_tokens, self.config.block_size,
@@ -127,6 +158,9 @@ class KvdrainSide:
         self.core.add(request)
 
     def abort(self, req_id: str) -> None:
+        request = self.scheduler.requests.get(req_id)
+        if request is not None and not request.is_finished():
+            self.coverage.counts["aborted_in_flight"] += request.num_in_flight_tokens > 0
         self.core.abort_requests([req_id])
 
     def step(self, now: int) -> Snapshot:

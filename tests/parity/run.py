@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from tests.parity.fakes import FakeKVWorker, FakeModel
-from tests.parity.kvdrain_side import KvdrainSide
+from tests.parity.kvdrain_side import Coverage, KvdrainSide
 from tests.parity.spec import Abort, Arrival, Snapshot, Workload
 from tests.parity.switches import VllmSwitches
 from tests.parity.vllm_side import VllmSide
@@ -38,6 +38,7 @@ class Result:
     steps: int
     differences: int
     held_at_end: int  # requests still held after the last tick, over the seeds that agreed
+    coverage: dict[str, int]  # the in-flight cases reached (kvdrain_side.Coverage)
 
 
 @dataclass(slots=True)
@@ -69,9 +70,9 @@ def apply_events(sides: tuple, events: list, tick: int) -> None:
 
 
 def run_one(workload: Workload, switches: VllmSwitches,
-            ignore: frozenset[str] = frozenset()) -> tuple[int, Divergence | None, Snapshot | None]:
-    """Ticks run, the first divergence (None if the sides agreed throughout) and the
-    last snapshot (None after a divergence)."""
+            ignore: frozenset[str] = frozenset()) -> tuple[int, Divergence | None, Snapshot | None, dict]:
+    """Ticks run, the first divergence (None if the sides agreed throughout), the last
+    snapshot (None after a divergence) and the in-flight cases reached."""
     vllm, kvdrain = make_sides(workload, switches)
     theirs = None
     for tick in range(workload.num_ticks):
@@ -79,8 +80,9 @@ def run_one(workload: Workload, switches: VllmSwitches,
         ours, theirs = kvdrain.step(tick), vllm.step(tick)
         fields = [f for f in theirs.diff(ours) if f not in ignore]
         if fields:
-            return tick + 1, Divergence(workload.name, workload.seed, tick, fields, theirs, ours), None
-    return workload.num_ticks, None, theirs
+            divergence = Divergence(workload.name, workload.seed, tick, fields, theirs, ours)
+            return tick + 1, divergence, None, kvdrain.coverage.counts
+    return workload.num_ticks, None, theirs, kvdrain.coverage.counts
 
 
 def format_divergence(d: Divergence) -> str:
@@ -108,26 +110,30 @@ def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namesp
                  switches: VllmSwitches) -> Result:
     """Runs every seed; prints the summary line and the first divergence."""
     num_ticks, held, divergences = 0, 0, []
+    coverage = dict.fromkeys(Coverage.NAMES, 0)
     for seed in seeds:
         workload = WORKLOADS[name](seed)
         workload = replace(workload, config=replace(workload.config,
                                                     async_scheduling=scheduling == "async"))
         if args.steps is not None:
             workload = replace(workload, num_ticks=args.steps)
-        ran, divergence, last = run_one(workload, switches, frozenset(args.ignore))
+        ran, divergence, last, reached = run_one(workload, switches, frozenset(args.ignore))
         num_ticks += ran
+        for case, count in reached.items():
+            coverage[case] += count
         if divergence is not None:
             divergences.append(divergence)
         else:
             held += last.held
     print(f"workload {name} ({scheduling}): {len(seeds)} seeds, {num_ticks} steps, "
-          f"{len(divergences)} differences, {held} held at the end", flush=True)
+          f"{len(divergences)} differences, {held} held at the end; reached: "
+          + ", ".join(f"{n} {k}" for k, n in coverage.items()), flush=True)
     if divergences:
         print("  seeds that differ (seed@tick): "
               + " ".join(f"{d.seed}@{d.tick}" for d in divergences))
         for d in divergences if args.show_all else divergences[:1]:
             print(format_divergence(d))
-    return Result(name, scheduling, len(seeds), num_ticks, len(divergences), held)
+    return Result(name, scheduling, len(seeds), num_ticks, len(divergences), held, coverage)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
