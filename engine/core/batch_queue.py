@@ -20,14 +20,12 @@ tokens.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore, EngineStepResult
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.core.scheduler import Scheduler
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling, no PP
 
@@ -37,6 +35,18 @@ class QueuedBatch:
     sched_out: SchedulerOutput
     runner_out: ModelRunnerOutput
     got_kv_reports: bool
+
+
+@dataclass(slots=True)
+class BatchStep:
+    """What one call did (EngineCore turns it into its EngineStepResult)."""
+
+    scheduled: bool = False  # a new batch was scheduled and run
+    processed: bool = False  # the oldest batch's output was processed
+    outputs: list[RequestOutput] = field(default_factory=list)
+    model_executed: bool = False  # the new batch had tokens
+    can_progress: bool = False
+    got_kv_reports: bool = False
 
 
 class BatchQueue:
@@ -70,28 +80,31 @@ class BatchQueue:
                     break
 
 
-def step_with_batch_queue(core: EngineCore, queue: BatchQueue) -> EngineStepResult:
-    """One call of vLLM's step_with_batch_queue on `core` (module docstring)."""
-    from engine.core.engine_core import EngineStepResult  # the record lives with EngineCore
-
-    scheduler = core.scheduler
-    model_executed = False
+def step_with_batch_queue(scheduler: Scheduler, queue: BatchQueue,
+                          execute: Callable[[SchedulerOutput], tuple[ModelRunnerOutput, bool]],
+                          tell_time: Callable[[], None]) -> BatchStep:
+    """One call of vLLM's step_with_batch_queue (module docstring). `execute` runs a
+    batch (the forward and the connector worker's part: EngineCore.execute)."""
+    step = BatchStep()
     if scheduler.has_requests():
-        core._tell_time()
+        tell_time()
         sched_out = scheduler.schedule()
         queue.fill_placeholders(sched_out)
-        runner_out, got_kv_reports = core.execute(sched_out)
-        model_executed = sched_out.total_num_scheduled_tokens > 0
+        runner_out, got_kv_reports = execute(sched_out)
+        step.scheduled = True
+        step.model_executed = sched_out.total_num_scheduled_tokens > 0
         queue.batches.append(QueuedBatch(sched_out, runner_out, got_kv_reports))
-        core.num_model_steps += model_executed
-        if len(queue) < queue.size and (model_executed or scheduler.has_requests()):
-            can_progress = queue.has_pending_work() or scheduler.can_progress(sched_out, False)
-            return EngineStepResult([], model_executed, can_progress, got_kv_reports)
+        if len(queue) < queue.size and (step.model_executed or scheduler.has_requests()):
+            step.can_progress = queue.has_pending_work() or scheduler.can_progress(sched_out, False)
+            step.got_kv_reports = got_kv_reports
+            return step
     elif not queue.batches:
-        return EngineStepResult([], False, False, False)
-    core.num_steps += 1  # a step: one batch's output processed
+        return step
     batch = queue.batches.popleft()
-    core._tell_time()
-    outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
-    can_progress = queue.has_pending_work() or scheduler.can_progress(batch.sched_out, batch.got_kv_reports)
-    return EngineStepResult(outputs, model_executed, can_progress, batch.got_kv_reports)
+    tell_time()  # request_finished stamps leases after the forward, as vLLM's
+    step.processed = True
+    step.outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
+    step.can_progress = queue.has_pending_work() or scheduler.can_progress(batch.sched_out,
+                                                                           batch.got_kv_reports)
+    step.got_kv_reports = batch.got_kv_reports
+    return step

@@ -25,6 +25,13 @@ class ModelRunnerProtocol(Protocol):
     engine/mock_runner.MockModelRunner (deterministic tokens, no torch).
     """
 
+    def _step_with_batch_queue(self) -> EngineStepResult:
+        step = step_with_batch_queue(self.scheduler, self.batch_queue, self.execute, self._tell_time)
+        self.num_steps += step.processed  # a step: one batch's output processed
+        self.num_model_steps += step.model_executed
+        return EngineStepResult(step.outputs, step.model_executed, step.can_progress,
+                                step.got_kv_reports)
+
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
@@ -109,7 +116,7 @@ class EngineCore:
         metadata reach the worker side, and its reports come back.
         """
         if self.batch_queue is not None:
-            return step_with_batch_queue(self, self.batch_queue)
+            return self._step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineStepResult([], False, False, False)
         self._tell_time()
@@ -122,6 +129,13 @@ class EngineCore:
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed
         return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+
+    def _step_with_batch_queue(self) -> EngineStepResult:
+        step = step_with_batch_queue(self.scheduler, self.batch_queue, self.execute, self._tell_time)
+        self.num_steps += step.processed  # a step: one batch's output processed
+        self.num_model_steps += step.model_executed
+        return EngineStepResult(step.outputs, step.model_executed, step.can_progress,
+                                step.got_kv_reports)
 
     def execute(self, sched_out: SchedulerOutput) -> tuple[ModelRunnerOutput, bool]:
         """The forward pass with the connector worker's part: its loads start, and
