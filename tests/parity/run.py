@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from tests.parity.fakes import FakeKVWorker, FakeModel
 from tests.parity.kvdrain_side import Coverage, KvdrainSide
 from tests.parity.spec import Abort, Arrival, Snapshot, Workload
-from tests.parity.switches import VllmSwitches
+from tests.parity.switches import CAUSES, VllmSwitches
 from tests.parity.vllm_side import VllmSide
 from tests.parity.workloads import WORKLOADS
 
@@ -107,7 +107,7 @@ def vllm_version() -> str:
 
 
 def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namespace,
-                 switches: VllmSwitches) -> Result:
+                 switches: VllmSwitches, quiet: bool = False) -> Result:
     """Runs every seed; prints the summary line and the first divergence."""
     num_ticks, held, divergences = 0, 0, []
     coverage = dict.fromkeys(Coverage.NAMES, 0)
@@ -125,6 +125,9 @@ def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namesp
             divergences.append(divergence)
         else:
             held += last.held
+    result = Result(name, scheduling, len(seeds), num_ticks, len(divergences), held, coverage)
+    if quiet:
+        return result
     print(f"workload {name} ({scheduling}): {len(seeds)} seeds, {num_ticks} steps, "
           f"{len(divergences)} differences, {held} held at the end; reached: "
           + ", ".join(f"{n} {k}" for k, n in coverage.items()), flush=True)
@@ -133,7 +136,22 @@ def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namesp
               + " ".join(f"{d.seed}@{d.tick}" for d in divergences))
         for d in divergences if args.show_all else divergences[:1]:
             print(format_divergence(d))
-    return Result(name, scheduling, len(seeds), num_ticks, len(divergences), held, coverage)
+    return result
+
+
+def check_causes(args: argparse.Namespace) -> list[dict]:
+    """Each known cause, switched off on the vLLM side, must make some seed differ."""
+    rows = []
+    for cause in CAUSES:
+        for mode in cause.modes:
+            found = sum(run_workload(name, mode, range(args.cause_seeds), args, cause.switches,
+                                     quiet=True).differences
+                        for name in cause.workloads)
+            runs = args.cause_seeds * len(cause.workloads)
+            rows.append({"cause": cause.name, "scheduling": mode, "runs": runs, "differ": found})
+            print(f"cause switched off: {cause.name} ({mode}): {found} of {runs} runs differ"
+                  + ("" if found else "  <- NOT SHOWN"), flush=True)
+    return rows
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -156,6 +174,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="vLLM side: never cache a second block under a cached hash (shows cause 3)")
     parser.add_argument("--length-before-stop", action="store_true",
                         help="vLLM side: check_stop tests length before EOS/stop ids (shows cause 7)")
+    parser.add_argument("--no-defer-block-free", action="store_true",
+                        help="vLLM side, async: a consumer frees at once (shows defer_block_free)")
+    parser.add_argument("--deliver-stale-on-producer", action="store_true",
+                        help="vLLM side, async: a producer delivers stale output (shows "
+                             "requires_kv_delivery)")
+    parser.add_argument("--check-causes", action="store_true",
+                        help="then turn each known cause off on the vLLM side (switches.CAUSES), "
+                             "one at a time, and confirm the harness finds differences")
+    parser.add_argument("--cause-seeds", type=int, default=3, help="seeds per cause and workload")
+    parser.add_argument("--no-parity", action="store_true", help="skip the parity runs")
     parser.add_argument("--ignore", nargs="*", default=[], choices=Snapshot.__slots__,
                         help="snapshot fields not to compare (say, block_tables)")
     parser.add_argument("--show-all", action="store_true", help="print every seed's first difference")
@@ -170,20 +198,27 @@ def main(argv: list[str] | None = None) -> int:
                             kv_load_failure_policy=args.vllm_load_failure_policy,
                             append_all_frees=args.append_all_frees,
                             one_block_per_hash=args.one_block_per_hash,
-                            length_before_stop=args.length_before_stop)
+                            length_before_stop=args.length_before_stop,
+                            no_defer_block_free=args.no_defer_block_free,
+                            deliver_stale_on_producer=args.deliver_stale_on_producer)
+
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     modes = ["sync", "async"] if args.scheduling == "both" else [args.scheduling]
     start = time.monotonic()
-    results = [run_workload(name, mode, range(args.seeds), args, switches)
-               for mode in modes for name in names]
+    results = [] if args.no_parity else [run_workload(name, mode, range(args.seeds), args, switches)
+                                         for mode in modes for name in names]
     elapsed = time.monotonic() - start
     total = sum(r.differences for r in results)
     print(f"total: {total} differences in {elapsed:.1f} s (vLLM {vllm_version()})")
+    causes = check_causes(args) if args.check_causes else []
+    missed = sum(row["differ"] == 0 for row in causes)
+    if causes:
+        print(f"causes: {missed} of {len(causes)} not shown (vLLM {vllm_version()})")
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump({"vllm": vllm_version(), "seconds": round(elapsed, 1),
-                       "results": [asdict(r) for r in results]}, f)
-    return 1 if total else 0
+                       "results": [asdict(r) for r in results], "causes": causes}, f)
+    return 1 if total or missed else 0
 
 
 if __name__ == "__main__":
