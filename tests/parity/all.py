@@ -46,11 +46,11 @@ def format_table(reports: dict[str, dict | None]) -> str:
                          f"{row['seeds']:>5} {row['steps']:>6} {row['differences']:>11} "
                          f"{row['held_at_end']:>11}")
     lines.append("")
-    lines.append(f"{'vLLM':<8} {'scheduling':<10} {'cause switched off on the vLLM side':<58} "
+    lines.append(f"{'vLLM':<8} {'scheduling':<10} {'cause switched off on the vLLM side':<68} "
                  f"{'runs differ':>11}")
     for version, report in reports.items():
         for row in (report or {}).get("causes", ()):
-            lines.append(f"{version:<8} {row['scheduling']:<10} {row['cause']:<58} "
+            lines.append(f"{version:<8} {row['scheduling']:<10} {row['cause']:<68} "
                          f"{row['differ']:>5} of {row['runs']:<3}")
     return "\n".join(lines)
 
