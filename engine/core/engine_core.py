@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.core.async_scheduler import AsyncScheduler
+from engine.core.batch_queue import BatchQueue, step_with_batch_queue
 from engine.core.kv_connector import KVConnectorBase, KVConnectorWorkerBase
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
 from engine.core.scheduler import Scheduler
-from engine.core.async_scheduler import AsyncScheduler
-from engine.core.batch_queue import BatchQueue, step_with_batch_queue
 
 
 class ModelRunnerProtocol(Protocol):
@@ -24,13 +24,6 @@ class ModelRunnerProtocol(Protocol):
     Satisfied structurally by engine/model_runner.ModelRunner (torch) and
     engine/mock_runner.MockModelRunner (deterministic tokens, no torch).
     """
-
-    def _step_with_batch_queue(self) -> EngineStepResult:
-        step = step_with_batch_queue(self.scheduler, self.batch_queue, self.execute, self._tell_time)
-        self.num_steps += step.processed  # a step: one batch's output processed
-        self.num_model_steps += step.model_executed
-        return EngineStepResult(step.outputs, step.model_executed, step.can_progress,
-                                step.got_kv_reports)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
 
