@@ -10,7 +10,7 @@ from engine.config import EngineAddresses, EngineConfig
 from engine.proc.core_proc import EngineCoreProc
 from engine.proc.messages import AddRequest, Ready, RequestOutputs, Shutdown, StatsSnapshot, decode, encode
 
-TIMEOUT_MS = 5000
+TIMEOUT_MS = 10_000
 
 
 @pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
