@@ -9,17 +9,22 @@ STAMP := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH ?= $(if $(HAS_GPU),torch>=2.1,torch==2.13.0)
 
-# `make parity` (never part of `make test`): vLLM 0.32.0's real v1 Scheduler beside
-# kvdrain's, step by step, in a separate venv (about 2 GB; see
-# ../shared/reference/vllm-parity.md). kvdrain is imported from the repo root, not
-# installed. PYTHONHASHSEED=0: vLLM iterates some sets, so fix their order.
-PARITY_VENV := .venv-parity
-PARITY_PY := $(PARITY_VENV)/bin/python
-PARITY_STAMP := $(PARITY_VENV)/.installed
+# `make parity` (never part of `make test`): vLLM's real v1 Scheduler (and its
+# AsyncScheduler) beside kvdrain's, step by step, one venv per vLLM version (about
+# 2 GB each; see ../shared/reference/vllm-parity.md). `make parity VLLM=0.33.0` picks
+# the version; `make parity-all` runs every supported one and prints one table.
+# kvdrain is imported from the repo root, not installed. PYTHONHASHSEED=0: vLLM
+# iterates some sets, so fix their order. vLLM 0.33 pins torch 2.14, but its
+# scheduler imports and runs on 2.13 (every vLLM install here is --no-deps).
+VLLM ?= 0.32.0
+PARITY_VERSIONS := 0.32.0 0.33.0
+PARITY_VENV = .venv-parity-$(VLLM)
+PARITY_PY = $(PARITY_VENV)/bin/python
+PARITY_STAMP = $(PARITY_VENV)/.installed
 PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test install bench clean parity traces
+.PHONY: run test install bench clean parity parity-install parity-all traces
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +45,14 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/scheduler_step.py $(if $(NANO_VLLM),--nano-vllm $(NANO_VLLM))
 
-$(PARITY_STAMP): $(PARITY_REQS)
-	$(PYTHON) -m venv $(PARITY_VENV)
-	$(PARITY_PY) -m pip install -q torch==2.13.0
-	$(PARITY_PY) -m pip install -q --no-deps vllm==0.32.0
-	$(PARITY_PY) -m pip install -q --no-deps -r $(PARITY_REQS)
+.venv-parity-%/.installed: $(PARITY_REQS)
+	$(PYTHON) -m venv .venv-parity-$*
+	.venv-parity-$*/bin/python -m pip install -q torch==2.13.0
+	.venv-parity-$*/bin/python -m pip install -q --no-deps vllm==$*
+	.venv-parity-$*/bin/python -m pip install -q --no-deps -r $(PARITY_REQS)
 	touch $@
+
+parity-install: $(PARITY_STAMP)
 
 parity: $(PARITY_STAMP)
 	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 \
@@ -66,5 +73,10 @@ traces:
 		'54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6  AzureLLMInferenceTrace_code.csv' \
 		| sha256sum -c); fi
 
+# Every supported version, sync and async, one table at the end.
+parity-all: $(foreach v,$(PARITY_VERSIONS),.venv-parity-$(v)/.installed)
+	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 $(PYTHON) -m tests.parity.all \
+		$(foreach v,$(PARITY_VERSIONS),--venv $(v)=.venv-parity-$(v)) $(PARITY_ARGS)
+
 clean:
-	rm -rf $(VENV) $(PARITY_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-parity-* *.egg-info .pytest_cache .hypothesis

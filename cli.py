@@ -194,6 +194,10 @@ def engine_group(model_help: str) -> OptionGroup:
         click.option("--max-model-len", type=click.IntRange(2), default=4096, show_default=True,
                      help="Prompt plus output tokens per request; a longer prompt is refused, "
                           "a longer output stopped there (vLLM's --max-model-len)."),
+        click.option("--async-scheduling", is_flag=True,
+                     help="vLLM's AsyncScheduler and the engine core's batch queue: step N+1 is "
+                          "scheduled before step N's output is processed (off: kvdrain's runners "
+                          "never overlap a step, and parity holds either way)."),
         click.option("--kv-load-failure-policy", type=click.Choice(KV_LOAD_FAILURE_POLICIES),
                      default=EngineConfig().kv_load_failure_policy, show_default=True,
                      help="A failed remote load: fail the request (vLLM 0.32's default) or "

@@ -116,6 +116,9 @@ class EngineConfig:
     # waiting request only if blocks for its whole current sequence are free, not
     # just its first chunk's.
     scheduler_reserve_full_isl: bool = True
+    # vLLM's SchedulerConfig.async_scheduling: schedule step N+1 before step N's output
+    # is processed (engine/core/async_scheduler.py, engine/core/batch_queue.py).
+    async_scheduling: bool = False
     eos_token_id: int | None = None
     runner: str = "mock"
     device: str = "auto"

@@ -6,6 +6,8 @@
 - kv_cache_manager: per-request block tables over the pool;
 - invalid_blocks: what a failed KV load leaves a request;
 - scheduler: queues, token budget, preemption and the connector lifecycle;
+- async_scheduler: the same with step N+1 scheduled before step N's output (vLLM's AsyncScheduler);
+- batch_queue: the engine core's batch queue for async scheduling (step_with_batch_queue);
 - stop: stop conditions;
 - outputs: the records scheduler -> runner -> scheduler -> frontend;
 - kv_connector: the interfaces a connector implements;

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core.kv_connector import KVConnectorBase, KVConnectorAgentBase
+from engine.core.async_scheduler import AsyncScheduler
+from engine.core.batch_queue import BatchQueue, step_with_batch_queue
+from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorBase
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
@@ -50,7 +52,10 @@ class EngineCore:
         connector_agent: KVConnectorAgentBase | None = None,
     ) -> None:
         self.config = config
-        self.scheduler = Scheduler(config, connector)
+        # vLLM's async scheduling: its AsyncScheduler and the engine core's batch queue.
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(config, connector)
+        self.batch_queue = BatchQueue() if config.async_scheduling else None
         self.model_runner = model_runner
         self.connector_agent = connector_agent
         self.num_steps = 0
@@ -89,7 +94,13 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        """vLLM's EngineCore.has_work: requests, or a batch in flight to process."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def only_in_flight(self) -> bool:
+        """The only work is a batch in flight (async scheduling): the next step processes
+        it at once (engine/core/liveness.py next_action)."""
+        return bool(self.batch_queue) and not self.scheduler.has_requests()
 
     def step(self) -> EngineStepResult:
         """schedule -> execute -> update; the outputs and what the step did.
@@ -97,10 +108,31 @@ class EngineCore:
         A zero-token step is still a full round trip: finished ids and connector
         metadata reach the connector's agent, and its reports come back.
         """
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineStepResult([], False, False, False)
         self._tell_time()
         sched_out = self.scheduler.schedule()
+        runner_out, got_kv_reports = self.execute(sched_out)
+        self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        can_progress = self.scheduler.can_progress(sched_out, got_kv_reports)
+        self.num_steps += 1
+        model_executed = sched_out.total_num_scheduled_tokens > 0
+        self.num_model_steps += model_executed
+        return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+
+    def _step_with_batch_queue(self) -> EngineStepResult:
+        step = step_with_batch_queue(self.scheduler, self.batch_queue, self.execute, self._tell_time)
+        self.num_steps += step.processed  # a step: one batch's output processed
+        self.num_model_steps += step.model_executed
+        return EngineStepResult(step.outputs, step.model_executed, step.can_progress,
+                                step.got_kv_reports)
+
+    def execute(self, sched_out: SchedulerOutput) -> tuple[ModelRunnerOutput, bool]:
+        """The forward pass with the connector agent's part: its loads start, and
+        what finished comes back in the output. Also: whether it reported anything."""
         agent = self.connector_agent
         if agent is not None:
             agent.start_load_kv(sched_out.kv_connector_metadata)
@@ -110,13 +142,7 @@ class EngineCore:
             kv_out = agent.get_finished(sched_out.finished_req_ids)
             runner_out.kv_connector_output = kv_out
             got_kv_reports = not kv_out.is_empty()
-        self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        can_progress = self.scheduler.can_progress(sched_out, got_kv_reports)
-        self.num_steps += 1
-        model_executed = sched_out.total_num_scheduled_tokens > 0
-        self.num_model_steps += model_executed
-        return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+        return runner_out, got_kv_reports
 
     def _tell_time(self) -> None:
         """The scheduler side's clock is the agent's (engine/core/kv_connector.py)."""

@@ -120,6 +120,13 @@ class KVCacheManager:
         self.num_cached_block.pop(request.req_id, None)
         self.block_pool.free_blocks(blocks[::-1])
 
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Drop the request's table and return its blocks, in allocation order, without
+        freeing them (vLLM's: a step in flight may still write them; the caller frees
+        them later, tail first)."""
+        self.num_cached_block.pop(request.req_id, None)
+        return self.req_to_blocks.pop(request.req_id, [])
+
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop these blocks' prefix hashes (a failed load wrote bad KV into them)."""
         self.block_pool.evict_blocks(block_ids)

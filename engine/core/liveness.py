@@ -15,6 +15,11 @@ the policy: under legacy, a finished request whose blocks the connector still ho
 is not work once its id has been shipped (vLLM before #43433), so the engine parks on
 its input and never collects the connector's report (nor checks a lease).
 
+With async scheduling (engine/core/batch_queue.py) a batch in flight is work too
+(vLLM's EngineCore.has_work: has_requests() or a batch queued): the loop steps until
+it is processed, and then the table above holds. So under legacy the last batch's
+reports are collected, but a report that comes later still is not.
+
 vLLM's loop (v1/engine/core.py _process_engine_step) before #43433 was
 `if not model_executed and scheduler.has_unfinished_requests(): time.sleep(0.001)`,
 and after it `... and scheduler.has_requests(): ...`: neither spins.
@@ -46,7 +51,7 @@ LOOP_STATE_NAMES = ("stepping", "polling", "blocked", "stopped")
 
 def next_action(liveness: str, has_work: bool, model_executed: bool,
                 can_progress: bool = False, must_poll: bool = False, *,
-                has_unfinished: bool) -> LoopAction:
+                has_unfinished: bool, only_in_flight: bool = False) -> LoopAction:
     """What the loop does after a step.
 
     has_work: scheduler.has_requests(); has_unfinished: scheduler.has_unfinished_requests()
@@ -57,11 +62,13 @@ def next_action(liveness: str, has_work: bool, model_executed: bool,
     and will send nothing to wake us. Under `event` the first steps at once and the
     second polls; otherwise nothing could change before a report, an input or a timer,
     so the loop blocks on all of them. `poll` keeps vLLM's exact behaviour: it always
-    sleeps first.
+    sleeps first. only_in_flight (async scheduling): the work is only a batch in flight,
+    the scheduler has no requests; vLLM sleeps only while it has requests, so every
+    policy steps at once to process that batch.
     """
     if not has_work:
         return LoopAction.WAIT_INPUT
-    if model_executed:
+    if model_executed or only_in_flight:
         return LoopAction.STEP
     if liveness == "legacy":
         # Without unfinished requests only finished ids to ship remain: the next step

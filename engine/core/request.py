@@ -54,6 +54,15 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Async scheduling only (engine/core/async_scheduler.py; vLLM's names): tokens the
+    # model samples in steps not yet processed; tokens scheduled in such steps; of those,
+    # the ones scheduled before a preemption (their output is stale); whether stale
+    # output is dropped rather than delivered; the last step that scheduled it.
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
+    drop_stale_output: bool = False
+    last_sched_seq: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -167,8 +167,13 @@ class Scheduler:
         return params
 
     def _free_blocks(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self._release_blocks(request)
         del self.requests[request.req_id]
+
+    def _release_blocks(self, request: Request) -> None:
+        """Return a finished or preempted request's blocks to the pool (the async
+        scheduler may defer it while a step in flight can still write them)."""
+        self.kv_cache_manager.free(request)
 
     # ---- schedule ------------------------------------------------------------
 
@@ -255,7 +260,7 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.kv_cache_manager.free(request)
+        self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -284,6 +289,9 @@ class Scheduler:
                     skipped_holding.append(queue.popleft())
                     continue
                 self._update_waiting_for_remote_kv(request)
+            if self._must_wait_for_output(request):
+                skipped.append(queue.popleft())
+                continue
             admitted = self._try_admit(request, budget)
             if admitted is None:
                 break  # not enough free blocks: wait, never preempt for a newcomer
@@ -300,6 +308,10 @@ class Scheduler:
             budget -= admitted
         self.skipped_waiting.extendleft(reversed(skipped_holding))
         self.waiting.extendleft(reversed(skipped))
+
+    def _must_wait_for_output(self, request: Request) -> bool:
+        """A waiting request whose earlier output is still in flight (async only)."""
+        return False
 
     def _try_admit(self, request: Request, budget: int) -> int | None:
         """Tokens to schedule for a waiting request; -1 if it was skipped; None if no room."""

@@ -151,7 +151,8 @@ class EngineCoreProc:
             # must_poll matters under event only, has_unfinished under legacy only.
             action = next_action(liveness, self.core.has_work(), model_executed, can_progress,
                                  liveness == "event" and self.core.must_poll(),
-                                 has_unfinished=liveness == "legacy" and self.core.has_unfinished_requests())
+                                 has_unfinished=liveness == "legacy" and self.core.has_unfinished_requests(),
+                                 only_in_flight=self.core.only_in_flight())
             self.loop_state = LOOP_STATES[action]
             # One snapshot per step at most: a zero-token step followed at once by
             # another step (a report consumed, finished ids to ship) leaves its

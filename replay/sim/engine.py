@@ -202,11 +202,13 @@ class SimEngine:
             self._block(LoopAction.WAIT_INPUT)
             return
         self.num_steps += 1
+        self.runner.num_tokens, self.runner.is_noop = 0, True  # a step may only process a batch
         step = self.core.step()
         outputs = step.outputs
         stats = self.core.make_stats()  # published when the step ends, with its outputs
         noop = (self.runner.is_noop and not outputs and not num_inputs and not step.got_kv_reports
-                and not step.can_progress and stats == self.stats)
+                and not step.can_progress and stats == self.stats
+                and not (self.core.batch_queue and self.core.batch_queue.has_pending_work()))
         tokens = self.runner.num_tokens
         cost = self._cost(tokens)
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
@@ -228,7 +230,8 @@ class SimEngine:
             self.slot.on_outputs(self.name, result.outputs)
         action = next_action(self.core.config.liveness, self.core.has_work(),
                              result.model_executed, result.can_progress, result.must_poll,
-                             has_unfinished=self.core.has_unfinished_requests())
+                             has_unfinished=self.core.has_unfinished_requests(),
+                             only_in_flight=self.core.only_in_flight())
         reports = self.worker is not None and self.worker.has_reports()
         if action in _WAITS:
             if not (self.input or (action is LoopAction.WAIT_ANY and reports)):

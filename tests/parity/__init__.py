@@ -1,4 +1,4 @@
-"""vLLM 0.32.0 parity harness: kvdrain's pure core beside vLLM's real v1 Scheduler (`make parity`)."""
+"""Parity harness: kvdrain's pure core beside vLLM's real v1 Scheduler and AsyncScheduler (`make parity`, `make parity-all`)."""
 
 import os
 

@@ -1,16 +1,20 @@
-"""kvdrain's pure Scheduler (with connector/pd.py's scheduler half for P/D) behind the harness's side API.
+"""kvdrain's pure EngineCore (with connector/pd.py's scheduler half for P/D) behind the harness's side API.
 
 Runs in: the parity venv; kvdrain is imported from the repo root on sys.path (its pure
 core needs the stdlib, plus msgpack through connector/messages.py), never installed.
+EngineCore.step is what the engine loop calls (the sync step, or the batch queue's
+under async scheduling); the fakes play its model runner and connector worker.
 """
 from __future__ import annotations
 
 from itertools import islice
 
 from connector.pd import PDConnector
-from engine.core.block_pool import BlockPool
 from engine.config import EngineConfig, KVTransferConfig
-from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput
+from engine.core.block_pool import BlockPool
+from engine.core.engine_core import EngineCore
+from engine.core.kv_connector import KVConnectorMetadata, KVConnectorWorkerBase
+from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 
@@ -30,7 +34,8 @@ def build_engine_config(config: SchedConfig) -> EngineConfig:
                         max_model_len=config.max_model_len, eos_token_id=config.eos_token_id,
                         liveness="legacy" if config.legacy else "poll", kv_transfer=kv_transfer,
                         scheduler_reserve_full_isl=config.reserve_full_isl,
-                        kv_load_failure_policy=config.kv_load_failure_policy)
+                        kv_load_failure_policy=config.kv_load_failure_policy,
+                        async_scheduling=config.async_scheduling)
 
 
 class EvictionCounter:
@@ -58,62 +63,121 @@ class EvictionCounter:
         pool.get_new_blocks = counting_get
 
 
+class FakeRunner:
+    """The model runner: one token per chunk that reaches the end, from the fake model."""
+
+    def __init__(self, model: FakeModel) -> None:
+        self.model = model
+        self.scheduler: Scheduler | None = None
+        self.last: SchedulerOutput | None = None  # the batch it ran last
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self.last = sched_out
+        sampled = {}
+        for sched_req in sched_out.scheduled:
+            if sched_req.sample:
+                request = self.scheduler.requests[sched_req.req_id]
+                # The sampled token's place among the outputs (vllm_side.py's rule).
+                position = (sched_req.num_computed_tokens + len(sched_req.token_ids)
+                            - request.num_prompt_tokens)
+                sampled[sched_req.req_id] = self.model.token(sched_req.req_id, position,
+                                                             request.stop_token_ids)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+class FakeWorker(KVConnectorWorkerBase):
+    """The connector worker: hands the fake its transfers and returns its reports at `now`."""
+
+    def __init__(self, worker: FakeKVWorker) -> None:
+        self.worker = worker
+        self.now = 0
+
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        if metadata is None:
+            return
+        recvs = {req_id: list(spec.local_block_ids) for req_id, spec in metadata.reqs_to_recv.items()
+                 if spec.local_block_ids}  # an empty read only tells P to free
+        self.worker.register(self.now, sorted(metadata.reqs_to_send), recvs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        reports = self.worker.reports(self.now)
+        return KVConnectorOutput(set(reports.finished_sending), set(reports.finished_recving),
+                                 set(reports.invalid_block_ids))
+
+
+class Coverage:
+    """Counts the in-flight cases a run reached (kvdrain's side; the sides agree on them):
+    a preemption or an abort while the request's output is in flight, a free deferred
+    for a step in flight, and the connector reports consumed (delayed frees, loads)."""
+
+    NAMES = ("preempted_in_flight", "aborted_in_flight", "deferred_frees", "kv_reports")
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.counts = dict.fromkeys(self.NAMES, 0)
+        preempt, release = scheduler._preempt, scheduler._release_blocks
+        on_reports = scheduler._update_from_kv_xfer_finished
+        can_free = getattr(scheduler, "_blocks_can_be_freed", lambda request: True)
+
+        def counting_preempt(request, out):
+            self.counts["preempted_in_flight"] += request.num_in_flight_tokens > 0
+            preempt(request, out)
+
+        def counting_release(request):
+            self.counts["deferred_frees"] += not can_free(request)
+            release(request)
+
+        def counting_reports(kv_out):
+            self.counts["kv_reports"] += len(kv_out.finished_sending) + len(kv_out.finished_recving)
+            on_reports(kv_out)
+
+        scheduler._preempt = counting_preempt
+        scheduler._release_blocks = counting_release
+        scheduler._update_from_kv_xfer_finished = counting_reports
+
+
 class KvdrainSide:
     name = "kvdrain"
 
     def __init__(self, config: SchedConfig, model: FakeModel, worker: FakeKVWorker) -> None:
         self.config = config
-        self.model = model
-        self.worker = worker
         engine_config = build_engine_config(config)
         connector = PDConnector(engine_config) if config.role is not None else None
-        self.scheduler = Scheduler(engine_config, connector)
+        self.runner = FakeRunner(model)
+        self.worker = FakeWorker(worker) if config.role is not None else None
+        self.core = EngineCore(engine_config, self.runner, connector, self.worker)
+        self.scheduler = self.core.scheduler
+        self.runner.scheduler = self.scheduler
         self.evictions = EvictionCounter(self.scheduler.block_pool)
+        self.coverage = Coverage(self.scheduler)
 
     def add(self, spec: RequestSpec) -> None:
         request = Request(spec.req_id, list(spec.prompt), spec.max_tokens, self.config.block_size,
                           eos_token_id=self.config.eos_token_id,
                           stop_token_ids=spec.stop_token_ids,
                           kv_transfer_params=spec.kv_transfer_params(self.config.block_size))
-        self.scheduler.add_request(request)
+        self.core.add(request)
 
     def abort(self, req_id: str) -> None:
-        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        request = self.scheduler.requests.get(req_id)
+        if request is not None and not request.is_finished():
+            self.coverage.counts["aborted_in_flight"] += request.num_in_flight_tokens > 0
+        self.core.abort_requests([req_id])
 
     def step(self, now: int) -> Snapshot:
-        """EngineCore.step(): nothing when has_requests() is false (the loop would block)."""
-        if not self.scheduler.has_requests():
+        """EngineCore.step: nothing when has_work() is false (the loop would block)."""
+        if not self.core.has_work():
             return self.snapshot(Snapshot())
-        sched_out = self.scheduler.schedule()
-        self._register_transfers(now, sched_out.kv_connector_metadata)
-        runner_out = self._run_model(sched_out, now)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        snap = Snapshot(stepped=True,
-                        num_scheduled={s.req_id: len(s.token_ids) for s in sched_out.scheduled})
+        if self.worker is not None:
+            self.worker.now = now
+        self.runner.last = None
+        result = self.core.step()
+        sched_out = self.runner.last  # None: this step only processed a batch in flight
+        snap = Snapshot(stepped=True)
+        if sched_out is not None:
+            snap.num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
         snap.outputs = sorted((StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason)
-                               for o in outputs), key=lambda o: o.req_id)
+                               for o in result.outputs), key=lambda o: o.req_id)
         return self.snapshot(snap)
-
-    def _register_transfers(self, now: int, meta) -> None:
-        if meta is None:
-            return
-        recvs = {req_id: list(spec.local_block_ids) for req_id, spec in meta.reqs_to_recv.items()
-                 if spec.local_block_ids}  # an empty read only tells P to free
-        self.worker.register(now, sorted(meta.reqs_to_send), recvs)
-
-    def _run_model(self, sched_out, now: int) -> ModelRunnerOutput:
-        sampled = {}
-        for sched_req in sched_out.scheduled:
-            if sched_req.sample:
-                request = self.scheduler.requests[sched_req.req_id]
-                sampled[sched_req.req_id] = self.model.token(
-                    sched_req.req_id, request.num_output_tokens, request.stop_token_ids)
-        reports = self.worker.reports(now)
-        kv_out = None
-        if self.config.role is not None:
-            kv_out = KVConnectorOutput(set(reports.finished_sending), set(reports.finished_recving),
-                                       set(reports.invalid_block_ids))
-        return ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv_out)
 
     def snapshot(self, snap: Snapshot) -> Snapshot:
         sched = self.scheduler
@@ -130,6 +194,7 @@ class KvdrainSide:
         snap.preemptions = sched.num_preemptions
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
+        snap.in_flight = len(self.core.batch_queue or ())
         snap.block_tables = {req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id))
                              for req_id in sorted(sched.requests)}
         return snap

@@ -23,6 +23,9 @@ class SchedConfig:
     legacy: bool = False  # pre-#43433 liveness on both sides
     reserve_full_isl: bool = True  # vLLM's scheduler_reserve_full_isl (its default)
     kv_load_failure_policy: str = "fail"  # vLLM 0.32's default
+    # vLLM's AsyncScheduler and the engine core's batch queue (step_with_batch_queue),
+    # against kvdrain's (engine/core/async_scheduler.py, engine/core/batch_queue.py).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,7 @@ class Snapshot:
     evictions: int = 0
     preemptions: int = 0
     has_requests: bool = False
+    in_flight: int = 0  # batches scheduled, output not yet processed (async only)
     has_unfinished_requests: bool = False
     block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
 

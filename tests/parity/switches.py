@@ -1,10 +1,11 @@
-"""Switches that remove one known divergence on the vLLM side, to confirm each cause alone.
+"""Switches that turn one behaviour of vLLM off on the vLLM side, to confirm each known cause alone.
 
-Runs in: the parity venv. Each switch makes vLLM 0.32.0 behave like kvdrain did before
-issue 10 on one point (kvdrain now follows vLLM, so a switch turned on shows that cause
-as a difference); all off (the default) is vLLM as shipped. Patches are per Scheduler
-instance where vLLM allows it, module-level only for check_stop (restored by nobody:
-one process, one run).
+Runs in: a parity venv. Each switch makes vLLM behave, on one point, as a naive model
+would (kvdrain follows vLLM there, so a switch turned on shows that cause as a
+difference); all off (the default) is vLLM as shipped. Patches are per Scheduler
+instance where vLLM allows it, module-level only for check_stop (set again by every
+apply). CAUSES names each switch with the workloads and modes that show it;
+`python -m tests.parity.run --check-causes` confirms every one still does.
 """
 from __future__ import annotations
 
@@ -24,6 +25,41 @@ class VllmSwitches:
     append_all_frees: bool = False  # free_blocks appends unhashed blocks too (cause 2)
     one_block_per_hash: bool = False  # no duplicate cached blocks (cause 3)
     length_before_stop: bool = False  # check_stop tests length before EOS/stop ids (cause 7)
+    # Async scheduling: a consumer frees at once, though a step in flight may still write
+    # the blocks (vLLM: defer_block_free, sched/scheduler.py _free_request_blocks).
+    no_defer_block_free: bool = False
+    # Async scheduling: a producer delivers a preempted request's stale output (vLLM:
+    # requires_kv_delivery drops it, sched/scheduler.py _preempt_request).
+    deliver_stale_on_producer: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """A known behaviour of vLLM kvdrain follows, the switch that turns it off on the
+    vLLM side, and where that shows: workloads, in which scheduling modes."""
+
+    name: str
+    switches: VllmSwitches
+    workloads: tuple[str, ...]
+    modes: tuple[str, ...] = ("sync", "async")
+
+
+CAUSES = (
+    Cause("admission reserves the whole sequence (scheduler_reserve_full_isl)",
+          VllmSwitches(reserve_full_isl=False), ("pressure",)),
+    Cause("unhashed freed blocks go to the free queue's head",
+          VllmSwitches(append_all_frees=True), ("pressure",)),
+    Cause("a second block may be cached under a cached hash",
+          VllmSwitches(one_block_per_hash=True), ("d_side", "d_pressure")),
+    Cause("EOS and stop ids before the length caps (check_stop)",
+          VllmSwitches(length_before_stop=True), ("stops",)),
+    Cause("kv_load_failure_policy fail, vLLM's default",
+          VllmSwitches(kv_load_failure_policy="recompute"), ("d_side",)),
+    Cause("a consumer defers frees past the step in flight",
+          VllmSwitches(no_defer_block_free=True), ("d_side", "d_decode_pressure"), ("async",)),
+    Cause("a producer drops a preempted request's stale output",
+          VllmSwitches(deliver_stale_on_producer=True), ("p_pressure",), ("async",)),
+)
 
 
 def apply(scheduler: Scheduler, switches: VllmSwitches) -> None:
@@ -33,6 +69,10 @@ def apply(scheduler: Scheduler, switches: VllmSwitches) -> None:
     if switches.one_block_per_hash:
         _one_block_per_hash(pool)
     sched_module.check_stop = _length_first_check_stop if switches.length_before_stop else vllm_check_stop
+    if switches.no_defer_block_free:
+        scheduler.defer_block_free = False
+    if switches.deliver_stale_on_producer:
+        scheduler.requires_kv_delivery = False
 
 
 def _append_all_frees(pool: BlockPool) -> None:

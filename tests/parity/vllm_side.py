@@ -1,9 +1,10 @@
-"""vLLM 0.32.0's real v1 Scheduler, built offline on the CPU, behind the harness's side API.
+"""vLLM's real v1 Scheduler (or AsyncScheduler), built offline on the CPU, behind the harness's side API.
 
-Runs in: the parity venv (.venv-parity), never in the default test run. Recipe from
-shared/reference/vllm-parity.md: a tiny Llama config.json in a temp dir, HF_HUB_OFFLINE,
-async_scheduling=False (the synchronous Scheduler), a hand-made KVCacheConfig and, for
-P/D, the NIXL connector's scheduler half (no NIXL library needed).
+Runs in: the parity venv (.venv-parity-<version>), never in the default test run: a
+tiny Llama config.json in a temp dir, HF_HUB_OFFLINE, async_scheduling as the workload
+says (False: the synchronous Scheduler; True: the AsyncScheduler, stepped as
+EngineCore.step_with_batch_queue steps it), a hand-made KVCacheConfig and, for P/D,
+the NIXL connector's scheduler half (no NIXL library needed).
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+from collections import deque  # noqa: E402
+
 import torch  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig,  # noqa: E402
                          ModelConfig, SchedulerConfig, VllmConfig)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
@@ -43,6 +47,7 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-6, "torch_dtype": "float32",
 }
 KV_ROLES = {"P": "kv_producer", "D": "kv_consumer"}
+BATCH_QUEUE_SIZE = 2  # vllm_config.max_concurrent_batches with async scheduling, no PP
 
 
 def _model_dir() -> str:
@@ -59,7 +64,8 @@ def build_vllm_config(config: SchedConfig, switches: VllmSwitches) -> VllmConfig
     sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=config.max_model_len, enable_chunked_prefill=True,
-                            is_encoder_decoder=False, async_scheduling=False,
+                            is_encoder_decoder=False,
+                            async_scheduling=config.async_scheduling,
                             scheduler_reserve_full_isl=(config.reserve_full_isl
                                                         and switches.reserve_full_isl))
     kv_transfer = None
@@ -82,7 +88,8 @@ def build_scheduler(config: SchedConfig, switches: VllmSwitches) -> Scheduler:
                              dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+    scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                      structured_output_manager=StructuredOutputManager(vllm_config),
                      block_size=config.block_size)
 
@@ -135,6 +142,7 @@ class VllmSide:
         self.block_hasher = get_request_block_hasher(config.block_size, sha256)
         self.evictions = EvictionCounter(self.scheduler.kv_cache_manager.block_pool)
         self.num_preemptions = 0
+        self.batch_queue: deque = deque()  # newest first, as vLLM's
         self.stop_ids: dict[str, tuple[int, ...]] = {}
 
     def add(self, spec: RequestSpec) -> None:
@@ -150,22 +158,50 @@ class VllmSide:
     def abort(self, req_id: str) -> None:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
+    def has_work(self) -> bool:
+        """EngineCore.has_work: requests, or a batch in flight."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
     def step(self, now: int) -> Snapshot:
-        """EngineCore.step(): nothing when has_requests() is false (the loop would block)."""
-        if not self.scheduler.has_requests():
+        """EngineCore.step (or step_with_batch_queue): nothing when has_work() is false
+        (the loop would block on its input)."""
+        if not self.has_work():
             return self.snapshot(Snapshot())
+        if self.config.async_scheduling:
+            return self._step_with_batch_queue(now)
+        sched_out = self._schedule(now)
+        runner_out = self._run_model(sched_out, now)
+        snap = Snapshot(stepped=True, num_scheduled=dict(sched_out.num_scheduled_tokens))
+        return self.snapshot(self._update(snap, sched_out, runner_out))
+
+    def _step_with_batch_queue(self, now: int) -> Snapshot:
+        """vllm/v1/engine/core.py step_with_batch_queue, the executor played by the fakes:
+        a batch runs (and its connector worker reports) when it is submitted."""
+        queue, snap = self.batch_queue, Snapshot(stepped=True)
+        if self.scheduler.has_requests():
+            sched_out = self._schedule(now)
+            queue.appendleft((sched_out, self._run_model(sched_out, now)))
+            snap.num_scheduled = dict(sched_out.num_scheduled_tokens)
+            model_executed = sched_out.total_num_scheduled_tokens > 0
+            if len(queue) < BATCH_QUEUE_SIZE and (model_executed or self.scheduler.has_requests()):
+                return self.snapshot(snap)
+        sched_out, runner_out = queue.pop()
+        return self.snapshot(self._update(snap, sched_out, runner_out))
+
+    def _schedule(self, now: int):
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted_req_ids)
         self._register_transfers(now, sched_out.kv_connector_metadata)
-        runner_out = self._run_model(sched_out, now)
+        return sched_out
+
+    def _update(self, snap: Snapshot, sched_out, runner_out) -> Snapshot:
         engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        snap = Snapshot(stepped=True, num_scheduled=dict(sched_out.num_scheduled_tokens))
         for eco in engine_outputs.values():
             snap.outputs.extend(StepOutput(o.request_id, tuple(o.new_token_ids),
                                            str(o.finish_reason) if o.finish_reason is not None else None)
                                 for o in eco.outputs)
         snap.outputs.sort(key=lambda o: o.req_id)
-        return self.snapshot(snap)
+        return snap
 
     def _register_transfers(self, now: int, meta) -> None:
         if meta is None:
@@ -182,9 +218,11 @@ class VllmSide:
         sampled = []
         for req_id in req_ids:
             request = self.scheduler.requests[req_id]
-            done = request.num_computed_tokens >= request.num_tokens
-            token = self.model.token(req_id, request.num_output_tokens, self.stop_ids[req_id])
-            sampled.append([token] if done else [])
+            # The sampled token's place among the outputs: the chunk ends at
+            # num_computed_tokens (placeholders included, under async scheduling).
+            position = request.num_computed_tokens - request.num_prompt_tokens
+            token = self.model.token(req_id, position, self.stop_ids[req_id])
+            sampled.append([] if request.is_prefill_chunk else [token])
         out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         reports = self.worker.reports(now)
@@ -211,6 +249,7 @@ class VllmSide:
         snap.preemptions = self.num_preemptions
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
+        snap.in_flight = len(self.batch_queue)
         snap.block_tables = {req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id)[0])
                              for req_id in sorted(sched.requests)}
         return snap

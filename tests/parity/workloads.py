@@ -152,6 +152,48 @@ def d_pressure(seed: int) -> Workload:
                     load_failure_prob=0.2, num_ticks=400)
 
 
+def p_pressure(seed: int) -> Workload:
+    """Prefill side, small pool: local requests decode long enough to preempt one another
+    beside remote-decode prefills whose frees are delayed. Under async scheduling a
+    request preempted with output in flight drops that output (a producer's hand-off
+    needs the KV the preemption freed: vLLM's requires_kv_delivery)."""
+    rng = random.Random(seed)
+    config = SchedConfig(num_blocks=28, max_num_batched_tokens=64, max_num_seqs=6, role="P",
+                         eos_token_id=EOS_TOKEN_ID)
+    prefixes = _prefixes(rng, 2, config.block_size)
+
+    def make(i: int) -> RequestSpec:
+        if rng.random() < 0.4:
+            return RequestSpec(f"p{i}", _prompt(rng, 5, 80, prefixes), 1, remote="decode")
+        return RequestSpec(f"q{i}", _prompt(rng, 10, 80, prefixes), rng.randint(15, 60))
+    arrivals = _arrivals(rng, 28, 60, make)
+    events: list = list(arrivals)
+    events += [Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1]
+    return Workload("p_pressure", seed, config, _sorted(events), eos_prob=0.05, max_report_delay=8,
+                    num_ticks=400)
+
+
+def d_decode_pressure(seed: int) -> Workload:
+    """Decode side, small pool: loaded and local requests decode long enough to preempt
+    one another. Under async scheduling a request scheduled in the step in flight frees
+    its blocks only once that step is processed (vLLM's defer_block_free on a consumer),
+    and such a request is not preempted to make room."""
+    rng = random.Random(seed)
+    config = SchedConfig(num_blocks=32, max_num_batched_tokens=64, max_num_seqs=6, role="D")
+    prefixes = _prefixes(rng, 2, config.block_size)
+
+    def make(i: int) -> RequestSpec:
+        if rng.random() < 0.4:
+            return RequestSpec(f"d{i}", _prompt(rng, 5, 60, prefixes), rng.randint(8, 30),
+                               remote="prefill")
+        return RequestSpec(f"l{i}", _prompt(rng, 10, 80), rng.randint(10, 40))
+    arrivals = _arrivals(rng, 28, 60, make)
+    events: list = list(arrivals)
+    events += [Abort(a.tick + rng.randint(0, 8), a.spec.req_id) for a in arrivals if rng.random() < 0.15]
+    return Workload("d_decode_pressure", seed, config, _sorted(events), max_report_delay=6,
+                    load_failure_prob=0.1, num_ticks=400)
+
+
 def d_recompute(seed: int) -> Workload:
     """d_side with kv_load_failure_policy=recompute on both sides: failed loads retry
     from their valid prefix, or from scratch with a fresh prefix lookup."""
@@ -187,6 +229,8 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "d_side": d_side,
     "d_pressure": d_pressure,
     "d_recompute": d_recompute,
+    "p_pressure": p_pressure,
+    "d_decode_pressure": d_decode_pressure,
     "pressure_no_reserve": pressure_no_reserve,
     "legacy_p": legacy_p,
     "legacy_d": legacy_d,
