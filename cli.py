@@ -13,6 +13,7 @@ from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES,
 from click.core import ParameterSource
 
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from replay.deploy.vllm_launch import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
@@ -22,6 +23,7 @@ MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 # re-runs the `kvdrain` script (multiprocessing's spawn imports the parent's main file).
 CLOCKS = ("wall", "virtual")
 CPU_NUM_BLOCKS = 512  # --num-blocks unless the pool is sized from GPU memory
+VLLM_TARGET = "http://127.0.0.1:0"  # --engine vllm: the launched deployment's address replaces it
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, for all of a topology's engines together
 
 
@@ -187,6 +189,66 @@ def shaping_options(func):
     return func
 
 
+VLLM_OPTIONS = [
+    click.option("--engine", type=click.Choice(ENGINES), default="kvdrain", show_default=True,
+                 help="kvdrain: its own engines; vllm: real `vllm serve` instances (--topology pd: "
+                      "P and D with the NixlConnector, behind `kvdrain proxy`) that kvdrain "
+                      "launches, replays over HTTP and tears down."),
+    click.option("--vllm-venv", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_VENV,
+                 show_default=True, help="With --engine vllm: a virtualenv holding vLLM (`make vllm` "
+                                         "makes .venv-vllm)."),
+    click.option("--vllm-model", default=None, metavar="DIR_OR_NAME",
+                 help="With --engine vllm: the model `vllm serve` loads [default: a tiny "
+                      "dummy-weight Llama written into the run dir, its words kvdrain's prompts]."),
+    click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+                 help="With --engine vllm: an argument for every `vllm serve` (repeat; "
+                      "--vllm-arg=--max-num-seqs --vllm-arg=8)."),
+    click.option("--vllm-env", "vllm_env", multiple=True, metavar="KEY=VALUE",
+                 help="With --engine vllm: set in every instance's environment (repeat)."),
+    click.option("--vllm-start-timeout", type=click.FloatRange(min=0, min_open=True),
+                 default=START_TIMEOUT_S, show_default=True,
+                 help="With --engine vllm: seconds each instance has to become healthy."),
+]
+
+
+def vllm_options(func):
+    for option in reversed(VLLM_OPTIONS):
+        func = option(func)
+    return func
+
+
+def _vllm(options: dict, clock: str, target: str | None, metrics_urls: tuple[str, ...]):
+    """VllmOptions for --engine vllm (its options popped); None for --engine kvdrain."""
+    engine, venv, model = options.pop("engine"), options.pop("vllm_venv"), options.pop("vllm_model")
+    args, env, timeout = options.pop("vllm_args"), options.pop("vllm_env"), options.pop("vllm_start_timeout")
+    ctx = click.get_current_context()
+    given = lambda name: ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,  # noqa: E731
+                                                            ParameterSource.ENVIRONMENT)
+    if engine == "kvdrain":
+        extra = next((n for n in ("vllm_venv", "vllm_model", "vllm_args", "vllm_env",
+                                  "vllm_start_timeout") if given(n)), None)
+        if extra is not None:
+            raise click.UsageError(f"--{extra.replace('_', '-').removesuffix('s')}: only with --engine vllm")
+        return None
+    refused = [flag for flag, on in (("--target", target is not None), ("--metrics", bool(metrics_urls)),
+                                     ("--clock virtual", clock == "virtual")) if on]
+    refused += ["--" + n.replace("_", "-") for n in SERVER_SIDE if n != "topology" and given(n)]
+    if refused:
+        raise click.UsageError(f"{refused[0].replace('--profile-name', '--profile')}: not with "
+                               f"--engine vllm (kvdrain launches the vLLM servers and scrapes them)")
+    pairs = []
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.UsageError(f"--vllm-env: expected KEY=VALUE, got {item!r}")
+        pairs.append((key, value))
+    try:
+        return VllmOptions(venv=venv, topology=options["topology"], model=model, args=tuple(args),
+                           env=tuple(pairs), start_timeout_s=timeout)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 @cli.command(name="replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--clock", type=click.Choice(CLOCKS), default="wall", show_default=True,
@@ -240,6 +302,7 @@ def shaping_options(func):
 @click.option("--explain", is_flag=True, help="Print what the verdicts, columns and units mean.")
 @click.option("--live/--no-live", default=True, show_default=True, help="Show the live dashboard.")
 @auth_options
+@vllm_options
 def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: float,
                snapshot_tolerance: int | None, tail_s: float | None, target: str | None,
                report_path: Path | None, requests_path: Path | None, plot_path: Path | None,
@@ -261,7 +324,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     from replay.pipeline import ReplayConfig
     from replay.trace.shaping import ShapingOptions
     from replay.verify.rules import VerifyOptions
-    target = _normalize_target(target, clock)
+    vllm = _vllm(options, clock, target, metrics_urls)
+    target = _normalize_target(target, clock) if vllm is None else VLLM_TARGET
     http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
     engine, kv = _build_configs(options)
     engine = _apply_profile(engine, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
@@ -284,6 +348,9 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
         raise click.UsageError(str(e)) from None
     paths = ReportPaths(report_path, requests_path, plot_path, series_path, explain,
                         None if all_windows else MAX_WINDOW_LINES)
+    if vllm is not None:
+        from replay.deploy.vllm_replay import vllm_replay_main
+        sys.exit(vllm_replay_main(vllm, config, paths, live, Console()))
     sys.exit(replay_main(config, paths, live, Console()))
 
 
