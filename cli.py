@@ -547,5 +547,37 @@ def top_cmd(address: str, seconds: float | None, **options) -> None:
     sys.exit(top_main(address, seconds, Console(), _auth(options)))
 
 
+@cli.command(name="proxy")
+@click.option("--prefill", "prefill_urls", multiple=True, required=True, metavar="URL",
+              help="A vLLM prefill server (kv_producer), e.g. http://127.0.0.1:8100; repeat for several.")
+@click.option("--decode", "decode_urls", multiple=True, required=True, metavar="URL",
+              help="A vLLM decode server (kv_consumer); repeat for several (used in turn).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where clients connect.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="0: any free port (printed in the 'proxy ready' line).")
+@click.option("--api-key", envvar="KVDRAIN_PROXY_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (env KVDRAIN_PROXY_API_KEY).")
+@click.option("--upstream-api-key", envvar="KVDRAIN_UPSTREAM_API_KEY", default=None,
+              help="Sent to every server as 'Authorization: Bearer KEY' (env KVDRAIN_UPSTREAM_API_KEY).")
+@click.option("--insecure", is_flag=True, help="Listen beyond loopback without --api-key.")
+def proxy_cmd(prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], host: str, port: int,
+              api_key: str | None, upstream_api_key: str | None, insecure: bool) -> None:
+    """A P/D proxy in front of vLLM servers: prefill on a P, decode on a D (vLLM's protocol).
+
+    \b
+    Example: kvdrain proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+             kvdrain replay examples/pd_idle.jsonl --target http://127.0.0.1:8000 \\
+                 --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
+    """
+    from replay.deploy.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
+    try:
+        options = ProxyOptions(prefill=prefill_urls, decode=decode_urls, host=host, port=port,
+                               api_key=api_key, upstream_api_key=upstream_api_key, insecure=insecure)
+        check_listen(options)
+    except ProxyError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(proxy_main(options))
+
+
 if __name__ == "__main__":
     cli()

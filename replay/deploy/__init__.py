@@ -3,5 +3,7 @@
 - routing: each request's way from P to D, sans IO (vLLM's disaggregated proxy as a state
   machine, driven by the live router and the simulator alike);
 - router: PDRouter, that state machine over engine clients;
-- topology: launching a topology's engine cores with their connector configs.
+- topology: launching a topology's engine cores with their connector configs;
+- proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp);
+- balance: which of several upstreams of one role serves next, sans IO.
 """

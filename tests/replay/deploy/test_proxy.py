@@ -1,0 +1,378 @@
+"""kvdrain's P/D proxy: vLLM's protocol against in-process fakes of a vLLM P and D, its
+command line (ready line, signals, listening rules), and one replay through it in front of
+two `kvdrain serve --http`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
+from tests.e2e.test_cli import EXAMPLE, Lines, Serve, invoke
+
+pytestmark = pytest.mark.timeout(120)
+P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
+            "remote_block_ids": [3, 4], "remote_host": "127.0.0.1", "remote_port": 5601}
+STREAM_CHUNKS = [b'data: {"choices":[{"text":" w1"', b'}]}\n\n', b'data: {"choices":[{"text":" w2"}]}\n\n',
+                 b"data: [DONE]\n\n"]
+CLIENT_REQUEST = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "stream": False,
+                  "min_tokens": 2}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+class FakeVllm:
+    """A vLLM server as the proxy sees it: P answers with kv_transfer_params; D checks it got
+    them and answers, streamed in STREAM_CHUNKS (each sent once `release` lets it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict] = []
+        self.headers: list = []
+        self.fail: tuple[int, bytes] | None = None  # answer every completion with this
+        self.healthy = True
+        self.break_off = False  # a D that dies after its first chunk
+        self.release = asyncio.Event()
+        self.release.set()
+        self.first_chunk_sent = asyncio.Event()
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(request.headers.copy())
+        if self.fail is not None:
+            return web.Response(status=self.fail[0], body=self.fail[1], content_type="application/json")
+        if body["kv_transfer_params"].get("do_remote_decode"):  # a P's work
+            return web.json_response({"id": "cmpl-p", "choices": [{"text": " w9"}],
+                                      "kv_transfer_params": P_PARAMS})
+        assert body["kv_transfer_params"] == P_PARAMS  # a D's work: with what P answered
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-d", "served_by": self.name,
+                                      "choices": [{"text": " w1 w2"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, chunk in enumerate(STREAM_CHUNKS):
+            await self.release.wait()
+            await response.write(chunk)
+            if i == 0 and self.break_off:
+                request.transport.close()
+                return response
+            if i == 0:
+                self.first_chunk_sent.set()
+                self.release.clear()
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+
+@asynccontextmanager
+async def deployment(num_prefill: int = 1, num_decode: int = 1, **options):
+    """Fakes of num_prefill P and num_decode D, and a proxy in front: (proxy, Ps, Ds)."""
+    prefill = [FakeVllm(f"P{i}") for i in range(num_prefill)]
+    decode = [FakeVllm(f"D{i}") for i in range(num_decode)]
+    for fake in prefill + decode:
+        await fake.start()
+    proxy = Proxy(ProxyOptions(prefill=tuple(f.url for f in prefill),
+                               decode=tuple(f.url for f in decode), **options))
+    await proxy.start()
+    try:
+        yield proxy, prefill, decode
+    finally:
+        await proxy.stop()
+        for fake in prefill + decode:
+            await fake.stop()
+
+
+async def _post(url: str, body, **kwargs) -> tuple[int, bytes, str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", data=data, **kwargs) as response:
+            return response.status, await response.read(), response.headers.get("Content-Type", "")
+
+
+def test_a_completion_is_prefilled_on_p_with_one_token_then_decoded_on_d_with_ps_params():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            status, body, content_type = await _post(proxy.url, CLIENT_REQUEST)
+            assert status == 200 and content_type.startswith("application/json")
+            assert json.loads(body) == {"id": "cmpl-d", "served_by": "D0", "choices": [{"text": " w1 w2"}]}
+            (to_p,), (to_d,) = p.bodies, d.bodies
+            assert to_p == {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False,
+                            "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+            assert to_d == {**CLIENT_REQUEST, "kv_transfer_params": P_PARAMS}
+            assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"]
+
+    run(go())
+
+
+def test_the_prefill_request_is_exactly_vllms_toy_proxys():
+    assert PREFILL_KV_TRANSFER_PARAMS == {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "remote_engine_id": None, "remote_block_ids": None,
+                                          "remote_host": None, "remote_port": None}
+    from replay.deploy.proxy import prefill_request
+    body = {"prompt": "w1", "max_tokens": 9, "max_completion_tokens": 9, "stream": True,
+            "stream_options": {"include_usage": True}, "min_completion_tokens": 3}
+    assert prefill_request(body) == {"prompt": "w1", "max_tokens": 1, "max_completion_tokens": 1,
+                                     "stream": False, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    assert body["max_tokens"] == 9 and "stream_options" in body  # the client's request is untouched
+
+
+def test_ds_stream_passes_through_byte_for_byte_as_it_arrives():
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            d.release.set()
+            async with aiohttp.ClientSession() as session:
+                request = {**CLIENT_REQUEST, "stream": True, "stream_options": {"include_usage": True}}
+                async with session.post(proxy.url + "/v1/completions", json=request) as response:
+                    assert response.status == 200
+                    assert response.headers["Content-Type"].startswith("text/event-stream")
+                    await d.first_chunk_sent.wait()
+                    first = await response.content.readany()  # D holds the rest until we have it
+                    assert first == STREAM_CHUNKS[0]
+                    d.release.set()
+                    rest = await response.content.read()
+            assert first + rest == b"".join(STREAM_CHUNKS)
+            assert d.bodies[0]["stream_options"] == {"include_usage": True}
+
+    run(go())
+
+
+def test_upstream_errors_are_forwarded_with_their_status_and_body():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            p.fail = (400, b'{"error": {"message": "too long", "code": 400}}')
+            assert await _post(proxy.url, CLIENT_REQUEST) == (400, p.fail[1], "application/json")
+            assert d.bodies == []  # P refused it: D never sees it
+            p.fail, d.fail = None, (404, b'{"error": {"message": "no such model"}}')
+            status, body, _ = await _post(proxy.url, CLIENT_REQUEST)
+            assert (status, body) == (404, d.fail[1])
+            status, body, _ = await _post(proxy.url, b"{not json")
+            assert status == 400 and json.loads(body)["error"]["code"] == 400
+
+    run(go())
+
+
+def test_an_upstream_that_is_down_is_a_502_with_an_openai_error_body():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            await d.stop()
+            status, body, _ = await _post(proxy.url, CLIENT_REQUEST)
+            error = json.loads(body)["error"]
+            assert status == 502 and error["code"] == 502 and error["type"] == "BadGatewayError"
+            assert "decode server D" in error["message"] and d.url in error["message"]
+            await p.stop()
+            status, body, _ = await _post(proxy.url, CLIENT_REQUEST)
+            assert status == 502 and "prefill server P" in json.loads(body)["error"]["message"]
+            await p.start(), await d.start()  # deployment() stops them again
+
+    run(go())
+
+
+def test_a_decode_server_that_breaks_off_its_stream_breaks_the_clients_off_too(capfd):
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            d.break_off = True
+            async with aiohttp.ClientSession() as session:
+                request = {**CLIENT_REQUEST, "stream": True}
+                async with session.post(proxy.url + "/v1/completions", json=request) as response:
+                    assert response.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await response.content.read()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/metrics") as response:
+                    return _samples(await response.text())
+
+    samples = run(go())
+    assert samples[("kvdrain_proxy_requests_total",
+                    (("stage", "decode"), ("status", "broken"), ("upstream", "D")))] == 1
+    err = capfd.readouterr().err
+    assert "decode server D broke off its answer" in err and "Traceback" not in err
+
+
+def test_several_prefill_and_decode_servers_are_used_in_turn():
+    async def go():
+        async with deployment(num_prefill=2, num_decode=3) as (proxy, prefill, decode):
+            answers = [json.loads((await _post(proxy.url, CLIENT_REQUEST))[1])["served_by"]
+                       for _ in range(6)]
+            assert answers == ["D0", "D1", "D2", "D0", "D1", "D2"]
+            assert [len(p.bodies) for p in prefill] == [3, 3]
+
+    run(go())
+
+
+def test_models_come_from_d_and_health_names_every_upstream():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/v1/models") as response:
+                    assert (await response.json())["data"] == [{"id": "model-of-D0"}]
+                async with session.get(proxy.url + "/health") as response:
+                    health = await response.json()
+                    assert response.status == 200 and health["status"] == "ok"
+                    assert health["upstreams"] == {"P": {"url": p.url, "status": "ok"},
+                                                   "D": {"url": d.url, "status": "ok"}}
+                p.healthy = False
+                await d.stop()
+                async with session.get(proxy.url + "/health") as response:
+                    health = await response.json()
+                    assert response.status == 503 and health["status"] == "unhealthy"
+                    assert health["upstreams"]["P"]["status"] == "status 503"
+                    assert health["upstreams"]["D"]["status"].startswith("unreachable")
+                await d.start()
+
+    run(go())
+
+
+def _samples(text: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_upstream_requests_by_stage_and_status_with_their_latency():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            await _post(proxy.url, CLIENT_REQUEST)
+            d.fail = (500, b"{}")
+            await _post(proxy.url, CLIENT_REQUEST)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/metrics") as response:
+                    samples = _samples(await response.text())
+        count = "kvdrain_proxy_requests_total"
+        assert samples[(count, (("stage", "prefill"), ("status", "200"), ("upstream", "P")))] == 2
+        assert samples[(count, (("stage", "decode"), ("status", "200"), ("upstream", "D")))] == 1
+        assert samples[(count, (("stage", "decode"), ("status", "500"), ("upstream", "D")))] == 1
+        latency = "kvdrain_proxy_upstream_latency_seconds_count"
+        assert samples[(latency, (("stage", "decode"), ("upstream", "D")))] == 2
+
+    run(go())
+
+
+def test_the_api_key_guards_v1_and_the_upstream_key_goes_to_every_server():
+    async def go():
+        async with deployment(api_key="front", upstream_api_key="back") as (proxy, (p,), (d,)):
+            status, body, _ = await _post(proxy.url, CLIENT_REQUEST)
+            assert status == 401 and p.bodies == []
+            status, _, _ = await _post(proxy.url, CLIENT_REQUEST, headers={"Authorization": "Bearer front"})
+            assert status == 200
+            assert p.headers[0]["Authorization"] == d.headers[0]["Authorization"] == "Bearer back"
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/health") as response:
+                    assert response.status == 200  # open, like vLLM's
+
+    run(go())
+
+
+def test_bad_urls_and_listening_beyond_loopback_without_a_key_are_usage_errors():
+    assert invoke("proxy", "--prefill", "http://127.0.0.1:1").exit_code == 2  # --decode missing
+    result = invoke("proxy", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2")
+    assert result.exit_code == 2 and "expected http://HOST:PORT" in result.output
+    result = invoke("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                    "--host", "0.0.0.0")
+    assert result.exit_code == 2 and "--api-key" in result.output and "--insecure" in result.output
+    assert invoke("proxy", "--help").output.count("Example") == 1
+
+
+def _proxy_process(*args: str) -> Lines:
+    return Lines([sys.executable, "-m", "cli", "proxy", "--prefill", "http://127.0.0.1:9",
+                  "--decode", "http://127.0.0.1:9", *args])
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_proxy_prints_its_ready_line_and_stops_cleanly_on_a_signal(sig, code):
+    proxy = _proxy_process("--port", "0")
+    try:
+        port = int(proxy.wait_for(r"^proxy ready http://127\.0\.0\.1:(\d+)$", 30).group(1))
+        assert port > 0
+        proxy.proc.send_signal(sig)
+        assert proxy.proc.wait(10) == code
+    finally:
+        if proxy.proc.poll() is None:
+            proxy.proc.kill()
+            proxy.proc.wait(5)
+    assert not any("Traceback" in line for line in proxy.seen), proxy.seen
+
+
+def test_an_insecure_proxy_beyond_loopback_warns():
+    proxy = _proxy_process("--host", "0.0.0.0", "--insecure")
+    try:
+        proxy.wait_for(r"WARNING: --insecure", 30)
+        proxy.wait_for(r"^proxy ready http://0\.0\.0\.0:\d+$", 30)
+    finally:
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(10) == 143
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdict(tmp_path: Path):
+    """Two single-engine serves as a P and a D stand-in. P has no connector: it answers
+    without params and frees its blocks at once (too soon for a scrape to see), so D
+    prefills itself and D's /metrics is the one judged."""
+    serves, proxy = [], None
+    try:
+        for _ in range(2):
+            serves.append(Serve("--topology", "single", "--http", "0"))
+        p_url, d_url = [s.wait_for(r"HTTP on (http://\S+)", 30).group(1) for s in serves]
+        proxy = Lines([sys.executable, "-m", "cli", "proxy", "--prefill", p_url, "--decode", d_url])
+        proxy_url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
+        report = tmp_path / "report.json"
+        result = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
+                        "--report", str(report), "--speedup", "4", "--no-live", "--idle-threshold",
+                        "0.5", "--drain-deadline", "0.3", "--tail", "1", "--scrape-interval", "0.05")
+        assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+        data = json.loads(report.read_text())
+        assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}
+        assert _scraped(f"{proxy_url}/metrics", "kvdrain_proxy_requests_total") == {
+            (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 32,
+            (("stage", "decode"), ("status", "200"), ("upstream", "D")): 32,
+            (("stage", "models"), ("status", "200"), ("upstream", "D")): 1}  # the replay's probe
+    finally:
+        if proxy is not None and proxy.proc.poll() is None:
+            proxy.proc.send_signal(signal.SIGTERM)
+            proxy.proc.wait(10)
+        for serve in serves:
+            serve.stop()
+
+
+def _scraped(url: str, name: str) -> dict[tuple, float]:
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url) as response:
+                return _samples(await response.text())
+
+    return {labels: v for (n, labels), v in run(go()).items() if n == name}
