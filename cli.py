@@ -51,6 +51,21 @@ def _gpu_memory_utilization(o: dict) -> float | None:
     return o["gpu_memory_utilization"] or GPU_MEMORY_UTILIZATION / len(engine_roles(o["topology"]))
 
 
+def _require_torch(runner: str) -> None:
+    """--runner torch without torch installed: a usage error saying how to get it."""
+    import importlib.util
+    if runner != "torch":
+        return
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise click.UsageError("--runner torch: needs torch, which is not installed; pip install "
+                               "'kvdrain[model]' (or --runner mock; --target http://, --engine vllm "
+                               "and `kvdrain proxy` need no torch)")
+
+
 def _model_preset(name: str):
     if name not in MODEL_PRESETS:
         raise click.UsageError(f"--model: {name!r} is not a preset ({', '.join(sorted(MODEL_PRESETS))});"
@@ -327,6 +342,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     vllm = _vllm(options, clock, target, metrics_urls)
     target = _normalize_target(target, clock) if vllm is None else VLLM_TARGET
     http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
+    if clock == "wall" and target is None and vllm is None:
+        _require_torch(options["runner"])  # only a local wall replay runs the model
     engine, kv = _build_configs(options)
     engine = _apply_profile(engine, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
                                                      else None))
@@ -449,6 +466,7 @@ def serve_cmd(address: str, record_path: Path | None, live: bool, http_address: 
              kvdrain serve --http 8000   (then --target http://127.0.0.1:8000)
     """
     from replay.commands import serve_main
+    _require_torch(options["runner"])
     engine, kv = _build_configs(options)
     http = None
     if http_address is not None:
@@ -524,6 +542,7 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
              kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
     """
     from replay.live.calibrate import CalibrateOptions, calibrate_main
+    _require_torch(runner)
     try:
         options = CalibrateOptions(runner=runner, model=model, device=device, num_reps=reps,
                                    loop_overhead=loop_overhead)

@@ -42,15 +42,18 @@ ENGINES = ("kvdrain", "vllm")  # --engine: kvdrain's own engines, or real vLLM
 DEFAULT_VENV = Path(".venv-vllm")
 START_TIMEOUT_S = 600.0  # P and D together on 2 cores: 66-161 s measured
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, per GPU
 POLL_S = 0.25
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 4,096 blocks of 128 for the tiny model
 LOG_TAIL_LINES = 12
-# A real vLLM's start-up, as its log shows it: weights loading (then KV cache and warm-up).
-LOADING_MARKS = ("Starting to load model", "Loading weights", "load_model", "Loading model")
+# A real vLLM's start-up, as its log shows it: the API server imports vLLM, then its engine
+# core, then the worker, which loads the weights, sizes the KV cache and warms up.
+PHASE_MARKS = (("engine core", ("Initializing a V1 LLM engine",)),
+               ("loading", ("Starting to load model", "Loading weights")))
 PROXY_READY = "proxy ready "
 TINY_SERVE_ARGS = ("--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
                    "--max-num-seqs", "16", "--enforce-eager")
-State = Literal["starting", "loading", "ready", "exited", "timed out"]
+State = Literal["starting", "engine core", "loading", "ready", "exited", "timed out"]
 
 
 class VllmVenvError(ValueError):
@@ -96,6 +99,7 @@ class VllmInstall:
 def check_venv(venv: Path) -> VllmInstall:
     """The vLLM in venv, or VllmVenvError saying how to make one."""
     make = "run `make vllm` in kvdrain's checkout to create .venv-vllm, or give --vllm-venv DIR"
+    venv = venv.absolute()  # the instances run in the run dir
     vllm, python = venv / "bin" / "vllm", venv / "bin" / "python"
     if not venv.is_dir():
         raise VllmVenvError(f"--vllm-venv {venv}: no such directory; {make}")
@@ -175,6 +179,16 @@ def instance_env(base: dict[str, str], side_channel_port: int, cores: list[int],
     return env
 
 
+def gpu_share_args(num_instances: int, num_gpus: int, args: tuple[str, ...]) -> list[str]:
+    """Instances that share a GPU split vLLM's default 0.9 of its memory (unless --vllm-arg
+    sets it): two at 0.9 each, and the second runs out of memory at start."""
+    if num_gpus == 0 or num_gpus >= num_instances or any(a.startswith("--gpu-memory-utilization")
+                                                         for a in args):
+        return []
+    per_gpu = -(-num_instances // num_gpus)
+    return ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / per_gpu:.2f}"]
+
+
 def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_dir: Path,
                    base_env: dict[str, str], cores: list[int], num_gpus: int) -> list[InstanceSpec]:
     roles = engine_roles(options.topology)
@@ -186,7 +200,8 @@ def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_d
         port, side = free_port(), free_port()
         kv = kv_transfer_config(kv_role)
         argv = [str(install.vllm), "serve", model, *served, "--host", "127.0.0.1", "--port", str(port),
-                *tiny, *(["--kv-transfer-config", kv] if kv else []), *options.args]
+                *tiny, *(["--kv-transfer-config", kv] if kv else []),
+                *gpu_share_args(len(roles), num_gpus, options.args), *options.args]
         env = instance_env(base_env, side, cpu_sets[i], i % num_gpus if num_gpus else None, options.env)
         if options.model is None:
             env["HF_HUB_OFFLINE"] = "1"  # a local model: nothing to download
@@ -234,8 +249,11 @@ class ManagedProcess:
         self.log_path = log_path
         self.started_at = time.monotonic()
         with open(log_path, "ab") as log:
-            self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as e:
+                raise VllmFault(name, f"could not start {argv[0]}: {e}", log_path, []) from None
         self.known: set[int] = set()  # descendants seen, in case one leaves the group
 
     @property
@@ -349,8 +367,8 @@ class Instance:
             self.process.note_descendants()
         elif now > timeout_s:
             self.status.state = "timed out"
-        elif self.status.state == "starting" and _log_mentions(self.spec.log_path, LOADING_MARKS):
-            self.status.state = "loading"
+        else:
+            self.status.state = _phase(self.spec.log_path, self.status.state)
 
     def fault(self) -> VllmFault | None:
         if self.status.state == "exited":
@@ -362,12 +380,18 @@ class Instance:
         return VllmFault(self.spec.name, reason, self.spec.log_path, last_lines(self.spec.log_path))
 
 
-def _log_mentions(path: Path, marks: tuple[str, ...]) -> bool:
+def _phase(path: Path, state: State) -> State:
+    """The latest start-up phase the log shows (never an earlier one than state)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return False
-    return any(mark in text for mark in marks)
+        return state
+    names = [name for name, _ in PHASE_MARKS]
+    seen = [name for name, marks in PHASE_MARKS if any(mark in text for mark in marks)]
+    latest = max(seen, key=names.index, default=None)
+    if latest is None or (state in names and names.index(state) >= names.index(latest)):
+        return state
+    return latest
 
 
 class VllmDeployment:
@@ -403,13 +427,15 @@ class VllmDeployment:
     def log_paths(self) -> list[Path]:
         return [s.log_path for s in self.specs] + ([self.proxy_log] if len(self.specs) > 1 else [])
 
-    def start(self) -> None:
-        """Every instance (and the proxy) at once."""
+    def start(self, names: tuple[str, ...] | None = None) -> None:
+        """Every instance (or those named: a benchmark's instance alone) and the proxy, at once."""
         self.launched_at = time.monotonic()
         for spec in self.specs:
+            if names is not None and spec.name not in names:
+                continue
             process = ManagedProcess(spec.name, spec.argv, spec.env, spec.log_path, self.run_dir)
             self.instances.append(Instance(spec=spec, process=process))
-        if len(self.specs) > 1:
+        if len(self.specs) > 1 and len(self.instances) == len(self.specs):
             self.proxy = ManagedProcess("proxy", self._proxy_argv(), self._proxy_env(),
                                         self.proxy_log, self.run_dir)
 

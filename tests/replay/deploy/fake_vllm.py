@@ -52,7 +52,7 @@ class Fake:
         max_tokens = 1 if params.get("do_remote_decode") else int(body.get("max_tokens") or 16)
         self.running += 1
         try:
-            await asyncio.sleep(0.3)  # long enough for a 0.1 s scrape to see it
+            await asyncio.sleep(0.2)  # long enough for a 0.1 s scrape to see it
         finally:
             self.running -= 1
         usage = {"prompt_tokens": num_prompt, "completion_tokens": max_tokens,

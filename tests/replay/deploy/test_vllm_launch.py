@@ -125,7 +125,7 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
         fake_venv, pidfile, tmp_path, topology):
     report = tmp_path / "report.json"
     result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv),
-                     "--topology", topology, "--no-live", "--speedup", "4", "--report", str(report))
+                     "--topology", topology, "--no-live", "--speedup", "2", "--report", str(report))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     names = {"single": ["E"], "pd": ["P", "D"]}[topology]
