@@ -35,7 +35,7 @@ class _PatchingLoader(importlib.machinery.SourceFileLoader):
         if source.count(old) != 1:
             raise ImportError(f"pre-fix overlay: {fullname} is not vLLM 0.32's ({old.strip()!r} "
                               f"found {source.count(old)} times)")
-        print(f"pre-fix overlay: {fullname}: {new.strip()}", file=sys.stderr, flush=True)
+        print(f"pre-fix overlay: {fullname}: the fix of #43433 reverted", file=sys.stderr, flush=True)
         return compile(source.replace(old, new), self.path, "exec", dont_inherit=True)
 
 
