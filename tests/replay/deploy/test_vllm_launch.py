@@ -214,3 +214,36 @@ def test_a_real_vllm_pd_pair_replays_the_example_verified(tmp_path):
                      "--no-live", "--report", str(report), timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert json.loads(report.read_text())["status"] == "verified"
+
+
+def real_vllm_source(relative: str) -> Path:
+    found = sorted(REAL_VENV.glob(f"lib/python3*/site-packages/vllm/{relative}"))
+    if not found:
+        pytest.skip(f"no real vLLM: {REAL_VENV} holds no vllm/{relative} (`make vllm` creates it)")
+    return found[0]
+
+
+@pytest.mark.vllm
+def test_the_pre_fix_overlay_patches_exactly_one_line_of_each_installed_module():
+    for module, (old, _) in _overlay_patches().items():
+        source = real_vllm_source(module.removeprefix("vllm.").replace(".", "/") + ".py").read_text()
+        assert source.count(old) == 1, module
+
+
+def _overlay_patches() -> dict:
+    """The overlay's PATCHES, read without installing its import hook in this process."""
+    import ast
+    tree = ast.parse((ROOT / "bench" / "vllm_prefix" / "sitecustomize.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "PATCHES")
+    return ast.literal_eval(node.value)
+
+
+def test_every_instance_gets_the_connector_role_its_own_ports_and_the_users_args(fake_venv, tmp_path):
+    options = VllmOptions(venv=fake_venv, topology="pd", args=("--max-num-seqs", "8"), env=(("X", "1"),))
+    d = VllmDeployment(options, check_venv(fake_venv), tmp_path / "run")
+    p, dd = d.specs
+    assert json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])["kv_role"] == "kv_producer"
+    assert json.loads(dd.argv[dd.argv.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
+    assert len({p.port, dd.port, p.side_channel_port, dd.side_channel_port}) == 4
+    assert p.argv[-2:] == ["--max-num-seqs", "8"] and p.env["X"] == "1"
+    assert (tmp_path / "run" / "model" / "tokenizer.json").exists()
