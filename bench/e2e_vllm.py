@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "examples" / "pd_idle.jsonl"
 PREFIX_OVERLAY = ROOT / "bench" / "vllm_prefix"
+# The example stretched for a small shared machine: a real vLLM P/D pair on 2 busy cores
+# took 50-90 s per burst of 8 requests at the trace's own pace (idle gaps of 4 s), so no
+# idle window was seen. At a quarter of the pace with half the tokens the gaps are 16 s
+# and a prompt still fills a 128-token block on P, which the pre-fix P then holds.
+DEFAULT_REPLAY_ARGS = ["--speedup", "0.25", "--scale-tokens", "0.5"]
 TIMES = re.compile(r"vllm: launch to ready ([0-9.]+) s, replay ([0-9.]+) s")
 READY = re.compile(r"^\s+(\w+): ready in ([0-9.]+) s", re.M)
 
@@ -82,13 +88,11 @@ def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None
         try:
             row.exit_code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # SIGTERM: kvdrain tears its deployment down (exit 143)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
             row.exit_code, row.verdict = proc.returncode, f"timed out ({timeout_s:.0f} s)"
+        except BaseException:  # Ctrl-C or SIGTERM of this script: the replay tears down first
+            stop(proc)
+            raise
     row.total_s = time.monotonic() - start
     text = row.log.read_text(errors="replace")
     times = TIMES.search(text)
@@ -100,6 +104,16 @@ def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None
     elif not row.verdict.startswith("timed out"):
         row.verdict = "no report"
     print(f"   exit {row.exit_code} ({row.verdict}) in {row.total_s:.0f} s; log {row.log}", flush=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM: kvdrain tears its deployment down (exit 143); SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def fmt(value: float | None) -> str:
@@ -133,8 +147,10 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=3600.0, help="no row starts after this (s)")
     parser.add_argument("--out", type=Path, default=None, help="logs and reports (default: a temp dir)")
     parser.add_argument("--only", choices=["single", "pd"], default=None, help="one topology")
-    parser.add_argument("replay_args", nargs="*", help="more `kvdrain replay` options, after --")
+    parser.add_argument("replay_args", nargs="*", help="`kvdrain replay` options, after -- "
+                        f"(default: {' '.join(DEFAULT_REPLAY_ARGS)})")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: stop the row's replay
     if not (args.venv / "bin" / "vllm").exists():
         print(f"error: {args.venv} holds no vLLM; run `make vllm` first", file=sys.stderr)
         return 2
@@ -146,7 +162,7 @@ def main() -> int:
         if time.monotonic() - start > args.budget:
             row.verdict = "skipped (budget)"
             continue
-        run_row(row, out, args.run_timeout, args.replay_args)
+        run_row(row, out, args.run_timeout, args.replay_args or DEFAULT_REPLAY_ARGS)
     print_matrix(all_rows)
     wrong = [r for r in all_rows if r.exit_code is not None and r.exit_code != r.expected]
     skipped = [r for r in all_rows if r.exit_code is None]

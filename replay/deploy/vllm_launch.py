@@ -247,7 +247,6 @@ class ManagedProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> None:
         self.name = name
         self.log_path = log_path
-        self.started_at = time.monotonic()
         with open(log_path, "ab") as log:
             try:
                 self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
@@ -316,11 +315,14 @@ def stop_all(processes: list[ManagedProcess], timeout_s: float = STOP_TIMEOUT_S)
     for p in processes:
         if not p.is_gone():
             p.signal_group(signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s  # SIGKILL cannot be refused: this is short
     for p in processes:
         try:
-            p.popen.wait(timeout=timeout_s)
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    while time.monotonic() < deadline and not all(p.is_gone() for p in processes):
+        time.sleep(0.05)
 
 
 def probe_health(url: str, timeout_s: float = 1.0) -> bool:

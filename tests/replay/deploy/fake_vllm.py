@@ -5,7 +5,8 @@ FAKE_VLLM_MODE picks its behaviour: `works` (default) serves /health, /v1/models
 /v1/completions (streamed or not; a request with kv_transfer_params.do_remote_decode
 answers with the params D needs, as a NixlConnector P does) and /metrics
 (vllm:kv_cache_usage_perc as a fraction, num_requests_running/waiting,
-cache_config_info); `dies` exits 1 at start; `hangs` never answers /health. Like vLLM,
+cache_config_info); `dies` exits 1 at start; `hangs` never answers /health; `crashes`
+exits at its third completion. Like vLLM,
 it starts a child (its "engine core"), and it appends "PID CHILD_PID" to
 FAKE_VLLM_PIDFILE, so a test can check both are gone.
 """
@@ -55,6 +56,10 @@ class Fake:
             await asyncio.sleep(0.2)  # long enough for a 0.1 s scrape to see it
         finally:
             self.running -= 1
+        self.num_done += 1
+        if os.environ.get("FAKE_VLLM_MODE") == "crashes" and self.num_done == 3:
+            print("fake engine core died mid-run", flush=True)
+            os._exit(1)  # its child stays behind, as an engine core would
         usage = {"prompt_tokens": num_prompt, "completion_tokens": max_tokens,
                  "total_tokens": num_prompt + max_tokens}
         base = {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion",

@@ -172,6 +172,15 @@ def test_the_cli_names_a_failed_start_as_a_fault_with_exit_4(fake_venv, pidfile)
     assert not any(running(p) for p in started_pids(pidfile))
 
 
+def test_an_instance_that_dies_during_the_replay_is_a_fault_and_its_orphans_are_stopped(fake_venv, pidfile):
+    result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv),
+                     "--topology", "single", "--no-live", "--speedup", "2", env={"FAKE_VLLM_MODE": "crashes"})
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "during the replay" in result.stdout and "fake engine core died mid-run" in result.stdout
+    pids = started_pids(pidfile)
+    assert len(pids) == 2 and not any(running(p) for p in pids)
+
+
 def test_a_group_that_ignores_sigterm_is_killed_after_the_bound(tmp_path):
     from replay.deploy.vllm_launch import ManagedProcess
     code = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
