@@ -12,6 +12,7 @@ start-up stop it alike (exit 130, 143).
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import tempfile
 import threading
@@ -90,12 +91,36 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, paths: 
                    vocab_size=config.http.vocab_size or deployment.vocab_size)
     started = time.monotonic()
     code = replay_main(replace(config, target=deployment.target_url, http=http), paths, live, console)
-    _say(console, f"vllm: launch to ready {ready_s:.1f} s, replay {time.monotonic() - started:.1f} s")
+    replay_s = time.monotonic() - started
+    _say(console, f"vllm: launch to ready {ready_s:.1f} s, replay {replay_s:.1f} s")
+    if paths.report is not None and paths.report.exists():
+        add_deployment(paths.report, deployment, replay_s)
     dead = deployment.dead()
     if dead is not None:
         _fault(console, dead)
         return EXIT_FAULT
     return code
+
+
+def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
+    """What was launched: vLLM's version, each instance's command line, ports and log."""
+    return {"engine": "vllm", "vllm_version": deployment.install.version,
+            "venv": str(deployment.install.venv), "topology": deployment.options.topology,
+            "model": deployment.options.model or "kvdrain's tiny dummy-weight Llama",
+            "proxy": deployment.proxy_url, "run_dir": str(deployment.run_dir), "replay_s": round(replay_s, 3),
+            "instances": [{"name": i.spec.name, "url": i.spec.url, "side_channel_port": i.spec.side_channel_port,
+                           "argv": i.spec.argv[1:], "log": str(i.spec.log_path),
+                           "ready_s": i.status.ready_s} for i in deployment.instances]}
+
+
+def add_deployment(report_path: Path, deployment: VllmDeployment, replay_s: float) -> None:
+    """The written report gains the deployment, and loses kvdrain's own connector settings
+    (they describe the miniature's connector, not the NixlConnector that ran)."""
+    report = json.loads(report_path.read_text())
+    report["deployment"] = deployment_record(deployment, replay_s)
+    report.get("settings", {})["kv_transfer"] = {"kv_connector": "NixlConnector", "roles": {
+        "P": "kv_producer", "D": "kv_consumer"}} if deployment.options.topology == "pd" else None
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _metrics_source(name: str, url: str):

@@ -130,8 +130,11 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
     assert result.returncode == 0, out
     names = {"single": ["E"], "pd": ["P", "D"]}[topology]
     assert "ready in" in out and "launch to ready" in out and f"{names[0]}.log" in out
-    engines = json.loads(report.read_text())["engines"]
-    assert sorted(e["engine"] for e in engines) == sorted(names)
+    written = json.loads(report.read_text())
+    assert sorted(e["engine"] for e in written["engines"]) == sorted(names)
+    assert written["deployment"]["vllm_version"] == "0.32.0+fake"
+    assert [i["name"] for i in written["deployment"]["instances"]] == names
+    assert "make_pd_connector" not in json.dumps(written["settings"])
     pids = started_pids(pidfile)
     assert len(pids) == 2 * len(names)
     assert not any(running(p) for p in pids)
