@@ -13,7 +13,7 @@ from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES,
 from click.core import ParameterSource
 
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
-from replay.deploy.vllm_launch import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
+from replay.deploy.vllm_options import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"

@@ -5,5 +5,8 @@
 - router: PDRouter, that state machine over engine clients;
 - topology: launching a topology's engine cores with their connector configs;
 - proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp);
-- balance: which of several upstreams of one role serves next, sans IO.
+- balance: which of several upstreams of one role serves next, sans IO;
+- vllm_options, vllm_launch, vllm_model, vllm_replay: `replay --engine vllm`, real `vllm
+  serve` instances launched, watched and torn down, their default tiny model, the replay
+  through them.
 """

@@ -29,18 +29,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
 from replay.deploy.routing import engine_roles
 from replay.deploy.vllm_model import NUM_WORDS, SERVED_NAME, write_tiny_model
+from replay.deploy.vllm_options import VllmOptions
 
-ENGINES = ("kvdrain", "vllm")  # --engine: kvdrain's own engines, or real vLLM
-DEFAULT_VENV = Path(".venv-vllm")
-START_TIMEOUT_S = 600.0  # P and D together on 2 cores: 66-161 s measured
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, per GPU
 POLL_S = 0.25
@@ -69,23 +65,6 @@ class VllmFault(RuntimeError):
         self.reason = reason
         self.log_path = log_path
         self.last_lines = last_lines
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VllmOptions:
-    """What --engine vllm launches (cli.py's vLLM option group builds it)."""
-
-    venv: Path = DEFAULT_VENV
-    topology: str = "pd"
-    model: str | None = None  # a local dir or a model name; None: the tiny model, written
-    args: tuple[str, ...] = ()  # passed to every `vllm serve`
-    env: tuple[tuple[str, str], ...] = ()  # set in every instance's environment
-    start_timeout_s: float = START_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        engine_roles(self.topology)  # ValueError on an unknown topology
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"start timeout: must be > 0, got {self.start_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -326,6 +305,8 @@ def stop_all(processes: list[ManagedProcess], timeout_s: float = STOP_TIMEOUT_S)
 
 
 def probe_health(url: str, timeout_s: float = 1.0) -> bool:
+    import urllib.error  # here: cli.py imports this module, and every engine process cli.py
+    import urllib.request
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout_s) as response:
             return response.status == 200

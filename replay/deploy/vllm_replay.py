@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Iterator
 
 from replay.commands import ReportPaths, replay_main
-from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmOptions,
-                                       VllmVenvError, check_venv)
+from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmVenvError,
+                                       check_venv)
+from replay.deploy.vllm_options import VllmOptions
 from replay.live.interrupt import SIGNALS, Interrupted, interruptible
 from replay.pipeline import ReplayConfig, validate_replay_trace
 from replay.trace.reader import TraceError
@@ -80,9 +81,7 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, paths: 
         spec = instance.spec
         _say(console, f"  {spec.name}: starting... {spec.url} (NIXL side channel "
                       f"{spec.side_channel_port}), log {spec.log_path}")
-    view = _StartupView(console)
-    view.shown = {i.spec.name: "starting" for i in deployment.instances}
-    deployment.wait_ready(view)
+    deployment.wait_ready(_StartupView(console, [i.spec.name for i in deployment.instances]))
     ready_s = max(s.ready_s or 0.0 for s in deployment.statuses())
     _say(console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}")
     http = replace(config.http, base_url=deployment.target_url,
@@ -131,9 +130,9 @@ def _metrics_source(name: str, url: str):
 class _StartupView:
     """Prints an instance's line when its state changes, and all of them every HEARTBEAT_S."""
 
-    def __init__(self, console) -> None:
+    def __init__(self, console, names: list[str]) -> None:
         self.console = console
-        self.shown: dict[str, str] = {}
+        self.shown = {name: "starting" for name in names}  # as the launch printed them
         self.last_heartbeat = time.monotonic()
 
     def __call__(self, statuses: list[InstanceStatus]) -> None:

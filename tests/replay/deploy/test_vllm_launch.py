@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmOptions, VllmVenvError,
-                                       check_venv, core_sets, instance_env, stop_all)
+from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmVenvError, check_venv,
+                                       core_sets, instance_env, stop_all)
+from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, write_tiny_model
 from tests.paths import EXAMPLE, ROOT
 
