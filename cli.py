@@ -290,6 +290,9 @@ def _vllm(options: dict, clock: str, target: str | None, metrics_urls: tuple[str
 @click.option("--scrape-interval", type=click.FloatRange(min=0, min_open=True), default=0.1,
               show_default=True, help="With --target http://: seconds between scrapes.")
 @click.option("--api-key", default=None, help="With --target http://: sent as a Bearer token.")
+@click.option("--vocab-size", type=click.IntRange(1), default=None,
+              help="With --target http://: the model's vocabulary size, when the server does not "
+                   "say it (kvdrain's /v1/models and vLLM's /tokenize over kvdrain's words do).")
 @click.option("--cost-profile", "cost_profile_path", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --clock virtual: step costs measured by `kvdrain calibrate`.")
@@ -424,8 +427,10 @@ def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
 def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_format: str,
                  scrape_interval: float, api_key: str | None, options: dict):
     """HttpTargetOptions for --target http://...; None for other targets (HTTP options refused)."""
+    vocab_size = options.pop("vocab_size")
     if target is None or not target.startswith(("http://", "https://")):
-        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key)) if v]
+        given = [n for n, v in (("--metrics", metrics_urls), ("--api-key", api_key),
+                                ("--vocab-size", vocab_size)) if v]
         if given:
             raise click.UsageError(f"{given[0]}: only with --target http://")
         return None
@@ -436,7 +441,7 @@ def _http_target(target: str | None, metrics_urls: tuple[str, ...], prompt_forma
     options["model"] = "tiny"  # the engine options do not apply to someone else's server
     try:
         return HttpTargetOptions(target, tuple(MetricsSource.parse(m) for m in metrics_urls),
-                                 served, prompt_format, scrape_interval, api_key)
+                                 served, prompt_format, scrape_interval, api_key, vocab_size=vocab_size)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 

@@ -160,9 +160,8 @@ def _report(result: ReplayResult, paths: ReportPaths, console) -> int:
 
 
 def _plot_title(result: ReplayResult, report: dict) -> str:
-    from replay.verify.plot import plot_title
-    liveness = report["settings"].get("engine", {}).get("liveness", "?")
-    return plot_title(result.config.trace.name, str(liveness), result.config.clock,
+    from replay.verify.plot import plot_title, system_label
+    return plot_title(result.config.trace.name, system_label(report["settings"]), result.config.clock,
                       report["status"], report["exit_code"])
 
 
@@ -254,7 +253,9 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
     finally:
         server.close()
         router.shutdown()
-    print(f"kvdrain serve: stopped after {server.num_requests} requests", flush=True)
+    over_http = "" if http is None else f" ({http.num_requests} over HTTP)"
+    print(f"kvdrain serve: stopped after {server.num_requests + (http.num_requests if http else 0)} "
+          f"requests{over_http}", flush=True)
     return EXIT_OK
 
 

@@ -107,17 +107,19 @@ class ReplayResult:
         return {"trace": str(c.trace), "format": self.summary.format, "clock": c.clock,
                 "topology": self.timeline.meta.get("topology", c.topology), "target": c.target,
                 "tail_s": c.effective_tail_s(),
-                "engine": self.engine_settings(), "kv_transfer": config_to_dict(c.kv),
+                "engine": self.engine_settings(),
+                "kv_transfer": None if c.http is not None else config_to_dict(c.kv),
                 "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
                 "wall_s": round(self.wall_s, 3), "check_outputs": c.effective_check_outputs(),
                 "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None}
 
     def engine_settings(self) -> dict:
-        """What really ran: the server's own configuration with --target, "mock" as the
-        runner under the virtual clock, else the engine config given."""
+        """What really ran: the server's own configuration with --target (over HTTP as it
+        described itself), "mock" as the runner under the virtual clock, else the engine
+        config given."""
         c = self.config
         if c.http is not None:
-            return {"source": "http server (see http.server)"}
+            return {"source": "http server", **self.timeline.meta.get("http", {}).get("settings", {})}
         server = self.timeline.meta.get("server")
         if server is not None:
             return {"source": "server", **server}

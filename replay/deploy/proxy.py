@@ -10,8 +10,9 @@ arrives, so latencies measured through the proxy are D's and not the proxy's.
 
 An upstream's error (any status other than 200) is forwarded with its status and body;
 an upstream that cannot be reached is a 502 with an OpenAI-style error body naming it.
-Several P and D are used in turn (balance.round_robin). /v1/models is D's, /health is
-200 only when every upstream's /health is, and /metrics is the proxy's own.
+Several P and D are used in turn (balance.round_robin). /v1/models, /version and
+/tokenize are D's (a replay learns the server's version and vocabulary through them),
+/health is 200 only when every upstream's /health is, and /metrics is the proxy's own.
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvdrain_proxy_requests", "Requests sent upstream, by stage "
-                                "(prefill, decode, models) and answer status ('unreachable': none).",
+                                "(prefill, decode, models, version, tokenize) and answer status ('unreachable': none).",
                                 ["stage", "upstream", "status"], registry=self.registry)
         self.latency = Histogram("kvdrain_proxy_upstream_latency_seconds", "From sending a request "
                                  "upstream to the end of its answer.", ["stage", "upstream"],
@@ -199,7 +200,9 @@ class Proxy:
         app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completions)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.forward)
+        app.router.add_get("/version", self.forward)
+        app.router.add_post("/tokenize", self.forward)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.serve_metrics)
         return app
@@ -307,16 +310,21 @@ class Proxy:
         finally:
             self.metrics.observe("decode", upstream, status, start)
 
-    async def models(self, request: web.Request) -> web.Response:
-        upstream = self._next("D")
+    async def forward(self, request: web.Request) -> web.Response:
+        """A D's answer to the same request (/v1/models, /version, /tokenize)."""
+        upstream, stage = self._next("D"), request.path.strip("/").removeprefix("v1/")
         start = time.monotonic()
+        headers = self._headers()
+        if request.content_type == "application/json":
+            headers["Content-Type"] = "application/json"
         try:
-            async with self.session.get(upstream.url + "/v1/models", headers=self._headers()) as answer:
+            async with self.session.request(request.method, upstream.url + request.path,
+                                            data=await request.read(), headers=headers) as answer:
                 data = await answer.read()
         except aiohttp.ClientError as e:
-            self.metrics.observe("models", upstream, "unreachable", start)
+            self.metrics.observe(stage, upstream, "unreachable", start)
             raise Unreachable(upstream, "decode", e) from None
-        self.metrics.observe("models", upstream, str(answer.status), start)
+        self.metrics.observe(stage, upstream, str(answer.status), start)
         return _forwarded(answer, data)
 
     async def health(self, request: web.Request) -> web.Response:

@@ -26,6 +26,9 @@ class PDRouter:
         self.errors: list[tuple[str, str]] = []  # (engine, message), every engine's, oldest first
         self._rejected: list[RequestOutput] = []  # refused at the front, for the next poll
         self.num_rejected = 0
+        # The prefill engine's finished requests by finish reason (the prefill-only ones the
+        # client never sees included), as a vLLM P server counts them.
+        self.prefill_finished: dict[str, int] = {}
         self._limits: RequestLimits | None = None
 
     @property
@@ -85,6 +88,9 @@ class PDRouter:
         for client in self.clients.values():
             for output in client.get_outputs(0):
                 routed = self.routing.on_output(client.engine_id, output)
+                if routed.action is not None:  # P's final output
+                    reason = output.finish_reason or "error"
+                    self.prefill_finished[reason] = self.prefill_finished.get(reason, 0) + 1
                 self._send(routed.commands)
                 if routed.output is not None:
                     outputs.append(routed.output)

@@ -13,13 +13,25 @@
   was ignored by it (vLLM's FINISHED_IGNORED: a prompt that can never fit); its error
   is the cause kvdrain's front sends (the choice's `kvdrain_ignored_reason`), else
   IGNORED_BY_SERVER, so replay/verify/coverage.py counts it;
-- the trace's largest prompt token id is checked against the server's vocabulary
-  before t = 0 (a TraceError, the CLI's exit 2, never a failure mid-run);
+- the vocabulary is the server's: --vocab-size when given, else what kvdrain's /v1/models
+  card says, else what vLLM's /tokenize shows (replay/http/server_facts.py); none of
+  these is a VocabularyUnknown (the CLI's exit 2: give --vocab-size), never a guess;
+- the trace's largest prompt token id is checked against that vocabulary before t = 0
+  (a TraceError, the CLI's exit 2, never a failure mid-run);
+- without --metrics, a `kvdrain proxy` target's upstreams are scraped (its /health names
+  them; meta["http"]["metrics_from"] says so);
 - every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
   EngineSample records the other drivers produce, so replay/verify/rules.py judges the
-  idle windows from the server's own metrics.
+  idle windows from the server's own metrics;
+- before t = 0 and after the tail, every metrics URL's counters and cache config are read
+  once more (replay/http/server_facts.py): the differences are each engine's steps,
+  wake-ups, lease expiries and prefix-cache hits over the replay (the timeline's
+  counters; None where the server does not count it), and a request whose usage has no
+  `cached_tokens` (vLLM without --enable-prompt-tokens-details) has unknown hits (None).
 The result is a Timeline; `meta["http"]` holds the server's identity, each URL's scrape
-status and the latency summary (replay/verify/latency.py); `meta["sampling"]` is
+status, the latency summary (replay/verify/latency.py) and `settings`, the server as it
+described itself (version, block size, pool, max_model_len, connector, per engine);
+`meta["sampling"]` is
 SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
 replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's status.
 """
@@ -35,6 +47,8 @@ from typing import Iterable
 import aiohttp
 
 from replay.http.scrape import MetricsSource, Scraper
+from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
+                                      probe_vocab_size, read_facts, root_of)
 from replay.http.tokenizer import WordTokenizer
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
@@ -43,7 +57,6 @@ from replay.verify.timeline import (SAMPLING_SCRAPED, AbortRecord, RequestRecord
                                     output_digest)
 
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
-DEFAULT_VOCAB_SIZE = 32000  # token ids below this are valid for Llama-2/Mistral and larger
 PROMPT_FORMATS = ("ids", "text")
 IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
 
@@ -56,7 +69,9 @@ class HttpTargetOptions:
     prompt_format: str = "ids"
     scrape_interval_s: float = 0.1
     api_key: str | None = None
-    vocab_size: int | None = None  # None: the server's (kvdrain says it), else DEFAULT_VOCAB_SIZE
+    vocab_size: int | None = None  # --vocab-size; None: the server's (see the module docstring)
+    vocab_source: str = "--vocab-size"  # where vocab_size came from (a launcher: the model's config)
+    connector: str | None = None  # the KV connector the servers were launched with, if known
     tail_s: float = 3.0
     request_timeout_s: float = 120.0
     max_token_id: int | None = None  # the trace's largest prompt token id (None: none given)
@@ -67,6 +82,12 @@ class HttpTargetOptions:
         for name in ("scrape_interval_s", "tail_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError("--vocab-size: must be >= 1")
+
+
+class VocabularyUnknown(ValueError):
+    """The server does not say its vocabulary size and none was given (usage: exit 2)."""
 
 
 @dataclass(slots=True)
@@ -78,14 +99,26 @@ class ServerIdentity:
     server_header: str | None
     owned_by: str | None
     max_model_len: int | None
-    vocab_size: int
+    vocab_size: int | None
     models: list[str] = field(default_factory=list)
     kvdrain: dict | None = None  # kvdrain's own facts (engines, topology, liveness)
+    vocab_source: str | None = None  # "--vocab-size", "/v1/models" or "/tokenize"
+    version: str | None = None  # GET /version's
 
     def to_dict(self) -> dict:
         return {"base_url": self.base_url, "model": self.model, "server": self.server_header,
                 "owned_by": self.owned_by, "max_model_len": self.max_model_len,
-                "vocab_size": self.vocab_size, "models": self.models, "kvdrain": self.kvdrain}
+                "vocab_size": self.vocab_size, "vocab_source": self.vocab_source,
+                "version": self.version, "models": self.models, "kvdrain": self.kvdrain}
+
+    @property
+    def kind(self) -> str:
+        """Who serves: kvdrain, vLLM, or what the Server header says."""
+        if self.kvdrain is not None or self.owned_by == "kvdrain":
+            return "kvdrain"
+        if self.owned_by == "vllm" or self.version is not None:
+            return "vLLM"
+        return self.server_header or "unknown server"
 
 
 def api_root(base_url: str) -> str:
@@ -115,7 +148,7 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
         if options.model is None:
             raise ConnectionError(f"{url}: lists no models; name the model with --model")
         return ServerIdentity(options.base_url, options.model, server, None, None,
-                              options.vocab_size or DEFAULT_VOCAB_SIZE)
+                              options.vocab_size, vocab_source=_given(options))
     return _identity(options, url, server, cards)
 
 
@@ -126,9 +159,35 @@ def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: l
         raise ConnectionError(f"{url}: --model {model!r} is not served here; it lists {names}")
     card = cards[names.index(model)]
     extra = card.get("kvdrain") if isinstance(card.get("kvdrain"), dict) else None
-    vocab = options.vocab_size or (extra or {}).get("vocab_size") or DEFAULT_VOCAB_SIZE
+    vocab, source = _vocabulary(options, (extra or {}).get("vocab_size"))
     return ServerIdentity(options.base_url, model, server, card.get("owned_by"),
-                          card.get("max_model_len"), int(vocab), names, extra)
+                          card.get("max_model_len"), vocab, names, extra, vocab_source=source)
+
+
+def _given(options: HttpTargetOptions) -> str | None:
+    return options.vocab_source if options.vocab_size is not None else None
+
+
+def _vocabulary(options: HttpTargetOptions, said: object) -> tuple[int | None, str | None]:
+    """(size, where it came from): the one given, else what /v1/models said, else unknown."""
+    if options.vocab_size is not None:
+        return options.vocab_size, _given(options)
+    if type(said) is int and said >= 1:
+        return said, "/v1/models"
+    return None, None
+
+
+async def learn_vocabulary(session: aiohttp.ClientSession, identity: ServerIdentity) -> None:
+    """identity.vocab_size from /tokenize when nothing said it; VocabularyUnknown if that fails too."""
+    if identity.vocab_size is not None:
+        return
+    size = await probe_vocab_size(session, api_root(identity.base_url), identity.model)
+    if size is None:
+        raise VocabularyUnknown(
+            f"{identity.base_url}: the server does not say its vocabulary size (its /v1/models "
+            f"does not, and its /tokenize does not take kvdrain's w<id> words): give "
+            f"--vocab-size N (the model's config.json vocab_size)")
+    identity.vocab_size, identity.vocab_source = size, "/tokenize"
 
 
 def _error_message(body: object) -> str:
@@ -146,7 +205,7 @@ class _Stream:
     chunk_times: list[float] = field(default_factory=list)  # replay seconds of each content chunk
     finish_reason: str | None = None
     usage_completion_tokens: int | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = None  # None: the usage did not say
     error: str | None = None
     ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
 
@@ -157,12 +216,16 @@ class HttpReplay:
         self.origin = 0.0
         self.identity: ServerIdentity | None = None
         self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
+        self.metrics_from = "--metrics" if options.metrics else None
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
         self.tasks: dict[str, asyncio.Task] = {}
         self.aborted: set[str] = set()  # aborted by the trace (not given up on)
         self.end_t = 0.0
+        self.facts_before: dict[str, EngineFacts] = {}  # engine (timeline name) -> facts
+        self.facts_after: dict[str, EngineFacts] = {}
+        self.versions: dict[str, str | None] = {}  # engine -> its server's GET /version
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -175,11 +238,19 @@ class HttpReplay:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
             self.identity = await probe(session, self.options)
+            await learn_vocabulary(session, self.identity)
             check_vocab(self.options.max_token_id, self.identity)
+            self.identity.version = await fetch_version(session, api_root(self.options.base_url))
+            if not self.scrapers:
+                found = await discover_metrics(session, api_root(self.options.base_url))
+                self.scrapers = [Scraper(m, 0.0) for m in found]
+                self.metrics_from = "the proxy's /health" if found else None
             self.origin = time.monotonic() + LEAD_IN_S
             for scraper in self.scrapers:
                 scraper.origin = self.origin
                 await scraper.scrape(session)  # picks the metric and names the engines
+            self.facts_before = await self._read_facts(session)
+            await self._read_versions(session)
             scraping = asyncio.create_task(self._scrape_loop(session))
             try:
                 await self._send_all(session, records)
@@ -190,7 +261,22 @@ class HttpReplay:
             for scraper in self.scrapers:  # a last reading, after the tail
                 await scraper.scrape(session)
             self.end_t = self.now()
+            self.facts_after = await self._read_facts(session)
         return self._timeline()
+
+    async def _read_facts(self, session: aiohttp.ClientSession) -> dict[str, EngineFacts]:
+        out: dict[str, EngineFacts] = {}
+        for scraper in self.scrapers:
+            facts = await read_facts(session, scraper.source.url, list(scraper.engines))
+            out.update({scraper.engines[label]: f for label, f in facts.items()})
+        return out
+
+    async def _read_versions(self, session: aiohttp.ClientSession) -> None:
+        """Each engine's server version: its metrics URL's server's, else the target's."""
+        for scraper in self.scrapers:
+            version = await fetch_version(session, root_of(scraper.source.url))
+            for name in scraper.engines.values():
+                self.versions[name] = version or self.identity.version
 
     async def _send_all(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
         for record in records:
@@ -221,7 +307,7 @@ class HttpReplay:
         instant of its request, or a client running late): close its record here."""
         if record.end_t is not None:
             return
-        stream = _Stream()
+        stream = _Stream(num_cached_tokens=0)  # never computed: no hits
         if record.req_id in self.aborted:
             stream.finish_reason = "abort"
         else:
@@ -326,25 +412,52 @@ class HttpReplay:
         samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
         engines = list(dict.fromkeys(s.engine for s in samples))
         num_blocks = {s.engine: s.num_blocks for s in samples}
+        topology = (self.identity.kvdrain or {}).get("topology") if self.identity else None
         meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
+                "topology": topology,  # None: the server does not say (settings.topology)
                 "http": {"server": self.identity.to_dict() if self.identity else None,
                          "metrics": [s.status() for s in self.scrapers],
+                         "metrics_from": self.metrics_from,
                          "prompt_format": self.options.prompt_format,
                          "scrape_interval_s": self.options.scrape_interval_s,
-                         "latency": latency_summary(self.requests.values())}}
+                         "latency": latency_summary(self.requests.values()),
+                         "settings": self.settings(engines)}}
+        counters = {e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e))
+                    for e in engines}
         return Timeline(engines=engines, num_blocks=num_blocks, samples=samples,
                         requests=list(self.requests.values()), arrivals=self.arrivals,
-                        aborts=self.aborts, end_t=self.end_t, counters={}, meta=meta)
+                        aborts=self.aborts, end_t=self.end_t, counters=counters, meta=meta)
+
+    def settings(self, engines: list[str]) -> dict:
+        """The server as it described itself (the report's settings.engine over HTTP)."""
+        identity = self.identity
+        if identity is None:
+            return {}
+        said = {"server": identity.kind, "version": identity.version, "model": identity.model,
+                "max_model_len": identity.max_model_len, "vocab_size": identity.vocab_size,
+                "vocab_source": identity.vocab_source,
+                "engines": {e: self._engine_settings(e) for e in engines}}
+        if identity.kvdrain is not None:  # kvdrain's own server says its liveness policy
+            said["liveness"] = identity.kvdrain.get("liveness")
+        return said
+
+    def _engine_settings(self, engine: str) -> dict:
+        facts = self.facts_after.get(engine) or self.facts_before.get(engine)
+        config = facts.cache_config if facts is not None else {}
+        return {"version": self.versions.get(engine, self.identity.version),
+                "block_size": _int_or_none(config.get("block_size")),
+                "num_gpu_blocks": _int_or_none(config.get("num_gpu_blocks")),
+                "connector": self.options.connector or (facts.connector if facts else None),
+                "cache_config": config}
 
 
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:
     """A TraceError before t = 0 if the trace's prompts hold a token the server cannot take."""
     if max_token_id is None or max_token_id < identity.vocab_size:
         return
-    said = "as /v1/models says" if (identity.kvdrain or {}).get("vocab_size") else \
-        "assumed: the server does not say its vocabulary size"
     raise TraceError(f"trace: prompt token id {max_token_id:,} is outside the server's "
-                     f"vocabulary [0, {identity.vocab_size:,}) ({said}); nothing was sent")
+                     f"vocabulary [0, {identity.vocab_size:,}) (from {identity.vocab_source}); "
+                     f"nothing was sent")
 
 
 def _expect(value: object, types: tuple[type, ...], what: str) -> object:
@@ -362,8 +475,7 @@ def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
         stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
                                                  "usage.completion_tokens")
         details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
-        cached = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
-        stream.num_cached_tokens = cached or 0
+        stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
     for choice in _expect(chunk.get("choices"), (list,), "choices") or ():
         if not isinstance(choice, dict):
             raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
@@ -384,6 +496,13 @@ def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
         stream.finish_reason = reason
         stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
                                         "kvdrain_ignored_reason")
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:  # vLLM says "None" before its profile run
+        return None
 
 
 def _json_or_text(body: bytes) -> object:

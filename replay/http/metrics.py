@@ -9,8 +9,9 @@ A prometheus_client Collector over two sources, read at scrape time:
 - what the front observes per request (FrontStats): time to first token, end-to-end
   latency, finished requests by reason. Like vLLM's, these are measured where the
   requests enter and leave (vLLM's output processor); they are labelled with the
-  engine that answered (D in a P/D topology: the front never sees P's prefill-only
-  completions, which vLLM's P server would count on its own /metrics).
+  engine that answered (D in a P/D topology). P's prefill-only completions, which the
+  front never sees, come from the router's count of P's final outputs (`prefill`): a
+  vLLM P server counts each in vllm:request_success_total{finished_reason="length"}.
 
 Names, types, label names and buckets follow vllm/v1/metrics/loggers.py and buckets.py
 (0.32.0): every vLLM series carries `model_name` and `engine` (vLLM's engine label is
@@ -120,8 +121,11 @@ class EngineCollector(Collector):
     """Collects every family above from the snapshots and the front's stats."""
 
     def __init__(self, model_name: str, engines: list[str], block_size: int,
-                 latest: dict[str, StatsSnapshot], front: dict[str, FrontStats]) -> None:
+                 latest: dict[str, StatsSnapshot], front: dict[str, FrontStats],
+                 prefill: tuple[str, dict[str, int]] | None = None) -> None:
+        """prefill: the prefill engine and its finished requests by reason (kept current)."""
         self.model_name = model_name
+        self.prefill = prefill
         self.engines = list(engines)
         self.block_size = block_size
         self.latest = latest  # shared with the server, which keeps it current
@@ -135,7 +139,8 @@ class EngineCollector(Collector):
             snap = self.latest.get(engine)
             if snap is not None:
                 _add_snapshot(families, labels, snap, now, self.block_size)
-            _add_front(families, labels, self.front.get(engine) or FrontStats())
+            prefill = self.prefill[1] if self.prefill is not None and self.prefill[0] == engine else {}
+            _add_front(families, labels, self.front.get(engine) or FrontStats(), prefill)
         yield from families.values()
 
 
@@ -216,8 +221,13 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
             families["kvdrain:connector_events"].add_metric(labels + [name], value)
 
 
-def _add_front(families: dict, labels: list[str], front: FrontStats) -> None:
-    for reason, count in front.finished.items():
+def _add_front(families: dict, labels: list[str], front: FrontStats,
+               prefill_finished: dict[str, int]) -> None:
+    finished = dict(front.finished)
+    for reason, count in prefill_finished.items():
+        reason = "length" if reason == "ignored" else reason if reason in finished else "error"
+        finished[reason] += count
+    for reason, count in finished.items():
         families["vllm:request_success"].add_metric(labels + [reason], count)
     families["vllm:time_to_first_token_seconds"].add_metric(
         labels, front.ttft.buckets(), front.ttft.total)

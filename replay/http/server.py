@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import inspect
 import itertools
 import json
@@ -35,6 +36,7 @@ from engine.core.outputs import RequestOutput
 from replay.http import protocol
 from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel
+from replay.http.tokenize import tokenize_answer
 from replay.http.tokenizer import WordTokenizer
 
 POLL_BUSY_S = 0.001
@@ -81,8 +83,10 @@ class HttpFront:
         self.answering_engine = model.engines[-1]  # D in a P/D topology
         self.num_requests = 0
         self.registry = CollectorRegistry(auto_describe=False)
+        prefill = getattr(router, "prefill_finished", None)  # P's prefill-only completions
         self.registry.register(EngineCollector(model.name, list(model.engines), model.block_size,
-                                               self.latest, self.front))
+                                               self.latest, self.front, (model.engines[0], prefill)
+                                               if prefill is not None and len(model.engines) > 1 else None))
         self._ids = itertools.count(1)
         self._takes_params = "kv_transfer_params" in inspect.signature(router.add_request).parameters
         self._wake = asyncio.Event()
@@ -100,6 +104,8 @@ class HttpFront:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)  # vLLM's (replay/http/tokenize.py)
+        app.router.add_get("/version", self.version)
         return app
 
     async def start(self) -> None:
@@ -206,6 +212,16 @@ class HttpFront:
         response = web.Response(body=encoder(self.registry))
         response.headers["Content-Type"] = content_type
         return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from None
+        return web.json_response(tokenize_answer(body, self.model))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": kvdrain_version()})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -318,6 +334,13 @@ class HttpFront:
 
 async def _send_event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def kvdrain_version() -> str:
+    try:
+        return importlib.metadata.version("kvdrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _error_response(error: ApiError) -> web.Response:

@@ -86,6 +86,12 @@ class HttpServe:
         self.options = options
         self.model_name = model_name
         self.shared: SharedRouter | None = None
+        self.front: HttpFront | None = None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the HTTP front took (0 before it ran)."""
+        return self.front.num_requests if self.front is not None else 0
 
     def share(self, router) -> SharedRouter:
         """The router the zmq serve gets (call first)."""
@@ -96,9 +102,9 @@ class HttpServe:
             should_stop: Callable[[], bool]) -> None:
         """Serve both fronts until should_stop() (or Ctrl-C); `server` is the zmq serve."""
         router = self.shared.router
-        front = HttpFront(router, served_model(router, engine, topology, self.model_name),
-                          self.options, shared=self.shared)
-        asyncio.run(self._serve(front, server, on_round, should_stop))
+        self.front = HttpFront(router, served_model(router, engine, topology, self.model_name),
+                               self.options, shared=self.shared)
+        asyncio.run(self._serve(self.front, server, on_round, should_stop))
 
     async def _serve(self, front: HttpFront, server, on_round, should_stop) -> None:
         def tick(_: HttpFront) -> None:

@@ -6,6 +6,9 @@ one panel below for cached (free, still hashed) blocks of every engine. Idle win
 are shaded by verdict, leaks labelled with the blocks held; expected windows the run did
 not observe are hatched. Time runs from 0 (the replay's origin): samples taken before
 it (a serve's stats during the lead-in) are clipped to 0. Legends sit right of the axes.
+A panel with no data is left out: an engine without samples, and the cached panel when
+no engine ever had a cached block (vLLM does not export the count). The title names
+what was replayed against: kvdrain and its liveness policy, or the server and version.
 """
 from __future__ import annotations
 
@@ -88,6 +91,10 @@ def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
+def has_cached_data(timeline: Timeline) -> bool:
+    return any(s.num_cached_blocks for s in timeline.samples)
+
+
 def _cached_panel(ax, timeline: Timeline) -> None:
     for engine in timeline.engines:
         xs, ys = _steps(timeline.samples_for(engine), timeline.end_t, "num_cached_blocks")
@@ -106,13 +113,21 @@ def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = ""
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'kvdrain[plot]'") from None
-    engines = list(timeline.engines)
-    ratios = [3] * len(engines) + [1.6]
-    fig, axes = plt.subplots(len(engines) + 1, 1, sharex=True, figsize=(11, 2.4 * len(engines) + 2.2),
+    engines = [e for e in timeline.engines if timeline.samples_for(e)]
+    cached = has_cached_data(timeline)
+    ratios = [3] * len(engines) + [1.6] * cached
+    if not ratios:  # nothing was observed: one empty panel that says so
+        ratios = [1]
+    height = max(2.4 * len(engines) + 2.2 * cached + 1, 3.0)
+    fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(11, height),
                              gridspec_kw={"height_ratios": ratios}, squeeze=False)
-    for ax, engine in zip(axes[:-1, 0], engines):
+    for ax, engine in zip(axes[:, 0], engines):
         _used_panel(ax, timeline, verdict, engine, deadline_s)
-    _cached_panel(axes[-1, 0], timeline)
+    if cached:
+        _cached_panel(axes[-1, 0], timeline)
+    if not engines and not cached:
+        axes[0, 0].text(0.5, 0.5, "no KV-usage samples", ha="center", va="center",
+                        transform=axes[0, 0].transAxes)
     axes[-1, 0].set_xlim(0, max(timeline.end_t, 1e-3))
     axes[-1, 0].set_xlabel("replay time (s)")
     fig.suptitle(title or "kvdrain replay", fontsize=11, x=0.01, ha="left")
@@ -121,6 +136,18 @@ def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = ""
     plt.close(fig)
 
 
-def plot_title(trace: str, liveness: str, clock: str, status: str, exit_code: int) -> str:
-    """'pd_idle.jsonl | liveness legacy | clock virtual | VIOLATION (exit 1)'."""
-    return f"{trace} | liveness {liveness} | clock {clock} | {status.upper()} (exit {exit_code})"
+def system_label(settings: dict) -> str:
+    """What ran the replay, from the report's settings: 'vLLM 0.32.0' (over HTTP, the
+    server and its version), else 'kvdrain, liveness legacy'."""
+    engine = settings.get("engine") or {}
+    if engine.get("source") != "http server":
+        return f"kvdrain, liveness {engine.get('liveness', '?')}"
+    versions = [e.get("version") for e in (engine.get("engines") or {}).values()] or [engine.get("version")]
+    known = sorted({v for v in versions if v is not None})
+    label = f"{engine.get('server') or 'server'} {'/'.join(known) if known else '(version unknown)'}"
+    return label + (f", liveness {engine['liveness']}" if engine.get("liveness") else "")
+
+
+def plot_title(trace: str, system: str, clock: str, status: str, exit_code: int) -> str:
+    """'pd_idle.jsonl | vLLM 0.32.0 | clock wall | VIOLATION (exit 1)'."""
+    return f"{trace} | {system} | clock {clock} | {status.upper()} (exit {exit_code})"

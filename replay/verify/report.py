@@ -3,6 +3,10 @@
 The summary is plain lines, never a table drawn to a terminal's width: piped into a
 file or a pager it neither wraps nor truncates. Its last line is the verdict, with the
 status and exit code of replay/verify/verdict.py's table. The plot is replay/verify/plot.py.
+A figure that was not observed (a server that does not count steps, a usage without
+cached tokens and no prefix-cache counter) is None in the report and `-` or "unknown"
+in the summary, never 0. Over HTTP the first line describes the server (settings.engine,
+as replay/http/client.py read it), not kvdrain's engine options.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from rich.console import Console
 
 from replay.verify.coverage import ignored_cause
 from replay.verify.latency import latency_lines, latency_summary
+from replay.verify.plot import system_label
 from replay.verify.rules import Verdict
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import EXIT_CODES
@@ -66,15 +71,37 @@ def engine_summary(timeline: Timeline, verdict: Verdict, engine: str) -> dict:
         "num_leaks": sum(w.verdict == "leak" for w in windows),
         "max_time_to_drain_s": max((w.time_to_drain for w in windows if w.time_to_drain is not None),
                                    default=None),
-        "num_steps": counters.get("num_steps", samples[-1].num_steps if samples else 0),
-        "num_wakeups": counters.get("num_wakeups", samples[-1].num_wakeups if samples else 0),
-        "num_expired": counters.get("num_expired", 0),
+        "num_steps": _counted(counters, "num_steps", samples[-1].num_steps if samples else 0),
+        "num_wakeups": _counted(counters, "num_wakeups", samples[-1].num_wakeups if samples else 0),
+        "num_expired": _counted(counters, "num_expired", 0),
     }
+
+
+def _counted(counters: dict, name: str, default: int) -> int | None:
+    """counters[name] as an int (None: the server does not count it); default if absent."""
+    value = counters.get(name, default)
+    return None if value is None else int(value)
+
+
+def prefix_hits(timeline: Timeline) -> tuple[int | None, str | None]:
+    """Prefix-cache hit tokens over the run and where the figure comes from (None: unknown).
+
+    The requests' own counts when the server said them (usage's cached_tokens), else the
+    engines' prefix-cache hit counters over the run (vllm:prefix_cache_hits_total)."""
+    said = [r.num_prefix_hit_tokens for r in timeline.requests if r.num_prefix_hit_tokens is not None]
+    if said or not timeline.requests:
+        return sum(said), "requests"
+    counted = [c.get("num_prefix_hit_tokens") for c in timeline.counters.values()]
+    counted = [int(c) for c in counted if c is not None]
+    if counted:
+        return sum(counted), "vllm:prefix_cache_hits_total"
+    return None, None
 
 
 def request_summary(timeline: Timeline) -> dict:
     records = timeline.requests
     late = sorted(r.send_lateness_s for r in records)
+    hits, hits_source = prefix_hits(timeline)
     return {
         "num_requests": len(records),
         "num_finished": sum(r.end_t is not None for r in records),
@@ -82,7 +109,8 @@ def request_summary(timeline: Timeline) -> dict:
         "finish_reasons": _count(r.finish_reason or "unfinished" for r in records),
         "num_prompt_tokens": sum(r.num_prompt_tokens for r in records),
         "num_output_tokens": sum(r.num_output_tokens for r in records),
-        "num_prefix_hit_tokens": sum(r.num_prefix_hit_tokens for r in records),
+        "num_prefix_hit_tokens": hits,
+        "prefix_hits_source": hits_source,
         "send_lateness_p50_ms": 1000 * _quantile(late, 0.5),
         "send_lateness_p99_ms": 1000 * _quantile(late, 0.99),
     }
@@ -141,10 +169,22 @@ def _engine_rows(report: dict) -> list[str]:
         rows.append([e["engine"], f"{e['peak_used_blocks']:,}/{e['num_blocks']:,}",
                      f"{e['final_used_blocks']:,}", f"{e['num_windows']:,}", f"{e['num_drained']:,}",
                      f"{e['num_leaks']:,}", "-" if drain is None else f"{1000 * drain:.1f} ms",
-                     f"{e['num_steps']:,}", f"{e['num_wakeups']:,}", f"{e['num_expired']:,}"])
+                     *(_figure(e[k]) for k in ("num_steps", "num_wakeups", "num_expired"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(ENGINE_COLUMNS))]
     return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def _figure(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _hits(r: dict) -> str:
+    hits = r.get("num_prefix_hit_tokens")
+    if hits is None:
+        return "unknown"
+    source = r.get("prefix_hits_source")
+    return f"{hits:,}" + (f" ({source})" if source not in (None, "requests") else "")
 
 
 def _request_line(report: dict) -> str:
@@ -152,7 +192,7 @@ def _request_line(report: dict) -> str:
     reasons = ", ".join(f"{k} {v:,}" for k, v in r["finish_reasons"].items())
     return (f"requests: {r['num_finished']:,} of {r['num_requests']:,} finished "
             f"({reasons}); tokens in {r['num_prompt_tokens']:,}, out {r['num_output_tokens']:,}, "
-            f"prefix-cache hits {r['num_prefix_hit_tokens']:,}; send lateness p50 "
+            f"prefix-cache hits {_hits(r)}; send lateness p50 "
             f"{r['send_lateness_p50_ms']:.2f} ms, p99 {r['send_lateness_p99_ms']:.2f} ms")
 
 
@@ -195,9 +235,33 @@ def fault_lines(faults: list[dict]) -> list[str]:
     return lines
 
 
+def server_lines(settings: dict) -> list[str]:
+    """Over HTTP: the server as it described itself, one line, then one per engine."""
+    engine = settings.get("engine") or {}
+    if engine.get("source") != "http server":
+        return []
+    vocab = _unknown(engine.get("vocab_size"))
+    if engine.get("vocab_size") is not None:
+        vocab += f" (from {engine.get('vocab_source')})"
+    lines = [f"server: {system_label(settings)}, model {engine.get('model')!r}, max_model_len "
+             f"{_unknown(engine.get('max_model_len'))}, vocabulary {vocab}"]
+    for name, e in (engine.get("engines") or {}).items():
+        lines.append(f"  {name}: version {_unknown(e.get('version'))}, block size "
+                     f"{_unknown(e.get('block_size'))}, num_gpu_blocks "
+                     f"{_unknown(e.get('num_gpu_blocks'))}, connector {_unknown(e.get('connector'))}")
+    return lines
+
+
+def _unknown(value) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:,}" if type(value) is int else str(value)
+
+
 def summary_lines(report: dict) -> list[str]:
-    """The terminal summary as plain lines: engines, requests, ignored, latency, coverage, verdict."""
-    lines = _engine_rows(report) + [_request_line(report)]
+    """The terminal summary as plain lines: the server (over HTTP), engines, requests,
+    ignored, latency, coverage, verdict."""
+    lines = server_lines(report.get("settings") or {}) + _engine_rows(report) + [_request_line(report)]
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
         lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "

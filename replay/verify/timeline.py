@@ -48,7 +48,7 @@ class RequestRecord:
     end_t: float | None  # None: never finished
     num_prompt_tokens: int
     num_output_tokens: int
-    num_prefix_hit_tokens: int  # prefix-cache hits where the prompt was computed
+    num_prefix_hit_tokens: int | None  # prefix-cache hits where the prompt was computed; None: not said
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "ignored"
     error: str | None = None
     # sha256 of the comma-joined output token ids, 16 hex digits: compares runs cheaply.

@@ -45,6 +45,8 @@ def test_serve_http_legacy_leak_found_from_metrics_alone(tmp_path: Path):
         _burst_over_zmq_loses_nothing(serve.address, tmp_path)
     finally:
         assert serve.stop() == 0
+    counted = serve.wait_for(r"stopped after (\d+) requests \((\d+) over HTTP\)", 10)
+    assert (int(counted.group(1)), int(counted.group(2))) == (32 + 8 + 8 + 600, 32 + 8)
 
 
 def _burst_over_zmq_loses_nothing(address: str, tmp_path: Path) -> None:

@@ -57,6 +57,8 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/tokenize", self.tokenize)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -95,6 +97,14 @@ class FakeVllm:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"0.32.0 ({self.name})"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        return web.json_response({"count": 1, "max_model_len": 512, "tokens": [int(body["prompt"][1:])]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -258,6 +268,20 @@ def test_models_come_from_d_and_health_names_every_upstream():
     run(go())
 
 
+def test_version_and_tokenize_are_ds_so_a_replay_learns_the_server_through_the_proxy():
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/version") as response:
+                    version = await response.json()
+                async with session.post(proxy.url + "/tokenize", json={"prompt": "w41"}) as response:
+                    tokens = await response.json()
+            assert version == {"version": "0.32.0 (D0)"}
+            assert tokens["tokens"] == [41] and d.bodies == [{"prompt": "w41"}] and p.bodies == []
+
+    run(go())
+
+
 def _samples(text: str) -> dict[tuple, float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -351,16 +375,25 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
         proxy = Lines([sys.executable, "-m", "cli", "proxy", "--prefill", p_url, "--decode", d_url])
         proxy_url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
         report = tmp_path / "report.json"
+        fast = ["--speedup", "4", "--no-live", "--idle-threshold", "0.5", "--drain-deadline", "0.3",
+                "--tail", "1", "--scrape-interval", "0.05", "--max-requests", "8"]
+        found = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--report", str(report), *fast)
+        data = json.loads(report.read_text())  # no --metrics: the proxy's /health names P and D
+        assert data["http"]["metrics_from"] == "the proxy's /health", found.output
+        assert [(m["url"], list(m["engines"].values())) for m in data["http"]["metrics"]] == \
+            [(f"{p_url}/metrics", ["P"]), (f"{d_url}/metrics", ["D"])]
+        # Speedup 2 for slack: P prefills, then D prefills again (a single engine has no
+        # connector), behind a proxy, on a small shared machine.
         result = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
-                        "--report", str(report), "--speedup", "4", "--no-live", "--idle-threshold",
-                        "0.5", "--drain-deadline", "0.3", "--tail", "1", "--scrape-interval", "0.05")
+                        "--report", str(report), *fast[2:-2], "--speedup", "2")
         assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
         data = json.loads(report.read_text())
         assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}
         assert _scraped(f"{proxy_url}/metrics", "kvdrain_proxy_requests_total") == {
-            (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 32,
-            (("stage", "decode"), ("status", "200"), ("upstream", "D")): 32,
-            (("stage", "models"), ("status", "200"), ("upstream", "D")): 1}  # the replay's probe
+            (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 8 + 32,
+            (("stage", "decode"), ("status", "200"), ("upstream", "D")): 8 + 32,
+            (("stage", "models"), ("status", "200"), ("upstream", "D")): 2,  # the replays' probes
+            (("stage", "version"), ("status", "200"), ("upstream", "D")): 2}
     finally:
         if proxy is not None and proxy.proc.poll() is None:
             proxy.proc.send_signal(signal.SIGTERM)

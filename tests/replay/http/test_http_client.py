@@ -39,13 +39,25 @@ def _choice(token: int | None, finish_reason: str | None = None, **extra) -> dic
 
 
 class FakeServer:
-    """/v1/models and a streaming /v1/completions whose chunks `answer(body)` chooses;
-    an answer of None never ends (until the test is over)."""
+    """/v1/models, a streaming /v1/completions whose chunks `answer(body)` chooses (an
+    answer of None never ends until the test is over), and vLLM's /tokenize over a word
+    vocabulary of `vocab_size` words w0... (None: no /tokenize)."""
 
-    def __init__(self, answer) -> None:
+    def __init__(self, answer, vocab_size: int | None = 1000) -> None:
         self.answer = answer
+        self.vocab_size = vocab_size
         self.num_posts = 0
+        self.num_tokenizes = 0
         self.release = asyncio.Event()
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """Like vLLM over a WordLevel tokenizer: an unknown word is <unk>, after the words."""
+        self.num_tokenizes += 1
+        words = (await request.json())["prompt"].split()
+        known = {f"w{i}" for i in range(self.vocab_size)} if len(words) == 1 else set()
+        tokens = [int(w[1:]) if w in known else self.vocab_size for w in words]
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens,
+                                  "token_strs": [w if w in known else "<unk>" for w in words]})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -70,6 +82,8 @@ class FakeServer:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        if self.vocab_size is not None:
+            app.router.add_post("/tokenize", self.tokenize)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -81,8 +95,8 @@ class FakeServer:
             await runner.cleanup()
 
 
-def replay(answer, trace, **options) -> tuple[Timeline, FakeServer]:
-    server = FakeServer(answer)
+def replay(answer, trace, server_vocab_size: int | None = 1000, **options) -> tuple[Timeline, FakeServer]:
+    server = FakeServer(answer, server_vocab_size)
 
     async def go() -> Timeline:
         async with server.running() as url:
@@ -150,10 +164,28 @@ def test_a_request_given_up_on_is_closed_as_failed_not_unfinished():
 def test_token_ids_beyond_the_servers_vocabulary_fail_before_anything_is_sent():
     trace = [TraceRequest(0.0, "a", 2, 2, prompt_token_ids=(1, 40000))]
     with pytest.raises(TraceError, match=r"prompt token id 40,000 is outside the server's "
-                                         r"vocabulary \[0, 32,000\) \(assumed"):
+                                         r"vocabulary \[0, 1,000\) \(from /tokenize\)"):
         replay(good, trace, max_token_id=40000)
     timeline, server = replay(good, trace, max_token_id=40000, vocab_size=50000)
     assert server.num_posts == 1 and timeline.request("a").error is None
+    assert server.num_tokenizes == 0  # --vocab-size said it
+
+
+@pytest.mark.parametrize("vocab_size", [1, 2, 3, 511, 512, 513, 1000, 70001])
+def test_the_vocabulary_is_learnt_from_tokenize_when_the_server_does_not_say_it(vocab_size: int):
+    timeline, server = replay(good, [TraceRequest(0.0, "a", 2, 2)], server_vocab_size=vocab_size)
+    said = timeline.meta["http"]["server"]
+    assert (said["vocab_size"], said["vocab_source"]) == (vocab_size, "/tokenize")
+    assert server.num_tokenizes <= 2 * vocab_size.bit_length() + 2
+
+
+def test_a_server_that_says_no_vocabulary_is_a_usage_error_never_an_assumed_one():
+    from replay.http.client import VocabularyUnknown
+    with pytest.raises(VocabularyUnknown, match="--vocab-size"):
+        replay(good, [TraceRequest(0.0, "a", 2, 2)], server_vocab_size=None)
+    timeline, _ = replay(good, [TraceRequest(0.0, "a", 2, 2)], server_vocab_size=None, vocab_size=77)
+    said = timeline.meta["http"]["server"]
+    assert (said["vocab_size"], said["vocab_source"]) == (77, "--vocab-size")
 
 
 def test_length_without_tokens_is_ignored_by_the_server_with_its_cause_if_given():

@@ -146,11 +146,15 @@ def test_token_ids_beyond_the_servers_vocabulary_exit_2_before_t0(tmp_path: Path
     thread.start()
     try:
         assert box["ready"].wait(20)
+        unknown = invoke("replay", str(trace), "--target", f"http://127.0.0.1:{box['port']}",
+                         "--no-live", "--tail", "0.2")
         result = invoke("replay", str(trace), "--target", f"http://127.0.0.1:{box['port']}",
-                        "--no-live", "--tail", "0.2")
+                        "--no-live", "--tail", "0.2", "--vocab-size", "32000")
     finally:
         stop.set()
         thread.join(20)
+    assert unknown.exit_code == EXIT_USAGE and "give --vocab-size N" in unknown.output, unknown.output
     assert result.exit_code == EXIT_USAGE, result.output
-    assert "prompt token id 128,000 is outside the server's vocabulary" in result.output
+    assert "prompt token id 128,000 is outside the server's vocabulary [0, 32,000) (from " \
+           "--vocab-size)" in result.output
     assert "Traceback" not in result.output and "posts" not in box
