@@ -87,7 +87,10 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, paths: 
     http = replace(config.http, base_url=deployment.target_url,
                    metrics=tuple(_metrics_source(name, url) for name, url in deployment.metrics()),
                    model=config.http.model or deployment.served_model,
-                   vocab_size=config.http.vocab_size or deployment.vocab_size)
+                   vocab_size=config.http.vocab_size or deployment.vocab_size,
+                   vocab_source=config.http.vocab_source if config.http.vocab_size is not None
+                   else "the launched model's config",
+                   connector="NixlConnector" if deployment.options.topology == "pd" else None)
     started = time.monotonic()
     code = replay_main(replace(config, target=deployment.target_url, http=http), paths, live, console)
     replay_s = time.monotonic() - started
@@ -113,12 +116,9 @@ def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
 
 
 def add_deployment(report_path: Path, deployment: VllmDeployment, replay_s: float) -> None:
-    """The written report gains the deployment, and loses kvdrain's own connector settings
-    (they describe the miniature's connector, not the NixlConnector that ran)."""
+    """The written report gains what was launched."""
     report = json.loads(report_path.read_text())
     report["deployment"] = deployment_record(deployment, replay_s)
-    report.get("settings", {})["kv_transfer"] = {"kv_connector": "NixlConnector", "roles": {
-        "P": "kv_producer", "D": "kv_consumer"}} if deployment.options.topology == "pd" else None
     report_path.write_text(json.dumps(report, indent=2) + "\n")
 
 
