@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +23,7 @@ from engine.config import (DEVICES, KV_LOAD_FAILURE_POLICIES, LIVENESS_POLICIES,
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
 from replay.deploy.balance import ROUTER_POLICIES
 from replay.deploy.routing import TOPOLOGY_FORMS, engine_roles, parse_topology
+from replay.deploy.vllm_options import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
 from replay.trace.reader import FORMATS
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
@@ -486,6 +487,101 @@ def explain_cmd() -> None:
     click.echo(LEGEND)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizing:
+    """--profile and --cost-profile: engine sizes like a real deployment's, step costs measured."""
+
+    profile_name: str | None
+    cost_profile_path: Path | None
+
+
+SIZING = OptionGroup("Engine", "sizing", (
+    click.option("--profile", "profile_name", type=click.Choice(sorted(PROFILES)), default=None,
+                 help=f"Size the engines like a real deployment (KV blocks from GPU memory as "
+                      f"vLLM does, max_model_len, batch limits); explicit size options win "
+                      f"[default: {DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the "
+                      f"wall clock]."),
+    click.option("--cost-profile", "cost_profile_path", default=None,
+                 type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                 help="With --clock virtual: step costs measured by `kvdrain calibrate`."),
+), build=lambda **values: Sizing(**values))
+
+
+# ---- --engine vllm ---------------------------------------------------------------------
+
+VLLM_TARGET = "http://127.0.0.1:0"  # --engine vllm: the launched deployment's address replaces it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineChoice:
+    """--engine and what --engine vllm launches."""
+
+    engine: str
+    vllm_venv: Path
+    vllm_model: str | None
+    vllm_args: tuple[str, ...]
+    vllm_env: tuple[str, ...]
+    vllm_start_timeout: float
+
+    def options(self, topology: str) -> VllmOptions | None:
+        """VllmOptions for --engine vllm; None for --engine kvdrain (vLLM options refused)."""
+        names = ("vllm_venv", "vllm_model", "vllm_args", "vllm_env", "vllm_start_timeout")
+        if self.engine == "kvdrain":
+            extra = next((n for n in names if _given(n)), None)
+            if extra is not None:
+                raise click.UsageError(f"--{extra.replace('_', '-').removesuffix('s')}: only with --engine vllm")
+            return None
+        pairs = []
+        for item in self.vllm_env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise click.UsageError(f"--vllm-env: expected KEY=VALUE, got {item!r}")
+            pairs.append((key, value))
+        try:
+            return VllmOptions(venv=self.vllm_venv, topology=topology, model=self.vllm_model,
+                               args=tuple(self.vllm_args), env=tuple(pairs),
+                               start_timeout_s=self.vllm_start_timeout)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+
+VLLM = OptionGroup("vLLM (--engine vllm: real vllm serve instances)", "engine_choice", (
+    click.option("--engine", type=click.Choice(ENGINES), default="kvdrain", show_default=True,
+                 help="kvdrain: its own engines; vllm: real `vllm serve` instances (--topology pd: "
+                      "P and D with the NixlConnector, behind `kvdrain proxy`) that kvdrain "
+                      "launches, replays over HTTP and tears down."),
+    click.option("--vllm-venv", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_VENV,
+                 show_default=True, help="With --engine vllm: a virtualenv holding vLLM (`make vllm` "
+                                         "makes .venv-vllm)."),
+    click.option("--vllm-model", default=None, metavar="DIR_OR_NAME",
+                 help="With --engine vllm: the model `vllm serve` loads [default: a tiny "
+                      "dummy-weight Llama written into the run dir, its words kvdrain's prompts]."),
+    click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+                 help="With --engine vllm: an argument for every `vllm serve` (repeat; "
+                      "--vllm-arg=--max-num-seqs --vllm-arg=8)."),
+    click.option("--vllm-env", "vllm_env", multiple=True, metavar="KEY=VALUE",
+                 help="With --engine vllm: set in every instance's environment (repeat)."),
+    click.option("--vllm-start-timeout", type=click.FloatRange(min=0, min_open=True),
+                 default=START_TIMEOUT_S, show_default=True,
+                 help="With --engine vllm: seconds each instance has to become healthy."),
+), build=lambda **values: EngineChoice(**values))
+
+
+def _require_torch(runner: str) -> None:
+    """--runner torch without torch installed: a usage error saying how to get it."""
+    import importlib.util
+    if runner != "torch":
+        return
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise click.UsageError("--runner torch: needs torch, which is not installed; pip install "
+                               "'kvdrain[model]' (or --runner mock; --target http://, --engine vllm "
+                               "and `kvdrain proxy` need no torch)")
+
+
 @cli.command(name="replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @titled("Replay",
@@ -497,23 +593,16 @@ def explain_cmd() -> None:
 @DISPLAY
 @TRACE
 @REPLAY_ENGINE
-@titled("Engine",
-        click.option("--profile", "profile_name", type=click.Choice(sorted(PROFILES)), default=None,
-                     help=f"Size the engines like a real deployment (KV blocks from GPU memory as "
-                          f"vLLM does, max_model_len, batch limits); explicit size options win "
-                          f"[default: {DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the "
-                          f"wall clock]."),
-        click.option("--cost-profile", "cost_profile_path", default=None,
-                     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="With --clock virtual: step costs measured by `kvdrain calibrate`."))
+@SIZING
 @SHAPING
 @VERIFICATION
 @TARGET
 @OUTPUTS
 @client_security("--target")
+@VLLM
 def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
-               engines: Engines, profile_name: str | None, cost_profile_path: Path | None, shaping,
-               verification: Verification, target: Target, outputs, auth) -> None:
+               engines: Engines, sizing: Sizing, shaping, verification: Verification, target: Target,
+               outputs, auth, engine_choice: EngineChoice) -> None:
     """Replay TRACE and verify every engine's KV blocks drain in idle periods.
 
     \b
@@ -526,11 +615,18 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
     """
     from replay.commands import replay_main
     from replay.pipeline import ReplayConfig
-    _check_target(target, clock, engines)
+    vllm = engine_choice.options(engines.topology)
+    if vllm is not None:
+        _check_vllm(target, clock)
+        target = replace(target, address=VLLM_TARGET)
+    else:
+        _check_target(target, clock, engines)
+    if clock == "wall" and target.address is None:
+        _require_torch(engines.config.runner)  # only a local wall replay runs the model
     http = target.http_options(engines.model if _given("model") and target.is_http else None)
     if not target.is_http:
         engines.check_preset("; a served model's name goes with --target http:// only")
-    engine = _apply_profile(engines.config, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
+    engine = _apply_profile(engines.config, sizing.profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
                                                              else None))
     if auth is not None and (target.address is None or target.is_http):
         raise click.UsageError("--curve-keys/--token: only with --target of a kvdrain serve "
@@ -541,11 +637,27 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
             topology=engines.topology, router=engines.router, engine=engine, kv=engines.kv,
             tail_s=verification.tail_s,
             target=target.address, http=http, shaping=shaping, verify=verification.options(clock),
-            cost_profile=_cost_profile(cost_profile_path), target_auth=auth,
+            cost_profile=_cost_profile(sizing.cost_profile_path), target_auth=auth,
             check_outputs=verification.check_outputs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if vllm is not None:
+        from replay.deploy.vllm_replay import vllm_replay_main
+        sys.exit(vllm_replay_main(vllm, config, outputs, display, Console()))
     sys.exit(replay_main(config, outputs, display, Console()))
+
+
+def _check_vllm(target: Target, clock: str) -> None:
+    """--engine vllm launches the servers and scrapes them: nothing may name others, and
+    the engine options are vLLM's own (--vllm-arg), not kvdrain's."""
+    refused = [flag for flag, on in (("--target", target.address is not None),
+                                     ("--metrics", bool(target.metrics)),
+                                     ("--clock virtual", clock == "virtual")) if on]
+    refused += ["--" + n.replace("_", "-") for n in [*REPLAY_ENGINE.param_names, "profile_name"]
+                if n != "topology" and _given(n)]
+    if refused:
+        raise click.UsageError(f"{refused[0].replace('--profile-name', '--profile')}: not with "
+                               f"--engine vllm (kvdrain launches the vLLM servers and scrapes them)")
 
 
 def _given(name: str) -> bool:
@@ -612,6 +724,7 @@ def serve_cmd(address: str, http_address: str | None, api_key: str | None, recor
     """
     from replay.commands import serve_main
     engines.check_preset()
+    _require_torch(engines.config.runner)
     http = None
     if http_address is not None:
         from replay.http.server import HttpOptions
@@ -679,7 +792,9 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
     Example: kvdrain calibrate --runner torch --model tiny -o tiny-cpu.json
              kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
     """
+    _require_torch(runner)
     from replay.live.calibrate import CalibrateOptions, calibrate_main
+    _require_torch(runner)
     try:
         options = CalibrateOptions(runner=runner, model=model, device=device, num_reps=reps,
                                    loop_overhead=loop_overhead)

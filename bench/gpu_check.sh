@@ -3,6 +3,9 @@
 #   1. pytest -m gpu          (CUDA IPC KV cache mapped by a spawned peer)
 #   2. tests/engine/runner/test_model.py    with KVDRAIN_TEST_DEVICE=cuda (paged == dense, runner, transfer)
 #   3. bench/model_step.py --device cuda   (paged vs dense contiguous cache, medium preset)
+#   4. with a vLLM venv ($KVDRAIN_VLLM_VENV, else .venv-vllm: `make vllm` installs PyPI's
+#      CUDA vllm on a GPU host): kvdrain replay examples/pd_idle.jsonl --engine vllm (P/D,
+#      one GPU per instance where there are two, else sharing one); skipped without it
 # then prints one summary table. Python: $KVDRAIN_PYTHON, else .venv/bin/python, else
 # python3 -- the first whose torch sees CUDA; with none and no .venv, it creates .venv.
 set -uo pipefail
@@ -25,7 +28,7 @@ pick_python() {
 PY=$(pick_python)
 if [ -z "$PY" ] && [ ! -e .venv ]; then
   echo "creating .venv (system site-packages visible, so an installed CUDA torch is reused)"
-  python3 -m venv --system-site-packages .venv && .venv/bin/pip install -q -e '.[test]'
+  python3 -m venv --system-site-packages .venv && .venv/bin/pip install -q -e '.[test,model]'
   PY=$(pick_python)
 fi
 if [ -z "$PY" ]; then
@@ -56,6 +59,15 @@ run_step pytest-gpu 120 "$PY" -m pytest -p no:cacheprovider -m gpu tests/
 run_step test_model-cuda 150 env KVDRAIN_TEST_DEVICE=cuda \
   "$PY" -m pytest -p no:cacheprovider tests/engine/runner/test_model.py
 run_step bench-model_step 150 "$PY" bench/model_step.py --device cuda
+VLLM_VENV=${KVDRAIN_VLLM_VENV:-.venv-vllm}
+if [ -x "$VLLM_VENV/bin/vllm" ]; then
+  run_step replay-engine-vllm 600 "$PY" -m cli replay examples/pd_idle.jsonl --engine vllm \
+    --vllm-venv "$VLLM_VENV" --no-live
+  grep -E "ready in|launch to ready|VERIFIED|VIOLATION|INCONCLUSIVE|fault" \
+    "$LOGS/replay-engine-vllm.log" | sed 's/^/  vllm | /'
+else
+  ROWS+=("$(printf '%-22s %-14s %5s   %s' replay-engine-vllm skipped - "no $VLLM_VENV (make vllm)")")
+fi
 
 echo
 printf '%-22s %-14s %6s  %s\n' check result time detail

@@ -6,5 +6,8 @@
   prefix), one decision table for every router;
 - router: PDRouter, that state machine over engine clients;
 - topology: launching a topology's engine cores with their connector configs;
-- proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp).
+- proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp);
+- vllm_options, vllm_launch, vllm_model, vllm_replay: `replay --engine vllm`, real `vllm
+  serve` instances launched, watched and torn down, their default tiny model, the replay
+  through them.
 """

@@ -1,0 +1,168 @@
+"""`replay --engine vllm`: launch real vLLM, replay the trace over HTTP through it, tear it down. Runs in: frontend process.
+
+In order: the venv is checked and the trace validated (exit 2, before anything starts);
+the instances and the proxy start at once (replay/deploy/vllm_launch.py) while each
+instance's start-up is printed as it changes (starting..., loading, ready in N s, or the
+last log line of one that died); the usual HTTP replay then runs against the proxy (or
+the single instance) with every instance's /metrics scraped under its name; last, every
+process started is stopped, whatever happened. A start that failed, or an instance that
+died during the replay, is a fault (exit 4) naming its log. Ctrl-C and SIGTERM during
+start-up stop it alike (exit 130, 143).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+from replay.commands import Display, OutputFiles, replay_main
+from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmVenvError,
+                                       check_venv)
+from replay.deploy.vllm_options import VllmOptions
+from replay.live.interrupt import SIGNALS, Interrupted, interruptible
+from replay.pipeline import ReplayConfig, trace_limits
+from replay.trace.reader import TraceError, validate_trace
+from replay.verify.verdict import EXIT_FAULT, EXIT_USAGE
+
+RUN_PREFIX = "kvdrain-vllm-"  # not the ipc run dirs' prefix: these stay, with their logs
+HEARTBEAT_S = 15.0  # a start-up line at least this often while waiting
+
+
+def _say(console, text: str) -> None:
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+def _fault(console, fault: VllmFault) -> None:
+    _say(console, f"[red]fault:[/] {fault}")
+    for line in fault.last_lines:
+        _say(console, f"  {fault.name} | {line}")
+
+
+def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: OutputFiles, display: Display,
+                     console, run_dir: Path | None = None) -> int:
+    """config: an HTTP replay whose target the launched deployment replaces."""
+    try:
+        install = check_venv(options.venv)
+        validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    except (VllmVenvError, TraceError) as e:
+        _say(console, f"[red]error:[/] {e}")
+        return EXIT_USAGE
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
+    _say(console, f"vLLM {install.version} ({options.venv}), topology {options.topology}; "
+                  f"logs in {run_dir}")
+    with interruptible():
+        deployment = VllmDeployment(options, install, run_dir)
+        try:
+            return _launch_and_replay(deployment, config, outputs, display, console)
+        except VllmFault as e:
+            _fault(console, e)
+            return EXIT_FAULT
+        except Interrupted as e:
+            _say(console, f"[red]error:[/] interrupted by {e.name} during start-up")
+            return e.exit_code
+        finally:
+            with _signals_held():
+                deployment.close()
+            _say(console, f"vllm: stopped every process started ({len(deployment.processes())} "
+                          f"and their children); logs: "
+                          f"{', '.join(map(str, deployment.log_paths))}")
+
+
+def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs: OutputFiles,
+                       display: Display, console) -> int:
+    deployment.start()
+    for instance in deployment.instances:
+        spec = instance.spec
+        _say(console, f"  {spec.name}: starting... {spec.url} (NIXL side channel "
+                      f"{spec.side_channel_port}), log {spec.log_path}")
+    deployment.wait_ready(_StartupView(console, [i.spec.name for i in deployment.instances]))
+    ready_s = max(s.ready_s or 0.0 for s in deployment.statuses())
+    _say(console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}")
+    http = replace(config.http, base_url=deployment.target_url,
+                   metrics=tuple(_metrics_source(name, url) for name, url in deployment.metrics()),
+                   model=config.http.model or deployment.served_model,
+                   vocab_size=config.http.vocab_size or deployment.vocab_size,
+                   vocab_source=config.http.vocab_source if config.http.vocab_size is not None
+                   else "the launched model's config",
+                   connector="NixlConnector" if deployment.options.topology == "pd" else None)
+    started = time.monotonic()
+    code = replay_main(replace(config, target=deployment.target_url, http=http), outputs, display, console)
+    replay_s = time.monotonic() - started
+    _say(console, f"vllm: launch to ready {ready_s:.1f} s, replay {replay_s:.1f} s")
+    if outputs.report is not None and outputs.report.exists():
+        add_deployment(outputs.report, deployment, replay_s)
+    dead = deployment.dead()
+    if dead is not None:
+        _fault(console, dead)
+        return EXIT_FAULT
+    return code
+
+
+def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
+    """What was launched: vLLM's version, each instance's command line, ports and log."""
+    return {"engine": "vllm", "vllm_version": deployment.install.version,
+            "venv": str(deployment.install.venv), "topology": deployment.options.topology,
+            "model": deployment.options.model or "kvdrain's tiny dummy-weight Llama",
+            "proxy": deployment.proxy_url, "run_dir": str(deployment.run_dir), "replay_s": round(replay_s, 3),
+            "instances": [{"name": i.spec.name, "url": i.spec.url, "side_channel_port": i.spec.side_channel_port,
+                           "argv": i.spec.argv[1:], "log": str(i.spec.log_path),
+                           "ready_s": i.status.ready_s} for i in deployment.instances]}
+
+
+def add_deployment(report_path: Path, deployment: VllmDeployment, replay_s: float) -> None:
+    """The written report gains what was launched."""
+    report = json.loads(report_path.read_text())
+    report["deployment"] = deployment_record(deployment, replay_s)
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _metrics_source(name: str, url: str):
+    from replay.http.scrape import MetricsSource
+    return MetricsSource(url, name)
+
+
+class _StartupView:
+    """Prints an instance's line when its state changes, and all of them every HEARTBEAT_S."""
+
+    def __init__(self, console, names: list[str]) -> None:
+        self.console = console
+        self.shown = {name: "starting" for name in names}  # as the launch printed them
+        self.last_heartbeat = time.monotonic()
+
+    def __call__(self, statuses: list[InstanceStatus]) -> None:
+        changed = [s for s in statuses if self.shown.get(s.name) != s.state]
+        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:
+            changed = [s for s in statuses if s.state != "ready"]
+        for s in changed:
+            _say(self.console, f"  {s.name}: {describe(s)}")
+            self.shown[s.name] = s.state
+        if changed:
+            self.last_heartbeat = time.monotonic()
+
+
+def describe(status: InstanceStatus) -> str:
+    if status.state == "ready":
+        return f"ready in {status.ready_s:.1f} s"
+    if status.state in ("exited", "timed out"):
+        return f"{status.state} after {status.since_s:.0f} s: {status.last_line}"
+    return f"{status.state}{'...' if status.state == 'starting' else ''} ({status.since_s:.0f} s)"
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Teardown is not cut short by a second Ctrl-C (it is bounded anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
