@@ -116,8 +116,9 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     has_tail = any(is_tail for _, _, is_tail in observed)
     quiet = quiet_from(timeline.requests, [w.end for w in expected])
     last_sent = max(timeline.arrivals, default=-math.inf)
+    lateness = client_latenesses(expected, timeline.requests)
     out = []
-    for w, q in zip(expected, quiet):
+    for w, q, late in zip(expected, quiet, lateness):
         seen = has_tail if w.is_tail else round(w.end, 9) in ends
         state = "observed" if seen else "missed" if w.is_expected else "busy"
         if w.is_expected and _unreached(w, timeline, last_sent):
@@ -126,7 +127,7 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
         lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
         out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
                                   state=state, quiet_from=q_or_none, lag_s=lag,
-                                  send_lateness_s=_client_lateness(w, timeline.requests)))
+                                  send_lateness_s=late))
     return tuple(out)
 
 
@@ -142,13 +143,44 @@ def cover_engine_windows(expected: Sequence[EngineWindow], run: Sequence[EngineW
     return tuple(out)
 
 
-def _client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
-    """How late the client sent the requests that kept the run busy past the model's quiet."""
+def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
+    """How late the client sent the requests that kept the run busy past the model's quiet
+    (the definition; client_latenesses answers it for every window at once)."""
     if w.model_quiet_from is None:
         return None
     late = [r.send_lateness_s for r in requests if r.arrival_t < w.end
             and (r.end_t is None or r.end_t > w.model_quiet_from)]
     return max(late, default=None)
+
+
+def client_latenesses(expected: Sequence[ExpectedWindow],
+                      requests: Sequence[RequestRecord]) -> list[float | None]:
+    """client_lateness of each window, in O((windows + requests) log requests): the windows
+    by end, the requests that arrived before it added to a max-tree over end times."""
+    ends = sorted({math.inf if r.end_t is None else r.end_t for r in requests})
+    tree: list[float | None] = [None] * (len(ends) + 1)  # prefix max over ends, latest first
+    by_arrival = sorted(requests, key=lambda r: r.arrival_t)
+    out: list[float | None] = [None] * len(expected)
+    order = sorted((i for i, w in enumerate(expected) if w.model_quiet_from is not None),
+                   key=lambda i: expected[i].end)
+    added = 0
+    for i in order:
+        w = expected[i]
+        while added < len(by_arrival) and by_arrival[added].arrival_t < w.end:
+            r = by_arrival[added]
+            added += 1
+            j = len(ends) - bisect.bisect_left(ends, math.inf if r.end_t is None else r.end_t)
+            while j <= len(ends):  # rank j counts from the latest end (1)
+                if tree[j] is None or tree[j] < r.send_lateness_s:
+                    tree[j] = r.send_lateness_s
+                j += j & -j
+        j, late = len(ends) - bisect.bisect_right(ends, w.model_quiet_from), None
+        while j > 0:  # the ends after the model's quiet: ranks 1..j
+            if tree[j] is not None and (late is None or tree[j] > late):
+                late = tree[j]
+            j -= j & -j
+        out[i] = late
+    return out
 
 
 def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:

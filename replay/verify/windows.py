@@ -20,6 +20,7 @@ it has an idle window on that engine overlapping it.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,15 +127,37 @@ def engine_only_windows(timeline: Timeline, idle_threshold_s: float,
                         trace_windows: Sequence[Window]) -> list[EngineWindow]:
     """Each engine's idle windows that hold no window of the whole trace, in time order
     (scraped: from the engines' own metrics, scraped_idle_windows)."""
-    out = []
+    out, holds = [], _Holds(trace_windows)
     by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
         else idle_windows_by_engine(timeline, idle_threshold_s)
     for engine, windows in by_engine.items():
-        out += [EngineWindow(engine, *w) for w in windows if not _holds_any(w, trace_windows)]
+        out += [EngineWindow(engine, *w) for w in windows if not holds(w)]
     return sorted(out, key=lambda w: (w.start, w.engine))
 
 
-def _holds_any(window: Window, trace_windows: Sequence[Window]) -> bool:
+class _Holds:
+    """holds_any against fixed trace windows, by bisection: of the windows that start
+    late enough, the one that ends first (a suffix minimum) decides."""
+
+    def __init__(self, trace_windows: Sequence[Window]) -> None:
+        ordered = sorted((s, e) for s, e, _ in trace_windows)
+        self.starts = [s for s, _ in ordered]
+        self.min_end = [e for _, e in ordered] + [math.inf]
+        for i in range(len(ordered) - 1, -1, -1):
+            self.min_end[i] = min(self.min_end[i], self.min_end[i + 1])
+
+    def __call__(self, window: Window) -> bool:
+        start, end, _ = window
+        i = bisect.bisect_left(self.starts, start - EPS_S)
+        while i > 0 and start <= self.starts[i - 1] + EPS_S:  # rounding at the bound
+            i -= 1
+        while i < len(self.starts) and not start <= self.starts[i] + EPS_S:
+            i += 1
+        return self.min_end[i] <= end + EPS_S
+
+
+def holds_any(window: Window, trace_windows: Sequence[Window]) -> bool:
+    """The window holds one of the trace's windows (the definition, beside _Holds)."""
     start, end, _ = window
     return any(start <= s + EPS_S and e <= end + EPS_S for s, e, _ in trace_windows)
 

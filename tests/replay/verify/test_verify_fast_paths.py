@@ -1,0 +1,67 @@
+"""The verifier's fast paths against their definitions: each window's client lateness, the engine windows that hold a trace window."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from replay.verify import windows
+from replay.verify.coverage import ExpectedWindow, client_lateness, client_latenesses
+from replay.verify.timeline import RequestRecord
+
+
+def seeded_requests(rng: random.Random, n: int) -> list[RequestRecord]:
+    out = []
+    for i in range(n):
+        arrival = round(rng.uniform(0, 100), rng.choice([0, 1, 3]))  # ties on purpose
+        end = None if rng.random() < 0.1 else arrival + round(rng.expovariate(0.3), rng.choice([0, 2]))
+        late = rng.choice([0.0, -0.001, rng.expovariate(100)])
+        out.append(RequestRecord(req_id=f"r{i}", arrival_t=arrival, send_t=arrival + late, send_lateness_s=late,
+                                 first_token_t=None, end_t=end, num_prompt_tokens=8, num_output_tokens=4,
+                                 num_prefix_hit_tokens=None, finish_reason="stop"))
+    return out
+
+
+def seeded_windows(rng: random.Random, n: int) -> list[ExpectedWindow]:
+    out = []
+    for _ in range(n):
+        start = round(rng.uniform(0, 100), rng.choice([0, 1, 3]))
+        tail = rng.random() < 0.1
+        end = math.inf if tail else start + round(rng.uniform(0, 20), rng.choice([0, 1]))
+        quiet = rng.choice([None, start, round(rng.uniform(start - 5, start + 5), 1)])
+        out.append(ExpectedWindow(start, end, tail, quiet, rng.random() < 0.8))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_windows_client_lateness_equals_its_definition(seed):
+    rng = random.Random(seed)
+    requests = seeded_requests(rng, rng.choice([0, 1, 40, 300]))
+    expected = seeded_windows(rng, rng.choice([0, 1, 30, 200]))
+    assert client_latenesses(expected, requests) == [client_lateness(w, requests) for w in expected]
+
+
+def seeded_trace_windows(rng: random.Random, n: int) -> list[windows.Window]:
+    out, t = [], 0.0
+    for _ in range(n):  # disjoint and in order, as _gaps makes them; and some that are not
+        t += rng.choice([0.0, 1e-10, rng.uniform(0, 5)])
+        end = t + rng.choice([0.0, rng.uniform(0, 10)])
+        out.append((t, end, False))
+        t = end
+    if rng.random() < 0.5:
+        out += [(rng.uniform(0, 50), rng.uniform(50, 80), False) for _ in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_holding_a_trace_window_by_bisection_equals_its_definition(seed):
+    rng = random.Random(seed)
+    trace_windows = seeded_trace_windows(rng, rng.choice([0, 1, 50]))
+    holds = windows._Holds(trace_windows)
+    edges = [x for s, e, _ in trace_windows for x in (s, e, s - 5e-10, e + 5e-10, s + 2e-9)]
+    for _ in range(500):
+        start = rng.choice(edges) if edges and rng.random() < 0.7 else rng.uniform(-1, 120)
+        end = rng.choice(edges) if edges and rng.random() < 0.5 else start + rng.uniform(0, 30)
+        window = (start, end, rng.random() < 0.1)
+        assert holds(window) == windows.holds_any(window, trace_windows), window
