@@ -270,6 +270,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
+    reasons += starved_reasons(timeline.meta.get("starved", ()))
     return Verdict(tuple(windows), tuple(violations), coverage, tuple(reasons), ignored, faults)
 
 
@@ -289,6 +290,17 @@ def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
             for r in timeline.requests
             if r.expected_digest and r.error is None and r.finish_reason in ("length", "stop")
             and r.output_digest != r.expected_digest]
+    return out
+
+
+def starved_reasons(starved: Sequence[dict]) -> list[str]:
+    """An engine alive but starved of CPU (replay/live/faults.py Starved as dicts): its
+    windows say nothing either way, so the run is inconclusive, with the figures."""
+    out = []
+    for s in starved:
+        until = "until the end" if s.get("end_t") is None else f"until {s['end_t']:.3f} s"
+        out.append(f"starved: from {s['t']:.3f} s {until}: {s['cause']}; give the engines CPU "
+                   f"(fewer jobs beside them) or replay on the virtual clock (--clock virtual)")
     return out
 
 
