@@ -267,9 +267,10 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
     from replay.verify.rules import VerifyOptions
     target = _normalize_target(target, clock)
     http = _http_target(target, metrics_urls, prompt_format, scrape_interval, api_key, options)
+    recorded = _adopt_recording(trace, options) if target is None else set()
     engine, kv = _build_configs(options)
     engine = _apply_profile(engine, profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
-                                                     else None))
+                                                     else None), recorded)
     try:
         config = ReplayConfig(
             trace=trace, fmt=options["fmt"], skip_bad_lines=options["skip_bad_lines"], clock=clock,
@@ -328,13 +329,37 @@ def _normalize_target(target: str | None, clock: str) -> str | None:
     return target
 
 
-def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
-    """The profile's sizes, except where a size option was given on the command line."""
+def _adopt_recording(trace: Path, options: dict) -> set[str]:
+    """A recording's engine config (its header: replay/live/recorder.py) into `options`
+    where none was given; the names adopted. A conflicting explicit option: usage error."""
+    from replay.live.recorder import adopt_recorded
+    from replay.trace.reader import TraceError, read_trace
+    from replay.trace.records import TraceHeader
+    try:
+        first = next(iter(read_trace(trace, options["fmt"])), None)
+    except (TraceError, OSError, ValueError):
+        return set()  # the replay reports it
+    if not isinstance(first, TraceHeader):
+        return set()
+    ctx = click.get_current_context()
+    explicit = {k for k in options if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+    try:
+        adopted = adopt_recorded(first.metadata, options, explicit)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    options.update(adopted)
+    return set(adopted)
+
+
+def _apply_profile(engine: EngineConfig, name: str | None,
+                   recorded: set[str] = frozenset()) -> EngineConfig:
+    """The profile's sizes, except where a size option was given on the command line (or
+    taken from the recording replayed)."""
     if name is None:
         return engine
     ctx = click.get_current_context()
     keep = frozenset(k for k in PROFILES[name].sizes()
-                     if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT)
+                     if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT or k in recorded)
     try:
         return PROFILES[name].apply(engine, keep)
     except ValueError as e:
