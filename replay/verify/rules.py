@@ -187,12 +187,12 @@ def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
     """A leak; one in a window that ends after a fault was seen is the fault's ("fault_leak",
     its cause named), not the liveness policy's."""
     where = "tail" if w.is_tail else "idle window"
-    if w.time_to_drain is None:
-        detail = f"{where} of {w.length:.3f} s: {w.num_blocks_held} blocks still held " \
-                 f"(of {w.num_used_at_start} at its start), never drained"
+    if w.time_to_drain is None:  # the two counts are two samples': each said as what it is
+        detail = f"never drained: {where} of {w.length:.3f} s: {w.num_used_at_start} blocks used " \
+                 f"at its start, {w.num_blocks_held} at its last sample that had any"
     else:
-        detail = f"{where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.6f} s " \
-                 f"after its start (deadline exceeded)"
+        detail = f"late drain: {where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.3f} s " \
+                 f"after its start, past the drain deadline"
     cause = next((f for f in faults if f["t"] <= w.end), None)
     if cause is None:
         return Violation("leak", w.engine, w.start, detail)

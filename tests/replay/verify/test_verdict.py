@@ -162,3 +162,18 @@ def test_the_virtual_clock_covers_a_dense_public_trace():
     states = [c.state for c in verdict.coverage]
     assert "missed" not in states and states.count("observed") == len(idle_windows(timeline, 1.0))
     assert verdict.status == "verified"
+
+
+def test_a_late_drain_is_told_apart_from_a_window_that_never_drained_in_one_precision():
+    late = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+                     [_sample(0.0, 3), _sample(0.5, 2), _sample(3.2345678, 0), _sample(4.0, 3),
+                      _sample(4.5, 0)], 8.0)
+    (violation,) = verify(late, [], VerifyOptions(drain_deadline_s=1.0)).violations
+    assert violation.detail == ("late drain: idle window: 2 blocks held until 2.735 s after its "
+                                "start, past the drain deadline")
+    never = _two_bursts()
+    never.samples[1] = _sample(0.5, 2)
+    never.samples.insert(2, _sample(2.0, 5))  # a later sample (a scrape's lag) saw more
+    (violation,) = verify(never, [], VerifyOptions()).violations
+    assert violation.detail == ("never drained: idle window of 3.500 s: 2 blocks used at its "
+                                "start, 5 at its last sample that had any")
