@@ -252,8 +252,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     windows = []
     observed = idle_windows(timeline, options.idle_threshold_s)
     own = idle_windows_by_engine(timeline, options.idle_threshold_s)  # {}: no engine's way known
-    judged = [(series, window) for series in by_engine.values()
-              for window in own.get(series.engine, observed)]
+    cut = timeline.meta.get("interrupted") is not None  # Ctrl-C, q or SIGTERM cut its tail short:
+    judged = [(series, window) for series in by_engine.values()  # that window is not judged
+              for window in own.get(series.engine, observed) if not (cut and window[2])]
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
         w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
         windows.append(w)
@@ -308,8 +309,14 @@ def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[
                           ignored: dict[str, int], num_requests: int,
                           options: VerifyOptions) -> list[str]:
     """Why the run does not prove its engines drain (empty: it does)."""
-    reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage
-               if c.state in ("missed", "unreached")]
+    reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage if c.state == "missed"]
+    unreached = [c for c in coverage if c.state == "unreached"]
+    if unreached:  # an interrupted run: one line for what it did not reach, one for what it did
+        judged = [w for w in windows if w.verdict != "undecided"]
+        drained = sum(w.verdict == "drained" for w in judged)
+        reasons.append(f"stopped early: {drained:,} of {len(judged):,} reached windows drained; "
+                       f"{len(unreached):,} not reached (first: "
+                       f"{missed_reason(unreached[0], options.idle_threshold_s).split(': ', 1)[1]})")
     undecided = [w for w in windows if w.verdict == "undecided"]
     if undecided:
         w = undecided[0]

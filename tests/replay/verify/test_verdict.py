@@ -177,3 +177,16 @@ def test_a_late_drain_is_told_apart_from_a_window_that_never_drained_in_one_prec
     (violation,) = verify(never, [], VerifyOptions()).violations
     assert violation.detail == ("never drained: idle window of 3.500 s: 2 blocks used at its "
                                 "start, 5 at its last sample that had any")
+
+
+def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_window_it_cut():
+    timeline = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+                         [_sample(0.0, 3), _sample(0.5, 0), _sample(4.0, 3), _sample(6.0, 3)], 6.0)
+    timeline.requests[1].end_t = 4.5
+    timeline.meta["interrupted"] = "SIGINT"  # cut at 6 s, b's blocks not yet freed
+    arrivals = [0.0, 4.0] + [10.0 + 2 * i for i in range(1171)]  # the trace it did not reach
+    verdict = verify(timeline, [], VerifyOptions(), expected_windows(arrivals, 1.0, None))
+    assert verdict.violations == ()  # the cut tail is not a leak
+    assert list(verdict.reasons) == [
+        "stopped early: 1 of 1 reached windows drained; 1,172 not reached "
+        "(first: the idle gap 4.000-10.000 s: the replay stopped before it ended)"]
