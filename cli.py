@@ -232,6 +232,10 @@ def shaping_options(func):
               help=f"Size the engines like a real deployment (KV blocks from GPU memory as vLLM "
                    f"does, max_model_len, batch limits); explicit size options win. Default: "
                    f"{DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the wall clock.")
+@click.option("--min-coverage", type=click.FloatRange(0, 1), default=None,
+              help="Accept a run that observed at least this share of its expected idle windows "
+                   "(0-1), every observed one drained and the rest lost to the engines' lag: "
+                   "exit 0, said as partial coverage. Default: every expected window is needed.")
 @click.option("--allow-ignored", is_flag=True,
               help="Do not call the run inconclusive when over 1% of requests were ignored "
                    "(prompt over max_model_len, or never fits the pool); they are still counted.")
@@ -282,7 +286,8 @@ def replay_cmd(trace: Path, clock: str, idle_threshold: float, drain_deadline: f
                 insert_idle_at=tuple(options["insert_idle_at"]), scale_tokens=options["scale_tokens"]),
             verify=VerifyOptions(idle_threshold, drain_deadline,
                                  snapshot_tolerance if snapshot_tolerance is not None
-                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored),
+                                 else (0 if clock == "virtual" else 2), allow_ignored=allow_ignored,
+                                 min_coverage=options.pop("min_coverage")),
             cost_profile=_cost_profile(cost_profile_path), target_auth=_target_auth(options, target),
             check_outputs=check_outputs)
     except ValueError as e:

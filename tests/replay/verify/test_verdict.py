@@ -190,3 +190,33 @@ def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_
     assert list(verdict.reasons) == [
         "stopped early: 1 of 1 reached windows drained; 1,172 not reached "
         "(first: the idle gap 4.000-10.000 s: the replay stopped before it ended)"]
+
+
+def _lagged_run() -> tuple[Timeline, tuple]:
+    model = _two_bursts()
+    lagged = _two_bursts(a_end=3.5)  # the gap swallowed by 3 s of lag; the tail observed
+    return lagged, expected_windows(model.arrivals, 1.0, model)
+
+
+def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
+    lagged, expected = _lagged_run()
+    verdict = verify(lagged, [], VerifyOptions(), expected)
+    assert verdict.status == "inconclusive" and not verdict.partial
+    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: replay on "
+                                          "the virtual clock (--clock virtual)")
+    assert "--min-coverage F" in verdict.reasons[-1]
+
+
+def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
+    lagged, expected = _lagged_run()
+    verdict = verify(lagged, [], VerifyOptions(min_coverage=0.5), expected)
+    assert (verdict.status, verdict.exit_code, verdict.reasons) == ("verified", 0, ())
+    assert verdict.partial == ("every engine drained in all 1 observed windows; 1 of 2 expected not "
+                               "observed because the engines lagged the model by up to 3.000 s "
+                               "(coverage 50% >= --min-coverage 50%)")
+    assert verdict.to_dict()["partial_coverage"] == verdict.partial
+
+
+def test_min_coverage_not_met_stays_inconclusive():
+    lagged, expected = _lagged_run()
+    assert verify(lagged, [], VerifyOptions(min_coverage=0.9), expected).status == "inconclusive"
