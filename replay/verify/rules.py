@@ -351,6 +351,10 @@ def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[
                           options: VerifyOptions) -> list[str]:
     """Why the run does not prove its engines drain (empty: it does)."""
     reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage if c.state == "missed"]
+    blind = sum(c.state == "unobservable" for c in coverage)
+    if blind:
+        reasons.append(f"no engine's KV usage was observed, so none of the {blind:,} expected "
+                       f"idle windows was (over HTTP: give each engine's /metrics with --metrics)")
     unreached = [c for c in coverage if c.state == "unreached"]
     if unreached:  # an interrupted run: one line for what it did not reach, one for what it did
         judged = [w for w in windows if w.verdict != "undecided"]

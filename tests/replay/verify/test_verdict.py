@@ -220,3 +220,12 @@ def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
 def test_min_coverage_not_met_stays_inconclusive():
     lagged, expected = _lagged_run()
     assert verify(lagged, [], VerifyOptions(min_coverage=0.9), expected).status == "inconclusive"
+
+
+def test_a_run_that_saw_no_kv_usage_observed_no_window_however_its_requests_gapped():
+    blind = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)], [], 8.0)  # no --metrics
+    blind.engines.clear()
+    verdict = verify(blind, [], VerifyOptions(), expected_windows(blind.arrivals, 1.0, None))
+    assert verdict.num_covered() == (0, 2)  # not "2 of 2 expected idle windows observed"
+    assert [c.state for c in verdict.coverage] == ["unobservable", "unobservable"]
+    assert verdict.status == "inconclusive" and "KV usage was observed" in verdict.reasons[0]
