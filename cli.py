@@ -271,16 +271,21 @@ class Verification:
     tail_s: float | None
     allow_ignored: bool
     check_outputs: bool | None
+    min_coverage: float | None
 
     def options(self, clock: str):
         from replay.verify.rules import VerifyOptions
         tolerance = self.snapshot_tolerance_blocks
         return VerifyOptions(self.idle_threshold_s, self.drain_deadline_s,
                              tolerance if tolerance is not None else (0 if clock == "virtual" else 2),
-                             allow_ignored=self.allow_ignored)
+                             allow_ignored=self.allow_ignored, min_coverage=self.min_coverage)
 
 
 VERIFICATION = OptionGroup("Verification", "verification", (
+    click.option("--min-coverage", type=click.FloatRange(0, 1), default=None,
+                 help="Accept a run that observed at least this share of its expected idle windows "
+                      "(0-1), every observed one drained and the rest lost to the engines' lag: "
+                      "exit 0, said as partial coverage [default: every expected window is needed]."),
     click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0), default=1.0,
                  show_default=True,
                  help="A gap with nothing in flight at least this long is an idle window (s)."),
@@ -626,8 +631,11 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
     http = target.http_options(engines.model if _given("model") and target.is_http else None)
     if not target.is_http:
         engines.check_preset("; a served model's name goes with --target http:// only")
+    recorded: set[str] = set()
+    if target.address is None:
+        engines, recorded = _adopt_recording(trace, trace_input.fmt, engines)
     engine = _apply_profile(engines.config, sizing.profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
-                                                             else None))
+                                                             else None), recorded)
     if auth is not None and (target.address is None or target.is_http):
         raise click.UsageError("--curve-keys/--token: only with --target of a kvdrain serve "
                                "(an HTTP server takes --api-key)")
@@ -683,13 +691,45 @@ def _check_target(target: Target, clock: str, engines: Engines) -> None:
                                f"server's own configuration")
 
 
-def _apply_profile(engine: EngineConfig, name: str | None) -> EngineConfig:
-    """The profile's sizes, except where a size option was given on the command line."""
+def _adopt_recording(trace: Path, fmt: str | None, engines: Engines) -> tuple[Engines, set[str]]:
+    """A recording's engine config (its header: replay/live/recorder.py) where none was
+    given on the command line; the names adopted. A conflicting explicit option: usage error."""
+    from replay.live.recorder import adopt_recorded
+    from replay.trace.reader import TraceError, read_trace
+    from replay.trace.records import TraceHeader
+    if not trace.is_file():  # a pipe is read once, by the replay (replay/trace/source.py)
+        return engines, set()
+    try:
+        first = next(iter(read_trace(trace, fmt)), None)
+    except (TraceError, OSError, ValueError):
+        return engines, set()  # the replay reports it
+    if not isinstance(first, TraceHeader):
+        return engines, set()
+    config = engines.config
+    current = {"num_blocks": config.num_blocks, "block_size": config.block_size,
+               "liveness": config.liveness, "topology": engines.topology,
+               "max_model_len": config.max_model_len}
+    try:
+        adopted = adopt_recorded(first.metadata, current, {k for k in current if _given(k)})
+        sizes = {k: v for k, v in adopted.items() if k != "topology"}
+        if "num_blocks" in sizes:  # the recorded pool, not one sized from GPU memory
+            sizes["gpu_memory_utilization"] = None
+        engines = replace(engines, topology=adopted.get("topology", engines.topology),
+                          config=replace(config, **sizes))
+    except (ValueError, TypeError) as e:
+        raise click.UsageError(str(e)) from None
+    return engines, set(adopted)
+
+
+def _apply_profile(engine: EngineConfig, name: str | None,
+                   recorded: set[str] = frozenset()) -> EngineConfig:
+    """The profile's sizes, except where a size option was given on the command line (or
+    taken from the recording replayed)."""
     if name is None:
         return engine
     ctx = click.get_current_context()
     keep = frozenset(k for k in PROFILES[name].sizes()
-                     if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT)
+                     if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT or k in recorded)
     try:
         return PROFILES[name].apply(engine, keep)
     except ValueError as e:

@@ -2,6 +2,7 @@
 
 - driver: the wall-clock replay over real engine processes;
 - faults: an engine or worker that died, stopped answering or stalled, named;
+- starvation: starved or stuck, from what /proc says of a silent engine;
 - interrupt: Ctrl-C and SIGTERM as one exception;
 - serve: `kvdrain serve`, the topology behind a client socket;
 - serve_messages: the serve's protocol (its wire types, ServeInfo among them);

@@ -19,6 +19,7 @@ from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
 from replay.live.faults import FaultWatch, since_start
 from replay.live.interrupt import Interrupted
+from replay.live.starvation import StarvationJudge
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
@@ -88,7 +89,7 @@ class WallClockReplay:
         self._last_tick = 0.0
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
-        self.faults = FaultWatch(list(target.engines))
+        self.faults = FaultWatch(list(target.engines), judge=StarvationJudge(_engine_pids(target)))
         self.quiet_since: float | None = float("-inf")  # nothing of ours in flight since (None: some)
         self._num_errors = 0  # of target.errors, seen
         # (req_id, engine, t) the router told of, not yet recorded: stamped as it hands the
@@ -247,7 +248,15 @@ class WallClockReplay:
                         arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
                         counters=counters, meta={"driver": "wall", **(
                             {"interrupted": self.interrupted} if self.interrupted else {}),
-                            "faults": [asdict(f) for f in self.faults.faults]})
+                            "faults": [asdict(f) for f in self.faults.faults],
+                            "starved": [asdict(s) for s in self.faults.starved]})
+
+
+def _engine_pids(target: ReplayTarget) -> dict[str, int]:
+    """Each local engine process's pid (a router's MPClients); a serve's engines are not ours to read."""
+    clients = getattr(target, "clients", {})
+    return {e: c.process.pid for e, c in clients.items()
+            if getattr(getattr(c, "process", None), "pid", None) is not None}
 
 
 

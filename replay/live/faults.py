@@ -17,6 +17,9 @@ only what grew since is a fault (since_start does the same for the Timeline's co
 - another client's work: an engine snapshot taken while this replay had no request in
   flight that shows requests waiting or running (a serve shared with another replay,
   whose blocks cannot be told from this one's; kind "shared").
+With a judge (replay/live/starvation.py: the engines' pids known), a silent engine that is
+alive and runnable but starved of CPU is no fault: it is kept in `starved` (the run is
+inconclusive) until it answers or the judge finds it stopped, dead or stuck.
 Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
 numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
 leak that follows a fault from a liveness leak.
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from replay.live.starvation import StarvationJudge
 
 STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
 PROBE_INTERVAL_S = 1.0
@@ -37,6 +42,14 @@ class Fault:
     kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap" | "shared"
     cause: str
     end_t: float | None = None  # a stall that ended (the engine answered again)
+
+
+@dataclass(slots=True, kw_only=True)
+class Starved:
+    t: float  # last heard before the silence (replay seconds)
+    engine: str
+    cause: str  # the figures (starvation.py classify)
+    end_t: float | None = None  # when it answered again
 
 
 # Count -> (kind, how to say it from the growth n and the counts); each count only grows,
@@ -79,8 +92,9 @@ def since_start(first: dict[str, int], latest: dict[str, int],
 
 class FaultWatch:
     def __init__(self, engines: list[str], stall_s: float = STALL_S,
-                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
-        self.stall_s, self.probe_interval_s = stall_s, probe_interval_s
+                 probe_interval_s: float = PROBE_INTERVAL_S, judge: StarvationJudge | None = None) -> None:
+        self.stall_s, self.probe_interval_s, self.judge = stall_s, probe_interval_s, judge
+        self.starved: list[Starved] = []  # silences of engines alive but starved, first first
         self.heard: dict[str, float] = dict.fromkeys(engines, 0.0)  # last snapshot (replay s)
         self.asked: dict[str, float | None] = dict.fromkeys(engines)  # first unanswered probe
         self.last_probe = float("-inf")
@@ -103,6 +117,11 @@ class FaultWatch:
         if stall is not None and stall.end_t is None:
             stall.end_t = t
         first = self.first.setdefault(engine, dict(counts))
+        for s in self.starved:
+            if s.engine == engine and s.end_t is None:
+                s.end_t = t
+        if self.judge is not None:
+            self.judge.on_answer(engine)
         for name, (kind, say) in _COUNTER_CAUSES.items():
             grown = counts.get(name, 0) - first.get(name, 0)
             if grown > 0:
@@ -133,6 +152,8 @@ class FaultWatch:
         for engine in silent:
             if self.asked[engine] is None:
                 self.asked[engine] = t
+                if self.judge is not None:
+                    self.judge.on_probe(engine)
         return True
 
     def check(self, t: float) -> None:
@@ -141,9 +162,21 @@ class FaultWatch:
             silent_s = t - self.heard[engine]
             if asked is not None and t - asked >= self.probe_interval_s and silent_s >= self.stall_s:
                 cause = f"engine {engine} answered no stats request for {silent_s:.1f} s (stopped or stuck)"
+                judged = self.judge.judge(engine, silent_s) if self.judge is not None else None
+                if judged is not None and judged.kind == "starved" and (engine, "stalled") not in self.by_key:
+                    self._note_starved(engine, judged.cause)
+                    continue
+                cause = cause if judged is None else judged.cause
                 key = (engine, "stalled")
                 fault = self.by_key.setdefault(key, Fault(self.heard[engine], engine, "stalled", cause))
                 fault.cause, fault.end_t = cause, None
+
+    def _note_starved(self, engine: str, cause: str) -> None:
+        open_ = next((s for s in self.starved if s.engine == engine and s.end_t is None), None)
+        if open_ is None:
+            self.starved.append(Starved(t=self.heard[engine], engine=engine, cause=cause))
+        else:
+            open_.cause = cause
 
     def _note(self, t: float, engine: str, kind: str, cause: str) -> None:
         fault = self.by_key.get((engine, kind))

@@ -1,9 +1,15 @@
 """Recording served traffic as a kvdrain JSONL trace (`serve --record`). Runs in: frontend process.
 
-Requests and aborts are written as they arrive, with t in seconds since the recorder
-started; a snapshot of every engine's block counts and queues is written whenever
-nothing is in flight and the counts changed (the moments a replay of the recording
-can reproduce). The file is flushed line by line, so a crash loses at most a line.
+Requests and aborts are written as they arrive, with t in seconds since the first
+request (the serve's time before it is not part of the traffic); a snapshot of every
+engine's block counts and queues is written whenever nothing is in flight and the counts
+changed (the moments a replay of the recording can reproduce). The file is flushed line
+by line, so a crash loses at most a line.
+
+The header carries the engines' configuration (RECORDED_CONFIG: pool size, block size,
+liveness, topology, max_model_len), so that a replay of the recording runs the same
+engines unless told otherwise (`adopt_recorded`); it is written with the first record,
+once the serve knows the pool its engines allocated.
 """
 from __future__ import annotations
 
@@ -18,17 +24,31 @@ QUEUE_KEYS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs"
               "num_finished_awaiting_free")
 
 
+# Header key -> the replay option it sets (the same names).
+RECORDED_CONFIG = ("num_blocks", "block_size", "liveness", "topology", "max_model_len")
+
+
 class TraceRecorder:
     def __init__(self, path: Path, metadata: dict) -> None:
         self.file: TextIO = path.open("w")
-        self.origin = time.monotonic()
+        self.metadata = {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", **metadata}
+        self.origin: float | None = None  # the first request's arrival
+        self._header_written = False
         self._last_snapshot: str | None = None
-        self._write({"kvdrain_trace": 1, "recorded_by": "kvdrain serve", **metadata})
+
+    def configure(self, **config: object) -> None:
+        """What the engines run with, known once they started (before the first record)."""
+        self.metadata.update({k: v for k, v in config.items() if v})
 
     def now(self) -> float:
+        if self.origin is None:
+            self.origin = time.monotonic()
         return round(time.monotonic() - self.origin, 6)
 
     def _write(self, obj: dict) -> None:
+        if not self._header_written:
+            self._header_written = True
+            self._write(self.metadata)
         self.file.write(json.dumps(obj, separators=(",", ":")) + "\n")
         self.file.flush()
 
@@ -40,7 +60,10 @@ class TraceRecorder:
         self._write({"t": self.now(), "abort": req_id})
 
     def snapshot(self, latest: dict[str, StatsSnapshot]) -> None:
-        """Block counts and queues of every engine, if they changed since the last one."""
+        """Block counts and queues of every engine, if they changed since the last one (none
+        before the first request: the recording starts there)."""
+        if self.origin is None:
+            return
         kv = {e: {"used": s.counts["num_used_blocks"], "free": s.counts["num_free_blocks"]}
               for e, s in sorted(latest.items())}
         queues = {e: {k.removeprefix("num_"): s.counts[k] for k in QUEUE_KEYS}
@@ -51,4 +74,28 @@ class TraceRecorder:
             self._write({"t": self.now(), "kv": kv, "queues": queues})
 
     def close(self) -> None:
+        if not self._header_written:  # no traffic: the header alone
+            self._header_written = True
+            self.file.write(json.dumps(self.metadata, separators=(",", ":")) + "\n")
         self.file.close()
+
+
+def adopt_recorded(header: dict[str, object], given: dict[str, object],
+                   explicit: set[str]) -> dict[str, object]:
+    """The options a replay of a recording takes from its header: each RECORDED_CONFIG key
+    the header has and the user did not set. An explicit option that differs from the
+    recording's is a ValueError naming both (the replay would not be of the recording)."""
+    adopted = {}
+    for name in RECORDED_CONFIG:
+        if name not in header:
+            continue
+        recorded = header[name]
+        if name in explicit:
+            if given.get(name) != recorded:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {given.get(name)} conflicts with the recording's "
+                                 f"{name} {recorded} (its header); drop {flag} to replay the "
+                                 f"recording as it ran")
+            continue
+        adopted[name] = recorded
+    return adopted

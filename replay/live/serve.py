@@ -135,6 +135,8 @@ class Server:
                                                            info.block_size))
         self.front = front
         self.socket, self.address, self.recorder = front.socket, front.address, front.recorder
+        if self.recorder is not None:  # the pool the engines allocated, for the header
+            self.recorder.configure(num_blocks=info.num_blocks, max_model_len=info.max_model_len)
         # Clients choose their ids, and two replays of one trace reuse them, so each
         # request gets a serve-wide unique id: internal id -> (client, client's id).
         self.owners: dict[str, tuple[bytes, str]] = {}

@@ -3,6 +3,10 @@
 The validating pass (replay/trace/reader.py) calls check_request on every request, after
 token scaling and before any token is synthesised, so a request no engine could take is
 a `file:line: field: what` error before anything starts, never a surprise mid-replay.
+A prompt as long as max_model_len or longer is the deployment's limit, not a bad line:
+it is sent, the engine rejects it as vLLM's front does (the scheduler's "ignored", counted
+by cause: replay/verify/coverage.py), and coverage decides as for any ignored request.
+The format's own caps (MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS) stay errors.
 """
 from __future__ import annotations
 
@@ -35,11 +39,11 @@ def check_request(req: TraceRequest, fmt: str, limits: TraceLimits) -> bool:
     prompt, output, _ = scaled_lengths(req, limits.scale_tokens)
     max_len = limits.max_model_len if limits.max_model_len is not None else MAX_PROMPT_TOKENS + 1
     vocab = limits.vocab_size
-    if prompt > MAX_PROMPT_TOKENS or output > MAX_OUTPUT_TOKENS or prompt >= max_len \
-            or output >= max_len or (vocab is not None and req.prompt_token_ids is not None
+    if prompt > MAX_PROMPT_TOKENS or output > MAX_OUTPUT_TOKENS \
+            or (output >= max_len and prompt < max_len) or (vocab is not None and req.prompt_token_ids is not None
                                      and max(req.prompt_token_ids) >= vocab):
         _explain(req, fmt, limits, prompt, output)
-    return limits.max_model_len is not None and prompt + output > max_len
+    return limits.max_model_len is not None and prompt < max_len and prompt + output > max_len
 
 
 def _explain(req: TraceRequest, fmt: str, limits: TraceLimits, prompt: int, output: int) -> None:
@@ -50,10 +54,6 @@ def _explain(req: TraceRequest, fmt: str, limits: TraceLimits, prompt: int, outp
         if n > cap:  # scaling up can pass the caps that the line itself was within
             raise FieldError(name, f"{n:,} tokens{scaled}, more than the reader's cap of {cap:,}")
     max_len = limits.max_model_len
-    if max_len is not None and prompt >= max_len:
-        raise FieldError(names[0], f"a prompt of {prompt:,} tokens{scaled} does not fit "
-                                   f"max_model_len {max_len:,} (it must be shorter: raise "
-                                   f"--max-model-len, or use --scale-tokens or --skip-bad-lines)")
     if max_len is not None and output >= max_len:
         raise FieldError(names[1], f"{output:,} tokens{scaled} can never be generated: "
                                    f"max_model_len {max_len:,} holds prompt and output")

@@ -34,7 +34,9 @@ from replay.verify import windows
 from replay.verify.windows import EngineWindow
 from replay.verify.timeline import RequestRecord, Timeline
 
-COVERAGE_STATES = ("observed", "busy", "missed", "unreached")
+# "unobservable": the run saw no engine's KV usage at all (no --metrics over HTTP), so no
+# window was observed, whatever the requests' gaps were (the reason is the run's: outcome).
+COVERAGE_STATES = ("observed", "busy", "missed", "unreached", "unobservable")
 IGNORED_CAUSES = {  # a substring of the scheduler's reason -> the cause's name
     "max_model_len": "prompt longer than max_model_len",
     "KV blocks; the pool has": "can never fit the KV pool",
@@ -121,6 +123,8 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     for w, q, late in zip(expected, quiet, lateness):
         seen = has_tail if w.is_tail else round(w.end, 9) in ends
         state = "observed" if seen else "missed" if w.is_expected else "busy"
+        if state == "observed" and not timeline.samples:
+            state = "unobservable"
         if w.is_expected and _unreached(w, timeline, last_sent):
             state = "unreached"
         q_or_none = None if math.isinf(q) else q

@@ -214,6 +214,8 @@ def verdict_line(report: dict) -> str:
     if status == "verified":
         what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
                 if expected else "every engine drained in every idle window")
+        if report.get("partial_coverage"):
+            what = f"partial coverage: {report['partial_coverage']}"
     elif status == "violation":
         what = plural(len(report["violations"]), "violation")
     elif status == "inconclusive":

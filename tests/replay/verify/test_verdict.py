@@ -179,3 +179,70 @@ def test_the_virtual_clock_covers_a_dense_public_trace():
     states = [c.state for c in verdict.coverage]
     assert "missed" not in states and states.count("observed") == len(idle_windows(timeline, 1.0))
     assert verdict.status == "verified"
+
+
+def test_a_late_drain_is_told_apart_from_a_window_that_never_drained_in_one_precision():
+    late = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+                     [_sample(0.0, 3), _sample(0.5, 2), _sample(3.2345678, 0), _sample(4.0, 3),
+                      _sample(4.5, 0)], 8.0)
+    (violation,) = verify(late, [], VerifyOptions(drain_deadline_s=1.0)).violations
+    assert violation.detail == ("late drain: idle window: 2 blocks held until 2.735 s after its "
+                                "start, past the drain deadline")
+    never = _two_bursts()
+    never.samples[1] = _sample(0.5, 2)
+    never.samples.insert(2, _sample(2.0, 5))  # a later sample (a scrape's lag) saw more
+    (violation,) = verify(never, [], VerifyOptions()).violations
+    assert violation.detail == ("never drained: idle window of 3.500 s: 2 blocks used at its "
+                                "start, 5 at its last sample that had any")
+
+
+def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_window_it_cut():
+    timeline = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+                         [_sample(0.0, 3), _sample(0.5, 0), _sample(4.0, 3), _sample(6.0, 3)], 6.0)
+    timeline.requests[1].end_t = 4.5
+    timeline.meta["interrupted"] = "SIGINT"  # cut at 6 s, b's blocks not yet freed
+    arrivals = [0.0, 4.0] + [10.0 + 2 * i for i in range(1171)]  # the trace it did not reach
+    verdict = verify(timeline, [], VerifyOptions(), expected_windows(arrivals, 1.0, None))
+    assert verdict.violations == ()  # the cut tail is not a leak
+    assert list(verdict.reasons) == [
+        "stopped early: 1 of 1 reached windows drained; 1,172 not reached "
+        "(first: the idle gap 4.000-10.000 s: the replay stopped before it ended)"]
+
+
+def _lagged_run() -> tuple[Timeline, tuple]:
+    model = _two_bursts()
+    lagged = _two_bursts(a_end=3.5)  # the gap swallowed by 3 s of lag; the tail observed
+    return lagged, expected_windows(model.arrivals, 1.0, model)
+
+
+def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
+    lagged, expected = _lagged_run()
+    verdict = verify(lagged, [], VerifyOptions(), expected)
+    assert verdict.status == "inconclusive" and not verdict.partial
+    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: replay on "
+                                          "the virtual clock (--clock virtual)")
+    assert "--min-coverage F" in verdict.reasons[-1]
+
+
+def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
+    lagged, expected = _lagged_run()
+    verdict = verify(lagged, [], VerifyOptions(min_coverage=0.5), expected)
+    assert (verdict.status, verdict.exit_code, verdict.reasons) == ("verified", 0, ())
+    assert verdict.partial == ("every engine drained in all 1 observed windows; 1 of 2 expected not "
+                               "observed because the engines lagged the model by up to 3.000 s "
+                               "(coverage 50% >= --min-coverage 50%)")
+    assert verdict.to_dict()["partial_coverage"] == verdict.partial
+
+
+def test_min_coverage_not_met_stays_inconclusive():
+    lagged, expected = _lagged_run()
+    assert verify(lagged, [], VerifyOptions(min_coverage=0.9), expected).status == "inconclusive"
+
+
+def test_a_run_that_saw_no_kv_usage_observed_no_window_however_its_requests_gapped():
+    blind = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)], [], 8.0)  # no --metrics
+    blind.engines.clear()
+    verdict = verify(blind, [], VerifyOptions(), expected_windows(blind.arrivals, 1.0, None))
+    assert verdict.num_covered() == (0, 2)  # not "2 of 2 expected idle windows observed"
+    assert [c.state for c in verdict.coverage] == ["unobservable", "unobservable"]
+    assert verdict.status == "inconclusive" and "KV usage was observed" in verdict.reasons[0]

@@ -1,0 +1,96 @@
+"""Recordings replay as themselves.
+
+The finding: `serve --record` wrote a header without the pool size, so a virtual replay of
+the recording compared against the default profile's 28,671 blocks ("free 28671 !=
+recorded 511", VIOLATION), the recorded liveness was ignored, and the recording kept the
+serve's dead time before its first request (12 s here) for the replay to wait out. Now the
+header carries the engines' config (written with the first record, once the pool is
+known), t = 0 is the first request, and a replay adopts the header's config unless an
+option says otherwise (a conflicting explicit option is exit 2 naming both).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.proc.messages import StatsSnapshot
+from replay.live.recorder import TraceRecorder, adopt_recorded
+from tests.paths import ROOT
+
+HEADER = {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "topology": "pd", "liveness": "event",
+          "block_size": 16, "num_blocks": 512, "max_model_len": 4096}
+
+
+def _idle(engine: str) -> StatsSnapshot:
+    counts = dict.fromkeys(("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs",
+                            "num_running", "num_finished_awaiting_free"), 0)
+    counts.update(num_used_blocks=0, num_free_blocks=511)
+    return StatsSnapshot(engine_id=engine, seq=0, monotonic=time.monotonic(), loop_state="blocked",
+                         num_steps=0, num_wakeups=0, counts=counts)
+
+
+def test_the_header_has_the_pool_the_engines_allocated_and_t_starts_at_the_first_request(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    recorder = TraceRecorder(path, {"topology": "pd", "liveness": "legacy", "block_size": 16})
+    recorder.configure(num_blocks=512, max_model_len=4096)
+    recorder.snapshot({"P": _idle("P")})  # before any traffic: not part of the recording
+    time.sleep(0.05)  # the serve's dead time before its first request
+    recorder.request("r1", [1, 2, 3], 4)
+    recorder.snapshot({"P": _idle("P")})
+    recorder.close()
+    header, request, snapshot = (json.loads(line) for line in path.read_text().splitlines())
+    assert header == {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "topology": "pd",
+                      "liveness": "legacy", "block_size": 16, "num_blocks": 512, "max_model_len": 4096}
+    assert request["t"] < 0.01 and snapshot["t"] >= request["t"]
+
+
+def test_a_recording_with_no_traffic_is_its_header_alone(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    recorder = TraceRecorder(path, {"topology": "pd"})
+    recorder.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "topology": "pd"}]
+
+
+def test_a_replay_adopts_the_recorded_config_that_no_option_set():
+    given = {"num_blocks": None, "block_size": 16, "liveness": "event", "topology": "pd", "max_model_len": 2048}
+    assert adopt_recorded(HEADER | {"liveness": "legacy"}, given, explicit=set()) == {
+        "num_blocks": 512, "block_size": 16, "liveness": "legacy", "topology": "pd", "max_model_len": 4096}
+    assert "liveness" not in adopt_recorded(HEADER, given | {"liveness": "event"}, explicit={"liveness"})
+
+
+def test_an_explicit_option_that_conflicts_with_the_recording_names_both():
+    with pytest.raises(ValueError, match="--liveness legacy conflicts with the recording's liveness event"):
+        adopt_recorded(HEADER, {"liveness": "legacy"}, explicit={"liveness"})
+
+
+def _recording(tmp_path, header: dict):
+    lines = [header,
+             {"t": 0.0, "id": "r1", "prompt_len": 64, "max_tokens": 4},
+             {"t": 0.0, "id": "r2", "prompt_len": 64, "max_tokens": 4},
+             {"t": 5.0, "kv": {"P": {"used": 0, "free": 511}, "D": {"used": 0, "free": 511}}},
+             {"t": 6.0, "id": "r3", "prompt_len": 64, "max_tokens": 4}]
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", "replay", *args, "--no-live"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_virtual_replay_of_a_recording_runs_the_recorded_pool_and_matches_its_snapshots(tmp_path):
+    done = _replay(str(_recording(tmp_path, HEADER)), "--clock", "virtual")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "28671" not in done.stdout
+
+
+def test_a_replay_of_a_recording_with_a_conflicting_pool_size_is_refused_naming_both(tmp_path):
+    done = _replay(str(_recording(tmp_path, HEADER)), "--clock", "virtual", "--num-blocks", "1024")
+    assert done.returncode == 2
+    assert "--num-blocks 1024 conflicts with the recording's num_blocks 512" in done.stderr
