@@ -46,7 +46,7 @@ def _address(serve: subprocess.Popen, timeout_s: float = 90.0) -> str:
 
 def _replay(trace: Path, address: str, report: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cli", "replay", str(trace), "--target", address,
-                             "--report", str(report)], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--report", str(report), "--tail", "4"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
