@@ -19,9 +19,10 @@ def served_model(router, config: EngineConfig, topology: str) -> ServedModel:
 
 
 @contextlib.contextmanager
-def engines(liveness: str = "event", topology: str = "pd", **overrides):
+def engines(liveness: str = "event", topology: str = "pd", kv: KVTransferConfig = KVTransferConfig(),
+            **overrides):
     config = EngineConfig(runner="mock", num_blocks=256, liveness=liveness, **overrides)
-    router = start_topology(config, KVTransferConfig(), topology)
+    router = start_topology(config, kv, topology)
     try:
         yield router, served_model(router, config, topology)
     finally:

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.config import KVTransferConfig
 from replay.http.server import HttpOptions
 from replay.trace.reader import read_trace
 from replay.http.tokenizer import WordTokenizer
@@ -27,7 +28,9 @@ MAX_BODY = 64 << 10
 
 @pytest.fixture(scope="module")
 def pd():
-    with engines("event", "pd") as (router, model):
+    # D holds each request's blocks for the 150 ms pull at least: a 50 ms scrape sees D's
+    # usage move even on a loaded machine (a mock decode alone can finish between scrapes).
+    with engines("event", "pd", KVTransferConfig(pull_delay_ms=150)) as (router, model):
         yield router, model
 
 
