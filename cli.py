@@ -769,12 +769,11 @@ def serve_cmd(address: str, http_address: str | None, api_key: str | None, recor
     if http_address is not None:
         from replay.http.server import HttpOptions
         from replay.http.shared_serve import HttpServe, parse_http_address
-        from replay.live.auth import AuthError
         try:
             host, port = parse_http_address(http_address)
             http = HttpServe(HttpOptions(host, port, api_key), f"kvdrain/{engines.model}",
                              bool(auth is not None and auth.insecure))
-        except (ValueError, AuthError) as e:
+        except ValueError as e:  # a bad address, or CredentialError
             raise click.UsageError(str(e)) from None
     elif api_key is not None:
         raise click.UsageError("--api-key: only with --http")
@@ -884,12 +883,13 @@ def proxy_cmd(prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], host:
                  --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
     from replay.deploy.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
+    from replay.http.bearer import CredentialError
     try:
         options = ProxyOptions(prefill=prefill_urls, decode=decode_urls, host=host, port=port,
                                api_key=api_key, upstream_api_key=upstream_api_key, insecure=insecure,
                                router=router)
         check_listen(options)
-    except ProxyError as e:
+    except (ProxyError, CredentialError) as e:
         raise click.UsageError(str(e)) from None
     sys.exit(proxy_main(options))
 

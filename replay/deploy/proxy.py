@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import hmac
-import ipaddress
 import json
 import signal
 import sys
@@ -40,6 +38,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from engine.core.block_hash import hash_request_blocks
 from replay.deploy.balance import ROUTER_POLICIES, Balancer
+from replay.http.bearer import bearer_middleware, check_http_listen
 
 # What P is asked to do: hold the prompt's KV for a decode elsewhere (vLLM's toy proxy's dict).
 PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -47,7 +46,6 @@ PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": Fal
                               "remote_host": None, "remote_port": None}
 NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")  # P refuses or ignores them
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-GUARDED_PREFIX = "/v1"  # like vLLM's --api-key: /health and /metrics stay open
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
@@ -114,24 +112,9 @@ def name_upstreams(role: str, urls: tuple[str, ...]) -> list[Upstream]:
     return [Upstream(name=f"{role}{i}", url=base_url(u)) for i, u in enumerate(urls)]
 
 
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name or a wildcard: not provably local
-
-
 def check_listen(options: ProxyOptions) -> list[str]:
-    """Refuse (ProxyError) to listen beyond loopback without --api-key or --insecure; warnings."""
-    if is_loopback_host(options.host) or options.api_key is not None:
-        return []
-    if not options.insecure:
-        raise ProxyError(f"--host {options.host} listens beyond this machine: give --api-key KEY "
-                         f"or, knowingly, --insecure")
-    return [f"WARNING: --insecure: {options.host}:{options.port} accepts requests from anyone "
-            f"who can reach it, with no credential"]
+    """Refuse (CredentialError) to listen beyond loopback without --api-key or --insecure; warnings."""
+    return check_http_listen(options.host, options.api_key, options.insecure, flag="--host")
 
 
 def prefill_request(body: dict) -> dict:
@@ -208,7 +191,7 @@ class Proxy:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
+        app = web.Application(middlewares=[bearer_middleware(self.options.api_key), self._unreachable], client_max_size=64 << 20)
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completions)
         app.router.add_get("/v1/models", self.forward)
@@ -258,12 +241,7 @@ class Proxy:
     # ---- middleware ------------------------------------------------------------------
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        key = self.options.api_key
-        if key is not None and request.path.startswith(GUARDED_PREFIX):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+    async def _unreachable(self, request: web.Request, handler):
         try:
             return await handler(request)
         except Unreachable as e:

@@ -17,7 +17,6 @@ codes; a missing or wrong API key gets vLLM's auth middleware's 401 {"error": "U
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import inspect
 import itertools
@@ -34,6 +33,7 @@ from prometheus_client.registry import CollectorRegistry
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
 from replay.http import protocol
+from replay.http.bearer import bearer_middleware
 from replay.http.connections import (BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap,
                                      quiet_logger)
 from replay.http.metrics import EngineCollector, FrontStats
@@ -45,7 +45,6 @@ POLL_BUSY_S = 0.001
 POLL_IDLE_S = 0.010
 FIRST_STATS_TIMEOUT_S = 10.0
 SERVER_HEADER = "kvdrain (aiohttp)"
-GUARDED_PREFIX = "/v1"  # like vLLM's --api-key: /health and /metrics stay open
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +106,7 @@ class HttpFront:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
-                              middlewares=[self._errors, self._auth])
+                              middlewares=[self._errors, bearer_middleware(self.options.api_key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
@@ -202,17 +201,6 @@ class HttpFront:
             self.guard.set_busy(request.transport, False)
         response.headers["Server"] = SERVER_HEADER
         return response
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        key = self.options.api_key
-        if key is not None and request.path.startswith(GUARDED_PREFIX):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            # aiohttp keeps a header's bytes that are not UTF-8 as surrogates: compare bytes
-            given = token.encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
 
     # ---- handlers ------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions
-from replay.live.auth import check_http_listen
+from replay.http.bearer import check_http_listen
 
 STOP_CHECK_S = 0.05
 
@@ -85,7 +85,7 @@ class HttpServe:
     """`serve --http`'s part in serve_main: wrap the router for the zmq serve, then run both."""
 
     def __init__(self, options: HttpOptions, model_name: str, insecure: bool = False) -> None:
-        """AuthError (before anything starts) for a host beyond loopback without an API key,
+        """CredentialError (before anything starts) for a host beyond loopback without an API key,
         unless insecure (then warned about at start)."""
         self.warnings = check_http_listen(options.host, options.api_key, insecure)
         self.options = options

@@ -7,8 +7,8 @@ keys DIR` makes the pairs (server.key, server.key_secret, client.key,
 client.key_secret; DIR 0700, secrets 0600): the serve reads server.key_secret and
 trusts every *.key in DIR; a client (replay --target, top) reads client.key_secret
 and server.key (copy those two to its machine). `--insecure` listens without keys
-and says so loudly. The HTTP front of `serve --http` follows the same rule: beyond loopback it needs
-`--api-key` (or, knowingly, `--insecure`, warned about), refused before anything starts.
+and says so loudly. The HTTP front of `serve --http` follows the same rule with `--api-key`
+(replay/http/bearer.py).
 On loopback and ipc any local user can connect, so a shared
 `--token` (or KVDRAIN_TOKEN, which `ps` does not show) may be required: ZMQ's PLAIN
 handshake checks it once per connection, so a client without it never gets a message
@@ -113,20 +113,6 @@ def check_listen(address: str, auth: AuthOptions) -> list[str]:
                         f"(`kvdrain keys DIR` makes them) or, knowingly, --insecure")
     return [f"WARNING: --insecure: {address} accepts requests from anyone who can reach it, "
             f"with no credential"]
-
-
-def check_http_listen(host: str, api_key: str | None, insecure: bool) -> list[str]:
-    """Refuse (AuthError) an HTTP front beyond loopback without --api-key; the warnings to print."""
-    address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-    if is_loopback(address) or api_key is not None:
-        return []
-    where = f"[{host}]" if ":" in host else host
-    if not insecure:
-        raise AuthError(f"--http {where}: listens beyond this machine with no credential: give "
-                        f"--api-key KEY (clients send 'Authorization: Bearer KEY') or, "
-                        f"knowingly, --insecure")
-    return [f"WARNING: --insecure: HTTP on {where} accepts completions from anyone who can "
-            f"reach it, with no credential"]
 
 
 def secure_server(socket: zmq.Socket, auth: AuthOptions) -> ThreadAuthenticator | None:

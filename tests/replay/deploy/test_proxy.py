@@ -321,6 +321,21 @@ def test_the_api_key_guards_v1_and_the_upstream_key_goes_to_every_server():
     run(go())
 
 
+def test_a_key_that_is_not_utf8_is_a_401_not_a_crash():
+    async def go():
+        async with deployment(api_key="front") as (proxy, (p,), _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            body = json.dumps(CLIENT_REQUEST).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: Bearer \xff\xfe\xc3\r\nContent-Length: %d\r\n\r\n" % len(body)
+                         + body)
+            answer = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 401") and p.bodies == []
+
+    run(go())
+
+
 def test_bad_urls_and_listening_beyond_loopback_without_a_key_are_usage_errors():
     assert invoke("proxy", "--prefill", "http://127.0.0.1:1").exit_code == 2  # --decode missing
     result = invoke("proxy", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2")

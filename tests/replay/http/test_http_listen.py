@@ -6,7 +6,7 @@ import pytest
 
 from replay.http.server import HttpOptions
 from replay.http.shared_serve import HttpServe
-from replay.live.auth import AuthError
+from replay.http.bearer import CredentialError
 
 
 def _serve_without_engines(monkeypatch, *args: str):
@@ -40,5 +40,5 @@ def test_http_beyond_loopback_with_an_api_key_or_insecure():
     assert HttpServe(HttpOptions("0.0.0.0", 0, api_key="k"), "m").warnings == []
     warnings = HttpServe(HttpOptions("0.0.0.0", 0), "m", insecure=True).warnings
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: --insecure: HTTP on 0.0.0.0")
-    with pytest.raises(AuthError, match="--http 0.0.0.0: listens beyond this machine"):
+    with pytest.raises(CredentialError, match="--http 0.0.0.0: listens beyond this machine"):
         HttpServe(HttpOptions("0.0.0.0", 0), "m")
