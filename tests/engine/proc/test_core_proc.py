@@ -1,6 +1,7 @@
-"""The engine-core process shell's loop in this process: its snapshots and its waits (mock runner)."""
+"""The engine-core process shell's loop in this process: its snapshots and its waits, synchronous and with async scheduling (mock runner)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -21,15 +22,16 @@ def test_stats_counts_is_asdict():
     assert list(stats_counts(stats)) == list(dataclasses.asdict(stats))  # same order
 
 
-@pytest.fixture
-def engine_loop(tmp_path):
-    """An EngineCoreProc looping in a thread; yields (send, messages received so far)."""
+@contextlib.contextmanager
+def running_loop(tmp_path, **overrides):
+    """An EngineCoreProc looping in a thread; yields (proc, send, messages so far, recv_until)."""
     ctx = zmq.Context()
     to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     addrs = EngineAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     to_engine.bind(addrs.input)
     from_engine.bind(addrs.output)
-    config = EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event")
+    config = EngineConfig(**{"engine_id": "E", "num_blocks": 64, "block_size": 4,
+                             "liveness": "event", **overrides})
     proc = EngineCoreProc(config, addrs)
     thread = threading.Thread(target=proc.run_busy_loop)
     thread.start()
@@ -53,6 +55,12 @@ def engine_loop(tmp_path):
         from_engine.close(0)
         ctx.term()
     assert not thread.is_alive()
+
+
+@pytest.fixture
+def engine_loop(tmp_path):
+    with running_loop(tmp_path) as loop:
+        yield loop
 
 
 def test_snapshots_only_when_something_a_reader_shows_changed(engine_loop):
@@ -135,3 +143,28 @@ def test_a_wait_says_whether_the_input_may_hold_messages(tmp_path):
         to_engine.close(0)
         from_engine.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
+def test_an_async_scheduling_engine_serves_requests_and_goes_idle_with_nothing_held(tmp_path, liveness):
+    with running_loop(tmp_path, liveness=liveness, async_scheduling=True) as (proc, send, _, recv_until):
+        recv_until(lambda m: isinstance(m, Ready))
+        prompts = {f"r{i}": list(range(10 * i, 10 * i + 9)) for i in range(3)}
+        for req_id, prompt in prompts.items():
+            send(AddRequest(req_id, prompt, 4))
+        tokens: dict[str, list[int]] = {}
+        finished: set[str] = set()
+
+        def all_finished(m: object) -> bool:
+            if isinstance(m, RequestOutputs):
+                for o in m.outputs:
+                    tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+                    if o.finish_reason is not None:
+                        finished.add(o.req_id)
+            return len(finished) == 3
+        recv_until(all_finished)
+        recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked"
+                   and m.counts["num_used_blocks"] == 0 and m.counts["num_running"] == 0)
+        # The mock runner samples last + 1: the same tokens the synchronous loop gives.
+        assert tokens == {r: [p[-1] + 1 + k for k in range(4)] for r, p in prompts.items()}
+        assert not proc.core.batch_queue
