@@ -697,9 +697,7 @@ def _adopt_recording(trace: Path, fmt: str | None, engines: Engines) -> tuple[En
     from replay.live.recorder import adopt_recorded
     from replay.trace.reader import TraceError, read_trace
     from replay.trace.records import TraceHeader
-    if not trace.is_file():  # a pipe is read once, by the replay (replay/trace/source.py)
-        return engines, set()
-    try:
+    try:  # a pipe is copied at this first open; the replay reads the copy (replay/trace/source.py)
         first = next(iter(read_trace(trace, fmt)), None)
     except (TraceError, OSError, ValueError):
         return engines, set()  # the replay reports it

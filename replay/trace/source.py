@@ -10,7 +10,8 @@ first found it (device, inode, size, modification time, checked at every open, e
 CHECK_EVERY_LINES lines and at the end of a pass; and the same sha256 over every full
 pass), so a trace rewritten mid-run is named as such, never as a bad line of a file that
 no longer has it. The copies and fingerprints are this process's, one per path: a
-replay runs once per process, and watch_trace starts afresh for its path.
+replay runs once per process; watch_trace takes a file's fingerprint afresh and keeps a
+pipe's copy (the pipe itself can be read only once).
 """
 from __future__ import annotations
 
@@ -67,10 +68,8 @@ def watch_trace(path: str | Path) -> None:
     if stat.S_ISREG(st.st_mode):
         _WATCHED[key] = _Watched(Fingerprint.of(st))
         return
-    old = _COPIES.pop(key, None)
-    if old is not None:
-        old.close()
-    _COPIES[key] = _copy(key, st)
+    if key not in _COPIES:  # a pipe already copied (read once before the run) keeps its copy
+        _COPIES[key] = _copy(key, st)
 
 
 def open_trace(path: str | Path) -> BinaryIO:

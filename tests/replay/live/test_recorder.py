@@ -94,3 +94,12 @@ def test_a_replay_of_a_recording_with_a_conflicting_pool_size_is_refused_naming_
     done = _replay(str(_recording(tmp_path, HEADER)), "--clock", "virtual", "--num-blocks", "1024")
     assert done.returncode == 2
     assert "--num-blocks 1024 conflicts with the recording's num_blocks 512" in done.stderr
+
+
+def test_a_recording_read_through_a_pipe_is_adopted_as_from_a_file(tmp_path):
+    recording = _recording(tmp_path, HEADER)
+    done = subprocess.run(["bash", "-c", f'"$0" -m cli replay <(cat "$1") --clock virtual --no-live',
+                           sys.executable, str(recording)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "28671" not in done.stdout
