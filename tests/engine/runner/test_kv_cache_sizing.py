@@ -159,3 +159,47 @@ def test_a_second_runner_in_one_process_does_not_count_the_first_ones_memory() -
         second.close()
     finally:
         first.close()
+
+
+def test_pool_sizing_reserves_the_null_block_as_vllm_does() -> None:
+    """vLLM 0.32 (kv_cache_utils.get_kv_cache_configs) checks max_model_len against the
+    available memory less one block (the null block BlockPool holds back), then
+    allocates available // bytes per block: a pool that holds exactly one max_model_len
+    request counting the null block is refused, one block more is taken."""
+    per_block = 2 << 20
+    needed = 32768 // 16  # blocks for one request of max_model_len 32768
+    with pytest.raises(ValueError, match=r"max seq len \(32768\)"):
+        num_gpu_blocks(needed * per_block, per_block, 16, 32768)
+    assert num_gpu_blocks((needed + 1) * per_block, per_block, 16, 32768) == needed + 1
+    with pytest.raises(ValueError, match="No available memory for the cache blocks"):
+        num_gpu_blocks(per_block, per_block, 16, 16)  # the null block only
+
+
+def test_the_profile_run_covers_a_steps_tokens_when_max_model_len_is_shorter() -> None:
+    """vLLM profiles max_num_batched_tokens in one step; a step of kvdrain's scheduler
+    holds that many over several prompts when max_model_len is shorter, so the profile
+    run must too (it ran one prompt of max_model_len tokens: a smaller activation peak
+    than a real step's, a pool sized too big)."""
+    from engine.runner.model_runner import ModelRunner
+    config = EngineConfig(runner="torch", device="cpu", num_blocks=16, max_num_batched_tokens=100,
+                          max_model_len=32, max_num_seqs=64)
+    runner = ModelRunner(config)
+    model, seen = runner.model, []
+
+    class Recording:
+        def __call__(self, input_ids, positions, attn_metadata, kv):
+            seen.append((len(input_ids), list(attn_metadata.seq_lens)))
+            return model(input_ids, positions, attn_metadata, kv)
+
+        def compute_logits(self, hidden):
+            return model.compute_logits(hidden)
+    runner.model = Recording()
+    try:
+        runner.profile_run(config)
+        assert seen == [(100, [32, 32, 32, 4])]
+        runner.profile_run(config := EngineConfig(runner="torch", device="cpu", num_blocks=16,
+                                                  max_num_batched_tokens=100, max_model_len=32,
+                                                  max_num_seqs=2))
+        assert seen[1] == (64, [32, 32])  # at most max_num_seqs prompts in a step
+    finally:
+        runner.close()
