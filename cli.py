@@ -844,16 +844,31 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
 
 
 @cli.command(name="top")
-@click.option("--connect", "address", required=True, help="The address a `kvdrain serve` printed.")
+@click.option("--connect", "address", default=None,
+              help="A `kvdrain serve`'s ZMQ address, as it printed (tcp://HOST:PORT or ipc://PATH).")
+@click.option("--metrics", "metrics", multiple=True, metavar="[NAME=]URL",
+              help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
+                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...).")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between scrapes of the --metrics URLs.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long [default: until Ctrl-C or q].")
 @client_security("--connect")
-def top_cmd(address: str, seconds: float | None, auth) -> None:
-    """Attach the live dashboard to a running `kvdrain serve`.
+def top_cmd(address: str | None, metrics: tuple[str, ...], interval: float, seconds: float | None,
+            auth) -> None:
+    """Watch engines live: a `kvdrain serve` (--connect) or any server's metrics (--metrics).
 
     \b
-    Example: kvdrain top --connect tcp://127.0.0.1:5555
+    Examples:
+      kvdrain top --connect tcp://127.0.0.1:5555
+      kvdrain top --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
+    from replay.live.metrics_top import connect_problem, metrics_top_main
+    problem = connect_problem(address, metrics)
+    if problem is not None:
+        raise click.UsageError(problem)
+    if metrics:
+        sys.exit(metrics_top_main(list(metrics), seconds, interval, Console()))
     from replay.commands import top_main
     sys.exit(top_main(address, seconds, Console(), auth))
 

@@ -134,11 +134,32 @@ def test_sparkline():
 def test_plain_line_and_summary():
     state = make_state()
     assert plain_line(state) == ("t=12.3s sent 3/32 | P used 40/127 blocked | D used 12/127 stepping"
-                                 " | windows 1 drained 1 leak")
+                                 " | idle windows 2: P 1 drained, D 1 leak")
     summary = summary_text(state)
     assert summary.startswith("final t=12.3s")
     assert "window D 6.00s +2.50s: 8 used at start, never drained: leak" in summary
     assert "! connector worker of D (pid 4243) died" in summary
+
+
+def test_the_progress_line_counts_idle_windows_as_the_verdict_does_not_engine_windows():
+    state = make_state()
+    state.windows = [WindowVerdict(engine=e, start=start, length=4.0, num_used_at_start=9,
+                                   time_to_drain=None if e == "P" else 0.01,
+                                   verdict="leak" if e == "P" else "drained", num_blocks_held=9)
+                     for start in (1.0, 6.0) for e in ("P", "D")]
+    assert plain_line(state).endswith(" | idle windows 2: P 2 leak, D 2 drained")
+    assert "idle windows 2  P: 2 leak  D: 2 drained" in render_text(state, 80)
+
+
+def test_the_final_line_of_a_shaped_replay_has_no_eta_and_counts_what_shaping_kept():
+    from replay.pipeline import ReplayResult
+    state = make_state()
+    state.progress.rate_per_s, state.progress.eta_s, state.progress.num_total = 70.0, 11.2, 8819
+    timeline = SimpleNamespace(samples=[], requests=[object()] * 781, end_t=300.0, meta={})
+    result = SimpleNamespace(timeline=timeline, verdict=SimpleNamespace(windows=()))
+    ReplayMonitor(state, SimpleNamespace(tick=lambda: None), VerifyOptions()).show_final(result)
+    line = plain_line(state)
+    assert "sent 781/781" in line and "ETA" not in line
 
 
 def test_live_view_without_terminal_prints_plain_lines_and_summary():
@@ -226,7 +247,7 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
                                                        num_running=0, num_finished_awaiting_free=0,
                                                        loop_state="blocked", num_steps=9,
                                                        num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
-                                 requests=list(records.values()), end_t=6.0),
+                                 requests=list(records.values()), end_t=6.0, meta={}),
         verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
                                                     num_used_at_start=12, time_to_drain=0.12,
                                                     verdict="drained", num_blocks_held=0)]))

@@ -99,3 +99,4 @@ def test_write_plot_writes_a_png(tmp_path: Path):
     path = tmp_path / "usage.png"
     write_plot(path, *_leaky_run(40), title="t", deadline_s=0.5)
     assert path.read_bytes()[:4] == b"\x89PNG"
+
