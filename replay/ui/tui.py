@@ -81,9 +81,11 @@ def window_tally(windows: list[WindowVerdict]) -> str:
     return f"idle windows {num_idle_windows(windows)}" + (": " + ", ".join(parts) if parts else "")
 
 
-def engine_order(engine_id: str) -> tuple[int, str]:
-    """P before D, then the rest by name: the same order whichever engine reported first."""
-    return ({"P": 0, "D": 1}.get(engine_id, 2), engine_id)
+def engine_order(engine_id: str) -> tuple[str, int, str]:
+    """P before D, then the rest by name, within each scraped source (NAME:P before
+    NAME:D): the same order whichever engine reported first."""
+    source, _, engine = engine_id.rpartition(":")
+    return (source, {"P": 0, "D": 1}.get(engine, 2), engine)
 
 
 def ordered_views(state: DashboardState) -> list[EngineView]:
@@ -267,8 +269,9 @@ def _render_header(state: DashboardState) -> Table:
     if state.quit_key:
         info.append("q quits")
     grid = Table.grid(expand=True, padding=(0, 1))
-    grid.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
-    grid.add_column(no_wrap=True, justify="right")
+    # The title (the trace's name) keeps its width; the facts on the right give way.
+    grid.add_column(no_wrap=True, min_width=len(state.title))
+    grid.add_column(no_wrap=True, justify="right", overflow="ellipsis", ratio=1)
     grid.add_row(Text(state.title, "bold"), "  ".join(info + [f"elapsed {state.elapsed_s:.1f}s"]))
     grid.style = "on grey23"
     return grid

@@ -422,3 +422,27 @@ def test_serve_windows_end_where_an_engine_takes_blocks_for_new_work():
         windows.add(s)
     got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(15.0)}
     assert got == {("P", "drained", 1.0, 3.0), ("D", "drained", 1.0, 3.0)}
+
+
+def test_at_80_columns_the_title_keeps_the_trace_name_and_the_facts_give_way():
+    state = make_state()
+    state.title = "kvdrain replay AzureLLMInferenceTrace_code.csv"
+    state.server = "kvdrain (aiohttp) kvdrain/tiny pd"
+    first = render_text(state, 80).splitlines()[0]
+    assert first.startswith("kvdrain replay AzureLLMInferenceTrace_code.csv ") and first.endswith("…")
+
+
+def test_scraped_engines_of_one_source_sort_prefill_first():
+    from replay.ui.tui import engine_order
+    assert sorted(["x:D", "x:P", "D", "P", "E"], key=engine_order) == ["P", "D", "E", "x:P", "x:D"]
+
+
+def test_the_sparkline_says_its_scale_and_a_tall_screen_gets_history_charts():
+    state = make_state()
+    text = render_text(state, 80)
+    assert "peak 40/127" in text
+    console = Console(record=True, width=200, height=50, file=io.StringIO())
+    console.print(render(state))
+    tall = console.export_text()
+    assert "P used, last 2 reports" in tall and "D used, last 1 reports" in tall
+    assert sum(1 for line in tall.splitlines() if not line.strip("│ ╭╮╰╯─")) < 5  # no blank screen
