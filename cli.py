@@ -396,9 +396,15 @@ OUTPUTS = OptionGroup("Outputs", "outputs", (
 ), build=_output_files)
 
 
-def _display(live: bool, all_windows: bool):
+def _display(live: bool, all_windows: bool, latency_block: bool, metric_percentiles: str):
     from replay.commands import Display
-    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES)
+    from replay.verify.latency import parse_percentiles
+    try:
+        percentiles = parse_percentiles(metric_percentiles)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES,
+                   latency_block=latency_block, percentiles=percentiles)
 
 
 DISPLAY = OptionGroup("Replay", "display", (
@@ -406,6 +412,10 @@ DISPLAY = OptionGroup("Replay", "display", (
                  help="Show the live dashboard (else only the final summary)."),
     click.option("--all-windows", is_flag=True, help="List every idle window at the end "
                  "[default: the first few and a count]."),
+    click.option("--latency-block", is_flag=True, help="Print latency as vllm bench serve does "
+                 "(25 lines) instead of five lines after the verdict."),
+    click.option("--metric-percentiles", default="90,95,99", show_default=True,
+                 help="Latency percentiles to print and report, as vllm bench's option (p50 always)."),
 ), build=_display)
 
 

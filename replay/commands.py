@@ -78,6 +78,8 @@ class Display:
 
     live: bool = True  # the live dashboard (else only the final summary)
     max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
+    latency_block: bool = False  # vllm bench's 25-line latency block, not the compact lines
+    percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)  # --metric-percentiles
 
 
 def _error(console, error: object) -> None:
@@ -157,7 +159,7 @@ def _run_and_report(prepared: PreparedReplay, outputs: OutputFiles, display: Dis
     except ValueError as e:  # TraceError among them: input the target cannot take
         _error(console, e)
         return EXIT_USAGE
-    return _report(result, outputs, console)
+    return _report(result, outputs, display, console)
 
 
 def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> None:
@@ -171,13 +173,13 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
                       soft_wrap=True)
 
 
-def _report(result: ReplayResult, outputs: OutputFiles, console) -> int:
+def _report(result: ReplayResult, outputs: OutputFiles, display: Display, console) -> int:
     from replay.verify.report import build_report, print_summary, set_status
     s = result.summary
     trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
              "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
     report = build_report(result.timeline, result.verdict, result.settings(), trace,
-                          result.shaping_log.lines())
+                          result.shaping_log.lines(), display.percentiles)
     http = _http_outcome(result)
     if http is not None:
         report["http"] = http
@@ -186,7 +188,7 @@ def _report(result: ReplayResult, outputs: OutputFiles, console) -> int:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
-    print_summary(console, report)
+    print_summary(console, report, latency_block=display.latency_block)
     interrupted = _interruption(result, report, console)
     written = _write_outputs(outputs, result, report, console)
     if interrupted is not None:
