@@ -474,25 +474,55 @@ def cli() -> None:
     """
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DryRun:
+    """What inspect checks the trace against: replay's own settings."""
+
+    idle_threshold_s: float
+    max_model_len: int | None
+    tail_s: float
+
+
+DRY_RUN = OptionGroup("Dry run (replay's settings)", "dry_run", (
+    click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0, min_open=True),
+                 default=1.0, show_default=True, help="Count gaps between arrivals at least this "
+                 "long (seconds), as replay's --idle-threshold."),
+    click.option("--max-model-len", type=click.IntRange(1), default=None,
+                 help="Check prompts against this [default: a wall and a virtual replay's own]."),
+    click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=2.0,
+                 show_default=True, help="The replay's tail, for how long a wall replay takes."),
+), build=DryRun)
+
+
 @cli.command(name="inspect")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Trace format [default: detected].")
-@click.option("--idle-threshold", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="List gaps between arrivals at least this long (seconds).")
-def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
-    """What TRACE holds: format, requests, duration, rate, tokens, idle gaps, prefix reuse.
+@TRACE
+@SHAPING
+@DRY_RUN
+def inspect_cmd(trace: Path, trace_input: TraceInput, shaping, dry_run: DryRun) -> None:
+    """What TRACE holds and what `replay` would do with it (a dry run): requests sent and
+    dropped by shaping, idle gaps, prompts over max_model_len, how long a wall replay takes.
 
     \b
-    Example: kvdrain inspect examples/pd_idle.jsonl --idle-threshold 2
+    Example: kvdrain inspect examples/pd_idle.jsonl
+             kvdrain inspect traces/AzureLLMInferenceTrace_code.csv --speedup 8 --max-gap 20
     """
-    from replay.trace.inspect import format_inspection, inspect_trace
+    from replay.trace.inspect import bad_line_lines, format_inspection, inspect_trace
     from replay.trace.reader import TraceError
     try:
-        for line in format_inspection(inspect_trace(trace, fmt, idle_threshold)):
-            click.echo(line)
-    except TraceError as e:
-        raise click.UsageError(str(e)) from None
+        insp = inspect_trace(trace, trace_input.fmt, dry_run.idle_threshold_s, shaping,
+                             dry_run.max_model_len, dry_run.tail_s)
+    except (TraceError, ValueError) as e:  # a data error: one line, as replay prints it
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    for line in format_inspection(insp):
+        click.echo(line)
+    for line in bad_line_lines(insp):
+        click.echo(line, err=not trace_input.skip_bad_lines)
+    if insp.num_bad_lines and not trace_input.skip_bad_lines:
+        click.echo(f"error: {insp.num_bad_lines:,} bad lines: replay stops at the first "
+                   f"(--skip-bad-lines skips and counts them)", err=True)
+        sys.exit(2)
 
 
 @cli.command(name="explain")
