@@ -302,9 +302,10 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         raise
     print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
           f"{server.address}", flush=True)
-    state = DashboardState(title=f"kvdrain serve {server.address}")
+    state = DashboardState(title=f"kvdrain serve {server.address}",
+                           server=f"{topology}  liveness {engine.liveness}")
     view = LiveView(state, console) if live else _NoView()
-    monitor = ServeMonitor(state, view)
+    monitor = ServeMonitor(state, view, http_url=lambda: getattr(http, "url", None))
     try:
         with view:
             if http is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from replay.deploy.routing import engine_roles
@@ -161,6 +161,7 @@ class ReplayMonitor:
         for record in records[progress.num_sent:]:
             progress.record_send(record.send_lateness_s)
         progress.trace_t = max(replay.now(), 0.0)
+        _update_flight(progress, records)
 
     def show_final(self, result: ReplayResult) -> None:
         """The final picture: every engine's last sample and every window's verdict."""
@@ -183,9 +184,12 @@ class ServeMonitor:
     with the idle windows judged as replay judges them (SnapshotWindows)."""
 
     def __init__(self, state: DashboardState, view: LiveView,
-                 verify_options: VerifyOptions = VerifyOptions()) -> None:
+                 verify_options: VerifyOptions = VerifyOptions(),
+                 http_url: Callable[[], str | None] | None = None) -> None:
+        """http_url: where `serve --http` listens, once it does (for the header)."""
         self.state = state
         self.view = view
+        self.http_url = http_url
         self.start = time.monotonic()
         self.windows = SnapshotWindows(verify_options)
         self._last_window_check = -WINDOW_CHECK_INTERVAL_S
@@ -197,6 +201,9 @@ class ServeMonitor:
         for snapshot in server.take_stats():
             self.windows.add(snapshot)
         apply_newest(self.state, server.latest.values())
+        url = self.http_url() if self.http_url is not None else None
+        if url and url not in self.state.server:
+            self.state.server = f"{self.state.server}  {url}".strip()
         self._refresh()
 
     def on_snapshots(self, snapshots: list[StatsSnapshot]) -> None:
@@ -332,8 +339,14 @@ def _update_http_progress(progress: ReplayProgress, records: list, now: float) -
     for record in sent[len(progress.lateness_s):]:
         progress.lateness_s.append(record.send_lateness_s)
     progress.num_sent = len(sent)
-    progress.num_in_flight = sum(1 for r in sent if r.end_t is None)
     progress.trace_t = max(now, 0.0)
+    _update_flight(progress, sent)
+
+
+def _update_flight(progress: ReplayProgress, sent: list) -> None:
+    """Requests in flight, and the first-token times of those that had one."""
+    progress.num_in_flight = sum(1 for r in sent if r.end_t is None)
+    progress.ttft_s = [r.first_token_t - r.send_t for r in sent if r.first_token_t is not None]
 
 
 def server_line(server: dict) -> str:

@@ -75,6 +75,7 @@ class ReplayProgress:
     trace_t: float = 0.0
     lateness_s: list[float] = field(default_factory=list)
     num_in_flight: int | None = None  # sent, not yet ended (None: not tracked)
+    ttft_s: list[float] = field(default_factory=list)  # of the requests that had a first token
     rate_per_s: float | None = None  # requests per wall second (virtual clock)
     eta_s: float | None = None  # wall seconds to the end at that rate (virtual clock)
 
@@ -91,8 +92,16 @@ class ReplayProgress:
 
     def lateness_percentile_s(self, q: float) -> float | None:
         """Nearest-rank percentile of the send lateness so far; None before the first send."""
-        ordered = sorted(self.lateness_s)
-        return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
+        return _nearest_rank(self.lateness_s, q)
+
+    def ttft_percentile_s(self, q: float) -> float | None:
+        """Nearest-rank percentile of the time to first token so far; None before one."""
+        return _nearest_rank(self.ttft_s, q)
+
+
+def _nearest_rank(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,6 @@ from rich.layout import Layout
 from rich.live import Live
 from rich.measure import Measurement
 from rich.panel import Panel
-from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -28,6 +27,7 @@ from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, Star
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3
+WIDE = 120  # from this many columns the footer adds the latency so far
 SPARKS = "▁▂▃▄▅▆▇█"
 LOOP_STYLES = {"stepping": "bold green", "polling": "bold yellow", "blocked": "bold cyan", "stopped": "bold red"}
 ALARM_KEYS = ("num_expired", "num_failed_recvs")
@@ -293,6 +293,10 @@ def chart(values: list[int], width: int, height: int) -> list[str]:
     return rows
 
 
+LEGEND = (Text.assemble("\n", ("KV bar ", "dim"), ("█", "magenta"), " used  ", ("▒", "blue"),
+                        " cached (free, still hashed)  ", ("░", "grey37"), " free", no_wrap=False),
+          Text("skipped: skipped_waiting  remote KVs: WAITING_FOR_REMOTE_KVS  fin-await-free: "
+               "finished, blocks held for the connector", "dim"))
 HISTORY_MIN_ROWS = 6  # a history chart's least height (with its border and scale)
 TALL_LOWER_ROWS = 18  # below this many rows, the lower region is all idle windows
 
@@ -337,11 +341,13 @@ class _WindowsPanel:
             held = str(w.num_blocks_held) if w.time_to_drain is None else "0"
             table.add_row(w.engine, f"{w.start:.2f}s", f"{w.length:.2f}s", str(w.num_used_at_start),
                           held, drain, Text(w.verdict, VERDICT_STYLES.get(w.verdict, "")))
+        spare = num_rows - min(len(self.windows), num_rows)
+        body = Group(table, *LEGEND) if options.height is not None and spare >= len(LEGEND) + 1 else table
         title = f"idle windows {num_idle_windows(self.windows)}"
         for engine, counts in engine_tallies(self.windows):
             title += f"  {engine}:" + "".join(f" [{VERDICT_COLOURS[name]}]{n} {name}[/]"
                                               for name, n in counts.items() if n)
-        yield Panel(table, title=title, title_align="left", height=options.height)
+        yield Panel(body, title=title, title_align="left", height=options.height)
 
 
 class _LowerPanel:
@@ -364,21 +370,30 @@ class _LowerPanel:
         yield from layout.__rich_console__(console, options)
 
 
+def _footer_line(head: str, p: ReplayProgress, width: int) -> Text:
+    """The progress head (the latency so far only from WIDE columns), then a bar of the rest."""
+    if width < WIDE and "  ttft" in head:
+        head = head[:head.index("  ttft")]
+    head = head[:width]
+    room = max(width - len(head) - 1, 0)
+    done = round(room * min(p.num_sent / max(p.num_total, 1), 1.0))
+    return Text.assemble(head, " " if room else "", ("━" * done, "magenta"), ("━" * (room - done), "grey23"))
+
+
 def _render_footer(state: DashboardState) -> Group:
     p = state.progress
     lines: list = []
     if p is not None:
-        grid = Table.grid(expand=True, padding=(0, 1))
-        grid.add_column(no_wrap=True)
-        grid.add_column(ratio=1)
         if p.clock == "virtual":
             head = f"simulated {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}s{_rate_eta(p)}"
         else:
             flight = "" if p.num_in_flight is None else f" ({p.num_in_flight} in flight)"
             head = (f"sent {p.num_sent}/{p.num_total}{flight}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
                     f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}")
-        grid.add_row(head, ProgressBar(total=max(p.num_total, 1), completed=p.num_sent))
-        lines.append(grid)
+        ttft = p.ttft_percentile_s(50)
+        if ttft is not None:
+            head += f"  ttft p50 {_ms(ttft)} p99 {_ms(p.ttft_percentile_s(99))}"
+        lines.append(_Fit(lambda w, head=head, p=p: _footer_line(head, p, w)))
     lines += [Text(f"! {m}", "bold red", no_wrap=True, overflow="ellipsis")
               for m in state.messages[-NUM_MESSAGE_ROWS:]]
     return Group(*lines)
@@ -394,6 +409,9 @@ def render(state: DashboardState) -> Layout:
         engines.update(_startup_panel(startup, state.elapsed_s))
     elif views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
+    elif state.progress is not None and state.progress.clock == "virtual":
+        engines.update(Panel(Text("virtual clock: the engines run in-process; their blocks and idle "
+                                  "windows show when the run ends", "dim")))
     else:
         engines.update(Panel(Text("waiting for the first stats…", "dim")))
     footer_size = (1 if state.progress else 0) + min(len(state.messages), NUM_MESSAGE_ROWS)

@@ -446,3 +446,35 @@ def test_the_sparkline_says_its_scale_and_a_tall_screen_gets_history_charts():
     tall = console.export_text()
     assert "P used, last 2 reports" in tall and "D used, last 1 reports" in tall
     assert sum(1 for line in tall.splitlines() if not line.strip("│ ╭╮╰╯─")) < 5  # no blank screen
+
+
+def test_the_view_explains_the_kv_bars_glyphs_and_the_queue_abbreviations_when_it_has_room():
+    text = render_text(make_state(), 80)
+    assert "█ used  ▒ cached (free, still hashed)  ░ free" in text
+    assert "remote KVs: WAITING_FOR_REMOTE_KVS" in text and "fin-await-free: finished" in text
+
+
+def test_a_virtual_replay_says_where_its_engines_are_instead_of_waiting_for_stats():
+    state = DashboardState(title="kvdrain replay x")
+    state.progress = ReplayProgress(trace_name="x", num_total=10, duration_s=5.0, clock="virtual")
+    text = render_text(state, 80)
+    assert "waiting for the first stats" not in text and "virtual clock: the engines run in-process" in text
+
+
+def test_a_wide_footer_adds_requests_in_flight_and_ttft_so_far():
+    state = make_state()
+    state.progress.num_in_flight, state.progress.ttft_s = 2, [0.010, 0.020, 0.300]
+    narrow = render_text(state, 80)
+    assert "sent 3/32 (2 in flight)" in narrow and "ttft" not in narrow
+    console = Console(record=True, width=200, height=50, file=io.StringIO())
+    console.print(render(state))
+    assert "ttft p50 20ms p99 300ms" in console.export_text()
+
+
+def test_a_serves_header_names_its_topology_liveness_and_http_url():
+    state = DashboardState(title="kvdrain serve tcp://127.0.0.1:5555", server="pd  liveness legacy")
+    monitor = ServeMonitor(state, SimpleNamespace(tick=lambda: None),
+                           http_url=lambda: "http://127.0.0.1:8000")
+    monitor.on_tick(SimpleNamespace(take_stats=lambda: [], latest={}))
+    first = render_text(state, 120).splitlines()[0]
+    assert "pd  liveness legacy  http://127.0.0.1:8000" in first
