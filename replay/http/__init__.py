@@ -5,6 +5,7 @@
 - tokenize: vLLM's /tokenize as the front answers it;
 - server: the HTTP front (completions, models, health, metrics);
 - connections: the front's connection cap and header/body timeouts;
+- chat: its chat completions and batch prompts;
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;
