@@ -163,7 +163,8 @@ def _run_and_report(prepared: PreparedReplay, outputs: OutputFiles, display: Dis
 
 
 def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> None:
-    """What the checking pass skipped, and the requests the engines will stop at max_model_len."""
+    """What the checking pass skipped, the requests the engines will stop at max_model_len,
+    and how long a long wall replay will take."""
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
@@ -171,6 +172,10 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
                       f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
+    from replay.trace.inspect import wall_time_note
+    note = wall_time_note(config.clock, summary.duration, config.shaping)
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
 def _report(result: ReplayResult, outputs: OutputFiles, display: Display, console) -> int:

@@ -237,3 +237,19 @@ def bad_line_lines(insp: TraceInspection) -> list[str]:
     if hidden > 0:
         lines.append(f"... and {hidden:,} more bad lines")
     return lines
+
+
+LONG_WALL_S = 300.0  # a wall replay longer than this says so before it starts
+
+
+def wall_time_note(clock: str, duration_s: float, shaping: ShapingOptions) -> str | None:
+    """Before a long wall-clock replay: how long it will take, and how to make it shorter."""
+    if clock != "wall":
+        return None
+    end = duration_s if shaping.end is None else min(duration_s, shaping.end)
+    wall_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup
+    if wall_s <= LONG_WALL_S:
+        return None
+    return (f"this wall-clock replay takes about {_duration(wall_s)} ({end - (shaping.start or 0.0):,.1f} "
+            f"trace seconds at speedup {shaping.speedup:g}); --clock virtual runs it in seconds, "
+            f"--speedup, --max-gap or --end shorten it, and `kvdrain inspect` previews it")

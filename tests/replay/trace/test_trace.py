@@ -326,6 +326,16 @@ def test_inspect_is_a_dry_run_with_replays_defaults(tmp_path):
     assert "the engine rejects it, counted as ignored" in text  # as replay does, not a refused trace
 
 
+def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
+    from replay.trace.inspect import wall_time_note
+    note = wall_time_note("wall", 3435.9, ShapingOptions())
+    assert note.startswith("this wall-clock replay takes about 57 min 16 s (3,435.9 trace seconds")
+    assert "--clock virtual" in note and "kvdrain inspect" in note
+    assert wall_time_note("wall", 3435.9, ShapingOptions(speedup=16)) is None  # 3.6 min
+    assert wall_time_note("wall", 3435.9, ShapingOptions(end=200)) is None
+    assert wall_time_note("virtual", 3435.9, ShapingOptions()) is None
+
+
 def test_inspect_says_how_many_gaps_it_did_not_list(tmp_path):
     path = write(tmp_path, "gaps.jsonl", [{"t": 2 * i, "id": f"r{i}", "prompt_len": 8, "max_tokens": 2}
                                           for i in range(9)])
