@@ -194,6 +194,11 @@ def _report(result: ReplayResult, outputs: OutputFiles, display: Display, consol
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
     print_summary(console, report, latency_block=display.latency_block)
+    from replay.trace.inspect import only_tail_note
+    note = only_tail_note(result.verdict.coverage, result.config.shaping.speedup,
+                          result.config.verify.idle_threshold_s)
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     interrupted = _interruption(result, report, console)
     written = _write_outputs(outputs, result, report, console)
     if interrupted is not None:

@@ -253,3 +253,14 @@ def wall_time_note(clock: str, duration_s: float, shaping: ShapingOptions) -> st
     return (f"this wall-clock replay takes about {_duration(wall_s)} ({end - (shaping.start or 0.0):,.1f} "
             f"trace seconds at speedup {shaping.speedup:g}); --clock virtual runs it in seconds, "
             f"--speedup, --max-gap or --end shorten it, and `kvdrain inspect` previews it")
+
+
+def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | None:
+    """A sped-up run whose only idle window is the tail: the trace's gaps fell below
+    the idle threshold, so the verdict covers the tail alone; say so."""
+    if speedup <= 1 or not coverage or any(not c.is_tail for c in coverage):
+        return None
+    return (f"at --speedup {speedup:g} no gap between arrivals is {idle_threshold_s:g} s or longer, "
+            f"so only the tail was checked; a lower --speedup, a lower --idle-threshold or "
+            f"--insert-idle keeps idle windows in the run (`kvdrain inspect --speedup "
+            f"{speedup:g}` shows the gaps)")

@@ -336,6 +336,17 @@ def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
     assert wall_time_note("virtual", 3435.9, ShapingOptions()) is None
 
 
+def test_a_speedup_that_leaves_only_the_tail_says_so():
+    from click.testing import CliRunner
+
+    from cli import cli
+    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live",
+                                      "--speedup", "8"])
+    assert "note: at --speedup 8 no gap between arrivals is 1 s or longer, so only the tail" in result.output
+    plain = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live"])
+    assert "only the tail" not in plain.output
+
+
 def test_inspect_says_how_many_gaps_it_did_not_list(tmp_path):
     path = write(tmp_path, "gaps.jsonl", [{"t": 2 * i, "id": f"r{i}", "prompt_len": 8, "max_tokens": 2}
                                           for i in range(9)])
