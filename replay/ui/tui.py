@@ -410,8 +410,8 @@ def render(state: DashboardState) -> Layout:
     elif views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
     elif state.progress is not None and state.progress.clock == "virtual":
-        engines.update(Panel(Text("virtual clock: the engines run in-process; their blocks and idle "
-                                  "windows show when the run ends", "dim")))
+        engines.update(Panel(Text("virtual clock: engines run in-process; blocks and windows show "
+                                  "at the end", "dim", overflow="ellipsis")))
     else:
         engines.update(Panel(Text("waiting for the first stats…", "dim")))
     footer_size = (1 if state.progress else 0) + min(len(state.messages), NUM_MESSAGE_ROWS)

@@ -458,7 +458,7 @@ def test_a_virtual_replay_says_where_its_engines_are_instead_of_waiting_for_stat
     state = DashboardState(title="kvdrain replay x")
     state.progress = ReplayProgress(trace_name="x", num_total=10, duration_s=5.0, clock="virtual")
     text = render_text(state, 80)
-    assert "waiting for the first stats" not in text and "virtual clock: the engines run in-process" in text
+    assert "waiting for the first stats" not in text and "virtual clock: engines run in-process; blocks and windows show at the end" in text
 
 
 def test_a_wide_footer_adds_requests_in_flight_and_ttft_so_far():
