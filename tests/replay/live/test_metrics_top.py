@@ -86,7 +86,7 @@ def test_a_vllm_servers_leak_is_seen_live_from_its_metrics():
     console = Console(record=True, width=80, height=24, file=io.StringIO())
     console.print(render(state))
     text = console.export_text()
-    assert "steps unknown" in text and "0/100" in text and "P: 1 leak" in text
+    assert "steps unknown" in text and "0/100" in text and "P: 1 leak" in text, text
     assert not re.search(r"fin-await-free +(\d|unknown)", text)  # a row vLLM lacks is left out
 
 
