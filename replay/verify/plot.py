@@ -7,7 +7,9 @@ run did not observe are hatched. A panel with a few windows marks each window's 
 deadline and labels each leak with the blocks it held; past AGGREGATE_WINDOWS it draws
 the windows as a verdict strip along the panel's top and the blocks held at each
 deadline as points, with no per-window labels, so a trace of a thousand windows draws
-in one collection per kind. Every mark is clipped to its axes; legends sit right of the
+in one collection per kind. Past MAX_ENGINE_PANELS engines (4p4d), one panel per role
+holds a line per engine, a verdict strip per engine above the data and the blocks each
+held at its deadlines as points. Every mark is clipped to its axes; legends sit right of the
 axes, where nothing is drawn. Time runs from 0 (the replay's origin): samples taken
 before it (a serve's stats during the lead-in) are clipped to 0. A panel with no data is
 left out: an engine without samples, and the cached panel when no engine ever had a
@@ -31,6 +33,10 @@ AGGREGATE_WINDOWS = 24  # past this many windows on one engine: a strip and poin
 STRIP = (0.94, 0.06)  # the verdict strip: bottom and height, in axes fractions
 LABEL_FONT_PT = 8
 DPI = 110
+MAX_ENGINE_PANELS = 4  # more engines than this: one panel per role, a line per engine
+ROLE_STRIP_H = 0.16  # the verdict strips of a role panel, stacked, in axes fractions
+ENGINE_COLOURS = ("tab:purple", "tab:blue", "tab:olive", "tab:cyan", "tab:brown", "tab:pink",
+                  "tab:gray", "black")
 
 
 def write_series(path: Path, timeline: Timeline) -> None:
@@ -174,6 +180,55 @@ def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
+def engine_role(engine: str) -> str:
+    """'P' of 'P0', 'D' of 'D3'; a name without an index is its own role."""
+    return engine.rstrip("0123456789") or engine
+
+
+def role_groups(engines: list[str]) -> list[tuple[str, list[str]]]:
+    """Past MAX_ENGINE_PANELS engines, one (role, engines) per role, in first-seen order;
+    else one per engine (its own panel)."""
+    if len(engines) <= MAX_ENGINE_PANELS:
+        return [(e, [e]) for e in engines]
+    groups: dict[str, list[str]] = {}
+    for engine in engines:
+        groups.setdefault(engine_role(engine), []).append(engine)
+    return list(groups.items())
+
+
+def _role_panel(ax, timeline: Timeline, verdict: Verdict, role: str, engines: list[str],
+                deadline_s: float | None) -> None:
+    """A line per engine of one role; above the data, a verdict strip per engine (its
+    windows), and the blocks each held at its deadlines as points in its colour."""
+    peak = 0
+    for i, engine in enumerate(engines):
+        xs, ys = _steps(timeline.samples_for(engine), timeline.end_t, "num_used_blocks")
+        ax.step(xs, ys, where="post", color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)], lw=1.1,
+                label=engine)
+        peak = max(peak, max(ys, default=0))
+    strip_h = ROLE_STRIP_H / len(engines)
+    top = max(peak * 1.15, 1.0) / (1 - ROLE_STRIP_H)  # room above the data for the strips
+    ax.set_ylim(0, top)
+    windows = [w for w in verdict.windows if w.engine in engines]
+    for i, engine in enumerate(engines):
+        own = _by_verdict([w for w in windows if w.engine == engine])
+        _shade(ax, own, (1 - (i + 1) * strip_h, strip_h * 0.85), 0.6)
+        held = [w for w in windows if w.engine == engine and w.verdict != "drained"]
+        if deadline_s is not None and held:
+            ax.scatter([w.start + deadline_s for w in held], [w.num_blocks_held for w in held], s=12,
+                       color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)], edgecolors="tab:red",
+                       linewidths=0.8, zorder=3, clip_on=True)
+    _hatch_missed(ax, verdict, timeline.end_t)
+    if deadline_s is not None and any(w.verdict != "drained" for w in windows):
+        ax.scatter([], [], s=12, color="white", edgecolors="tab:red", linewidths=0.8,
+                   label=f"held at the {deadline_s:g} s deadline")
+    _window_legend(ax, _by_verdict(windows), aggregated=True)
+    capacity = max((timeline.num_usable_blocks.get(e, 0) for e in engines), default=0)
+    ax.plot([], [], " ", label=f"capacity {capacity:,} each")
+    ax.set_ylabel(f"{role} ({len(engines)}): used blocks")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
 def has_cached_data(timeline: Timeline) -> bool:
     return any(s.num_cached_blocks for s in timeline.samples)
 
@@ -197,25 +252,30 @@ def build_figure(timeline: Timeline, verdict: Verdict, title: str = "",
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'kvdrain[plot]'") from None
     engines = [e for e in timeline.engines if timeline.samples_for(e)]
+    groups = role_groups(engines)
     cached = has_cached_data(timeline)
-    ratios = [3] * len(engines) + [1.6] * cached
+    ratios = [3] * len(groups) + [1.6] * cached
     if not ratios:  # nothing was observed: one empty panel that says so
         ratios = [1]
-    height = max(2.4 * len(engines) + 2.2 * cached + 1, 3.0)
+    height = max(2.4 * len(groups) + 2.2 * cached + 1, 3.0)
     fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(11, height),
                              gridspec_kw={"height_ratios": ratios}, squeeze=False, dpi=DPI)
     fig.subplots_adjust(left=0.07, right=0.76, top=1 - 0.5 / height, bottom=0.6 / height,
                         hspace=0.18)
     axes[-1, 0].set_xlim(0, max(timeline.end_t, 1e-3))  # before the labels: they measure it
-    for ax, engine in zip(axes[:, 0], engines):
-        _used_panel(ax, timeline, verdict, engine, deadline_s)
+    for ax, (role, members) in zip(axes[:, 0], groups):
+        if len(members) == 1:
+            _used_panel(ax, timeline, verdict, members[0], deadline_s)
+        else:
+            _role_panel(ax, timeline, verdict, role, members, deadline_s)
     if cached:
         _cached_panel(axes[-1, 0], timeline)
     if not engines and not cached:
         axes[0, 0].text(0.5, 0.5, "no KV-usage samples", ha="center", va="center",
                         transform=axes[0, 0].transAxes)
     axes[-1, 0].set_xlabel("replay time (s)")
-    fig.suptitle(title or "kvdrain replay", fontsize=11, x=0.01, ha="left")
+    # The title sits in the top margin (0.5 in, whatever the figure's height).
+    fig.suptitle(title or "kvdrain replay", fontsize=11, x=0.01, y=1 - 0.12 / height, ha="left", va="top")
     return fig
 
 

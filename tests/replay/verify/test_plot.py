@@ -100,3 +100,45 @@ def test_write_plot_writes_a_png(tmp_path: Path):
     write_plot(path, *_leaky_run(40), title="t", deadline_s=0.5)
     assert path.read_bytes()[:4] == b"\x89PNG"
 
+
+
+def _eight_engines() -> tuple[Timeline, Verdict]:
+    """4p4d: each P holds blocks through both windows, each D drains."""
+    names = [f"P{i}" for i in range(4)] + [f"D{i}" for i in range(4)]
+    samples, windows = [], []
+    for k in range(2):
+        t = k * PERIOD_S
+        for name in names:
+            held = 10 + k if name.startswith("P") else 0
+            samples += [_sample(t, name, 30), _sample(t + 0.2, name, held)]
+            windows.append(IdleWindow(engine=name, start=t + 0.2, end=t + PERIOD_S, is_tail=False,
+                                      num_used_at_start=held, time_to_drain=None if held else 0.0,
+                                      verdict="leak" if held else "drained", num_blocks_held=held))
+    timeline = Timeline(engines=names, num_usable_blocks={n: 100 for n in names}, samples=samples,
+                        requests=[], arrivals=[], aborts=[], end_t=2 * PERIOD_S)
+    return timeline, Verdict(windows=tuple(windows), violations=())
+
+
+def test_eight_engines_draw_one_panel_per_role_with_a_line_per_engine():
+    fig = build_figure(*_eight_engines(), deadline_s=0.5)
+    fig.canvas.draw()
+    p_axes, d_axes = fig.axes  # no cached blocks: no cached panel
+    assert p_axes.get_ylabel() == "P (4): used blocks" and d_axes.get_ylabel() == "D (4): used blocks"
+    assert [line.get_label() for line in p_axes.lines if line.get_label().startswith("P")] == \
+        ["P0", "P1", "P2", "P3"]
+    assert not p_axes.texts  # no per-window labels
+    legend = [t.get_text() for t in p_axes.get_legend().get_texts()]
+    assert "8 windows leak\n(held: median 10, max 11)" in legend
+    for ax in fig.axes:
+        assert all(m.get_clip_on() for m in [*ax.collections, *ax.patches, *ax.lines])
+        assert ax.get_legend().get_window_extent().x0 >= ax.bbox.x1
+
+
+def test_the_title_stays_above_the_first_panel_at_any_height(monkeypatch):
+    import replay.verify.plot as plot
+    monkeypatch.setattr(plot, "MAX_ENGINE_PANELS", 8)  # eight panels: a 20 in tall figure
+    fig = build_figure(*_eight_engines(), title="a title", deadline_s=0.5)
+    assert len(fig.axes) == 8
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert fig._suptitle.get_window_extent(renderer).y0 >= fig.axes[0].bbox.y1
