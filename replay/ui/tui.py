@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.layout import Layout
 from rich.live import Live
@@ -27,6 +28,7 @@ from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, Star
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3
+COMPACT_ENGINES = 2  # more engines than this: one table row each instead of a panel each
 WIDE = 120  # from this many columns the footer adds the latency so far
 SPARKS = "▁▂▃▄▅▆▇█"
 LOOP_STYLES = {"stepping": "bold green", "polling": "bold yellow", "blocked": "bold cyan", "stopped": "bold red"}
@@ -81,11 +83,19 @@ def window_tally(windows: list[WindowVerdict]) -> str:
     return f"idle windows {num_idle_windows(windows)}" + (": " + ", ".join(parts) if parts else "")
 
 
-def engine_order(engine_id: str) -> tuple[str, int, str]:
-    """P before D, then the rest by name, within each scraped source (NAME:P before
-    NAME:D): the same order whichever engine reported first."""
+def engine_role(engine: str) -> str:
+    """'P' of 'P' and of 'P3' (a topology's index), 'D' of 'D0'; other names their own."""
+    return engine.rstrip("0123456789") or engine
+
+
+def engine_order(engine_id: str) -> tuple[str, int, str, int]:
+    """P before D, then the rest by name, each role's engines by index (P2 before P10),
+    within each scraped source (NAME:P before NAME:D): the same order whichever engine
+    reported first."""
     source, _, engine = engine_id.rpartition(":")
-    return (source, {"P": 0, "D": 1}.get(engine, 2), engine)
+    role = engine_role(engine)
+    index = engine[len(role):]
+    return (source, {"P": 0, "D": 1}.get(role, 2), role, int(index) if index else -1)
 
 
 def ordered_views(state: DashboardState) -> list[EngineView]:
@@ -258,6 +268,47 @@ def _engine_height(view: EngineView) -> int:
     return queue + 3 + (3 if view.has_connector else 0) + 2  # queue + detail + connector + border
 
 
+def _engine_table(views: list[EngineView]) -> Panel:
+    """One row per engine, P's then D's (a rule between roles): for many engines (4p4d)
+    at 80 columns. Counts a server does not expose show as '?'."""
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True, show_edge=False, header_style="dim")
+    for name, justify in (("engine", "left"), ("loop", "left"), ("KV", "left"), ("used", "right"),
+                          ("wait", "right"), ("run", "right"), ("rKV", "right"), ("faf", "right"),
+                          ("steps/s", "right")):
+        table.add_column(name, justify=justify, no_wrap=True,
+                         ratio=1 if name == "KV" else None, min_width=6 if name == "KV" else None)
+    role = None
+    for view in views:
+        if role is not None and engine_role(view.engine_id.rpartition(":")[2]) != role:
+            table.add_section()
+        role = engine_role(view.engine_id.rpartition(":")[2])
+        counts = view.counts
+        steps = _rate(view.steps_per_s) if view.is_observed("num_steps") else "?"
+        table.add_row(Text(view.engine_id, "bold"),
+                      Text(view.loop_state, LOOP_STYLES.get(view.loop_state, "dim")),
+                      _Fit(lambda width, c=counts: _kv_bar(c, width)), kv_figure(view).strip(),
+                      *(_short_cell(view, k) for k in ("num_waiting", "num_running",
+                                                       "num_waiting_for_remote_kvs",
+                                                       "num_finished_awaiting_free")),
+                      steps)
+    return Panel(table, title=Text(f"engines ({len(views)})", "bold"), title_align="left",
+                 subtitle="rKV: waiting for remote KVs  faf: finished, awaiting free",
+                 subtitle_align="right")
+
+
+def _short_cell(view: EngineView, key: str) -> Text:
+    cell = _cell(view, key)
+    return Text("?", "dim") if cell.plain == "unknown" else cell
+
+
+def _engines_height(views: list[EngineView]) -> int:
+    """The engines region: a panel each, or past COMPACT_ENGINES one table row each."""
+    if len(views) > COMPACT_ENGINES:
+        roles = {engine_role(v.engine_id.rpartition(":")[2]) for v in views}
+        return len(views) + len(roles) - 1 + 4  # rows, a rule between roles, head and its rule, border
+    return max((_engine_height(v) for v in views), default=3)
+
+
 def _render_header(state: DashboardState) -> Table:
     p, startup = state.progress, state.startup
     info = [state.server] if state.server else []
@@ -402,11 +453,13 @@ def _render_footer(state: DashboardState) -> Group:
 def render(state: DashboardState) -> Layout:
     """The whole dashboard: regions "header", "engines", "windows", "footer"."""
     views = ordered_views(state)
-    engines = Layout(name="engines", size=max((_engine_height(v) for v in views), default=3))
+    engines = Layout(name="engines", size=_engines_height(views))
     startup = state.startup
     if startup is not None and (startup.ready_s is None or not views):
         engines.size = max(engines.size, 4 + max(len(startup.engines), len(startup.ready_at)))
         engines.update(_startup_panel(startup, state.elapsed_s))
+    elif len(views) > COMPACT_ENGINES:
+        engines.update(_engine_table(views))
     elif views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
     elif state.progress is not None and state.progress.clock == "virtual":

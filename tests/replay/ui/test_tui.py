@@ -478,3 +478,16 @@ def test_a_serves_header_names_its_topology_liveness_and_http_url():
     monitor.on_tick(SimpleNamespace(take_stats=lambda: [], latest={}))
     first = render_text(state, 120).splitlines()[0]
     assert "pd  liveness legacy  http://127.0.0.1:8000" in first
+
+
+def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():
+    state = make_state()
+    state.engines.clear()
+    for name in ("D1", "P10", "D0", "P2", "P0", "P1", "D2", "D3"):
+        state.view(name).update(name, 1.0, "blocked", 5, 1, make_counts(num_used_blocks=15))
+    text = render_text(state, 80)
+    rows = [line for line in text.splitlines() if "blocked" in line]
+    assert [row.split()[1] for row in rows] == ["P0", "P1", "P2", "P10", "D0", "D1", "D2", "D3"]
+    assert all("15/127" in row for row in rows)  # each engine's used blocks, whole at 80 columns
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "1 leak" in text  # the windows panel still has room below
