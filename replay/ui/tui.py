@@ -71,9 +71,16 @@ def num_idle_windows(windows: list[WindowVerdict]) -> int:
 
 
 def engine_tallies(windows: list[WindowVerdict]) -> list[tuple[str, dict[str, int]]]:
-    """Each engine's verdict counts over the windows, engines in engine_order."""
+    """Each engine's verdict counts over the windows, engines in engine_order; past
+    COMPACT_ENGINES engines, each role's ('P (4)': its engines' windows together)."""
     engines = sorted({w.engine for w in windows}, key=engine_order)
-    return [(e, _window_counts([w for w in windows if w.engine == e])) for e in engines]
+    if len(engines) <= COMPACT_ENGINES:
+        return [(e, _window_counts([w for w in windows if w.engine == e])) for e in engines]
+    roles: dict[str, list[str]] = {}
+    for engine in engines:
+        roles.setdefault(engine_role(engine), []).append(engine)
+    return [(f"{role} ({len(members)})", _window_counts([w for w in windows if w.engine in members]))
+            for role, members in roles.items()]
 
 
 def window_tally(windows: list[WindowVerdict]) -> str:

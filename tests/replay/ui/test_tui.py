@@ -491,3 +491,8 @@ def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():
     assert all("15/127" in row for row in rows)  # each engine's used blocks, whole at 80 columns
     assert all(len(line) <= 80 for line in text.splitlines())
     assert "1 leak" in text  # the windows panel still has room below
+    state.windows = [WindowVerdict(engine=name, start=1.0, length=2.0, num_used_at_start=15,
+                                   time_to_drain=None if name.startswith("P") else 0.0,
+                                   verdict="leak" if name.startswith("P") else "drained")
+                     for name in state.engines]
+    assert "idle windows 1  P (4): 4 leak  D (4): 4 drained" in render_text(state, 80)
