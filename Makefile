@@ -24,7 +24,7 @@ PARITY_STAMP = $(PARITY_VENV)/.installed
 PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test install bench clean parity parity-install parity-all traces vllm e2e-vllm
+.PHONY: run test install bench clean parity parity-install parity-all traces vllm e2e-vllm demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,21 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/kvdrain replay examples/pd_idle.jsonl
+
+# `make demo`: the bundled trace under the pre-fix loop (legacy) and the fixed one
+# (event), side by side, with a plot of each; the virtual clock by default (seconds),
+# DEMO_CLOCK=wall for real processes (about 20 s each).
+DEMO_CLOCK ?= virtual
+demo: $(STAMP)
+	@for l in legacy event; do \
+	  echo "--liveness $$l ($(DEMO_CLOCK) clock)" > .demo-$$l.txt; \
+	  $(VENV)/bin/kvdrain replay examples/pd_idle.jsonl --clock $(DEMO_CLOCK) --liveness $$l \
+	    --no-live --plot demo-$$l.png | grep -E '^(engine |P |D |idle windows|  leak|VERIFIED|VIOLATION)' \
+	    | cut -c1-78 >> .demo-$$l.txt; \
+	done; awk 'NR == FNR { a[FNR] = $$0; n = FNR; next } { b[FNR] = $$0; m = FNR } \
+	  END { for (i = 1; i <= (n > m ? n : m); i++) printf "%-78s  %s\n", a[i], b[i] }' \
+	  .demo-legacy.txt .demo-event.txt; rm -f .demo-legacy.txt .demo-event.txt
+	@echo "plots: demo-legacy.png (P's blocks held through every idle window), demo-event.png (drained)"
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -396,9 +396,15 @@ OUTPUTS = OptionGroup("Outputs", "outputs", (
 ), build=_output_files)
 
 
-def _display(live: bool, all_windows: bool):
+def _display(live: bool, all_windows: bool, latency_block: bool, metric_percentiles: str):
     from replay.commands import Display
-    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES)
+    from replay.verify.latency import parse_percentiles
+    try:
+        percentiles = parse_percentiles(metric_percentiles)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return Display(live=live, max_window_lines=None if all_windows else MAX_WINDOW_LINES,
+                   latency_block=latency_block, percentiles=percentiles)
 
 
 DISPLAY = OptionGroup("Replay", "display", (
@@ -406,6 +412,10 @@ DISPLAY = OptionGroup("Replay", "display", (
                  help="Show the live dashboard (else only the final summary)."),
     click.option("--all-windows", is_flag=True, help="List every idle window at the end "
                  "[default: the first few and a count]."),
+    click.option("--latency-block", is_flag=True, help="Print latency as vllm bench serve does "
+                 "(25 lines) instead of five lines after the verdict."),
+    click.option("--metric-percentiles", default="90,95,99", show_default=True,
+                 help="Latency percentiles to print and report, as vllm bench's option (p50 always)."),
 ), build=_display)
 
 
@@ -464,25 +474,55 @@ def cli() -> None:
     """
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DryRun:
+    """What inspect checks the trace against: replay's own settings."""
+
+    idle_threshold_s: float
+    max_model_len: int | None
+    tail_s: float
+
+
+DRY_RUN = OptionGroup("Dry run (replay's settings)", "dry_run", (
+    click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0, min_open=True),
+                 default=1.0, show_default=True, help="Count gaps between arrivals at least this "
+                 "long (seconds), as replay's --idle-threshold."),
+    click.option("--max-model-len", type=click.IntRange(1), default=None,
+                 help="Check prompts against this [default: a wall and a virtual replay's own]."),
+    click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=2.0,
+                 show_default=True, help="The replay's tail, for how long a wall replay takes."),
+), build=DryRun)
+
+
 @cli.command(name="inspect")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Trace format [default: detected].")
-@click.option("--idle-threshold", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="List gaps between arrivals at least this long (seconds).")
-def inspect_cmd(trace: Path, fmt: str | None, idle_threshold: float) -> None:
-    """What TRACE holds: format, requests, duration, rate, tokens, idle gaps, prefix reuse.
+@TRACE
+@SHAPING
+@DRY_RUN
+def inspect_cmd(trace: Path, trace_input: TraceInput, shaping, dry_run: DryRun) -> None:
+    """What TRACE holds and what `replay` would do with it (a dry run): requests sent and
+    dropped by shaping, idle gaps, prompts over max_model_len, how long a wall replay takes.
 
     \b
-    Example: kvdrain inspect examples/pd_idle.jsonl --idle-threshold 2
+    Example: kvdrain inspect examples/pd_idle.jsonl
+             kvdrain inspect traces/AzureLLMInferenceTrace_code.csv --speedup 8 --max-gap 20
     """
-    from replay.trace.inspect import format_inspection, inspect_trace
+    from replay.trace.inspect import bad_line_lines, format_inspection, inspect_trace
     from replay.trace.reader import TraceError
     try:
-        for line in format_inspection(inspect_trace(trace, fmt, idle_threshold)):
-            click.echo(line)
-    except TraceError as e:
-        raise click.UsageError(str(e)) from None
+        insp = inspect_trace(trace, trace_input.fmt, dry_run.idle_threshold_s, shaping,
+                             dry_run.max_model_len, dry_run.tail_s)
+    except (TraceError, ValueError) as e:  # a data error: one line, as replay prints it
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    for line in format_inspection(insp):
+        click.echo(line)
+    for line in bad_line_lines(insp):
+        click.echo(line, err=not trace_input.skip_bad_lines)
+    if insp.num_bad_lines and not trace_input.skip_bad_lines:
+        click.echo(f"error: {insp.num_bad_lines:,} bad lines: replay stops at the first "
+                   f"(--skip-bad-lines skips and counts them)", err=True)
+        sys.exit(2)
 
 
 @cli.command(name="explain")
@@ -841,16 +881,31 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
 
 
 @cli.command(name="top")
-@click.option("--connect", "address", required=True, help="The address a `kvdrain serve` printed.")
+@click.option("--connect", "address", default=None,
+              help="A `kvdrain serve`'s ZMQ address, as it printed (tcp://HOST:PORT or ipc://PATH).")
+@click.option("--metrics", "metrics", multiple=True, metavar="[NAME=]URL",
+              help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
+                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...).")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between scrapes of the --metrics URLs.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this long [default: until Ctrl-C or q].")
 @client_security("--connect")
-def top_cmd(address: str, seconds: float | None, auth) -> None:
-    """Attach the live dashboard to a running `kvdrain serve`.
+def top_cmd(address: str | None, metrics: tuple[str, ...], interval: float, seconds: float | None,
+            auth) -> None:
+    """Watch engines live: a `kvdrain serve` (--connect) or any server's metrics (--metrics).
 
     \b
-    Example: kvdrain top --connect tcp://127.0.0.1:5555
+    Examples:
+      kvdrain top --connect tcp://127.0.0.1:5555
+      kvdrain top --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
+    from replay.live.metrics_top import connect_problem, metrics_top_main
+    problem = connect_problem(address, metrics)
+    if problem is not None:
+        raise click.UsageError(problem)
+    if metrics:
+        sys.exit(metrics_top_main(list(metrics), seconds, interval, Console()))
     from replay.commands import top_main
     sys.exit(top_main(address, seconds, Console(), auth))
 

@@ -78,6 +78,8 @@ class Display:
 
     live: bool = True  # the live dashboard (else only the final summary)
     max_window_lines: int | None = 10  # idle windows listed at the end (None: all)
+    latency_block: bool = False  # vllm bench's 25-line latency block, not the compact lines
+    percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)  # --metric-percentiles
 
 
 def _error(console, error: object) -> None:
@@ -157,11 +159,12 @@ def _run_and_report(prepared: PreparedReplay, outputs: OutputFiles, display: Dis
     except ValueError as e:  # TraceError among them: input the target cannot take
         _error(console, e)
         return EXIT_USAGE
-    return _report(result, outputs, console)
+    return _report(result, outputs, display, console)
 
 
 def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> None:
-    """What the checking pass skipped, and the requests the engines will stop at max_model_len."""
+    """What the checking pass skipped, the requests the engines will stop at max_model_len,
+    and how long a long wall replay will take."""
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
@@ -169,15 +172,19 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
                       f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
+    from replay.trace.inspect import wall_time_note
+    note = wall_time_note(config.clock, summary.duration, config.shaping)
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
-def _report(result: ReplayResult, outputs: OutputFiles, console) -> int:
+def _report(result: ReplayResult, outputs: OutputFiles, display: Display, console) -> int:
     from replay.verify.report import build_report, print_summary, set_status
     s = result.summary
     trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
              "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
     report = build_report(result.timeline, result.verdict, result.settings(), trace,
-                          result.shaping_log.lines())
+                          result.shaping_log.lines(), display.percentiles)
     http = _http_outcome(result)
     if http is not None:
         report["http"] = http
@@ -186,7 +193,12 @@ def _report(result: ReplayResult, outputs: OutputFiles, console) -> int:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
-    print_summary(console, report)
+    print_summary(console, report, latency_block=display.latency_block)
+    from replay.trace.inspect import only_tail_note
+    note = only_tail_note(result.verdict.coverage, result.config.shaping.speedup,
+                          result.config.verify.idle_threshold_s)
+    if note is not None:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     interrupted = _interruption(result, report, console)
     written = _write_outputs(outputs, result, report, console)
     if interrupted is not None:
@@ -300,9 +312,10 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         raise
     print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
           f"{server.address}", flush=True)
-    state = DashboardState(title=f"kvdrain serve {server.address}")
+    state = DashboardState(title=f"kvdrain serve {server.address}",
+                           server=f"{topology}  liveness {engine.liveness}")
     view = LiveView(state, console) if live else _NoView()
-    monitor = ServeMonitor(state, view)
+    monitor = ServeMonitor(state, view, http_url=lambda: getattr(http, "url", None))
     try:
         with view:
             if http is None:

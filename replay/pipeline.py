@@ -53,6 +53,7 @@ class ReplayHooks:
     on_tick: Callable[[WallClockReplay], None] | None = None  # wall clock, every tick
     on_phase: Callable[[str, list[str]], None] | None = None  # start-up: phase, engines ready
     on_progress: ProgressCallback | None = None  # virtual clock (also the wall clock's model)
+    on_http_tick: Callable[[object], None] | None = None  # --target http://: HttpReplay, every scrape
 
     def phase(self, name: str, ready: list[str] | None = None) -> None:
         if self.on_phase is not None:
@@ -256,7 +257,7 @@ class PreparedReplay:
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
             expected = self._expect(config, hooks, list)
-            return config, self._run_http(log, snapshots), expected
+            return config, self._run_http(hooks, log, snapshots), expected
         sized_by_engines = is_pool_sized_by_engines(config)
         starting = self.engines.ready_engines if self.engines is not None else list
         if not sized_by_engines:
@@ -310,12 +311,14 @@ class PreparedReplay:
             hooks.phase(STARTING, ready)
         return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
-    def _run_http(self, log: ShapingLog, snapshots: list[TraceSnapshot]) -> Timeline:
+    def _run_http(self, hooks: ReplayHooks, log: ShapingLog,
+                  snapshots: list[TraceSnapshot]) -> Timeline:
         from replay.http.client import HttpReplay
         config = self.config
         options = replace(config.http, tail_s=config.effective_tail_s(),
                           max_token_id=self.summary.max_prompt_token_id)
-        return HttpReplay(options).run(_keep_snapshots(self.records(config, log), snapshots))
+        return HttpReplay(options, on_tick=hooks.on_http_tick).run(
+            _keep_snapshots(self.records(config, log), snapshots))
 
 
 def model_timeline(records: Iterator[TraceRecord], config: ReplayConfig,

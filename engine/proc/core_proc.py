@@ -102,6 +102,10 @@ class EngineCoreProc:
         self.config = config = self.core.config  # num_blocks as the runner allocated them
         self.parent = multiprocessing.parent_process()
         self.num_wakeups = 0
+        # Wake-ups whose only input was a stats probe (GetStats: the frontend's 1 Hz
+        # liveness check, top): counted apart, so a parked engine's wake count is its own.
+        self.num_probe_wakeups = 0
+        self._woke_for_input = False  # the last wait saw the input readable
         self.num_bad_messages = 0
         self.loop_state = "stepping"
         self.shutdown_timeout_s: float | None = None
@@ -192,6 +196,7 @@ class EngineCoreProc:
         if not events:  # the timeout
             return not with_input
         ready = dict(events)
+        self._woke_for_input = with_input and self.input in ready and len(ready) == 1
         if self.wakeup is not None and self.wakeup.read_fd in ready:
             os.read(self.wakeup.read_fd, 512)  # drain the signal bytes
         if self.parent is not None and self.parent.sentinel in ready:
@@ -215,13 +220,19 @@ class EngineCoreProc:
         return poller
 
     def _process_input(self) -> None:
+        woke_for_input, self._woke_for_input = self._woke_for_input, False
+        messages = []
         while self._input_poller.poll(0):  # a poller made once: cheaper than socket.poll
             data = self.input.recv()
             try:
-                msg = decode(data)
+                messages.append(decode(data))
             except DecodeError:
                 self.num_bad_messages += 1  # drop it, keep serving
-                continue
+                woke_for_input = False
+        if woke_for_input and messages and all(isinstance(m, GetStats) for m in messages):
+            self.num_wakeups -= 1  # the wake-up was the probe's, not the engine's
+            self.num_probe_wakeups += 1
+        for msg in messages:
             self._handle(msg)
 
     def _handle(self, msg: object) -> None:
@@ -271,6 +282,7 @@ class EngineCoreProc:
         if agent is not None:
             counts.update(agent.get_counters())
         counts["num_bad_messages"] = self.num_bad_messages
+        counts["num_probe_wakeups"] = self.num_probe_wakeups
         return counts
 
     # ---- shutdown ------------------------------------------------------------------

@@ -6,6 +6,7 @@
 - server: the HTTP front (completions, models, health, metrics);
 - connections: the front's connection cap and header/body timeouts;
 - bearer: who may reach a front (loopback, or a bearer key), shared with the proxy;
+- chat: its chat completions and batch prompts;
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;

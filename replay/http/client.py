@@ -43,7 +43,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import aiohttp
 from yarl import URL
@@ -275,8 +275,12 @@ class _Stream:
 
 
 class HttpReplay:
-    def __init__(self, options: HttpTargetOptions) -> None:
+    def __init__(self, options: HttpTargetOptions,
+                 on_tick: Callable[[HttpReplay], None] | None = None) -> None:
+        """on_tick: called on the replay's thread once the server answered, then after
+        every scrape (the live view reads the requests and the scrapers)."""
         self.options = options
+        self.on_tick = on_tick
         self.origin = 0.0
         self.identity: ServerIdentity | None = None
         self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
@@ -328,6 +332,7 @@ class HttpReplay:
             self.origin = time.monotonic() + LEAD_IN_S  # a slow probe or first scrape delays no send
             for scraper in self.scrapers:
                 scraper.rebase(self.origin)
+            self._tick()
             scraping = asyncio.create_task(self._scrape_loop(session))
             try:
                 await self._send_all(session, records)
@@ -404,6 +409,11 @@ class HttpReplay:
             else:  # fell behind (a slow server): skip the missed slots
                 k = int(self.now() / interval)
             await asyncio.gather(*(s.scrape(session) for s in self.scrapers))
+            self._tick()
+
+    def _tick(self) -> None:
+        if self.on_tick is not None:
+            self.on_tick(self)
 
     async def _finish(self) -> None:
         """Wait for open requests (bounded), then observe the tail."""

@@ -22,8 +22,9 @@ the engines' limits, before anything reaches an engine:
   kvdrain's greedy engines cannot honour (n > 1, echo, logprobs, best_of, stop strings,
   beam search) are refused (422); fields that are neither OpenAI's nor vLLM's are refused
   (422: vLLM ignores them, but a verifier should not guess what `max_token` meant).
-  Sampling knobs that cannot change a greedy answer (temperature, top_p, seed, ...) are
-  accepted and ignored.
+  Sampling knobs (temperature, top_p, top_k, min_p, the penalties, logit_bias) are
+  honoured at greedy decoding's values (temperature 0, top_p 1, ...) and refused (422,
+  naming the knob) at any other; a seed, which changes nothing greedy, is accepted.
 """
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
                408: "RequestTimeout", 413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
-# Accepted and ignored: cannot change what a greedy engine answers.
+# Accepted: cannot change what a greedy engine answers (a seed only matters when sampling).
 _IGNORED = frozenset((
-    "temperature", "top_p", "top_k", "min_p", "seed", "user", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "logit_bias", "length_penalty",
-    "skip_special_tokens", "spaces_between_special_tokens", "priority", "suffix",
+    "seed", "user", "skip_special_tokens", "spaces_between_special_tokens", "priority", "suffix",
     "include_stop_str_in_output", "add_special_tokens"))
+# Sampling knobs: honoured at the values greedy decoding has (kvdrain's engines are
+# greedy), refused (422, naming the knob) at any other: one policy, nothing ignored.
+_GREEDY = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
+           "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+           "length_penalty": (1,)}
 # vLLM's fields that would change the answer in ways kvdrain does not model -> the values
 # that change nothing (vLLM's defaults).
 _UNSUPPORTED = {"n": (1,), "best_of": (None, 1), "echo": (False, None), "logprobs": (None,),
@@ -51,7 +55,8 @@ _UNSUPPORTED = {"n": (1,), "best_of": (None, 1), "echo": (False, None), "logprob
                 "prompt_logprobs": (None,), "stop_token_ids": (None, []),
                 "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,)}
 _KNOWN = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos",
-                    "kv_transfer_params", "request_id", "return_token_ids")) | _IGNORED | set(_UNSUPPORTED)
+                    "kv_transfer_params", "request_id", "return_token_ids", "logit_bias")) \
+    | _IGNORED | set(_UNSUPPORTED) | set(_GREEDY)
 
 
 class ApiError(Exception):
@@ -177,6 +182,13 @@ def _check_fields(body: dict) -> None:
         if not any(value == v and type(value) is type(v) for v in ok):
             raise ApiError(422, f"{key}={value!r} is not supported by kvdrain's engines "
                                 f"(greedy, one sequence, no stop strings)", key)
+    for key, ok in _GREEDY.items():
+        value = body.get(key)
+        if value is not None and not (type(value) in (int, float) and value in ok):
+            raise ApiError(422, f"{key}={value!r} would sample; kvdrain's engines decode "
+                                f"greedily: send {key}={ok[0]} or leave it out", key)
+    if body.get("logit_bias") not in (None, {}):
+        raise ApiError(422, "logit_bias is not supported by kvdrain's engines (greedy)", "logit_bias")
 
 
 def _prompt_ids(body: dict, model: ServedModel) -> list[int]:

@@ -32,7 +32,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
-from replay.http import protocol
+from replay.http import chat, protocol
 from replay.http.bearer import bearer_middleware
 from replay.http.connections import (BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap,
                                      quiet_logger)
@@ -75,6 +75,8 @@ class _Open:
 
 
 class HttpFront:
+    server_header = SERVER_HEADER  # for handlers elsewhere (chat.py) that stream
+
     def __init__(self, router, model: ServedModel, options: HttpOptions = HttpOptions(),
                  on_tick: Callable[[HttpFront], None] | None = None, shared=None) -> None:
         self.router = router
@@ -110,7 +112,7 @@ class HttpFront:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_routes(chat.routes(self))  # /v1/completions (batches, else self's), chat
         app.router.add_post("/tokenize", self.tokenize)  # vLLM's (replay/http/tokenize.py)
         app.router.add_get("/version", self.version)
         return app
@@ -228,7 +230,8 @@ class HttpFront:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": kvdrain_version()})
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def read_body(self, request: web.Request) -> object:
+        """The request's JSON body, read within body_timeout_s (aiohttp keeps it read)."""
         try:
             raw = await asyncio.wait_for(request.read(), self.options.body_timeout_s)
         except asyncio.TimeoutError:
@@ -238,7 +241,10 @@ class HttpFront:
             raise  # 413: too large
         except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
             raise ApiError(400, f"the request body cannot be read: {e}") from None
-        params = protocol.parse_completion(protocol.decode_body(raw), self.model)
+        return protocol.decode_body(raw)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        params = protocol.parse_completion(await self.read_body(request), self.model)
         client_id = protocol.check_request_id(request.headers.get("X-Request-Id") or params.request_id)
         internal_id = self._submit(client_id, params)
         try:

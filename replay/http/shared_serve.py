@@ -92,6 +92,7 @@ class HttpServe:
         self.model_name = model_name
         self.shared: SharedRouter | None = None
         self.front: HttpFront | None = None
+        self.url: str | None = None  # http://HOST:PORT once the front listens
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +121,7 @@ class HttpServe:
         await front.start()
         host = front.options.host
         url = f"http://{'[' + host + ']' if ':' in host else host}:{front.port}"
+        self.url = url
         print(f"kvdrain serve: OpenAI-compatible HTTP on {url} (model {self.model_name!r}; "
               f"/metrics)", flush=True)
         for warning in self.warnings:

@@ -9,6 +9,7 @@
 - serve_client: a client of `kvdrain serve`;
 - auth: who may talk to a serve (CURVE beyond loopback, a token on it);
 - recorder: `serve --record`;
-- monitor: the dashboard's feeds (a replay, a serve, `top`);
+- monitor: the dashboard's feeds (a replay, a serve, `top`, scraped metrics);
+- metrics_top: `kvdrain top --metrics`, any server's Prometheus metrics on the dashboard;
 - calibrate: `kvdrain calibrate`, a cost profile from the real runner.
 """

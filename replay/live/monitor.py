@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from replay.deploy.routing import engine_roles
 from engine.proc.messages import StatsSnapshot
@@ -19,20 +20,38 @@ from replay.pipeline import MODELLING, RUNNING, ReplayConfig, ReplayHooks, Repla
 from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState, WindowVerdict
 from replay.ui.tui import LiveView
 from replay.verify.rules import EngineSeries, VerifyOptions, check_window, idle_windows
-from replay.verify.timeline import EngineSample, Timeline
+from replay.verify.timeline import SAMPLING_SCRAPED, EngineSample, Timeline
+
+if TYPE_CHECKING:
+    from replay.http.client import HttpReplay
+    from replay.http.scrape import Scraper
 
 WINDOW_CHECK_INTERVAL_S = 1.0
 MAX_WINDOWS = 1000  # closed windows a serve's dashboard keeps
 QUEUE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running")
+# The counts every scrape gives, and the ones a family of the server's metrics adds.
+ALWAYS_OBSERVED = frozenset({"num_used_blocks", "num_free_blocks", "num_usable_blocks"})
+OBSERVED_BY_FAMILY = {
+    "vllm:num_requests_waiting": ("num_waiting",),
+    "vllm:num_requests_running": ("num_running",),
+    "kvdrain:kv_blocks_cached": ("num_cached_blocks",),
+    "kvdrain:requests_waiting_for_remote_kvs": ("num_waiting_for_remote_kvs",),
+    "kvdrain:delayed_free_requests": ("num_finished_awaiting_free",),
+    "kvdrain:engine_steps": ("num_steps",),
+    "kvdrain:engine_wakeups": ("num_wakeups",),
+}
 
 
 def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> DashboardState:
     """The dashboard of a replay of `num_requests` over `duration` trace seconds, before it starts."""
     state = DashboardState(title=f"kvdrain replay {config.trace.name}")
     total = min(num_requests, config.shaping.max_requests or num_requests)
+    remote = config.target is not None or config.http is not None
+    # A server's liveness is its own: unknown until it says (a serve's ServeInfo, kvdrain's card).
     state.progress = ReplayProgress(trace_name=config.trace.name, num_total=total,
                                     duration_s=duration / config.shaping.speedup, clock=config.clock,
-                                    liveness=config.engine.liveness, speedup=config.shaping.speedup)
+                                    liveness="" if remote else config.engine.liveness,
+                                    speedup=config.shaping.speedup)
     if config.clock == "wall" and config.http is None:
         local = config.target is None
         state.startup = StartupState(engines=[e for e, _ in engine_roles(config.topology)] if local else [])
@@ -59,9 +78,10 @@ class ReplayMonitor:
         self.start = time.monotonic() if start is None else start
         self._last_window_check = 0.0
         self._num_messages = 0
+        self._feed: ScrapeFeed | None = None
 
     def hooks(self) -> ReplayHooks:
-        return ReplayHooks(self.on_tick, self.on_phase, self.on_progress)
+        return ReplayHooks(self.on_tick, self.on_phase, self.on_progress, self.on_http_tick)
 
     def on_phase(self, phase: str, ready: list[str]) -> None:
         """Start-up: the phase, the engines ready so far; RUNNING ends it."""
@@ -111,12 +131,37 @@ class ReplayMonitor:
             state.windows = closed_windows(replay, self.verify_options)
         self._show()
 
+    def on_http_tick(self, replay: HttpReplay) -> None:
+        """--target http://: the server answered (its identity heads the view), then each
+        scrape: the engines as scraped, the requests sent and in flight, closed windows."""
+        state = self.state
+        state.elapsed_s = time.monotonic() - self.start
+        if state.startup is not None and state.startup.ready_s is None:
+            state.startup.finish(state.elapsed_s)
+        if replay.identity is not None and not state.server:
+            state.server = server_line(replay.identity.to_dict())
+            if state.progress is not None:
+                state.progress.liveness = (replay.identity.kvdrain or {}).get("liveness") or ""
+        if self._feed is None:
+            self._feed = ScrapeFeed(replay.scrapers, state)
+        self._feed.take()
+        if state.progress is not None:
+            _update_http_progress(state.progress, list(replay.requests.values()), replay.now())
+        if state.elapsed_s - self._last_window_check >= WINDOW_CHECK_INTERVAL_S:
+            self._last_window_check = state.elapsed_s
+            samples = sorted((s for sc in replay.scrapers for s in sc.samples), key=lambda s: s.t)
+            state.windows = windows_closed_by(samples, list(replay.requests.values()),
+                                              list(replay.arrivals), replay.now(),
+                                              self.verify_options, scraped=True)
+        self._show()
+
     @staticmethod
     def _update_progress(progress: ReplayProgress, replay: WallClockReplay) -> None:
         records = list(replay.requests.values())
         for record in records[progress.num_sent:]:
             progress.record_send(record.send_lateness_s)
         progress.trace_t = max(replay.now(), 0.0)
+        _update_flight(progress, records)
 
     def show_final(self, result: ReplayResult) -> None:
         """The final picture: every engine's last sample and every window's verdict."""
@@ -126,8 +171,12 @@ class ReplayMonitor:
             state.apply_sample(sample)
         state.windows = [WindowVerdict.of(w) for w in result.verdict.windows]
         if state.progress is not None:
-            state.progress.num_sent = len(result.timeline.requests)
-            state.progress.trace_t = result.timeline.end_t
+            progress = state.progress
+            progress.num_sent, progress.trace_t = len(result.timeline.requests), result.timeline.end_t
+            progress.num_in_flight = None
+            progress.rate_per_s = progress.eta_s = None  # done: no rate to finish at
+            if "interrupted" not in result.timeline.meta:  # all the shaped trace had
+                progress.num_total = progress.num_sent
 
 
 class ServeMonitor:
@@ -135,9 +184,12 @@ class ServeMonitor:
     with the idle windows judged as replay judges them (SnapshotWindows)."""
 
     def __init__(self, state: DashboardState, view: LiveView,
-                 verify_options: VerifyOptions = VerifyOptions()) -> None:
+                 verify_options: VerifyOptions = VerifyOptions(),
+                 http_url: Callable[[], str | None] | None = None) -> None:
+        """http_url: where `serve --http` listens, once it does (for the header)."""
         self.state = state
         self.view = view
+        self.http_url = http_url
         self.start = time.monotonic()
         self.windows = SnapshotWindows(verify_options)
         self._last_window_check = -WINDOW_CHECK_INTERVAL_S
@@ -149,6 +201,9 @@ class ServeMonitor:
         for snapshot in server.take_stats():
             self.windows.add(snapshot)
         apply_newest(self.state, server.latest.values())
+        url = self.http_url() if self.http_url is not None else None
+        if url and url not in self.state.server:
+            self.state.server = f"{self.state.server}  {url}".strip()
         self._refresh()
 
     def on_snapshots(self, snapshots: list[StatsSnapshot]) -> None:
@@ -195,17 +250,24 @@ class SnapshotWindows:
         self.closed: list[WindowVerdict] = []
 
     def add(self, snapshot: StatsSnapshot) -> None:
+        """A serve's engine stats; times count from the first snapshot's."""
         if self.origin is None:
             self.origin = snapshot.monotonic
-        t = snapshot.monotonic - self.origin
-        sample = sample_from_snapshot(t, snapshot)
+        self.add_sample(sample_from_snapshot(snapshot.monotonic - self.origin, snapshot))
+
+    def add_sample(self, sample: EngineSample) -> None:
+        """One engine's reading at sample.t (seconds from this watch's origin): a serve's
+        stats, or a scrape of a server's metrics (replay/http/scrape.py)."""
+        if self.origin is None:
+            self.origin = 0.0
+        t = sample.t
         # Used blocks only rise for new work: a prefill engine may take a request and
         # finish it within one step, so no snapshot of it shows the request queued.
         rose = sample.num_used_blocks > self.used.get(sample.engine, 0)
         self.samples.append(sample)
         self.used[sample.engine] = sample.num_used_blocks
         was_busy = any(self.busy.values())
-        self.busy[sample.engine] = any(snapshot.counts.get(k, 0) for k in QUEUE_COUNTS)
+        self.busy[sample.engine] = any(getattr(sample, k) for k in QUEUE_COUNTS)
         is_busy = any(self.busy.values())
         if (is_busy or rose) and not was_busy:
             self._busy_from(t)
@@ -235,7 +297,8 @@ class SnapshotWindows:
                 for engine in timeline.engines]
 
     def verdicts(self, now: float) -> list[WindowVerdict]:
-        """The closed windows, then the open one once it is idle_threshold_s long."""
+        """The closed windows, then the open one once it is idle_threshold_s long (now:
+        in the snapshots' clock; for add_sample's, the samples' own)."""
         if self.origin is None or not self.spells or self.spells[-1][1] is None:
             return list(self.closed)
         start, t = self.spells[-1][1], now - self.origin
@@ -246,11 +309,19 @@ class SnapshotWindows:
 
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:
     """Verdicts of the idle windows that have ended so far (the tail is judged at the end)."""
-    now = replay.now()
-    timeline = Timeline(engines=list(replay.latest), num_usable_blocks={},
-                        samples=sorted(replay.samples, key=lambda s: s.t),
-                        requests=list(replay.requests.values()), arrivals=list(replay.arrivals),
-                        aborts=list(replay.aborts), end_t=now)
+    return windows_closed_by(sorted(replay.samples, key=lambda s: s.t), list(replay.requests.values()),
+                             list(replay.arrivals), replay.now(), options, aborts=list(replay.aborts))
+
+
+def windows_closed_by(samples: list[EngineSample], requests: list, arrivals: list[float], now: float,
+                      options: VerifyOptions, aborts: list | None = None,
+                      scraped: bool = False) -> list[WindowVerdict]:
+    """Verdicts of the idle windows of these samples and requests that ended before `now`
+    (scraped: samples are readings at their instants, as replay/verify/rules.py takes them)."""
+    engines = list(dict.fromkeys(s.engine for s in samples))
+    timeline = Timeline(engines=engines, num_usable_blocks={}, samples=samples, requests=requests,
+                        arrivals=arrivals, aborts=aborts or [], end_t=now,
+                        meta={"sampling": SAMPLING_SCRAPED} if scraped else {})
     verdicts = []
     for window in idle_windows(timeline, options.idle_threshold_s):
         start, end, is_tail = window
@@ -260,3 +331,61 @@ def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[Wind
             checked = check_window(EngineSeries.of(timeline, engine), window, options.drain_deadline_s)
             verdicts.append(WindowVerdict.of(checked))
     return verdicts
+
+
+def _update_http_progress(progress: ReplayProgress, records: list, now: float) -> None:
+    """Sent (a request's send_t is set when it goes out), in flight, lateness so far."""
+    sent = [r for r in records if r.send_t > 0 or r.end_t is not None]
+    for record in sent[len(progress.lateness_s):]:
+        progress.lateness_s.append(record.send_lateness_s)
+    progress.num_sent = len(sent)
+    progress.trace_t = max(now, 0.0)
+    _update_flight(progress, sent)
+
+
+def _update_flight(progress: ReplayProgress, sent: list) -> None:
+    """Requests in flight, and the first-token times of those that had one."""
+    progress.num_in_flight = sum(1 for r in sent if r.end_t is None)
+    progress.ttft_s = [r.first_token_t - r.send_t for r in sent if r.first_token_t is not None]
+
+
+def server_line(server: dict) -> str:
+    """'kvdrain (aiohttp) kvdrain/tiny pd' from an HTTP server's identity (client.py's)."""
+    kvdrain = server.get("kvdrain") or {}
+    parts = [server.get("server") or "no Server header", str(server.get("model"))]
+    if kvdrain.get("topology"):
+        parts.append(str(kvdrain["topology"]))
+    return " ".join(parts)
+
+
+def observed_counts(family_names: list[str]) -> frozenset[str]:
+    """The EngineSample counts a server with these metric families really reports."""
+    names = set(ALWAYS_OBSERVED)
+    for family in family_names:
+        names.update(OBSERVED_BY_FAMILY.get(family, ()))
+    return frozenset(names)
+
+
+class ScrapeFeed:
+    """Scrapers' new readings and errors -> the dashboard (each engine's panel says what
+    the server does not expose as unknown); the samples also go to `on_sample`."""
+
+    def __init__(self, scrapers: list[Scraper], state: DashboardState,
+                 on_sample=None) -> None:
+        self.scrapers, self.state, self.on_sample = scrapers, state, on_sample
+        self._num_taken = [0] * len(scrapers)
+        self._num_errors = [0] * len(scrapers)
+
+    def take(self) -> None:
+        for i, scraper in enumerate(self.scrapers):
+            observed = observed_counts(scraper.names_found)
+            for sample in scraper.samples[self._num_taken[i]:]:
+                view = self.state.view(sample.engine)
+                view.unit, view.observed = scraper.unit or "blocks", observed
+                self.state.apply_sample(sample)
+                if self.on_sample is not None:
+                    self.on_sample(sample)
+            self._num_taken[i] = len(scraper.samples)
+            for error in scraper.errors[self._num_errors[i]:]:
+                self.state.messages.append(f"{scraper.source.url}: {error}")
+            self._num_errors[i] = len(scraper.errors)

@@ -71,7 +71,8 @@ class ServeClient:
                     return msg
         self.socket.close(linger=0)
         raise ConnectionError(f"no kvdrain serve answered at {self.address} within {timeout_s} s "
-                              f"(one that requires --curve-keys or --token ignores clients without them)")
+                              f"(one that requires --curve-keys or --token ignores clients without them)"
+                              + _http_hint(self.address))
 
     @property
     def engines(self) -> list[str]:
@@ -152,3 +153,12 @@ class ServeClient:
     def shutdown(self) -> None:
         """Disconnect; the serve keeps running."""
         self.socket.close(linger=0)
+
+
+def _http_hint(address: str) -> str:
+    """For a tcp:// address: what to give if an HTTP server (vLLM, SGLang, serve --http) is there."""
+    if not address.startswith("tcp://"):
+        return ""
+    host_port = address[len("tcp://"):]
+    return (f"; an OpenAI-compatible HTTP server there? replay --target http://{host_port}, "
+            f"top --metrics http://{host_port}/metrics")

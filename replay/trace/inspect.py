@@ -1,13 +1,33 @@
-"""Trace inspection for `kvdrain inspect`. Runs in: frontend process."""
+"""`kvdrain inspect`: what a trace holds and what a replay of it would do (a dry run). Runs in: frontend process.
+
+The measures are taken on the shaped trace, with replay's defaults (idle threshold
+VerifyOptions' 1 s, no shaping unless asked), so what inspect says is what replay will
+see: requests sent, what shaping changed or dropped, the idle gaps, the requests the
+engines would refuse (a prompt that does not fit max_model_len) or cap (prompt +
+output over it), at a wall replay's default max_model_len and the virtual clock's, and
+how long a wall replay takes. Bad lines are all counted, the first few reported.
+"""
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from replay.trace.reader import TraceAbort, TraceRequest, TraceSnapshot, detect_format, read_trace
+from engine.config import EngineConfig
+from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from replay.trace.reader import (TraceAbort, TraceRequest, TraceSnapshot, TraceSummary, detect_format,
+                                 read_trace, validate_trace)
+from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 
 TOP_GAPS = 5
+DEFAULT_IDLE_THRESHOLD_S = 1.0  # replay's (replay/verify/rules.py VerifyOptions)
+DEFAULT_TAIL_S = 2.0  # replay's tail at its default drain deadline (max(2, 3 x 0.5 s))
+
+
+def default_max_model_lens() -> dict[str, int]:
+    """The max_model_len a replay runs by default, per clock."""
+    virtual = PROFILES[DEFAULT_VIRTUAL_PROFILE].sizes().get("max_model_len", EngineConfig().max_model_len)
+    return {"wall": EngineConfig().max_model_len, "virtual": virtual}
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,9 +39,25 @@ class IdleGap:
     after_line: int  # file line of that arrival
 
 
+@dataclass(slots=True)
+class LengthCheck:
+    """The requests one max_model_len would refuse (the prompt does not fit) or cap."""
+
+    max_model_len: int
+    source: str  # whose default it is, or "--max-model-len"
+    num_refused: int = 0
+    num_capped: int = 0
+
+    def add(self, req: TraceRequest) -> None:
+        if req.prompt_len >= self.max_model_len or req.max_tokens >= self.max_model_len:
+            self.num_refused += 1
+        elif req.prompt_len + req.max_tokens > self.max_model_len:
+            self.num_capped += 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TraceInspection:
-    """What `inspect_trace` measured; arrivals and gaps are in trace seconds."""
+    """What `inspect_trace` measured; times are replay seconds (the shaped trace's)."""
 
     path: str
     format: str
@@ -36,6 +72,14 @@ class TraceInspection:
     top_gaps: tuple[IdleGap, ...]  # longest first, at most TOP_GAPS
     num_hash_refs: int  # hash-id block references, 0 without hash ids
     num_reused_refs: int  # references to an id seen earlier in the trace
+    num_trace_requests: int = 0  # before shaping
+    shaping: tuple[str, ...] = ()  # ShapingLog lines: what shaping changed
+    last_arrival: float = 0.0  # replay time of the last request
+    length_checks: tuple[LengthCheck, ...] = ()
+    num_bad_lines: int = 0
+    bad_line_messages: tuple[str, ...] = ()
+    num_skipped: int = 0  # rows the format itself skips (zero tokens: a failed request)
+    tail_s: float = DEFAULT_TAIL_S
 
     @property
     def mean_rate(self) -> float:
@@ -54,41 +98,92 @@ class TraceInspection:
         """Share of hash-id references that repeat an earlier id (infinite-cache hits)."""
         return self.num_reused_refs / self.num_hash_refs if self.num_hash_refs else None
 
+    @property
+    def wall_s(self) -> float:
+        """How long a wall replay runs: to the last arrival, then the tail (start-up aside)."""
+        return self.last_arrival + self.tail_s
+
+
+@dataclass(slots=True)
+class _Pass:
+    """The one streaming pass over the shaped records."""
+
+    idle_threshold: float
+    checks: tuple[LengthCheck, ...]
+    counts: dict = field(default_factory=lambda: {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0})
+    first: TraceRequest | None = None
+    last: TraceRequest | None = None
+    prompt: int = 0
+    output: int = 0
+    num_gaps: int = 0
+    num_refs: int = 0
+    num_reused: int = 0
+    top: list = field(default_factory=list)  # min-heap of (length, start, line)
+    seen: set = field(default_factory=set)
+
+    def add(self, rec) -> None:
+        self.counts[type(rec)] = self.counts.get(type(rec), 0) + 1
+        if not isinstance(rec, TraceRequest):
+            return
+        last = self.last
+        if last is not None and rec.t - last.t >= self.idle_threshold:
+            self.num_gaps += 1
+            heapq.heappush(self.top, (rec.t - last.t, last.t, last.line))
+            if len(self.top) > TOP_GAPS:
+                heapq.heappop(self.top)
+        self.first, self.last = rec if self.first is None else self.first, rec
+        self.prompt, self.output = self.prompt + rec.prompt_len, self.output + rec.max_tokens
+        for hash_id in rec.hash_ids or ():
+            self.num_reused += hash_id in self.seen
+            self.seen.add(hash_id)
+        self.num_refs += len(rec.hash_ids or ())
+        for check in self.checks:
+            check.add(rec)
+
+
+def _length_checks(max_model_len: int | None) -> tuple[LengthCheck, ...]:
+    if max_model_len is not None:
+        return (LengthCheck(max_model_len, "--max-model-len"),)
+    return tuple(LengthCheck(n, f"{clock} default") for clock, n in default_max_model_lens().items())
+
 
 def inspect_trace(path: str | Path, fmt: str | None = None,
-                  idle_threshold: float = 5.0) -> TraceInspection:
-    """Measure a trace in one streaming pass."""
+                  idle_threshold: float = DEFAULT_IDLE_THRESHOLD_S,
+                  shaping: ShapingOptions = ShapingOptions(), max_model_len: int | None = None,
+                  tail_s: float = DEFAULT_TAIL_S) -> TraceInspection:
+    """Measure the shaped trace in one streaming pass, after a validating pass that
+    counts every bad line (TraceError for a trace replay could not read at all)."""
     if not idle_threshold > 0:
         raise ValueError(f"idle_threshold: must be > 0, got {idle_threshold!r}")
     fmt = detect_format(path) if fmt is None else fmt
-    records = read_trace(path, fmt)
-    counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0}
-    first = last = None
-    prompt = output = num_gaps = num_refs = num_reused = 0
-    top: list[tuple[float, float, int]] = []  # min-heap of (length, start, line)
-    seen: set[int] = set()
-    for rec in records:
-        counts[type(rec)] = counts.get(type(rec), 0) + 1
-        if not isinstance(rec, TraceRequest):
-            continue
-        if last is not None and rec.t - last.t >= idle_threshold:
-            num_gaps += 1
-            heapq.heappush(top, (rec.t - last.t, last.t, last.line))
-            if len(top) > TOP_GAPS:
-                heapq.heappop(top)
-        first, last = rec if first is None else first, rec
-        prompt, output = prompt + rec.prompt_len, output + rec.max_tokens
-        for hash_id in rec.hash_ids or ():
-            num_reused += hash_id in seen
-            seen.add(hash_id)
-        num_refs += len(rec.hash_ids or ())
-    gaps = tuple(IdleGap(start, length, line) for length, start, line in sorted(top, reverse=True))
-    duration = last.t - first.t if last is not None else 0.0
-    return TraceInspection(path=str(path), format=fmt, num_requests=counts[TraceRequest],
-                           num_aborts=counts[TraceAbort], num_snapshots=counts[TraceSnapshot],
-                           duration=duration, total_prompt_tokens=prompt, total_output_tokens=output,
-                           idle_threshold=idle_threshold, num_idle_gaps=num_gaps, top_gaps=gaps,
-                           num_hash_refs=num_refs, num_reused_refs=num_reused)
+    summary: TraceSummary = validate_trace(path, fmt, skip_bad_lines=True)
+    log = ShapingLog()
+    scan = _Pass(idle_threshold, _length_checks(max_model_len))
+    for rec in shape(read_trace(path, fmt, skip_bad_lines=True), shaping, log):
+        scan.add(rec)
+    gaps = tuple(IdleGap(start, length, line) for length, start, line in sorted(scan.top, reverse=True))
+    first, last = scan.first, scan.last
+    return TraceInspection(
+        path=str(path), format=fmt, num_requests=scan.counts[TraceRequest],
+        num_aborts=scan.counts[TraceAbort], num_snapshots=scan.counts[TraceSnapshot],
+        duration=last.t - first.t if last is not None else 0.0, total_prompt_tokens=scan.prompt,
+        total_output_tokens=scan.output, idle_threshold=idle_threshold, num_idle_gaps=scan.num_gaps,
+        top_gaps=gaps, num_hash_refs=scan.num_refs, num_reused_refs=scan.num_reused,
+        num_trace_requests=summary.num_requests,
+        shaping=tuple(log.lines()), last_arrival=last.t if last is not None else 0.0,
+        length_checks=scan.checks, num_bad_lines=summary.num_bad_lines,
+        bad_line_messages=summary.bad_line_messages, num_skipped=summary.num_skipped,
+        tail_s=tail_s)
+
+
+def _duration(seconds: float) -> str:
+    """'42 s', '3 min 5 s', '1 h 0 min'."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, s = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {s} s"
+    return f"{minutes // 60} h {minutes % 60} min"
 
 
 def format_inspection(insp: TraceInspection) -> list[str]:
@@ -105,9 +200,67 @@ def format_inspection(insp: TraceInspection) -> list[str]:
     ]
     lines += [f"  {gap.length:9.3f} s after t={gap.start:.3f} s (line {gap.after_line})"
               for gap in insp.top_gaps]
+    if insp.num_idle_gaps > len(insp.top_gaps):
+        lines.append(f"  ... and {insp.num_idle_gaps - len(insp.top_gaps):,} more")
     if insp.prefix_reuse is None:
         lines.append("prefix-block reuse: n/a (no hash ids)")
     else:
         lines.append(f"prefix-block reuse: {insp.prefix_reuse:.1%} ({insp.num_reused_refs:,} "
                      f"of {insp.num_hash_refs:,} hash-id block references repeat an earlier id)")
+    return lines + dry_run_lines(insp)
+
+
+def dry_run_lines(insp: TraceInspection) -> list[str]:
+    """What a replay of the shaped trace would send, drop, refuse and cap, and how long."""
+    dropped = insp.num_trace_requests - insp.num_requests
+    lines = [f"a replay would send {insp.num_requests:,} of the trace's {insp.num_trace_requests:,} "
+             f"requests" + (f" (shaping drops {dropped:,})" if dropped > 0 else ""),
+             f"  a wall replay takes about {_duration(insp.wall_s)} (last arrival "
+             f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)"]
+    lines += [f"  shaping: {line}" for line in insp.shaping]
+    for check in insp.length_checks:
+        lines.append(f"  max_model_len {check.max_model_len:,} ({check.source}): "
+                     f"{check.num_refused:,} too long, {check.num_capped:,} capped")
+    if any(check.num_refused for check in insp.length_checks):
+        lines += ["  (too long: the prompt does not fit: the engine rejects it, counted as ignored,",
+                  "  and over 1% ignored is inconclusive without --allow-ignored; capped: the",
+                  "  engine stops them at the limit)"]
+    if insp.num_skipped:
+        lines.append(f"  {insp.num_skipped:,} rows with zero tokens (failed requests) are skipped")
     return lines
+
+
+def bad_line_lines(insp: TraceInspection) -> list[str]:
+    """Every bad line up to the reader's bound, then how many more."""
+    lines = [f"bad line: {m}" for m in insp.bad_line_messages]
+    hidden = insp.num_bad_lines - len(insp.bad_line_messages)
+    if hidden > 0:
+        lines.append(f"... and {hidden:,} more bad lines")
+    return lines
+
+
+LONG_WALL_S = 300.0  # a wall replay longer than this says so before it starts
+
+
+def wall_time_note(clock: str, duration_s: float, shaping: ShapingOptions) -> str | None:
+    """Before a long wall-clock replay: how long it will take, and how to make it shorter."""
+    if clock != "wall":
+        return None
+    end = duration_s if shaping.end is None else min(duration_s, shaping.end)
+    wall_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup
+    if wall_s <= LONG_WALL_S:
+        return None
+    return (f"this wall-clock replay takes about {_duration(wall_s)} ({end - (shaping.start or 0.0):,.1f} "
+            f"trace seconds at speedup {shaping.speedup:g}); --clock virtual runs it in seconds, "
+            f"--speedup, --max-gap or --end shorten it, and `kvdrain inspect` previews it")
+
+
+def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | None:
+    """A sped-up run whose only idle window is the tail: the trace's gaps fell below
+    the idle threshold, so the verdict covers the tail alone; say so."""
+    if speedup <= 1 or not coverage or any(not c.is_tail for c in coverage):
+        return None
+    return (f"at --speedup {speedup:g} no gap between arrivals is {idle_threshold_s:g} s or longer, "
+            f"so only the tail was checked; a lower --speedup, a lower --idle-threshold or "
+            f"--insert-idle keeps idle windows in the run (`kvdrain inspect --speedup "
+            f"{speedup:g}` shows the gaps)")

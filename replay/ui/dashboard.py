@@ -28,6 +28,13 @@ class EngineView:
     steps_per_s: float = 0.0
     wakeups_per_s: float = 0.0
     used_history: deque[int] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+    unit: str = "blocks"  # of the KV counts: "blocks", or a scraped server's "tokens" | "ppm"
+    # The counts the feeder really observes (a scraped vLLM has no loop state or step
+    # counts); None: all of them. The view prints the others as unknown.
+    observed: frozenset[str] | None = None
+
+    def is_observed(self, key: str) -> bool:
+        return self.observed is None or key in self.observed
 
     def update(self, engine_id: str, monotonic: float, loop_state: str, num_steps: int,
                num_wakeups: int, counts: dict[str, int]) -> None:
@@ -67,6 +74,8 @@ class ReplayProgress:
     num_sent: int = 0
     trace_t: float = 0.0
     lateness_s: list[float] = field(default_factory=list)
+    num_in_flight: int | None = None  # sent, not yet ended (None: not tracked)
+    ttft_s: list[float] = field(default_factory=list)  # of the requests that had a first token
     rate_per_s: float | None = None  # requests per wall second (virtual clock)
     eta_s: float | None = None  # wall seconds to the end at that rate (virtual clock)
 
@@ -83,8 +92,16 @@ class ReplayProgress:
 
     def lateness_percentile_s(self, q: float) -> float | None:
         """Nearest-rank percentile of the send lateness so far; None before the first send."""
-        ordered = sorted(self.lateness_s)
-        return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
+        return _nearest_rank(self.lateness_s, q)
+
+    def ttft_percentile_s(self, q: float) -> float | None:
+        """Nearest-rank percentile of the time to first token so far; None before one."""
+        return _nearest_rank(self.ttft_s, q)
+
+
+def _nearest_rank(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)] if ordered else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,12 +114,21 @@ class WindowVerdict:
     num_used_at_start: int
     time_to_drain: float | None  # None: never drained
     verdict: str  # "drained" | "leak" | "undecided"
+    num_blocks_held: int = 0  # used blocks at the window's last sample that had any
 
     @staticmethod
     def of(window: IdleWindow) -> WindowVerdict:
         return WindowVerdict(engine=window.engine, start=window.start, length=window.length,
                              num_used_at_start=window.num_used_at_start, time_to_drain=window.time_to_drain,
-                             verdict=window.verdict)
+                             verdict=window.verdict, num_blocks_held=window.num_blocks_held)
+
+    def sentence(self) -> str:
+        """'P held 15 blocks through 40.0 s idle: leak' / 'D drained 8 blocks in 3ms'."""
+        if self.time_to_drain is None:
+            return (f"{self.engine} held {self.num_blocks_held:,} blocks through "
+                    f"{self.length:.1f} s idle: {self.verdict}")
+        return (f"{self.engine} drained {self.num_used_at_start:,} blocks in "
+                f"{1000 * self.time_to_drain:.0f} ms of {self.length:.1f} s idle: {self.verdict}")
 
 
 @dataclass(slots=True)
@@ -143,6 +169,7 @@ class DashboardState:
     windows: list[WindowVerdict] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)  # errors, e.g. a dead connector worker
     title: str = "kvdrain"
+    server: str = ""  # who answers a --target: its own identity ("" for local engines)
     elapsed_s: float = 0.0  # since the frontend started, in its clock
     startup: StartupState | None = None  # a wall-clock replay's start-up
     quit_key: bool = False  # the view reads keys: `q` quits

@@ -8,5 +8,6 @@
 - latency: `vllm bench serve`'s latency and throughput figures;
 - verdict: the exit-code table;
 - report: the terminal summary, the JSON report and per-request JSONL;
-- plot: the usage plot and its CSV data.
+- plot: the usage plot and its CSV data;
+- stamp: what produced a report (version, commit, date, host, device).
 """

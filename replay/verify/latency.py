@@ -3,7 +3,8 @@
 The keys are vllm bench's (vllm/benchmarks/serve.py, calculate_metrics and the result
 dict): completed, failed, duration, total_input_tokens, total_output_tokens,
 request_throughput, output_throughput, total_token_throughput and, for each of ttft,
-tpot, itl and e2el, mean_*_ms, median_*_ms, std_*_ms and p99_*_ms. As there: a request
+tpot, itl and e2el, mean_*_ms, median_*_ms, std_*_ms and p<q>_*_ms for each of the
+percentiles (vllm bench's --metric-percentiles; here 90, 95 and 99 unless told). As there: a request
 counts when it finished without error (here: not aborted, not ignored, no error);
 TTFT and E2EL are measured from the send; TPOT is (E2EL - TTFT) / (output tokens - 1)
 for requests with more than one token; ITLs are the gaps between consecutive outputs
@@ -22,6 +23,23 @@ METRICS = (("ttft", "TTFT", "Time to First Token"),
            ("itl", "ITL", "Inter-token Latency"),
            ("e2el", "E2EL", "End-to-end Latency"))
 WIDTH = 50  # vllm bench's banner width
+DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
+
+
+def percentile_key(q: float) -> str:
+    """vllm bench's spelling: 99 -> 'p99', 99.9 -> 'p99.9'."""
+    return f"p{q:g}"
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """'50,90,99' (vllm bench's --metric-percentiles) -> (50.0, 90.0, 99.0); each in (0, 100]."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: expected numbers like 50,90,99, got {text!r}") from None
+    if not values or not all(0 < q <= 100 for q in values):
+        raise ValueError(f"--metric-percentiles: each must be in (0, 100], got {text!r}")
+    return values
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -34,11 +52,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
-def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
+def _stats(name: str, values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     mean = sum(values) / len(values) if values else 0.0
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if values else 0.0
-    return {f"mean_{name}_ms": 1000 * mean, f"median_{name}_ms": 1000 * percentile(values, 50),
-            f"std_{name}_ms": 1000 * std, f"p99_{name}_ms": 1000 * percentile(values, 99)}
+    out = {f"mean_{name}_ms": 1000 * mean, f"median_{name}_ms": 1000 * percentile(values, 50),
+           f"std_{name}_ms": 1000 * std}
+    for q in percentiles:
+        out[f"{percentile_key(q)}_{name}_ms"] = 1000 * percentile(values, q)
+    return out
 
 
 def is_success(record: RequestRecord) -> bool:
@@ -47,7 +68,8 @@ def is_success(record: RequestRecord) -> bool:
             and record.finish_reason not in ("abort", "error", "ignored"))
 
 
-def latency_summary(records: Iterable[RequestRecord]) -> dict[str, float | int]:
+def latency_summary(records: Iterable[RequestRecord],
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, float | int]:
     """vllm bench serve's metrics of these requests (see the module docstring)."""
     records = list(records)
     done = [r for r in records if is_success(r)]
@@ -69,8 +91,13 @@ def latency_summary(records: Iterable[RequestRecord]) -> dict[str, float | int]:
         "total_token_throughput": (num_in + num_out) / duration if duration > 0 else 0.0,
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        out.update(_stats(name, values))
+        out.update(_stats(name, values, percentiles))
+    out["percentiles"] = list(percentiles)
     return out
+
+
+def _percentiles(summary: dict) -> list[float]:
+    return list(summary.get("percentiles", [99.0]))
 
 
 def latency_lines(summary: dict) -> list[str]:
@@ -89,7 +116,26 @@ def latency_lines(summary: dict) -> list[str]:
     for key, name, header in METRICS:
         lines.append("{s:{c}^{n}}".format(s=header, n=WIDTH, c="-"))
         lines += [row(f"Mean {name} (ms):", summary[f"mean_{key}_ms"]),
-                  row(f"Median {name} (ms):", summary[f"median_{key}_ms"]),
-                  row(f"P99 {name} (ms):", summary[f"p99_{key}_ms"])]
+                  row(f"Median {name} (ms):", summary[f"median_{key}_ms"])]
+        lines += [row(f"P{q:g} {name} (ms):", summary[f"{percentile_key(q)}_{key}_ms"])
+                  for q in _percentiles(summary) if q != 50]  # p50 is the median, shown first
     lines.append("=" * WIDTH)
     return [line.rstrip() for line in lines]
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
+
+
+def compact_latency_lines(summary: dict) -> list[str]:
+    """Five lines under 80 columns: requests and throughput, then per metric the median,
+    each percentile and the mean (the full block: latency_lines)."""
+    lines = [f"latency: {summary['completed']:,} ok, {summary['failed']:,} failed in "
+             f"{summary['duration']:.1f} s; {summary['request_throughput']:.2f} req/s, "
+             f"{summary['output_throughput']:.1f} out tok/s (ms below)"]
+    for key, name, _ in METRICS:
+        cells = [f"p50 {_ms(summary[f'median_{key}_ms'])}"]
+        cells += [f"{percentile_key(q)} {_ms(summary[f'{percentile_key(q)}_{key}_ms'])}"
+                  for q in _percentiles(summary) if q != 50]  # p50 is the median, shown first
+        lines.append(f"  {name.lower():<5} " + "  ".join(cells) + f"  mean {_ms(summary[f'mean_{key}_ms'])}")
+    return lines

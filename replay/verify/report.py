@@ -17,9 +17,11 @@ from pathlib import Path
 from rich.console import Console
 
 from replay.verify.coverage import ignored_cause
-from replay.verify.latency import latency_lines, latency_summary
+from replay.verify.latency import (DEFAULT_PERCENTILES, compact_latency_lines, latency_lines,
+                                    latency_summary)
 from replay.verify.plot import system_label
 from replay.verify.rules import Verdict
+from replay.verify.stamp import stamp
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import EXIT_CODES
 
@@ -130,16 +132,17 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def build_report(timeline: Timeline, verdict: Verdict, settings: dict, trace: dict,
-                 shaping: list[str]) -> dict:
+                 shaping: list[str], percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> dict:
     """The machine-readable report (--report FILE.json): status and exit_code first."""
     return {
         "kvdrain_report": 1,
         **verdict.to_dict(),
+        "kvdrain": stamp(settings),
         "settings": settings,
         "trace": trace,
         "shaping": shaping,
         "requests": request_summary(timeline),
-        "latency": latency_summary(timeline.requests),
+        "latency": latency_summary(timeline.requests, percentiles),
         "engines": [engine_summary(timeline, verdict, e) for e in timeline.engines],
         "counters": timeline.counters,
     }
@@ -157,10 +160,18 @@ def write_report(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
 
 
+def request_line(record) -> dict:
+    """One --requests line: the record, with ttft_s and e2el_s from its send (None: not seen)."""
+    line = asdict(record)
+    line["ttft_s"] = None if record.first_token_t is None else record.first_token_t - record.send_t
+    line["e2el_s"] = None if record.end_t is None else record.end_t - record.send_t
+    return line
+
+
 def write_requests(path: Path, timeline: Timeline) -> None:
     with path.open("w") as f:
         for record in timeline.requests:
-            f.write(json.dumps(asdict(record)) + "\n")
+            f.write(json.dumps(request_line(record)) + "\n")
 
 
 def _engine_rows(report: dict) -> list[str]:
@@ -262,15 +273,17 @@ def _unknown(value) -> str:
     return f"{value:,}" if type(value) is int else str(value)
 
 
-def summary_lines(report: dict) -> list[str]:
+def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     """The terminal summary as plain lines: the server (over HTTP), engines, requests,
-    ignored, latency, coverage, verdict."""
+    ignored, coverage, verdict, then latency: five compact lines, or vllm bench's full
+    block (latency_block)."""
     lines = server_lines(report.get("settings") or {}) + _engine_rows(report) + [_request_line(report)]
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
         lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
                      f"({causes}); each request's cause is in --requests (error)")
-    lines += latency_lines(report["latency"])
+    if latency_block:
+        lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
         lines.append(_coverage_line(report))
     lines += fault_lines(report.get("faults", []))
@@ -284,6 +297,8 @@ def summary_lines(report: dict) -> list[str]:
     lines += [f"  - {r}" for r in reasons[:MAX_REASONS_SHOWN]]
     if len(reasons) > MAX_REASONS_SHOWN:
         lines.append(f"  - ... and {len(reasons) - MAX_REASONS_SHOWN:,} more (see --report)")
+    if not latency_block:
+        lines += compact_latency_lines(report["latency"])
     return lines
 
 
@@ -291,10 +306,11 @@ STATUS_STYLES = {"verified": "bold green", "violation": "bold red", "inconclusiv
                  "fault": "bold red"}
 
 
-def print_summary(console: Console, report: dict, explain: bool = False) -> None:
+def print_summary(console: Console, report: dict, explain: bool = False,
+                  latency_block: bool = False) -> None:
     """The summary, one unwrapped line each; the verdict line coloured on a terminal."""
     verdict = verdict_line(report)
-    for line in summary_lines(report):
+    for line in summary_lines(report, latency_block):
         style = STATUS_STYLES.get(report["status"], "bold") if line == verdict else None
         console.print(line, style=style, highlight=False, markup=False, soft_wrap=True)
     if explain:

@@ -56,6 +56,7 @@ def test_unreachable_target_is_exit_2_for_replay_and_top():
         assert result.exit_code == 2, result.output
         _one_error_line(result.output)
         assert "no kvdrain serve answered at tcp://127.0.0.1:1" in result.output
+        assert "replay --target http://127.0.0.1:1, top --metrics http://127.0.0.1:1/metrics" in result.output
 
 
 def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):

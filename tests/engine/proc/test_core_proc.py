@@ -87,7 +87,8 @@ def test_snapshots_only_when_something_a_reader_shows_changed(engine_loop):
     # A GetStats is answered even when nothing changed (the bench and top rely on it).
     send(GetStats())
     recv_until(lambda m: isinstance(m, StatsSnapshot) and m.seq == snaps[-1].seq + 1)
-    assert received[-1].counts == snaps[-1].counts
+    probe = received[-1].counts  # the same, but that the probe's wake-up is counted as one
+    assert {**probe, "num_probe_wakeups": 0} == snaps[-1].counts and probe["num_probe_wakeups"] == 1
 
 
 def test_one_poller_per_kind_of_wait(engine_loop):
@@ -168,3 +169,19 @@ def test_an_async_scheduling_engine_serves_requests_and_goes_idle_with_nothing_h
         # The mock runner samples last + 1: the same tokens the synchronous loop gives.
         assert tokens == {r: [p[-1] + 1 + k for k in range(4)] for r, p in prompts.items()}
         assert not proc.core.batch_queue
+
+
+def test_stats_probes_that_wake_a_parked_engine_are_counted_apart(engine_loop):
+    """A parked engine woken only by GetStats (the frontend's 1 Hz probe, top) does not
+    count those as its own wake-ups: they show as num_probe_wakeups."""
+    proc, send, received, recv_until = engine_loop
+    recv_until(lambda m: isinstance(m, Ready))
+    send(AddRequest("r", [1, 2, 3, 4, 5], 2))
+    recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked" and m.num_steps > 0)
+    parked = received[-1].num_wakeups
+    for i in range(5):
+        seq = max(m.seq for m in received if isinstance(m, StatsSnapshot))
+        send(GetStats())
+        recv_until(lambda m, seq=seq: isinstance(m, StatsSnapshot) and m.seq == seq + 1)
+    last = received[-1]
+    assert last.num_wakeups == parked and last.counts["num_probe_wakeups"] == 5

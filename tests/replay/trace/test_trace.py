@@ -306,6 +306,74 @@ def test_shaping_options_are_validated(kwargs, name):
         ShapingOptions(**kwargs)
 
 
+def test_inspect_is_a_dry_run_with_replays_defaults(tmp_path):
+    example = inspect_trace(EXAMPLE)  # replay's idle threshold, 1 s: the example's 3 gaps
+    assert example.idle_threshold == 1.0 and example.num_idle_gaps == 3
+    shaped = inspect_trace(EXAMPLE, shaping=ShapingOptions(max_requests=10, speedup=2.0))
+    assert (shaped.num_requests, shaped.num_trace_requests) == (10, 32)
+    lines = format_inspection(shaped)
+    assert "a replay would send 10 of the trace's 32 requests (shaping drops 22)" in lines
+    assert shaped.wall_s == pytest.approx(shaped.last_arrival + 2.0) and shaped.last_arrival < 8.5
+    path = write(tmp_path, "long.jsonl", [
+        {"t": 0, "id": "a", "prompt_len": 5000, "max_tokens": 4},  # over 4,096: refused
+        {"t": 1, "id": "b", "prompt_len": 4000, "max_tokens": 200},  # capped at 4,096
+        {"t": 2, "id": "c", "prompt_len": 10, "max_tokens": 2}])
+    wall, virtual = inspect_trace(path).length_checks
+    assert (wall.max_model_len, wall.num_refused, wall.num_capped) == (4096, 1, 1)
+    assert (virtual.max_model_len, virtual.num_refused, virtual.num_capped) == (131072, 0, 0)
+    text = "\n".join(format_inspection(inspect_trace(path)))
+    assert "max_model_len 4,096 (wall default): 1 too long, 1 capped" in text
+    assert "the engine rejects it, counted as ignored" in text  # as replay does, not a refused trace
+
+
+def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
+    from replay.trace.inspect import wall_time_note
+    note = wall_time_note("wall", 3435.9, ShapingOptions())
+    assert note.startswith("this wall-clock replay takes about 57 min 16 s (3,435.9 trace seconds")
+    assert "--clock virtual" in note and "kvdrain inspect" in note
+    assert wall_time_note("wall", 3435.9, ShapingOptions(speedup=16)) is None  # 3.6 min
+    assert wall_time_note("wall", 3435.9, ShapingOptions(end=200)) is None
+    assert wall_time_note("virtual", 3435.9, ShapingOptions()) is None
+
+
+def test_a_speedup_that_leaves_only_the_tail_says_so():
+    from click.testing import CliRunner
+
+    from cli import cli
+    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live",
+                                      "--speedup", "8"])
+    assert "note: at --speedup 8 no gap between arrivals is 1 s or longer, so only the tail" in result.output
+    plain = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live"])
+    assert "only the tail" not in plain.output
+
+
+def test_inspect_says_how_many_gaps_it_did_not_list(tmp_path):
+    path = write(tmp_path, "gaps.jsonl", [{"t": 2 * i, "id": f"r{i}", "prompt_len": 8, "max_tokens": 2}
+                                          for i in range(9)])
+    lines = format_inspection(inspect_trace(path))
+    assert "idle gaps of 1 s or more: 8, longest 2.0 s" in lines and "  ... and 3 more" in lines
+
+
+def test_inspect_reports_every_bad_line_up_to_a_bound_as_one_line_each(tmp_path):
+    from click.testing import CliRunner
+
+    from cli import cli
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"t": 0, "id": "a", "prompt_len": 8, "max_tokens": 2}\n' + "not json\n" * 3
+                    + '{"t": 1, "id": "b", "prompt_len": -1, "max_tokens": 2}\n')
+    result = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert result.exit_code == 2 and "Usage:" not in result.output
+    assert sum(1 for line in result.output.splitlines() if line.startswith("bad line: ")) == 4
+    assert "error: 4 bad lines: replay stops at the first" in result.output
+    skipped = CliRunner().invoke(cli, ["inspect", str(path), "--skip-bad-lines"])
+    assert skipped.exit_code == 0 and "a replay would send 1 of the trace's 1 requests" in skipped.output
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    refused = CliRunner().invoke(cli, ["inspect", str(empty)])
+    assert refused.exit_code == 2 and "Usage:" not in refused.output
+    assert refused.output.startswith("error: ") and len(refused.output.splitlines()) == 1
+
+
 def test_inspect_small_file_and_bundled_example(tmp_path):
     path = write(tmp_path, "s.jsonl", [
         {"t": 0, "id": "a", "hash_ids": [1, 2], "max_tokens": 4},
@@ -315,7 +383,7 @@ def test_inspect_small_file_and_bundled_example(tmp_path):
     assert (insp.num_requests, insp.num_aborts, insp.duration, insp.mean_rate) == (3, 1, 11, 3 / 11)
     assert (insp.total_prompt_tokens, insp.mean_output_len, insp.num_idle_gaps) == (60, 4, 1)
     assert (insp.top_gaps[0].start, insp.top_gaps[0].length, insp.prefix_reuse) == (0, 10, 0.25)
-    assert format_inspection(insp)[-1].startswith("prefix-block reuse: 25.0% (1 of 4")
+    assert any(line.startswith("prefix-block reuse: 25.0% (1 of 4") for line in format_inspection(insp))
     example = inspect_trace(EXAMPLE, idle_threshold=3)
     assert example.num_requests == 32 and example.num_idle_gaps == 3 and example.duration < 20
     assert {r.pd for r in requests(read_trace(EXAMPLE))} == {True}

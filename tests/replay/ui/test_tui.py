@@ -134,11 +134,32 @@ def test_sparkline():
 def test_plain_line_and_summary():
     state = make_state()
     assert plain_line(state) == ("t=12.3s sent 3/32 | P used 40/127 blocked | D used 12/127 stepping"
-                                 " | windows 1 drained 1 leak")
+                                 " | idle windows 2: P 1 drained, D 1 leak")
     summary = summary_text(state)
     assert summary.startswith("final t=12.3s")
     assert "window D 6.00s +2.50s: 8 used at start, never drained: leak" in summary
     assert "! connector worker of D (pid 4243) died" in summary
+
+
+def test_the_progress_line_counts_idle_windows_as_the_verdict_does_not_engine_windows():
+    state = make_state()
+    state.windows = [WindowVerdict(engine=e, start=start, length=4.0, num_used_at_start=9,
+                                   time_to_drain=None if e == "P" else 0.01,
+                                   verdict="leak" if e == "P" else "drained", num_blocks_held=9)
+                     for start in (1.0, 6.0) for e in ("P", "D")]
+    assert plain_line(state).endswith(" | idle windows 2: P 2 leak, D 2 drained")
+    assert "idle windows 2  P: 2 leak  D: 2 drained" in render_text(state, 80)
+
+
+def test_the_final_line_of_a_shaped_replay_has_no_eta_and_counts_what_shaping_kept():
+    from replay.pipeline import ReplayResult
+    state = make_state()
+    state.progress.rate_per_s, state.progress.eta_s, state.progress.num_total = 70.0, 11.2, 8819
+    timeline = SimpleNamespace(samples=[], requests=[object()] * 781, end_t=300.0, meta={})
+    result = SimpleNamespace(timeline=timeline, verdict=SimpleNamespace(windows=()))
+    ReplayMonitor(state, SimpleNamespace(tick=lambda: None), VerifyOptions()).show_final(result)
+    line = plain_line(state)
+    assert "sent 781/781" in line and "ETA" not in line
 
 
 def test_live_view_without_terminal_prints_plain_lines_and_summary():
@@ -226,7 +247,7 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
                                                        num_running=0, num_finished_awaiting_free=0,
                                                        loop_state="blocked", num_steps=9,
                                                        num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
-                                 requests=list(records.values()), end_t=6.0),
+                                 requests=list(records.values()), end_t=6.0, meta={}),
         verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
                                                     num_used_at_start=12, time_to_drain=0.12,
                                                     verdict="drained", num_blocks_held=0)]))
@@ -370,7 +391,7 @@ def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
         while time.monotonic() < deadline and proc.poll() is None or _readable(master):
             if _readable(master, 0.2):
                 screen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", os.read(master, 65536).decode(errors="replace"))
-            if not sent_q and "ready in" in screen and "remote KVs" in screen:  # running
+            if not sent_q and "ready in" in screen and re.search(r"remote KVs +\d", screen):  # running
                 os.write(master, b"q")
                 sent_q = True
             if time.monotonic() > deadline:
@@ -401,3 +422,77 @@ def test_serve_windows_end_where_an_engine_takes_blocks_for_new_work():
         windows.add(s)
     got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(15.0)}
     assert got == {("P", "drained", 1.0, 3.0), ("D", "drained", 1.0, 3.0)}
+
+
+def test_at_80_columns_the_title_keeps_the_trace_name_and_the_facts_give_way():
+    state = make_state()
+    state.title = "kvdrain replay AzureLLMInferenceTrace_code.csv"
+    state.server = "kvdrain (aiohttp) kvdrain/tiny pd"
+    first = render_text(state, 80).splitlines()[0]
+    assert first.startswith("kvdrain replay AzureLLMInferenceTrace_code.csv ") and first.endswith("…")
+
+
+def test_scraped_engines_of_one_source_sort_prefill_first():
+    from replay.ui.tui import engine_order
+    assert sorted(["x:D", "x:P", "D", "P", "E"], key=engine_order) == ["P", "D", "E", "x:P", "x:D"]
+
+
+def test_the_sparkline_says_its_scale_and_a_tall_screen_gets_history_charts():
+    state = make_state()
+    text = render_text(state, 80)
+    assert "peak 40/127" in text
+    console = Console(record=True, width=200, height=50, file=io.StringIO())
+    console.print(render(state))
+    tall = console.export_text()
+    assert "P used, last 2 reports" in tall and "D used, last 1 reports" in tall
+    assert sum(1 for line in tall.splitlines() if not line.strip("│ ╭╮╰╯─")) < 5  # no blank screen
+
+
+def test_the_view_explains_the_kv_bars_glyphs_and_the_queue_abbreviations_when_it_has_room():
+    text = render_text(make_state(), 80)
+    assert "█ used  ▒ cached (free, still hashed)  ░ free" in text
+    assert "remote KVs: WAITING_FOR_REMOTE_KVS" in text and "fin-await-free: finished" in text
+
+
+def test_a_virtual_replay_says_where_its_engines_are_instead_of_waiting_for_stats():
+    state = DashboardState(title="kvdrain replay x")
+    state.progress = ReplayProgress(trace_name="x", num_total=10, duration_s=5.0, clock="virtual")
+    text = render_text(state, 80)
+    assert "waiting for the first stats" not in text and "virtual clock: engines run in-process; blocks and windows show at the end" in text
+
+
+def test_a_wide_footer_adds_requests_in_flight_and_ttft_so_far():
+    state = make_state()
+    state.progress.num_in_flight, state.progress.ttft_s = 2, [0.010, 0.020, 0.300]
+    narrow = render_text(state, 80)
+    assert "sent 3/32 (2 in flight)" in narrow and "ttft" not in narrow
+    console = Console(record=True, width=200, height=50, file=io.StringIO())
+    console.print(render(state))
+    assert "ttft p50 20ms p99 300ms" in console.export_text()
+
+
+def test_a_serves_header_names_its_topology_liveness_and_http_url():
+    state = DashboardState(title="kvdrain serve tcp://127.0.0.1:5555", server="pd  liveness legacy")
+    monitor = ServeMonitor(state, SimpleNamespace(tick=lambda: None),
+                           http_url=lambda: "http://127.0.0.1:8000")
+    monitor.on_tick(SimpleNamespace(take_stats=lambda: [], latest={}))
+    first = render_text(state, 120).splitlines()[0]
+    assert "pd  liveness legacy  http://127.0.0.1:8000" in first
+
+
+def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():
+    state = make_state()
+    state.engines.clear()
+    for name in ("D1", "P10", "D0", "P2", "P0", "P1", "D2", "D3"):
+        state.view(name).update(name, 1.0, "blocked", 5, 1, make_counts(num_used_blocks=15))
+    text = render_text(state, 80)
+    rows = [line for line in text.splitlines() if "blocked" in line]
+    assert [row.split()[1] for row in rows] == ["P0", "P1", "P2", "P10", "D0", "D1", "D2", "D3"]
+    assert all("15/127" in row for row in rows)  # each engine's used blocks, whole at 80 columns
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "1 leak" in text  # the windows panel still has room below
+    state.windows = [WindowVerdict(engine=name, start=1.0, length=2.0, num_used_at_start=15,
+                                   time_to_drain=None if name.startswith("P") else 0.0,
+                                   verdict="leak" if name.startswith("P") else "drained")
+                     for name in state.engines]
+    assert "idle windows 1  P (4): 4 leak  D (4): 4 drained" in render_text(state, 80)

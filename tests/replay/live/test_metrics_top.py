@@ -1,0 +1,106 @@
+"""`kvdrain top --metrics`: a vLLM-like server's metrics on the live dashboard, its idle
+windows judged as replay judges them, what vLLM does not expose shown as unknown, and
+`--connect` given an HTTP URL pointed at --metrics."""
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+from rich.console import Console
+
+from replay.http.scrape import MetricsSource
+from replay.live.metrics_top import MetricsWatch, watch_metrics
+from replay.ui.dashboard import DashboardState
+from replay.ui.tui import render
+from replay.verify.rules import VerifyOptions
+
+pytestmark = pytest.mark.timeout(60)
+OPTIONS = VerifyOptions(idle_threshold_s=0.2, drain_deadline_s=0.1)
+INTERVAL_S = 0.05
+
+
+def vllm_exposition(usage: float, running: int) -> str:
+    """What vLLM >= 0.10 serves, trimmed: 101 GPU blocks (100 usable), one engine."""
+    return f"""# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {usage}
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="101"}} 1.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 0
+"""
+
+
+def script(k: int) -> tuple[float, int]:
+    """The k-th scrape's (usage, running): busy, then 10 scrapes idle holding 15 blocks
+    (a leak), busy again, then idle and empty."""
+    if k < 4 or 14 <= k < 18:
+        return 0.2, 1
+    return (0.15, 0) if k < 14 else (0.0, 0)
+
+
+async def _serve_and_watch(watch: MetricsWatch, num_scrapes: int) -> None:
+    count = {"k": 0}
+
+    async def metrics(_request):
+        usage, running = script(count["k"])
+        count["k"] += 1
+        return web.Response(text=vllm_exposition(usage, running))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    watch.scrapers[0].source = MetricsSource.parse(f"P=http://127.0.0.1:{port}/metrics")
+
+    class View:
+        quit_requested = False
+
+        def tick(self) -> None:
+            self.quit_requested = count["k"] >= num_scrapes
+
+    try:
+        await watch_metrics(watch, View(), seconds=30, interval_s=INTERVAL_S)
+    finally:
+        await runner.cleanup()
+
+
+def test_a_vllm_servers_leak_is_seen_live_from_its_metrics():
+    state = DashboardState(title="kvdrain top")
+    watch = MetricsWatch([MetricsSource.parse("P=http://127.0.0.1:1/metrics")], state, OPTIONS)
+    asyncio.run(_serve_and_watch(watch, num_scrapes=24))
+    view = state.engines["P"]
+    assert view.counts["num_usable_blocks"] == 100 and view.counts["num_used_blocks"] == 0
+    assert not view.is_observed("num_steps") and view.is_observed("num_running")
+    leaks = [w for w in state.windows if w.verdict == "leak"]
+    assert len(leaks) == 1 and leaks[0].engine == "P" and leaks[0].num_blocks_held == 15
+    assert [m for m in state.messages if "held 15 blocks through" in m] == [leaks[0].sentence()]
+    console = Console(record=True, width=80, height=24, file=io.StringIO())
+    console.print(render(state))
+    text = console.export_text()
+    assert "steps unknown" in text and "0/100" in text and "P: 1 leak" in text, text
+    assert not re.search(r"fin-await-free +(\d|unknown)", text)  # a row vLLM lacks is left out
+
+
+def test_top_connect_given_an_http_url_says_what_it_takes_and_suggests_metrics():
+    from cli import cli
+    result = CliRunner().invoke(cli, ["top", "--connect", "http://127.0.0.1:8100/metrics"])
+    assert result.exit_code == 2
+    assert "tcp://HOST:PORT" in result.output and "--metrics http://127.0.0.1:8100/metrics" in result.output
+    assert "Protocol not supported" not in result.output
+
+
+def test_top_metrics_at_a_url_that_never_answers_is_a_fault_naming_it():
+    from cli import cli
+    result = CliRunner().invoke(cli, ["top", "--metrics", "http://127.0.0.1:9/metrics",
+                                      "--seconds", "0.3", "--interval", "0.1"])
+    assert result.exit_code == 4, result.output
+    assert "http://127.0.0.1:9/metrics: no KV reading in" in result.output
