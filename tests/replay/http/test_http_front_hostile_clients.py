@@ -110,8 +110,8 @@ def test_a_huge_text_prompt_is_refused_before_it_is_tokenised(monkeypatch):
             status, answer = post(front.port, body)
             assert_vllm_error(status, answer, 400)
             assert "maximum context length is 512 tokens" in answer["error"]["message"]
-            assert time.monotonic() - started < 1.5
-    assert max(seen, default=0) <= MODEL.max_model_len
+            assert time.monotonic() - started < 10.0  # loose: a loaded machine; `seen` is the check
+    assert max(seen, default=0) <= MODEL.max_model_len  # never tokenised past the limit
 
 
 FRONT_AT_AN_FD_LIMIT = """
