@@ -227,8 +227,8 @@ class Scraper:
     errors: list[str] = field(default_factory=list)  # the first few failures, in order
 
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
-        """One scrape; False (and a counted failure) if it gave no usable KV reading."""
-        self.num_scrapes += 1
+        """One scrape; False (and a counted failure) if it gave no usable KV reading. A scrape
+        cancelled unanswered (the run ended) is not counted."""
         send_t = time.monotonic() - self.origin
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -241,9 +241,11 @@ class Scraper:
             # Off the event loop: a slow parse must not hold back the replay's sends.
             samples = await asyncio.to_thread(parse_metrics, raw.decode("utf-8", "replace"))
             self.max_parse_s = max(self.max_parse_s, time.monotonic() - self.origin - t)
-            return self._read(samples, send_t, t)
+            usable = self._read(samples, send_t, t)
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on
-            return self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            usable = self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        self.num_scrapes += 1
+        return usable
 
     def _fail(self, error: str) -> bool:
         self.num_failures += 1
