@@ -351,7 +351,9 @@ TARGET = OptionGroup("Target (a running server instead of local engines)", "targ
                       "http://HOST:PORT (vLLM, SGLang, a P/D proxy)."),
     click.option("--metrics", multiple=True, metavar="[NAME=]URL",
                  help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
-                      "P's and D's; NAME names the engine)."),
+                      "P's and D's; NAME names the engine); each is scraped once before the first "
+                      "request (a failure: exit 2). Default: a proxy's upstreams, else the "
+                      "target's own /metrics when it has a KV-usage metric."),
     click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids",
                  show_default=True, help="With --target http://: prompts as token ids, or as "
                  "kvdrain's word-tokenizer text."),

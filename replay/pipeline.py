@@ -255,8 +255,12 @@ class PreparedReplay:
         """(the config as run, its pool as the engines sized it; the timeline; the expected one)."""
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
+            hooks.phase(CONNECTING)
+            from replay.http.preflight import preflight  # every URL checked once: nothing sent yet
+            checked = preflight(config.http)
+            config = replace(config, http=checked.options)
             expected = self._expect(config, hooks, list)
-            return config, self._run_http(log, snapshots), expected
+            return config, self._run_http(config, log, snapshots, checked.identity), expected
         sized_by_engines = is_pool_sized_by_engines(config)
         starting = self.engines.ready_engines if self.engines is not None else list
         if not sized_by_engines:
@@ -310,12 +314,12 @@ class PreparedReplay:
             hooks.phase(STARTING, ready)
         return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
-    def _run_http(self, log: ShapingLog, snapshots: list[TraceSnapshot]) -> Timeline:
+    def _run_http(self, config: ReplayConfig, log: ShapingLog, snapshots: list[TraceSnapshot],
+                  identity: object) -> Timeline:
         from replay.http.client import HttpReplay
-        config = self.config
         options = replace(config.http, tail_s=config.effective_tail_s(),
                           max_token_id=self.summary.max_prompt_token_id)
-        return HttpReplay(options).run(_keep_snapshots(self.records(config, log), snapshots))
+        return HttpReplay(options, identity).run(_keep_snapshots(self.records(config, log), snapshots))
 
 
 def model_timeline(records: Iterator[TraceRecord], config: ReplayConfig,
