@@ -5,7 +5,9 @@ with nothing started: the CLI's exit status 2) and launches a local wall replay'
 engines; PreparedReplay.run models the expected idle windows once (MODELLING), drives
 the trace (virtual clock, local engines, a serve or an HTTP server) and verifies the
 timeline; the live view (if any) hears every phase and tick through ReplayHooks. A
-verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
+verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py). A run stopped (Ctrl-C,
+SIGTERM, `q`) before its first request still gives a result: an empty timeline whose
+meta "interrupted" names the stop, so the report is written on that path too.
 
 The trace is streamed, never held: the virtual clock reads it twice (the check, the run),
 the wall clock three times (the check, which ends before anything starts; the model,
@@ -243,7 +245,10 @@ class PreparedReplay:
                 _keep_snapshots(self.records(config, log), snapshots), _sim_options(config),
                 hooks.on_progress)
         else:
-            config, timeline, expected = self._run_wall(hooks, log, snapshots)
+            try:
+                config, timeline, expected = self._run_wall(hooks, log, snapshots)
+            except Interrupted as e:  # before the first request: the model, a start, a check
+                timeline, expected = stopped_before_start(e.name), None
         windows = expected_windows(timeline.arrivals if expected is None else expected.arrivals,
                                    config.verify.idle_threshold_s, expected)
         own = expected_engine_windows(expected, config.verify.idle_threshold_s)
@@ -343,6 +348,12 @@ def simulate_interruptible(records: Iterator[TraceRecord], options: SimOptions,
         return simulation.run()
     except Interrupted as e:
         return simulation.stopped(e.name)
+
+
+def stopped_before_start(name: str) -> Timeline:
+    """The timeline of a run stopped (meta "interrupted": `name`) before it sent anything."""
+    return Timeline(engines=[], num_usable_blocks={}, samples=[], requests=[], arrivals=[], aborts=[],
+                    end_t=0.0, meta={"interrupted": name})
 
 
 def _sized(config: ReplayConfig, target: ReplayTarget) -> ReplayConfig:
