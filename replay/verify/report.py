@@ -21,6 +21,7 @@ from replay.verify.latency import latency_lines, latency_summary
 from replay.verify.plot import system_label
 from replay.verify.rules import Verdict
 from replay.verify.timeline import Timeline
+from replay.verify.units import seconds
 from replay.verify.verdict import EXIT_CODES
 
 MAX_VIOLATIONS_SHOWN = 12
@@ -218,7 +219,7 @@ def stopped_what(report: dict) -> str:
     judged = [w for w in report["windows"] if w["verdict"] != "undecided"]
     drained = sum(w["verdict"] == "drained" for w in judged)
     unreached = sum(c["state"] == "unreached" for c in report["coverage"])
-    what = (f"by {stop['by']} after {stop['after_s']:.2f} s and {stop['num_sent']:,} of "
+    what = (f"by {stop['by']} after {seconds(stop['after_s'])} and {stop['num_sent']:,} of "
             f"{stop['num_requests']:,} requests: {drained:,} of {len(judged):,} reached windows "
             f"drained; {unreached:,} not reached")
     if report["violations"]:

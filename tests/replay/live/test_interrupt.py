@@ -88,7 +88,7 @@ def test_a_signal_while_sending_is_one_exit_code_and_one_line_for_the_part_that_
         replay.kill()
     assert returncode == code, output
     line = assert_one_verdict(output, status, code)
-    assert re.search(rf"by {sig.name} after \d+\.\d\d s and \d+ of 80 requests: \d+ of \d+ reached "
+    assert re.search(rf"by {sig.name} after \d+\.\d{{3}} s and \d+ of 80 requests: \d+ of \d+ reached "
                      r"windows drained; \d+ not reached", line), line
     assert "stopped early" not in output and "not reached (first" not in output, output
     report = assert_report(replay, status.lower(), code, sig.name)
