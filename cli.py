@@ -110,6 +110,14 @@ class GroupedCommand(click.Command):
 class KvdrainGroup(click.Group):
     command_class = GroupedCommand  # every verb's --help in sections
 
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # Ctrl-C before the verb took over its signals: 128 + 2, not 1
+            from replay.verify.verdict import EXIT_INTERRUPTED
+            click.echo("stopping (SIGINT): nothing had started", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
 
 def _fields(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))

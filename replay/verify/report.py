@@ -230,7 +230,7 @@ def stopped_what(report: dict) -> str:
 def verdict_line(report: dict) -> str:
     """The last line: the status in capitals, what it covered, the exit status."""
     status, code = report["status"], report["exit_code"]
-    observed, expected = report["num_observed_windows"], report["num_expected_windows"]
+    observed, expected = report.get("num_observed_windows", 0), report.get("num_expected_windows", 0)
     if status == "verified":
         what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
                 if expected else "every engine drained in every idle window")

@@ -124,3 +124,38 @@ def test_q_in_the_live_view_is_named_q_and_exits_130(tmp_path):
     line = assert_one_verdict(output, "INTERRUPTED", 130)
     assert "by q after" in line and "SIGINT" not in output, output
     assert_report(replay, "interrupted", 130, "q")
+
+
+def test_a_signal_while_the_trace_is_checked_still_writes_the_report(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import replay.pipeline
+    from cli import cli
+    real = replay.pipeline.validate_trace
+
+    def signalled(*args, **kwargs):  # a real signal, as a user's, before anything started
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(replay.pipeline, "validate_trace", signalled)
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--runner", "mock",
+                                      "--no-live", "--report", str(report)])
+    assert result.exit_code == 143, result.output
+    assert result.output.startswith("stopping (SIGTERM)"), result.output
+    assert "TERMINATED: by SIGTERM during start-up, before any request was sent" in result.output
+    assert json.loads(report.read_text())["status"] == "terminated"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ctrl_c_before_the_verb_takes_over_its_signals_is_130_not_click_s_1(monkeypatch):
+    from click.testing import CliRunner
+
+    import replay.commands
+    from cli import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(replay.commands, "replay_main", interrupted)
+    result = CliRunner().invoke(cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--no-live"])
+    assert result.exit_code == 130, result.output
+    assert "Aborted" not in result.output
