@@ -137,14 +137,14 @@ def test_a_signal_while_the_trace_is_checked_still_writes_the_report(tmp_path, m
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
     monkeypatch.setattr(replay.pipeline, "validate_trace", signalled)
-    report = tmp_path / "report.json"
+    report, handler = tmp_path / "report.json", signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--runner", "mock",
                                       "--no-live", "--report", str(report)])
     assert result.exit_code == 143, result.output
     assert result.output.startswith("stopping (SIGTERM)"), result.output
     assert "TERMINATED: by SIGTERM during start-up, before any request was sent" in result.output
     assert json.loads(report.read_text())["status"] == "terminated"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is handler  # given back
 
 
 def test_ctrl_c_before_the_verb_takes_over_its_signals_is_130_not_click_s_1(monkeypatch):
