@@ -110,6 +110,14 @@ class GroupedCommand(click.Command):
 class KvdrainGroup(click.Group):
     command_class = GroupedCommand  # every verb's --help in sections
 
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # Ctrl-C before the verb took over its signals: 128 + 2, not 1
+            from replay.verify.verdict import EXIT_INTERRUPTED
+            click.echo("stopping (SIGINT): nothing had started", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
 
 def _fields(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))
@@ -351,7 +359,9 @@ TARGET = OptionGroup("Target (a running server instead of local engines)", "targ
                       "http://HOST:PORT (vLLM, SGLang, a P/D proxy)."),
     click.option("--metrics", multiple=True, metavar="[NAME=]URL",
                  help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
-                      "P's and D's; NAME names the engine)."),
+                      "P's and D's; NAME names the engine); each is scraped once before the first "
+                      "request (a failure: exit 2). Default: a proxy's upstreams, else the "
+                      "target's own /metrics when it has a KV-usage metric."),
     click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids",
                  show_default=True, help="With --target http://: prompts as token ids, or as "
                  "kvdrain's word-tokenizer text."),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from replay.deploy.topology import start_topology
 from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
-from replay.live.interrupt import Interrupted, interruptible
+from replay.live.interrupt import Interrupted, interruptible, stopping_line
 from replay.live.serve_messages import ServeInfo
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
@@ -103,23 +103,42 @@ class _NoView:
 
 
 def replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
-    """Ctrl-C and SIGTERM stop the replay alike: the engines shut down, the run dir goes,
-    the partial verdict is printed and the outputs written, and the exit status is 130 or
-    143. An output that cannot be written is exit 2: before the run if it is known then."""
+    """Ctrl-C, SIGTERM and the live view's `q` stop the replay alike: "stopping" at once,
+    the engines shut down, the run dir goes, one verdict line for the part that ran and
+    the outputs written (the report even when nothing was sent), and the exit status is
+    130 or 143. An output that cannot be written is exit 2: before the run if it is known then."""
     try:
         outputs.check()
     except ValueError as e:
         _error(console, e)
         return EXIT_USAGE
-    with interruptible():
+    def on_stop(name: str) -> None:  # at once, from the signal handler
+        console.print(stopping_line(name), highlight=False, markup=False, soft_wrap=True)
+    with interruptible(on_stop):
         try:
             return _replay_main(config, outputs, display, console)
-        except Interrupted as e:
-            _error(console, f"interrupted by {e.name}; nothing is left running")
-            return e.exit_code
+        except Interrupted as e:  # while the trace was checked or the engines spawned
+            return _stopped_before_prepared(e, config, outputs, console)
         except KeyboardInterrupt:  # raised outside the handler's reach (not the main thread)
             _error(console, "interrupted")
             return EXIT_INTERRUPTED
+
+
+def _stopped_before_prepared(e: Interrupted, config: ReplayConfig, outputs: OutputFiles, console) -> int:
+    """The verdict line and --report of a run stopped before its trace was checked."""
+    from replay.verify.report import set_status, verdict_line, write_report
+    report = {"kvdrain_report": 1, "reasons": [], "settings": {"trace": str(config.trace), "clock": config.clock},
+              "interrupted": e.name, "stop": {"by": e.name, "after_s": 0.0, "num_sent": 0, "num_requests": None}}
+    set_status(report, status_for(e.exit_code))
+    console.print(verdict_line(report), highlight=False, markup=False, soft_wrap=True)
+    if outputs.report is not None:
+        try:
+            write_report(outputs.report, report)
+        except OSError as error:
+            _error(console, f"--report {outputs.report}: not written: {error.strerror or error}")
+        else:
+            console.print(f"wrote {outputs.report}", highlight=False, soft_wrap=True)
+    return e.exit_code
 
 
 def _replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
@@ -193,13 +212,13 @@ def _report(result: ReplayResult, outputs: OutputFiles, display: Display, consol
             console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
+    interrupted = _interruption(result, report)
     print_summary(console, report, latency_block=display.latency_block)
     from replay.trace.inspect import only_tail_note
     note = only_tail_note(result.verdict.coverage, result.config.shaping.speedup,
                           result.config.verify.idle_threshold_s)
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    interrupted = _interruption(result, report, console)
     written = _write_outputs(outputs, result, report, console)
     if interrupted is not None:
         return interrupted.exit_code
@@ -238,20 +257,19 @@ def _plot_title(result: ReplayResult, report: dict) -> str:
                       report["status"], report["exit_code"])
 
 
-def _interruption(result: ReplayResult, report: dict, console) -> Interrupted | None:
-    """A run stopped by a signal: say so under its partial verdict, and in the report."""
-    from replay.verify.report import set_status
+def _interruption(result: ReplayResult, report: dict) -> Interrupted | None:
+    """A run stopped by a signal or `q`: its status (one exit code, 130 or 143) and what
+    ran, for the verdict line (replay/verify/report.py) and the report."""
+    from replay.verify.report import STOPPED_EARLY, set_status
     name = result.timeline.meta.get("interrupted")
     if name is None:
         return None
-    interrupted = Interrupted(signal.Signals[name])
+    interrupted = Interrupted.named(name)
     report["interrupted"] = name
+    report["stop"] = {"by": name, "after_s": result.timeline.end_t, "num_sent": len(result.timeline.requests),
+                      "num_requests": result.summary.num_requests}
     set_status(report, status_for(interrupted.exit_code))
-    sent = len(result.timeline.requests)
-    console.print(f"[yellow]interrupted:[/] {name} after {result.timeline.end_t:.1f} s and "
-                  f"{sent:,} of {result.summary.num_requests:,} requests; the engines were shut "
-                  f"down; the verdict above covers only that part (exit {interrupted.exit_code})",
-                  highlight=False, soft_wrap=True)
+    report["reasons"] = [r for r in report["reasons"] if not r.startswith(STOPPED_EARLY)]  # the verdict line's
     return interrupted
 
 

@@ -5,7 +5,9 @@ with nothing started: the CLI's exit status 2) and launches a local wall replay'
 engines; PreparedReplay.run models the expected idle windows once (MODELLING), drives
 the trace (virtual clock, local engines, a serve or an HTTP server) and verifies the
 timeline; the live view (if any) hears every phase and tick through ReplayHooks. A
-verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py).
+verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py). A run stopped (Ctrl-C,
+SIGTERM, `q`) before its first request still gives a result: an empty timeline whose
+meta "interrupted" names the stop, so the report is written on that path too.
 
 The trace is streamed, never held: the virtual clock reads it twice (the check, the run),
 the wall clock three times (the check, which ends before anything starts; the model,
@@ -244,7 +246,10 @@ class PreparedReplay:
                 _keep_snapshots(self.records(config, log), snapshots), _sim_options(config),
                 hooks.on_progress)
         else:
-            config, timeline, expected = self._run_wall(hooks, log, snapshots)
+            try:
+                config, timeline, expected = self._run_wall(hooks, log, snapshots)
+            except Interrupted as e:  # before the first request: the model, a start, a check
+                timeline, expected = stopped_before_start(e.name), None
         windows = expected_windows(timeline.arrivals if expected is None else expected.arrivals,
                                    config.verify.idle_threshold_s, expected)
         own = expected_engine_windows(expected, config.verify.idle_threshold_s)
@@ -256,8 +261,12 @@ class PreparedReplay:
         """(the config as run, its pool as the engines sized it; the timeline; the expected one)."""
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
+            hooks.phase(CONNECTING)
+            from replay.http.preflight import preflight  # every URL checked once: nothing sent yet
+            checked = preflight(config.http)
+            config = replace(config, http=checked.options)
             expected = self._expect(config, hooks, list)
-            return config, self._run_http(hooks, log, snapshots), expected
+            return config, self._run_http(hooks, config, log, snapshots, checked.identity), expected
         sized_by_engines = is_pool_sized_by_engines(config)
         starting = self.engines.ready_engines if self.engines is not None else list
         if not sized_by_engines:
@@ -311,13 +320,12 @@ class PreparedReplay:
             hooks.phase(STARTING, ready)
         return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
-    def _run_http(self, hooks: ReplayHooks, log: ShapingLog,
-                  snapshots: list[TraceSnapshot]) -> Timeline:
+    def _run_http(self, hooks: ReplayHooks, config: ReplayConfig, log: ShapingLog,
+                  snapshots: list[TraceSnapshot], identity: object) -> Timeline:
         from replay.http.client import HttpReplay
-        config = self.config
         options = replace(config.http, tail_s=config.effective_tail_s(),
                           max_token_id=self.summary.max_prompt_token_id)
-        return HttpReplay(options, on_tick=hooks.on_http_tick).run(
+        return HttpReplay(options, identity, on_tick=hooks.on_http_tick).run(
             _keep_snapshots(self.records(config, log), snapshots))
 
 
@@ -342,6 +350,12 @@ def simulate_interruptible(records: Iterator[TraceRecord], options: SimOptions,
         return simulation.run()
     except Interrupted as e:
         return simulation.stopped(e.name)
+
+
+def stopped_before_start(name: str) -> Timeline:
+    """The timeline of a run stopped (meta "interrupted": `name`) before it sent anything."""
+    return Timeline(engines=[], num_usable_blocks={}, samples=[], requests=[], arrivals=[], aborts=[],
+                    end_t=0.0, meta={"interrupted": name})
 
 
 def _sized(config: ReplayConfig, target: ReplayTarget) -> ReplayConfig:

@@ -1,9 +1,11 @@
-"""Helpers for the HTTP tests: kvdrain's HTTP front on a free loopback port, in a thread of its own."""
+"""Helpers for the HTTP tests: kvdrain's HTTP front, or any aiohttp app, on a free loopback port in a thread of its own."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+
+from aiohttp import web
 
 from replay.deploy.topology import start_topology
 from engine.config import EngineConfig, KVTransferConfig
@@ -57,3 +59,36 @@ def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(30)
         assert not thread.is_alive(), "the HTTP front did not stop"
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving_in_thread(app: web.Application):
+    """app on a free loopback port, from a thread with its own event loop; yields its URL."""
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        async with serving(app) as url:
+            box["url"], box["stop"], box["loop"] = url, asyncio.Event(), asyncio.get_running_loop()
+            ready.set()
+            await box["stop"].wait()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    try:
+        yield box["url"]
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(30)

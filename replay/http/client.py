@@ -80,6 +80,7 @@ class HttpTargetOptions:
     tail_s: float = 3.0
     request_timeout_s: float = 120.0
     max_token_id: int | None = None  # the trace's largest prompt token id (None: none given)
+    metrics_from: str | None = None  # who named `metrics` (replay/http/preflight.py); None: --metrics
 
     def __post_init__(self) -> None:
         if self.prompt_format not in PROMPT_FORMATS:
@@ -152,10 +153,10 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
     is a ConnectionError.
     """
     url = api_root(options.base_url) + "/v1/models"
-    body = None
+    body, status = None, None
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
-            server = response.headers.get("Server")
+            server, status = response.headers.get("Server"), response.status
             if response.status == 200:
                 body = loads_strict(await response.read())
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -167,7 +168,8 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
     cards = body.get("data") if isinstance(body, dict) else None
     if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) for c in cards):
         if options.model is None:
-            raise ConnectionError(f"{url}: lists no models; name the model with --model")
+            said = "lists no models" if status == 200 else f"HTTP {status}"
+            raise ConnectionError(f"{url}: {said}; name the model with --model")
         return ServerIdentity(options.base_url, options.model, server, None, None,
                               options.vocab_size, vocab_source=_given(options))
     return _identity(options, url, server, cards)
@@ -275,16 +277,17 @@ class _Stream:
 
 
 class HttpReplay:
-    def __init__(self, options: HttpTargetOptions,
+    def __init__(self, options: HttpTargetOptions, identity: ServerIdentity | None = None,
                  on_tick: Callable[[HttpReplay], None] | None = None) -> None:
-        """on_tick: called on the replay's thread once the server answered, then after
-        every scrape (the live view reads the requests and the scrapers)."""
+        """identity: the target's /v1/models answer when already asked (replay/http/preflight.py);
+        on_tick: called on the replay's thread once the server answered, then after every
+        scrape (the live view reads the requests and the scrapers)."""
         self.options = options
         self.on_tick = on_tick
         self.origin = 0.0
-        self.identity: ServerIdentity | None = None
+        self.identity = identity
         self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
-        self.metrics_from = "--metrics" if options.metrics else None
+        self.metrics_from = (options.metrics_from or "--metrics") if options.metrics else None
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
@@ -315,7 +318,8 @@ class HttpReplay:
         origins = {URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))}
         async with aiohttp.ClientSession(headers=headers, connector=connector,
                                          middlewares=(same_origin_only(origins),)) as session:
-            self.identity = await probe(session, self.options)
+            if self.identity is None:
+                self.identity = await probe(session, self.options)
             await learn_vocabulary(session, self.identity)
             check_vocab(self.options.max_token_id, self.identity)
             self.identity.version = await fetch_version(session, api_root(self.options.base_url))

@@ -16,6 +16,9 @@ from replay.verify.coverage import ignored_cause
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import exit_code_for, worst
 
+NO_METRICS = ("no --metrics URL, and no KV-usage metric at the target's own /metrics: KV usage "
+              "was not observed")
+
 
 def printable(text: object, limit: int = 200) -> str:
     """A peer's text made safe for a terminal: control and format characters (escape
@@ -35,7 +38,7 @@ def observation_reasons(timeline: Timeline, verdict) -> list[str]:
     vacuous), or no idle window at all.
     """
     http = timeline.meta.get("http", {})
-    reasons = [] if http.get("metrics") else ["no --metrics URL: KV usage was not observed"]
+    reasons = [] if http.get("metrics") else [NO_METRICS]
     for status in http.get("metrics", []):
         if status["metric"] is None:
             why = status["errors"][0] if status["errors"] else "none exposed"

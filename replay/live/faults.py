@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replay.live.starvation import StarvationJudge
+from replay.verify.units import seconds
 
 STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
 PROBE_INTERVAL_S = 1.0
@@ -76,10 +77,10 @@ _ACTIVE = ("num_waiting", "num_skipped_waiting", "num_running")  # an engine's r
 
 
 def _waits(n: int, one: str, many: str, latest_ms: int) -> str:
-    """'a KV load waited 2.4 s' or '3 KV loads waited over a second (the latest 1.2 s)'."""
+    """'a KV load waited 2.400 s' or '3 KV loads waited over a second (the latest 1.200 s)'."""
     if n == 1:
-        return f"{one} waited {latest_ms / 1000:.1f} s"
-    return f"{n} {many} waited over a second (the latest {latest_ms / 1000:.1f} s)"
+        return f"{one} waited {seconds(latest_ms / 1000)}"
+    return f"{n} {many} waited over a second (the latest {seconds(latest_ms / 1000)})"
 
 
 def since_start(first: dict[str, int], latest: dict[str, int],
@@ -161,7 +162,7 @@ class FaultWatch:
         for engine, asked in self.asked.items():
             silent_s = t - self.heard[engine]
             if asked is not None and t - asked >= self.probe_interval_s and silent_s >= self.stall_s:
-                cause = f"engine {engine} answered no stats request for {silent_s:.1f} s (stopped or stuck)"
+                cause = f"engine {engine} answered no stats request for {seconds(silent_s)} (stopped or stuck)"
                 judged = self.judge.judge(engine, silent_s) if self.judge is not None else None
                 if judged is not None and judged.kind == "starved" and (engine, "stalled") not in self.by_key:
                     self._note_starved(engine, judged.cause)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from replay.deploy.routing import engine_roles
 from engine.proc.messages import StatsSnapshot
 from replay.live.driver import WallClockReplay, sample_from_snapshot
-from replay.live.interrupt import Interrupted
+from replay.live.interrupt import QUIT_KEY, Interrupted, stopping_line
 from replay.live.serve import Server
 from replay.pipeline import MODELLING, RUNNING, ReplayConfig, ReplayHooks, ReplayResult
 from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState, WindowVerdict
@@ -113,7 +113,8 @@ class ReplayMonitor:
         """Redraw if due; `q` on the terminal stops the run as Ctrl-C does."""
         self.view.tick()
         if self.view.quit_requested:
-            raise Interrupted(signal.SIGINT)
+            self.view.console.print(stopping_line(QUIT_KEY), highlight=False, markup=False)
+            raise Interrupted(signal.SIGINT, key=QUIT_KEY)
 
     def on_tick(self, replay: WallClockReplay) -> None:
         state = self.state

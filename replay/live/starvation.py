@@ -18,6 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from replay.verify.units import seconds
+
 # An engine that got less than this share of one core while silent was starved, not spinning.
 MAX_STARVED_SHARE = 0.5
 # The machine is contended when its runnable tasks exceed its cores by this factor, or when
@@ -74,20 +76,20 @@ def classify(engine: str, before: ProcSample | None, after: ProcSample | None, i
     if after is None or after.states[:1] in ("Z", "X"):
         return Judgement("dead", f"engine {engine} is gone (no process, or a zombie)")
     if after.states[:1] in ("T", "t"):
-        return Judgement("stopped", f"engine {engine} answered no stats request for {wall_s:.1f} s: "
+        return Judgement("stopped", f"engine {engine} answered no stats request for {seconds(wall_s)}: "
                                     f"stopped (state T: SIGSTOP or a debugger)")
     cpu_s = None if before is None else max(after.cpu_s - before.cpu_s, 0.0)
     share = None if cpu_s is None or interval_s <= 0 else cpu_s / interval_s
-    figures = (f"{'unknown CPU' if cpu_s is None else f'{cpu_s:.2f} s of CPU'} in {interval_s:.1f} s"
+    figures = (f"{'unknown CPU' if cpu_s is None else f'{seconds(cpu_s)} of CPU'} in {seconds(interval_s)}"
                f"{'' if share is None else f' ({100 * share:.0f}% of a core)'}; {machine.describe()}")
     wanted = runnable_seen or (machine.contended and cpu_s is not None and cpu_s > 0)
     if share is not None and share >= max_share:
-        return Judgement("stuck", f"engine {engine} answered no stats request for {wall_s:.1f} s "
+        return Judgement("stuck", f"engine {engine} answered no stats request for {seconds(wall_s)} "
                                   f"while running ({figures}): stuck in a loop")
     if wanted and machine.contended:
-        return Judgement("starved", f"engine {engine} answered no stats request for {wall_s:.1f} s, "
+        return Judgement("starved", f"engine {engine} answered no stats request for {seconds(wall_s)}, "
                                     f"alive and runnable but starved of CPU ({figures})")
-    return Judgement("stuck", f"engine {engine} answered no stats request for {wall_s:.1f} s, "
+    return Judgement("stuck", f"engine {engine} answered no stats request for {seconds(wall_s)}, "
                               f"not runnable (state {after.states[:1]}; {figures}): stuck")
 
 

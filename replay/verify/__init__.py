@@ -7,6 +7,7 @@
 - outputs: the output check against a single engine;
 - latency: `vllm bench serve`'s latency and throughput figures;
 - verdict: the exit-code table;
+- units: how times read in the text output (seconds, to the millisecond);
 - report: the terminal summary, the JSON report and per-request JSONL;
 - plot: the usage plot and its CSV data;
 - stamp: what produced a report (version, commit, date, host, device).

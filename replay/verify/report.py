@@ -23,6 +23,7 @@ from replay.verify.plot import system_label
 from replay.verify.rules import Verdict
 from replay.verify.stamp import stamp
 from replay.verify.timeline import Timeline
+from replay.verify.units import seconds
 from replay.verify.verdict import EXIT_CODES
 
 MAX_VIOLATIONS_SHOWN = 12
@@ -218,10 +219,29 @@ def _coverage_line(report: dict) -> str:
     return line
 
 
+STOPPED_EARLY = "stopped early: "  # replay/verify/rules.py's reason for windows not reached
+
+
+def stopped_what(report: dict) -> str:
+    """An interrupted run's verdict: who stopped it, when, and the windows it reached."""
+    stop = report["stop"]
+    if not stop["num_sent"]:
+        return f"by {stop['by']} during start-up, before any request was sent; nothing is left running"
+    judged = [w for w in report["windows"] if w["verdict"] != "undecided"]
+    drained = sum(w["verdict"] == "drained" for w in judged)
+    unreached = sum(c["state"] == "unreached" for c in report["coverage"])
+    what = (f"by {stop['by']} after {seconds(stop['after_s'])} and {stop['num_sent']:,} of "
+            f"{stop['num_requests']:,} requests: {drained:,} of {len(judged):,} reached windows "
+            f"drained; {unreached:,} not reached")
+    if report["violations"]:
+        what += f"; {plural(len(report['violations']), 'violation')} in that part (above)"
+    return what + "; the engines were shut down"
+
+
 def verdict_line(report: dict) -> str:
     """The last line: the status in capitals, what it covered, the exit status."""
     status, code = report["status"], report["exit_code"]
-    observed, expected = report["num_observed_windows"], report["num_expected_windows"]
+    observed, expected = report.get("num_observed_windows", 0), report.get("num_expected_windows", 0)
     if status == "verified":
         what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
                 if expected else "every engine drained in every idle window")
@@ -232,6 +252,8 @@ def verdict_line(report: dict) -> str:
     elif status == "inconclusive":
         what = (f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
                 f"{plural(len(report['reasons']), 'reason')}, below")
+    elif "stop" in report:  # interrupted or terminated: one line for the part that ran
+        what = stopped_what(report)
     elif status == "fault" and report.get("faults"):
         what = (f"{plural(len(report['faults']), 'fault')}; the liveness verdict "
                 f"does not hold from the first one on")
@@ -276,7 +298,9 @@ def _unknown(value) -> str:
 def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     """The terminal summary as plain lines: the server (over HTTP), engines, requests,
     ignored, coverage, verdict, then latency: five compact lines, or vllm bench's full
-    block (latency_block)."""
+    block (latency_block); a run stopped before it sent anything has only its verdict line."""
+    if "stop" in report and not report["stop"]["num_sent"]:
+        return [verdict_line(report)]
     lines = server_lines(report.get("settings") or {}) + _engine_rows(report) + [_request_line(report)]
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())

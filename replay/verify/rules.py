@@ -44,6 +44,7 @@ from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover
 from replay.verify.windows import EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
+from replay.verify.units import seconds
 
 VIOLATION_KINDS = ("conservation", "leak", "fault_leak", "snapshot", "unfinished",
                    "read_after_expiry", "output_mismatch")
@@ -276,7 +277,7 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
                if abs(got[k] - v) > tolerance]
         if bad:
             out.append(Violation("snapshot", engine, snap.t,
-                                 f"sample at {sample.t:.6f} s (line {snap.line}): "
+                                 f"sample at {seconds(sample.t)} (line {snap.line}): "
                                  + ", ".join(bad) + f" (tolerance {tolerance})"))
     return out
 

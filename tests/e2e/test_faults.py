@@ -51,7 +51,7 @@ def test_errors_and_stall_counters_become_named_faults_once_each():
     assert [(f.t, f.engine, f.kind) for f in watch.faults] == [
         (1.0, "P", "error"), (1.5, "D", "transfer_timeout"), (2.5, "D", "slow_load")]
     assert "3 reads of the prefill engine's KV timed out" in watch.faults[1].cause
-    assert "2.1 s" in watch.faults[2].cause
+    assert "2.100 s" in watch.faults[2].cause
 
 
 def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
@@ -66,7 +66,7 @@ def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
     watch.on_snapshot(4.0, "D", {**before, "num_slow_recvs": 3, "last_recv_wait_ms": 1200})
     (slow,) = watch.faults
     assert (slow.t, slow.engine, slow.kind) == (4.0, "D", "slow_load")
-    assert "2 KV loads waited over a second (the latest 1.2 s) past their pull delay" in slow.cause
+    assert "2 KV loads waited over a second (the latest 1.200 s) past their pull delay" in slow.cause
 
 
 def test_requests_on_an_engine_while_the_replay_has_none_in_flight_are_another_clients():
@@ -103,7 +103,7 @@ def test_an_engine_that_answers_no_probe_is_stalled_until_it_answers():
     assert (stall.t, stall.engine, stall.kind, stall.end_t) == (0.0, "P", "stalled", None)
     watch.check(4.0)
     watch.on_snapshot(5.2, "P", {})
-    assert stall.end_t == 5.2 and "answered no stats request for 4.0 s" in stall.cause
+    assert stall.end_t == 5.2 and "answered no stats request for 4.000 s" in stall.cause
 
 
 def _timeline(faults: list[dict]) -> Timeline:

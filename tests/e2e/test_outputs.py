@@ -90,7 +90,7 @@ def _signal_at(owner: type, name: str, nth: int, signum: int, monkeypatch) -> No
 
 def _assert_partial(result, report: Path, code: int, name: str) -> dict:
     assert result.exit_code == code, result.output
-    assert f"interrupted: {name} after" in result.output, result.output
+    assert f"by {name} after" in result.output, result.output
     data = json.loads(report.read_text())
     assert data["interrupted"] == name and f"wrote {report}" in result.output
     return data

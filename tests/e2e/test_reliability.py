@@ -127,7 +127,7 @@ def test_sigterm_stops_the_replay_shuts_engines_down_and_removes_the_run_dir(run
     finally:
         _kill_all(proc, children)
     assert proc.returncode == 143, out
-    assert "interrupted" in out and "SIGTERM" in out, out
+    assert "TERMINATED: by SIGTERM" in out, out
     assert "Traceback" not in out, out
     assert leftovers == {"processes": [], "run dirs": [], "segments": []}
 
@@ -170,7 +170,7 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
     result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--runner", "mock", "--no-live",
                                       "--num-blocks", "256", "--report", str(report)])
     assert result.exit_code == 143, result.output
-    assert "interrupted: SIGTERM after" in result.output and "of 32 requests" in result.output
+    assert "TERMINATED: by SIGTERM after" in result.output and "of 32 requests" in result.output
     data = json.loads(report.read_text())
     assert data["interrupted"] == "SIGTERM" and data["exit_code"] == 143
     assert os.listdir(run_root) == []

@@ -5,9 +5,7 @@ traceback."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from replay.http.scrape import MetricsSource
 from replay.trace.records import TraceRequest
 from replay.verify.rules import VerifyOptions, verify
 from replay.verify.timeline import Timeline
+from tests.http_utils import serving, serving_in_thread
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -77,39 +76,6 @@ class LeakyPD:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
         return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
-
-
-@contextlib.contextmanager
-def serving_in_thread(app: web.Application):
-    """app on a free loopback port, from a thread with its own event loop; yields its URL."""
-    ready, box = threading.Event(), {}
-
-    async def main() -> None:
-        async with serving(app) as url:
-            box["url"], box["stop"], box["loop"] = url, asyncio.Event(), asyncio.get_running_loop()
-            ready.set()
-            await box["stop"].wait()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert ready.wait(30), "the server did not start"
-    try:
-        yield box["url"]
-    finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
 
 
 def invoke_replay(url: str, tmp_path: Path, *args: str):

@@ -31,7 +31,7 @@ IDLE = Machine(load_per_core=0.1, pressure_pct=0.0)
 def test_a_runnable_engine_given_two_percent_of_a_core_on_a_loaded_machine_is_starved():
     j = classify("P", ProcSample("RS", 10.0), ProcSample("RS", 10.08), 4.0, 4.0, LOADED, True)
     assert j.kind == "starved"
-    assert "0.08 s of CPU in 4.0 s (2% of a core)" in j.cause and "CPU pressure 99%" in j.cause
+    assert "0.080 s of CPU in 4.000 s (2% of a core)" in j.cause and "CPU pressure 99%" in j.cause
 
 
 def test_a_stopped_engine_is_a_fault_however_loaded_the_machine():

@@ -405,7 +405,7 @@ def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
         os.close(master)
         os.close(slave)
     assert sent_q and "start-up" in screen and "ready in" in screen
-    assert "interrupted: SIGINT" in screen and "exit 130" in screen
+    assert "INTERRUPTED: by q after" in screen and "exit 130" in screen
     assert after[3] & (termios.ICANON | termios.ECHO) == before[3] & (termios.ICANON | termios.ECHO)
 
 

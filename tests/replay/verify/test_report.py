@@ -86,3 +86,16 @@ def test_the_plot_leaves_out_panels_without_data(tmp_path: Path, monkeypatch, en
     timeline = _timeline([1], {}, engines, cached)
     write_plot(tmp_path / "usage.png", timeline, verify(timeline, []), "pd_idle.jsonl | vLLM 0.32.0")
     assert drawn == {"axes": num_axes, "title": "pd_idle.jsonl | vLLM 0.32.0"}
+
+
+def test_an_interrupted_runs_verdict_line_says_what_ran_with_its_time_to_the_millisecond():
+    from replay.verify.report import verdict_line
+    report = {"status": "interrupted", "exit_code": 130, "num_observed_windows": 2, "num_expected_windows": 4,
+              "reasons": [], "violations": [], "windows": [{"verdict": "drained"}] * 4 + [{"verdict": "undecided"}],
+              "coverage": [{"state": "observed"}] * 2 + [{"state": "unreached"}] * 2,
+              "stop": {"by": "q", "after_s": 6.0279988, "num_sent": 24, "num_requests": 32}}
+    assert verdict_line(report) == ("INTERRUPTED: by q after 6.028 s and 24 of 32 requests: 4 of 4 reached "
+                                    "windows drained; 2 not reached; the engines were shut down (exit 130)")
+    report["stop"]["num_sent"] = 0
+    assert summary_lines(report) == ["INTERRUPTED: by q during start-up, before any request was sent; "
+                                     "nothing is left running (exit 130)"]

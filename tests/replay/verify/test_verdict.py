@@ -246,3 +246,11 @@ def test_a_run_that_saw_no_kv_usage_observed_no_window_however_its_requests_gapp
     assert verdict.num_covered() == (0, 2)  # not "2 of 2 expected idle windows observed"
     assert [c.state for c in verdict.coverage] == ["unobservable", "unobservable"]
     assert verdict.status == "inconclusive" and "KV usage was observed" in verdict.reasons[0]
+
+
+def test_a_snapshot_violation_states_its_sample_time_to_the_millisecond_as_every_time_is():
+    from replay.trace.records import TraceSnapshot
+    timeline = _timeline([_record("a", 0.0, 0.5)], [_sample(0.0, 0), _sample(1.9712104, 3)], 3.0)
+    snapshot = TraceSnapshot(4.349, {"E": {"used": 0}}, line=7)
+    (violation,) = [v for v in verify(timeline, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"]
+    assert violation.detail.startswith("sample at 1.971 s (line 7): used 3 != recorded 0"), violation.detail
