@@ -5,10 +5,12 @@ traceback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -375,7 +377,7 @@ def test_a_scrape_cancelled_unanswered_at_the_end_is_not_counted():
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         async with serving(app) as url:
-            import aiohttp
+
             scraper = Scraper(MetricsSource.parse(url + "/metrics"), time.monotonic())
             async with aiohttp.ClientSession() as session:
                 task = asyncio.create_task(scraper.scrape(session))
