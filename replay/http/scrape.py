@@ -69,6 +69,11 @@ def sample_lines(text: str, names: frozenset[str]) -> str:
                    if (m := _SAMPLE_NAME.match(line)) is not None and m[0] in names)
 
 
+def _parse(raw: bytes, whole: bool) -> dict[str, list]:
+    text = raw.decode("utf-8", "replace")
+    return parse_metrics(text if whole else sample_lines(text, READ_NAMES))
+
+
 def parse_metrics(text: str) -> dict[str, list]:
     """Sample name -> its samples (prometheus_client Sample: name, labels, value), of the
     vllm:, sglang: and kvdrain: families only: the others' lines are dropped unparsed
@@ -252,10 +257,8 @@ class Scraper:
             t = time.monotonic() - self.origin
             self.max_answer_s = max(self.max_answer_s, t - send_t)
             # Off the event loop: a slow parse must not hold back the replay's sends.
-            text = raw.decode("utf-8", "replace")
-            if self.metric is not None:  # the first scrape reads every family's name
-                text = sample_lines(text, READ_NAMES)
-            samples = await asyncio.to_thread(parse_metrics, text)
+            # the first scrape reads every family's name; the later ones only READ_NAMES
+            samples = await asyncio.to_thread(_parse, raw, self.metric is None)
             self.max_parse_s = max(self.max_parse_s, time.monotonic() - self.origin - t)
             return self._read(samples, send_t, t)
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on

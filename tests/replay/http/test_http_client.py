@@ -329,3 +329,22 @@ def test_scrapes_after_the_first_parse_only_what_they_read_and_read_the_same(tex
     assert len(fast.samples) == len(whole.samples) >= len(texts)
     assert records(fast) == records(whole)
     assert fast.names_found == whole.names_found
+
+
+@pytest.mark.parametrize("cut", ["one write", "7-byte writes"])
+def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
+    whole = b"".join(good({}))
+    pieces = [whole] if cut == "one write" else [whole[i:i + 7] for i in range(0, len(whole), 7)]
+    trace = [TraceRequest(0.0, "r0", 2, 2)]
+    (record,), (expected,) = (replay(lambda body: pieces, trace)[0].requests,
+                              replay(good, trace)[0].requests)
+    assert (record.error, record.finish_reason, record.num_output_tokens, record.output_digest) == \
+        (None, "length", 2, expected.output_digest)
+    assert len(record.itls) == 1
+
+
+def test_a_stream_line_past_the_cap_is_that_requests_error():
+    from replay.http.client import MAX_LINE_BYTES
+    endless = [b"data: " + b"x" * (MAX_LINE_BYTES // 2)] * 3
+    timeline, _ = replay(lambda body: endless, [TraceRequest(0.0, "r0", 2, 2)])
+    assert timeline.requests[0].error == "ValueError: stream: a line longer than 128 KiB"
