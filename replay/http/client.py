@@ -64,6 +64,7 @@ from replay.verify.windows import QUEUE_GAUGE, QUEUE_GAUGES
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
 IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
+MAX_LINE_BYTES = 128 << 10  # a longer stream line is that request's error (aiohttp's readline cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,20 +467,36 @@ class HttpReplay:
             self._close(record, stream, req.max_tokens)
 
     async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
-        async for line in response.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            chunk = loads_strict(data)
-            if not isinstance(chunk, dict):
-                raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
-            if "error" in chunk:
-                stream.error = _error_message(chunk)
-                continue
+        """The SSE lines as they come, whatever arrived at once split here (one await per
+        read, not per line: the replay's sends share this loop)."""
+        pending = b""
+        async for data in response.content.iter_any():
+            *lines, pending = (pending + data).split(b"\n")
+            if len(pending) > MAX_LINE_BYTES:
+                raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
+            for line in lines:
+                if self._read_line(line, stream):
+                    return
+        self._read_line(pending, stream)
+
+    def _read_line(self, line: bytes, stream: _Stream) -> bool:
+        """One SSE line into the stream; True at [DONE]."""
+        if len(line) > MAX_LINE_BYTES:
+            raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        chunk = loads_strict(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
+        if "error" in chunk:
+            stream.error = _error_message(chunk)
+        else:
             _apply_chunk(stream, chunk, self.now())
+        return False
 
     def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
         record.end_t = self.now()

@@ -240,8 +240,12 @@ def _check_length(num_tokens: int, model: ServedModel, at_least: bool = False) -
 def loads_strict(raw: bytes | str) -> object:
     """JSON that repeats no key in an object (which value was meant cannot be known); a
     ValueError otherwise, and for JSON nested deeper than Python's recursion limit."""
+    if isinstance(raw, (bytes, bytearray)):  # as json.loads reads bytes
+        raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    if raw.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
     try:
-        return json.loads(raw, object_pairs_hook=_unique_keys)
+        return _STRICT.decode(raw)  # one decoder: json.loads with a hook builds one per call
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -266,6 +270,9 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
         seen: set[str] = set()
         raise DuplicateKeyError(next(k for k, _ in pairs if k in seen or seen.add(k)))
     return out
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
 # ---- responses --------------------------------------------------------------------

@@ -266,3 +266,85 @@ def test_any_exception_in_a_scrape_is_counted_and_the_scraper_goes_on(monkeypatc
     scraper = asyncio.run(asyncio.wait_for(_scrape_texts([text, text]), 30))
     assert scraper.num_failures == 1 and scraper.errors == ["RuntimeError: boom"]
     assert [s.num_used_blocks for s in scraper.samples] == [3]
+
+
+def _kvdrain_metrics(step: int) -> str:
+    """kvdrain's /metrics for a P/D serve, every family (histograms included) moving with step."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from engine.proc.messages import StatsSnapshot
+    from replay.http.metrics import EngineCollector
+    counts = {"num_waiting": step % 3, "num_running": step, "num_waiting_for_remote_kvs": step % 2,
+              "num_finished_awaiting_free": step % 4, "num_usable_blocks": 100,
+              "num_used_blocks": 10 + step, "num_cached_blocks": step, "num_free_blocks": 90 - step}
+    latest = {e: StatsSnapshot(e, step, 0.0, ("stepping", "blocked")[step % 2], 7 * step, 3 * step,
+                               dict(counts)) for e in ("P", "D")}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector("m", ["P", "D"], 16, latest, {}))
+    return generate_latest(registry).decode()
+
+
+VLLM_METRICS = """# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.%d
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} %d
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="length"} 4.0
+vllm:request_success_created{engine="0",finished_reason="length"} 1.7e9
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3"} 2.0
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0
+"""
+
+
+@pytest.mark.parametrize("texts", [[_kvdrain_metrics(k) for k in range(4)],
+                                   [VLLM_METRICS % (k, k) for k in range(1, 4)],
+                                   ["sglang:token_usage 0.%d\nsglang:max_total_num_tokens 4096\n" % k
+                                    for k in range(1, 4)]],
+                         ids=["kvdrain", "vllm", "sglang"])
+def test_scrapes_after_the_first_parse_only_what_they_read_and_read_the_same(texts, monkeypatch):
+    from urllib.parse import urlsplit
+
+    import replay.http.scrape as scrape
+
+    def records(scraper: Scraper) -> list:
+        netloc = urlsplit(scraper.source.url).netloc  # each run has its own server
+        return [(s.engine.replace(netloc, "URL"), s.num_used_blocks, s.num_free_blocks, s.num_cached_blocks, s.num_waiting,
+                 s.num_running, s.num_waiting_for_remote_kvs, s.num_finished_awaiting_free,
+                 s.loop_state, s.num_steps, s.num_wakeups) for s in scraper.samples]
+    parsed: list[str] = []
+    real_parse = scrape.parse_metrics
+
+    def parse(text: str):
+        parsed.append(text)
+        return real_parse(text)
+    monkeypatch.setattr(scrape, "parse_metrics", parse)
+    fast = asyncio.run(asyncio.wait_for(_scrape_texts(texts), 30))
+    assert parsed[0] == texts[0] and all(len(p) < len(t) or "#" not in t for p, t in zip(parsed[1:], texts[1:]))
+    monkeypatch.setattr(scrape, "sample_lines", lambda text, names: text)
+    whole = asyncio.run(asyncio.wait_for(_scrape_texts(texts), 30))
+    assert fast.num_failures == whole.num_failures == 0
+    assert len(fast.samples) == len(whole.samples) >= len(texts)
+    assert records(fast) == records(whole)
+    assert fast.names_found == whole.names_found
+
+
+@pytest.mark.parametrize("cut", ["one write", "7-byte writes"])
+def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
+    whole = b"".join(good({}))
+    pieces = [whole] if cut == "one write" else [whole[i:i + 7] for i in range(0, len(whole), 7)]
+    trace = [TraceRequest(0.0, "r0", 2, 2)]
+    (record,), (expected,) = (replay(lambda body: pieces, trace)[0].requests,
+                              replay(good, trace)[0].requests)
+    assert (record.error, record.finish_reason, record.num_output_tokens, record.output_digest) == \
+        (None, "length", 2, expected.output_digest)
+    assert len(record.itls) == 1
+
+
+def test_a_stream_line_past_the_cap_is_that_requests_error():
+    from replay.http.client import MAX_LINE_BYTES
+    endless = [b"data: " + b"x" * (MAX_LINE_BYTES // 2)] * 3
+    timeline, _ = replay(lambda body: endless, [TraceRequest(0.0, "r0", 2, 2)])
+    assert timeline.requests[0].error == "ValueError: stream: a line longer than 128 KiB"
