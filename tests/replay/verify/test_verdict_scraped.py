@@ -268,3 +268,29 @@ def test_over_http_an_engine_idle_by_its_own_metrics_is_judged_in_that_window():
 def test_over_http_without_queue_gauges_no_engine_window_is_claimed():
     verdict = verify(busy_trace_with_an_idle_prefill_engine(held=6, queue_gauges=[]), [])
     assert not [w for w in verdict.windows if not w.is_tail]
+
+
+def lone_prefill_engine_holding_unread_kv(freed_at: float) -> Timeline:
+    """A real P/D pair: P prefills at t=0.1 (its metrics show it running once), then counts
+    the request neither running nor waiting while it holds 3 blocks for D, which reads
+    them late (D's first token at t=6) because D is slow; P frees them at `freed_at`."""
+    samples = [engine_reading(0.1 * i, "P", 0 if 0.1 * i < 0.1 or 0.1 * i >= freed_at else 3,
+                              1 if i == 1 else 0) for i in range(100)]
+    samples += [engine_reading(0.1 * i, "D", 0 if 0.1 * i < 6.0 or 0.1 * i >= 6.5 else 2, 0)
+                for i in range(100)]
+    request = RequestRecord(req_id="r0", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=6.0,
+                            end_t=6.5, num_prompt_tokens=300, num_output_tokens=4, num_prefix_hit_tokens=0,
+                            finish_reason="length")
+    meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": ["P", "D"]}
+    return Timeline(engines=["P", "D"], num_usable_blocks={"P": 100, "D": 100}, samples=samples,
+                    requests=[request], arrivals=[0.0], aborts=[], end_t=10.0, meta=meta)
+
+
+def test_a_prefill_engine_holding_kv_that_decode_has_not_read_yet_is_not_idle():
+    verdict = verify(lone_prefill_engine_holding_unread_kv(freed_at=6.2), [])
+    assert not verdict.violations, [v.message for v in verdict.violations]
+    assert verdict.exit_code == 0
+    p_windows = [w for w in verdict.windows if w.engine == "P"]
+    assert p_windows and all(w.start >= 6.0 for w in p_windows)
+    leak = verify(lone_prefill_engine_holding_unread_kv(freed_at=20.0), [])
+    assert leak.exit_code == 1 and {w.engine for w in leak.windows if w.verdict == "leak"} == {"P"}
