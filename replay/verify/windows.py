@@ -84,8 +84,8 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
     """Over HTTP, each engine's idle windows from its own metrics: runs of readings with no
     request running or waiting there, from the first such reading's answer to the last's
     (the engine was idle in between for sure; nothing is claimed beyond), less the time the
-    client had a request that may be on it (client_spans), at least the idle threshold
-    long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
+    client had a request that may be on it (client_spans) and the time before its first
+    send, at least the idle threshold long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
     out = {}
     engines = list(timeline.meta.get(QUEUE_GAUGES) or ())
     for engine in engines:
@@ -102,6 +102,8 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
         role = engine_role(engine)
         alone = sum(engine_role(e) == role for e in engines) == 1
         spans = client_spans(timeline.requests, role)
+        if spans:  # before the first send (pre-flight scrapes) nothing was under test
+            spans.insert(0, (-math.inf, spans[0][0]))
         out[engine] = [w for run in runs for w in _less(run, spans, alone) if w[1] - w[0] >= idle_threshold_s]
     return out
 

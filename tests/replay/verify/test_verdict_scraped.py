@@ -294,3 +294,11 @@ def test_a_prefill_engine_holding_kv_that_decode_has_not_read_yet_is_not_idle():
     assert p_windows and all(w.start >= 6.0 for w in p_windows)
     leak = verify(lone_prefill_engine_holding_unread_kv(freed_at=20.0), [])
     assert leak.exit_code == 1 and {w.engine for w in leak.windows if w.verdict == "leak"} == {"P"}
+
+
+def test_the_scrapes_before_the_first_send_open_no_engine_window():
+    timeline = lone_prefill_engine_holding_unread_kv(freed_at=6.2)
+    for s in timeline.samples:
+        s.t, s.send_t = s.t - 3.0, s.send_t - 3.0  # 3 s of pre-flight readings, all idle
+    verdict = verify(timeline, [])
+    assert all(w.start >= 0.0 for w in verdict.windows), [(w.engine, w.start) for w in verdict.windows]
