@@ -211,8 +211,13 @@ def test_a_signal_during_start_up_stops_every_instance(fake_venv, pidfile, signu
         proc.send_signal(signum)
         out, _ = proc.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        if proc.poll() is None:  # a failed wait: SIGTERM lets it tear down what it started
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
     assert proc.returncode == code, out
     assert "during start-up" in out
     assert not any(running(p) for p in started_pids(pidfile))
