@@ -100,7 +100,7 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
         if first is not None:
             runs.append((first, last, True))
         role = engine_role(engine)
-        alone = sum(engine_role(e) == role for e in engines) == 1
+        alone = role == "prefill" or sum(engine_role(e) == role for e in engines) == 1
         spans = client_spans(timeline.requests, role)
         if spans:  # before the first send (pre-flight scrapes) nothing was under test
             spans.insert(0, (-math.inf, spans[0][0]))
@@ -128,9 +128,11 @@ def client_spans(requests: Sequence[RequestRecord], role: str) -> list[tuple[flo
 
 
 def _less(run: Window, spans: list[tuple[float, float]], alone: bool) -> list[Window]:
-    """The run without the spans. An engine alone in its role had every request: each span
-    is cut out. Among several, which one had a request is the server's routing, unknown:
-    only a span under way at the run's start is (the engine may still hold its KV)."""
+    """The run without the spans. A prefill engine, or an engine alone in its role, loses
+    every span: a P's metrics cannot show the requests it holds KV for, and which P had a
+    request is the server's routing, unknown over HTTP. Among several decode engines, whose
+    metrics count their requests, only a span under way at the run's start is cut out (the
+    engine may still hold its KV)."""
     start, end, is_tail = run
     out, cur = [], start
     for since, until in spans:
