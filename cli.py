@@ -701,7 +701,8 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
         raise click.UsageError(str(e)) from None
     if vllm is not None:
         from replay.deploy.vllm_replay import vllm_replay_main
-        sys.exit(vllm_replay_main(vllm, config, outputs, display, Console()))
+        sys.exit(vllm_replay_main(vllm, config, outputs, display, Console(),
+                                  deadline_given=_given("drain_deadline_s")))
     sys.exit(replay_main(config, outputs, display, Console()))
 
 

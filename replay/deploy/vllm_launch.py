@@ -130,6 +130,7 @@ class InstanceSpec:
     """One `vllm serve`: its name (P, D or E), command line, environment and log."""
 
     name: str
+    kv_role: str | None  # kv_producer (a P), kv_consumer (a D), None (single: no connector)
     port: int
     side_channel_port: int
     argv: list[str]
@@ -184,8 +185,8 @@ def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_d
         env = instance_env(base_env, side, cpu_sets[i], i % num_gpus if num_gpus else None, options.env)
         if options.model is None:
             env["HF_HUB_OFFLINE"] = "1"  # a local model: nothing to download
-        specs.append(InstanceSpec(name=name, port=port, side_channel_port=side, argv=argv, env=env,
-                                  log_path=run_dir / f"{name}.log"))
+        specs.append(InstanceSpec(name=name, kv_role=kv_role, port=port, side_channel_port=side,
+                                  argv=argv, env=env, log_path=run_dir / f"{name}.log"))
     return specs
 
 
@@ -425,7 +426,7 @@ class VllmDeployment:
     def _proxy_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "cli", "proxy"]
         for spec in self.specs:
-            argv += ["--prefill" if spec.name == "P" else "--decode", spec.url]
+            argv += ["--prefill" if spec.kv_role == "kv_producer" else "--decode", spec.url]
         return argv + ["--host", "127.0.0.1", "--port", "0"]
 
     def _proxy_env(self) -> dict[str, str]:

@@ -83,10 +83,12 @@ def intervals(record: RequestRecord) -> list[tuple[str, float, float]]:
 def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
     """Over HTTP, each engine's idle windows from its own metrics: runs of readings with no
     request running or waiting there, from the first such reading's answer to the last's
-    (the engine was idle in between for sure; nothing is claimed beyond), at least the idle
-    threshold long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
+    (the engine was idle in between for sure; nothing is claimed beyond), less the time the
+    client had a request that may be on it (client_spans) and the time before its first
+    send, at least the idle threshold long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
     out = {}
-    for engine in timeline.meta.get(QUEUE_GAUGES) or ():
+    engines = list(timeline.meta.get(QUEUE_GAUGES) or ())
+    for engine in engines:
         runs, first, last = [], None, None
         for sample in timeline.samples_for(engine):
             if sample.num_running + sample.num_waiting == 0:
@@ -97,7 +99,54 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
             first = None
         if first is not None:
             runs.append((first, last, True))
-        out[engine] = [w for w in runs if w[1] - w[0] >= idle_threshold_s]
+        role = engine_role(engine)
+        alone = role == "prefill" or sum(engine_role(e) == role for e in engines) == 1
+        spans = client_spans(timeline.requests, role)
+        if spans:  # before the first send (pre-flight scrapes) nothing was under test
+            spans.insert(0, (-math.inf, spans[0][0]))
+        out[engine] = [w for run in runs for w in _less(run, spans, alone) if w[1] - w[0] >= idle_threshold_s]
+    return out
+
+
+def engine_role(name: str) -> str:
+    """"prefill" for kvdrain's prefill names (P, P0, P1, ...), else "decode" (D, Dn, E or
+    a name of the user's: the request's last engine)."""
+    return "prefill" if name == "P" or (name[:1] == "P" and name[1:].isdigit()) else "decode"
+
+
+def client_spans(requests: Sequence[RequestRecord], role: str) -> list[tuple[float, float]]:
+    """(since, until) of each request as it may be on an engine of `role`, the client's view:
+    a prefill engine from the send until the first token came (a real P's metrics count a
+    prefilled request neither running nor waiting while it holds the KV for D, and a
+    prefill between two readings is not seen), the last engine until the request ended."""
+    out = []
+    for r in requests:
+        end = math.inf if r.end_t is None else r.end_t
+        until = min(r.first_token_t, end) if role == "prefill" and r.first_token_t is not None else end
+        out.append((min(r.send_t, r.arrival_t), until))
+    return sorted(out)
+
+
+def _less(run: Window, spans: list[tuple[float, float]], alone: bool) -> list[Window]:
+    """The run without the spans. A prefill engine, or an engine alone in its role, loses
+    every span: a P's metrics cannot show the requests it holds KV for, and which P had a
+    request is the server's routing, unknown over HTTP. Among several decode engines, whose
+    metrics count their requests, only a span under way at the run's start is cut out (the
+    engine may still hold its KV)."""
+    start, end, is_tail = run
+    out, cur = [], start
+    for since, until in spans:
+        if not alone and since >= start:
+            break
+        if until <= cur or since >= end:
+            continue
+        if since > cur:
+            out.append((cur, since, False))
+        cur = max(cur, until)
+        if cur >= end:
+            return out
+    if cur < end:
+        out.append((cur, end, is_tail))
     return out
 
 

@@ -126,7 +126,8 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
         fake_venv, pidfile, tmp_path, topology):
     report = tmp_path / "report.json"
     result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv),
-                     "--topology", topology, "--no-live", "--speedup", "2", "--report", str(report))
+                     "--topology", topology, "--no-live", "--speedup", "2", "--report", str(report),
+                     "--drain-deadline", "0.5")  # the fake answers at once; its gaps are 2 s
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     names = {"single": ["E"], "pd": ["P", "D"]}[topology]
@@ -210,8 +211,13 @@ def test_a_signal_during_start_up_stops_every_instance(fake_venv, pidfile, signu
         proc.send_signal(signum)
         out, _ = proc.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        if proc.poll() is None:  # a failed wait: SIGTERM lets it tear down what it started
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
     assert proc.returncode == code, out
     assert "during start-up" in out
     assert not any(running(p) for p in started_pids(pidfile))
@@ -262,3 +268,28 @@ def test_every_instance_gets_the_connector_role_its_own_ports_and_the_users_args
     assert len({p.port, dd.port, p.side_channel_port, dd.side_channel_port}) == 4
     assert p.argv[-2:] == ["--max-num-seqs", "8"] and p.env["X"] == "1"
     assert (tmp_path / "run" / "model" / "tokenizer.json").exists()
+
+
+def test_a_2p2d_deployment_puts_both_prefill_instances_and_both_decode_instances_behind_the_proxy(
+        fake_venv, tmp_path):
+    d = VllmDeployment(VllmOptions(venv=fake_venv, topology="2p2d"), check_venv(fake_venv), tmp_path / "run")
+    assert [(s.name, s.kv_role) for s in d.specs] == [("P0", "kv_producer"), ("P1", "kv_producer"),
+                                                      ("D0", "kv_consumer"), ("D1", "kv_consumer")]
+    ports = [p for s in d.specs for p in (s.port, s.side_channel_port)]
+    assert len(set(ports)) == 8
+    argv = d._proxy_argv()
+    prefill = [argv[i + 1] for i, a in enumerate(argv) if a == "--prefill"]
+    decode = [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"]
+    assert prefill == [d.specs[0].url, d.specs[1].url] and decode == [d.specs[2].url, d.specs[3].url]
+
+
+@pytest.mark.parametrize("given, expected", [((), 2.0), (("--drain-deadline", "0.5"), 0.5)])
+def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_unless_one_is_given(
+        fake_venv, pidfile, tmp_path, given, expected):
+    report = tmp_path / "report.json"
+    result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv), "--topology",
+                     "single", "--no-live", "--speedup", "4", "--max-requests", "8", "--report", str(report),
+                     *given)
+    assert result.returncode in (0, 3), result.stdout + result.stderr  # 3: a gap shorter than 2 s
+    assert json.loads(report.read_text())["settings"]["verify"]["drain_deadline_s"] == expected
+    assert ("drain deadline 2 s" in result.stdout) == (not given)

@@ -237,34 +237,80 @@ def engine_reading(t: float, engine: str, used: int, running: int) -> EngineSamp
                         loop_state="unknown", num_steps=0, num_wakeups=0, send_t=t - 0.01)
 
 
-def busy_trace_with_an_idle_prefill_engine(held: int, queue_gauges: list[str]) -> Timeline:
-    """P0 has no request from t=2 to t=8 (its metrics say 0 running and waiting) and holds
-    `held` blocks, while P1 and D stay busy: no idle gap of the whole trace."""
+def busy_trace_with_an_idle_decode_engine(held: int, queue_gauges: list[str]) -> Timeline:
+    """D0 has no request from t=2 to t=8 (its metrics say 0 running and waiting) and holds
+    `held` blocks, while D1 stays busy: no idle gap of the whole trace."""
     samples = []
     for i in range(100):
         t = 0.1 * i
-        p0_idle = 2.0 <= t <= 8.0
-        samples.append(engine_reading(t, "P0", held if p0_idle else 4, 0 if p0_idle else 1))
-        samples.append(engine_reading(t, "P1", 4, 1))
+        d0_idle = 2.0 <= t <= 8.0
+        samples.append(engine_reading(t, "D0", held if d0_idle else 4, 0 if d0_idle else 1))
+        samples.append(engine_reading(t, "D1", 4, 1))
     requests = [RequestRecord(req_id=f"r{i}", arrival_t=0.5 * i, send_t=0.5 * i, send_lateness_s=0.0,
                               first_token_t=0.5 * i + 0.2, end_t=0.5 * i + 0.8, num_prompt_tokens=8,
                               num_output_tokens=4, num_prefix_hit_tokens=0, finish_reason="length")
                 for i in range(20)]
     meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": queue_gauges}
-    return Timeline(engines=["P0", "P1"], num_usable_blocks={"P0": 100, "P1": 100}, samples=samples,
+    return Timeline(engines=["D0", "D1"], num_usable_blocks={"D0": 100, "D1": 100}, samples=samples,
                     requests=requests, arrivals=[r.arrival_t for r in requests], aborts=[], end_t=10.0,
                     meta=meta)
 
 
 def test_over_http_an_engine_idle_by_its_own_metrics_is_judged_in_that_window():
-    leak = verify(busy_trace_with_an_idle_prefill_engine(held=6, queue_gauges=["P0", "P1"]), [])
-    own = [w for w in leak.windows if w.engine == "P0" and not w.is_tail]
-    assert own and own[0].start == pytest.approx(2.0) and own[0].verdict == "leak"
+    leak = verify(busy_trace_with_an_idle_decode_engine(held=6, queue_gauges=["D0", "D1"]), [])
+    own = [w for w in leak.windows if w.engine == "D0" and not w.is_tail]
+    # from when the request under way at t=2 (sent at 1.5) ended: it may have been D0's
+    assert own and own[0].start == pytest.approx(2.3) and own[0].verdict == "leak"
     assert leak.exit_code == 1
-    drained = verify(busy_trace_with_an_idle_prefill_engine(held=0, queue_gauges=["P0", "P1"]), [])
-    assert [w.verdict for w in drained.windows if w.engine == "P0" and not w.is_tail] == ["drained"]
+    drained = verify(busy_trace_with_an_idle_decode_engine(held=0, queue_gauges=["D0", "D1"]), [])
+    assert [w.verdict for w in drained.windows if w.engine == "D0" and not w.is_tail] == ["drained"]
 
 
 def test_over_http_without_queue_gauges_no_engine_window_is_claimed():
-    verdict = verify(busy_trace_with_an_idle_prefill_engine(held=6, queue_gauges=[]), [])
+    verdict = verify(busy_trace_with_an_idle_decode_engine(held=6, queue_gauges=[]), [])
     assert not [w for w in verdict.windows if not w.is_tail]
+
+
+def lone_prefill_engine_holding_unread_kv(freed_at: float) -> Timeline:
+    """A real P/D pair: P prefills at t=0.1 (its metrics show it running once), then counts
+    the request neither running nor waiting while it holds 3 blocks for D, which reads
+    them late (D's first token at t=6) because D is slow; P frees them at `freed_at`."""
+    samples = [engine_reading(0.1 * i, "P", 0 if 0.1 * i < 0.1 or 0.1 * i >= freed_at else 3,
+                              1 if i == 1 else 0) for i in range(100)]
+    samples += [engine_reading(0.1 * i, "D", 0 if 0.1 * i < 6.0 or 0.1 * i >= 6.5 else 2, 0)
+                for i in range(100)]
+    request = RequestRecord(req_id="r0", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=6.0,
+                            end_t=6.5, num_prompt_tokens=300, num_output_tokens=4, num_prefix_hit_tokens=0,
+                            finish_reason="length")
+    meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": ["P", "D"]}
+    return Timeline(engines=["P", "D"], num_usable_blocks={"P": 100, "D": 100}, samples=samples,
+                    requests=[request], arrivals=[0.0], aborts=[], end_t=10.0, meta=meta)
+
+
+def test_a_prefill_engine_holding_kv_that_decode_has_not_read_yet_is_not_idle():
+    verdict = verify(lone_prefill_engine_holding_unread_kv(freed_at=6.2), [])
+    assert not verdict.violations, [v.message for v in verdict.violations]
+    assert verdict.exit_code == 0
+    p_windows = [w for w in verdict.windows if w.engine == "P"]
+    assert p_windows and all(w.start >= 6.0 for w in p_windows)
+    leak = verify(lone_prefill_engine_holding_unread_kv(freed_at=20.0), [])
+    assert leak.exit_code == 1 and {w.engine for w in leak.windows if w.verdict == "leak"} == {"P"}
+
+
+def test_the_scrapes_before_the_first_send_open_no_engine_window():
+    timeline = lone_prefill_engine_holding_unread_kv(freed_at=6.2)
+    for s in timeline.samples:
+        s.t, s.send_t = s.t - 3.0, s.send_t - 3.0  # 3 s of pre-flight readings, all idle
+    verdict = verify(timeline, [])
+    assert all(w.start >= 0.0 for w in verdict.windows), [(w.engine, w.start) for w in verdict.windows]
+
+
+def test_over_http_a_prefill_engine_among_several_is_not_idle_while_any_request_awaits_its_first_token():
+    """Which P had a request is the server's routing: any request before its first token may
+    be one whose KV this P holds for D, though its metrics show nothing running or waiting."""
+    timeline = busy_trace_with_an_idle_decode_engine(held=6, queue_gauges=["P0", "P1"])
+    for s in timeline.samples:
+        s.engine = {"D0": "P0", "D1": "P1"}[s.engine]
+    timeline.engines, timeline.num_usable_blocks = ["P0", "P1"], {"P0": 100, "P1": 100}
+    verdict = verify(timeline, [])
+    assert not [w for w in verdict.windows if w.engine == "P0" and not w.is_tail]
