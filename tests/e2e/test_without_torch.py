@@ -43,7 +43,8 @@ def test_the_torch_runner_without_torch_is_a_usage_error_saying_how_to_install_i
 def test_a_replay_through_launched_vllm_needs_no_torch(tmp_path):
     venv = make_fake_venv(tmp_path / "venv")
     result = kvdrain_without_torch(tmp_path, "replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv",
-                                   str(venv), "--topology", "single", "--no-live", "--speedup", "2")
+                                   str(venv), "--topology", "single", "--no-live", "--speedup", "2",
+                                   "--drain-deadline", "0.5")  # the fake answers /metrics at once
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -377,7 +377,6 @@ def test_a_scrape_cancelled_unanswered_at_the_end_is_not_counted():
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         async with serving(app) as url:
-
             scraper = Scraper(MetricsSource.parse(url + "/metrics"), time.monotonic())
             async with aiohttp.ClientSession() as session:
                 task = asyncio.create_task(scraper.scrape(session))
