@@ -52,8 +52,10 @@ demo: $(STAMP)
 	  .demo-legacy.txt .demo-event.txt; rm -f .demo-legacy.txt .demo-event.txt
 	@echo "plots: demo-legacy.png (P's blocks held through every idle window), demo-event.png (drained)"
 
+# Two workers (pytest-xdist): most multiprocess tests wait on engines in real time, so two
+# at once halve the run on 2 cores; each test still bounds its waits and cleans up.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 # NANO_VLLM=DIR (a checkout of GeeeekExplorer/nano-vllm) runs its scheduler beside ours.
 bench: $(STAMP)
