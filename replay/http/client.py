@@ -338,13 +338,7 @@ class HttpReplay:
             for scraper in self.scrapers:
                 scraper.rebase(self.origin)
             self._tick()
-            scraping = asyncio.create_task(self._scrape_loop(session))
-            try:
-                await self._send_all(session, records)
-                await self._finish()
-            finally:
-                scraping.cancel()
-                await asyncio.gather(scraping, return_exceptions=True)
+            await self._send_while_scraping(session, records)
             for scraper in self.scrapers:  # a last reading, after the tail
                 await scraper.scrape(session)
             self.end_t = self.now()
@@ -403,6 +397,26 @@ class HttpReplay:
         record.send_t = self.now()
         record.send_lateness_s = record.send_t - record.arrival_t
         self._close(record, stream)
+
+    async def _send_while_scraping(self, session: aiohttp.ClientSession,
+                                   records: Iterable[TraceRecord]) -> None:
+        """Send the trace and wait for its tail while scraping; whatever stops the scrape
+        loop (the live view's `q` raises Interrupted from on_tick) stops the sending too."""
+        scraping = asyncio.create_task(self._scrape_loop(session))
+        sending = asyncio.create_task(self._send_and_finish(session, records))
+        try:
+            done, _ = await asyncio.wait({scraping, sending}, return_when=asyncio.FIRST_COMPLETED)
+            if scraping in done:
+                scraping.result()  # it never returns: this raises what stopped it
+            await sending
+        finally:
+            for task in (scraping, sending):
+                task.cancel()
+            await asyncio.gather(scraping, sending, return_exceptions=True)
+
+    async def _send_and_finish(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
+        await self._send_all(session, records)
+        await self._finish()
 
     async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
         interval, k = self.options.scrape_interval_s, 0

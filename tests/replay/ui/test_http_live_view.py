@@ -3,6 +3,7 @@ runs, the server's own identity and liveness in the header, windows as they clos
 from __future__ import annotations
 
 import io
+import signal
 
 import pytest
 from rich.console import Console
@@ -50,3 +51,25 @@ def test_an_http_replay_prints_progress_and_the_servers_liveness_while_it_runs()
     assert state.progress.liveness == "legacy" and state.server.startswith("kvdrain (aiohttp)")
     assert max(seen_windows_during_run) > 0  # windows listed as they closed, not only at the end
     assert any("P used" in line for line in progress)  # each engine's scraped KV usage
+
+
+def test_q_in_the_live_view_of_an_http_replay_stops_it_there():
+    """The live view's `q` raises Interrupted inside a scrape tick: it stops the sending
+    too (it was swallowed with the scrape loop, and the replay ran to its end)."""
+    from replay.live.interrupt import QUIT_KEY, Interrupted
+    ticks = []
+
+    def on_tick(replay: HttpReplay) -> None:
+        ticks.append(replay.now())
+        if len(ticks) == 10:
+            raise Interrupted(signal.SIGINT, key=QUIT_KEY)
+
+    with engines() as (router, model), running_front(router, model) as front:
+        url = f"http://127.0.0.1:{front.port}"
+        options = HttpTargetOptions(url, (MetricsSource.parse(f"{url}/metrics"),),
+                                    scrape_interval_s=0.05, tail_s=0.5)
+        timeline = HttpReplay(options, on_tick=on_tick).run(
+            shape(read_trace(EXAMPLE), ShapingOptions(speedup=4.0)))
+    assert timeline.meta["interrupted"] == QUIT_KEY
+    assert len(ticks) == 10  # no scrape after it
+    assert len(timeline.requests) < 32 and timeline.end_t < 4.0  # the 4.3 s trace was cut
