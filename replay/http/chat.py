@@ -187,9 +187,11 @@ async def completions(front, request: web.Request) -> web.StreamResponse:
     protocol.check_request_id(client_id)
     params = [protocol.parse_completion({**body, "prompt": p, "request_id": f"{client_id}-{i}"}, front.model)
               for i, p in enumerate(body["prompt"])]
-    ids = [front._submit(p.request_id, p) for p in params]
-    try:
-        answers = await asyncio.gather(*(_one(front, internal_id, i) for i, internal_id in enumerate(ids)))
+    ids: list[str] = []
+    try:  # a prompt refused at submit (its id in flight) releases those submitted before it
+        for p in params:
+            ids.append(front._submit(p.request_id, p))
+        answers = await _answers(front, ids)
     finally:
         for internal_id in ids:
             front._release(internal_id)
@@ -198,6 +200,17 @@ async def completions(front, request: web.Request) -> web.StreamResponse:
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     first = protocol.head("cmpl-" + client_id, front.model.name, int(time.time()))
     return web.json_response({**first, "choices": [a[0] for a in answers], "usage": usage})
+
+
+async def _answers(front, ids: list[str]) -> list[tuple[dict, dict]]:
+    """Every prompt's answer, in order; one failing cancels the others (then all are released)."""
+    tasks = [asyncio.ensure_future(_one(front, internal_id, i)) for i, internal_id in enumerate(ids)]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _one(front, internal_id: str, index: int) -> tuple[dict, dict]:

@@ -117,3 +117,21 @@ def test_chat_only_fields_the_engines_cannot_honour_are_refused(front):
         assert status == 422 and json.loads(raw)["error"]["param"] == field
     status, raw = run(_post(url, "/v1/chat/completions", {"messages": []}))
     assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
+
+
+def test_a_batch_refused_at_a_later_prompt_leaves_none_of_its_prompts_in_flight(front):
+    """The batch's second id is in flight already: a 400, and its first prompt, submitted
+    before, is released (it stayed in flight for good, refusing its id ever after)."""
+    url, _ = front
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "w5 w6", "max_tokens": 3000, "stream": True, "request_id": "abc-1"}
+            async with session.post(url + "/v1/completions", json=body) as streaming:
+                await streaming.content.readline()  # abc-1 is in flight
+                refused = await _post(url, "/v1/completions", {"prompt": ["w1", "w2"], "request_id": "abc"})
+            return refused, await _post(url, "/v1/completions", {"prompt": "w1", "request_id": "abc-0"})
+
+    (status, raw), (after, again) = run(go())
+    assert status == 400 and b"abc-1" in raw
+    assert after == 200, again
