@@ -36,7 +36,7 @@ class MetricsWatch:
 
     def __post_init__(self) -> None:
         self.scrapers = [Scraper(source, self.origin) for source in self.sources]
-        self.windows = SnapshotWindows(self.options)
+        self.windows = SnapshotWindows(self.options, scraped=True)
         self.feed = ScrapeFeed(self.scrapers, self.state, self.windows.add_sample)
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:

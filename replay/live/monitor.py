@@ -241,8 +241,9 @@ class SnapshotWindows:
     replay/verify/rules.py's check_window as a replay's are. The open window (the engines
     quiet now) is shown as it drains; closed ones are judged once and kept."""
 
-    def __init__(self, options: VerifyOptions) -> None:
+    def __init__(self, options: VerifyOptions, scraped: bool = False) -> None:
         self.options = options
+        self.scraped = scraped  # samples are scrapes of /metrics: judged as replay judges scrapes
         self.origin: float | None = None  # the first snapshot's time: window times count from it
         self.samples: list[EngineSample] = []  # since the last closed window (and one before)
         self.busy: dict[str, bool] = {}
@@ -294,7 +295,7 @@ class SnapshotWindows:
         timeline = Timeline(engines=sorted(self.busy), num_usable_blocks={}, samples=self.samples,
                             requests=[], arrivals=[], aborts=[], end_t=window[1])
         return [WindowVerdict.of(check_window(EngineSeries.of(timeline, engine), window,
-                                              self.options.drain_deadline_s))
+                                              self.options.drain_deadline_s, self.scraped))
                 for engine in timeline.engines]
 
     def verdicts(self, now: float) -> list[WindowVerdict]:
@@ -329,7 +330,8 @@ def windows_closed_by(samples: list[EngineSample], requests: list, arrivals: lis
         if is_tail or end > now:
             continue
         for engine in timeline.engines:
-            checked = check_window(EngineSeries.of(timeline, engine), window, options.drain_deadline_s)
+            checked = check_window(EngineSeries.of(timeline, engine), window, options.drain_deadline_s,
+                                   scraped)
             verdicts.append(WindowVerdict.of(checked))
     return verdicts
 

@@ -496,3 +496,27 @@ def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():
                                    verdict="leak" if name.startswith("P") else "drained")
                      for name in state.engines]
     assert "idle windows 1  P (4): 4 leak  D (4): 4 drained" in render_text(state, 80)
+
+
+def test_scraped_windows_are_judged_live_as_the_final_verdict_judges_scrapes():
+    """top --metrics and the live HTTP view judge scrapes by the scrape rule: a 1 Hz
+    reading of 8 blocks at the window's start and 0 after the deadline is no proof of a
+    drain by it (the final verdict: undecided); the engine-stats rule called it a leak."""
+    from replay.verify.rules import EngineSeries, check_window
+    from replay.verify.timeline import SAMPLING_SCRAPED, Timeline
+
+    def reading(t: float, used: int, running: int = 0) -> EngineSample:
+        return EngineSample(t=t + 0.05, engine="P", num_used_blocks=used, num_cached_blocks=0,
+                            num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
+                            num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=running,
+                            num_finished_awaiting_free=0, loop_state="", num_steps=0, num_wakeups=0, send_t=t)
+    samples = [reading(-1.0, 8, 1), reading(0.0, 8), reading(1.0, 0), reading(2.0, 0), reading(3.0, 0)]
+    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5), scraped=True)
+    for sample in [*samples, reading(4.0, 9, 1)]:
+        windows.add_sample(sample)
+    (live,) = windows.verdicts(4.05)
+    timeline = Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=[], arrivals=[],
+                        aborts=[], end_t=4.05, meta={"sampling": SAMPLING_SCRAPED})
+    final = check_window(EngineSeries.of(timeline, "P"), (live.start, live.start + live.length, False), 0.5,
+                         scraped=True)
+    assert live.verdict == final.verdict == "undecided"
