@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
+from replay.verify.timeline import engine_role
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
 NUM_MESSAGE_ROWS = 3
@@ -88,11 +89,6 @@ def window_tally(windows: list[WindowVerdict]) -> str:
     parts = [f"{engine} " + " ".join(f"{n} {name}" for name, n in counts.items() if n)
              for engine, counts in engine_tallies(windows)]
     return f"idle windows {num_idle_windows(windows)}" + (": " + ", ".join(parts) if parts else "")
-
-
-def engine_role(engine: str) -> str:
-    """'P' of 'P' and of 'P3' (a topology's index), 'D' of 'D0'; other names their own."""
-    return engine.rstrip("0123456789") or engine
 
 
 def engine_order(engine_id: str) -> tuple[str, int, str, int]:

@@ -25,7 +25,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from replay.verify.rules import IdleWindow, Verdict
-from replay.verify.timeline import EngineSample, Timeline
+from replay.verify.timeline import EngineSample, Timeline, engine_role
 
 WINDOW_COLOURS = {"drained": "tab:green", "leak": "tab:red", "undecided": "tab:orange"}
 CAPACITY_IN_RANGE = 4.0  # capacity drawn when at most this many times the peak
@@ -178,11 +178,6 @@ def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
                         label="expected window not observed")
     ax.set_ylabel(f"{engine}: used blocks")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-
-
-def engine_role(engine: str) -> str:
-    """'P' of 'P0', 'D' of 'D3'; a name without an index is its own role."""
-    return engine.rstrip("0123456789") or engine
 
 
 def role_groups(engines: list[str]) -> list[tuple[str, list[str]]]:

@@ -173,3 +173,11 @@ def _build(cls: type, data: dict) -> object:
     if unknown:
         raise ValueError(f"timeline: {cls.__name__}: unknown field {unknown[0]!r}")
     return cls(**data)
+
+
+def engine_role(engine: str) -> str:
+    """An engine's role from its name: "P" of P, P3, prefill and a scraped source's NAME:P0
+    (the source's name dropped), "D" of D0 and decode; any other name is its own role."""
+    name = engine.rpartition(":")[2]
+    stem = name.rstrip("0123456789") or name
+    return {"prefill": "P", "decode": "D"}.get(stem.lower(), stem)

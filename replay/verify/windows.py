@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replay.verify.timeline import RequestRecord, Timeline
+from replay.verify.timeline import RequestRecord, Timeline, engine_role
 
 Window = tuple[float, float, bool]  # (start, end, is_tail), as idle_windows gives them
 EPS_S = 1e-9
@@ -99,19 +99,19 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
             first = None
         if first is not None:
             runs.append((first, last, True))
-        role = engine_role(engine)
-        alone = role == "prefill" or sum(engine_role(e) == role for e in engines) == 1
-        spans = client_spans(timeline.requests, role)
+        prefill = is_prefill(engine)
+        alone = prefill or sum(is_prefill(e) == prefill for e in engines) == 1
+        spans = client_spans(timeline.requests, "prefill" if prefill else "decode")
         if spans:  # before the first send (pre-flight scrapes) nothing was under test
             spans.insert(0, (-math.inf, spans[0][0]))
         out[engine] = [w for run in runs for w in _less(run, spans, alone) if w[1] - w[0] >= idle_threshold_s]
     return out
 
 
-def engine_role(name: str) -> str:
-    """"prefill" for kvdrain's prefill names (P, P0, P1, ...), else "decode" (D, Dn, E or
-    a name of the user's: the request's last engine)."""
-    return "prefill" if name == "P" or (name[:1] == "P" and name[1:].isdigit()) else "decode"
+def is_prefill(engine: str) -> bool:
+    """A prefill engine by its name (P, P0, kv:P, prefill, ...: timeline.engine_role); any
+    other engine is a decode engine here (D, Dn, E or a user's name: a request's last)."""
+    return engine_role(engine) == "P"
 
 
 def client_spans(requests: Sequence[RequestRecord], role: str) -> list[tuple[float, float]]:

@@ -297,6 +297,22 @@ def test_a_prefill_engine_holding_kv_that_decode_has_not_read_yet_is_not_idle():
     assert leak.exit_code == 1 and {w.engine for w in leak.windows if w.verdict == "leak"} == {"P"}
 
 
+@pytest.mark.parametrize("names", [("kv:P", "kv:D"), ("prefill", "decode"), ("P", "D")])
+def test_a_prefill_engine_is_known_by_its_role_whatever_its_source_calls_it(names):
+    """--metrics kv=URL names a server's engines kv:P and kv:D, --metrics prefill=URL names
+    one prefill: each P is still judged as a prefill (its windows leave out the requests
+    awaiting their first token), never as a decode engine."""
+    timeline = lone_prefill_engine_holding_unread_kv(freed_at=6.2)
+    rename = dict(zip(("P", "D"), names))
+    for s in timeline.samples:
+        s.engine = rename[s.engine]
+    timeline.engines = list(names)
+    timeline.num_usable_blocks = {n: 100 for n in names}
+    timeline.meta["queue_gauges"] = list(names)
+    verdict = verify(timeline, [])
+    assert verdict.exit_code == 0, [v.message for v in verdict.violations]
+
+
 def test_the_scrapes_before_the_first_send_open_no_engine_window():
     timeline = lone_prefill_engine_holding_unread_kv(freed_at=6.2)
     for s in timeline.samples:
