@@ -21,6 +21,7 @@ it has an idle window on that engine overlapping it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,14 +175,33 @@ def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: floa
 
 def engine_only_windows(timeline: Timeline, idle_threshold_s: float,
                         trace_windows: Sequence[Window]) -> list[EngineWindow]:
-    """Each engine's idle windows that hold no window of the whole trace, in time order
-    (scraped: from the engines' own metrics, scraped_idle_windows)."""
-    out, holds = [], _Holds(trace_windows)
+    """Each engine's idle windows that neither hold a window of the whole trace nor lie
+    inside one (that window judges the engine there), nor are an engine's tail where the
+    trace's tail judges it, in time order (scraped: from the engines' own metrics,
+    scraped_idle_windows)."""
+    out, holds, inside = [], _Holds(trace_windows), _Inside(trace_windows)
+    tail_start = min((s for s, _, is_tail in trace_windows if is_tail), default=math.inf)
     by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
         else idle_windows_by_engine(timeline, idle_threshold_s)
-    for engine, windows in by_engine.items():
-        out += [EngineWindow(engine, *w) for w in windows if not holds(w)]
+    for engine, windows in by_engine.items():  # the trace's tail judges every engine's tail
+        out += [EngineWindow(engine, *w) for w in windows
+                if not holds(w) and not inside(w) and not (w[2] and w[1] > tail_start)]
     return sorted(out, key=lambda w: (w.start, w.engine))
+
+
+class _Inside:
+    """inside_any against fixed trace windows, by bisection: of the windows that start
+    early enough, the one that ends last (a prefix maximum) decides."""
+
+    def __init__(self, trace_windows: Sequence[Window]) -> None:
+        ordered = sorted((s, e) for s, e, _ in trace_windows)
+        self.starts = [s for s, _ in ordered]
+        self.max_end = list(itertools.accumulate((e for _, e in ordered), max))
+
+    def __call__(self, window: Window) -> bool:
+        start, end, _ = window
+        i = bisect.bisect_right(self.starts, start + EPS_S) - 1
+        return i >= 0 and end <= self.max_end[i] + EPS_S
 
 
 class _Holds:
@@ -209,6 +229,12 @@ def holds_any(window: Window, trace_windows: Sequence[Window]) -> bool:
     """The window holds one of the trace's windows (the definition, beside _Holds)."""
     start, end, _ = window
     return any(start <= s + EPS_S and e <= end + EPS_S for s, e, _ in trace_windows)
+
+
+def inside_any(window: Window, trace_windows: Sequence[Window]) -> bool:
+    """The window lies inside one of the trace's windows (the definition, beside _Inside)."""
+    start, end, _ = window
+    return any(s <= start + EPS_S and end <= e + EPS_S for s, e, _ in trace_windows)
 
 
 def observed(expected: EngineWindow, run: Sequence[EngineWindow]) -> bool:

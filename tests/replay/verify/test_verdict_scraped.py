@@ -330,3 +330,11 @@ def test_over_http_a_prefill_engine_among_several_is_not_idle_while_any_request_
     timeline.engines, timeline.num_usable_blocks = ["P0", "P1"], {"P0": 100, "P1": 100}
     verdict = verify(timeline, [])
     assert not [w for w in verdict.windows if w.engine == "P0" and not w.is_tail]
+
+
+def test_over_http_the_tail_is_judged_once_per_engine():
+    """The trace's tail starts when the last request ended (the client's view); an engine's
+    own tail from its metrics starts a reading later, inside it: one window, not two."""
+    verdict = verify(lone_prefill_engine_holding_unread_kv(freed_at=6.2), [])
+    tails = [w.engine for w in verdict.windows if w.is_tail]
+    assert sorted(tails) == ["D", "P"], [(w.engine, w.start, w.end) for w in verdict.windows]
