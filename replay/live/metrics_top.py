@@ -91,7 +91,7 @@ def metrics_top_main(args: list[str], seconds: float | None, interval_s: float, 
                      options: VerifyOptions = VerifyOptions()) -> int:
     """`kvdrain top --metrics [NAME=]URL ...`: the exit status (replay/verify/verdict.py's)."""
     from replay.ui.tui import LiveView
-    from replay.verify.verdict import EXIT_FAULT, EXIT_OK, EXIT_USAGE
+    from replay.verify.verdict import EXIT_OK, EXIT_USAGE
     try:
         sources = [MetricsSource.parse(arg) for arg in args]
     except ValueError as e:
@@ -107,7 +107,15 @@ def metrics_top_main(args: list[str], seconds: float | None, interval_s: float, 
         pass
     for line in watch.failures():
         console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
-    return EXIT_FAULT if watch.failures() else EXIT_OK
+    # A URL that never gave a reading is a wrong or unreachable target (exit 2, as replay's
+    # pre-flight and top --connect say it), not an engine fault.
+    return EXIT_USAGE if watch.failures() else EXIT_OK
+
+
+def metrics_url(address: str) -> str:
+    """A server's /metrics URL from its address (a path given is kept)."""
+    scheme, _, rest = address.partition("://")
+    return address if "/" in rest.rstrip("/") else f"{scheme}://{rest.rstrip('/')}/metrics"
 
 
 def connect_problem(address: str | None, metrics: tuple[str, ...] | list[str]) -> str | None:
@@ -118,5 +126,5 @@ def connect_problem(address: str | None, metrics: tuple[str, ...] | list[str]) -
         return "say what to watch: --connect ADDRESS (a kvdrain serve) or --metrics URL"
     if address is not None and address.split("://")[0] in ("http", "https"):
         return (f"--connect takes a kvdrain serve's ZMQ address (tcp://HOST:PORT or ipc://PATH), "
-                f"not {address!r}; to watch a server's Prometheus metrics: --metrics {address}")
+                f"not {address!r}; to watch a server's Prometheus metrics: --metrics {metrics_url(address)}")
     return None
