@@ -67,6 +67,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "kvdrain:loop_state": LABELS + ("state",),
     "kvdrain:engine_steps": LABELS,
     "kvdrain:engine_wakeups": LABELS,
+    "kvdrain:engine_probe_wakeups": LABELS,
+    "kvdrain:engine_bad_messages": LABELS,
     "kvdrain:stats_age_seconds": LABELS,
     "kvdrain:connector_events": LABELS + ("event",),
     "kvdrain:connector_in_flight": LABELS + ("kind",),
@@ -77,7 +79,7 @@ _ENGINE_KEYS = frozenset((
     "num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
     "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
     "num_free_blocks", "num_preemptions", "num_prefix_hit_tokens", "num_prefix_query_tokens",
-    "connector_worker_pid"))
+    "connector_worker_pid", "num_probe_wakeups", "num_bad_messages"))
 
 
 @dataclass(slots=True)
@@ -176,6 +178,8 @@ def _new_families() -> dict[str, object]:
         gauge("kvdrain:loop_state", "The engine loop's state at its last snapshot (1 = current)."),
         counter("kvdrain:engine_steps", "Engine steps so far."),
         counter("kvdrain:engine_wakeups", "Engine loop wake-ups (out of blocked, poll sleeps)."),
+        counter("kvdrain:engine_probe_wakeups", "Wake-ups of a parked engine whose only input was a stats probe."),
+        counter("kvdrain:engine_bad_messages", "Messages the engine core dropped (undecodable or not its own)."),
         gauge("kvdrain:stats_age_seconds",
               "Seconds since the engine last published stats (a parked engine's grow)."),
         counter("kvdrain:connector_events", "KV connector counters, by event."),
@@ -202,6 +206,8 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
         "kvdrain:requests_waiting_for_remote_kvs": c.get("num_waiting_for_remote_kvs", 0),
         "kvdrain:engine_steps": snap.num_steps,
         "kvdrain:engine_wakeups": snap.num_wakeups,
+        "kvdrain:engine_probe_wakeups": c.get("num_probe_wakeups", 0),
+        "kvdrain:engine_bad_messages": c.get("num_bad_messages", 0),
         "kvdrain:stats_age_seconds": max(0.0, now - snap.monotonic),
     }
     for name, value in values.items():

@@ -43,6 +43,8 @@ EXPECTED_LABELS = {
     "kvdrain:loop_state": {"model_name", "engine", "state"},
     "kvdrain:engine_steps_total": {"model_name", "engine"},
     "kvdrain:engine_wakeups_total": {"model_name", "engine"},
+    "kvdrain:engine_probe_wakeups_total": {"model_name", "engine"},
+    "kvdrain:engine_bad_messages_total": {"model_name", "engine"},
     "kvdrain:stats_age_seconds": {"model_name", "engine"},
     "kvdrain:connector_events_total": {"model_name", "engine", "event"},
     "kvdrain:connector_in_flight": {"model_name", "engine", "kind"},
@@ -122,3 +124,22 @@ def test_prefix_cache_queries_count_each_request_once_like_vllm():
     run_to_completion(sched)
     stats = sched.make_stats()
     assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (26, 12)
+
+
+def test_an_engine_without_a_connector_exposes_no_connector_counter():
+    """The engine core's own counters (bad messages, probe wake-ups) are the engine's: with
+    them as connector events, a single engine read as having a kvdrain PDConnector."""
+    from replay.http.server_facts import engine_facts
+    counts = {k: v for k, v in COUNTS.items() if k in (
+        "num_waiting", "num_running", "num_usable_blocks", "num_used_blocks", "num_free_blocks")}
+    latest = {"E": StatsSnapshot("E", 1, time.monotonic(), "blocked", 10, 3,
+                                 {**counts, "num_bad_messages": 2, "num_probe_wakeups": 5})}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector("m", ["E"], 16, latest, {}))
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    assert engine_facts(samples, "E").connector is None
+    assert _value(samples, "kvdrain:engine_probe_wakeups_total", engine="E") == 5
+    assert _value(samples, "kvdrain:engine_bad_messages_total", engine="E") == 2
