@@ -41,16 +41,21 @@ class IdleGap:
 
 @dataclass(slots=True)
 class LengthCheck:
-    """The requests one max_model_len would refuse (the prompt does not fit) or cap."""
+    """The requests one max_model_len would refuse (the prompt does not fit: the engine
+    rejects it), cap, or never generate (max_tokens alone does not fit: replay/trace/limits.py
+    refuses the trace, exit 2)."""
 
     max_model_len: int
     source: str  # whose default it is, or "--max-model-len"
     num_refused: int = 0
     num_capped: int = 0
+    num_invalid: int = 0
 
     def add(self, req: TraceRequest) -> None:
-        if req.prompt_len >= self.max_model_len or req.max_tokens >= self.max_model_len:
+        if req.prompt_len >= self.max_model_len:
             self.num_refused += 1
+        elif req.max_tokens >= self.max_model_len:
+            self.num_invalid += 1
         elif req.prompt_len + req.max_tokens > self.max_model_len:
             self.num_capped += 1
 
@@ -220,7 +225,9 @@ def dry_run_lines(insp: TraceInspection) -> list[str]:
     lines += [f"  shaping: {line}" for line in insp.shaping]
     for check in insp.length_checks:
         lines.append(f"  max_model_len {check.max_model_len:,} ({check.source}): "
-                     f"{check.num_refused:,} too long, {check.num_capped:,} capped")
+                     f"{check.num_refused:,} too long, {check.num_capped:,} capped"
+                     + (f", {check.num_invalid:,} with max_tokens that can never be generated "
+                        f"(replay refuses the trace, exit 2)" if check.num_invalid else ""))
     if any(check.num_refused for check in insp.length_checks):
         lines += ["  (too long: the prompt does not fit: the engine rejects it, counted as ignored,",
                   "  and over 1% ignored is inconclusive without --allow-ignored; capped: the",

@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from replay.trace.reader import (FORMATS, TraceAbort, TraceError, TraceHeader, T
                                  TraceRequest, TraceSnapshot, detect_format, read_trace,
                                  validate_trace)
 from replay.trace.records import MAX_LINE_BYTES
-from tests.paths import AZURE, EXAMPLE, MOONCAKE, TRACES
+from tests.paths import AZURE, EXAMPLE, MOONCAKE, ROOT, TRACES
 
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"public traces not at {TRACES}")
 AZ_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
@@ -324,6 +326,19 @@ def test_inspect_is_a_dry_run_with_replays_defaults(tmp_path):
     text = "\n".join(format_inspection(inspect_trace(path)))
     assert "max_model_len 4,096 (wall default): 1 too long, 1 capped" in text
     assert "the engine rejects it, counted as ignored" in text  # as replay does, not a refused trace
+
+
+def test_inspect_says_what_replay_does_with_max_tokens_that_can_never_be_generated(tmp_path):
+    """A prompt that fits with max_tokens over max_model_len is a refused trace in replay
+    (exit 2), not a request the engine rejects: inspect said 'too long, counted as ignored'."""
+    path = write(tmp_path, "out.jsonl", [{"t": 0, "id": "a", "prompt_len": 10, "max_tokens": 5000}])
+    wall, virtual = inspect_trace(path).length_checks
+    assert (wall.num_refused, wall.num_invalid, virtual.num_invalid) == (0, 1, 0)
+    assert "can never be generated (replay refuses the trace, exit 2)" in "\n".join(
+        format_inspection(inspect_trace(path)))
+    result = subprocess.run([sys.executable, "-m", "cli", "replay", str(path), "--no-live"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "can never be generated" in result.stdout + result.stderr
 
 
 def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
