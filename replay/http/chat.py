@@ -120,14 +120,7 @@ async def chat_completions(front, request: web.Request) -> web.StreamResponse:
 
 async def _complete(front, internal_id: str) -> web.Response:
     open_request = front.open[internal_id]
-    tokens: list[int] = []
-    while True:
-        output = await front._next(internal_id)
-        tokens.extend(output.new_token_ids)
-        if output.finished:
-            break
-    if output.finish_reason == "error":
-        raise ApiError(500, f"request failed in the engine: {output.error}")
+    tokens, output = await front._generate(internal_id)
     answer = chat_choice(WordTokenizer.decode(tokens), protocol.openai_finish_reason(output.finish_reason))
     return web.json_response({**_chat_head(open_request.client_id, front.model.name, False),
                               "choices": [answer], "usage": front._usage(internal_id)})
@@ -215,18 +208,7 @@ async def _answers(front, ids: list[str]) -> list[tuple[dict, dict]]:
 
 async def _one(front, internal_id: str, index: int) -> tuple[dict, dict]:
     """One prompt of a batch: its choice (with its index) and its usage."""
-    open_request = front.open[internal_id]
-    tokens: list[int] = []
-    while True:
-        output = await front._next(internal_id)
-        tokens.extend(output.new_token_ids)
-        if output.finished:
-            break
-    if output.finish_reason == "error":
-        raise ApiError(500, f"request failed in the engine: {output.error}")
-    answer = protocol.choice(WordTokenizer.decode(tokens),
-                             tokens if open_request.params.return_token_ids else None,
-                             protocol.openai_finish_reason(output.finish_reason),
-                             protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
+    tokens, output = await front._generate(internal_id)
+    answer = front._choice(internal_id, tokens, output)
     answer["index"] = index
     return answer, front._usage(internal_id)

@@ -300,8 +300,9 @@ class HttpFront:
         r = self.open[internal_id]
         return protocol.usage(len(r.params.prompt_token_ids), r.num_output_tokens, r.num_cached_tokens)
 
-    async def _complete(self, internal_id: str) -> web.Response:
-        request = self.open[internal_id]
+    async def _generate(self, internal_id: str) -> tuple[list[int], RequestOutput]:
+        """Every token of a request not streamed, and its last output (a 500 if the engine
+        failed it)."""
         tokens: list[int] = []
         while True:
             output = await self._next(internal_id)
@@ -310,13 +311,20 @@ class HttpFront:
                 break
         if output.finish_reason == "error":
             raise ApiError(500, f"request failed in the engine: {output.error}")
-        first = protocol.head("cmpl-" + request.client_id, self.model.name, int(time.time()))
-        answer = protocol.choice(WordTokenizer.decode(tokens),
-                                 tokens if request.params.return_token_ids else None,
-                                 protocol.openai_finish_reason(output.finish_reason),
-                                 protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
-        return web.json_response(protocol.completion(first, answer, self._usage(internal_id),
-                                                     output.kv_transfer_params))
+        return tokens, output
+
+    def _choice(self, internal_id: str, tokens: list[int], output: RequestOutput) -> dict:
+        """A completion's choice: its text, token ids if asked for, finish and stop reasons."""
+        return protocol.choice(WordTokenizer.decode(tokens),
+                               tokens if self.open[internal_id].params.return_token_ids else None,
+                               protocol.openai_finish_reason(output.finish_reason),
+                               protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
+
+    async def _complete(self, internal_id: str) -> web.Response:
+        tokens, output = await self._generate(internal_id)
+        first = protocol.head("cmpl-" + self.open[internal_id].client_id, self.model.name, int(time.time()))
+        return web.json_response(protocol.completion(first, self._choice(internal_id, tokens, output),
+                                                     self._usage(internal_id), output.kv_transfer_params))
 
     async def _stream(self, http_request: web.Request, internal_id: str) -> web.StreamResponse:
         request = self.open[internal_id]
