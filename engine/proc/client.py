@@ -14,6 +14,7 @@ import glob
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import Protocol
@@ -25,11 +26,12 @@ from engine.proc.core_proc import build_engine_core, kv_device, run_engine_core
 from engine.proc.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
                              RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.core.outputs import RequestOutput
-from engine.proc.run_dir import make_run_dir
+from engine.proc.run_dir import is_alive, make_run_dir, process_start_time
 from engine.proc.socket_limits import engine_output_bytes, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
 
 READY_TIMEOUT_S = 120.0
+WORKER_EXIT_S = 5.0  # an orphaned connector worker sees its engine gone well before this
 SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well before this
 
 
@@ -116,6 +118,14 @@ class InprocClient:
 
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().decode(errors="replace").rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class MPClient:
     """The engine core in a spawned child process, over ZMQ + msgpack."""
 
@@ -138,6 +148,7 @@ class MPClient:
         self.errors: list[str] = []
         self.num_bad_messages = 0
         self.ready: Ready | None = None
+        self.worker: tuple[int, str | None] | None = None  # the engine's connector worker: (pid, start time)
         if wait:
             self.wait_ready()
 
@@ -239,6 +250,8 @@ class MPClient:
                 return []
             self.latest_stats = msg
             self.new_stats.append(msg)
+            if self.worker is None:
+                self._note_worker(msg.counts.get("connector_worker_pid"))
         elif isinstance(msg, EngineError):
             self.errors.append(msg.message)
         return []
@@ -266,11 +279,30 @@ class MPClient:
             msg = self._recv(0)
         return outputs
 
+    def _note_worker(self, pid: object) -> None:
+        """Remember the connector worker the engine reported, if it is the engine's child."""
+        if type(pid) is int and pid > 0 and _parent_of(pid) == self.process.pid:
+            self.worker = (pid, process_start_time(pid))
+
+    def _stop_worker(self) -> None:
+        """The engine is gone: its connector worker leaves on its own when it sees that
+        (bounded wait); one still running then is stopped by its own id."""
+        if self.worker is None:
+            return
+        pid, start = self.worker
+        deadline = time.monotonic() + WORKER_EXIT_S
+        while is_alive(pid, start) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if is_alive(pid, start):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
     def kill(self) -> None:
         try:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(5)
+            self._stop_worker()
         finally:  # even if a signal cut the join short
             _remove_kv_segments(self.process.pid)
             self.input.close(linger=0)

@@ -12,6 +12,7 @@ import zmq
 from engine.proc.client import EngineDeadError, InprocClient, MPClient
 from engine.config import EngineConfig
 from engine.proc.messages import AddRequest, encode
+from tests.proc_utils import wait_until
 from tests.mp_utils import mock_tokens, topology
 
 PROMPTS = {f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8] + list(range(20 + 3 * i, 30 + 3 * i)) for i in range(8)}
@@ -263,3 +264,24 @@ def test_rejected_transfer_params_reach_the_stats_snapshot():
         h.clients["D"].add_request("bad", list(range(18)), 2, bad)
         stats = h.wait_for_stats("D", lambda s: s.counts["num_bad_params"] == 1, 5)
         assert stats is not None, h.stats("D").counts
+
+
+def test_a_connector_worker_orphaned_by_its_engines_death_is_stopped_by_its_own_id():
+    """P's engine SIGKILLed leaves its connector worker behind; here it is stopped too
+    (SIGSTOP), so it cannot leave on its own: the frontend stops it by the pid P reported."""
+    from engine.proc.run_dir import is_alive
+    with topology() as h:
+        p = h.clients["P"]
+        stats = h.wait_for_stats("P", lambda s: s.counts.get("connector_worker_pid"), 10)
+        worker = stats.counts["connector_worker_pid"]
+        os.kill(worker, signal.SIGSTOP)
+        os.kill(p.process.pid, signal.SIGKILL)
+        p.process.join(5)
+        p.kill()
+        wait_until(lambda: not is_alive(worker) or _state(worker) == "Z", 10,  # SIGKILL lands
+                   "the worker dead (a zombie until init reaps it)")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
