@@ -17,7 +17,6 @@ batch completions); not streamed (422), as kvdrain's front streams one sequence.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -132,30 +131,29 @@ async def _stream(front, http_request: web.Request, internal_id: str) -> web.Str
                                            "Server": front.server_header})  # before the middleware
     await response.prepare(http_request)
     head = _chat_head(open_request.client_id, front.model.name, True)
-    await _event(response, {**head, "choices": [chat_delta({"role": "assistant", "content": ""}, None)]})
+    role = chat_delta({"role": "assistant", "content": ""}, None)
+    await protocol.send_event(response, {**head, "choices": [role]})
     first = True
     while True:
         output = await front._next(internal_id)
         if output.finish_reason == "error":
-            await _event(response, ApiError(500, f"request failed in the engine: {output.error}").body())
+            failed = ApiError(500, f"request failed in the engine: {output.error}")
+            await protocol.send_event(response, failed.body())
             break
         if output.new_token_ids or output.finished:
             text = WordTokenizer.decode(output.new_token_ids, first)
             first = first and not output.new_token_ids
             delta = {"content": text} if text else {}
-            await _event(response, {**head, "choices": [
+            await protocol.send_event(response, {**head, "choices": [
                 chat_delta(delta, protocol.openai_finish_reason(output.finish_reason))]})
         if output.finished:
             if open_request.params.include_usage:
-                await _event(response, {**head, "choices": [], "usage": front._usage(internal_id)})
+                usage = front._usage(internal_id)
+                await protocol.send_event(response, {**head, "choices": [], "usage": usage})
             break
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-async def _event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
 
 # ---- batch prompts ---------------------------------------------------------------

@@ -324,3 +324,8 @@ def ignored_reason(finish_reason: str | None, num_output_tokens: int, error: str
     if finish_reason in ("length", "ignored") and num_output_tokens == 0 and error:
         return error
     return None
+
+
+async def send_event(response, payload: dict) -> None:
+    """One server-sent event on an aiohttp StreamResponse, framed as vLLM frames it."""
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")

@@ -337,27 +337,23 @@ class HttpFront:
             output = await self._next(internal_id)
             if output.finish_reason == "error":
                 error = ApiError(500, f"request failed in the engine: {output.error}")
-                await _send_event(response, error.body())
+                await protocol.send_event(response, error.body())
                 break
             if output.new_token_ids or output.finished:
                 text = WordTokenizer.decode(output.new_token_ids, first)
                 first = first and not output.new_token_ids
-                await _send_event(response, protocol.stream_chunk(first_chunk, protocol.choice(
+                await protocol.send_event(response, protocol.stream_chunk(first_chunk, protocol.choice(
                     text, output.new_token_ids if request.params.return_token_ids else None,
                     protocol.openai_finish_reason(output.finish_reason), protocol.ignored_reason(
                         output.finish_reason, request.num_output_tokens, output.error))))
             if output.finished:
                 if request.params.include_usage:
-                    await _send_event(response, protocol.usage_chunk(first_chunk,
+                    await protocol.send_event(response, protocol.usage_chunk(first_chunk,
                                                                      self._usage(internal_id)))
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-async def _send_event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
 
 def kvdrain_version() -> str:
