@@ -10,7 +10,9 @@ from engine.proc.run_dir import process_start_time
 
 def descendants(pid: int) -> list[tuple[int, str | None]]:
     """Every process below pid, as (pid, start time), from /proc; multiprocessing's
-    resource tracker is left out (it exits on its own when its parent's pipe closes)."""
+    resource tracker is left out (it exits on its own when its parent's pipe closes), and
+    so is a child caught between fork and exec (it still shows its parent's command line:
+    kvdrain starts every process with spawn, so no settled child shares it)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -21,15 +23,21 @@ def descendants(pid: int) -> list[tuple[int, str | None]]:
             children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        parent = todo.pop()
+        for child in children.get(parent, []):
             todo.append(child)
-            try:
-                if b"resource_tracker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    continue
-            except OSError:
+            cmdline = _cmdline(child)
+            if cmdline is None or b"resource_tracker" in cmdline or cmdline == _cmdline(parent):
                 continue
             found.append((child, process_start_time(child)))
     return found
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
 
 
 def wait_until(predicate, timeout_s: float, what: str):

@@ -218,10 +218,11 @@ def test_a_fault_is_named_exits_4_and_leaves_nothing(tmp_path, run_root, role, s
         start_new_session=True)
     children: list[tuple[int, str | None]] = []
     try:
-        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
-                         90, "4 child processes")
-        roles = wait_until(lambda: (lambda r: r if len(r) == 4 else None)(_roles([p for p, _ in children])),
-                      90, "both connector workers' sockets")
+        # /proc is read afresh each time: a child caught between fork and exec still shows its
+        # parent's command line (a resource tracker then looks like an engine)
+        roles = wait_until(lambda: (lambda r: r if len(r) == 4 else None)(
+            _roles([p for p, _ in descendants(proc.pid)])), 90, "both connector workers' sockets")
+        children = descendants(proc.pid)
         time.sleep(1.0)  # the fault lands mid-trace (the trace runs 3 s), transfers in flight
         os.kill(roles[role], sig)
         if sig == signal.SIGSTOP:
@@ -230,7 +231,7 @@ def test_a_fault_is_named_exits_4_and_leaves_nothing(tmp_path, run_root, role, s
         out, _ = proc.communicate(timeout=120)
         leftovers = _leftovers(run_root, children)
     finally:
-        for pid, start in [(proc.pid, None), *children]:
+        for pid, start in [(proc.pid, None), *(children or descendants(proc.pid))]:
             if is_alive(pid, start):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(10)
