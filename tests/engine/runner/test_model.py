@@ -388,7 +388,7 @@ def run_child(target: Callable[..., None], num_results: int, *args: object) -> l
     child = ctx.Process(target=target, args=(*args, results))
     child.start()
     try:
-        got = [results.get(timeout=60) for _ in range(num_results)]
+        got = [results.get(timeout=180) for _ in range(num_results)]  # a torch import at load 25 takes a while
         child.join(timeout=30)
         return [*got, child.exitcode]
     finally:

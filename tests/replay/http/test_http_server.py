@@ -240,7 +240,9 @@ def test_after_all_that_a_replay_over_http_verifies(pd):
         _, _, (no_metrics, why) = replay_over_http(front.port, "/no-metrics-here", max_requests=4)
         _, _, (no_url, why_not) = replay_over_http(front.port, None, max_requests=4)
     assert (status, reasons) == ("verified", [])
-    assert sum(w.verdict == "drained" for w in verdict.windows) >= 6
+    # at least the example's 4 idle gaps; a loaded machine may leave an engine's own short
+    # windows unobserved (coverage says which), never judged otherwise
+    assert sum(w.verdict == "drained" for w in verdict.windows) >= 4, verdict.windows
     http = timeline.meta["http"]
     assert http["server"]["owned_by"] == "kvdrain" and "kvdrain" in http["server"]["server"]
     assert "vllm:kv_cache_usage_perc" in http["metrics"][0]["metric_names_found"]

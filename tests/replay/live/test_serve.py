@@ -227,4 +227,4 @@ def test_a_group_sigterm_stops_the_serve_with_exit_143_and_no_traceback():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     assert proc.returncode == EXIT_TERMINATED, out
-    assert "Traceback" not in out and "stopped after 0 requests" in out
+    assert "Traceback" not in out and "stopped after 0 requests" in out, out
