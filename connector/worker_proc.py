@@ -308,6 +308,10 @@ class ConnectorWorkerProc:
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
+    """The first SIGTERM ends the worker; a second one (a group SIGTERM, then the engine's
+    own on its way down) finds the exit under way and is ignored: raised again, it would
+    cut close() or the exit handlers short with a traceback. The engine's kill bounds it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 

@@ -514,3 +514,19 @@ def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
     assert list(proc.held) == news and sent == []
     proc.close()
     assert sent == [msg for _, msg in news] and not proc.held
+
+
+def test_a_second_sigterm_finds_the_worker_already_leaving():
+    """A group SIGTERM, then the engine's own terminate(): raising again would cut close()
+    or the exit handlers short ("Exception ignored in atexit callback ... SystemExit")."""
+    import signal
+
+    from connector.worker_proc import _exit_on_signal
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        with pytest.raises(SystemExit):
+            _exit_on_signal(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
