@@ -391,12 +391,25 @@ def _forwarded(answer: aiohttp.ClientResponse, data: bytes, route: tuple[str, ..
 
 async def _pass_through(request: web.Request, answer: aiohttp.ClientResponse,
                         route: tuple[str, ...]) -> web.StreamResponse:
+    """D's answer to the client as it arrives; a client that left (its connection closing
+    under a write) ends it there, and is not D breaking off."""
     response = web.StreamResponse(status=answer.status, headers=_passed(answer, route))
     await response.prepare(request)
     async for chunk in answer.content.iter_any():
-        await response.write(chunk)
-    await response.write_eof()
+        if not await _to_client(response.write(chunk)):
+            return response
+    await _to_client(response.write_eof())
     return response
+
+
+async def _to_client(write) -> bool:
+    """Await a write to the client; False if its connection is gone (aiohttp's
+    ClientConnectionResetError is a ConnectionResetError, and a ClientError as D's are)."""
+    try:
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
 async def run_proxy(options: ProxyOptions, say=print) -> int:

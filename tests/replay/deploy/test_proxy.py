@@ -244,6 +244,37 @@ def test_a_decode_server_that_breaks_off_its_stream_breaks_the_clients_off_too(c
     assert "decode server D broke off its answer" in err and "Traceback" not in err
 
 
+def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_breaking_off(capfd, monkeypatch):
+    """The client read [DONE] and closed its connection before the proxy's last write: the
+    write fails as aiohttp fails it on a closing transport."""
+    write_eof = web.StreamResponse.write_eof
+
+    async def closing(self, data=b""):  # the proxy's answers only: the fakes' have no route
+        if ROUTE_HEADER in self.headers:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await write_eof(self, data)
+
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            d.hold = False
+            monkeypatch.setattr(web.StreamResponse, "write_eof", closing)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(proxy.url + "/v1/completions",
+                                        json={**CLIENT_REQUEST, "stream": True}) as response:
+                    with pytest.raises(aiohttp.ClientError):  # the stream's end never came
+                        await response.read()
+            monkeypatch.undo()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/metrics") as response:
+                    return _samples(await response.text())
+
+    samples = run(go())
+    assert samples[("kvdrain_proxy_requests_total",
+                    (("stage", "decode"), ("status", "200"), ("upstream", "D")))] == 1
+    err = capfd.readouterr().err
+    assert "broke off" not in err and "Traceback" not in err, err
+
+
 def test_several_prefill_and_decode_servers_are_used_in_turn():
     async def go():
         async with deployment(num_prefill=2, num_decode=3) as (proxy, prefill, decode):
