@@ -1,4 +1,4 @@
-"""Helpers for the HTTP tests: kvdrain's HTTP front, or any aiohttp app, on a free loopback port in a thread of its own."""
+"""Helpers for the HTTP tests: kvdrain's HTTP front, its proxy, or any aiohttp app, on a free loopback port in a thread of its own."""
 from __future__ import annotations
 
 import asyncio
