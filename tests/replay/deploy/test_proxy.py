@@ -543,11 +543,11 @@ def replay_through(url: str, trace: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("liveness", ["legacy", "event"])
 def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(tmp_path: Path, liveness):
-    """Group A's prefix lives on one P, which idles from t=1 to t=3 while group B keeps the
+    """Group A's prefix lives on one P, which idles from t=1 to t=4 while group B keeps the
     other P and D busy: no idle gap of the whole trace. The proxy names each request's way,
     so over HTTP that P's own window is judged from its metrics: legacy holds A's last
     blocks through it (exit 1), event frees them (exit 0)."""
-    trace = write(tmp_path, two_prefix_groups(pause=(1.0, 3.0), end=4.0, spacing=0.25))
+    trace = write(tmp_path, two_prefix_groups(pause=(1.0, 4.0), end=5.0, spacing=0.25))
     with two_serves_and_a_decode_serve_behind_the_proxy(liveness) as url:
         result = replay_through(url, trace)
     ways = {r.req_id: [upstream for upstream, _ in r.stages] for r in result.timeline.requests}
@@ -556,10 +556,10 @@ def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(
     assert all(way[1:] == ["D"] for way in ways.values()), ways
     assert all(is_tail for _, _, is_tail in idle_windows(result.timeline, 0.5))  # the trace never idles
     a = sorted((r for r in result.timeline.requests if r.req_id.startswith("a")), key=lambda r: r.arrival_t)
-    before, after = [r for r in a if r.arrival_t < 0.5][-1], [r for r in a if r.arrival_t >= 1.5][0]
+    before, after = [r for r in a if r.arrival_t < 0.5][-1], [r for r in a if r.arrival_t >= 2.0][0]
     own = [w for w in result.verdict.windows if w.engine == f"{starved}:P" and not w.is_tail]
     assert len(own) == 1 and before.first_token_t <= own[0].start and own[0].end <= after.send_t, \
-        result.verdict.windows  # inside A's pause (t 1..3 at speedup 2)
+        result.verdict.windows  # inside A's pause (t 1..4 at speedup 2)
     if liveness == "legacy":
         leaks = [w for w in result.verdict.windows if w.verdict == "leak" and not w.is_tail]
         assert {w.engine for w in leaks} == {f"{starved}:P"}, result.verdict.windows
