@@ -1,4 +1,4 @@
-"""Helpers for the HTTP tests: kvdrain's HTTP front, or any aiohttp app, on a free loopback port in a thread of its own."""
+"""Helpers for the HTTP tests: kvdrain's HTTP front, its proxy, or any aiohttp app, on a free loopback port in a thread of its own."""
 from __future__ import annotations
 
 import asyncio
@@ -92,3 +92,38 @@ def serving_in_thread(app: web.Application):
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(30)
+
+
+@contextlib.contextmanager
+def running_proxy(options):
+    """kvdrain's proxy (replay/deploy/proxy.py ProxyOptions) from a thread with its own event
+    loop; yields its URL."""
+    from replay.deploy.proxy import Proxy
+
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        proxy = Proxy(options)
+        await proxy.start()
+        box["url"], box["stop"], box["loop"] = proxy.url, asyncio.Event(), asyncio.get_running_loop()
+        ready.set()
+        try:
+            await box["stop"].wait()
+        finally:
+            await proxy.stop()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=run, name="proxy", daemon=True)
+    thread.start()
+    assert ready.wait(30) and "url" in box, "the proxy did not start"
+    try:
+        yield box["url"]
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        assert not thread.is_alive(), "the proxy did not stop"

@@ -16,6 +16,11 @@ by the proxy's own table of the prompt blocks it sent to each P: it cannot see a
 real cache, so a prefix a P has evicted still counts there). /v1/models, /version and
 /tokenize are the first D's (a replay learns the server's version and vocabulary through them),
 /health is 200 only when every upstream's /health is, and /metrics is the proxy's own.
+
+Every completion's answer, streamed or not, errors included, names its way in ROUTE_HEADER:
+the upstreams it went to, P then D, by the names /health gives them (the names a replay's
+scrape gives their engines), so an HTTP replay judges each engine in its own idle windows
+(replay/verify/windows.py); a proxy that does not say is judged by role, as any server.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
 EXIT_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+ROUTE_HEADER = "X-Kvdrain-Route"  # "P0,D1": the upstreams a completion went to, in order
 
 
 class ProxyError(ValueError):
@@ -148,9 +154,11 @@ def error_body(status: int, message: str) -> dict:
 class Unreachable(Exception):
     """An upstream that could not be reached or broke its answer off."""
 
-    def __init__(self, upstream: Upstream, stage: str, cause: BaseException) -> None:
+    def __init__(self, upstream: Upstream, stage: str, cause: BaseException,
+                 route: tuple[str, ...] = ()) -> None:
         super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: "
                          f"{cause!r}")
+        self.route = route  # the completion's way so far (empty: not a completion)
 
 
 class ProxyMetrics:
@@ -245,7 +253,7 @@ class Proxy:
         try:
             return await handler(request)
         except Unreachable as e:
-            return web.json_response(error_body(502, str(e)), status=502)
+            return web.json_response(error_body(502, str(e)), status=502, headers=route_headers(e.route))
 
     # ---- handlers --------------------------------------------------------------------
 
@@ -268,24 +276,24 @@ class Proxy:
         decode = self.upstreams[self.balancer.pick_decode()]
         self.balancer.started(decode.name)
         try:
-            return await self._decode(request, decode, decode_request(body, answer), request_id)
+            return await self._decode(request, (prefill, decode), decode_request(body, answer), request_id)
         finally:
             self.balancer.ended(decode.name)
 
     async def _prefill(self, upstream: Upstream, path: str, body: dict,
                        request_id: str) -> dict | web.Response:
         """P's JSON answer, or the response that ends the request (P's error, forwarded)."""
-        start = time.monotonic()
+        start, route = time.monotonic(), (upstream.name,)
         try:
             async with self.session.post(upstream.url + path, json=body,
                                          headers=self._headers(request_id)) as answer:
                 data = await answer.read()
         except aiohttp.ClientError as e:
             self.metrics.observe("prefill", upstream, "unreachable", start)
-            raise Unreachable(upstream, "prefill", e) from None
+            raise Unreachable(upstream, "prefill", e, route) from None
         self.metrics.observe("prefill", upstream, str(answer.status), start)
         if answer.status != 200:
-            return _forwarded(answer, data)
+            return _forwarded(answer, data, route)
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError):
@@ -293,26 +301,29 @@ class Proxy:
         if not isinstance(parsed, dict):
             return web.json_response(error_body(502, f"prefill server {upstream.name} "
                                                      f"({upstream.url}) answered 200 without a "
-                                                     f"JSON object"), status=502)
+                                                     f"JSON object"), status=502,
+                                     headers=route_headers(route))
         return parsed
 
-    async def _decode(self, request: web.Request, upstream: Upstream, body: dict,
+    async def _decode(self, request: web.Request, way: tuple[Upstream, Upstream], body: dict,
                       request_id: str) -> web.StreamResponse:
-        """D's answer passed through as it arrives: status, content type and bytes unchanged."""
+        """D's answer passed through as it arrives: status, content type and bytes unchanged
+        (way: the P that prefilled it and this D)."""
+        upstream, route = way[1], tuple(u.name for u in way)
         start = time.monotonic()
         status = "unreachable"
         try:
             async with self.session.post(upstream.url + request.path, json=body,
                                          headers=self._headers(request_id)) as answer:
                 status = str(answer.status)
-                return await _pass_through(request, answer)
+                return await _pass_through(request, answer, route)
         except aiohttp.ClientError as e:
             if status != "unreachable":  # D broke off an answer already begun: cut the client off
                 status = "broken"
                 print(f"kvdrain proxy: decode server {upstream.name} broke off its answer: {e!r}",
                       file=sys.stderr, flush=True)
                 raise
-            raise Unreachable(upstream, "decode", e) from None
+            raise Unreachable(upstream, "decode", e, route) from None
         finally:
             self.metrics.observe("decode", upstream, status, start)
 
@@ -358,22 +369,47 @@ class Proxy:
         return response
 
 
-def _passed(answer: aiohttp.ClientResponse) -> dict[str, str]:
-    return {h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}
+def route_headers(route: tuple[str, ...]) -> dict[str, str]:
+    """ROUTE_HEADER naming a completion's way (none for another request)."""
+    return {ROUTE_HEADER: ",".join(route)} if route else {}
 
 
-def _forwarded(answer: aiohttp.ClientResponse, data: bytes) -> web.Response:
+def parse_route(value: str | None) -> tuple[str, ...]:
+    """The upstreams a ROUTE_HEADER names, in order; () when absent or not one."""
+    names = tuple(name.strip() for name in (value or "").split(","))
+    return names if all(name and name.isprintable() and len(name) <= 64 for name in names) else ()
+
+
+def _passed(answer: aiohttp.ClientResponse, route: tuple[str, ...] = ()) -> dict[str, str]:
+    return {**{h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}, **route_headers(route)}
+
+
+def _forwarded(answer: aiohttp.ClientResponse, data: bytes, route: tuple[str, ...] = ()) -> web.Response:
     """An upstream's whole answer, status and body as it gave them."""
-    return web.Response(status=answer.status, body=data, headers=_passed(answer))
+    return web.Response(status=answer.status, body=data, headers=_passed(answer, route))
 
 
-async def _pass_through(request: web.Request, answer: aiohttp.ClientResponse) -> web.StreamResponse:
-    response = web.StreamResponse(status=answer.status, headers=_passed(answer))
+async def _pass_through(request: web.Request, answer: aiohttp.ClientResponse,
+                        route: tuple[str, ...]) -> web.StreamResponse:
+    """D's answer to the client as it arrives; a client that left (its connection closing
+    under a write) ends it there, and is not D breaking off."""
+    response = web.StreamResponse(status=answer.status, headers=_passed(answer, route))
     await response.prepare(request)
     async for chunk in answer.content.iter_any():
-        await response.write(chunk)
-    await response.write_eof()
+        if not await _to_client(response.write(chunk)):
+            return response
+    await _to_client(response.write_eof())
     return response
+
+
+async def _to_client(write) -> bool:
+    """Await a write to the client; False if its connection is gone (aiohttp's
+    ClientConnectionResetError is a ConnectionResetError, and a ClientError as D's are)."""
+    try:
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
 async def run_proxy(options: ProxyOptions, say=print) -> int:

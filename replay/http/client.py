@@ -22,6 +22,10 @@
   (a TraceError, the CLI's exit 2, never a failure mid-run);
 - without --metrics, a `kvdrain proxy` target's upstreams are scraped (its /health names
   them; meta["http"]["metrics_from"] says so);
+- the way `kvdrain proxy` says it sent each request (its X-Kvdrain-Route header: P, then
+  D, by the names /health gives them) goes into the request record's stages, so each
+  engine behind it is judged in its own idle windows (replay/verify/windows.py); an answer
+  without it (any other server) leaves the stages empty and its engines judged by role;
 - every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
   EngineSample records the other drivers produce, so replay/verify/rules.py judges the
   idle windows from the server's own metrics;
@@ -48,6 +52,7 @@ from typing import Callable, Iterable
 import aiohttp
 from yarl import URL
 
+from replay.deploy.proxy import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
 from replay.http.protocol import DuplicateKeyError, loads_strict
 from replay.http.scrape import MetricsSource, Scraper
@@ -465,6 +470,8 @@ class HttpReplay:
         record.send_lateness_s = record.send_t - req.t
         try:
             async with session.post(url, json=self._payload(req, prompt)) as response:
+                for upstream in parse_route(response.headers.get(ROUTE_HEADER)):
+                    record.enter(upstream, record.send_t)  # when it reached each: not seen here
                 if response.status != 200:
                     body = await response.read()
                     stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"

@@ -297,7 +297,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
     windows = []
     observed = idle_windows(timeline, options.idle_threshold_s)
-    own = idle_windows_by_engine(timeline, options.idle_threshold_s)  # {}: no engine's way known
+    # {}: no engine's way known; over HTTP the ways name upstreams, and their engines' own
+    # windows come from their metrics (engine_only_windows, below)
+    own = {} if timeline.is_scraped() else idle_windows_by_engine(timeline, options.idle_threshold_s)
     cut = timeline.meta.get("interrupted") is not None  # Ctrl-C, q or SIGTERM cut its tail short:
     judged = [(series, window) for series in by_engine.values()  # that window is not judged
               for window in own.get(series.engine, observed) if not (cut and window[2])]

@@ -3,7 +3,11 @@
 A window of the whole trace: nothing in flight from the client's view and the next arrival
 at least the idle threshold away (or the tail, after the last request ended). An engine is
 judged in its own windows where each request's way is known (a local router's), else in
-the trace's (a serve's or an HTTP server's routing is its own).
+the trace's (a serve's or an HTTP server's routing is its own). Over HTTP an engine's own
+windows come from its metrics (scraped_idle_windows), cut by the requests that may be on
+it: where kvdrain's proxy named each request's way (its X-Kvdrain-Route header, in
+RequestRecord.stages), only the requests it sent to that engine's upstream; behind any
+other server, every request of the engine's role (which engine had it is unknown).
 
 The delayed-free leak is per engine: under a prefix-aware router a prefill engine whose
 prefixes stop arriving idles while the rest of the system is busy, and no idle gap of the
@@ -85,28 +89,62 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
     """Over HTTP, each engine's idle windows from its own metrics: runs of readings with no
     request running or waiting there, from the first such reading's answer to the last's
     (the engine was idle in between for sure; nothing is claimed beyond), less the time the
-    client had a request that may be on it (client_spans) and the time before its first
-    send, at least the idle threshold long. Only engines whose /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
+    client had a request that may be on it and the time before the first send, at least the
+    idle threshold long. The requests that may be on it: those routed to its upstream
+    (routed_spans) when the proxy named that upstream in the ways, else every request of its
+    role (client_spans: a source named otherwise, or no proxy that says). Only engines whose
+    /metrics carry the queue gauges (meta QUEUE_GAUGES)."""
     out = {}
     engines = list(timeline.meta.get(QUEUE_GAUGES) or ())
+    named = {upstream for r in timeline.requests for upstream, _ in r.stages}
+    first_send = min((min(r.send_t, r.arrival_t) for r in timeline.requests), default=None)
     for engine in engines:
-        runs, first, last = [], None, None
-        for sample in timeline.samples_for(engine):
-            if sample.num_running + sample.num_waiting == 0:
-                first, last = (sample.t if first is None else first), sample.t
-                continue
-            if first is not None:
-                runs.append((first, last, False))
-            first = None
-        if first is not None:
-            runs.append((first, last, True))
         prefill = is_prefill(engine)
-        alone = prefill or sum(is_prefill(e) == prefill for e in engines) == 1
-        spans = client_spans(timeline.requests, "prefill" if prefill else "decode")
-        if spans:  # before the first send (pre-flight scrapes) nothing was under test
-            spans.insert(0, (-math.inf, spans[0][0]))
-        out[engine] = [w for run in runs for w in _less(run, spans, alone) if w[1] - w[0] >= idle_threshold_s]
+        if any(on_upstream(engine, upstream) for upstream in named):  # its own requests, all cut out
+            spans, alone = routed_spans(timeline.requests, engine), True
+        else:
+            alone = prefill or sum(is_prefill(e) == prefill for e in engines) == 1
+            spans = client_spans(timeline.requests, "prefill" if prefill else "decode")
+        if first_send is not None:  # before the first send (pre-flight scrapes) nothing was under test
+            spans.insert(0, (-math.inf, first_send))
+        out[engine] = [w for run in _idle_runs(timeline, engine) for w in _less(run, spans, alone)
+                       if w[1] - w[0] >= idle_threshold_s]
     return out
+
+
+def _idle_runs(timeline: Timeline, engine: str) -> list[Window]:
+    """(first, last, is_tail) of each run of the engine's readings with no request running or waiting."""
+    runs, first, last = [], None, None
+    for sample in timeline.samples_for(engine):
+        if sample.num_running + sample.num_waiting == 0:
+            first, last = (sample.t if first is None else first), sample.t
+            continue
+        if first is not None:
+            runs.append((first, last, False))
+        first = None
+    if first is not None:
+        runs.append((first, last, True))
+    return runs
+
+
+def on_upstream(engine: str, upstream: str) -> bool:
+    """The scraped engine is one of the upstream's: its only series (named after it) or one
+    of several (NAME:label, replay/http/scrape.py engine_name)."""
+    return engine == upstream or engine.startswith(upstream + ":")
+
+
+def routed_spans(requests: Sequence[RequestRecord], engine: str) -> list[tuple[float, float]]:
+    """(since, until) of each request as it may be on the scraped engine: a request whose way
+    the proxy named, while it was on the engine's upstream (intervals); one whose way is not
+    known (an answer without the header), as client_spans has it for the engine's role."""
+    role = "prefill" if is_prefill(engine) else "decode"
+    out = []
+    for r in requests:
+        if r.stages:
+            out += [(since, until) for upstream, since, until in intervals(r) if on_upstream(engine, upstream)]
+        else:
+            out += client_spans([r], role)
+    return sorted(out)
 
 
 def is_prefill(engine: str) -> bool:
@@ -129,11 +167,12 @@ def client_spans(requests: Sequence[RequestRecord], role: str) -> list[tuple[flo
 
 
 def _less(run: Window, spans: list[tuple[float, float]], alone: bool) -> list[Window]:
-    """The run without the spans. A prefill engine, or an engine alone in its role, loses
-    every span: a P's metrics cannot show the requests it holds KV for, and which P had a
-    request is the server's routing, unknown over HTTP. Among several decode engines, whose
-    metrics count their requests, only a span under way at the run's start is cut out (the
-    engine may still hold its KV)."""
+    """The run without the spans. A prefill engine, an engine alone in its role, or one
+    whose own requests the spans are (alone), loses every span: a P's metrics cannot show
+    the requests it holds KV for, and which P had a request is the server's routing, unknown
+    over HTTP unless the proxy said. Among several decode engines, whose metrics count their
+    requests, only a span under way at the run's start is cut out (the engine may still
+    hold its KV)."""
     start, end, is_tail = run
     out, cur = [], start
     for since, until in spans:

@@ -3,7 +3,7 @@
 Runs in: the parity venv; kvdrain is imported from the repo root on sys.path (its pure
 core needs the stdlib, plus msgpack through connector/messages.py), never installed.
 EngineCore.step is what the engine loop calls (the sync step, or the batch queue's
-under async scheduling); the fakes play its model runner and connector worker.
+under async scheduling); the fakes play its model runner and its connector's agent and worker.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from connector.pd import PDConnector
 from engine.config import EngineConfig, KVTransferConfig
 from engine.core.block_pool import BlockPool
 from engine.core.engine_core import EngineCore
-from engine.core.kv_connector import KVConnectorMetadata, KVConnectorWorkerBase
+from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorMetadata
 from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -85,8 +85,8 @@ class FakeRunner:
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-class FakeWorker(KVConnectorWorkerBase):
-    """The connector worker: hands the fake its transfers and returns its reports at `now`."""
+class FakeAgent(KVConnectorAgentBase):
+    """The connector's agent: hands the fake worker its transfers and returns its reports at `now`."""
 
     def __init__(self, worker: FakeKVWorker) -> None:
         self.worker = worker
@@ -143,8 +143,8 @@ class KvdrainSide:
         engine_config = build_engine_config(config)
         connector = PDConnector(engine_config) if config.role is not None else None
         self.runner = FakeRunner(model)
-        self.worker = FakeWorker(worker) if config.role is not None else None
-        self.core = EngineCore(engine_config, self.runner, connector, self.worker)
+        self.agent = FakeAgent(worker) if config.role is not None else None
+        self.core = EngineCore(engine_config, self.runner, connector, self.agent)
         self.scheduler = self.core.scheduler
         self.runner.scheduler = self.scheduler
         self.evictions = EvictionCounter(self.scheduler.block_pool)
@@ -167,8 +167,8 @@ class KvdrainSide:
         """EngineCore.step: nothing when has_work() is false (the loop would block)."""
         if not self.core.has_work():
             return self.snapshot(Snapshot())
-        if self.worker is not None:
-            self.worker.now = now
+        if self.agent is not None:
+            self.agent.now = now
         self.runner.last = None
         result = self.core.step()
         sched_out = self.runner.last  # None: this step only processed a batch in flight

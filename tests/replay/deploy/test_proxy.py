@@ -7,7 +7,7 @@ import asyncio
 import json
 import signal
 import sys
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -15,8 +15,17 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
+from engine.config import EngineConfig, KVTransferConfig
+from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, ROUTE_HEADER, Proxy, ProxyOptions, parse_route
+from replay.deploy.topology import TopologyLaunch
+from replay.http.client import HttpTargetOptions
+from replay.pipeline import ReplayConfig, run_replay
+from replay.trace.shaping import ShapingOptions
+from replay.verify.rules import VerifyOptions
+from replay.verify.windows import idle_windows
 from tests.e2e.test_cli import EXAMPLE, Lines, Serve, invoke
+from tests.http_utils import running_front, running_proxy, served_model
+from tests.replay.sim.test_xpyd import two_prefix_groups, write
 
 pytestmark = pytest.mark.timeout(120)
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
@@ -42,6 +51,7 @@ class FakeVllm:
         self.fail: tuple[int, bytes] | None = None  # answer every completion with this
         self.healthy = True
         self.break_off = False  # a D that dies after its first chunk
+        self.hold = True  # a stream waits after its first chunk until `release` is set again
         self.release = asyncio.Event()
         self.release.set()
         self.first_chunk_sent = asyncio.Event()
@@ -89,7 +99,7 @@ class FakeVllm:
             if i == 0 and self.break_off:
                 request.transport.close()
                 return response
-            if i == 0:
+            if i == 0 and self.hold:
                 self.first_chunk_sent.set()
                 self.release.clear()
         await response.write_eof()
@@ -234,6 +244,37 @@ def test_a_decode_server_that_breaks_off_its_stream_breaks_the_clients_off_too(c
     assert "decode server D broke off its answer" in err and "Traceback" not in err
 
 
+def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_breaking_off(capfd, monkeypatch):
+    """The client read [DONE] and closed its connection before the proxy's last write: the
+    write fails as aiohttp fails it on a closing transport."""
+    write_eof = web.StreamResponse.write_eof
+
+    async def closing(self, data=b""):  # the proxy's answers only: the fakes' have no route
+        if ROUTE_HEADER in self.headers:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await write_eof(self, data)
+
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            d.hold = False
+            monkeypatch.setattr(web.StreamResponse, "write_eof", closing)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(proxy.url + "/v1/completions",
+                                        json={**CLIENT_REQUEST, "stream": True}) as response:
+                    with pytest.raises(aiohttp.ClientError):  # the stream's end never came
+                        await response.read()
+            monkeypatch.undo()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(proxy.url + "/metrics") as response:
+                    return _samples(await response.text())
+
+    samples = run(go())
+    assert samples[("kvdrain_proxy_requests_total",
+                    (("stage", "decode"), ("status", "200"), ("upstream", "D")))] == 1
+    err = capfd.readouterr().err
+    assert "broke off" not in err and "Traceback" not in err, err
+
+
 def test_several_prefill_and_decode_servers_are_used_in_turn():
     async def go():
         async with deployment(num_prefill=2, num_decode=3) as (proxy, prefill, decode):
@@ -243,6 +284,40 @@ def test_several_prefill_and_decode_servers_are_used_in_turn():
             assert [len(p.bodies) for p in prefill] == [3, 3]
 
     run(go())
+
+
+def test_every_completion_answer_names_its_way_streamed_or_not_errors_included():
+    async def go():
+        async with deployment(num_prefill=2, num_decode=2) as (proxy, (p0, p1), (d0, d1)):
+            d0.hold = d1.hold = False
+            async with aiohttp.ClientSession() as session:
+                async def route(request) -> tuple[int, str | None]:
+                    async with session.post(proxy.url + "/v1/completions", json=request) as response:
+                        await response.read()
+                        return response.status, response.headers.get(ROUTE_HEADER)
+
+                streamed = {**CLIENT_REQUEST, "stream": True}
+                assert await route(CLIENT_REQUEST) == (200, "P0,D0")
+                assert await route(streamed) == (200, "P1,D1")
+                p0.fail = (400, b'{"error": {"message": "too long", "code": 400}}')
+                assert await route(CLIENT_REQUEST) == (400, "P0")  # P refused it: no D
+                d0.fail = (404, b'{"error": {"message": "no such model"}}')
+                assert await route(streamed) == (404, "P1,D0")
+                p0.fail = None
+                await d1.stop()
+                assert await route(CLIENT_REQUEST) == (502, "P0,D1")  # D1 is down
+                await p1.stop()
+                assert await route(CLIENT_REQUEST) == (502, "P1")
+                await p1.start(), await d1.start()  # deployment() stops them again
+                async with session.get(proxy.url + "/v1/models") as response:
+                    assert ROUTE_HEADER not in response.headers  # not a completion
+
+    run(go())
+
+
+def test_a_route_header_is_read_back_as_the_names_it_lists_and_nothing_else():
+    assert parse_route("P0,D1") == ("P0", "D1") and parse_route(" P ") == ("P",)
+    assert parse_route(None) == parse_route("") == parse_route("P0,,D") == parse_route("P0,\x00") == ()
 
 
 def test_models_come_from_d_and_health_names_every_upstream():
@@ -438,3 +513,57 @@ def test_the_proxys_prefix_router_sends_a_shared_prompt_to_the_p_it_sent_it_to()
     assert other != first
     assert proxy.balancer.pick_prefill(proxy._prompt_blocks({"prompt": "w1 w2 w3 w4 w5"})) == first
     assert proxy._prompt_blocks({"prompt": [1, 2, 3, 4, 5]}) and len(proxy._prompt_blocks({"prompt": [1, 2, 3]})) == 1
+
+
+@contextmanager
+def two_serves_and_a_decode_serve_behind_the_proxy(liveness: str):
+    """Two pd `serve --http` fronts as P0 and P1 (each prefills on its own P and hands the
+    KV to its own D: a P that holds blocks for a reader) and a single one as D, behind the
+    prefix-routing proxy; yields the proxy's URL."""
+    config = EngineConfig(runner="mock", num_blocks=256, liveness=liveness)
+    with ExitStack() as stack:
+        topologies = ("pd", "pd", "single")
+        launches = [stack.enter_context(TopologyLaunch(config, KVTransferConfig(), t)) for t in topologies]
+        urls = []
+        for launch, topology in zip(launches, topologies):  # they start at once; each waited for
+            router = launch.wait_ready()
+            stack.callback(router.shutdown)
+            front = stack.enter_context(running_front(router, served_model(router, config, topology)))
+            urls.append(f"http://127.0.0.1:{front.port}")
+        options = ProxyOptions(prefill=tuple(urls[:2]), decode=(urls[2],), router="prefix")
+        yield stack.enter_context(running_proxy(options))
+
+
+def replay_through(url: str, trace: Path):
+    http = HttpTargetOptions(url, scrape_interval_s=0.05, tail_s=1.0)
+    return run_replay(ReplayConfig(trace=trace, http=http, shaping=ShapingOptions(speedup=2.0),
+                                   verify=VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("liveness", ["legacy", "event"])
+def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(tmp_path: Path, liveness):
+    """Group A's prefix lives on one P, which idles from t=1 to t=4 while group B keeps the
+    other P and D busy: no idle gap of the whole trace. The proxy names each request's way,
+    so over HTTP that P's own window is judged from its metrics: legacy holds A's last
+    blocks through it (exit 1), event frees them (exit 0)."""
+    trace = write(tmp_path, two_prefix_groups(pause=(1.0, 4.0), end=5.0, spacing=0.25))
+    with two_serves_and_a_decode_serve_behind_the_proxy(liveness) as url:
+        result = replay_through(url, trace)
+    ways = {r.req_id: [upstream for upstream, _ in r.stages] for r in result.timeline.requests}
+    (starved,) = {way[0] for req_id, way in ways.items() if req_id.startswith("a")}
+    assert {way[0] for req_id, way in ways.items() if req_id.startswith("b")} == {"P1" if starved == "P0" else "P0"}
+    assert all(way[1:] == ["D"] for way in ways.values()), ways
+    assert all(is_tail for _, _, is_tail in idle_windows(result.timeline, 0.5))  # the trace never idles
+    a = sorted((r for r in result.timeline.requests if r.req_id.startswith("a")), key=lambda r: r.arrival_t)
+    before, after = [r for r in a if r.arrival_t < 0.5][-1], [r for r in a if r.arrival_t >= 2.0][0]
+    own = [w for w in result.verdict.windows if w.engine == f"{starved}:P" and not w.is_tail]
+    assert len(own) == 1 and before.first_token_t <= own[0].start and own[0].end <= after.send_t, \
+        result.verdict.windows  # inside A's pause (t 1..4 at speedup 2)
+    if liveness == "legacy":
+        leaks = [w for w in result.verdict.windows if w.verdict == "leak" and not w.is_tail]
+        assert {w.engine for w in leaks} == {f"{starved}:P"}, result.verdict.windows
+        assert result.verdict.exit_code == 1
+    else:
+        assert all(w.verdict == "drained" for w in own)
+        assert result.verdict.exit_code == 0, (result.verdict.reasons, result.verdict.violations)

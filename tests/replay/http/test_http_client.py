@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from replay.deploy.proxy import ROUTE_HEADER
 from replay.http import outcome
 from replay.http.client import IGNORED_BY_SERVER, HttpReplay, HttpTargetOptions
 from replay.http.outcome import http_verdict
@@ -49,6 +50,7 @@ class FakeServer:
         self.num_posts = 0
         self.num_tokenizes = 0
         self.release = asyncio.Event()
+        self.route = lambda body: None  # the ROUTE_HEADER a body is answered with (None: none)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """Like vLLM over a WordLevel tokenizer: an unknown word is <unk>, after the words."""
@@ -65,8 +67,10 @@ class FakeServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.num_posts += 1
-        chunks = self.answer(await request.json())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        body = await request.json()
+        chunks, route = self.answer(body), self.route(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               **({ROUTE_HEADER: route} if route is not None else {})})
         await response.prepare(request)
         if chunks is None:
             await self.release.wait()
@@ -95,8 +99,10 @@ class FakeServer:
             await runner.cleanup()
 
 
-def replay(answer, trace, server_vocab_size: int | None = 1000, **options) -> tuple[Timeline, FakeServer]:
+def replay(answer, trace, server_vocab_size: int | None = 1000, route=None,
+           **options) -> tuple[Timeline, FakeServer]:
     server = FakeServer(answer, server_vocab_size)
+    server.route = route or server.route
 
     async def go() -> Timeline:
         async with server.running() as url:
@@ -117,6 +123,15 @@ def test_an_abort_at_the_instant_of_its_request_closes_the_record():
     assert a.end_t is not None and a.finish_reason == "abort" and a.error is None
     assert a.send_t >= 0 and b.finish_reason == "length" and b.num_output_tokens == 2
     assert verify(timeline, []).violations == ()
+
+
+def test_the_way_a_proxy_names_goes_into_the_request_records_stages():
+    """kvdrain's proxy names each answer's way (P, then D); another server names none."""
+    ways = {0: "P1,D0", 1: "P0", 2: None, 3: "P0,,D"}
+    trace = [TraceRequest(0.0, f"r{i}", 2, 2, prompt_token_ids=(i, 1)) for i in ways]
+    timeline, _ = replay(good, trace, route=lambda body: ways[body["prompt"][0]])
+    stages = {r.req_id: [(engine, t == r.send_t) for engine, t in r.stages] for r in timeline.requests}
+    assert stages == {"r0": [("P1", True), ("D0", True)], "r1": [("P0", True)], "r2": [], "r3": []}
 
 
 MALFORMED = {

@@ -338,3 +338,41 @@ def test_over_http_the_tail_is_judged_once_per_engine():
     verdict = verify(lone_prefill_engine_holding_unread_kv(freed_at=6.2), [])
     tails = [w.engine for w in verdict.windows if w.is_tail]
     assert sorted(tails) == ["D", "P"], [(w.engine, w.start, w.end) for w in verdict.windows]
+
+
+def routed_prefill_engines(held: int, names: tuple[str, str] = ("P0", "P1"),
+                           upstreams: tuple[str, str] = ("P0", "P1")) -> Timeline:
+    """The trace above behind kvdrain's proxy, P0 and P1 for D0 and D1: the proxy named each
+    request's way (stages), the ones sent from t=2 to t=8 went to P1, the others to P0."""
+    timeline = busy_trace_with_an_idle_decode_engine(held=held, queue_gauges=list(names))
+    for s in timeline.samples:
+        s.engine = {"D0": names[0], "D1": names[1]}[s.engine]
+    timeline.engines, timeline.num_usable_blocks = list(names), {n: 100 for n in names}
+    for r in timeline.requests:
+        r.stages = [[upstreams[1] if 2.0 <= r.send_t < 8.0 else upstreams[0], r.send_t], ["D", r.send_t]]
+    return timeline
+
+
+def test_over_http_a_prefill_engine_among_several_is_judged_in_its_own_window_where_the_proxy_named_the_ways():
+    leak = verify(routed_prefill_engines(held=6), [])
+    own = [w for w in leak.windows if w.engine == "P0" and not w.is_tail]
+    assert [(round(w.start, 6), round(w.end, 6), w.verdict) for w in own] == [(2.0, 8.0, "leak")]
+    assert leak.exit_code == 1
+    drained = verify(routed_prefill_engines(held=0), [])
+    assert [w.verdict for w in drained.windows if w.engine == "P0" and not w.is_tail] == ["drained"]
+    assert drained.exit_code == 0
+
+
+def test_the_engines_of_an_upstream_named_in_the_way_are_its_series_name_colon_label():
+    """A serve behind the proxy as P0 exposes its engines as P0:P and P0:D: both are P0's."""
+    own = verify(routed_prefill_engines(held=6, names=("P0:P", "P1:P")), [])
+    assert [w.engine for w in own.windows if w.verdict == "leak" and not w.is_tail] == ["P0:P"]
+    other = verify(routed_prefill_engines(held=6, names=("P01", "P1"), upstreams=("P0", "P1")), [])
+    assert not [w for w in other.windows if w.engine == "P01" and not w.is_tail]  # no way named P01: by role
+
+
+def test_a_request_whose_way_is_not_named_may_be_on_any_engine_of_its_role():
+    timeline = routed_prefill_engines(held=6)
+    timeline.requests[10].stages.clear()  # sent at t=5, answered without the header
+    own = [w for w in verify(timeline, []).windows if w.engine == "P0" and not w.is_tail]
+    assert [(round(w.start, 6), round(w.end, 6)) for w in own] == [(2.0, 5.0), (5.2, 8.0)]
