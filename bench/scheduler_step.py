@@ -12,9 +12,13 @@ prefix-cache semantics), so the ratio is the price of fidelity. Needs `xxhash` f
 nano-vllm (`make bench` installs it).
 
     python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall]
+    python bench/scheduler_step.py --opcodes [--nano-vllm DIR] [--sizes 1,64,1024]
 
 A step's cost is this thread's CPU time (time.thread_time) unless --clock wall: on a
 shared machine the wall time of a step mostly says how often another process ran.
+--opcodes counts instead the bytecodes a step executes per function (sys.settrace),
+which no other load changes: a census of where the Python work is, not a time (a C
+call counts one, whatever it costs; allocations and garbage collection are not seen).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import statistics
 import sys
 import time
 import types
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,6 +142,47 @@ class NanoBench:
         return elapsed + clock() - start
 
 
+# --opcodes: frames of the benchmark itself and of the runner, left out of the census.
+NOT_COUNTED = (f"{Path(__file__).name}:", "mock_runner.py:")
+
+
+def count_opcodes(step: Callable[[], object], num_steps: int) -> Counter:
+    """Bytecodes per function over num_steps calls of `step` (its own frame left out)."""
+    counts: Counter = Counter()
+
+    def on_opcode(frame, event, _):
+        if event == "opcode":
+            code = frame.f_code
+            counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        return on_opcode
+
+    def on_call(frame, event, _):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return on_opcode
+
+    sys.settrace(on_call)
+    try:
+        for _ in range(num_steps):
+            step()
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def census(sizes: list[int], num_steps: int, with_nano: bool) -> None:
+    """Bytecodes per step of each scheduler, in total and in its costliest functions."""
+    benches = [KvdrainBench] + ([NanoBench] if with_nano else [])
+    for num_running in sizes:
+        for cls in benches:
+            bench = cls(num_running, False)
+            counts = count_opcodes(bench.timed_step, num_steps)
+            for name in [n for n in counts if n.startswith(NOT_COUNTED)]:
+                del counts[name]  # the clock's calls and the "model" are not the scheduler's
+            top = ", ".join(f"{name} {n / num_steps:,.0f}" for name, n in counts.most_common(4))
+            print(f"{num_running:>6} {cls.name:>10} {sum(counts.values()) / num_steps:>9,.0f} opcodes/step  ({top})",
+                  flush=True)
+
+
 def median_us(make: Callable[[], object], num_steps: int) -> float:
     bench = make()
     return 1e6 * statistics.median(bench.timed_step() for _ in range(num_steps))
@@ -170,13 +216,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per round")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="this thread's CPU time (default) or wall time per step")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="count the bytecodes of a step per function instead of timing it")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
     print(f"clock: {args.clock} ({clock.__name__})")
     if args.nano_vllm is not None:
         NanoBench.nano = load_nano_vllm(args.nano_vllm)
-    run([int(s) for s in args.sizes.split(",")], args.rounds, args.steps, args.nano_vllm is not None)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.opcodes:
+        census(sizes, args.steps, args.nano_vllm is not None)
+        return
+    run(sizes, args.rounds, args.steps, args.nano_vllm is not None)
 
 
 if __name__ == "__main__":

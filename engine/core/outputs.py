@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+_new_object = object.__new__  # an instance without __init__ (SchedulerOutput.empty)
+
 
 @dataclass(slots=True, kw_only=True)
 class ScheduledRequest:
@@ -63,6 +65,25 @@ class SchedulerOutput:
         self.kv_connector_metadata = kv_connector_metadata
         for sched_req in scheduled:
             self.add(sched_req)
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        """SchedulerOutput() for the scheduler's step: the same empty columns, every slot
+        stored once, without __init__'s arguments (a cost paid on every step)."""
+        out = _new_object(cls)
+        out.req_ids = []
+        out.num_computed_tokens = []
+        out.num_scheduled_tokens = []
+        out.token_ids = []
+        out.new_block_ids = {}
+        out.prompt_token_ids = {}
+        out.new_req_ids = set()
+        out.partial_req_ids = set()
+        out.total_num_scheduled_tokens = 0
+        out.finished_req_ids = set()
+        out.preempted_req_ids = set()
+        out.kv_connector_metadata = None
+        return out
 
     def add(self, sched_req: ScheduledRequest) -> None:
         """Append one request's share (does not count its tokens in the total)."""

@@ -23,6 +23,8 @@ __all__ = ["Scheduler"]
 # Makes an instance without calling __init__: the decode loop fills a RequestOutput's
 # slots itself, about a quarter cheaper per request than the dataclass __init__.
 _new_object = object.__new__
+# No request's KV failed this step (update_from_output): shared, never mutated.
+_NO_IDS: frozenset[str] = frozenset()
 
 
 class Scheduler:
@@ -178,10 +180,10 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput.empty()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and (self.waiting or self.skipped_waiting):
             self._schedule_waiting(out, budget)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
@@ -374,7 +376,7 @@ class Scheduler:
         if self.connector is not None:  # first: it may say the worker process is gone
             kv_out = kv_out or KVConnectorOutput()
             self.connector.update_connector_output(kv_out)
-        failed_ids: set[str] = set()
+        failed_ids: set[str] | frozenset[str] = _NO_IDS
         if kv_out is not None and kv_out.invalid_block_ids:  # before the tokens, like vLLM
             failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
         if self.fast_path and not failed_ids and not runner_out.failed:

@@ -180,6 +180,16 @@ def test_scheduler_output_columns_round_trip_records():
     assert SchedulerOutput(out.scheduled, 5) == out
 
 
+
+def test_an_empty_scheduler_output_is_the_constructor_s_with_its_own_containers():
+    fast, slow = SchedulerOutput.empty(), SchedulerOutput()
+    assert fast == slow and type(fast) is SchedulerOutput
+    for slot in SchedulerOutput.__slots__:  # every slot set, none shared with another output
+        value = getattr(fast, slot)
+        assert value == getattr(slow, slot)
+        if value is not None and not isinstance(value, int):
+            assert value is not getattr(SchedulerOutput.empty(), slot)
+
 def test_block_hash_is_sha256_of_parent_and_int64_tokens():
     rng = random.Random(0)
     parent = None
