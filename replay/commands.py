@@ -192,7 +192,8 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
     from replay.trace.inspect import wall_time_note
-    note = wall_time_note(config.clock, summary.duration, config.shaping)
+    note = wall_time_note(config.clock, config.trace, config.fmt, config.shaping, summary.duration,
+                          config.effective_tail_s(), config.skip_bad_lines)
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 

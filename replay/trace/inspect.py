@@ -249,17 +249,39 @@ def bad_line_lines(insp: TraceInspection) -> list[str]:
 LONG_WALL_S = 300.0  # a wall replay longer than this says so before it starts
 
 
-def wall_time_note(clock: str, duration_s: float, shaping: ShapingOptions) -> str | None:
-    """Before a long wall-clock replay: how long it will take, and how to make it shorter."""
+def wall_time_note(clock: str, path: str | Path, fmt: str | None, shaping: ShapingOptions,
+                   duration_s: float, tail_s: float = DEFAULT_TAIL_S,
+                   skip_bad_lines: bool = False) -> str | None:
+    """Before a long wall-clock replay: how long it will take, and how to make it shorter.
+
+    The time is the shaped trace's (every shaping option, --max-requests and --max-gap
+    among them), measured by a pass over it only when the unshaped bound, the trace's
+    `duration_s` within --start/--end at the speedup, could be long: shaping shortens a
+    trace, except --insert-idle.
+    """
     if clock != "wall":
         return None
     end = duration_s if shaping.end is None else min(duration_s, shaping.end)
-    wall_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup
+    bound_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup + tail_s
+    if bound_s <= LONG_WALL_S and shaping.insert_idle is None:
+        return None
+    last_arrival = shaped_last_arrival(path, fmt, shaping, skip_bad_lines)
+    wall_s = last_arrival + tail_s
     if wall_s <= LONG_WALL_S:
         return None
-    return (f"this wall-clock replay takes about {_duration(wall_s)} ({end - (shaping.start or 0.0):,.1f} "
-            f"trace seconds at speedup {shaping.speedup:g}); --clock virtual runs it in seconds, "
-            f"--speedup, --max-gap or --end shorten it, and `kvdrain inspect` previews it")
+    return (f"this wall-clock replay takes about {_duration(wall_s)} (last arrival {last_arrival:,.1f} s "
+            f"+ {tail_s:g} s tail; start-up aside); --clock virtual runs it in seconds, "
+            f"--speedup, --max-gap, --max-requests or --end shorten it, and `kvdrain inspect` previews it")
+
+
+def shaped_last_arrival(path: str | Path, fmt: str | None, shaping: ShapingOptions,
+                        skip_bad_lines: bool = False) -> float:
+    """The replay time of the shaped trace's last request (0 when shaping leaves none)."""
+    last = 0.0
+    for rec in shape(read_trace(path, fmt, skip_bad_lines=skip_bad_lines), shaping, ShapingLog()):
+        if isinstance(rec, TraceRequest):
+            last = rec.t
+    return last
 
 
 def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | None:

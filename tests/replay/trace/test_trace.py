@@ -341,14 +341,36 @@ def test_inspect_says_what_replay_does_with_max_tokens_that_can_never_be_generat
     assert result.returncode == 2 and "can never be generated" in result.stdout + result.stderr
 
 
-def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
+def _hour_long_trace(tmp_path: Path) -> Path:
+    """Requests every 10 s over an hour, then one 3,000 s gap closing on a last request."""
+    lines = [{"t": 10.0 * i, "id": f"r{i}", "prompt_len": 16, "max_tokens": 2} for i in range(60)]
+    return write(tmp_path, "hour.jsonl", [*lines, {"t": 3590.0, "id": "last", "prompt_len": 16,
+                                                     "max_tokens": 2}])
+
+
+def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts(tmp_path):
     from replay.trace.inspect import wall_time_note
-    note = wall_time_note("wall", 3435.9, ShapingOptions())
-    assert note.startswith("this wall-clock replay takes about 57 min 16 s (3,435.9 trace seconds")
+    path = _hour_long_trace(tmp_path)
+    note = wall_time_note("wall", path, None, ShapingOptions(), 3590.0)
+    assert note.startswith("this wall-clock replay takes about 59 min 52 s (last arrival 3,590.0 s "
+                           "+ 2 s tail")
     assert "--clock virtual" in note and "kvdrain inspect" in note
-    assert wall_time_note("wall", 3435.9, ShapingOptions(speedup=16)) is None  # 3.6 min
-    assert wall_time_note("wall", 3435.9, ShapingOptions(end=200)) is None
-    assert wall_time_note("virtual", 3435.9, ShapingOptions()) is None
+    assert wall_time_note("wall", path, None, ShapingOptions(speedup=16), 3590.0) is None  # 3.7 min
+    assert wall_time_note("wall", path, None, ShapingOptions(end=200), 3590.0) is None
+    assert wall_time_note("virtual", path, None, ShapingOptions(), 3590.0) is None
+
+
+def test_the_wall_time_note_counts_max_requests_and_max_gap(tmp_path):
+    """The note took the whole trace's span whatever --max-requests or --max-gap left of it."""
+    from replay.trace.inspect import wall_time_note
+    path = _hour_long_trace(tmp_path)
+    assert wall_time_note("wall", path, None, ShapingOptions(max_requests=10), 3590.0) is None  # 92 s
+    assert wall_time_note("wall", path, None, ShapingOptions(max_gap=1), 3590.0) is None  # 62 s
+    note = wall_time_note("wall", path, None, ShapingOptions(max_requests=40), 3590.0)
+    assert note.startswith("this wall-clock replay takes about 6 min 32 s (last arrival 390.0 s")
+    note = wall_time_note("wall", path, None, ShapingOptions(end=600, insert_idle=60,
+                                                              insert_idle_every=10), 3590.0)
+    assert "last arrival 890.0 s" in note  # 590 s and five idles, after the 10th, ..., 50th
 
 
 def test_a_speedup_that_leaves_only_the_tail_says_so():
