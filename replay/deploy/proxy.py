@@ -149,8 +149,8 @@ class Unreachable(Exception):
     """An upstream that could not be reached or broke its answer off."""
 
     def __init__(self, upstream: Upstream, stage: str, cause: BaseException) -> None:
-        super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: "
-                         f"{cause!r}")
+        said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: {said}")
 
 
 class ProxyMetrics:
