@@ -790,8 +790,9 @@ def _apply_profile(engine: EngineConfig, name: str | None,
         click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
                      help="Where clients connect (port 0: any free port, printed at start-up)."),
         click.option("--http", "http_address", default=None, metavar="[HOST:]PORT",
-                     help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, "
-                          "/health, /metrics) here; host 127.0.0.1 by default, port 0 picks a free one."),
+                     help="Also serve OpenAI-compatible HTTP here (/v1/completions, "
+                          "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /version); "
+                          "host 127.0.0.1 by default, port 0 picks a free one."),
         click.option("--api-key", default=None,
                      help="With --http: require 'Authorization: Bearer KEY' on /v1."),
         click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path),

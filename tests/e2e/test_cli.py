@@ -296,3 +296,11 @@ def test_every_engine_option_set_with_target_is_refused(option):
         pytest.skip("--model names the served model over HTTP; --cost-profile is the virtual clock's")
     result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)
     assert result.exit_code == 2 and "does not apply with --target" in result.output, result.output
+
+
+def test_serve_help_names_every_route_of_its_http_front():
+    from replay.http.server import HttpFront
+    from tests.replay.http.test_http_front_fidelity import MODEL, FakeRouter, answers
+    paths = {r.resource.canonical for r in HttpFront(FakeRouter(answers), MODEL).app().router.routes()}
+    help_text = " ".join(invoke("serve", "--help").output.split())
+    assert "/v1/chat/completions" in paths and all(path in help_text for path in paths), paths
