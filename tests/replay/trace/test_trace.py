@@ -260,12 +260,21 @@ def test_shape_speedup_window_and_max_requests():
     assert [type(r).__name__ for r in out] == ["TraceRequest", "TraceAbort"]
 
 
+def test_the_shaping_log_counts_only_changes_made_more_than_once():
+    """'stopped at max_requests: 1 (100 requests kept, ...)' read as max_requests 1."""
+    log = ShapingLog()
+    list(shape(iter(timed(0, 1, 2, 9, 20, 30)), ShapingOptions(max_requests=5, max_gap=2), log))
+    assert log.lines() == ["capped gap: 2 times (at t=2.000 s from 7.000 s to 2 s; "
+                           "at t=9.000 s from 11.000 s to 2 s)",
+                           "stopped at max_requests: 5 requests kept, stopped at t=30.000 s"]
+
+
 def test_shape_caps_gaps_and_inserts_idle():
     log = ShapingLog()
     out = list(shape(iter(timed(0, 1, 101, 102, gap_snapshot=50)), ShapingOptions(max_gap=5),
                      log))
     assert [r.t for r in out] == [0, 1, 6, 6, 7]  # the snapshot in the gap waits at most 5 s
-    assert log.lines() == ["capped gap: 1 (at t=1.000 s from 100.000 s to 5 s)"]
+    assert log.lines() == ["capped gap: at t=1.000 s from 100.000 s to 5 s"]
     out = shape(iter(timed(0, 1, 2, 3, 4)), ShapingOptions(insert_idle=10, insert_idle_every=2))
     assert [r.t for r in out] == [0, 1, 12, 13, 24]
     out = shape(iter(timed(0, 1, 2, 3)), ShapingOptions(insert_idle=10, insert_idle_at=(1.5,)))
@@ -285,7 +294,7 @@ def test_shape_scales_tokens_keeping_prefix_structure():
     assert scale_request(TraceRequest(0, "p", 1, 3), 0.01).prompt_len == 1
     log = ShapingLog()
     assert next(shape(iter([req]), ShapingOptions(scale_tokens=0.05), log)).prompt_len == 339
-    assert log.lines() == ["scaled tokens: 1 (m: prompt 6758 -> 339, output 500 -> 25)"]
+    assert log.lines() == ["scaled tokens: m: prompt 6758 -> 339, output 500 -> 25"]
 
 
 @settings(max_examples=200, deadline=None)
