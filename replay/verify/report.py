@@ -305,7 +305,7 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
         lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
-                     f"({causes}); each request's cause is in --requests (error)")
+                     f"({causes}); each request's cause is in --requests (its \"error\")")
     if latency_block:
         lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
