@@ -187,8 +187,8 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
-        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
-                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
+        console.print(f"[yellow]note:[/] {summary.num_capped:,} of the trace's {summary.num_requests:,} "
+                      f"requests (before shaping) ask for more than max_model_len {config.engine.max_model_len:,} "
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
     from replay.trace.inspect import wall_time_note
