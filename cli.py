@@ -960,4 +960,4 @@ def proxy_cmd(prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], host:
 
 
 if __name__ == "__main__":
-    cli()
+    cli(prog_name="kvdrain")  # `python -m cli` is kvdrain: its usage lines say so, not cli.py

@@ -320,3 +320,9 @@ def test_make_demo_prints_both_runs_within_100_columns(tmp_path):
     assert "  VIOLATION: 4 violations (exit 1)" in lines and sum(x.startswith("    leak ") for x in lines) == 4
     assert any(x.startswith("  VERIFIED: every engine drained") for x in lines)
     assert (tmp_path / "demo-legacy.png").stat().st_size and (tmp_path / "demo-event.png").stat().st_size
+
+
+def test_python_m_cli_names_itself_kvdrain_in_usage_lines():
+    result = subprocess.run([sys.executable, "-m", "cli", "inspect", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("Usage: kvdrain inspect "), result.stdout
