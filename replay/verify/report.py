@@ -243,7 +243,8 @@ def verdict_line(report: dict) -> str:
     status, code = report["status"], report["exit_code"]
     observed, expected = report.get("num_observed_windows", 0), report.get("num_expected_windows", 0)
     if status == "verified":
-        what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
+        what = ("every engine drained in the 1 expected idle window" if expected == 1 else
+                f"every engine drained in each of the {plural(expected, 'expected idle window')}"
                 if expected else "every engine drained in every idle window")
         if report.get("partial_coverage"):
             what = f"partial coverage: {report['partial_coverage']}"
