@@ -651,3 +651,19 @@ def test_a_few_prompts_beyond_max_model_len_are_requests_the_engine_rejects_not_
                                       "--max-model-len", "256"], catch_exceptions=False)
     assert result.exit_code == 0, result.output  # 1 of 150 ignored: within the 1%
     assert "1 prompt longer than max_model_len" in result.output
+
+
+def test_a_window_that_keeps_no_request_is_refused_before_anything_starts():
+    """--start past the last arrival replayed nothing and said VERIFIED (exit 0), latency 0.0."""
+    from click.testing import CliRunner
+
+    from cli import cli
+    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live",
+                                      "--start", "100"])
+    assert result.exit_code == 2, result.output
+    assert "--start 100 keeps none of the trace's 32 requests" in result.output
+    assert "VERIFIED" not in result.output
+    lines = format_inspection(inspect_trace(EXAMPLE, shaping=ShapingOptions(start=2, end=3)))
+    assert "a replay would send none of the trace's 32 requests (shaping drops them all): replay " \
+           "refuses it (exit 2)" in lines
+    assert not any("a wall replay takes" in line for line in lines)
