@@ -359,7 +359,7 @@ TARGET = OptionGroup("Target (a running server instead of local engines)", "targ
                       "http://HOST:PORT (vLLM, SGLang, a P/D proxy)."),
     click.option("--metrics", multiple=True, metavar="[NAME=]URL",
                  help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
-                      "P's and D's; NAME names the engine); each is scraped once before the first "
+                      "P's and D's; NAME names the engine; no path: its /metrics); each is scraped once before the first "
                       "request (a failure: exit 2). Default: a proxy's upstreams, else the "
                       "target's own /metrics when it has a KV-usage metric."),
     click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids",
@@ -897,7 +897,7 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
               help="A `kvdrain serve`'s ZMQ address, as it printed (tcp://HOST:PORT or ipc://PATH).")
 @click.option("--metrics", "metrics", multiple=True, metavar="[NAME=]URL",
               help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
-                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...).")
+                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics).")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between scrapes of the --metrics URLs.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
