@@ -37,20 +37,25 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvdrain replay examples/pd_idle.jsonl
 
-# `make demo`: the bundled trace under the pre-fix loop (legacy) and the fixed one
-# (event), side by side, with a plot of each; the virtual clock by default (seconds),
-# DEMO_CLOCK=wall for real processes (about 20 s each).
+# `make demo`: the bundled trace under the pre-fix loop (legacy), then the fixed one
+# (event), with a plot of each; the virtual clock by default (seconds), DEMO_CLOCK=wall
+# for real processes (about 20 s each). Lines are wrapped at DEMO_WIDTH columns; the
+# plots go to DEMO_DIR.
 DEMO_CLOCK ?= virtual
+DEMO_WIDTH ?= 100
+DEMO_DIR ?= .
+KVDRAIN ?= $(VENV)/bin/kvdrain
 demo: $(STAMP)
 	@for l in legacy event; do \
-	  echo "--liveness $$l ($(DEMO_CLOCK) clock)" > .demo-$$l.txt; \
-	  $(VENV)/bin/kvdrain replay examples/pd_idle.jsonl --clock $(DEMO_CLOCK) --liveness $$l \
-	    --no-live --plot demo-$$l.png | grep -E '^(engine |P |D |idle windows|  leak|VERIFIED|VIOLATION)' \
-	    | cut -c1-78 >> .demo-$$l.txt; \
-	done; awk 'NR == FNR { a[FNR] = $$0; n = FNR; next } { b[FNR] = $$0; m = FNR } \
-	  END { for (i = 1; i <= (n > m ? n : m); i++) printf "%-78s  %s\n", a[i], b[i] }' \
-	  .demo-legacy.txt .demo-event.txt; rm -f .demo-legacy.txt .demo-event.txt
-	@echo "plots: demo-legacy.png (P's blocks held through every idle window), demo-event.png (drained)"
+	  echo "--liveness $$l ($(DEMO_CLOCK) clock):"; \
+	  $(KVDRAIN) replay examples/pd_idle.jsonl --clock $(DEMO_CLOCK) --liveness $$l \
+	    --no-live --plot $(DEMO_DIR)/demo-$$l.png | grep -E '^(engine |P |D |idle windows|  leak|VERIFIED|VIOLATION)' \
+	    | awk -v w=$(DEMO_WIDTH) '{ s = "  " $$0; while (length(s) > w) { i = w; \
+	      while (i > w / 2 && substr(s, i, 1) != " ") i--; print substr(s, 1, i - 1); \
+	      s = "        " substr(s, i + 1) } print s }'; \
+	done
+	@echo "plots: $(DEMO_DIR)/demo-legacy.png (P's blocks held through every idle window)"
+	@echo "       $(DEMO_DIR)/demo-event.png (every engine drained)"
 
 # Two workers (pytest-xdist): most multiprocess tests wait on engines in real time, so two
 # at once halve the run on 2 cores; each test still bounds its waits and cleans up.

@@ -359,7 +359,7 @@ TARGET = OptionGroup("Target (a running server instead of local engines)", "targ
                       "http://HOST:PORT (vLLM, SGLang, a P/D proxy)."),
     click.option("--metrics", multiple=True, metavar="[NAME=]URL",
                  help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
-                      "P's and D's; NAME names the engine); each is scraped once before the first "
+                      "P's and D's; NAME names the engine; no path: its /metrics); each is scraped once before the first "
                       "request (a failure: exit 2). Default: a proxy's upstreams, else the "
                       "target's own /metrics when it has a KV-usage metric."),
     click.option("--prompt-format", type=click.Choice(["ids", "text"]), default="ids",
@@ -790,8 +790,9 @@ def _apply_profile(engine: EngineConfig, name: str | None,
         click.option("--address", default="tcp://127.0.0.1:0", show_default=True,
                      help="Where clients connect (port 0: any free port, printed at start-up)."),
         click.option("--http", "http_address", default=None, metavar="[HOST:]PORT",
-                     help="Also serve OpenAI-compatible HTTP (/v1/completions, /v1/models, "
-                          "/health, /metrics) here; host 127.0.0.1 by default, port 0 picks a free one."),
+                     help="Also serve OpenAI-compatible HTTP here (/v1/completions, "
+                          "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /version); "
+                          "host 127.0.0.1 by default, port 0 picks a free one."),
         click.option("--api-key", default=None,
                      help="With --http: require 'Authorization: Bearer KEY' on /v1."),
         click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -896,7 +897,7 @@ def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead
               help="A `kvdrain serve`'s ZMQ address, as it printed (tcp://HOST:PORT or ipc://PATH).")
 @click.option("--metrics", "metrics", multiple=True, metavar="[NAME=]URL",
               help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
-                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...).")
+                   "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics).")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between scrapes of the --metrics URLs.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -959,4 +960,4 @@ def proxy_cmd(prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], host:
 
 
 if __name__ == "__main__":
-    cli()
+    cli(prog_name="kvdrain")  # `python -m cli` is kvdrain: its usage lines say so, not cli.py

@@ -187,12 +187,13 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
-        console.print(f"[yellow]note:[/] {summary.num_capped:,} of {summary.num_requests:,} "
-                      f"requests ask for more than max_model_len {config.engine.max_model_len:,} "
+        console.print(f"[yellow]note:[/] {summary.num_capped:,} of the trace's {summary.num_requests:,} "
+                      f"requests (before shaping) ask for more than max_model_len {config.engine.max_model_len:,} "
                       f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
                       soft_wrap=True)
     from replay.trace.inspect import wall_time_note
-    note = wall_time_note(config.clock, summary.duration, config.shaping)
+    note = wall_time_note(config.clock, config.trace, config.fmt, config.shaping, summary.duration,
+                          config.effective_tail_s(), config.skip_bad_lines)
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 

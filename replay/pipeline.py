@@ -30,8 +30,9 @@ from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
 from replay.live.interrupt import Interrupted
 from replay.verify.timeline import Timeline
-from replay.trace.reader import (TraceLimits, TraceRecord, TraceSnapshot, TraceSummary, read_trace,
-                                 validate_trace)
+from replay.trace.inspect import no_request_left
+from replay.trace.reader import (TraceError, TraceLimits, TraceRecord, TraceSnapshot, TraceSummary,
+                                 read_trace, validate_trace)
 from replay.verify.coverage import expected_windows
 from replay.verify.windows import expected_engine_windows
 from replay.verify.outputs import can_check_outputs, mock_output_tokens
@@ -186,6 +187,9 @@ def prepare_replay(config: ReplayConfig) -> PreparedReplay:
     draws its view and the run models the idle windows. The caller closes it."""
     watch_trace(config.trace)  # every later pass reads these bytes (replay/trace/source.py)
     summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    why = no_request_left(config.trace, config.fmt, config.shaping, summary.num_requests, config.skip_bad_lines)
+    if why is not None:
+        raise TraceError(why)
     return PreparedReplay(config=config, summary=summary, engines=launch_engines(config))
 
 

@@ -156,8 +156,8 @@ class Unreachable(Exception):
 
     def __init__(self, upstream: Upstream, stage: str, cause: BaseException,
                  route: tuple[str, ...] = ()) -> None:
-        super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: "
-                         f"{cause!r}")
+        said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: {said}")
         self.route = route  # the completion's way so far (empty: not a completion)
 
 

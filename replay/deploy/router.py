@@ -16,7 +16,7 @@ from replay.deploy.routing import AddTo, Command, Routing, engine_names
 from engine.proc.client import EngineClient, wait_for_output
 from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
-from engine.core.request_check import RequestLimits, why_invalid
+from engine.core.request_check import RequestLimits, why_invalid, why_malformed
 
 
 class PDRouter:
@@ -81,12 +81,17 @@ class PDRouter:
         """pd=False sends a request of a pd topology to the decode engine alone.
 
         Checked here first, once for every front (serve, the HTTP server, a replay): a
-        request no engine can take is answered with an error at the next poll and
-        never sent, so P never holds blocks for a D that would refuse it."""
+        request no engine can take is answered at the next poll and never sent, so P
+        never holds blocks for a D that would refuse it: a malformed one with an error,
+        one over max_model_len ignored, as an engine's scheduler ignores it."""
         why = why_invalid(prompt_token_ids, max_tokens, self.limits)
         if why is not None:
             self.num_rejected += 1
-            self._rejected.append(RequestOutput(req_id, [], "error", error=why))
+            # A request too long for max_model_len ends as the engines' schedulers end it,
+            # ignored ("length", no token, the cause: a replay counts it as ignored); a
+            # malformed one is an error.
+            malformed = why_malformed(prompt_token_ids, max_tokens, self.limits.vocab_size)
+            self._rejected.append(RequestOutput(req_id, [], "error" if malformed else "length", error=why))
             return
         self._send(self.routing.add(req_id, prompt_token_ids, max_tokens, pd))
 

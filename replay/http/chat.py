@@ -7,8 +7,10 @@ words are token N, any other word its UTF-8 bytes). The request is then checked 
 completions request (protocol.py: types, limits, the sampling policy) with
 `max_completion_tokens` taken as `max_tokens`; what only chat has and the greedy engines
 cannot honour (tools, a response format, top_logprobs, logprobs true) is refused (422).
-Answers have vLLM's chat shapes: `chat.completion` with choices[0].message, or
-`chat.completion.chunk` deltas (the first carrying the role), usage last, `[DONE]`.
+Answers have vLLM's chat shapes: `chat.completion` with choices[0].message and, as a
+completion, `kv_transfer_params` (vLLM's P/D protocol: what a P answers for its D), or
+`chat.completion.chunk` deltas (the first carrying the role), usage last, `[DONE]`; an
+ignored request's choice says why in `kvdrain_ignored_reason`, as a completion's does.
 
 Batch prompts (`prompt` a list of strings, or a list of token-id lists): each prompt is
 its own request, answered in one body whose choices carry their prompt's index (vLLM's
@@ -94,13 +96,20 @@ def _chat_head(client_id: str, model: str, chunk: bool) -> dict:
             "created": int(time.time()), "model": model}
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason, "stop_reason": None}
+def chat_choice(text: str, finish_reason: str | None, ignored_reason: str | None = None) -> dict:
+    """choices[0] of a chat answer; ignored_reason as a completion's choice carries it."""
+    out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+           "finish_reason": finish_reason, "stop_reason": None}
+    if ignored_reason is not None:
+        out["kvdrain_ignored_reason"] = ignored_reason
+    return out
 
 
-def chat_delta(delta: dict, finish_reason: str | None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta(delta: dict, finish_reason: str | None, ignored_reason: str | None = None) -> dict:
+    out = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if ignored_reason is not None:
+        out["kvdrain_ignored_reason"] = ignored_reason
+    return out
 
 
 async def chat_completions(front, request: web.Request) -> web.StreamResponse:
@@ -120,9 +129,11 @@ async def chat_completions(front, request: web.Request) -> web.StreamResponse:
 async def _complete(front, internal_id: str) -> web.Response:
     open_request = front.open[internal_id]
     tokens, output = await front._generate(internal_id)
-    answer = chat_choice(WordTokenizer.decode(tokens), protocol.openai_finish_reason(output.finish_reason))
+    answer = chat_choice(WordTokenizer.decode(tokens), protocol.openai_finish_reason(output.finish_reason),
+                         protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
     return web.json_response({**_chat_head(open_request.client_id, front.model.name, False),
-                              "choices": [answer], "usage": front._usage(internal_id)})
+                              "choices": [answer], "usage": front._usage(internal_id),
+                              "kv_transfer_params": output.kv_transfer_params})
 
 
 async def _stream(front, http_request: web.Request, internal_id: str) -> web.StreamResponse:
@@ -144,8 +155,10 @@ async def _stream(front, http_request: web.Request, internal_id: str) -> web.Str
             text = WordTokenizer.decode(output.new_token_ids, first)
             first = first and not output.new_token_ids
             delta = {"content": text} if text else {}
+            ignored = protocol.ignored_reason(output.finish_reason, open_request.num_output_tokens,
+                                              output.error)
             await protocol.send_event(response, {**head, "choices": [
-                chat_delta(delta, protocol.openai_finish_reason(output.finish_reason))]})
+                chat_delta(delta, protocol.openai_finish_reason(output.finish_reason), ignored)]})
         if output.finished:
             if open_request.params.include_usage:
                 usage = front._usage(internal_id)

@@ -154,31 +154,49 @@ def api_root(base_url: str) -> str:
 async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> ServerIdentity:
     """GET /v1/models: who answers and what it serves.
 
-    A proxy without /v1/models (vLLM's toy P/D proxy) is fine when --model names the
-    model; a server that does not answer, or lists models without the one asked for,
-    is a ConnectionError.
+    A proxy without /v1/models (vLLM's toy P/D proxy: 404) is fine when --model names the
+    model; a server that does not answer, refuses the request (401, 403) or fails it
+    (a 5xx: a proxy whose upstream is down answers 502), or lists models without the
+    one asked for, is a ConnectionError saying which.
     """
     url = api_root(options.base_url) + "/v1/models"
     body, status = None, None
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
             server, status = response.headers.get("Server"), response.status
-            if response.status == 200:
-                body = loads_strict(await response.read())
+            raw = await response.read()
+        body = loads_strict(raw)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
     except DuplicateKeyError as e:
         raise ConnectionError(f"{url}: {e}") from None
     except ValueError:  # not JSON: as if there were no list
         pass
+    if status not in (200, 404, 405):
+        raise ConnectionError(f"{url}: {_refusal(status, body, options)}")
     cards = body.get("data") if isinstance(body, dict) else None
     if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) for c in cards):
         if options.model is None:
-            said = "lists no models" if status == 200 else f"HTTP {status}"
+            said = "lists no models" if status == 200 else f"HTTP {status} (no model list here)"
             raise ConnectionError(f"{url}: {said}; name the model with --model")
         return ServerIdentity(options.base_url, options.model, server, None, None,
                               options.vocab_size, vocab_source=_given(options))
     return _identity(options, url, server, cards)
+
+
+def _refusal(status: int, body: object, options: HttpTargetOptions) -> str:
+    """What a /v1/models answer other than 200, 404 or 405 says: the status, the server's own
+    error message, and what to do about it."""
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    said = f"HTTP {status}" + (f": {printable(message)}" if isinstance(message, str) else "")
+    if status in (401, 403):
+        return said + ("; the server refused --api-key" if options.api_key else
+                       "; the server needs an API key: give --api-key")
+    if status >= 500:
+        return said + ("; the server failed to list its models (a proxy answers 502 when its "
+                       "decode server cannot be reached): check that it and its upstreams are up")
+    return said + "; the server refused to list its models"
 
 
 def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]) -> ServerIdentity:

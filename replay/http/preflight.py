@@ -2,8 +2,9 @@
 
 `replay --target http://...` calls preflight() before it models the idle windows or
 sends anything:
-- one GET /v1/models (replay/http/client.py probe): no answer, or no model list and no
-  --model, is a PreflightError naming the URL and the HTTP status or connection error;
+- one GET /v1/models (replay/http/client.py probe): no answer, a refusal (401, 403) or a
+  failure (a 5xx: a proxy whose decode server is down), or no model list and no --model,
+  is a PreflightError naming the URL, the HTTP status or connection error and what to do;
 - one scrape of every --metrics URL (replay/http/scrape.py Scraper): any failure (no
   answer, not 200, no KV-usage metric) is a PreflightError naming the URL and why;
 - without --metrics, a kvdrain proxy's upstreams (its /health names them) are scraped

@@ -46,7 +46,8 @@ _OURS = tuple(f"{head}{prefix}" for prefix in PREFIXES for head in ("", "# HELP 
 
 @dataclass(frozen=True, slots=True)
 class MetricsSource:
-    """One --metrics argument: NAME=URL or URL."""
+    """One --metrics argument: NAME=URL or URL; a URL with no path is the server's
+    /metrics (where vLLM, SGLang and kvdrain serve --http expose them)."""
 
     url: str
     name: str | None = None
@@ -59,6 +60,8 @@ class MetricsSource:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"--metrics: expected [NAME=]http://HOST:PORT/metrics, got {arg!r}")
+        if parts.path in ("", "/") and not parts.query:
+            url = f"{parts.scheme}://{parts.netloc}/metrics"
         return MetricsSource(url, name or None)
 
 

@@ -17,7 +17,6 @@ codes; a missing or wrong API key gets vLLM's auth middleware's 401 {"error": "U
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import inspect
 import itertools
 import json
@@ -40,6 +39,7 @@ from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel
 from replay.http.tokenize import tokenize_answer
 from replay.http.tokenizer import WordTokenizer
+from replay.verify.stamp import kvdrain_version
 
 POLL_BUSY_S = 0.001
 POLL_IDLE_S = 0.010
@@ -354,13 +354,6 @@ class HttpFront:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-def kvdrain_version() -> str:
-    try:
-        return importlib.metadata.version("kvdrain")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _error_response(error: ApiError) -> web.Response:

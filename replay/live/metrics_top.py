@@ -37,7 +37,7 @@ class MetricsWatch:
     def __post_init__(self) -> None:
         self.scrapers = [Scraper(source, self.origin) for source in self.sources]
         self.windows = SnapshotWindows(self.options, scraped=True)
-        self.feed = ScrapeFeed(self.scrapers, self.state, self.windows.add_sample)
+        self.feed = ScrapeFeed(self.scrapers, self.state, self.windows.add_sample, forget_taken=True)
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(scraper.scrape(session) for scraper in self.scrapers))
@@ -54,21 +54,20 @@ class MetricsWatch:
 
     def _say_closed(self) -> None:
         """Each window that closed held (a leak, or undecided) becomes a message line."""
-        closed = self.windows.closed
-        new = closed[self._num_closed:] if self._num_closed <= len(closed) else closed
-        for w in new:
+        num_new = self.windows.num_judged - self._num_closed
+        for w in self.windows.closed[len(self.windows.closed) - min(num_new, len(self.windows.closed)):]:
             if w.verdict != "drained":
                 self.state.messages.append(w.sentence())
-        self._num_closed = len(closed)
+        self._num_closed = self.windows.num_judged
 
     def num_readings(self) -> int:
-        return sum(len(s.samples) for s in self.scrapers)
+        return sum(self.feed.num_taken)
 
     def failures(self) -> list[str]:
         """One line per URL that never gave a reading."""
         return [f"{s.source.url}: no KV reading in {s.num_scrapes} scrapes"
                 + (f" ({s.errors[-1]})" if s.errors else "")
-                for s in self.scrapers if not s.samples]
+                for s, n in zip(self.scrapers, self.feed.num_taken) if not n]
 
 
 def top_title(sources: list[MetricsSource]) -> str:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 WINDOW_CHECK_INTERVAL_S = 1.0
 MAX_WINDOWS = 1000  # closed windows a serve's dashboard keeps
+MAX_SAMPLES = 4096  # samples a serve's dashboard holds before it drops what no window needs
 QUEUE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running")
 # The counts every scrape gives, and the ones a family of the server's metrics adds.
 ALWAYS_OBSERVED = frozenset({"num_used_blocks", "num_free_blocks", "num_usable_blocks"})
@@ -249,7 +250,9 @@ class SnapshotWindows:
         self.busy: dict[str, bool] = {}
         self.used: dict[str, int] = {}  # each engine's used blocks in its last snapshot
         self.spells: list[tuple[float, float | None]] = []  # busy (start, end), the last two
-        self.closed: list[WindowVerdict] = []
+        self.closed: list[WindowVerdict] = []  # the last MAX_WINDOWS judged
+        self.num_judged = 0  # verdicts of closed windows so far, those no longer kept too
+        self._max_samples = MAX_SAMPLES
 
     def add(self, snapshot: StatsSnapshot) -> None:
         """A serve's engine stats; times count from the first snapshot's."""
@@ -275,15 +278,32 @@ class SnapshotWindows:
             self._busy_from(t)
         if not is_busy and self.spells and self.spells[-1][1] is None:
             self.spells[-1] = (self.spells[-1][0], t)
+        if len(self.samples) > self._max_samples:
+            self._bound_samples(t)
 
     def _busy_from(self, t: float) -> None:
         """A busy spell starts: the quiet one before it, if long enough, is judged for good."""
         if self.spells:
             start = self.spells[-1][1]
             if start is not None and t - start >= self.options.idle_threshold_s:
-                self.closed = [*self.closed, *self._judge((start, t, False))][-MAX_WINDOWS:]
+                judged = self._judge((start, t, False))
+                self.closed = [*self.closed, *judged][-MAX_WINDOWS:]
+                self.num_judged += len(judged)
                 self._prune(t)
         self.spells = [*self.spells[-1:], (t, None)]
+
+    def _bound_samples(self, t: float) -> None:
+        """Keep what a window still to be judged needs: outside a quiet spell each engine's
+        last sample; inside one, its samples with each run of equal readings cut to its
+        first and last (a verdict looks at where used blocks change, and at the readings
+        either side of the drain deadline)."""
+        quiet_from = self.spells[-1][1] if self.spells else None
+        if quiet_from is None:
+            self._prune(t)
+        else:
+            self._prune(quiet_from)
+            self.samples = _thinned(self.samples, quiet_from)
+        self._max_samples = max(MAX_SAMPLES, 2 * len(self.samples))
 
     def _prune(self, before: float) -> None:
         """Drop samples before `before`, keeping each engine's last one before it."""
@@ -307,6 +327,22 @@ class SnapshotWindows:
         if t - start < self.options.idle_threshold_s:
             return list(self.closed)
         return [*self.closed, *self._judge((start, t, True))]
+
+
+def _thinned(samples: list[EngineSample], start: float) -> list[EngineSample]:
+    """Samples after `start` with each engine's runs of equal readings (used blocks and
+    queues; a scrape sent before `start` or after it) cut to their first and last; those
+    up to `start` kept."""
+    kept, runs = [s for s in samples if s.t <= start], {}
+    for s in samples:
+        if s.t > start:
+            runs.setdefault(s.engine, []).append(s)
+    for series in runs.values():
+        reading = [((s.t if s.send_t is None else s.send_t) >= start, s.num_used_blocks,
+                    *(getattr(s, k) for k in QUEUE_COUNTS)) for s in series]
+        kept += [s for i, s in enumerate(series)
+                 if i in (0, len(series) - 1) or reading[i] != reading[i - 1] or reading[i] != reading[i + 1]]
+    return sorted(kept, key=lambda s: s.t)
 
 
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:
@@ -374,21 +410,27 @@ class ScrapeFeed:
     the server does not expose as unknown); the samples also go to `on_sample`."""
 
     def __init__(self, scrapers: list[Scraper], state: DashboardState,
-                 on_sample=None) -> None:
+                 on_sample=None, forget_taken: bool = False) -> None:
         self.scrapers, self.state, self.on_sample = scrapers, state, on_sample
-        self._num_taken = [0] * len(scrapers)
+        self.forget_taken = forget_taken  # drop each scraper's samples once taken (top runs for days)
+        self.num_taken = [0] * len(scrapers)  # each scraper's samples taken so far, forgotten or not
+        self._num_kept = [0] * len(scrapers)  # of them, still in scraper.samples
         self._num_errors = [0] * len(scrapers)
 
     def take(self) -> None:
         for i, scraper in enumerate(self.scrapers):
             observed = observed_counts(scraper.names_found)
-            for sample in scraper.samples[self._num_taken[i]:]:
+            new = scraper.samples[self._num_kept[i]:]
+            for sample in new:
                 view = self.state.view(sample.engine)
                 view.unit, view.observed = scraper.unit or "blocks", observed
                 self.state.apply_sample(sample)
                 if self.on_sample is not None:
                     self.on_sample(sample)
-            self._num_taken[i] = len(scraper.samples)
+            self.num_taken[i] += len(new)
+            if self.forget_taken:
+                scraper.samples.clear()
+            self._num_kept[i] = len(scraper.samples)
             for error in scraper.errors[self._num_errors[i]:]:
                 self.state.messages.append(f"{scraper.source.url}: {error}")
             self._num_errors[i] = len(scraper.errors)

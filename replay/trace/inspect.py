@@ -10,6 +10,7 @@ how long a wall replay takes. Bad lines are all counted, the first few reported.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,10 +219,14 @@ def format_inspection(insp: TraceInspection) -> list[str]:
 def dry_run_lines(insp: TraceInspection) -> list[str]:
     """What a replay of the shaped trace would send, drop, refuse and cap, and how long."""
     dropped = insp.num_trace_requests - insp.num_requests
-    lines = [f"a replay would send {insp.num_requests:,} of the trace's {insp.num_trace_requests:,} "
-             f"requests" + (f" (shaping drops {dropped:,})" if dropped > 0 else ""),
-             f"  a wall replay takes about {_duration(insp.wall_s)} (last arrival "
-             f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)"]
+    if insp.num_requests == 0:
+        lines = [f"a replay would send none of the trace's {insp.num_trace_requests:,} requests "
+                 f"(shaping drops them all): replay refuses it (exit 2)"]
+    else:
+        lines = [f"a replay would send {insp.num_requests:,} of the trace's {insp.num_trace_requests:,} "
+                 f"requests" + (f" (shaping drops {dropped:,})" if dropped > 0 else ""),
+                 f"  a wall replay takes about {_duration(insp.wall_s)} (last arrival "
+                 f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)"]
     lines += [f"  shaping: {line}" for line in insp.shaping]
     for check in insp.length_checks:
         lines.append(f"  max_model_len {check.max_model_len:,} ({check.source}): "
@@ -249,17 +254,60 @@ def bad_line_lines(insp: TraceInspection) -> list[str]:
 LONG_WALL_S = 300.0  # a wall replay longer than this says so before it starts
 
 
-def wall_time_note(clock: str, duration_s: float, shaping: ShapingOptions) -> str | None:
-    """Before a long wall-clock replay: how long it will take, and how to make it shorter."""
+def wall_time_note(clock: str, path: str | Path, fmt: str | None, shaping: ShapingOptions,
+                   duration_s: float, tail_s: float = DEFAULT_TAIL_S,
+                   skip_bad_lines: bool = False) -> str | None:
+    """Before a long wall-clock replay: how long it will take, and how to make it shorter.
+
+    The time is the shaped trace's (every shaping option, --max-requests and --max-gap
+    among them), measured by a pass over it only when the unshaped bound, the trace's
+    `duration_s` within --start/--end at the speedup, could be long: shaping shortens a
+    trace, except --insert-idle.
+    """
     if clock != "wall":
         return None
     end = duration_s if shaping.end is None else min(duration_s, shaping.end)
-    wall_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup
+    bound_s = max(end - (shaping.start or 0.0), 0.0) / shaping.speedup + tail_s
+    if bound_s <= LONG_WALL_S and shaping.insert_idle is None:
+        return None
+    last_arrival = shaped_last_arrival(path, fmt, shaping, skip_bad_lines)
+    wall_s = last_arrival + tail_s
     if wall_s <= LONG_WALL_S:
         return None
-    return (f"this wall-clock replay takes about {_duration(wall_s)} ({end - (shaping.start or 0.0):,.1f} "
-            f"trace seconds at speedup {shaping.speedup:g}); --clock virtual runs it in seconds, "
-            f"--speedup, --max-gap or --end shorten it, and `kvdrain inspect` previews it")
+    return (f"this wall-clock replay takes about {_duration(wall_s)} (last arrival {last_arrival:,.1f} s "
+            f"+ {tail_s:g} s tail; start-up aside); --clock virtual runs it in seconds, "
+            f"--speedup, --max-gap, --max-requests or --end shorten it, and `kvdrain inspect` previews it")
+
+
+def shaped_requests(path: str | Path, fmt: str | None, shaping: ShapingOptions,
+                    skip_bad_lines: bool = False) -> Iterator[TraceRequest]:
+    """The shaped trace's requests, streaming, in replay time."""
+    for rec in shape(read_trace(path, fmt, skip_bad_lines=skip_bad_lines), shaping, ShapingLog()):
+        if isinstance(rec, TraceRequest):
+            yield rec
+
+
+def shaped_last_arrival(path: str | Path, fmt: str | None, shaping: ShapingOptions,
+                        skip_bad_lines: bool = False) -> float:
+    """The replay time of the shaped trace's last request (0 when shaping leaves none)."""
+    last = 0.0
+    for req in shaped_requests(path, fmt, shaping, skip_bad_lines):
+        last = req.t
+    return last
+
+
+def no_request_left(path: str | Path, fmt: str | None, shaping: ShapingOptions, num_requests: int,
+                    skip_bad_lines: bool = False) -> str | None:
+    """Why a replay would send nothing: a --start/--end window that holds none of the
+    trace's requests (None: it holds some, or no window was given)."""
+    if shaping.start is None and shaping.end is None:
+        return None
+    if next(shaped_requests(path, fmt, shaping, skip_bad_lines), None) is not None:
+        return None
+    given = " ".join(f"--{name} {value:g}" for name, value in (("start", shaping.start), ("end", shaping.end))
+                     if value is not None)
+    return (f"{path}: {given} keeps none of the trace's {num_requests:,} requests, so a replay would "
+            f"send nothing and prove nothing; `kvdrain inspect {path}` shows when they arrive")
 
 
 def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | None:

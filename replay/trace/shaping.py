@@ -89,8 +89,10 @@ class ShapingLog:
             shown.append(example)
 
     def lines(self) -> list[str]:
-        """One line per kind of change, in the order first seen."""
-        return [f"{kind}: {n} ({'; '.join(self.examples[kind])}"
+        """One line per kind of change, in the order first seen: a change made once as
+        itself, one made n times as "n times" and its first few examples."""
+        return [f"{kind}: {self.examples[kind][0]}" if n == 1 else
+                f"{kind}: {n:,} times ({'; '.join(self.examples[kind])}"
                 f"{'; ...' if n > len(self.examples[kind]) else ''})"
                 for kind, n in self.counts.items()]
 

@@ -9,7 +9,9 @@ counts when it finished without error (here: not aborted, not ignored, no error)
 TTFT and E2EL are measured from the send; TPOT is (E2EL - TTFT) / (output tokens - 1)
 for requests with more than one token; ITLs are the gaps between consecutive outputs
 (one per streamed chunk); percentiles interpolate linearly (numpy's default); duration
-runs from the first send to the last end.
+runs from the first send to the last end. A metric with no values has vllm bench's 0.0
+in every key; `num_values` (kvdrain's own key) says so, and the compact lines print it
+as unknown.
 """
 from __future__ import annotations
 
@@ -93,6 +95,9 @@ def latency_summary(records: Iterable[RequestRecord],
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         out.update(_stats(name, values, percentiles))
     out["percentiles"] = list(percentiles)
+    # kvdrain's own: how many values each metric has (0: its figures are vllm bench's 0.0
+    # placeholders, not observations)
+    out["num_values"] = {"ttft": len(ttft), "tpot": len(tpot), "itl": len(itl), "e2el": len(e2el)}
     return out
 
 
@@ -123,6 +128,11 @@ def latency_lines(summary: dict) -> list[str]:
     return [line.rstrip() for line in lines]
 
 
+NO_VALUES = {"ttft": "no request completed", "e2el": "no request completed",
+             "tpot": "no completed request had 2 or more tokens",
+             "itl": "no completed request was streamed in 2 or more outputs"}
+
+
 def _ms(value: float) -> str:
     return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
 
@@ -134,6 +144,9 @@ def compact_latency_lines(summary: dict) -> list[str]:
              f"{summary['duration']:.1f} s; {summary['request_throughput']:.2f} req/s, "
              f"{summary['output_throughput']:.1f} out tok/s (ms below)"]
     for key, name, _ in METRICS:
+        if summary.get("num_values", {}).get(key, 1) == 0:
+            lines.append(f"  {name.lower():<5} unknown ({NO_VALUES[key]})")
+            continue
         cells = [f"p50 {_ms(summary[f'median_{key}_ms'])}"]
         cells += [f"{percentile_key(q)} {_ms(summary[f'{percentile_key(q)}_{key}_ms'])}"
                   for q in _percentiles(summary) if q != 50]  # p50 is the median, shown first

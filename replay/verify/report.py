@@ -243,7 +243,8 @@ def verdict_line(report: dict) -> str:
     status, code = report["status"], report["exit_code"]
     observed, expected = report.get("num_observed_windows", 0), report.get("num_expected_windows", 0)
     if status == "verified":
-        what = (f"every engine drained in each of the {plural(expected, 'expected idle window')}"
+        what = ("every engine drained in the 1 expected idle window" if expected == 1 else
+                f"every engine drained in each of the {plural(expected, 'expected idle window')}"
                 if expected else "every engine drained in every idle window")
         if report.get("partial_coverage"):
             what = f"partial coverage: {report['partial_coverage']}"
@@ -305,7 +306,7 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
         lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
-                     f"({causes}); each request's cause is in --requests (error)")
+                     f"({causes}); each request's cause is in --requests (its \"error\")")
     if latency_block:
         lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:

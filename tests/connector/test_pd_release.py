@@ -104,6 +104,24 @@ def test_the_router_refuses_a_bad_request_before_p_sees_it():
     assert router.num_rejected == 2 and list(router.routing.routes) == ["good"]
 
 
+def test_the_router_ignores_a_prompt_over_max_model_len_as_the_scheduler_does():
+    """It answered "error": a wall replay of prompts too long said VERIFIED with them failed,
+    where the virtual clock (the scheduler's FINISHED_IGNORED) counted them ignored."""
+    from replay.verify.coverage import ignored_cause
+    from replay.verify.timeline import RequestRecord
+    p, d = _RecordingClient("P"), _RecordingClient("D")
+    router = PDRouter([p, d])
+    router.add_request("long", list(range(64)), 4)
+    (output,) = router.poll(0)
+    assert (output.finish_reason, output.new_token_ids) == ("length", [])
+    assert p.sent == d.sent == [] and router.num_rejected == 1
+    record = RequestRecord(req_id="long", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0,
+                           first_token_t=None, end_t=0.0, num_prompt_tokens=64, num_output_tokens=0,
+                           num_prefix_hit_tokens=None, finish_reason=output.finish_reason,
+                           error=output.error)
+    assert ignored_cause(record) == "prompt longer than max_model_len"
+
+
 # ---- D's scheduler side: every end releases P ------------------------------------------
 
 def test_a_malformed_request_on_d_releases_p():

@@ -7,6 +7,7 @@ import queue
 import re
 import select
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -296,3 +297,32 @@ def test_every_engine_option_set_with_target_is_refused(option):
         pytest.skip("--model names the served model over HTTP; --cost-profile is the virtual clock's")
     result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)
     assert result.exit_code == 2 and "does not apply with --target" in result.output, result.output
+
+
+def test_serve_help_names_every_route_of_its_http_front():
+    from replay.http.server import HttpFront
+    from tests.replay.http.test_http_front_fidelity import MODEL, FakeRouter, answers
+    paths = {r.resource.canonical for r in HttpFront(FakeRouter(answers), MODEL).app().router.routes()}
+    help_text = " ".join(invoke("serve", "--help").output.split())
+    assert "/v1/chat/completions" in paths and all(path in help_text for path in paths), paths
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("awk") is None, reason="needs make and awk")
+def test_make_demo_prints_both_runs_within_100_columns(tmp_path):
+    """Side by side, the two runs' lines were 158 columns wide, cut mid-word."""
+    result = subprocess.run(["make", "-s", "demo", "STAMP=", f"KVDRAIN={sys.executable} -m cli",
+                             f"DEMO_DIR={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if str(tmp_path) not in line]
+    assert max(len(line) for line in lines) <= 100, lines
+    assert lines[0] == "--liveness legacy (virtual clock):" and "--liveness event (virtual clock):" in lines
+    assert "  VIOLATION: 4 violations (exit 1)" in lines and sum(x.startswith("    leak ") for x in lines) == 4
+    assert any(x.startswith("  VERIFIED: every engine drained") for x in lines)
+    assert (tmp_path / "demo-legacy.png").stat().st_size and (tmp_path / "demo-event.png").stat().st_size
+
+
+def test_python_m_cli_names_itself_kvdrain_in_usage_lines():
+    result = subprocess.run([sys.executable, "-m", "cli", "inspect", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("Usage: kvdrain inspect "), result.stdout

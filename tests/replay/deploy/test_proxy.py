@@ -441,6 +441,23 @@ def test_the_proxy_prints_its_ready_line_and_stops_cleanly_on_a_signal(sig, code
     assert not any("Traceback" in line for line in proxy.seen), proxy.seen
 
 
+def test_a_replay_through_a_proxy_whose_decode_server_is_down_says_so_not_to_name_the_model():
+    """The pre-flight's GET /v1/models through the proxy is a 502: the advice was --model."""
+    proxy = _proxy_process("--port", "0")
+    try:
+        url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
+        for model in ((), ("--model", "m")):
+            result = invoke("replay", str(EXAMPLE), "--target", url, "--no-live", *model)
+            assert result.exit_code == 2, result.output
+            assert (f"{url}/v1/models: HTTP 502: decode server D (http://127.0.0.1:9) is unreachable: "
+                    f"ClientConnectorError: Cannot connect to host 127.0.0.1:9") in result.output
+            assert "check that it and its upstreams are up" in result.output
+            assert "--model" not in result.output and "ConnectionKey(" not in result.output
+    finally:
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(10) == 143
+
+
 def test_an_insecure_proxy_beyond_loopback_warns():
     proxy = _proxy_process("--host", "0.0.0.0", "--insecure")
     try:

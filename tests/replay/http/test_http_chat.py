@@ -135,3 +135,52 @@ def test_a_batch_refused_at_a_later_prompt_leaves_none_of_its_prompts_in_flight(
     (status, raw), (after, again) = run(go())
     assert status == 400 and b"abc-1" in raw
     assert after == 200, again
+
+
+class ParamsRouter:
+    """A P as vLLM's P/D protocol sees it: it takes the client's kv_transfer_params and
+    answers one token with the params its D needs; a request for 2 tokens it ignores."""
+
+    engines = ["P"]
+    vocab_size = 1000
+    answered = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [3]}
+
+    def __init__(self) -> None:
+        from tests.replay.http.test_http_front_fidelity import FakeRouter
+        self.fake, self.given = FakeRouter(self._answer), []
+
+    def _answer(self, req_id: str, prompt: list[int], max_tokens: int):
+        from engine.core.outputs import RequestOutput
+        if max_tokens == 2:
+            return [RequestOutput(req_id, [], "length", error="the pool is too small")]
+        return [RequestOutput(req_id, [7], "length", kv_transfer_params=self.answered)]
+
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int,
+                    kv_transfer_params: dict | None = None) -> None:
+        self.given.append(kv_transfer_params)
+        self.fake.add_request(req_id, prompt, max_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.fake, name)
+
+
+def test_a_chat_answer_carries_kv_transfer_params_and_ignored_reasons_as_a_completion_does():
+    """A P/D proxy may send a chat to P: P's answer must name the KV its D is to pull."""
+    from replay.http.protocol import ServedModel
+    router, asked = ParamsRouter(), {"do_remote_decode": True}
+    model = ServedModel("m", 512, 1000, 16, ("P",), "single", "event")
+    with running_front(router, model) as running:
+        url = f"http://127.0.0.1:{running.port}"
+        chat = run(_post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                                                       "max_tokens": 1, "kv_transfer_params": asked}))
+        completion = run(_post(url, "/v1/completions", {"prompt": [5], "max_tokens": 1,
+                                                        "kv_transfer_params": asked}))
+        ignored = run(_post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}))
+        streamed = run(_post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                                                           "stream": True}))
+    assert chat[0] == completion[0] == 200 and router.given[:2] == [asked, asked]
+    assert json.loads(chat[1])["kv_transfer_params"] == json.loads(completion[1])["kv_transfer_params"] \
+        == ParamsRouter.answered
+    assert json.loads(ignored[1])["choices"][0]["kvdrain_ignored_reason"] == "the pool is too small"
+    last = json.loads(streamed[1].decode().split("\n\n")[-3][len("data: "):])
+    assert last["choices"][0]["kvdrain_ignored_reason"] == "the pool is too small"

@@ -3,13 +3,15 @@ and a P that counts its prefill-only requests in vllm:request_success_total."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import tomllib
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from replay.http.server import kvdrain_version
 from tests.http_utils import MODEL_NAME, engines, running_front
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +31,14 @@ async def _post(session, url: str, path: str, body: dict) -> tuple[int, dict]:
         return response.status, await response.json()
 
 
-def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd):
+def _not_installed(name: str) -> str:
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd, monkeypatch):
+    """/version is the report's kvdrain version: a checkout run without installing it said unknown."""
     router, model = pd
+    monkeypatch.setattr(importlib.metadata, "version", _not_installed)
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
@@ -50,7 +58,8 @@ def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd)
     assert strs == (200, {"count": 3, "max_model_len": model.max_model_len, "tokens": [3, 104, 105],
                           "token_strs": ["w3", "w104", "w105"]})
     assert other[0] == 404 and ids[0] == 400  # vLLM's /tokenize takes text, not ids
-    assert version == {"version": kvdrain_version()}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert version == {"version": pyproject["project"]["version"]}
 
 
 def test_p_counts_each_prefill_only_request_as_finished_by_length_as_a_vllm_p_does(pd):

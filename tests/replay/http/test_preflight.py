@@ -92,6 +92,15 @@ def test_a_target_whose_model_list_fails_is_exit_2_naming_the_url_and_status(tmp
     assert stub.num_completions == 0
 
 
+def test_a_model_list_refused_for_want_of_a_key_says_to_give_one(tmp_path: Path):
+    stub = Stub(models_status=401)
+    with serving_in_thread(stub.app()) as url:
+        result = replay(url, tmp_path, "--model", "m")
+    assert result.exit_code == 2, result.output
+    assert f"{url}/v1/models: HTTP 401; the server needs an API key: give --api-key" in result.output
+    assert stub.num_completions == 0
+
+
 def test_a_metrics_url_nothing_listens_on_is_exit_2_naming_the_connection_error(tmp_path: Path):
     stub = Stub()
     with serving_in_thread(Stub().app()) as closed:  # a port that was free a moment ago

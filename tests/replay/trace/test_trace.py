@@ -260,12 +260,21 @@ def test_shape_speedup_window_and_max_requests():
     assert [type(r).__name__ for r in out] == ["TraceRequest", "TraceAbort"]
 
 
+def test_the_shaping_log_counts_only_changes_made_more_than_once():
+    """'stopped at max_requests: 1 (100 requests kept, ...)' read as max_requests 1."""
+    log = ShapingLog()
+    list(shape(iter(timed(0, 1, 2, 9, 20, 30)), ShapingOptions(max_requests=5, max_gap=2), log))
+    assert log.lines() == ["capped gap: 2 times (at t=2.000 s from 7.000 s to 2 s; "
+                           "at t=9.000 s from 11.000 s to 2 s)",
+                           "stopped at max_requests: 5 requests kept, stopped at t=30.000 s"]
+
+
 def test_shape_caps_gaps_and_inserts_idle():
     log = ShapingLog()
     out = list(shape(iter(timed(0, 1, 101, 102, gap_snapshot=50)), ShapingOptions(max_gap=5),
                      log))
     assert [r.t for r in out] == [0, 1, 6, 6, 7]  # the snapshot in the gap waits at most 5 s
-    assert log.lines() == ["capped gap: 1 (at t=1.000 s from 100.000 s to 5 s)"]
+    assert log.lines() == ["capped gap: at t=1.000 s from 100.000 s to 5 s"]
     out = shape(iter(timed(0, 1, 2, 3, 4)), ShapingOptions(insert_idle=10, insert_idle_every=2))
     assert [r.t for r in out] == [0, 1, 12, 13, 24]
     out = shape(iter(timed(0, 1, 2, 3)), ShapingOptions(insert_idle=10, insert_idle_at=(1.5,)))
@@ -285,7 +294,7 @@ def test_shape_scales_tokens_keeping_prefix_structure():
     assert scale_request(TraceRequest(0, "p", 1, 3), 0.01).prompt_len == 1
     log = ShapingLog()
     assert next(shape(iter([req]), ShapingOptions(scale_tokens=0.05), log)).prompt_len == 339
-    assert log.lines() == ["scaled tokens: 1 (m: prompt 6758 -> 339, output 500 -> 25)"]
+    assert log.lines() == ["scaled tokens: m: prompt 6758 -> 339, output 500 -> 25"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -341,14 +350,36 @@ def test_inspect_says_what_replay_does_with_max_tokens_that_can_never_be_generat
     assert result.returncode == 2 and "can never be generated" in result.stdout + result.stderr
 
 
-def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts():
+def _hour_long_trace(tmp_path: Path) -> Path:
+    """Requests every 10 s over an hour, then one 3,000 s gap closing on a last request."""
+    lines = [{"t": 10.0 * i, "id": f"r{i}", "prompt_len": 16, "max_tokens": 2} for i in range(60)]
+    return write(tmp_path, "hour.jsonl", [*lines, {"t": 3590.0, "id": "last", "prompt_len": 16,
+                                                     "max_tokens": 2}])
+
+
+def test_a_long_wall_replay_says_how_long_it_takes_before_it_starts(tmp_path):
     from replay.trace.inspect import wall_time_note
-    note = wall_time_note("wall", 3435.9, ShapingOptions())
-    assert note.startswith("this wall-clock replay takes about 57 min 16 s (3,435.9 trace seconds")
+    path = _hour_long_trace(tmp_path)
+    note = wall_time_note("wall", path, None, ShapingOptions(), 3590.0)
+    assert note.startswith("this wall-clock replay takes about 59 min 52 s (last arrival 3,590.0 s "
+                           "+ 2 s tail")
     assert "--clock virtual" in note and "kvdrain inspect" in note
-    assert wall_time_note("wall", 3435.9, ShapingOptions(speedup=16)) is None  # 3.6 min
-    assert wall_time_note("wall", 3435.9, ShapingOptions(end=200)) is None
-    assert wall_time_note("virtual", 3435.9, ShapingOptions()) is None
+    assert wall_time_note("wall", path, None, ShapingOptions(speedup=16), 3590.0) is None  # 3.7 min
+    assert wall_time_note("wall", path, None, ShapingOptions(end=200), 3590.0) is None
+    assert wall_time_note("virtual", path, None, ShapingOptions(), 3590.0) is None
+
+
+def test_the_wall_time_note_counts_max_requests_and_max_gap(tmp_path):
+    """The note took the whole trace's span whatever --max-requests or --max-gap left of it."""
+    from replay.trace.inspect import wall_time_note
+    path = _hour_long_trace(tmp_path)
+    assert wall_time_note("wall", path, None, ShapingOptions(max_requests=10), 3590.0) is None  # 92 s
+    assert wall_time_note("wall", path, None, ShapingOptions(max_gap=1), 3590.0) is None  # 62 s
+    note = wall_time_note("wall", path, None, ShapingOptions(max_requests=40), 3590.0)
+    assert note.startswith("this wall-clock replay takes about 6 min 32 s (last arrival 390.0 s")
+    note = wall_time_note("wall", path, None, ShapingOptions(end=600, insert_idle=60,
+                                                              insert_idle_every=10), 3590.0)
+    assert "last arrival 890.0 s" in note  # 590 s and five idles, after the 10th, ..., 50th
 
 
 def test_a_speedup_that_leaves_only_the_tail_says_so():
@@ -620,3 +651,19 @@ def test_a_few_prompts_beyond_max_model_len_are_requests_the_engine_rejects_not_
                                       "--max-model-len", "256"], catch_exceptions=False)
     assert result.exit_code == 0, result.output  # 1 of 150 ignored: within the 1%
     assert "1 prompt longer than max_model_len" in result.output
+
+
+def test_a_window_that_keeps_no_request_is_refused_before_anything_starts():
+    """--start past the last arrival replayed nothing and said VERIFIED (exit 0), latency 0.0."""
+    from click.testing import CliRunner
+
+    from cli import cli
+    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live",
+                                      "--start", "100"])
+    assert result.exit_code == 2, result.output
+    assert "--start 100 keeps none of the trace's 32 requests" in result.output
+    assert "VERIFIED" not in result.output
+    lines = format_inspection(inspect_trace(EXAMPLE, shaping=ShapingOptions(start=2, end=3)))
+    assert "a replay would send none of the trace's 32 requests (shaping drops them all): replay " \
+           "refuses it (exit 2)" in lines
+    assert not any("a wall replay takes" in line for line in lines)

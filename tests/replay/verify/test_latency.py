@@ -91,3 +91,23 @@ def test_git_commit_outside_a_checkout_is_unknown(tmp_path: Path):
 def test_a_p50_asked_for_is_the_median_printed_once():
     summary = latency_summary(_records(10), (50.0, 99.0))
     assert all(line.count("p50") == 1 for line in compact_latency_lines(summary)[1:])
+
+
+def test_a_metric_with_no_values_prints_as_unknown_not_as_zero():
+    """Every request ignored printed 'ttft p50 0.0 ... mean 0.0': figures never observed."""
+    ignored = [RequestRecord(req_id="r0", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=None,
+                             end_t=0.1, num_prompt_tokens=8, num_output_tokens=0, num_prefix_hit_tokens=0,
+                             finish_reason="length", error="does not fit max_model_len")]
+    lines = compact_latency_lines(latency_summary(ignored))
+    assert lines[0].startswith("latency: 0 ok, 1 failed")
+    assert lines[1:] == ["  ttft  unknown (no request completed)",
+                         "  tpot  unknown (no completed request had 2 or more tokens)",
+                         "  itl   unknown (no completed request was streamed in 2 or more outputs)",
+                         "  e2el  unknown (no request completed)"]
+    one_token = _records(2)
+    for record in one_token:
+        record.num_output_tokens, record.itls = 1, []
+    lines = compact_latency_lines(latency_summary(one_token))
+    assert lines[1].startswith("  ttft  p50 ") and lines[2] == \
+        "  tpot  unknown (no completed request had 2 or more tokens)"
+    assert latency_summary(one_token)["median_tpot_ms"] == 0.0  # vllm bench's key as it has it

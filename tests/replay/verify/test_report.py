@@ -99,3 +99,11 @@ def test_an_interrupted_runs_verdict_line_says_what_ran_with_its_time_to_the_mil
     report["stop"]["num_sent"] = 0
     assert summary_lines(report) == ["INTERRUPTED: by q during start-up, before any request was sent; "
                                      "nothing is left running (exit 130)"]
+
+
+def test_a_verified_run_of_one_expected_window_says_the_1_window():
+    from replay.verify.report import verdict_line
+    report = {"status": "verified", "exit_code": 0, "num_observed_windows": 1, "num_expected_windows": 1}
+    assert verdict_line(report) == "VERIFIED: every engine drained in the 1 expected idle window (exit 0)"
+    report.update(num_observed_windows=2, num_expected_windows=2)
+    assert verdict_line(report) == "VERIFIED: every engine drained in each of the 2 expected idle windows (exit 0)"
