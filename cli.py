@@ -558,7 +558,8 @@ SIZING = OptionGroup("Engine", "sizing", (
                       f"wall clock]."),
     click.option("--cost-profile", "cost_profile_path", default=None,
                  type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                 help="With --clock virtual: step costs measured by `kvdrain calibrate`."),
+                 help="Step costs measured by `kvdrain calibrate`: the virtual clock's, and the "
+                      "wall clock's model of its expected idle windows."),
 ), build=lambda **values: Sizing(**values))
 
 
@@ -874,11 +875,12 @@ def _cost_profile(path: Path | None):
               default=Path("cost-profile.json"), show_default=True, help="The cost profile (JSON).")
 def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead: bool,
                   output: Path) -> None:
-    """Time the runner's steps on this device and write a cost profile for --clock virtual.
+    """Time the runner's steps on this device and write a cost profile for replay --cost-profile.
 
     \b
     Example: kvdrain calibrate --runner torch --model tiny -o tiny-cpu.json
              kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
+             kvdrain replay examples/pd_idle.jsonl --cost-profile tiny-cpu.json  # the wall clock's model
     """
     _require_torch(runner)
     from replay.live.calibrate import CalibrateOptions, calibrate_main

@@ -331,7 +331,8 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
 
 
 MISSED_PREFIX = "expected window not observed"
-LAG_ADVICE = ("to cover the windows the engines' lag swallowed: replay on the virtual clock "
+LAG_ADVICE = ("to cover the windows the engines' lag swallowed: model this machine's step costs "
+              "(`kvdrain calibrate -o FILE`, then --cost-profile FILE), replay on the virtual clock "
               "(--clock virtual), give the engines CPU, widen the gaps (--max-gap, or a larger "
               "--idle-threshold), or accept what was observed with --min-coverage F")
 

@@ -219,9 +219,10 @@ def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
     lagged, expected = _lagged_run()
     verdict = verify(lagged, [], VerifyOptions(), expected)
     assert verdict.status == "inconclusive" and not verdict.partial
-    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: replay on "
-                                          "the virtual clock (--clock virtual)")
-    assert "--min-coverage F" in verdict.reasons[-1]
+    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: model this "
+                                          "machine's step costs (`kvdrain calibrate -o FILE`, then "
+                                          "--cost-profile FILE)")
+    assert "(--clock virtual)" in verdict.reasons[-1] and "--min-coverage F" in verdict.reasons[-1]
 
 
 def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
