@@ -1,7 +1,12 @@
 """Recording served traffic as a kvdrain JSONL trace (`serve --record`). Runs in: frontend process.
 
 Requests and aborts are written as they arrive, with t in seconds since the first
-request (the serve's time before it is not part of the traffic); a snapshot of every
+request (the serve's time before it is not part of the traffic). A request a replay
+client sent with the time its trace meant it for (TracedRequest) is written at that
+time, so the client's lateness does not become part of the traffic: the client's first
+such request is written at its arrival and each later one at that plus the trace's time
+since it (the trace's gaps as the trace meant them), never before a line already written
+(the trace format's times are non-decreasing). A snapshot of every
 engine's block counts and queues is written whenever nothing is in flight and the counts
 changed (the moments a replay of the recording can reproduce). The file is flushed line
 by line, so a crash loses at most a line.
@@ -33,6 +38,8 @@ class TraceRecorder:
         self.file: TextIO = path.open("w")
         self.metadata = {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", **metadata}
         self.origin: float | None = None  # the first request's arrival
+        self._last_t = 0.0  # of the last line written
+        self._trace_offsets: dict[object, float] = {}  # a client -> its first request's t - trace_t
         self._header_written = False
         self._last_snapshot: str | None = None
 
@@ -41,20 +48,32 @@ class TraceRecorder:
         self.metadata.update({k: v for k, v in config.items() if v})
 
     def now(self) -> float:
+        now = time.monotonic()
         if self.origin is None:
-            self.origin = time.monotonic()
-        return round(time.monotonic() - self.origin, 6)
+            self.origin = now
+        return round(now - self.origin, 6)
 
     def _write(self, obj: dict) -> None:
         if not self._header_written:
             self._header_written = True
             self._write(self.metadata)
+        self._last_t = obj.get("t", self._last_t)
         self.file.write(json.dumps(obj, separators=(",", ":")) + "\n")
         self.file.flush()
 
-    def request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
-        self._write({"t": self.now(), "id": req_id, "prompt_token_ids": prompt_token_ids,
-                     "max_tokens": max_tokens})
+    def request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                trace_t: float | None = None, source: object = None) -> None:
+        """A request at its arrival, or at trace_t (when `source`, its client, said its
+        trace meant it sent) on the recording's clock."""
+        self._write({"t": self._request_t(trace_t, source), "id": req_id,
+                     "prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens})
+
+    def _request_t(self, trace_t: float | None, source: object) -> float:
+        now = self.now()
+        if trace_t is None:
+            return now
+        offset = self._trace_offsets.setdefault(source, now - trace_t)
+        return max(round(trace_t + offset, 6), self._last_t)
 
     def abort(self, req_id: str) -> None:
         self._write({"t": self.now(), "abort": req_id})

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from engine.core.outputs import RequestOutput
 from engine.proc.messages import StatsSnapshot
 from replay.live.recorder import TraceRecorder, adopt_recorded
 from tests.paths import ROOT
@@ -103,3 +105,79 @@ def test_a_recording_read_through_a_pipe_is_adopted_as_from_a_file(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "28671" not in done.stdout
+
+
+class _AnsweringRouter:
+    """A serve's router with no engines: every request ends at once with one token."""
+
+    engines = ["P", "D"]
+    has_pending = False
+
+    def __init__(self) -> None:
+        self.outputs: list[RequestOutput] = []
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens) -> None:
+        self.outputs.append(RequestOutput(req_id, [1], "length"))
+
+    def abort(self, req_id: str) -> None: ...
+
+    def poll(self, timeout_s):
+        out, self.outputs = self.outputs, []
+        return out
+
+    def take_stats(self):
+        return []
+
+    def request_stats(self) -> None: ...
+
+
+class _LateClient:
+    """A ServeClient that sends one request LATE_S after the driver meant to (a busy client)."""
+
+    def __init__(self, client, late_id: str) -> None:
+        self.client, self.late_id = client, late_id
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None, trace_t=None) -> None:
+        if req_id == self.late_id:
+            time.sleep(LATE_S)  # the lateness itself, not a wait for anything
+        extra = {} if trace_t is None else {"trace_t": trace_t}
+        self.client.add_request(req_id, prompt_token_ids, max_tokens, pd, **extra)
+
+
+LATE_S = 0.4
+
+
+def test_a_replay_client_that_sends_late_is_recorded_at_its_traces_times(tmp_path):
+    from replay.live.driver import WallClockReplay, WallOptions
+    from replay.live.serve import Server, ServeOptions
+    from replay.live.serve_client import ServeClient
+    from replay.live.serve_messages import ServeInfo
+    from replay.trace.reader import TraceRequest
+    path = tmp_path / "rec.jsonl"
+    server = Server(_AnsweringRouter(), ServeOptions(f"ipc://{tmp_path}/serve", record=path),
+                    ServeInfo(["P", "D"], "pd", "event", 512, 16))
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"should_stop": stop.is_set})
+    thread.start()
+    client = None
+    try:
+        client = ServeClient(server.address)
+        trace = [TraceRequest(t=t, req_id=f"r{i}", max_tokens=1, prompt_len=8)
+                 for i, t in enumerate((0.0, 0.2, 1.0))]
+        timeline = WallClockReplay(_LateClient(client, "r1"), WallOptions(tail_s=0.05)).run(trace)
+    finally:
+        if client is not None:
+            client.shutdown()
+        stop.set()
+        thread.join(10)
+        server.close()
+    late = {r.req_id: r.send_t - r.arrival_t for r in timeline.requests}
+    assert late["r1"] >= LATE_S and late["r0"] < LATE_S / 2  # the client was late with r1
+    recorded = [json.loads(line) for line in path.read_text().splitlines()[1:] if "id" in line]
+    assert [r["id"].split("@")[0] for r in recorded] == ["r0", "r1", "r2"]
+    # The trace's times on the recording's clock, from the client's first request (r0):
+    # r1's lateness is not a gap; stamped at its arrival it would sit at 0.2 + 0.4 s.
+    assert [r["t"] for r in recorded] == [0.0, 0.2, 1.0]
