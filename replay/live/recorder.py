@@ -11,6 +11,9 @@ engine's block counts and queues is written whenever nothing is in flight and th
 changed (the moments a replay of the recording can reproduce). The file is flushed line
 by line, so a crash loses at most a line.
 
+The HTTP front of `serve --http --record` gives its requests to the router through a
+RecordingRouter, so they are recorded in the same file, on the same clock.
+
 The header carries the engines' configuration (RECORDED_CONFIG: pool size, block size,
 liveness, topology, max_model_len), so that a replay of the recording runs the same
 engines unless told otherwise (`adopt_recorded`); it is written with the first record,
@@ -97,6 +100,27 @@ class TraceRecorder:
             self._header_written = True
             self.file.write(json.dumps(self.metadata, separators=(",", ":")) + "\n")
         self.file.close()
+
+
+class RecordingRouter:
+    """A router whose requests and aborts are recorded as they are given to it, at their
+    arrival, the rest passed through: `serve --http --record`'s HTTP front sends through
+    one, so HTTP clients are recorded as the zmq serve records its own."""
+
+    def __init__(self, router, recorder: TraceRecorder) -> None:
+        self.router, self.recorder = router, recorder
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    pd: bool | None = None) -> None:
+        self.router.add_request(req_id, prompt_token_ids, max_tokens, pd)
+        self.recorder.request(req_id, prompt_token_ids, max_tokens)
+
+    def abort(self, req_id: str) -> None:
+        self.router.abort(req_id)
+        self.recorder.abort(req_id)
+
+    def __getattr__(self, name: str):
+        return getattr(self.router, name)
 
 
 def adopt_recorded(header: dict[str, object], given: dict[str, object],
