@@ -34,7 +34,6 @@ from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
 from replay.live.serve_messages import ServeInfo, TracedRequest, decode, encode
 
-SNAPSHOT_INTERVAL_S = 0.5
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
 SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
 MAX_NEW_STATS = 10_000  # snapshots kept for the dashboard between two take_stats()
@@ -153,7 +152,7 @@ class Server:
         self.num_dropped_clients = 0  # that did not read, or had left
         self.num_dropped_requests = 0  # theirs, aborted
         self.clock: Callable[[], float] = time.monotonic
-        self._last_snapshot = self._last_expiry = 0.0
+        self._last_expiry = 0.0
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -289,12 +288,8 @@ class Server:
             self._send(identity, snap)
 
     def _maybe_record_snapshot(self) -> None:
-        if self.recorder is None or self.router.has_pending or not self.latest:
-            return
-        now = time.monotonic()
-        if now - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
-            self._last_snapshot = now
-            self.recorder.snapshot(self.latest)
+        if self.recorder is not None:  # written once settled (replay/live/recorder.py)
+            self.recorder.snapshot(self.latest, in_flight=self.router.has_pending)
 
     def close(self) -> None:
         self.front.close()
