@@ -699,7 +699,8 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
             trace=trace, fmt=trace_input.fmt, skip_bad_lines=trace_input.skip_bad_lines, clock=clock,
             topology=engines.topology, router=engines.router, engine=engine, kv=engines.kv,
             tail_s=verification.tail_s,
-            target=target.address, http=http, shaping=shaping, verify=verification.options(clock, is_serve_recording),
+            target=target.address, http=http, shaping=shaping,
+            verify=verification.options(clock, is_serve_recording),
             cost_profile=_cost_profile(sizing.cost_profile_path), target_auth=auth,
             check_outputs=verification.check_outputs)
     except ValueError as e:

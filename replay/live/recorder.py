@@ -75,7 +75,8 @@ class TraceRecorder:
         if not self._header_written:
             self._header_written = True
             self._write(self.metadata)
-        self._last_t = obj.get("t", self._last_t)
+        if "t" in obj:  # never before a line already written: a traced request may lead now()
+            obj["t"] = self._last_t = max(obj["t"], self._last_t)
         self.file.write(json.dumps(obj, separators=(",", ":")) + "\n")
         self.file.flush()
 
@@ -91,7 +92,7 @@ class TraceRecorder:
         if trace_t is None:
             return now
         offset = self._trace_offsets.setdefault(source, now - trace_t)
-        return max(round(trace_t + offset, 6), self._last_t)
+        return round(trace_t + offset, 6)
 
     def abort(self, req_id: str) -> None:
         self._write({"t": self.now(), "abort": req_id})

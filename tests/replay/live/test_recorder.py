@@ -247,3 +247,15 @@ def test_a_live_recording_replays_as_itself_its_snapshots_matched_exactly_on_bot
             pytest.skip(f"the wall replay lagged the recording on this loaded machine: {lagged[0]}")
         assert replayed.exit_code == 0, (clock, replayed.output)
         assert not [v for v in data["violations"] if v["kind"] == "snapshot"]
+
+
+def test_a_line_after_a_traced_request_that_leads_the_clock_keeps_the_times_in_order(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    recorder = TraceRecorder(path, {"topology": "pd"})
+    recorder.clock = clock = _Clock()
+    recorder.request("r1", [1], 1, trace_t=0.0, source=b"c")  # late by 0.3 s: placed at 0
+    clock.now += 0.2
+    recorder.request("r2", [1], 1, trace_t=0.5, source=b"c")  # on time: placed at 0.5, now is 0.2
+    recorder.abort("r2@2")  # at now (0.2): not before r2's line
+    recorder.close()
+    assert [json.loads(line)["t"] for line in path.read_text().splitlines()[1:]] == [0.0, 0.5, 0.5]
