@@ -275,17 +275,20 @@ class Verification:
 
     idle_threshold_s: float
     drain_deadline_s: float
-    snapshot_tolerance_blocks: int | None  # None: 0 on the virtual clock, 2 on the wall clock
+    # None: 0 on the virtual clock and for a recording by kvdrain serve (settled snapshots:
+    # replay/live/recorder.py), 2 on the wall clock otherwise
+    snapshot_tolerance_blocks: int | None
     tail_s: float | None
     allow_ignored: bool
     check_outputs: bool | None
     min_coverage: float | None
 
-    def options(self, clock: str):
+    def options(self, clock: str, is_serve_recording: bool = False):
         from replay.verify.rules import VerifyOptions
         tolerance = self.snapshot_tolerance_blocks
+        exact = clock == "virtual" or is_serve_recording
         return VerifyOptions(self.idle_threshold_s, self.drain_deadline_s,
-                             tolerance if tolerance is not None else (0 if clock == "virtual" else 2),
+                             tolerance if tolerance is not None else (0 if exact else 2),
                              allow_ignored=self.allow_ignored, min_coverage=self.min_coverage)
 
 
@@ -302,7 +305,7 @@ VERIFICATION = OptionGroup("Verification", "verification", (
                  "idle window (s)."),
     click.option("--snapshot-tolerance", "snapshot_tolerance_blocks", type=click.IntRange(0),
                  default=None, help="Blocks of slack when matching recorded snapshots "
-                 "[default: 0 virtual, 2 wall]."),
+                 "[default: 0 virtual and for a `serve --record` recording, 2 wall]."),
     click.option("--tail", "tail_s", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Seconds observed after the last request [default: covers the drain deadline]."),
     click.option("--allow-ignored", is_flag=True,
@@ -558,7 +561,8 @@ SIZING = OptionGroup("Engine", "sizing", (
                       f"wall clock]."),
     click.option("--cost-profile", "cost_profile_path", default=None,
                  type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                 help="With --clock virtual: step costs measured by `kvdrain calibrate`."),
+                 help="Step costs measured by `kvdrain calibrate`: the virtual clock's, and the "
+                      "wall clock's model of its expected idle windows."),
 ), build=lambda **values: Sizing(**values))
 
 
@@ -682,8 +686,9 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
     if not target.is_http:
         engines.check_preset("; a served model's name goes with --target http:// only")
     recorded: set[str] = set()
+    is_serve_recording = False
     if target.address is None:
-        engines, recorded = _adopt_recording(trace, trace_input.fmt, engines)
+        engines, recorded, is_serve_recording = _adopt_recording(trace, trace_input.fmt, engines)
     engine = _apply_profile(engines.config, sizing.profile_name or (DEFAULT_VIRTUAL_PROFILE if clock == "virtual"
                                                              else None), recorded)
     if auth is not None and (target.address is None or target.is_http):
@@ -694,7 +699,8 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
             trace=trace, fmt=trace_input.fmt, skip_bad_lines=trace_input.skip_bad_lines, clock=clock,
             topology=engines.topology, router=engines.router, engine=engine, kv=engines.kv,
             tail_s=verification.tail_s,
-            target=target.address, http=http, shaping=shaping, verify=verification.options(clock),
+            target=target.address, http=http, shaping=shaping,
+            verify=verification.options(clock, is_serve_recording),
             cost_profile=_cost_profile(sizing.cost_profile_path), target_auth=auth,
             check_outputs=verification.check_outputs)
     except ValueError as e:
@@ -742,18 +748,19 @@ def _check_target(target: Target, clock: str, engines: Engines) -> None:
                                f"server's own configuration")
 
 
-def _adopt_recording(trace: Path, fmt: str | None, engines: Engines) -> tuple[Engines, set[str]]:
+def _adopt_recording(trace: Path, fmt: str | None, engines: Engines) -> tuple[Engines, set[str], bool]:
     """A recording's engine config (its header: replay/live/recorder.py) where none was
-    given on the command line; the names adopted. A conflicting explicit option: usage error."""
-    from replay.live.recorder import adopt_recorded
+    given on the command line; the names adopted; whether `serve --record` wrote it. A
+    conflicting explicit option: usage error."""
+    from replay.live.recorder import SETTLED_KEY, adopt_recorded
     from replay.trace.reader import TraceError, read_trace
     from replay.trace.records import TraceHeader
     try:  # a pipe is copied at this first open; the replay reads the copy (replay/trace/source.py)
         first = next(iter(read_trace(trace, fmt)), None)
     except (TraceError, OSError, ValueError):
-        return engines, set()  # the replay reports it
+        return engines, set(), False  # the replay reports it
     if not isinstance(first, TraceHeader):
-        return engines, set()
+        return engines, set(), False
     config = engines.config
     current = {"num_blocks": config.num_blocks, "block_size": config.block_size,
                "liveness": config.liveness, "topology": engines.topology,
@@ -767,7 +774,7 @@ def _adopt_recording(trace: Path, fmt: str | None, engines: Engines) -> tuple[En
                           config=replace(config, **sizes))
     except (ValueError, TypeError) as e:
         raise click.UsageError(str(e)) from None
-    return engines, set(adopted)
+    return engines, set(adopted), SETTLED_KEY in first.metadata
 
 
 def _apply_profile(engine: EngineConfig, name: str | None,
@@ -875,11 +882,12 @@ def _cost_profile(path: Path | None):
               default=Path("cost-profile.json"), show_default=True, help="The cost profile (JSON).")
 def calibrate_cmd(runner: str, model: str, device: str, reps: int, loop_overhead: bool,
                   output: Path) -> None:
-    """Time the runner's steps on this device and write a cost profile for --clock virtual.
+    """Time the runner's steps on this device and write a cost profile for replay --cost-profile.
 
     \b
     Example: kvdrain calibrate --runner torch --model tiny -o tiny-cpu.json
              kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
+             kvdrain replay examples/pd_idle.jsonl --cost-profile tiny-cpu.json  # the wall clock's model
     """
     _require_torch(runner)
     from replay.live.calibrate import CalibrateOptions, calibrate_main

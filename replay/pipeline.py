@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from engine.config import EngineConfig, KVTransferConfig, config_to_dict
+from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_to_dict
 from replay.deploy.balance import RouterPolicy
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.trace.source import watch_trace
@@ -79,7 +79,9 @@ class ReplayConfig:
     target: str | None = None  # replay against a running `kvdrain serve`
     target_auth: object | None = None  # its credentials: replay/live/auth.py AuthOptions
     http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
-    cost_profile: CostProfile | None = None  # the virtual clock's step costs (kvdrain calibrate)
+    # Step costs measured by `kvdrain calibrate`: the virtual clock's, and under the wall
+    # clock its model's (the expected idle windows); None: the default cost model.
+    cost_profile: CostProfile | None = None
     # Hold every output against a single engine's (replay/verify/outputs.py); None: on
     # where it is cheap (a local wall replay on the mock runner), off elsewhere.
     check_outputs: bool | None = None
@@ -89,8 +91,10 @@ class ReplayConfig:
             raise ValueError(f"clock: must be one of {CLOCKS}, got {self.clock!r}")
         if self.tail_s is not None and self.tail_s <= 0:
             raise ValueError(f"tail: must be > 0, got {self.tail_s}")
-        if self.cost_profile is not None and self.clock != "virtual":
-            raise ValueError("cost profile: only with the virtual clock (--clock virtual)")
+        if self.cost_profile is not None:
+            mismatch = self.profile_mismatch()
+            if mismatch is not None:
+                raise ValueError(mismatch)
         if self.check_outputs:
             why = ("--check-outputs: only for a local wall-clock replay (the virtual clock has no "
                    "KV memory; a --target's engines are not known here)"
@@ -98,6 +102,22 @@ class ReplayConfig:
                    else can_check_outputs(self.engine))
             if why is not None:
                 raise ValueError(why)
+
+    def profile_mismatch(self) -> str | None:
+        """Why the cost profile cannot model a local wall replay's engines (measured on
+        another runner or model), or None. The virtual clock runs the mock runner with any
+        profile's costs; a --target's engines are not known here."""
+        profile, engine = self.cost_profile, self.engine
+        if self.clock != "wall" or self.target is not None or self.http is not None:
+            return None
+        preset = MODEL_PRESETS.get(profile.model_preset)
+        if profile.runner == engine.runner and (preset is None or preset == engine.model):
+            return None
+        model = next((name for name, m in MODEL_PRESETS.items() if m == engine.model), None)
+        hint = f"kvdrain calibrate --runner {engine.runner}" + (f" --model {model}" if model else "")
+        return (f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}; "
+                f"this replay's engines run runner {engine.runner}, model {model or 'a custom one'}: "
+                f"calibrate them (`{hint}`)")
 
     def effective_check_outputs(self) -> bool:
         if self.check_outputs is not None:
@@ -390,7 +410,8 @@ def _wall_options(config: ReplayConfig) -> WallOptions:
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
     """The same engine and KV-transfer config; the latency model keeps its defaults
-    except the step cost, when a calibrated profile is given."""
+    except the step cost, when a calibrated profile is given (the virtual clock's run,
+    and the wall clock's model of the expected windows alike)."""
     profile = config.cost_profile
     return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology, router=config.router,
                       tail_s=config.effective_tail_s(),

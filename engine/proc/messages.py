@@ -274,7 +274,7 @@ MESSAGES: dict[int, type] = {
     5: RequestOutputs,
     6: StatsSnapshot,
     7: EngineError,
-    # 8 is taken: the serve protocol (a frontend's, over these messages) adds its own there.
+    # 8 and 9 are taken: the serve protocol (a frontend's, over these messages) adds its own there.
 }
 CODEC = Codec(MESSAGES, nested=(RequestOutputMsg,))
 encode = CODEC.encode

@@ -77,8 +77,9 @@ class PDRouter:
         return self._limits
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None) -> None:
-        """pd=False sends a request of a pd topology to the decode engine alone.
+                    pd: bool | None = None, trace_t: float | None = None) -> None:
+        """pd=False sends a request of a pd topology to the decode engine alone; trace_t
+        (when a replay's trace meant it sent) is a serve recording's, not the router's.
 
         Checked here first, once for every front (serve, the HTTP server, a replay): a
         request no engine can take is answered at the next poll and never sent, so P

@@ -2,7 +2,9 @@
 
 The HTTP front owns the router's outputs (it polls it); the zmq serve (replay --target
 tcp://, top, --record) keeps working beside it through a SharedRouter, which hands it
-the outputs of its own requests and every stats snapshot. Both run in the one thread
+the outputs of its own requests and every stats snapshot. With --record the front gives
+its requests through a RecordingRouter, so HTTP clients are recorded too (t = 0 at the
+first request of either front). Both run in the one thread
 of the asyncio loop: the router is never touched from two threads.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Callable
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions
 from replay.http.bearer import check_http_listen
+from replay.live.recorder import RecordingRouter
 
 STOP_CHECK_S = 0.05
 
@@ -108,7 +111,8 @@ class HttpServe:
             should_stop: Callable[[], bool]) -> None:
         """Serve both fronts until should_stop() (or Ctrl-C); `server` is the zmq serve."""
         router = self.shared.router
-        self.front = HttpFront(router, served_model(router, engine, topology, self.model_name),
+        taking = router if server.recorder is None else RecordingRouter(router, server.recorder)
+        self.front = HttpFront(taking, served_model(router, engine, topology, self.model_name),
                                self.options, shared=self.shared)
         asyncio.run(self._serve(self.front, server, on_round, should_stop))
 

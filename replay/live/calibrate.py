@@ -257,5 +257,6 @@ def calibrate_main(options: CalibrateOptions, output: Path, echo: Callable[[str]
     profile.save(output)
     for line in format_profile(profile):
         echo(line)
-    echo(f"wrote {output}; use it with: kvdrain replay TRACE --clock virtual --cost-profile {output}")
+    echo(f"wrote {output}; use it with: kvdrain replay TRACE --cost-profile {output} (the wall "
+         f"clock's expected windows; with --clock virtual, its step costs)")
     return 0

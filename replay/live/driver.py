@@ -35,7 +35,8 @@ class ReplayTarget(Protocol):
     errors: list[tuple[str, str]]  # (engine, message), oldest first
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None) -> None: ...
+                    pd: bool | None = None, trace_t: float | None = None) -> None:
+        """trace_t: when the trace meant it sent (a serve's recording keeps it)."""
     def abort(self, req_id: str) -> None: ...
     def poll(self, timeout_s: float) -> list[RequestOutput]: ...
     def take_stats(self) -> list[StatsSnapshot]: ...
@@ -148,7 +149,7 @@ class WallClockReplay:
 
     def _send(self, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.target.vocab_size)
-        self.target.add_request(req.req_id, prompt, req.max_tokens, req.pd)
+        self.target.add_request(req.req_id, prompt, req.max_tokens, req.pd, trace_t=req.t)
         sent = self.now()
         self.num_sent += 1
         self.arrivals.append(req.t)

@@ -1,7 +1,8 @@
 """`kvdrain serve`: the topology behind a client socket, with recording and stats fan-out. Runs in: frontend process.
 
-Clients (replay --target, top) connect a DEALER to the serve's ROUTER. AddRequest and
-Abort go to the P/D router; a client's outputs come back to it as RequestOutputs.
+Clients (replay --target, top) connect a DEALER to the serve's ROUTER. AddRequest (or a
+replay's TracedRequest, which --record writes at its trace's time) and Abort go to the
+P/D router; a client's outputs come back to it as RequestOutputs.
 GetStats subscribes a client to every engine's stats snapshots (ServeInfo first);
 clients renew it (ServeClient sends GetStats every SUBSCRIPTION_RENEW_S), and a
 subscriber not heard from for SUBSCRIBER_TTL_S is dropped, so clients that left cost
@@ -31,9 +32,8 @@ from engine.core.outputs import RequestOutput
 from engine.proc.socket_limits import request_bytes, set_max_message_size
 from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
-from replay.live.serve_messages import ServeInfo, decode, encode
+from replay.live.serve_messages import ServeInfo, TracedRequest, decode, encode
 
-SNAPSHOT_INTERVAL_S = 0.5
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
 SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
 MAX_NEW_STATS = 10_000  # snapshots kept for the dashboard between two take_stats()
@@ -152,7 +152,7 @@ class Server:
         self.num_dropped_clients = 0  # that did not read, or had left
         self.num_dropped_requests = 0  # theirs, aborted
         self.clock: Callable[[], float] = time.monotonic
-        self._last_snapshot = self._last_expiry = 0.0
+        self._last_expiry = 0.0
 
     def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -208,13 +208,9 @@ class Server:
 
     def _handle(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, AddRequest):
-            self.num_requests += 1
-            req_id = f"{msg.req_id}@{self.num_requests}"
-            self.owners[req_id] = (identity, msg.req_id)
-            self.internal_ids[(identity, msg.req_id)] = req_id
-            self.router.add_request(req_id, msg.prompt_token_ids, msg.max_tokens)
-            if self.recorder is not None:
-                self.recorder.request(req_id, msg.prompt_token_ids, msg.max_tokens)
+            self._add(identity, msg, None)
+        elif isinstance(msg, TracedRequest):
+            self._add(identity, msg.request, msg.trace_t)
         elif isinstance(msg, Abort):
             for client_req_id in msg.req_ids:
                 req_id = self.internal_ids.get((identity, client_req_id))
@@ -231,6 +227,18 @@ class Server:
             self.router.request_stats()
         else:
             self.num_bad_messages += 1
+
+    def _add(self, identity: bytes, msg: AddRequest, trace_t: float | None) -> None:
+        """A client's request, under a serve-wide id; recorded at trace_t when the client
+        said when its trace meant it sent, else at its arrival."""
+        self.num_requests += 1
+        req_id = f"{msg.req_id}@{self.num_requests}"
+        self.owners[req_id] = (identity, msg.req_id)
+        self.internal_ids[(identity, msg.req_id)] = req_id
+        self.router.add_request(req_id, msg.prompt_token_ids, msg.max_tokens)
+        if self.recorder is not None:
+            self.recorder.request(req_id, msg.prompt_token_ids, msg.max_tokens,
+                                  trace_t=trace_t, source=identity)
 
     def _send(self, identity: bytes, msg: object) -> None:
         """Queue msg for the client; one whose queue is full or that has left is dropped."""
@@ -280,12 +288,8 @@ class Server:
             self._send(identity, snap)
 
     def _maybe_record_snapshot(self) -> None:
-        if self.recorder is None or self.router.has_pending or not self.latest:
-            return
-        now = time.monotonic()
-        if now - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
-            self._last_snapshot = now
-            self.recorder.snapshot(self.latest)
+        if self.recorder is not None:  # written once settled (replay/live/recorder.py)
+            self.recorder.snapshot(self.latest, in_flight=self.router.has_pending)
 
     def close(self) -> None:
         self.front.close()

@@ -18,7 +18,7 @@ from engine.proc.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
 from replay.live.auth import AuthError, AuthOptions, secure_client
 from replay.live.serve import SUBSCRIPTION_RENEW_S
-from replay.live.serve_messages import ServeInfo, decode, encode
+from replay.live.serve_messages import ServeInfo, TracedRequest, decode, encode
 
 CONNECT_TIMEOUT_S = 5.0
 PING_AFTER_S = 1.0  # silent this long: ask for stats (the serve answers at once)
@@ -111,9 +111,11 @@ class ServeClient:
         self.info = info
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None) -> None:
-        """pd is the serve's to decide (its topology); a per-request flag is not sent."""
-        self.socket.send(encode(AddRequest(req_id, list(prompt_token_ids), max_tokens)))
+                    pd: bool | None = None, trace_t: float | None = None) -> None:
+        """pd is the serve's to decide (its topology); a per-request flag is not sent.
+        trace_t (when the trace meant it sent) goes with it, for the serve's recording."""
+        request = AddRequest(req_id, list(prompt_token_ids), max_tokens)
+        self.socket.send(encode(request if trace_t is None else TracedRequest(request, trace_t)))
 
     def abort(self, req_id: str) -> None:
         self.socket.send(encode(Abort([req_id])))

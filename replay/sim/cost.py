@@ -9,7 +9,9 @@ A chunk of one token is a decode (the runner batches them first); num_context_to
 counts the tokens already in the KV cache that the step's chunks attend to. `kvdrain
 calibrate` (replay/live/calibrate.py) times real steps on a device, fits this model
 (least squares on relative error, every coefficient >= 0) and writes a CostProfile as
-JSON; `replay --clock virtual --cost-profile FILE` loads it. Pure: no torch, no clock.
+JSON; `replay --cost-profile FILE` loads it: the virtual clock's step costs, and the
+wall clock's model of the expected idle windows (replay/verify/coverage.py), so a slow
+machine's windows are expected where its engines can really idle. Pure: no torch, no clock.
 """
 from __future__ import annotations
 

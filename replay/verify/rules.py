@@ -20,7 +20,10 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   bound: never under-reported); otherwise (no evidence, evidence too late, a drain not
   proven in time) "undecided".
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
-  free (and cached, when recorded) counts within snapshot_tolerance_blocks.
+  free (and cached, when recorded) counts within snapshot_tolerance_blocks. A recorded
+  idle state (queues all empty, as `serve --record` writes them: settled, see
+  replay/live/recorder.py) that this replay reached with requests still in flight was not
+  reached (it lagged the recording): not compared, and the run is inconclusive.
 - a request that never ended is a violation too ("unfinished").
 - corrupt KV: a read after expiry (a decode side copied blocks its prefill engine had
   freed) or an output that differs from a single engine's ("output_mismatch", when the
@@ -40,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 from replay.trace.reader import TraceSnapshot
 from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover_engine_windows,
-                                    ignored_by_cause, missed_reason)
+                                    ignored_by_cause, missed_reason, quiet_from)
 from replay.verify.windows import EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
@@ -282,6 +285,19 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
     return out
 
 
+IN_FLIGHT_QUEUES = ("waiting", "skipped_waiting", "waiting_for_remote_kvs", "running")
+
+
+def _snapshots_not_reached(snapshots: Sequence[TraceSnapshot], timeline: Timeline) -> list[TraceSnapshot]:
+    """Recorded snapshots of an idle state (every engine's queues recorded, nothing in them:
+    `serve --record` takes its snapshots so) at which this replay still had requests in
+    flight: it lagged the recording there, so the counts say nothing either way."""
+    idle = [s for s in snapshots if s.queues and set(s.queues) == set(s.kv) and all(
+        q.get(k, 0) == 0 for q in s.queues.values() for k in IN_FLIGHT_QUEUES)]
+    busy_until = quiet_from(timeline.requests, [s.t for s in idle])
+    return [s for s, quiet in zip(idle, busy_until) if quiet > s.t]
+
+
 def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
            options: VerifyOptions = VerifyOptions(),
            expected: Sequence[ExpectedWindow] | None = None,
@@ -311,8 +327,11 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         windows.append(w)
         if w.verdict == "leak":
             violations.append(_window_violation(w, faults))
-    for snap in trace_snapshots:
-        violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
+    snapshots = list(trace_snapshots)
+    unreached = _snapshots_not_reached(snapshots, timeline)
+    for snap in snapshots:
+        if snap not in unreached:
+            violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
     violations += _check_kv_integrity(timeline)
@@ -323,6 +342,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     ignored = ignored_by_cause(timeline.requests)
     reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
     reasons += starved_reasons(timeline.meta.get("starved", ()))
+    reasons += [f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
+                f"in the recording there, requests still were in this replay (it lagged the "
+                f"recording), so its counts were not compared" for s in unreached]
     partial = _partial_coverage(coverage, windows, reasons, options)
     if partial:
         reasons = [r for r in reasons if not r.startswith(MISSED_PREFIX)]
@@ -333,7 +355,8 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
 
 
 MISSED_PREFIX = "expected window not observed"
-LAG_ADVICE = ("to cover the windows the engines' lag swallowed: replay on the virtual clock "
+LAG_ADVICE = ("to cover the windows the engines' lag swallowed: model this machine's step costs "
+              "(`kvdrain calibrate -o FILE`, then --cost-profile FILE), replay on the virtual clock "
               "(--clock virtual), give the engines CPU, widen the gaps (--max-gap, or a larger "
               "--idle-threshold), or accept what was observed with --min-coverage F")
 

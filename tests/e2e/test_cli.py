@@ -294,7 +294,8 @@ def test_every_engine_option_set_with_target_is_refused(option):
     else:
         value = ["2"]
     if option.name in ("model", "cost_profile_path"):
-        pytest.skip("--model names the served model over HTTP; --cost-profile is the virtual clock's")
+        pytest.skip("--model names the served model over HTTP; --cost-profile models a target's "
+                    "expected windows too")
     result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)
     assert result.exit_code == 2 and "does not apply with --target" in result.output, result.output
 

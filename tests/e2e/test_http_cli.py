@@ -66,3 +66,30 @@ def test_http_options_are_usage_errors_elsewhere():
                   "--metrics", "h:1/metrics").exit_code == 2
     assert invoke("serve", "--api-key", "k").exit_code == 2
     assert invoke("serve", "--http", "host:port").exit_code == 2
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    import urllib.request
+    body = json.dumps({"model": "kvdrain/tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_serve_http_record_records_http_clients_from_the_first_request(tmp_path: Path):
+    recording = tmp_path / "recorded.jsonl"
+    serve = Serve("--http", "0", "--record", str(recording))
+    try:
+        url = serve.wait_for(r"HTTP on (http://\S+)", 30).group(1)
+        answers = [_complete(url, [1, 2, 3, 4, 5], 3), _complete(url, list(range(7, 40)), 5)]
+        assert [a["usage"]["completion_tokens"] for a in answers] == [3, 5]
+    finally:
+        assert serve.stop() == 0
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    requests = [line for line in lines if "id" in line]
+    assert lines[0]["recorded_by"] == "kvdrain serve" and lines[0]["num_blocks"] == 256
+    assert [(r["prompt_token_ids"], r["max_tokens"]) for r in requests] == [
+        ([1, 2, 3, 4, 5], 3), (list(range(7, 40)), 5)]
+    assert requests[0]["t"] == 0.0 < requests[1]["t"]  # t = 0 at the first request
+    replayed = invoke("replay", str(recording), "--clock", "virtual", "--no-live")
+    assert replayed.exit_code == 0, replayed.output

@@ -299,7 +299,7 @@ class _AnsweringTarget:
         stats, self.stats = self.stats, []
         return stats
 
-    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None) -> None:
+    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None, trace_t=None) -> None:
         self.outputs.append(RequestOutput(req_id, [(prompt_token_ids[-1] + 1) % 512], "length"))
 
     def abort(self, req_id) -> None:

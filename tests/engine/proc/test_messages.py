@@ -16,7 +16,7 @@ from engine.proc.messages import (CODEC, MESSAGES, Abort, AddRequest, Codec, Dec
                              GetStats, Ready, RequestOutputMsg, RequestOutputs, Shutdown,
                              StatsSnapshot, output_from_msg, output_to_msg)
 from engine.core.outputs import RequestOutput
-from replay.live.serve_messages import SERVE_CODEC, SERVE_MESSAGES, ServeInfo
+from replay.live.serve_messages import SERVE_CODEC, SERVE_MESSAGES, ServeInfo, TracedRequest
 
 SAMPLES = {
     AddRequest: AddRequest("r1", [1, 2, 3], 16, {"do_remote_decode": True}, [7]),
@@ -29,6 +29,7 @@ SAMPLES = {
     StatsSnapshot: StatsSnapshot("P", 7, 12.5, "blocked", 100, 3, {"num_used_blocks": 4}),
     EngineError: EngineError("P", "connector worker died"),
     ServeInfo: ServeInfo(["P", "D"], "pd", "event", 512, 16, "mock", 4096, 512, "tiny"),
+    TracedRequest: TracedRequest(AddRequest("r1", [1, 2], 4), 12.5),
     RegisterKVCache: RegisterKVCache("P", {"kind": "shm", "shape": [1, 2], "cuda_handle": b"\x00"}),
     WorkerReady: WorkerReady("P", 42, "ipc:///tmp/x/P-kv"),
     KVCacheRegistered: KVCacheRegistered("P", 512),
@@ -55,7 +56,7 @@ ENGINE_TAGS = {
     "AddRequest": 0, "Abort": 1, "Shutdown": 2, "GetStats": 3, "Ready": 4, "RequestOutputs": 5,
     "StatsSnapshot": 6, "EngineError": 7,
 }
-SERVE_TAGS = {**ENGINE_TAGS, "ServeInfo": 8}  # a serve speaks the engine's messages, and one more
+SERVE_TAGS = {**ENGINE_TAGS, "ServeInfo": 8, "TracedRequest": 9}  # the engine's messages, and its own
 CONNECTOR_TAGS = {
     "RegisterKVCache": 0, "WorkerReady": 1, "StepMeta": 2, "KVReport": 3, "GetKVHandle": 4,
     "KVHandle": 5, "ReadBlocks": 6, "BlockData": 7, "ReadDone": 8, "Heartbeat": 9,

@@ -15,7 +15,7 @@ class _DyingTarget:
         self.engines, self.dead, self.message = engines, dead, message
         self.errors: list[tuple[str, str]] = []
 
-    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None) -> None:
+    def add_request(self, req_id, prompt_token_ids, max_tokens, pd=None, trace_t=None) -> None:
         raise EngineDeadError(self.dead, self.message)
 
     def abort(self, req_id: str) -> None: ...

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import EXAMPLE, cli
-from engine.config import EngineConfig
+from engine.config import EngineConfig, get_model_config
 from engine.core.outputs import ScheduledRequest, SchedulerOutput
 from replay.live.calibrate import CalibrateOptions, calibrate
 from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
@@ -171,16 +171,52 @@ def test_cli_calibrate_then_replay_with_the_profile(tmp_path: Path):
 
 def test_cli_cost_profile_usage_errors(tmp_path: Path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    profile().save(good)
+    profile().save(good)  # measured on the torch runner
     bad.write_text(json.dumps({"kvdrain_cost_profile": 1}))
-    wall = invoke("replay", str(EXAMPLE), "--clock", "wall", "--cost-profile", str(good), "--no-live")
-    assert wall.exit_code == 2 and "virtual" in wall.output
+    other = invoke("replay", str(EXAMPLE), "--runner", "mock", "--cost-profile", str(good), "--no-live")
+    assert other.exit_code == 2 and "runner torch" in other.output and "runner mock" in other.output
+    assert "kvdrain calibrate --runner mock" in other.output
     broken = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--cost-profile", str(bad), "--no-live")
     assert broken.exit_code == 2 and "--cost-profile" in broken.output
 
 
-def test_replay_config_refuses_a_profile_for_the_wall_clock():
+def test_replay_config_takes_a_profile_for_either_clock_refusing_one_of_another_runner():
     from replay.pipeline import ReplayConfig
-    with pytest.raises(ValueError, match="virtual"):
-        ReplayConfig(trace=EXAMPLE, clock="wall", cost_profile=profile())
-    assert replace(ReplayConfig(trace=EXAMPLE, clock="virtual"), cost_profile=profile()).cost_profile
+    assert ReplayConfig(trace=EXAMPLE, clock="virtual", cost_profile=profile()).cost_profile
+    assert ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch"),
+                        cost_profile=profile()).cost_profile
+    assert ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="mock"),
+                        target="tcp://127.0.0.1:5555", cost_profile=profile()).cost_profile
+    with pytest.raises(ValueError, match="runner torch, model tiny.*runner mock"):
+        ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="mock"), cost_profile=profile())
+    with pytest.raises(ValueError, match="model small"):
+        ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch", model=get_model_config("small")),
+                     cost_profile=profile())
+
+
+SLOW_STEP_S = 0.25  # a calibrated step cost far above the default model's 4 ms
+
+
+def model_quiet_of_the_gap(tmp_path: Path, cost_profile: CostProfile | None) -> float:
+    """A wall replay (mock runner) of one request at t=0 and one at 1.5 s: when the model
+    behind its expected windows had the first request ended (the run's quiet minus its lag)."""
+    from replay.pipeline import ReplayConfig, run_replay
+    from replay.verify.rules import VerifyOptions
+    trace = tmp_path / "gap.jsonl"
+    trace.write_text("".join(json.dumps({"t": t, "id": f"r{t}", "prompt_len": 40, "max_tokens": 4}) + "\n"
+                             for t in (0.0, 1.5)))
+    result = run_replay(ReplayConfig(
+        trace=trace, clock="wall", engine=EngineConfig(runner="mock", num_blocks=256), tail_s=0.5,
+        verify=VerifyOptions(0.5, 0.25, 2), cost_profile=cost_profile))
+    gap = next(c for c in result.verdict.coverage if not c.is_tail and not c.engine)
+    assert (gap.start, gap.end) == (0.0, 1.5) and gap.quiet_from is not None and gap.lag_s is not None
+    return gap.quiet_from - gap.lag_s
+
+
+def test_a_wall_replay_models_its_expected_windows_with_the_cost_profile(tmp_path: Path):
+    slow = CostProfile(model=CostModel(base_s=SLOW_STEP_S), points=(), runner="mock", model_preset="tiny",
+                       device="cpu", dtype="float32", torch_version=None)
+    # The request's P prefill and D's four tokens take a step each: at least five of the
+    # profile's steps; the default model is done in tens of milliseconds.
+    assert model_quiet_of_the_gap(tmp_path, slow) >= 5 * SLOW_STEP_S - 1e-6
+    assert model_quiet_of_the_gap(tmp_path, None) < 0.2

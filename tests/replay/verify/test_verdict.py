@@ -219,9 +219,10 @@ def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
     lagged, expected = _lagged_run()
     verdict = verify(lagged, [], VerifyOptions(), expected)
     assert verdict.status == "inconclusive" and not verdict.partial
-    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: replay on "
-                                          "the virtual clock (--clock virtual)")
-    assert "--min-coverage F" in verdict.reasons[-1]
+    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: model this "
+                                          "machine's step costs (`kvdrain calibrate -o FILE`, then "
+                                          "--cost-profile FILE)")
+    assert "(--clock virtual)" in verdict.reasons[-1] and "--min-coverage F" in verdict.reasons[-1]
 
 
 def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
@@ -254,3 +255,25 @@ def test_a_snapshot_violation_states_its_sample_time_to_the_millisecond_as_every
     snapshot = TraceSnapshot(4.349, {"E": {"used": 0}}, line=7)
     (violation,) = [v for v in verify(timeline, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"]
     assert violation.detail.startswith("sample at 1.971 s (line 7): used 3 != recorded 0"), violation.detail
+
+
+IDLE_QUEUES = {"E": {"waiting": 0, "skipped_waiting": 0, "waiting_for_remote_kvs": 0, "running": 0,
+                     "finished_awaiting_free": 0}}
+
+
+def test_a_recorded_idle_snapshot_the_replay_reached_still_busy_is_not_reached_not_violated():
+    from replay.trace.records import TraceSnapshot
+    # The recording was idle at 1.5 s (every queue empty); this replay lagged: request a ran to 2.0 s.
+    lagged = _two_bursts(a_end=2.0)
+    snapshot = TraceSnapshot(1.5, {"E": {"used": 0}}, IDLE_QUEUES, line=4)
+    verdict = verify(lagged, [snapshot], VerifyOptions())
+    assert not [v for v in verdict.violations if v.kind == "snapshot"] and verdict.status == "inconclusive"
+    assert "recorded snapshot not reached: t=1.500 s (line 4)" in verdict.reasons[-1]
+    # Reached (the replay idle there too), it is compared: a held block is a violation.
+    on_time = _two_bursts()
+    on_time.samples[1] = _sample(0.5, 1)
+    (violation,) = [v for v in verify(on_time, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"]
+    assert "used 1 != recorded 0" in violation.detail
+    # A snapshot that recorded work in flight is compared wherever the replay is.
+    busy = TraceSnapshot(1.5, {"E": {"used": 0}}, {"E": {**IDLE_QUEUES["E"], "running": 1}}, line=4)
+    assert [v.kind for v in verify(lagged, [busy], VerifyOptions()).violations] == ["snapshot"]
