@@ -152,8 +152,8 @@ class _StartupView:
 
     def __call__(self, statuses: list[InstanceStatus]) -> None:
         changed = [s for s in statuses if self.shown.get(s.name) != s.state]
-        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:
-            changed = [s for s in statuses if s.state != "ready"]
+        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:  # and those still starting
+            changed += [s for s in statuses if s.state != "ready" and s not in changed]
         for s in changed:
             _say(self.console, f"  {s.name}: {describe(s)}")
             self.shown[s.name] = s.state
