@@ -76,8 +76,10 @@ def rows(venv: Path, prefix_venv: Path | None) -> list[Row]:
 def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None:
     name = f"{row.release.replace(' ', '').replace(',', '-')}-{row.topology}"
     row.log, report = out_dir / f"{name}.log", out_dir / f"{name}.json"
+    # beside the report, what explains a verdict: every scraped reading, every request's times
     argv = [sys.executable, "-m", "cli", "replay", str(TRACE), "--engine", "vllm", "--vllm-venv",
-            str(row.venv), "--topology", row.topology, "--no-live", "--report", str(report), *extra]
+            str(row.venv), "--topology", row.topology, "--no-live", "--report", str(report),
+            "--series", str(out_dir / f"{name}.csv"), "--requests", str(out_dir / f"{name}.req.jsonl"), *extra]
     for item in row.env:
         argv += ["--vllm-env", item]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
