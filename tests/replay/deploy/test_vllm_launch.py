@@ -305,6 +305,28 @@ def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_unless_one_is_given
     assert ("drain deadline 2 s" in result.stdout) == (not given)
 
 
+def test_the_release_matrix_stopped_by_sigterm_tears_its_row_down_and_prints_the_rows_so_far(
+        fake_venv, pidfile, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_VLLM_MODE": "hangs"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "e2e_vllm.py"), "--venv", str(fake_venv),
+                             "--only", "single", "--out", str(tmp_path / "e2e")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: len(started_pids(pidfile)) == 2, 60)  # the first row's instance is up
+        proc.terminate()
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out
+    rows = [line[27:].split() for line in out.splitlines() if line.startswith("0.32.0+fake")]
+    assert [r[:2] for r in rows] == [["single", "interrupted"], ["single", "skipped"]], out
+    assert rows[0][2] == "143"  # the replay's own exit on SIGTERM: it tore its deployment down
+    assert "e2e-vllm: interrupted" in out
+    assert not any(running(p) for p in started_pids(pidfile))
+
+
 def recorded_pids(run_root: Path) -> set[int]:
     found = set()
     for run_dir in run_root.glob(RUN_PREFIX + "*"):
