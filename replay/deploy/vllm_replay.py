@@ -21,10 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
+from engine.proc.run_dir import run_root
 from replay.commands import Display, OutputFiles, replay_main
 from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmVenvError,
                                        check_venv, gpu_count)
 from replay.deploy.vllm_options import VllmOptions
+from replay.deploy.vllm_orphans import RUN_PREFIX
 from replay.live.interrupt import SIGNALS, Interrupted, interruptible
 from replay.pipeline import ReplayConfig, trace_limits
 from replay.trace.reader import TraceError, validate_trace
@@ -35,7 +37,6 @@ from replay.verify.verdict import EXIT_FAULT, EXIT_USAGE
 # so a drain by 0.5 s cannot be proven from their readings and such windows stay
 # undecided; a leak (blocks held for the whole window) is still one.
 CPU_DRAIN_DEADLINE_S = 2.0
-RUN_PREFIX = "kvdrain-vllm-"  # not the ipc run dirs' prefix: these stay, with their logs
 HEARTBEAT_S = 15.0  # a start-up line at least this often while waiting
 
 
@@ -63,7 +64,7 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
         config = replace(config, verify=replace(config.verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S))
         _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
                       f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
     _say(console, f"vLLM {install.version} ({options.venv}), topology {options.topology}; "
                   f"logs in {run_dir}")
     with interruptible():
@@ -87,6 +88,10 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
 def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs: OutputFiles,
                        display: Display, console) -> int:
     deployment.start()
+    for swept in deployment.swept:
+        names = ", ".join(f"{p.name} (pid {p.pid})" for p in swept.stopped if p.leader)
+        _say(console, f"vllm: stopped {swept.num_stopped} processes a killed run left running: {names}; "
+                      f"its logs: {swept.run_dir}")
     for instance in deployment.instances:
         spec = instance.spec
         side = f" (NIXL side channel {spec.side_channel_port})" if spec.kv_role else ""
@@ -147,8 +152,8 @@ class _StartupView:
 
     def __call__(self, statuses: list[InstanceStatus]) -> None:
         changed = [s for s in statuses if self.shown.get(s.name) != s.state]
-        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:
-            changed = [s for s in statuses if s.state != "ready"]
+        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:  # and those still starting
+            changed += [s for s in statuses if s.state != "ready" and s not in changed]
         for s in changed:
             _say(self.console, f"  {s.name}: {describe(s)}")
             self.shown[s.name] = s.state

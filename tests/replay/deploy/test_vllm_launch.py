@@ -13,8 +13,9 @@ import pytest
 
 from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmVenvError, check_venv,
                                        core_sets, instance_env, stop_all)
-from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, write_tiny_model
+from replay.deploy.vllm_options import VllmOptions
+from replay.deploy.vllm_orphans import RECORD_FILE, RUN_PREFIX, read_record
 from tests.paths import EXAMPLE, ROOT
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
@@ -36,6 +37,15 @@ def make_fake_venv(path: Path, version: str = "0.32.0+fake") -> Path:
         script.write_text(f"#!/bin/sh\n{line}\n")
         script.chmod(0o755)
     return path
+
+
+@pytest.fixture(autouse=True)
+def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run directories (and so the start-up sweep of killed runs) under the test's own folder."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    monkeypatch.setenv("KVDRAIN_RUN_ROOT", str(root))
+    return root
 
 
 @pytest.fixture
@@ -293,3 +303,64 @@ def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_unless_one_is_given
     assert result.returncode in (0, 3), result.stdout + result.stderr  # 3: a gap shorter than 2 s
     assert json.loads(report.read_text())["settings"]["verify"]["drain_deadline_s"] == expected
     assert ("drain deadline 2 s" in result.stdout) == (not given)
+
+
+def test_the_release_matrix_stopped_by_sigterm_tears_its_row_down_and_prints_the_rows_so_far(
+        fake_venv, pidfile, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_VLLM_MODE": "hangs"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "e2e_vllm.py"), "--venv", str(fake_venv),
+                             "--only", "single", "--out", str(tmp_path / "e2e")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: len(started_pids(pidfile)) == 2, 60)  # the first row's instance is up
+        proc.terminate()
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out
+    rows = [line[27:].split() for line in out.splitlines() if line.startswith("0.32.0+fake")]
+    assert [r[:2] for r in rows] == [["single", "interrupted"], ["single", "skipped"]], out
+    assert rows[0][2] == "143"  # the replay's own exit on SIGTERM: it tore its deployment down
+    assert "e2e-vllm: interrupted" in out
+    assert not any(running(p) for p in started_pids(pidfile))
+
+
+def recorded_pids(run_root: Path) -> set[int]:
+    found = set()
+    for run_dir in run_root.glob(RUN_PREFIX + "*"):
+        record = read_record(run_dir)
+        found |= {p.pid for p in record[1]} if record else set()
+    return found
+
+
+def test_what_a_sigkilled_kvdrain_left_running_is_stopped_by_the_next_start(fake_venv, pidfile, run_root):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_VLLM_MODE": "hangs"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--engine", "vllm",
+                             "--vllm-venv", str(fake_venv), "--topology", "pd", "--no-live"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left: list[int] = []
+    try:
+        # P and D, each with its "engine core", and the proxy: all recorded before the kill
+        assert wait_for(lambda: len(started_pids(pidfile)) == 4
+                        and set(started_pids(pidfile)) < recorded_pids(run_root), 60)
+        left = sorted(recorded_pids(run_root))
+        assert len(left) == 5
+    finally:
+        proc.kill()  # no teardown runs
+        proc.wait(timeout=10)
+    try:
+        assert all(running(p) for p in left)  # in their own sessions, they outlive kvdrain
+        result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv),
+                         "--topology", "single", "--no-live", env={"FAKE_VLLM_MODE": "dies"})
+        assert result.returncode == 4, result.stdout + result.stderr
+        assert "vllm: stopped 5 processes a killed run left running: P (pid" in result.stdout
+        assert wait_for(lambda: not any(running(p) for p in left), 5)
+        (killed,) = [d for d in run_root.glob(RUN_PREFIX + "*") if (d / "P.log").exists()]
+        assert not (killed / RECORD_FILE).exists() and (killed / "D.log").exists()  # the logs stay
+    finally:
+        for pid in left:  # a failed check: these are this test's own processes
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
