@@ -37,6 +37,11 @@ from replay.verify.verdict import EXIT_FAULT, EXIT_USAGE
 # so a drain by 0.5 s cannot be proven from their readings and such windows stay
 # undecided; a leak (blocks held for the whole window) is still one.
 CPU_DRAIN_DEADLINE_S = 2.0
+# And how long a scrape waits for such an instance's /metrics: answers took up to 1.5 s
+# there, so at the default 2 s some were dropped as failures (a run with a failed scrape is
+# inconclusive); a later answer is still evidence (its reading is bounded by its sending
+# and its answer), so waiting longer costs only that scrape's next slot.
+CPU_SCRAPE_TIMEOUT_S = 5.0
 HEARTBEAT_S = 15.0  # a start-up line at least this often while waiting
 
 
@@ -60,10 +65,13 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
     except (VllmVenvError, TraceError) as e:
         _say(console, f"[red]error:[/] {e}")
         return EXIT_USAGE
-    if not deadline_given and gpu_count() == 0 and config.verify.drain_deadline_s < CPU_DRAIN_DEADLINE_S:
+    on_cpu = gpu_count() == 0
+    if not deadline_given and on_cpu and config.verify.drain_deadline_s < CPU_DRAIN_DEADLINE_S:
         config = replace(config, verify=replace(config.verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S))
         _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
                       f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
+    if on_cpu and config.http.scrape_timeout_s < CPU_SCRAPE_TIMEOUT_S:
+        config = replace(config, http=replace(config.http, scrape_timeout_s=CPU_SCRAPE_TIMEOUT_S))
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
     _say(console, f"vLLM {install.version} ({options.venv}), topology {options.topology}; "
                   f"logs in {run_dir}")

@@ -87,11 +87,12 @@ class HttpTargetOptions:
     request_timeout_s: float = 120.0
     max_token_id: int | None = None  # the trace's largest prompt token id (None: none given)
     metrics_from: str | None = None  # who named `metrics` (replay/http/preflight.py); None: --metrics
+    scrape_timeout_s: float = 2.0  # a /metrics answer later than this is a failed scrape
 
     def __post_init__(self) -> None:
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format: must be one of {PROMPT_FORMATS}")
-        for name in ("scrape_interval_s", "tail_s", "request_timeout_s"):
+        for name in ("scrape_interval_s", "scrape_timeout_s", "tail_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -310,7 +311,7 @@ class HttpReplay:
         self.on_tick = on_tick
         self.origin = 0.0
         self.identity = identity
-        self.scrapers = [Scraper(m, 0.0) for m in options.metrics]
+        self.scrapers = [Scraper(m, 0.0, timeout_s=options.scrape_timeout_s) for m in options.metrics]
         self.metrics_from = (options.metrics_from or "--metrics") if options.metrics else None
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
@@ -350,7 +351,7 @@ class HttpReplay:
             if not self.scrapers:
                 found = await discover_metrics(session, api_root(self.options.base_url))
                 origins.update(URL(m.url).origin() for m in found)  # named by the proxy itself
-                self.scrapers = [Scraper(m, 0.0) for m in found]
+                self.scrapers = [Scraper(m, 0.0, timeout_s=self.options.scrape_timeout_s) for m in found]
                 self.metrics_from = "the proxy's /health" if found else None
             for scraper in self.scrapers:  # picks the metric and names the engines
                 scraper.origin = time.monotonic()
@@ -571,6 +572,7 @@ class HttpReplay:
                          "metrics_from": self.metrics_from,
                          "prompt_format": self.options.prompt_format,
                          "scrape_interval_s": self.options.scrape_interval_s,
+                         "scrape_timeout_s": self.options.scrape_timeout_s,
                          "latency": latency_summary(self.requests.values()),
                          "settings": self.settings(engines)}}
         counters = {e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e))

@@ -6,7 +6,7 @@ FAKE_VLLM_MODE picks its behaviour: `works` (default) serves /health, /v1/models
 answers with the params D needs, as a NixlConnector P does) and /metrics
 (vllm:kv_cache_usage_perc as a fraction, num_requests_running/waiting,
 cache_config_info); `dies` exits 1 at start; `hangs` never answers /health; `crashes`
-exits at its third completion. Like vLLM,
+exits at its third completion; `slow-metrics` answers every fourth /metrics after 2.5 s. Like vLLM,
 it starts a child (its "engine core"), and it appends "PID CHILD_PID" to
 FAKE_VLLM_PIDFILE, so a test can check both are gone.
 """
@@ -30,6 +30,7 @@ class Fake:
         self.served = served
         self.running = 0
         self.num_done = 0
+        self.num_scrapes = 0
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -39,6 +40,9 @@ class Fake:
             {"id": self.served, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.num_scrapes += 1
+        if os.environ.get("FAKE_VLLM_MODE") == "slow-metrics" and self.num_scrapes % 4 == 0:
+            await asyncio.sleep(2.5)  # as a busy CPU vLLM's /metrics can be
         lines = [f'vllm:kv_cache_usage_perc{{engine="0"}} {self.running * 8 / NUM_GPU_BLOCKS}',
                  f'vllm:num_requests_running{{engine="0"}} {self.running}',
                  'vllm:num_requests_waiting{engine="0"} 0',

@@ -305,6 +305,17 @@ def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_unless_one_is_given
     assert ("drain deadline 2 s" in result.stdout) == (not given)
 
 
+def test_a_slow_metrics_answer_from_vllm_on_the_cpu_is_a_reading_not_a_failed_scrape(fake_venv, pidfile, tmp_path):
+    report = tmp_path / "report.json"
+    result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv), "--topology",
+                     "single", "--no-live", "--speedup", "4", "--report", str(report),
+                     "--drain-deadline", "0.5", env={"FAKE_VLLM_MODE": "slow-metrics"})
+    http = json.loads(report.read_text())["http"]
+    (scraped,) = http["metrics"]
+    assert scraped["num_failures"] == 0 and scraped["max_answer_s"] >= 2.5, result.stdout
+    assert http["scrape_timeout_s"] == 5.0
+
+
 def test_the_release_matrix_stopped_by_sigterm_tears_its_row_down_and_prints_the_rows_so_far(
         fake_venv, pidfile, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_VLLM_MODE": "hangs"}
