@@ -15,6 +15,7 @@ import glob
 import os
 import re
 import shutil
+import stat
 import tempfile
 
 RUN_PREFIX = "kvdrain-"
@@ -73,11 +74,24 @@ def read_owner(path: str) -> tuple[int, str | None] | None:
         return None
 
 
+def is_ours(path: str | os.PathLike, directory: bool = True) -> bool:
+    """path is this user's own, as kvdrain makes it: not a link, owned by this uid, and
+    (a directory) reachable by no one else (mode 0700, as mkdtemp makes it). A sweep acts
+    on nothing else: anyone can write under a shared /tmp."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    private = not directory or st.st_mode & 0o077 == 0
+    return kind_ok and private and st.st_uid == os.geteuid()
+
+
 def sweep_dead_runs() -> list[str]:
     """Remove run directories and KV segments whose owner process is gone; returns their paths."""
     removed = []
     for path in glob.glob(os.path.join(run_root(), RUN_PREFIX + "*")):
-        owner = read_owner(path)
+        owner = read_owner(path) if is_ours(path) else None
         if owner is not None and not is_alive(*owner):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

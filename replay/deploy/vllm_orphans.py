@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.proc.run_dir import is_alive, process_start_time, run_root
+from engine.proc.run_dir import is_alive, is_ours, process_start_time, run_root
 
 RUN_PREFIX = "kvdrain-vllm-"  # not the ipc run dirs' prefix alone: these stay, with their logs
 RECORD_FILE = "processes.json"
@@ -57,7 +57,11 @@ def clear_record(run_dir: Path) -> None:
 
 
 def read_record(run_dir: Path) -> tuple[tuple[int, str | None], list[Recorded]] | None:
-    """(owner pid, owner start time) and the processes; None without a readable record."""
+    """(owner pid, owner start time) and the processes; None without a readable record,
+    or one that is not this user's own (run_dir.is_ours: a forged record would have the
+    sweep signal someone else's processes)."""
+    if not (is_ours(run_dir) and is_ours(run_dir / RECORD_FILE, directory=False)):
+        return None
     try:
         record = json.loads((run_dir / RECORD_FILE).read_text())
         owner = (int(record["owner"]["pid"]), record["owner"]["start_time"])

@@ -66,15 +66,19 @@ def test_run_dir_records_its_owner_and_is_private(run_root):
 def test_next_start_sweeps_leftovers_of_dead_runs(run_root):
     dead = dead_pid()
     stale = Path(run_root, "kvdrain-stale")
-    stale.mkdir()
+    stale.mkdir(mode=0o700)
     (stale / "owner").write_text(f"{dead} 1\n")
     (stale / "P-in").write_text("")
     reused = Path(run_root, "kvdrain-reused")  # the owner's pid runs again, another process
-    reused.mkdir()
+    reused.mkdir(mode=0o700)
     (reused / "owner").write_text(f"{os.getpid()} 0\n")
     live = Path(make_run_dir())
     foreign = Path(run_root, "kvdrain-noowner")  # not ours to judge: no owner record
     foreign.mkdir()
+    public = Path(run_root, "kvdrain-public")  # anyone could have written it: not kvdrain's
+    public.mkdir(mode=0o755)
+    public.chmod(0o755)
+    (public / "owner").write_text(f"{dead} 1\n")
     segment_dir = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     dead_segment = Path(segment_dir, f"kvdrain-kv-{dead}-0123456789ab")
     live_segment = Path(segment_dir, f"kvdrain-kv-{os.getpid()}-0123456789ab")
@@ -83,7 +87,7 @@ def test_next_start_sweeps_leftovers_of_dead_runs(run_root):
     try:
         make_run_dir()
         assert not stale.exists() and not reused.exists() and not dead_segment.exists()
-        assert live.exists() and foreign.exists() and live_segment.exists()
+        assert live.exists() and foreign.exists() and public.exists() and live_segment.exists()
         assert sweep_dead_runs() == []
     finally:
         for path in (dead_segment, live_segment):

@@ -52,7 +52,7 @@ def test_a_dead_owners_processes_and_their_descendants_are_stopped_and_the_recor
     child = int(parent.stdout.readline())
     try:
         run_dir = run_root / (RUN_PREFIX + "killed")
-        run_dir.mkdir()
+        run_dir.mkdir(mode=0o700)
         write_record(run_dir, [Recorded(name="E", pid=parent.pid, start_time=process_start_time(parent.pid))])
         record = json.loads((run_dir / RECORD_FILE).read_text())
         record["owner"] = {"pid": gone.pid, "start_time": "1"}
@@ -75,7 +75,7 @@ def test_the_sweep_leaves_a_live_runs_processes_and_a_reused_pid_alone(run_root)
         start = process_start_time(bystander.pid)
         live, dead = run_root / (RUN_PREFIX + "live"), run_root / (RUN_PREFIX + "dead")
         for run_dir in (live, dead):
-            run_dir.mkdir()
+            run_dir.mkdir(mode=0o700)
         write_record(live, [Recorded(name="E", pid=bystander.pid, start_time=start, leader=True)])
         write_record(dead, [Recorded(name="E", pid=bystander.pid, start_time=str(int(start) - 1), leader=True)])
         record = json.loads((dead / RECORD_FILE).read_text())
@@ -87,3 +87,29 @@ def test_the_sweep_leaves_a_live_runs_processes_and_a_reused_pid_alone(run_root)
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+@pytest.mark.parametrize("forgery", ["a directory others can write", "a record that is a link"])
+def test_a_record_not_this_users_own_is_never_acted_on(run_root, tmp_path, forgery):
+    """Anyone can write under a shared /tmp: a forged record naming a victim's pid and
+    start time (public in /proc) must not have the sweep signal it."""
+    victim = sleeper()
+    try:
+        run_dir = run_root / (RUN_PREFIX + "forged")
+        run_dir.mkdir(mode=0o700)
+        write_record(run_dir, [Recorded(name="E", pid=victim.pid, start_time=process_start_time(victim.pid))])
+        record = json.loads((run_dir / RECORD_FILE).read_text())
+        record["owner"] = {"pid": 2 ** 22 + 1, "start_time": "1"}  # beyond pid_max: gone
+        if forgery == "a directory others can write":
+            (run_dir / RECORD_FILE).write_text(json.dumps(record))
+            run_dir.chmod(0o777)
+        else:
+            elsewhere = tmp_path / "elsewhere.json"
+            elsewhere.write_text(json.dumps(record))
+            (run_dir / RECORD_FILE).unlink()
+            (run_dir / RECORD_FILE).symlink_to(elsewhere)
+        assert read_record(run_dir) is None
+        assert sweep_orphans(timeout_s=5) == [] and running(victim.pid)
+    finally:
+        victim.kill()
+        victim.wait(10)
