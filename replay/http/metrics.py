@@ -69,6 +69,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "kvdrain:engine_wakeups": LABELS,
     "kvdrain:engine_probe_wakeups": LABELS,
     "kvdrain:engine_bad_messages": LABELS,
+    "kvdrain:kv_load_failures": LABELS,
     "kvdrain:stats_age_seconds": LABELS,
     "kvdrain:connector_events": LABELS + ("event",),
     "kvdrain:connector_in_flight": LABELS + ("kind",),
@@ -79,7 +80,7 @@ _ENGINE_KEYS = frozenset((
     "num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
     "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
     "num_free_blocks", "num_preemptions", "num_prefix_hit_tokens", "num_prefix_query_tokens",
-    "connector_worker_pid", "num_probe_wakeups", "num_bad_messages"))
+    "connector_worker_pid", "num_probe_wakeups", "num_bad_messages", "num_kv_load_failures"))
 
 
 @dataclass(slots=True)
@@ -180,6 +181,7 @@ def _new_families() -> dict[str, object]:
         counter("kvdrain:engine_wakeups", "Engine loop wake-ups (out of blocked, poll sleeps)."),
         counter("kvdrain:engine_probe_wakeups", "Wake-ups of a parked engine whose only input was a stats probe."),
         counter("kvdrain:engine_bad_messages", "Messages the engine core dropped (undecodable or not its own)."),
+        counter("kvdrain:kv_load_failures", "Requests whose KV load failed (the scheduler's count)."),
         gauge("kvdrain:stats_age_seconds",
               "Seconds since the engine last published stats (a parked engine's grow)."),
         counter("kvdrain:connector_events", "KV connector counters, by event."),
@@ -208,6 +210,7 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
         "kvdrain:engine_wakeups": snap.num_wakeups,
         "kvdrain:engine_probe_wakeups": c.get("num_probe_wakeups", 0),
         "kvdrain:engine_bad_messages": c.get("num_bad_messages", 0),
+        "kvdrain:kv_load_failures": c.get("num_kv_load_failures", 0),
         "kvdrain:stats_age_seconds": max(0.0, now - snap.monotonic),
     }
     for name, value in values.items():

@@ -45,6 +45,7 @@ EXPECTED_LABELS = {
     "kvdrain:engine_wakeups_total": {"model_name", "engine"},
     "kvdrain:engine_probe_wakeups_total": {"model_name", "engine"},
     "kvdrain:engine_bad_messages_total": {"model_name", "engine"},
+    "kvdrain:kv_load_failures_total": {"model_name", "engine"},
     "kvdrain:stats_age_seconds": {"model_name", "engine"},
     "kvdrain:connector_events_total": {"model_name", "engine", "event"},
     "kvdrain:connector_in_flight": {"model_name", "engine", "kind"},
@@ -127,13 +128,15 @@ def test_prefix_cache_queries_count_each_request_once_like_vllm():
 
 
 def test_an_engine_without_a_connector_exposes_no_connector_counter():
-    """The engine core's own counters (bad messages, probe wake-ups) are the engine's: with
-    them as connector events, a single engine read as having a kvdrain PDConnector."""
+    """The engine core's own counters (bad messages, probe wake-ups, the scheduler's KV load
+    failures) are the engine's: as connector events, a single engine read as having a
+    kvdrain PDConnector."""
     from replay.http.server_facts import engine_facts
     counts = {k: v for k, v in COUNTS.items() if k in (
         "num_waiting", "num_running", "num_usable_blocks", "num_used_blocks", "num_free_blocks")}
     latest = {"E": StatsSnapshot("E", 1, time.monotonic(), "blocked", 10, 3,
-                                 {**counts, "num_bad_messages": 2, "num_probe_wakeups": 5})}
+                                 {**counts, "num_bad_messages": 2, "num_probe_wakeups": 5,
+                                  "num_kv_load_failures": 0})}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector("m", ["E"], 16, latest, {}))
     samples: dict[str, list] = {}
@@ -143,3 +146,4 @@ def test_an_engine_without_a_connector_exposes_no_connector_counter():
     assert engine_facts(samples, "E").connector is None
     assert _value(samples, "kvdrain:engine_probe_wakeups_total", engine="E") == 5
     assert _value(samples, "kvdrain:engine_bad_messages_total", engine="E") == 2
+    assert _value(samples, "kvdrain:kv_load_failures_total", engine="E") == 0
