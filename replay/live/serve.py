@@ -33,6 +33,7 @@ from engine.proc.socket_limits import request_bytes, set_max_message_size
 from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
 from replay.live.serve_messages import ServeInfo, TracedRequest, decode, encode
+from replay.trace.records import MAX_TRACE_T
 
 SUBSCRIPTION_RENEW_S = 5.0  # how often a client says it is still there (GetStats)
 SUBSCRIBER_TTL_S = 30.0  # a subscriber not heard from this long is dropped
@@ -210,6 +211,9 @@ class Server:
         if isinstance(msg, AddRequest):
             self._add(identity, msg, None)
         elif isinstance(msg, TracedRequest):
+            if not 0.0 <= msg.trace_t <= MAX_TRACE_T:  # NaN too: a recording stays readable
+                self.num_bad_messages += 1
+                return
             self._add(identity, msg.request, msg.trace_t)
         elif isinstance(msg, Abort):
             for client_req_id in msg.req_ids:

@@ -228,3 +228,17 @@ def test_a_group_sigterm_stops_the_serve_with_exit_143_and_no_traceback():
             proc.wait(10)
     assert proc.returncode == EXIT_TERMINATED, out
     assert "Traceback" not in out and "stopped after 0 requests" in out, out
+
+
+def test_a_traced_request_at_no_time_a_trace_can_hold_is_dropped_and_the_serve_goes_on(server):
+    """trace_t NaN, infinite, negative or past the trace format's bound would be written into
+    a recording the reader then refuses; the message is dropped as bad, the next one runs."""
+    from replay.live.serve_messages import TracedRequest
+    client = _client(server.address)
+    try:
+        for i, t in enumerate([float("nan"), float("inf"), -1.0, 1e8, 2.5]):
+            client.send(encode(TracedRequest(AddRequest(f"r{i}", [1, 2], 1), t)))
+        _run_until(server, lambda: server.router.added)
+        assert server.num_bad_messages == 4 and server.router.added == ["r4@1"]
+    finally:
+        client.close()
