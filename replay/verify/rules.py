@@ -288,14 +288,16 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
 IN_FLIGHT_QUEUES = ("waiting", "skipped_waiting", "waiting_for_remote_kvs", "running")
 
 
-def _snapshots_not_reached(snapshots: Sequence[TraceSnapshot], timeline: Timeline) -> list[TraceSnapshot]:
+def _snapshots_not_reached(snapshots: Sequence[TraceSnapshot], timeline: Timeline,
+                           drain_deadline_s: float) -> list[TraceSnapshot]:
     """Recorded snapshots of an idle state (every engine's queues recorded, nothing in them:
-    `serve --record` takes its snapshots so) at which this replay still had requests in
-    flight: it lagged the recording there, so the counts say nothing either way."""
+    `serve --record` takes its snapshots so) that this replay had not been quiet for a
+    drain deadline by: it lagged the recording there (a request just ended may still hold
+    blocks its engine has not been told to free), so the counts say nothing either way."""
     idle = [s for s in snapshots if s.queues and set(s.queues) == set(s.kv) and all(
         q.get(k, 0) == 0 for q in s.queues.values() for k in IN_FLIGHT_QUEUES)]
     busy_until = quiet_from(timeline.requests, [s.t for s in idle])
-    return [s for s, quiet in zip(idle, busy_until) if quiet > s.t]
+    return [s for s, quiet in zip(idle, busy_until) if quiet + drain_deadline_s > s.t]
 
 
 def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
@@ -328,7 +330,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         if w.verdict == "leak":
             violations.append(_window_violation(w, faults))
     snapshots = list(trace_snapshots)
-    unreached = _snapshots_not_reached(snapshots, timeline)
+    unreached = _snapshots_not_reached(snapshots, timeline, options.drain_deadline_s)
     for snap in snapshots:
         if snap not in unreached:
             violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
