@@ -66,7 +66,9 @@ class VerifyOptions:
     min_coverage: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("idle_threshold_s", "drain_deadline_s", "snapshot_tolerance_blocks",
+        if not self.idle_threshold_s > 0:
+            raise ValueError(f"idle_threshold_s: must be > 0, got {self.idle_threshold_s!r}")
+        for name in ("drain_deadline_s", "snapshot_tolerance_blocks",
                      "max_ignored_share"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
