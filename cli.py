@@ -138,6 +138,9 @@ class Engines:
     @classmethod
     def of(cls, *, topology: str, router: str, model: str, num_blocks: int | None,
            gpu_memory_utilization: float | None, **values) -> Engines:
+        if topology == "single" and _given("router"):
+            raise click.UsageError("--router: not with --topology single (one engine takes every "
+                                   "request); routing picks among P and D engines (pd, NpMd)")
         kv_fields = _fields(KVTransferConfig)
         kv = KVTransferConfig(**{k: v for k, v in values.items() if k in kv_fields})
         config = EngineConfig(num_blocks=num_blocks or CPU_NUM_BLOCKS,
@@ -728,7 +731,8 @@ def _check_vllm(target: Target, clock: str) -> None:
 
 def _given(name: str) -> bool:
     """Whether the option with parameter `name` was set on the command line (or its variable)."""
-    source = click.get_current_context().get_parameter_source(name)
+    ctx = click.get_current_context(silent=True)
+    source = None if ctx is None else ctx.get_parameter_source(name)
     return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
