@@ -36,6 +36,7 @@ CPU_NUM_BLOCKS = 512  # --num-blocks unless the pool is sized from GPU memory
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, for all of a topology's engines together
 DEFAULT_MODEL = "tiny"
 OUTPUT_FILES = ("report", "requests", "plot", "series")  # replay/commands.py OutputFiles' fields
+IDLE_THRESHOLD = click.FloatRange(min=0, min_open=True)  # replay's and inspect's: a gap of 0 s is no gap
 
 
 # ---- option groups ---------------------------------------------------------------------
@@ -137,6 +138,9 @@ class Engines:
     @classmethod
     def of(cls, *, topology: str, router: str, model: str, num_blocks: int | None,
            gpu_memory_utilization: float | None, **values) -> Engines:
+        if topology == "single" and _given("router"):
+            raise click.UsageError("--router: not with --topology single (one engine takes every "
+                                   "request); routing picks among P and D engines (pd, NpMd)")
         kv_fields = _fields(KVTransferConfig)
         kv = KVTransferConfig(**{k: v for k, v in values.items() if k in kv_fields})
         config = EngineConfig(num_blocks=num_blocks or CPU_NUM_BLOCKS,
@@ -297,7 +301,7 @@ VERIFICATION = OptionGroup("Verification", "verification", (
                  help="Accept a run that observed at least this share of its expected idle windows "
                       "(0-1), every observed one drained and the rest lost to the engines' lag: "
                       "exit 0, said as partial coverage [default: every expected window is needed]."),
-    click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0), default=1.0,
+    click.option("--idle-threshold", "idle_threshold_s", type=IDLE_THRESHOLD, default=1.0,
                  show_default=True,
                  help="A gap with nothing in flight at least this long is an idle window (s)."),
     click.option("--drain-deadline", "drain_deadline_s", type=click.FloatRange(min=0), default=0.5,
@@ -497,7 +501,7 @@ class DryRun:
 
 
 DRY_RUN = OptionGroup("Dry run (replay's settings)", "dry_run", (
-    click.option("--idle-threshold", "idle_threshold_s", type=click.FloatRange(min=0, min_open=True),
+    click.option("--idle-threshold", "idle_threshold_s", type=IDLE_THRESHOLD,
                  default=1.0, show_default=True, help="Count gaps between arrivals at least this "
                  "long (seconds), as replay's --idle-threshold."),
     click.option("--max-model-len", type=click.IntRange(1), default=None,
@@ -727,7 +731,8 @@ def _check_vllm(target: Target, clock: str) -> None:
 
 def _given(name: str) -> bool:
     """Whether the option with parameter `name` was set on the command line (or its variable)."""
-    source = click.get_current_context().get_parameter_source(name)
+    ctx = click.get_current_context(silent=True)
+    source = None if ctx is None else ctx.get_parameter_source(name)
     return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 

@@ -16,6 +16,8 @@ by the proxy's own table of the prompt blocks it sent to each P: it cannot see a
 real cache, so a prefix a P has evicted still counts there). /v1/models, /version and
 /tokenize are the first D's (a replay learns the server's version and vocabulary through them),
 /health is 200 only when every upstream's /health is, and /metrics is the proxy's own.
+Its Server header is "kvdrain proxy", and on an upstream's answer "kvdrain proxy, in front
+of <the upstream's Server>", so a replay's first line names both.
 
 Every completion's answer, streamed or not, errors included, names its way in ROUTE_HEADER:
 the upstreams it went to, P then D, by the names /health gives them (the names a replay's
@@ -52,6 +54,7 @@ PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": Fal
 NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")  # P refuses or ignores them
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id")
+SERVER = "kvdrain proxy"  # its Server header; an upstream's answer adds ", in front of <its Server>"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
 EXIT_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -207,6 +210,7 @@ class Proxy:
         app.router.add_post("/tokenize", self.forward)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.serve_metrics)
+        app.on_response_prepare.append(_name_server)
         return app
 
     async def start(self) -> None:
@@ -381,7 +385,17 @@ def parse_route(value: str | None) -> tuple[str, ...]:
 
 
 def _passed(answer: aiohttp.ClientResponse, route: tuple[str, ...] = ()) -> dict[str, str]:
-    return {**{h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}, **route_headers(route)}
+    passed = {h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}
+    if answer.headers.get("Server"):
+        passed["Server"] = f"{SERVER}, in front of {answer.headers['Server']}"
+    return {**passed, **route_headers(route)}
+
+
+async def _name_server(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names the proxy (aiohttp would name itself), and an upstream's answer
+    what is behind it."""
+    if not response.headers.get("Server", "").startswith(SERVER):
+        response.headers["Server"] = SERVER
 
 
 def _forwarded(answer: aiohttp.ClientResponse, data: bytes, route: tuple[str, ...] = ()) -> web.Response:

@@ -26,6 +26,7 @@ from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_co
 
 LOOP_DECODE_TOKENS = 200  # the real process's decode, for its loop overhead
 LOOP_TIMEOUT_S = 60.0
+MAX_FIT_ERROR = 0.5  # a worse fit is warned of: the timings were noise more than cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +258,11 @@ def calibrate_main(options: CalibrateOptions, output: Path, echo: Callable[[str]
     profile.save(output)
     for line in format_profile(profile):
         echo(line)
+    error = profile.max_relative_error()
+    if error > MAX_FIT_ERROR:
+        echo(f"warning: the fit is off by up to {error:.0%} (over {MAX_FIT_ERROR:.0%}): the step "
+             f"timings were noisy; calibrate again with more --reps (now {options.num_reps}) on a "
+             f"quieter machine (fewer jobs beside it) before trusting this profile")
     echo(f"wrote {output}; use it with: kvdrain replay TRACE --cost-profile {output} (the wall "
          f"clock's expected windows; with --clock virtual, its step costs)")
     return 0

@@ -16,6 +16,9 @@ arrival. Those are the EXPECTED windows. After the run each candidate is
   run inconclusive, never verified.
 - "unreached": expected, but the replay stopped (interrupted) before the gap ended:
   also inconclusive, and said so rather than blamed on lag.
+A gap the run missed as a whole may still hold an engine's own idle window, judged there
+(windows.py: a P idle while D still decodes): the gap names the engines judged in it
+(judged_on), and is observed when every engine was.
 Under the virtual clock the run is the model, so every expected window is observed.
 
 Ignored requests: the scheduler finishes a request it can never run at once
@@ -29,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replay.verify import windows
 from replay.verify.windows import EngineWindow
@@ -70,6 +73,7 @@ class WindowCoverage:
     # The client's part of it: the latest send among the requests still in flight when the
     # model was quiet (None: none were, or not modelled). Late sends are the client's lag.
     send_lateness_s: float | None = None
+    judged_on: tuple[str, ...] = ()  # a missed gap: the engines judged in their own window inside it
 
 
 def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[tuple[float, float]]:
@@ -148,6 +152,23 @@ def cover_engine_windows(expected: Sequence[EngineWindow], run: Sequence[EngineW
     return tuple(out)
 
 
+def credit_engine_windows(coverage: Sequence[WindowCoverage],
+                          judged: Sequence[tuple[str, tuple[float, float, bool]]],
+                          engines: Sequence[str]) -> tuple[WindowCoverage, ...]:
+    """Each missed gap of the whole trace with the engines judged in a window of their own
+    inside it (judged: (engine, window) of every window the verdict judged); observed when
+    that is every engine."""
+    out = []
+    for c in coverage:
+        if c.state == "missed" and not c.engine:
+            end = math.inf if c.end is None else c.end
+            on = tuple(sorted({e for e, (s, e_end, _) in judged if s < end and c.start < e_end}))
+            if on:
+                c = replace(c, judged_on=on, state="observed" if set(engines) <= set(on) else "missed")
+        out.append(c)
+    return tuple(out)
+
+
 def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
     """How late the client sent the requests that kept the run busy past the model's quiet
     (the definition; client_latenesses answers it for every window at once)."""
@@ -210,7 +231,11 @@ def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
         if not w.is_tail:
             busy += f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold " \
                     f"{idle_threshold_s:g} s"
-    return f"expected window not observed: {where}: {busy}{_who_lagged(w)}"
+    on = ""
+    if w.judged_on:
+        on = f" on every engine: observed on {', '.join(w.judged_on)} alone (in its own idle window " \
+             f"inside it, judged there), not on the others"
+    return f"expected window not observed{on}: {where}: {busy}{_who_lagged(w)}"
 
 
 def _who_lagged(w: WindowCoverage) -> str:

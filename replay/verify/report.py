@@ -48,9 +48,11 @@ Idle windows: after every request sent so far has ended, until the next arrival 
   --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
   model of these engines) finds idle; busy: gaps the trace's own work fills, even in the model.
 Columns: peak = most used KV blocks / usable blocks (the null block excluded); end = used
-  blocks at the end; windows = idle windows seen; drained / leak = their verdicts; max
-  drain = longest time from a window's start to no used blocks (ms); steps, wakes = engine
-  steps and wake-ups from blocking or polling; expired = P's sends freed by lease expiry.
+  blocks at the end; windows = the idle windows this engine was judged in (its own
+  count: the trace's and its own, so engines may differ); drained / leak = their
+  verdicts; max drain = longest time from a window's start to no used blocks (ms);
+  steps, wakes = engine steps and wake-ups from blocking or polling; expired = P's
+  sends freed by lease expiry.
 Latency (ms) as vllm bench serve: TTFT to the first token, TPOT per token after it, ITL
   between streamed outputs, E2EL send to last token; virtual clock: model seconds."""
 
@@ -210,10 +212,19 @@ def _request_line(report: dict) -> str:
             f"{r['send_lateness_p50_ms']:.2f} ms, p99 {r['send_lateness_p99_ms']:.2f} ms")
 
 
-def _coverage_line(report: dict) -> str:
-    busy = sum(c["state"] == "busy" for c in report.get("coverage", []))
+def coverage_line(report: dict) -> str:
+    """The expected windows: the trace's gaps (the tail included) and the engines' own the
+    model foresaw, each counted once; the table's `windows` are each engine's own count."""
+    coverage = report.get("coverage", [])
+    busy = sum(c["state"] == "busy" for c in coverage)
+    own = sum(bool(c.get("engine")) and c["state"] != "busy" for c in coverage)
+    what = "the tail included" if not own else \
+        f"{plural(report['num_expected_windows'] - own, 'gap')} of the whole trace, the tail included, " \
+        f"and {own:,} of one engine's own"
     line = (f"idle windows: {report['num_observed_windows']:,} of "
-            f"{report['num_expected_windows']:,} expected observed (the tail included)")
+            f"{report['num_expected_windows']:,} expected observed ({what})")
+    if any(e["num_windows"] != report["num_expected_windows"] for e in report.get("engines", [])):
+        line += "; the table's windows are each engine's own, the ones it was judged in"
     if busy:
         line += f"; {plural(busy, 'gap')} of the trace filled by its own work (busy in the model too)"
     return line
@@ -310,7 +321,7 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     if latency_block:
         lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
-        lines.append(_coverage_line(report))
+        lines.append(coverage_line(report))
     lines += fault_lines(report.get("faults", []))
     for v in report["violations"][:MAX_VIOLATIONS_SHOWN]:
         lines.append(f"  {v['kind']:<12} {v['engine']:<3} t={v['t']:9.3f}s  {v['detail']}")

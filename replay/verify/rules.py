@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from replay.trace.reader import TraceSnapshot
 from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover_engine_windows,
+                                    credit_engine_windows,
                                     ignored_by_cause, missed_reason, quiet_from)
 from replay.verify.windows import EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine
 from replay.verify.timeline import EngineSample, Timeline
@@ -65,7 +66,9 @@ class VerifyOptions:
     min_coverage: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("idle_threshold_s", "drain_deadline_s", "snapshot_tolerance_blocks",
+        if not self.idle_threshold_s > 0:
+            raise ValueError(f"idle_threshold_s: must be > 0, got {self.idle_threshold_s!r}")
+        for name in ("drain_deadline_s", "snapshot_tolerance_blocks",
                      "max_ignored_share"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
@@ -337,7 +340,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
     violations += _check_kv_integrity(timeline)
-    coverage = () if expected is None else cover(expected, timeline, observed)
+    coverage = () if expected is None else credit_engine_windows(
+        cover(expected, timeline, observed), [(series.engine, window) for series, window in judged],
+        timeline.engines)
     if expected_engine is not None:
         run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
         coverage += cover_engine_windows(expected_engine, run_own, timeline)

@@ -327,3 +327,17 @@ def test_python_m_cli_names_itself_kvdrain_in_usage_lines():
     result = subprocess.run([sys.executable, "-m", "cli", "inspect", "--help"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("Usage: kvdrain inspect "), result.stdout
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect"])
+def test_an_idle_threshold_of_0_is_refused_by_replay_and_inspect_alike(command):
+    result = invoke(command, str(EXAMPLE), "--idle-threshold", "0")
+    assert result.exit_code == 2 and "--idle-threshold" in result.output and "x>0" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", ["replay", "serve"])
+def test_a_router_with_a_single_engine_is_a_usage_error_naming_both_options(command):
+    args = [str(EXAMPLE)] if command == "replay" else []
+    result = invoke(command, *args, "--topology", "single", "--router", "prefix")
+    assert result.exit_code == 2 and "--router" in result.output and "--topology single" in result.output, \
+        result.output

@@ -584,3 +584,20 @@ def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(
     else:
         assert all(w.verdict == "drained" for w in own)
         assert result.verdict.exit_code == 0, (result.verdict.reasons, result.verdict.violations)
+
+
+def test_the_proxy_names_itself_and_what_is_behind_it_in_its_server_header():
+    async def go():
+        async with deployment() as (proxy, _, (d,)):
+            async with aiohttp.ClientSession() as session:
+                async with session.get(d.url + "/v1/models") as response:
+                    behind = response.headers["Server"]
+                async with session.get(proxy.url + "/v1/models") as response:
+                    assert response.headers["Server"] == f"kvdrain proxy, in front of {behind}"
+                async with session.post(proxy.url + "/v1/completions", json=CLIENT_REQUEST) as response:
+                    await response.read()
+                    assert response.headers["Server"] == f"kvdrain proxy, in front of {behind}"
+                async with session.get(proxy.url + "/health") as response:
+                    assert response.headers["Server"] == "kvdrain proxy"
+
+    run(go())

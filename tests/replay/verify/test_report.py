@@ -107,3 +107,16 @@ def test_a_verified_run_of_one_expected_window_says_the_1_window():
     assert verdict_line(report) == "VERIFIED: every engine drained in the 1 expected idle window (exit 0)"
     report.update(num_observed_windows=2, num_expected_windows=2)
     assert verdict_line(report) == "VERIFIED: every engine drained in each of the 2 expected idle windows (exit 0)"
+
+
+def test_the_coverage_line_says_its_count_is_the_traces_and_the_tables_each_engines_own():
+    from replay.verify.report import coverage_line
+    gaps = [{"state": "observed", "engine": ""}] * 3 + [{"state": "observed", "engine": "P"}]
+    report = {"num_observed_windows": 4, "num_expected_windows": 4, "coverage": gaps,
+              "engines": [{"engine": "P", "num_windows": 4}, {"engine": "D", "num_windows": 3}]}
+    assert coverage_line(report) == (
+        "idle windows: 4 of 4 expected observed (3 gaps of the whole trace, the tail included, "
+        "and 1 of one engine's own); the table's windows are each engine's own, the ones it was judged in")
+    same = dict(report, coverage=gaps[:3], num_observed_windows=3, num_expected_windows=3,
+                engines=[{"engine": "P", "num_windows": 3}, {"engine": "D", "num_windows": 3}])
+    assert coverage_line(same) == "idle windows: 3 of 3 expected observed (the tail included)"

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from replay.http import outcome
 from replay.http.outcome import http_outcome, http_verdict, outcome_lines
-from replay.verify.coverage import expected_windows
+from replay.verify.coverage import WindowCoverage, credit_engine_windows, expected_windows
 from replay.verify.rules import VerifyOptions, verify
 from replay.verify.timeline import SAMPLING_SCRAPED, EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_CODES, EXIT_USAGE
@@ -376,3 +376,43 @@ def test_a_request_whose_way_is_not_named_may_be_on_any_engine_of_its_role():
     timeline.requests[10].stages.clear()  # sent at t=5, answered without the header
     own = [w for w in verify(timeline, []).windows if w.engine == "P0" and not w.is_tail]
     assert [(round(w.start, 6), round(w.end, 6)) for w in own] == [(2.0, 5.0), (5.2, 8.0)]
+
+
+def prefill_idle_inside_a_gap_decode_is_still_busy_in() -> Timeline:
+    """Gap 1.0-5.5 s of the trace; request b (sent at 1.0) reaches D at 3.5 s (first token)
+    and ends at 4.8 s, so the client sees no idle window there (0.7 s < 1 s), while P's own
+    metrics show it idle from 3.5 s holding 6 blocks, D running b until it ends."""
+    samples = []
+    for i in range(80):
+        t = 0.1 * i
+        p_busy = t < 0.2 or 1.0 <= t < 3.5 or t >= 5.5
+        samples.append(engine_reading(t, "P", 6 if t >= 0.2 else 0, 1 if p_busy else 0))
+        samples.append(engine_reading(t, "D", 0, 1 if t < 1.0 or 3.5 <= t < 4.8 or t >= 5.5 else 0))
+    requests = [RequestRecord(req_id=name, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
+                              first_token_t=first, end_t=end, num_prompt_tokens=8, num_output_tokens=4,
+                              num_prefix_hit_tokens=0, finish_reason="length")
+                for name, arrival, first, end in (("a", 0.0, 0.2, 1.0), ("b", 1.0, 3.5, 4.8),
+                                                  ("c", 5.5, 5.7, 6.0))]
+    meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": ["P", "D"]}
+    return Timeline(engines=["P", "D"], num_usable_blocks={"P": 100, "D": 100}, samples=samples,
+                    requests=requests, arrivals=[0.0, 1.0, 5.5], aborts=[], end_t=8.0, meta=meta)
+
+
+def test_a_gap_where_an_engine_was_judged_in_its_own_window_is_said_observed_on_that_engine():
+    timeline = prefill_idle_inside_a_gap_decode_is_still_busy_in()
+    verdict = verify(timeline, [], expected=expected_windows(timeline.arrivals, 1.0, None))
+    leak = [w for w in verdict.windows if w.verdict == "leak" and 1.0 < w.start < 5.5]
+    assert [w.engine for w in leak] == ["P"]
+    gap = [c for c in verdict.coverage if c.start == 1.0]
+    assert [(c.state, c.judged_on) for c in gap] == [("missed", ("P",))]
+    missed = [r for r in verdict.reasons if "1.000-5.500" in r]
+    assert missed and "observed on P alone" in missed[0], missed
+
+
+def test_a_gap_where_every_engine_was_judged_in_its_own_window_is_observed():
+    gap = WindowCoverage(start=1.0, end=5.5, is_tail=False, state="missed", quiet_from=4.8, lag_s=None)
+    judged = [("P", (3.5, 5.5, False)), ("D0", (4.0, 5.5, False)), ("D1", (0.2, 1.0, False))]
+    assert [(c.state, c.judged_on) for c in credit_engine_windows([gap], judged, ["P", "D0"])] == \
+        [("observed", ("D0", "P"))]
+    assert [(c.state, c.judged_on) for c in credit_engine_windows([gap], judged, ["P", "D0", "D1"])] == \
+        [("missed", ("D0", "P"))]
