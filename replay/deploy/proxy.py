@@ -19,7 +19,7 @@ real cache, so a prefix a P has evicted still counts there). /v1/models, /versio
 Its Server header is "kvdrain proxy", and on an upstream's answer "kvdrain proxy, in front
 of <the upstream's Server>", so a replay's first line names both.
 
-Every completion's answer, streamed or not, errors included, names its way in ROUTE_HEADER:
+Every completion's answer, streamed or not, errors included, names its way in ROUTE_HEADER (replay/http/route.py):
 the upstreams it went to, P then D, by the names /health gives them (the names a replay's
 scrape gives their engines), so an HTTP replay judges each engine in its own idle windows
 (replay/verify/windows.py); a proxy that does not say is judged by role, as any server.
@@ -46,6 +46,7 @@ from prometheus_client.registry import CollectorRegistry
 from engine.core.block_hash import hash_request_blocks
 from replay.deploy.balance import ROUTER_POLICIES, Balancer
 from replay.http.bearer import bearer_middleware, check_http_listen
+from replay.http.route import route_headers
 
 # What P is asked to do: hold the prompt's KV for a decode elsewhere (vLLM's toy proxy's dict).
 PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -58,9 +59,6 @@ SERVER = "kvdrain proxy"  # its Server header; an upstream's answer adds ", in f
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
 EXIT_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143}
-ROUTE_HEADER = "X-Kvdrain-Route"  # "P0,D1": the upstreams a completion went to, in order
-
-
 class ProxyError(ValueError):
     """Options the proxy cannot run with (the CLI's usage error)."""
 
@@ -371,17 +369,6 @@ class Proxy:
         response = web.Response(body=encoder(self.metrics.registry))
         response.headers["Content-Type"] = content_type
         return response
-
-
-def route_headers(route: tuple[str, ...]) -> dict[str, str]:
-    """ROUTE_HEADER naming a completion's way (none for another request)."""
-    return {ROUTE_HEADER: ",".join(route)} if route else {}
-
-
-def parse_route(value: str | None) -> tuple[str, ...]:
-    """The upstreams a ROUTE_HEADER names, in order; () when absent or not one."""
-    names = tuple(name.strip() for name in (value or "").split(","))
-    return names if all(name and name.isprintable() and len(name) <= 64 for name in names) else ()
 
 
 def _passed(answer: aiohttp.ClientResponse, route: tuple[str, ...] = ()) -> dict[str, str]:

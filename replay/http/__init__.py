@@ -10,6 +10,7 @@
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;
+- route: the header in which kvdrain's proxy names each completion's way;
 - preflight: the checks before its first request (the target, every metrics URL);
 - server_facts: what a server says about itself (version, vocabulary, cache config, counters);
 - scrape: scraping /metrics into per-engine KV-usage samples;

@@ -52,7 +52,7 @@ from typing import Callable, Iterable
 import aiohttp
 from yarl import URL
 
-from replay.deploy.proxy import ROUTE_HEADER, parse_route
+from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
 from replay.http.protocol import DuplicateKeyError, loads_strict
 from replay.http.scrape import MetricsSource, Scraper

@@ -16,7 +16,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig, KVTransferConfig
-from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, ROUTE_HEADER, Proxy, ProxyOptions, parse_route
+from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
+from replay.http.route import ROUTE_HEADER, parse_route
 from replay.deploy.topology import TopologyLaunch
 from replay.http.client import HttpTargetOptions
 from replay.pipeline import ReplayConfig, run_replay

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from replay.deploy.proxy import ROUTE_HEADER
+from replay.http.route import ROUTE_HEADER
 from replay.http import outcome
 from replay.http.client import IGNORED_BY_SERVER, HttpReplay, HttpTargetOptions
 from replay.http.outcome import http_verdict
