@@ -111,13 +111,28 @@ def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None
     print(f"   exit {row.exit_code} ({row.verdict}) in {row.total_s:.0f} s; log {row.log}", flush=True)
 
 
+STOPPED_BY: list[int | None] = [None]  # the signal that stopped the script
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    STOPPED_BY[0] = signum
+    raise KeyboardInterrupt
+
+
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM: kvdrain tears its deployment down (exit 143); SIGKILL after a minute."""
-    proc.terminate()
+    """SIGTERM: kvdrain tears its deployment down (exit 143); SIGKILL after a minute. A
+    second Ctrl-C or SIGTERM meanwhile is ignored: the teardown runs to its end."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         proc.wait()
 
 
@@ -155,7 +170,8 @@ def main() -> int:
     parser.add_argument("replay_args", nargs="*", help="`kvdrain replay` options, after -- "
                         f"(default: {' '.join(DEFAULT_REPLAY_ARGS)})")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: stop the row's replay
+    for signum in (signal.SIGINT, signal.SIGTERM):  # either stops the row's replay
+        signal.signal(signum, _on_stop_signal)
     if not (args.venv / "bin" / "vllm").exists():
         print(f"error: {args.venv} holds no vLLM; run `make vllm` first", file=sys.stderr)
         return 2
@@ -172,7 +188,7 @@ def main() -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the row's replay tore down; the rows so far
         print_matrix(all_rows)
         print(f"e2e-vllm: interrupted; logs and reports: {out}")
-        return 130
+        return 128 + (STOPPED_BY[0] or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     print_matrix(all_rows)
     wrong = [r for r in all_rows if r.exit_code is not None and r.exit_code != r.expected]
     skipped = [r for r in all_rows if r.exit_code is None]
