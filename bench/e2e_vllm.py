@@ -8,7 +8,8 @@ row is VERIFIED (exit 0): without a connector nothing waits for a delayed free.
 
 Bounded: each replay has --run-timeout seconds (kvdrain's own teardown included), and
 rows that would start after --budget seconds are skipped (shown as such); Ctrl-C or
-SIGTERM stops the row running (its replay tears down) and prints the rows so far. The matrix
+SIGTERM stops the row running (its replay tears down), prints the rows so far and exits
+130 or 143. The matrix
 says where the time went: launch to ready, the replay itself, and the rest (checks,
 teardown). Exit 0 when every row that ran gave its expected exit code, else 1.
 """
