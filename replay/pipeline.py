@@ -110,14 +110,16 @@ class ReplayConfig:
         profile, engine = self.cost_profile, self.engine
         if self.clock != "wall" or self.target is not None or self.http is not None:
             return None
-        preset = MODEL_PRESETS.get(profile.model_preset)
-        if profile.runner == engine.runner and (preset is None or preset == engine.model):
+        device = "cpu" if engine.runner == "mock" or not (
+            engine.device == "cuda" or (engine.device == "auto" and _may_have_cuda())) else "cuda"
+        if (profile.runner == engine.runner and MODEL_PRESETS.get(profile.model_preset) == engine.model
+                and profile.device.partition(":")[0] == device):
             return None
         model = next((name for name, m in MODEL_PRESETS.items() if m == engine.model), None)
         hint = f"kvdrain calibrate --runner {engine.runner}" + (f" --model {model}" if model else "")
-        return (f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}; "
-                f"this replay's engines run runner {engine.runner}, model {model or 'a custom one'}: "
-                f"calibrate them (`{hint}`)")
+        return (f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}, "
+                f"device {profile.device}; this replay's engines run runner {engine.runner}, model "
+                f"{model or 'a custom one'}, device {device}: calibrate them (`{hint}`)")
 
     def effective_check_outputs(self) -> bool:
         if self.check_outputs is not None:

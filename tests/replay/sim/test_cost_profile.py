@@ -183,7 +183,7 @@ def test_cli_cost_profile_usage_errors(tmp_path: Path):
 def test_replay_config_takes_a_profile_for_either_clock_refusing_one_of_another_runner():
     from replay.pipeline import ReplayConfig
     assert ReplayConfig(trace=EXAMPLE, clock="virtual", cost_profile=profile()).cost_profile
-    assert ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch"),
+    assert ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch", device="cpu"),
                         cost_profile=profile()).cost_profile
     assert ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="mock"),
                         target="tcp://127.0.0.1:5555", cost_profile=profile()).cost_profile
@@ -192,6 +192,14 @@ def test_replay_config_takes_a_profile_for_either_clock_refusing_one_of_another_
     with pytest.raises(ValueError, match="model small"):
         ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch", model=get_model_config("small")),
                      cost_profile=profile())
+    # a GPU's step costs would model windows a CPU's lag swallows; an unknown model, any model
+    on_gpu = replace(profile(), device="cuda:0")
+    with pytest.raises(ValueError, match="device cuda:0.*device cpu"):
+        ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch", device="cpu"),
+                     cost_profile=on_gpu)
+    with pytest.raises(ValueError, match="model custom-7b"):
+        ReplayConfig(trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="torch", device="cpu"),
+                     cost_profile=replace(profile(), model_preset="custom-7b"))
 
 
 SLOW_STEP_S = 0.25  # a calibrated step cost far above the default model's 4 ms
