@@ -183,7 +183,7 @@ class Scheduler:
         out = SchedulerOutput.empty()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
-        if not out.preempted_req_ids and (self.waiting or self.skipped_waiting):
+        if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
@@ -277,7 +277,7 @@ class Scheduler:
         seat and budget left. A skipped request (load in flight, connector not ready,
         load just started) goes back to the head of its queue, in order, at the end.
         """
-        if not self.skipped_waiting and not self.waiting:
+        if not self.skipped_waiting and not self.waiting:  # most decode steps: no call cost beyond this
             return
         skipped_holding: list[Request] = []
         skipped: list[Request] = []
