@@ -10,6 +10,7 @@ replay/verify/latency.py's (the report's "latency").
 """
 from __future__ import annotations
 
+import math
 import unicodedata
 
 from replay.verify.coverage import ignored_cause
@@ -43,7 +44,7 @@ def observation_reasons(timeline: Timeline, verdict) -> list[str]:
         if status["metric"] is None:
             why = status["errors"][0] if status["errors"] else "none exposed"
             reasons.append(f"{status['url']}: no KV-usage metric read ({why})")
-        elif status["num_failures"]:
+        elif status["num_failures"] and _failures_matter(status, verdict):
             reasons.append(f"{status['url']}: {status['num_failures']} of {status['num_scrapes']} "
                            f"scrapes failed (first: {status['errors'][0]})")
     failed = [r for r in timeline.requests if r.error is not None and ignored_cause(r) is None]
@@ -57,6 +58,19 @@ def observation_reasons(timeline: Timeline, verdict) -> list[str]:
     if timeline.engines and not verdict.windows:
         reasons.append("no idle window to check")
     return reasons
+
+
+def _failures_matter(status: dict, verdict) -> bool:
+    """A failed scrape leaves a reading missing: it matters inside an idle window the run
+    judged or was expected to (a missed reading there could hide held blocks), not in
+    busy time, where no reading is judged. Failures not all placed in time all matter."""
+    spans = status.get("failure_spans")
+    if spans is None or len(spans) < status["num_failures"]:
+        return True
+    windows = [(w.start, w.end) for w in verdict.windows] + [  # an expected one from its quiet
+        (c.start if c.quiet_from is None else c.quiet_from, math.inf if c.end is None else c.end)
+        for c in verdict.coverage]
+    return any(sent < end and failed > start for sent, failed in spans for start, end in windows)
 
 
 def http_verdict(timeline: Timeline, verdict) -> tuple[str, list[str]]:
@@ -99,6 +113,10 @@ def outcome_lines(outcome: dict) -> list[str]:
     if outcome["reasons"]:
         lines.append("KV usage not fully observed over HTTP:"
                      + "".join(f"\n  - {p(r, 400)}" for r in outcome["reasons"]))
+    elif busy_failures := sum(m["num_failures"] for m in outcome.get("metrics", [])):
+        lines.append(f"KV usage observed from the server's own metrics in every idle window; "
+                     f"{busy_failures} failed scrape{'s' * (busy_failures != 1)} fell in busy time, "
+                     f"where nothing is judged")
     else:
         lines.append("KV usage observed from the server's own metrics throughout")
     return lines

@@ -38,6 +38,7 @@ KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:t
               "kvdrain:kv_blocks_used")
 PPM = 1_000_000
 MAX_METRICS_BYTES = 8 << 20  # a larger /metrics answer is a failed scrape
+MAX_FAILURE_SPANS = 1000  # failed scrapes placed in time; past it, every failure is taken to matter
 PREFIXES = ("vllm:", "sglang:", "kvdrain:")
 _SAFE_LABEL = re.compile(r"[^\w.:@/-]", re.ASCII)
 _SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -246,6 +247,9 @@ class Scraper:
     max_answer_s: float = 0.0  # the longest wait for an answer (the server's cost)
     max_parse_s: float = 0.0  # the longest parse of one (the client's cost)
     errors: list[str] = field(default_factory=list)  # the first few failures, in order
+    # (sent, failed) of each failed scrape, the first MAX_FAILURE_SPANS: where a reading is
+    # missing (replay/http/outcome.py: a failure matters only inside a judged window)
+    failure_spans: list[tuple[float, float]] = field(default_factory=list)
 
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
         """One scrape; False (and a counted failure) if it gave no usable KV reading. A scrape
@@ -267,6 +271,8 @@ class Scraper:
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on
             usable = self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         self.num_scrapes += 1
+        if not usable and len(self.failure_spans) < MAX_FAILURE_SPANS:
+            self.failure_spans.append((send_t, time.monotonic() - self.origin))
         return usable
 
     def _fail(self, error: str) -> bool:
@@ -281,6 +287,7 @@ class Scraper:
         for sample in self.samples:
             sample.t += shift
             sample.send_t += shift
+        self.failure_spans = [(sent + shift, failed + shift) for sent, failed in self.failure_spans]
         self.origin = origin
 
     def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
@@ -309,4 +316,4 @@ class Scraper:
                 "engines": dict(self.engines), "metric_names_found": self.names_found,
                 "num_scrapes": self.num_scrapes, "num_failures": self.num_failures,
                 "max_answer_s": self.max_answer_s, "max_parse_s": self.max_parse_s,
-                "errors": list(self.errors)}
+                "errors": list(self.errors), "failure_spans": [list(s) for s in self.failure_spans]}

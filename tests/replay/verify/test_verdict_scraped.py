@@ -157,6 +157,26 @@ def test_a_violation_stays_one_and_http_gaps_make_a_clean_run_inconclusive():
     assert verdict.status == "verified" and http_verdict(drained, verdict)[0] == "inconclusive"
 
 
+def test_a_failed_scrape_matters_inside_an_idle_window_not_in_busy_time():
+    """A failed scrape leaves a reading missing: inside a judged window it could hide held
+    blocks (inconclusive); in busy time, where nothing is judged, it leaves the run verified.
+    (A real vLLM D under load timed out 1 of 356 scrapes mid-burst: a clean run read exit 3.)"""
+    requests = [RequestRecord(req_id="a", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.2,
+                              end_t=1.0, num_prompt_tokens=8, num_output_tokens=4, num_prefix_hit_tokens=0,
+                              finish_reason="length")]
+    for spans, status in [([[0.3, 0.6]], "verified"), ([[0.3, 0.6], [4.0, 6.0]], "inconclusive")]:
+        tl = _http_timeline([sample(t / 10, 5 if t < 10 else 0) for t in range(0, 90)], requests)
+        tl.meta["http"]["metrics"][0].update(num_failures=len(spans), errors=["TimeoutError"],
+                                             failure_spans=spans)
+        verdict = verify(tl, [])
+        assert http_verdict(tl, verdict)[0] == status, spans
+    lines = outcome_lines(http_outcome(tl, verdict))
+    tl.meta["http"]["metrics"][0].update(num_failures=1, failure_spans=[[0.3, 0.6]])
+    verdict = verify(tl, [])
+    assert "1 failed scrape fell in busy time" in outcome_lines(http_outcome(tl, verdict))[-1]
+    assert any("2 of 90 scrapes failed" in line for line in lines)
+
+
 def _serve_models(stop: threading.Event, box: dict) -> None:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
