@@ -32,17 +32,16 @@ def engines(liveness: str = "event", topology: str = "pd", kv: KVTransferConfig 
 
 
 @contextlib.contextmanager
-def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions()):
-    """The front serving `router` from a thread with its own event loop; yields it (port set)."""
+def _in_thread(what: str, serve):
+    """serve() (an async context manager) entered in a thread with its own event loop;
+    yields what it yields, and leaves it (bounded) at the end."""
     ready, box = threading.Event(), {}
 
     async def main() -> None:
-        front = HttpFront(router, model, options)
-        await front.start()
-        box["front"], box["stop"], box["loop"] = front, asyncio.Event(), asyncio.get_running_loop()
-        ready.set()
-        await box["stop"].wait()
-        await front.stop()
+        async with serve() as value:
+            box["value"], box["stop"], box["loop"] = value, asyncio.Event(), asyncio.get_running_loop()
+            ready.set()
+            await box["stop"].wait()
 
     def run() -> None:
         try:
@@ -50,15 +49,31 @@ def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions
         finally:
             ready.set()
 
-    thread = threading.Thread(target=run, name="http-front", daemon=True)
+    thread = threading.Thread(target=run, name=what, daemon=True)
     thread.start()
-    assert ready.wait(30) and "front" in box, "the HTTP front did not start"
+    assert ready.wait(30) and "value" in box, f"the {what} did not start"
     try:
-        yield box["front"]
+        yield box["value"]
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(30)
-        assert not thread.is_alive(), "the HTTP front did not stop"
+        assert not thread.is_alive(), f"the {what} did not stop"
+
+
+@contextlib.contextmanager
+def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions()):
+    """The front serving `router` from a thread with its own event loop; yields it (port set)."""
+    @contextlib.asynccontextmanager
+    async def serve():
+        front = HttpFront(router, model, options)
+        await front.start()
+        try:
+            yield front
+        finally:
+            await front.stop()
+
+    with _in_thread("HTTP front", serve) as front:
+        yield front
 
 
 @contextlib.asynccontextmanager
@@ -76,22 +91,8 @@ async def serving(app: web.Application):
 @contextlib.contextmanager
 def serving_in_thread(app: web.Application):
     """app on a free loopback port, from a thread with its own event loop; yields its URL."""
-    ready, box = threading.Event(), {}
-
-    async def main() -> None:
-        async with serving(app) as url:
-            box["url"], box["stop"], box["loop"] = url, asyncio.Event(), asyncio.get_running_loop()
-            ready.set()
-            await box["stop"].wait()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert ready.wait(30), "the server did not start"
-    try:
-        yield box["url"]
-    finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
+    with _in_thread("server", lambda: serving(app)) as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -100,30 +101,14 @@ def running_proxy(options):
     loop; yields its URL."""
     from replay.deploy.proxy import Proxy
 
-    ready, box = threading.Event(), {}
-
-    async def main() -> None:
+    @contextlib.asynccontextmanager
+    async def serve():
         proxy = Proxy(options)
         await proxy.start()
-        box["url"], box["stop"], box["loop"] = proxy.url, asyncio.Event(), asyncio.get_running_loop()
-        ready.set()
         try:
-            await box["stop"].wait()
+            yield proxy.url
         finally:
             await proxy.stop()
 
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, name="proxy", daemon=True)
-    thread.start()
-    assert ready.wait(30) and "url" in box, "the proxy did not start"
-    try:
-        yield box["url"]
-    finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
-        assert not thread.is_alive(), "the proxy did not stop"
+    with _in_thread("proxy", serve) as url:
+        yield url

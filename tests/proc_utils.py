@@ -33,6 +33,15 @@ def descendants(pid: int) -> list[tuple[int, str | None]]:
     return found
 
 
+def running(pid: int) -> bool:
+    """pid names a live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _cmdline(pid: int) -> bytes | None:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

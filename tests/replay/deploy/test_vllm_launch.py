@@ -17,6 +17,7 @@ from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, 
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import RECORD_FILE, RUN_PREFIX, read_record
 from tests.paths import EXAMPLE, ROOT
+from tests.proc_utils import running
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
 REAL_VENV = ROOT / ".venv-vllm"
@@ -64,14 +65,6 @@ def started_pids(pidfile: Path) -> list[int]:
     if not pidfile.exists():
         return []
     return [int(p) for line in pidfile.read_text().split("\n") if line for p in line.split()]
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(predicate, timeout_s: float) -> bool:
@@ -235,7 +228,7 @@ def test_a_signal_during_start_up_stops_every_instance(fake_venv, pidfile, signu
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_a_real_vllm_pd_pair_replays_the_example_verified(tmp_path):
+def test_a_real_vllm_pd_pair_replaying_the_example_never_leaks_nor_faults(tmp_path):
     if not (REAL_VENV / "bin" / "vllm").exists():
         pytest.skip(f"no real vLLM: {REAL_VENV} is missing (`make vllm` creates it)")
     report = tmp_path / "report.json"
@@ -243,8 +236,12 @@ def test_a_real_vllm_pd_pair_replays_the_example_verified(tmp_path):
     result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(REAL_VENV),
                      "--no-live", "--report", str(report), "--speedup", "0.25", "--scale-tokens", "0.5",
                      timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert json.loads(report.read_text())["status"] == "verified"
+    data = json.loads(report.read_text())
+    # The fixed pair is never a leak nor a fault. On a busy CPU host its lag can leave a window
+    # unobserved or too short to judge: inconclusive, saying why, which is no verdict on vLLM.
+    assert result.returncode in (0, 3), result.stdout[-4000:] + result.stderr[-4000:]
+    assert data["status"] in ("verified", "inconclusive") and data["violations"] == [] == data["faults"]
+    assert (data["status"] == "verified") == (data["reasons"] == []), data["reasons"]
 
 
 def real_vllm_source(relative: str) -> Path:

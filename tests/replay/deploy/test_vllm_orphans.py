@@ -12,20 +12,13 @@ import pytest
 from engine.proc.run_dir import process_start_time
 from replay.deploy.vllm_orphans import (RECORD_FILE, RUN_PREFIX, Recorded, read_record, sweep_orphans,
                                         write_record)
+from tests.proc_utils import running
 
 
 @pytest.fixture
 def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVDRAIN_RUN_ROOT", str(tmp_path))
     return tmp_path
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def sleeper() -> subprocess.Popen:
