@@ -24,6 +24,7 @@ from replay.verify.coverage import ignored_by_cause
 from replay.verify.latency import latency_summary
 from replay.verify.rules import verify
 from replay.verify.timeline import Timeline
+from tests.http_utils import serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,15 +89,11 @@ class FakeServer:
         app.router.add_post("/v1/completions", self.completions)
         if self.vocab_size is not None:
             app.router.add_post("/tokenize", self.tokenize)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        finally:
-            self.release.set()
-            await runner.cleanup()
+        async with serving(app) as url:
+            try:
+                yield url
+            finally:
+                self.release.set()
 
 
 def replay(answer, trace, server_vocab_size: int | None = 1000, route=None,
@@ -236,18 +233,11 @@ async def _scrape_texts(texts: list[str]) -> Scraper:
         return web.Response(text=next(answers))
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    scraper = Scraper(MetricsSource.parse(f"http://127.0.0.1:{port}/metrics"), 0.0)
-    try:
+    async with serving(app) as url:
+        scraper = Scraper(MetricsSource.parse(f"{url}/metrics"), 0.0)
         async with aiohttp.ClientSession() as session:
             for _ in texts:
                 await scraper.scrape(session)
-    finally:
-        await runner.cleanup()
     return scraper
 
 

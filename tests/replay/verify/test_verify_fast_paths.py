@@ -54,27 +54,25 @@ def seeded_trace_windows(rng: random.Random, n: int) -> list[windows.Window]:
     return out
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_holding_a_trace_window_by_bisection_equals_its_definition(seed):
+def _agrees_with_its_definition(seed: int, bisecting, definition) -> None:
+    """bisecting(trace_windows)(window) == definition(window, trace_windows) on seeded
+    windows, many of them on or a hair from the trace windows' edges."""
     rng = random.Random(seed)
     trace_windows = seeded_trace_windows(rng, rng.choice([0, 1, 50]))
-    holds = windows._Holds(trace_windows)
+    fast = bisecting(trace_windows)
     edges = [x for s, e, _ in trace_windows for x in (s, e, s - 5e-10, e + 5e-10, s + 2e-9)]
     for _ in range(500):
         start = rng.choice(edges) if edges and rng.random() < 0.7 else rng.uniform(-1, 120)
         end = rng.choice(edges) if edges and rng.random() < 0.5 else start + rng.uniform(0, 30)
         window = (start, end, rng.random() < 0.1)
-        assert holds(window) == windows.holds_any(window, trace_windows), window
+        assert fast(window) == definition(window, trace_windows), window
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_holding_a_trace_window_by_bisection_equals_its_definition(seed):
+    _agrees_with_its_definition(seed, windows._Holds, windows.holds_any)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_lying_inside_a_trace_window_by_bisection_equals_its_definition(seed):
-    rng = random.Random(seed)
-    trace_windows = seeded_trace_windows(rng, rng.choice([0, 1, 50]))
-    inside = windows._Inside(trace_windows)
-    edges = [x for s, e, _ in trace_windows for x in (s, e, s - 5e-10, e + 5e-10, s + 2e-9)]
-    for _ in range(500):
-        start = rng.choice(edges) if edges and rng.random() < 0.7 else rng.uniform(-1, 120)
-        end = rng.choice(edges) if edges and rng.random() < 0.5 else start + rng.uniform(0, 30)
-        window = (start, end, rng.random() < 0.1)
-        assert inside(window) == windows.inside_any(window, trace_windows), window
+    _agrees_with_its_definition(seed, windows._Inside, windows.inside_any)
