@@ -259,6 +259,9 @@ def verdict_line(report: dict) -> str:
                 if expected else "every engine drained in every idle window")
         if report.get("partial_coverage"):
             what = f"partial coverage: {report['partial_coverage']}"
+        if report.get("num_too_short_windows"):
+            what += (f"; {plural(report['num_too_short_windows'], 'engine window')} shorter "
+                     f"than the drain deadline not judged (too short)")
     elif status == "violation":
         what = plural(len(report["violations"]), "violation")
     elif status == "inconclusive":

@@ -9,10 +9,12 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   within drain_deadline_s and stay 0 until the window ends. A blip that is gone by
   the deadline is fine (a step still running when the client gave up publishes its
   blocks late); blocks taken later are a leak. A window shorter than the deadline
-  that ends undrained is "undecided", not a violation. Engine stats hold their value
-  until the next sample (a parked engine publishes nothing); a scraped timeline's
-  samples (Timeline.is_scraped: a server's /metrics) say nothing between scrapes, and
-  each reading was taken somewhere between its scrape's sending and its answer
+  that ends undrained is "undecided", not a violation; when no observed candidate gap
+  overlaps it, it is too short to judge and does not make the run inconclusive either
+  (too_short). Engine stats hold their value until the next sample (a parked engine
+  publishes nothing); a scraped timeline's samples (Timeline.is_scraped: a server's
+  /metrics) say nothing between scrapes, and each reading was taken somewhere between
+  its scrape's sending and its answer
   (EngineSample.send_t .. t), so there only readings taken for sure after the deadline
   and before the window ended are evidence: one that saw blocks held is a leak; all
   zero is "drained" only if the drain is proven by the deadline (time_to_drain, from
@@ -38,6 +40,7 @@ ignored; an undecided window), with the reasons; else "verified".
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -113,6 +116,7 @@ class Verdict:
     # dicts: t, engine, kind, cause, end_t), first seen first.
     faults: tuple[dict, ...] = ()
     partial: str = ""  # a pass on partial coverage (--min-coverage): what was and was not observed
+    num_too_short: int = 0  # undecided windows shorter than the drain deadline, not judged (too_short)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +150,7 @@ class Verdict:
                 "windows": [dict(asdict(w), length=w.length) for w in self.windows],
                 "violations": [asdict(v) for v in self.violations],
                 "faults": [dict(f) for f in self.faults],
+                "num_too_short_windows": self.num_too_short,
                 **({"partial_coverage": self.partial} if self.partial else {})}
 
 
@@ -340,25 +345,40 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
                    for r in timeline.requests if r.end_t is None]
     violations += _check_kv_integrity(timeline)
+    decided = [(w.engine, (w.start, w.end, w.is_tail)) for w in windows if w.verdict != "undecided"]
     coverage = () if expected is None else credit_engine_windows(
-        cover(expected, timeline, observed), [(series.engine, window) for series, window in judged],
-        timeline.engines)
+        cover(expected, timeline, observed), decided, timeline.engines)
     if expected_engine is not None:
         run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
         coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
-    reasons = _inconclusive_reasons(coverage, windows, ignored, len(timeline.requests), options)
+    short = [] if expected is None else [  # nothing modelled: no window is known to be spare
+        w for w in windows if too_short(w, options.drain_deadline_s, coverage)]
+    counted = [w for w in windows if w not in short]
+    reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
     reasons += starved_reasons(timeline.meta.get("starved", ()))
     reasons += [f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
                 f"in the recording there, requests still were in this replay (it lagged the "
                 f"recording), so its counts were not compared" for s in unreached]
-    partial = _partial_coverage(coverage, windows, reasons, options)
+    partial = _partial_coverage(coverage, counted, reasons, options)
     if partial:
         reasons = [r for r in reasons if not r.startswith(MISSED_PREFIX)]
     elif any(r.startswith(MISSED_PREFIX) for r in reasons):
         reasons.append(LAG_ADVICE)
     return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
-                   reasons=tuple(reasons), ignored=ignored, faults=faults, partial=partial)
+                   reasons=tuple(reasons), ignored=ignored, faults=faults, partial=partial,
+                   num_too_short=len(short))
+
+
+def too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:
+    """An undecided window shorter than the drain deadline that overlaps no observed candidate
+    gap: no drain can be proven or disproven in it (blocks may still be freed in time after it
+    ends), and no window the verdict claims rests on it, so it makes the run neither a
+    violation nor inconclusive (an engine's own window, P idle for a moment while D decodes)."""
+    if window.verdict != "undecided" or window.length >= deadline_s:
+        return False
+    return not any(c.state == "observed" and c.start < window.end
+                   and window.start < (math.inf if c.end is None else c.end) for c in coverage)
 
 
 MISSED_PREFIX = "expected window not observed"

@@ -14,6 +14,7 @@ from aiohttp import web
 from replay.http import outcome
 from replay.http.outcome import http_outcome, http_verdict, outcome_lines
 from replay.verify.coverage import WindowCoverage, credit_engine_windows, expected_windows
+from replay.verify.report import verdict_line
 from replay.verify.rules import VerifyOptions, verify
 from replay.verify.timeline import SAMPLING_SCRAPED, EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_CODES, EXIT_USAGE
@@ -257,13 +258,14 @@ def engine_reading(t: float, engine: str, used: int, running: int) -> EngineSamp
                         loop_state="unknown", num_steps=0, num_wakeups=0, send_t=t - 0.01)
 
 
-def busy_trace_with_an_idle_decode_engine(held: int, queue_gauges: list[str]) -> Timeline:
-    """D0 has no request from t=2 to t=8 (its metrics say 0 running and waiting) and holds
-    `held` blocks, while D1 stays busy: no idle gap of the whole trace."""
+def busy_trace_with_an_idle_decode_engine(held: int, queue_gauges: list[str],
+                                          idle_until: float = 8.0) -> Timeline:
+    """D0 has no request from t=2 to t=idle_until (its metrics say 0 running and waiting)
+    and holds `held` blocks, while D1 stays busy: no idle gap of the whole trace."""
     samples = []
     for i in range(100):
         t = 0.1 * i
-        d0_idle = 2.0 <= t <= 8.0
+        d0_idle = 2.0 <= t <= idle_until
         samples.append(engine_reading(t, "D0", held if d0_idle else 4, 0 if d0_idle else 1))
         samples.append(engine_reading(t, "D1", 4, 1))
     requests = [RequestRecord(req_id=f"r{i}", arrival_t=0.5 * i, send_t=0.5 * i, send_lateness_s=0.0,
@@ -436,3 +438,57 @@ def test_a_gap_where_every_engine_was_judged_in_its_own_window_is_observed():
         [("observed", ("D0", "P"))]
     assert [(c.state, c.judged_on) for c in credit_engine_windows([gap], judged, ["P", "D0", "D1"])] == \
         [("missed", ("D0", "P"))]
+
+
+def decode_engine_idle_for_a_moment(held: int, idle: tuple[float, float]) -> Timeline:
+    """Requests every 0.5 s until t=10.3, then a drained tail until t=14; D0 has none of
+    them in `idle` (its metrics say 0 running) and holds `held` blocks there, D1 stays busy."""
+    samples = []
+    for i in range(140):
+        t = 0.1 * i
+        busy = t < 10.3
+        d0_idle = idle[0] <= t <= idle[1]
+        samples.append(engine_reading(t, "D0", held if d0_idle else 4 if busy else 0,
+                                      0 if d0_idle or not busy else 1))
+        samples.append(engine_reading(t, "D1", 4 if busy else 0, 1 if busy else 0))
+    requests = [RequestRecord(req_id=f"r{i}", arrival_t=0.5 * i, send_t=0.5 * i, send_lateness_s=0.0,
+                              first_token_t=0.5 * i + 0.2, end_t=0.5 * i + 0.8, num_prompt_tokens=8,
+                              num_output_tokens=4, num_prefix_hit_tokens=0, finish_reason="length")
+                for i in range(20)]
+    meta = {"sampling": SAMPLING_SCRAPED, "queue_gauges": ["D0", "D1"]}
+    return Timeline(engines=["D0", "D1"], num_usable_blocks={"D0": 100, "D1": 100}, samples=samples,
+                    requests=requests, arrivals=[r.arrival_t for r in requests], aborts=[], end_t=14.0,
+                    meta=meta)
+
+
+def test_an_engine_window_shorter_than_the_drain_deadline_in_busy_time_is_too_short_to_judge():
+    """No drain can be proven or disproven in a window shorter than the deadline; one that no
+    observed gap of the trace overlaps leaves a run whose expected windows all drained
+    verified, and the verdict says it was not judged."""
+    options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=2.0)
+    timeline = decode_engine_idle_for_a_moment(held=6, idle=(2.0, 3.4))
+    verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
+    short = [w for w in verdict.windows if not w.is_tail]
+    assert [(w.engine, w.verdict) for w in short] == [("D0", "undecided")] and short[0].length < 2.0
+    assert verdict.status == "verified" and verdict.num_too_short == 1, verdict.reasons
+    assert "1 engine window shorter than the drain deadline not judged" in verdict_line(verdict.to_dict())
+    # nothing modelled: no window is known to be spare, so the same window is still a reason
+    unmodelled = verify(timeline, [], options)
+    assert unmodelled.status == "inconclusive" and "undecided" in unmodelled.reasons[0]
+
+
+def test_a_short_undecided_window_inside_an_observed_gap_still_makes_the_run_inconclusive():
+    options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=2.0)
+    timeline = decode_engine_idle_for_a_moment(held=6, idle=(2.0, 3.4))
+    timeline.end_t = 11.5  # the tail, 1.2 s, is itself shorter than the deadline, and expected
+    verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
+    assert verdict.status == "inconclusive" and verdict.num_too_short == 1
+    assert any("undecided" in r and "at 10.300 s" in r for r in verdict.reasons), verdict.reasons
+
+
+def test_a_gap_is_not_credited_with_an_engine_window_that_was_not_decided():
+    timeline = prefill_idle_inside_a_gap_decode_is_still_busy_in()
+    options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=5.0)  # P's window: undecided
+    verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
+    assert [w.verdict for w in verdict.windows if w.engine == "P" and 1.0 < w.start < 5.5] == ["undecided"]
+    assert [(c.state, c.judged_on) for c in verdict.coverage if c.start == 1.0] == [("missed", ())]
