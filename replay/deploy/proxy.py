@@ -46,6 +46,7 @@ from prometheus_client.registry import CollectorRegistry
 from engine.core.block_hash import hash_request_blocks
 from replay.deploy.balance import ROUTER_POLICIES, Balancer
 from replay.http.bearer import bearer_middleware, check_http_listen
+from replay.http import pool
 from replay.http.route import route_headers
 
 # What P is asked to do: hold the prompt's KV for a decode elsewhere (vLLM's toy proxy's dict).
@@ -213,7 +214,7 @@ class Proxy:
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=pool.connector())
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.options.host, self.options.port)

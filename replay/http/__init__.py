@@ -11,6 +11,7 @@
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;
 - route: the header in which kvdrain's proxy names each completion's way;
+- pool: the connection pool of its clients (no connection reused past a server's keep-alive);
 - preflight: the checks before its first request (the target, every metrics URL);
 - server_facts: what a server says about itself (version, vocabulary, cache config, counters);
 - scrape: scraping /metrics into per-engine KV-usage samples;

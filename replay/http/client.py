@@ -52,6 +52,7 @@ from typing import Callable, Iterable
 import aiohttp
 from yarl import URL
 
+from replay.http import pool
 from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
 from replay.http.protocol import DuplicateKeyError, loads_strict
@@ -339,7 +340,7 @@ class HttpReplay:
 
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = pool.connector()
         origins = {URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))}
         async with aiohttp.ClientSession(headers=headers, connector=connector,
                                          middlewares=(same_origin_only(origins),)) as session:

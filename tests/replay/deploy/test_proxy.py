@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
+from replay.http import pool
 from replay.http.route import ROUTE_HEADER, parse_route
 from replay.deploy.topology import TopologyLaunch
 from replay.http.client import HttpTargetOptions
@@ -49,6 +50,7 @@ class FakeVllm:
         self.name = name
         self.bodies: list[dict] = []
         self.headers: list = []
+        self.peers: list[int] = []  # the client port of each completion's connection
         self.fail: tuple[int, bytes] | None = None  # answer every completion with this
         self.healthy = True
         self.break_off = False  # a D that dies after its first chunk
@@ -83,6 +85,7 @@ class FakeVllm:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(request.headers.copy())
+        self.peers.append(request.transport.get_extra_info("peername")[1])
         if self.fail is not None:
             return web.Response(status=self.fail[0], body=self.fail[1], content_type="application/json")
         if body["kv_transfer_params"].get("do_remote_decode"):  # a P's work
@@ -190,6 +193,23 @@ def test_ds_stream_passes_through_byte_for_byte_as_it_arrives():
             assert first + rest == b"".join(STREAM_CHUNKS)
             assert d.bodies[0]["stream_options"] == {"include_usage": True}
 
+    run(go())
+
+
+def test_no_upstream_connection_is_reused_once_idle_as_long_as_a_servers_keep_alive_may_be(monkeypatch):
+    """vLLM's uvicorn closes an idle keep-alive connection after 5 s; a request sent on one
+    it is closing fails ("Server disconnected"), so the proxy reuses none idle for
+    pool.IDLE_S (shortened here), and still reuses a connection between two requests."""
+    monkeypatch.setattr(pool, "IDLE_S", 0.2)
+
+    async def go():
+        async with deployment() as (proxy, (p,), (d,)):
+            for _ in range(2):
+                assert (await _post(proxy.url, CLIENT_REQUEST))[0] == 200
+            await asyncio.sleep(0.5)
+            assert (await _post(proxy.url, CLIENT_REQUEST))[0] == 200
+            for fake in (p, d):
+                assert fake.peers[0] == fake.peers[1] != fake.peers[2], fake.peers
     run(go())
 
 
