@@ -11,5 +11,6 @@
   serve` instances launched, watched and torn down, their default tiny model, the replay
   through them;
 - vllm_orphans: the run directory's record of what was launched, and stopping what a
-  SIGKILLed run left running.
+  SIGKILLed run left running;
+- idle_cpu: how many cores the launched instances burn before the first request.
 """

@@ -524,6 +524,10 @@ class VllmDeployment:
         """(engine name, /metrics URL) of every instance."""
         return [(s.name, s.url + "/metrics") for s in self.specs]
 
+    def instance_pids(self) -> list[int]:
+        """Every vLLM instance's process and all below it (not the proxy)."""
+        return [pid for i in self.instances for pid in (i.process.pid, *descendants(i.process.pid))]
+
     def processes(self) -> list[ManagedProcess]:
         return [i.process for i in self.instances] + ([self.proxy] if self.proxy else [])
 
