@@ -12,5 +12,6 @@
   through them;
 - vllm_orphans: the run directory's record of what was launched, and stopping what a
   SIGKILLed run left running;
-- idle_cpu: how many cores the launched instances burn before the first request.
+- idle_cpu: how many cores the launched instances burn before the first request, and
+  their threads that spin then, lowered to nice 19 on a CPU host.
 """

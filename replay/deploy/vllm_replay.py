@@ -24,7 +24,7 @@ from typing import Iterator
 
 from engine.proc.run_dir import run_root
 from replay.commands import Display, OutputFiles, replay_main
-from replay.deploy.idle_cpu import cores_used, idle_note
+from replay.deploy.idle_cpu import idle_note, lower_spinners
 from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmVenvError,
                                        check_venv, gpu_count)
 from replay.deploy.vllm_options import VllmOptions
@@ -109,7 +109,8 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs
     deployment.wait_ready(_StartupView(console, [i.spec.name for i in deployment.instances]))
     ready_s = max(s.ready_s or 0.0 for s in deployment.statuses())
     if gpu_count() == 0:
-        _say(console, idle_note(cores_used(deployment.instance_pids()), len(os.sched_getaffinity(0))))
+        idle = lower_spinners(deployment.instance_pids())  # before the first request: idle
+        _say(console, idle_note(idle, len(os.sched_getaffinity(0))))
     _say(console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}")
     http = replace(config.http, base_url=deployment.target_url,
                    metrics=tuple(_metrics_source(name, url) for name, url in deployment.metrics()),

@@ -1,25 +1,47 @@
-"""The idle CPU figure printed after a real vLLM deployment is ready (replay/deploy/idle_cpu.py)."""
+"""The idle CPU figure printed once a real vLLM deployment is ready, and the spinning threads
+lowered then (replay/deploy/idle_cpu.py)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from replay.deploy.idle_cpu import cores_used, cpu_ticks, idle_note
+from replay.deploy.idle_cpu import LOWERED_NICE, IdleCpu, idle_note, lower_spinners, thread_ticks
 
 pytestmark = pytest.mark.timeout(60)
 
+# A process whose main thread sleeps while a second thread polls, as NIXL's progress thread
+# does in a vLLM worker; it prints the poller's thread id once it runs.
+POLLER = """
+import threading, time
+def poll():
+    print(threading.get_native_id(), flush=True)
+    while True:
+        pass
+threading.Thread(target=poll, daemon=True).start()
+time.sleep(60)
+"""
 
-def test_a_spinning_process_counts_and_a_sleeping_one_does_not():
-    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+def _nice(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[16])
+
+
+def test_a_thread_that_spins_while_idle_is_lowered_and_a_main_thread_is_not():
+    poller = subprocess.Popen([sys.executable, "-c", POLLER], stdout=subprocess.PIPE, text=True)
+    busy_main = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert cores_used([spinning.pid], 0.5) > 0
-        before = cpu_ticks([sleeping.pid])
-        assert cores_used([sleeping.pid], 0.5) == 0 and cpu_ticks([sleeping.pid]) == before
+        tid = int(poller.stdout.readline())
+        # a share any spinning thread reaches on a loaded host; a sleeping one uses none
+        idle = lower_spinners([poller.pid, busy_main.pid], 0.5, share=0.01)
+        assert idle.lowered == (tid,) and idle.cores > 0
+        assert _nice(poller.pid, tid) == LOWERED_NICE
+        assert _nice(poller.pid, poller.pid) == _nice(busy_main.pid, busy_main.pid) == os.nice(0)
     finally:
-        for p in (spinning, sleeping):
+        for p in (poller, busy_main):
             p.kill()
             p.wait(timeout=10)
 
@@ -27,11 +49,13 @@ def test_a_spinning_process_counts_and_a_sleeping_one_does_not():
 def test_a_process_that_is_gone_counts_nothing():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(timeout=30)
-    assert cpu_ticks([p.pid]) == 0
+    assert thread_ticks([p.pid]) == {}
+    assert lower_spinners([p.pid], 0.01) == IdleCpu(cores=0.0, lowered=())
 
 
-def test_the_note_names_the_spinning_thread_only_when_the_deployment_burns_half_the_host():
-    assert idle_note(0.1, 2) == "vllm: idle, its processes use 0.1 of this host's 2 cores"
-    busy = idle_note(1.8, 2)
-    assert busy.startswith("vllm: idle, its processes use 1.8 of this host's 2 cores (NIXL's UCX")
-    assert "--speedup" in busy
+def test_the_note_says_what_was_lowered_or_what_the_idle_load_means():
+    assert idle_note(IdleCpu(0.1, ()), 2) == "vllm: idle, its processes use 0.1 of this host's 2 cores"
+    lowered = idle_note(IdleCpu(2.0, (11, 12)), 2)
+    assert lowered.startswith("vllm: idle, its processes use 2.0 of this host's 2 cores; 2 threads that "
+                              "spin while idle (NIXL's UCX progress thread")
+    assert "--speedup" in idle_note(IdleCpu(1.8, ()), 2)
