@@ -175,8 +175,8 @@ vllm-prefix: $(VLLM_PREFIX_STAMP)
 # 0.21.0's own venv, which `make vllm-prefix` makes and which is used when it is there;
 # E2E_VLLM_ARGS='--prefix-venv DIR' names another). Prints
 # the release matrix; expected: pre-fix P/D exit 1 (P leaks), the rest exit 0. The
-# example runs at an eighth of its pace with half its tokens, so that a busy 2-core
-# machine still shows its idle windows. Bounded: each replay --run-timeout, no row after
+# example runs at an eighth of its pace with half its tokens (idle threshold 4 s), so
+# that a busy 2-core machine still shows its idle windows. Bounded: each replay --run-timeout, no row after
 # --budget (bench/e2e_vllm.py).
 E2E_VLLM_ARGS ?=
 e2e-vllm: $(STAMP) $(VLLM_STAMP)

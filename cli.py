@@ -712,7 +712,8 @@ def replay_cmd(trace: Path, clock: str, display, trace_input: TraceInput,
     if vllm is not None:
         from replay.deploy.vllm_replay import vllm_replay_main
         sys.exit(vllm_replay_main(vllm, config, outputs, display, Console(),
-                                  deadline_given=_given("drain_deadline_s")))
+                                  deadline_given=_given("drain_deadline_s"),
+                                  threshold_given=_given("idle_threshold_s")))
     sys.exit(replay_main(config, outputs, display, Console()))
 
 

@@ -35,9 +35,11 @@ PREFIX_OVERLAY = ROOT / "bench" / "vllm_prefix"
 # idle window was seen. At a quarter of the pace (gaps of 16 s) a fixed pair on 2 idle
 # cores still had requests stall 8-20 s inside vLLM in a burst (first tokens 16-20 s
 # after their send): in 2 of 3 runs a gap was swallowed or left 1.9 s, too short to
-# judge by the 2 s deadline. At an eighth of the pace the gaps are 35 s; with half the tokens a
-# prompt still fills a 128-token block on P, which the pre-fix P then holds.
-DEFAULT_REPLAY_ARGS = ["--speedup", "0.125", "--scale-tokens", "0.5"]
+# judge by the 2 s deadline. At an eighth of the pace the gaps are 35 s, and the gaps
+# inside a burst up to 2.0 s, so the idle threshold is 4 s (the CPU's 2 s would make
+# windows of those). With half the tokens a prompt still fills a 128-token block on P,
+# which the pre-fix P then holds.
+DEFAULT_REPLAY_ARGS = ["--speedup", "0.125", "--scale-tokens", "0.5", "--idle-threshold", "4"]
 TIMES = re.compile(r"vllm: launch to ready ([0-9.]+) s, replay ([0-9.]+) s")
 READY = re.compile(r"^\s+(\w+): ready in ([0-9.]+) s", re.M)
 

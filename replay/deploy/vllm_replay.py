@@ -58,9 +58,11 @@ def _fault(console, fault: VllmFault) -> None:
 
 
 def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: OutputFiles, display: Display,
-                     console, run_dir: Path | None = None, deadline_given: bool = True) -> int:
-    """config: an HTTP replay whose target the launched deployment replaces; deadline_given:
-    False when --drain-deadline was left at its default (then a CPU host's is wider)."""
+                     console, run_dir: Path | None = None, deadline_given: bool = True,
+                     threshold_given: bool = True) -> int:
+    """config: an HTTP replay whose target the launched deployment replaces; deadline_given,
+    threshold_given: False when --drain-deadline, --idle-threshold were left at their
+    defaults (then a CPU host's deadline is wider, and the threshold no shorter)."""
     try:
         install = check_venv(options.venv)
         validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
@@ -72,6 +74,10 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
         config = replace(config, verify=replace(config.verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S))
         _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
                       f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
+    if not threshold_given and config.verify.idle_threshold_s < config.verify.drain_deadline_s:
+        config = replace(config, verify=replace(config.verify, idle_threshold_s=config.verify.drain_deadline_s))
+        _say(console, f"idle threshold {config.verify.idle_threshold_s:g} s: a window shorter than the "
+                      f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)")
     if on_cpu and config.http.scrape_timeout_s < CPU_SCRAPE_TIMEOUT_S:
         config = replace(config, http=replace(config.http, scrape_timeout_s=CPU_SCRAPE_TIMEOUT_S))
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))

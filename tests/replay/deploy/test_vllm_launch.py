@@ -290,16 +290,19 @@ def test_a_2p2d_deployment_puts_both_prefill_instances_and_both_decode_instances
     assert prefill == [d.specs[0].url, d.specs[1].url] and decode == [d.specs[2].url, d.specs[3].url]
 
 
-@pytest.mark.parametrize("given, expected", [((), 2.0), (("--drain-deadline", "0.5"), 0.5)])
-def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_unless_one_is_given(
-        fake_venv, pidfile, tmp_path, given, expected):
+@pytest.mark.parametrize("given, expected, threshold", [((), 2.0, 2.0), (("--drain-deadline", "0.5"), 0.5, 1.0),
+                                                       (("--idle-threshold", "1.5"), 2.0, 1.5)])
+def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_and_no_shorter_windows_unless_given(
+        fake_venv, pidfile, tmp_path, given, expected, threshold):
     report = tmp_path / "report.json"
     result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv), "--topology",
                      "single", "--no-live", "--speedup", "4", "--max-requests", "8", "--report", str(report),
                      *given)
     assert result.returncode in (0, 3), result.stdout + result.stderr  # 3: a gap shorter than 2 s
-    assert json.loads(report.read_text())["settings"]["verify"]["drain_deadline_s"] == expected
-    assert ("drain deadline 2 s" in result.stdout) == (not given)
+    verify = json.loads(report.read_text())["settings"]["verify"]
+    assert (verify["drain_deadline_s"], verify["idle_threshold_s"]) == (expected, threshold)
+    assert ("drain deadline 2 s" in result.stdout) == (expected == 2.0)
+    assert ("idle threshold 2 s" in result.stdout) == (threshold == 2.0)
 
 
 def test_a_slow_metrics_answer_from_vllm_on_the_cpu_is_a_reading_not_a_failed_scrape(fake_venv, pidfile, tmp_path):
