@@ -78,8 +78,7 @@ class AsyncScheduler(Scheduler):
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        req_index = 0
+    def _schedule_running(self, out: SchedulerOutput, budget: int, req_index: int = 0) -> int:
         max_computed = self.config.max_model_len - 1
         while req_index < len(self.running) and budget > 0:
             request = self.running[req_index]

@@ -177,12 +177,15 @@ class StepOutputs:
         self.req_ids: list[str] = []
         self.new_token_ids: list[int] = []
         self.num_cached_tokens: list[int] = []
-        self.records: list[RequestOutput] = []
-        self._record_positions: list[int] = []  # each record's place among all outputs
+        # Lists from the first record on (most steps have none: no list to make).
+        self.records: list[RequestOutput] | tuple[()] = ()
+        self._record_positions: list[int] | None = None  # each record's place among all outputs
         self._list: list[RequestOutput] | None = None
 
     def append(self, output: RequestOutput) -> None:
         """Add a record (a plain output goes into the columns instead)."""
+        if not self.records:
+            self.records, self._record_positions = [], []
         self._record_positions.append(len(self.req_ids) + len(self.records))
         self.records.append(output)
 

@@ -178,8 +178,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput.empty()
-        budget = self.config.max_num_batched_tokens
-        if self.running:
+        budget, running = self.config.max_num_batched_tokens, self.running
+        if running and self.fast_path:  # the decodes up front; the loop past the first that is not one
+            num_decodes = self._schedule_decodes(out, 0, budget)
+            budget -= num_decodes
+            if num_decodes < len(running) and budget > 0:
+                budget = self._schedule_running(out, budget, num_decodes)
+        elif running:
             budget = self._schedule_running(out, budget)
         # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
         # Most decode steps find both queues empty and make no call.
@@ -191,27 +196,24 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running, fast_path, req_index = self.running, self.fast_path, 0
+    def _schedule_running(self, out: SchedulerOutput, budget: int, req_index: int = 0) -> int:
+        """running[req_index:] in order, each its remaining tokens within the budget."""
+        running, fast_path = self.running, self.fast_path
         while req_index < len(running) and budget > 0:
-            if fast_path:  # plain decodes up to the next request that needs more
-                num_decodes = self._schedule_decodes(out, req_index, budget)
-                req_index += num_decodes
-                budget -= num_decodes
-                if req_index >= len(running) or budget <= 0:
-                    break
             request = running[req_index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           self.config.max_model_len - 1 - request.num_computed_tokens)
-            if num_new <= 0:
-                req_index += 1
-                continue
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
-            if new_blocks is None:
-                break  # the request preempted itself: nothing else fits either
-            self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
-            budget -= num_new
+            if num_new > 0:
+                new_blocks = self._allocate_or_preempt(request, num_new, out)
+                if new_blocks is None:
+                    break  # the request preempted itself: nothing else fits either
+                self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
+                budget -= num_new
             req_index += 1
+            if fast_path and budget > 0:  # plain decodes up to the next request that needs more
+                num_decodes = self._schedule_decodes(out, req_index, budget)
+                req_index += num_decodes
+                budget -= num_decodes
         return budget
 
     def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> int:
@@ -226,8 +228,7 @@ class Scheduler:
         preempts) or the end of the budget; returns how many it scheduled.
         """
         bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
-        add_id, add_computed = req_ids.append, out.num_computed_tokens.append
-        add_token = out.token_ids.append
+        num_computed_tokens, token_ids = out.num_computed_tokens, out.token_ids
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
         num_before = len(req_ids)
         for request in islice(self.running, req_index, req_index + budget):
@@ -242,9 +243,9 @@ class Scheduler:
                     break
                 if new_block_ids:
                     out.new_block_ids[req_id] = new_block_ids
-            add_id(req_id)
-            add_computed(num_computed)
-            add_token(request.all_token_ids[-1])
+            req_ids.append(req_id)
+            num_computed_tokens.append(num_computed)
+            token_ids.append(request.all_token_ids[-1])
             request.num_computed_tokens = num_computed + 1
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
@@ -421,9 +422,8 @@ class Scheduler:
         _free_request like any other; the rest are plain outputs, three column
         entries each (StepOutputs) and no object.
         """
-        requests, append, max_len = self.requests, outputs.append, self.config.max_model_len
-        add_id, add_token = outputs.req_ids.append, outputs.new_token_ids.append
-        add_cached = outputs.num_cached_tokens.append
+        requests, max_len = self.requests, self.config.max_model_len
+        out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
         bs, preempted = self.block_size, RequestStatus.PREEMPTED
         any_finished = False
         req_ids = sched_out.req_ids
@@ -442,14 +442,14 @@ class Scheduler:
             # check_stop's conditions: if one holds, check_stop decides.
             if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
                     or num_tokens - request.num_prompt_tokens >= request.max_tokens):
-                append(self._stop_request(request, token))
+                outputs.append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue
             # RequestOutput(req_id, [token], num_cached_tokens=...), as columns:
-            add_id(req_id)
-            add_token(token)
+            out_ids.append(req_id)
+            out_tokens.append(token)
             num_cached = request.num_cached_tokens
-            add_cached(num_cached if num_cached > 0 else 0)
+            out_cached.append(num_cached if num_cached > 0 else 0)
         return any_finished
 
     def _stop_request(self, request: Request, token: int) -> RequestOutput:
