@@ -31,7 +31,7 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_connector import KVConnectorBase
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, StepOutputs
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stop import check_stop
@@ -78,8 +78,7 @@ class AsyncScheduler(Scheduler):
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        req_index = 0
+    def _schedule_running(self, out: SchedulerOutput, budget: int, req_index: int = 0) -> int:
         max_computed = self.config.max_model_len - 1
         while req_index < len(self.running) and budget > 0:
             request = self.running[req_index]
@@ -162,7 +161,7 @@ class AsyncScheduler(Scheduler):
     # ---- update --------------------------------------------------------------
 
     def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+                           runner_out: ModelRunnerOutput) -> StepOutputs:
         # Every write of this and earlier steps is done: deferred blocks may go back.
         if self.defer_block_free and sched_out.total_num_scheduled_tokens > 0:
             self.processed_step_seq += 1
@@ -170,7 +169,7 @@ class AsyncScheduler(Scheduler):
         return super().update_from_output(sched_out, runner_out)
 
     def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                          failed_ids: set[str], outputs: list[RequestOutput]) -> bool:
+                          failed_ids: set[str], outputs: StepOutputs) -> bool:
         any_finished = False
         stopped_waiting: list[Request] = []
         for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):

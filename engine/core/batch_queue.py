@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, StepOutputs
 from engine.core.scheduler import Scheduler
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling, no PP
@@ -43,7 +43,7 @@ class BatchStep:
 
     scheduled: bool = False  # a new batch was scheduled and run
     processed: bool = False  # the oldest batch's output was processed
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput] | StepOutputs = field(default_factory=list)
     model_executed: bool = False  # the new batch had tokens
     can_progress: bool = False
     got_kv_reports: bool = False

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
 from engine.core.batch_queue import BatchQueue, step_with_batch_queue
 from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorBase
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats, StepOutputs
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
 from engine.core.scheduler import Scheduler
@@ -32,7 +32,7 @@ class ModelRunnerProtocol(Protocol):
 class EngineStepResult:
     """What one step did, for the loop's liveness question (engine/liveness.next_action)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput] | StepOutputs  # a step's are a StepOutputs
     model_executed: bool  # some tokens were scheduled
     # The next schedule() has work it can do without a new report: the step consumed
     # connector reports while unfinished requests remain (freed blocks may admit one,

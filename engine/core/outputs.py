@@ -1,8 +1,9 @@
 """Plain records that flow scheduler -> runner -> scheduler -> frontend. Runs in: engine-core process."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 
 _new_object = object.__new__  # an instance without __init__ (SchedulerOutput.empty)
 
@@ -140,11 +141,8 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Per request per step, to the frontend (vLLM's EngineCoreOutput).
-
-    The scheduler's decode loop makes these without __init__ (object.__new__ and one
-    store per slot: cheaper per request); a new field must be set there too.
-    """
+    """Per request per step, to the frontend (vLLM's EngineCoreOutput). A step's come
+    in a StepOutputs, where a plain one is three column entries, not a record."""
 
     req_id: str
     new_token_ids: list[int]
@@ -156,6 +154,84 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _plain_output(req_id: str, token: int, num_cached_tokens: int) -> RequestOutput:
+    return RequestOutput(req_id, [token], num_cached_tokens=num_cached_tokens)
+
+
+class StepOutputs:
+    """One step's RequestOutputs, in order; what update_from_output returns.
+
+    A plain output (one new token; not finished, no params, no error) is an entry of
+    three columns, `req_ids`, `new_token_ids`, `num_cached_tokens`, and no object: a
+    decode step of n requests allocates no n records. Any other output is a record in
+    `records`. Iterating, indexing or comparing (with a list too) gives the records,
+    plain ones made on first use, once. A request has at most one output per step, so
+    a consumer that reads the columns may take them and the records in either order.
+    """
+
+    __slots__ = ("req_ids", "new_token_ids", "num_cached_tokens", "records", "_record_positions", "_list")
+
+    def __init__(self) -> None:
+        self.req_ids: list[str] = []
+        self.new_token_ids: list[int] = []
+        self.num_cached_tokens: list[int] = []
+        # Lists from the first record on (most steps have none: no list to make).
+        self.records: list[RequestOutput] | tuple[()] = ()
+        self._record_positions: list[int] | None = None  # each record's place among all outputs
+        self._list: list[RequestOutput] | None = None
+
+    def append(self, output: RequestOutput) -> None:
+        """Add a record (a plain output goes into the columns instead)."""
+        if not self.records:
+            self.records, self._record_positions = [], []
+        self._record_positions.append(len(self.req_ids) + len(self.records))
+        self.records.append(output)
+
+    def extend(self, outputs: Iterable[RequestOutput]) -> None:
+        for output in outputs:
+            self.append(output)
+
+    def to_list(self) -> list[RequestOutput]:
+        """Every output as a record, in order (made once; later appends are not seen)."""
+        if self._list is None:
+            plain = map(_plain_output, self.req_ids, self.new_token_ids, self.num_cached_tokens)
+            if not self.records:
+                self._list = list(plain)
+            else:
+                merged: list[RequestOutput] = []
+                records = iter(self.records)
+                for position in self._record_positions:
+                    merged.extend(islice(plain, position - len(merged)))
+                    merged.append(next(records))
+                merged.extend(plain)
+                self._list = merged
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self.req_ids) + len(self.records)
+
+    def __bool__(self) -> bool:
+        return bool(self.req_ids or self.records)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.to_list())
+
+    def __getitem__(self, index):
+        return self.to_list()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepOutputs):
+            return self.to_list() == other.to_list()
+        if isinstance(other, list):
+            return self.to_list() == other
+        return NotImplemented
+
+    __hash__ = None  # mutable, compared by content
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({self.to_list()!r})"
 
 
 @dataclass(slots=True)

@@ -14,15 +14,12 @@ from engine.core.invalid_blocks import cut_back_to_valid_prefix
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_connector import KVConnectorBase
 from engine.core.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
-                            ScheduledRequest, SchedulerOutput, SchedulerStats)
+                                 ScheduledRequest, SchedulerOutput, SchedulerStats, StepOutputs)
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
 __all__ = ["Scheduler"]
 
-# Makes an instance without calling __init__: the decode loop fills a RequestOutput's
-# slots itself, about a quarter cheaper per request than the dataclass __init__.
-_new_object = object.__new__
 # No request's KV failed this step (update_from_output): shared, never mutated.
 _NO_IDS: frozenset[str] = frozenset()
 
@@ -181,37 +178,45 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput.empty()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget, running = self.config.max_num_batched_tokens, self.running
+        if running and self.fast_path:  # the decodes up front; the loop past the first that is not one
+            num_decodes = self._schedule_decodes(out, 0, budget)
+            budget -= num_decodes
+            if num_decodes < len(running) and budget > 0:
+                budget = self._schedule_running(out, budget, num_decodes)
+        elif running:
+            budget = self._schedule_running(out, budget)
         # Like vLLM: no new admissions (nor promotions) in a step that had to preempt.
-        if not out.preempted_req_ids:
+        # Most decode steps find both queues empty and make no call.
+        if (self.skipped_waiting or self.waiting) and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
-        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        if self.finished_req_ids:  # else out's own empty set
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        req_index = 0
-        while req_index < len(self.running) and budget > 0:
-            if self.fast_path:  # plain decodes up to the next request that needs more
-                req_index, budget = self._schedule_decodes(out, req_index, budget)
-                if req_index >= len(self.running) or budget <= 0:
-                    break
-            request = self.running[req_index]
+    def _schedule_running(self, out: SchedulerOutput, budget: int, req_index: int = 0) -> int:
+        """running[req_index:] in order, each its remaining tokens within the budget."""
+        running, fast_path = self.running, self.fast_path
+        while req_index < len(running) and budget > 0:
+            request = running[req_index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           self.config.max_model_len - 1 - request.num_computed_tokens)
-            if num_new <= 0:
-                req_index += 1
-                continue
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
-            if new_blocks is None:
-                break  # the request preempted itself: nothing else fits either
-            self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
-            budget -= num_new
+            if num_new > 0:
+                new_blocks = self._allocate_or_preempt(request, num_new, out)
+                if new_blocks is None:
+                    break  # the request preempted itself: nothing else fits either
+                self._add_scheduled(out, request, num_new, [b.block_id for b in new_blocks], False)
+                budget -= num_new
             req_index += 1
+            if fast_path and budget > 0:  # plain decodes up to the next request that needs more
+                num_decodes = self._schedule_decodes(out, req_index, budget)
+                req_index += num_decodes
+                budget -= num_decodes
         return budget
 
-    def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> tuple[int, int]:
+    def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> int:
         """The decode fast path: running[req_index:] while each needs exactly one token.
 
         The same decisions as the loop above (tests/engine/core/test_scheduler_fast_paths.py checks it step by
@@ -219,12 +224,11 @@ class Scheduler:
         (a request's table always covers its computed tokens, so a slot off a block
         boundary is), else one from the pool; a block the token fills gets its hash,
         the one allocate_slots would cache (earlier ones were cached as they filled).
-        Stops, returning (index, budget), at the first request that needs more, a full
-        pool (the slow path preempts) or the end of the budget.
+        Stops at the first request that needs more, a full pool (the slow path
+        preempts) or the end of the budget; returns how many it scheduled.
         """
         bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
-        add_id, add_computed = req_ids.append, out.num_computed_tokens.append
-        add_token = out.token_ids.append
+        num_computed_tokens, token_ids = out.num_computed_tokens, out.token_ids
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
         num_before = len(req_ids)
         for request in islice(self.running, req_index, req_index + budget):
@@ -239,16 +243,16 @@ class Scheduler:
                     break
                 if new_block_ids:
                     out.new_block_ids[req_id] = new_block_ids
-            add_id(req_id)
-            add_computed(num_computed)
-            add_token(request.all_token_ids[-1])
+            req_ids.append(req_id)
+            num_computed_tokens.append(num_computed)
+            token_ids.append(request.all_token_ids[-1])
             request.num_computed_tokens = num_computed + 1
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
         num_decodes = len(req_ids) - num_before
         out.num_scheduled_tokens.extend(repeat(1, num_decodes))
         out.total_num_scheduled_tokens += num_decodes
-        return req_index + num_decodes, budget - num_decodes
+        return num_decodes
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput):
         while True:
@@ -277,8 +281,6 @@ class Scheduler:
         seat and budget left. A skipped request (load in flight, connector not ready,
         load just started) goes back to the head of its queue, in order, at the end.
         """
-        if not self.skipped_waiting and not self.waiting:  # most decode steps: no call cost beyond this
-            return
         skipped_holding: list[Request] = []
         skipped: list[Request] = []
         while budget > 0:
@@ -370,12 +372,17 @@ class Scheduler:
     # ---- update --------------------------------------------------------------
 
     def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+                           runner_out: ModelRunnerOutput) -> StepOutputs:
+        outputs = StepOutputs()
         kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
         if self.connector is not None:  # first: it may say the worker process is gone
             kv_out = kv_out or KVConnectorOutput()
             self.connector.update_connector_output(kv_out)
+        elif kv_out is None and self.fast_path and not runner_out.failed:
+            # No reports and nothing failed: the sampled tokens are the whole update.
+            if self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs):
+                self._remove_finished()
+            return outputs
         failed_ids: set[str] | frozenset[str] = _NO_IDS
         if kv_out is not None and kv_out.invalid_block_ids:  # before the tokens, like vLLM
             failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
@@ -383,17 +390,20 @@ class Scheduler:
             any_finished = self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs)
         else:
             any_finished = self._update_scheduled(sched_out, runner_out, failed_ids, outputs)
-        if any_finished:  # r.is_finished(), inline
-            preempted = RequestStatus.PREEMPTED
-            self.running = [r for r in self.running if r.status <= preempted]
+        if any_finished:
+            self._remove_finished()
         if failed_ids and self.config.kv_load_failure_policy == "fail":
             outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
         if kv_out is not None:
             self._update_from_kv_xfer_finished(kv_out)
         return outputs
 
+    def _remove_finished(self) -> None:
+        preempted = RequestStatus.PREEMPTED
+        self.running = [r for r in self.running if r.status <= preempted]  # r.is_finished(), inline
+
     def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                          failed_ids: set[str], outputs: list[RequestOutput]) -> bool:
+                          failed_ids: set[str], outputs: StepOutputs) -> bool:
         """Each scheduled request's result, into `outputs`; True if one finished."""
         for req_id in sched_out.req_ids:
             request = self.requests.get(req_id)
@@ -405,13 +415,15 @@ class Scheduler:
         return any(r.is_finished() for r in self.running)
 
     def _update_sampled(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, int],
-                        outputs: list[RequestOutput]) -> bool:
+                        outputs: StepOutputs) -> bool:
         """_update_scheduled's fast path for a step in which nothing failed.
 
         The same outputs: a request that may stop goes through check_stop and
-        _free_request like any other; the rest get a plain record.
+        _free_request like any other; the rest are plain outputs, three column
+        entries each (StepOutputs) and no object.
         """
-        requests, append, max_len = self.requests, outputs.append, self.config.max_model_len
+        requests, max_len = self.requests, self.config.max_model_len
+        out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
         bs, preempted = self.block_size, RequestStatus.PREEMPTED
         any_finished = False
         req_ids = sched_out.req_ids
@@ -430,16 +442,14 @@ class Scheduler:
             # check_stop's conditions: if one holds, check_stop decides.
             if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
                     or num_tokens - request.num_prompt_tokens >= request.max_tokens):
-                append(self._stop_request(request, token))
+                outputs.append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue
-            # RequestOutput(req_id, [token], num_cached_tokens=...), every slot set:
-            output = _new_object(RequestOutput)
-            output.req_id, output.new_token_ids, output.finish_reason = req_id, [token], None
-            output.kv_transfer_params, output.error = None, None
+            # RequestOutput(req_id, [token], num_cached_tokens=...), as columns:
+            out_ids.append(req_id)
+            out_tokens.append(token)
             num_cached = request.num_cached_tokens
-            output.num_cached_tokens = num_cached if num_cached > 0 else 0
-            append(output)
+            out_cached.append(num_cached if num_cached > 0 else 0)
         return any_finished
 
     def _stop_request(self, request: Request, token: int) -> RequestOutput:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
 from engine.core.block_hash import BlockHash, hash_request_blocks
 from engine.core.request_check import why_malformed
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import RequestOutput, StepOutputs
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
@@ -86,7 +86,11 @@ class _Frontend:
             self._end(self.flights[abort.req_id], "abort", None)
             self._send(commands)
 
-    def on_outputs(self, engine: str, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, engine: str, outputs: list[RequestOutput] | StepOutputs) -> None:
+        if type(outputs) is StepOutputs:
+            if outputs.req_ids:
+                self._on_plain_outputs(engine, outputs)
+            outputs = outputs.records
         for out in outputs:
             route = self.routing.routes.get(out.req_id)
             if route is None:
@@ -103,6 +107,26 @@ class _Frontend:
                     self._on_tokens(flight, out, route.via_prefill)
             if out.req_id not in self.routing.routes:
                 del self.flights[out.req_id]
+
+    def _on_plain_outputs(self, engine: str, outputs: StepOutputs) -> None:
+        """on_outputs of the plain outputs (StepOutputs' columns: one token, not finished),
+        without their records: what Routing.on_output and _on_tokens do with one. P's
+        unfinished output means nothing to the client; D's or a lone engine's is its
+        tokens, unless the request moved on or the client aborted it."""
+        routing = self.routing
+        if engine in routing.prefill:
+            return
+        routes, flights, t = routing.routes, self.flights, self.sim.loop.now / NS
+        for req_id, token, num_cached in zip(outputs.req_ids, outputs.new_token_ids,
+                                             outputs.num_cached_tokens):
+            route = routes.get(req_id)
+            if route is None or route.engine != engine or route.aborted:
+                continue
+            flight = flights[req_id]
+            flight.record.on_tokens(t)
+            flight.tokens.append(token)
+            if not route.via_prefill:
+                flight.record.num_prefix_hit_tokens = num_cached
 
     def _send(self, commands: list[Command] | tuple[Command, ...]) -> None:
         for command in commands:

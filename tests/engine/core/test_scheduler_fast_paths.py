@@ -65,9 +65,9 @@ class Twin:
             decodes = self.sched._schedule_decodes
 
             def counting(out, req_index, budget):
-                end, left = decodes(out, req_index, budget)
-                self.num_fast_decodes += end - req_index
-                return end, left
+                num_decodes = decodes(out, req_index, budget)
+                self.num_fast_decodes += num_decodes
+                return num_decodes
             self.sched._schedule_decodes = counting
 
     def step(self, failures: random.Random) -> tuple:

@@ -16,7 +16,7 @@ from replay.sim import simulation
 from replay.sim.simulation import Simulation
 from replay.trace import synth
 from replay.trace.reader import read_trace
-from replay.trace.reader import TraceRequest
+from replay.trace.reader import TraceAbort, TraceRequest
 from replay.trace.synth import synth_prompt
 
 
@@ -138,3 +138,54 @@ def test_the_frontends_check_of_a_synthesised_prompt_equals_the_full_check(seed)
         prompt = synth_prompt(req, vocab)
         full = simulation.why_malformed(prompt, max_tokens, vocab) is None
         assert frontend._is_well_formed(req, prompt) == full
+
+
+def seeded_workload(seed: int, num_requests: int = 40) -> list:
+    """Arrivals in bursts with shared prefixes, some forced single (pd False), aborts."""
+    rng, records, t = random.Random(seed), [], 0.0
+    for i in range(num_requests):
+        t += rng.choice([0.0, 0.001, 0.01, 0.2])
+        hash_ids = tuple(rng.sample([1, 2, 3], rng.randint(0, 2))) + (1000 * seed + i,)
+        records.append(TraceRequest(round(t, 6), f"r{i}", rng.randint(1, 40),
+                                    16 * len(hash_ids) - rng.randint(0, 15), hash_ids=hash_ids,
+                                    hash_block_size=16, pd=rng.choice([None, None, False])))
+        if i > 4 and rng.random() < 0.15:
+            t += 0.003
+            records.append(TraceAbort(round(t, 6), f"r{rng.randrange(i - 4, i)}"))
+    return sorted(records, key=lambda r: r.t)  # sorted() is stable: an abort stays after its request
+
+
+def timeline_with_fast_paths(records, options: SimOptions, fast_path: bool) -> str:
+    sim = Simulation(records, options)
+    for engine in sim.engines.values():
+        engine.core.scheduler.fast_path = fast_path
+    return json.dumps(sim.run().to_dict(), sort_keys=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("liveness,topology,overrides", [
+    ("event", "pd", {}),
+    ("event", "pd", {"num_blocks": 12}),  # pressure: preemption on both engines
+    ("legacy", "pd", {"num_blocks": 16, "eos_token_id": 7}),  # stops
+    ("poll", "single", {"num_blocks": 12, "eos_token_id": 30}),
+    ("event", "1p2d", {"num_blocks": 20, "max_model_len": 64}),  # length caps
+], ids=["pd", "pd_pressure", "legacy_stops", "single", "1p2d_caps"])
+def test_column_outputs_give_the_timeline_of_per_request_records(seed, liveness, topology, overrides):
+    """The scheduler's sampled-token loop returns plain outputs as columns (StepOutputs)
+    and the frontend reads them so; with the fast paths off every output is a record
+    read one by one. Same timeline, byte for byte: tokens, latencies, verdict inputs,
+    block counts, preemptions, aborts and stops."""
+    engine = replace(SimOptions().engine, liveness=liveness, **{"num_blocks": 64, **overrides})
+    if "eos_token_id" in overrides:  # a small vocabulary: the mock's tokens reach EOS often
+        engine = replace(engine, model=replace(engine.model, vocab_size=64))
+    options = SimOptions(engine=engine, topology=topology, tail_s=2.0, sample_interval_s=0.0171)
+    records = seeded_workload(seed)
+    fast = timeline_with_fast_paths(records, options, fast_path=True)
+    assert fast == timeline_with_fast_paths(records, options, fast_path=False)
+    timeline = json.loads(fast)
+    reasons = {r["finish_reason"] for r in timeline["requests"]}
+    assert "abort" in reasons and "length" in reasons
+    if "eos_token_id" in overrides:
+        assert "stop" in reasons
+    if overrides == {"num_blocks": 12}:
+        assert sum(c["num_preemptions"] for c in timeline["counters"].values()) > 0
