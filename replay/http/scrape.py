@@ -39,6 +39,7 @@ KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:t
               "kvdrain:kv_blocks_used")
 PPM = 1_000_000
 MAX_METRICS_BYTES = 8 << 20  # a larger /metrics answer is a failed scrape
+INLINE_PARSE_BYTES = 64 << 10  # a later scrape's answer up to this is read on the event loop
 MAX_FAILURE_SPANS = 1000  # failed scrapes placed in time; past it, every failure is taken to matter
 PREFIXES = ("vllm:", "sglang:", "kvdrain:")
 _SAFE_LABEL = re.compile(r"[^\w.:@/-]", re.ASCII)
@@ -74,7 +75,20 @@ def sample_lines(text: str, names: frozenset[str]) -> str:
                    if (m := _SAMPLE_NAME.match(line)) is not None and m[0] in names)
 
 
+async def _parse_off_the_sends(raw: bytes, whole: bool) -> dict[str, list]:
+    """_parse(raw, whole) where it holds back the replay's sends least: on the event loop
+    when it is a plain read of a small answer (a kvdrain or vLLM scrape: well under a
+    millisecond, and a parse thread would hold the GIL against the sends as long),
+    otherwise in a thread (a big answer's filter, prometheus_client's parser)."""
+    if not whole and len(raw) <= INLINE_PARSE_BYTES:
+        samples = parse_plain_samples(sample_lines(raw.decode("utf-8", "replace"), READ_NAMES))
+        if samples is not None:
+            return samples
+    return await asyncio.to_thread(_parse, raw, whole)
+
+
 def _parse(raw: bytes, whole: bool) -> dict[str, list]:
+    """The first scrape reads every family's name; the later ones only READ_NAMES."""
     text = raw.decode("utf-8", "replace")
     if whole:
         return parse_metrics(text)
@@ -300,9 +314,7 @@ class Scraper:
                 raw = await _read_capped(response, MAX_METRICS_BYTES)
             t = time.monotonic() - self.origin
             self.max_answer_s = max(self.max_answer_s, t - send_t)
-            # Off the event loop: a slow parse must not hold back the replay's sends.
-            # the first scrape reads every family's name; the later ones only READ_NAMES
-            samples = await asyncio.to_thread(_parse, raw, self.metric is None)
+            samples = await _parse_off_the_sends(raw, self.metric is None)
             self.max_parse_s = max(self.max_parse_s, time.monotonic() - self.origin - t)
             usable = self._read(samples, send_t, t)
         except Exception as e:  # any failure is this scrape's, counted; the loop goes on

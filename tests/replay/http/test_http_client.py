@@ -375,9 +375,17 @@ def test_only_the_first_scrape_of_kvdrain_vllm_or_sglang_reaches_prometheus_clie
         calls.append(text)
         return real(text)
     monkeypatch.setattr(scrape, "text_string_to_metric_families", counted)
+    threads: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    def to_thread(f, *args):
+        threads.append(f)
+        return real_to_thread(f, *args)
+    monkeypatch.setattr(scrape.asyncio, "to_thread", to_thread)
     scraper = asyncio.run(asyncio.wait_for(_scrape_texts(texts), 30))
     assert scraper.num_failures == 0 and len(scraper.samples) >= len(texts)
     assert len(calls) == 1
+    assert len(threads) == 1  # the later reads, well under a millisecond, stay on the loop
 
 
 _NAMES = st.sampled_from(["vllm:kv_cache_usage_perc", "kvdrain:kv_blocks_used", "sglang:token_usage"])
