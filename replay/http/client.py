@@ -26,9 +26,10 @@
   D, by the names /health gives them) goes into the request record's stages, so each
   engine behind it is judged in its own idle windows (replay/verify/windows.py); an answer
   without it (any other server) leaves the stages empty and its engines judged by role;
-- every --metrics URL is scraped on a fixed grid (origin + k * interval) into the same
-  EngineSample records the other drivers produce, so replay/verify/rules.py judges the
-  idle windows from the server's own metrics;
+- every --metrics URL is scraped on a fixed grid into the same EngineSample records the
+  other drivers produce, so replay/verify/rules.py judges the idle windows from the
+  server's own metrics; the i-th of n URLs at origin + (k + i/n) * interval: spread over
+  the interval, a send waits behind one scrape's work on the event loop, never n at once;
 - before t = 0 and after the tail, every metrics URL's counters and cache config are read
   once more (replay/http/server_facts.py): the differences are each engine's steps,
   wake-ups, lease expiries and prefix-cache hits over the replay (the timeline's
@@ -457,8 +458,15 @@ class HttpReplay:
                 await asyncio.sleep(delay)
             else:  # fell behind (a slow server): skip the missed slots
                 k = int(self.now() / interval)
-            await asyncio.gather(*(s.scrape(session) for s in self.scrapers))
+            await asyncio.gather(*(self._scrape_at(session, s, (k + i / len(self.scrapers)) * interval)
+                                   for i, s in enumerate(self.scrapers)))
             self._tick()
+
+    async def _scrape_at(self, session: aiohttp.ClientSession, scraper: Scraper, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await scraper.scrape(session)
 
     def _tick(self) -> None:
         if self.on_tick is not None:

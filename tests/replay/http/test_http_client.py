@@ -456,3 +456,28 @@ def test_the_heap_alive_at_t0_is_out_of_the_collectors_sight_until_the_replay_is
     assert timeline.request("r0").error is None
     assert frozen and all(n > 0 for n in frozen)
     assert gc.get_freeze_count() == 0
+
+
+def test_n_metrics_urls_are_scraped_spread_over_the_interval_each_on_its_own_grid(monkeypatch):
+    """Started at one instant, n scrapes' aiohttp work (1-2 ms each on a 2-core machine)
+    held a send due then behind all n; the i-th of n URLs is scraped at (k + i/n) * interval."""
+    targets: dict[str, list[float]] = {}
+    real = HttpReplay._scrape_at
+
+    async def scrape_at(self, session, scraper, t):
+        targets.setdefault(scraper.source.name, []).append(t)
+        return await real(self, session, scraper, t)
+    monkeypatch.setattr(HttpReplay, "_scrape_at", scrape_at)
+    server = FakeServer(good)
+    interval, names = 0.02, ("a", "b", "c")
+
+    async def go() -> Timeline:
+        async with server.running() as url:
+            metrics = tuple(MetricsSource(f"{url}/v1/models", name) for name in names)
+            options = HttpTargetOptions(url, tail_s=0.2, scrape_interval_s=interval, metrics=metrics)
+            return await HttpReplay(options).run_async([TraceRequest(0.0, "r0", 2, 2)])
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert sorted(targets) == list(names)
+    for i, name in enumerate(names):
+        slots = [t / interval - i / len(names) for t in targets[name]]
+        assert slots and all(abs(s - round(s)) < 1e-6 and round(s) >= 1 for s in slots), (name, slots)
