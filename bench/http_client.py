@@ -62,6 +62,7 @@ class Row:
     num_completed: int = 0
     num_failed: int = 0
     error: str | None = None
+    scrapes: tuple[tuple[int, int], ...] = ()  # (scrapes, failed) per /metrics URL
 
 
 def poisson_times(rate: float, num_requests: int, seed: int) -> list[float]:
@@ -92,7 +93,8 @@ def run_kvdrain(url: str, rate: float, seed: int, args, scrapes: int = 0) -> Row
     end = max((r.end_t for r in done), default=None)
     return Row(achieved=len(done) / end if end else None, ttft_p50_ms=_ms(ttfts, 50),
                lateness_p50_ms=_ms(lateness, 50), lateness_p99_ms=_ms(lateness, 99),
-               num_completed=len(done), num_failed=len(timeline.requests) - len(done))
+               num_completed=len(done), num_failed=len(timeline.requests) - len(done),
+               scrapes=tuple((m["num_scrapes"], m["num_failures"]) for m in timeline.meta["http"]["metrics"]))
 
 
 def vllm_command(venv: Path, url: str, rate: float, seed: int, args, tokenizer: Path, out: Path) -> list[str]:
@@ -154,7 +156,9 @@ def highest_on_time(rates: list[float], kv: dict[float, Row]) -> float | None:
     return best
 
 
-def print_aims(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], scraped: Row, scrape_rate: float) -> None:
+def print_aims(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], scraped: Row, scrape_rate: float,
+               duration: float) -> None:
+    slots = round(duration / SCRAPE_INTERVAL_S)  # the replay's grid, plus one before t = 0 and one after
     best = highest_on_time(rates, kv)
     print(f"highest rate with kvdrain's p99 lateness < {LATENESS_AIM_S * 1000:g} ms: "
           f"{'none of these' if best is None else f'{best:g} req/s'}")
@@ -162,6 +166,8 @@ def print_aims(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], s
           f"lateness p50 {_f(scraped.lateness_p50_ms, '.2f')} ms, p99 {_f(scraped.lateness_p99_ms, '.2f')} ms, "
           f"{_f(scraped.achieved, '.1f')} req/s, TTFT p50 {_f(scraped.ttft_p50_ms, '.1f')} ms "
           f"(aim p99 < {LATENESS_AIM_S * 1000:g} ms: {_met(scraped.lateness_p99_ms, lambda p: p < LATENESS_AIM_S * 1000)})")
+    print(f"  scrapes per URL (of ~{slots} slots): "
+          f"{', '.join(f'{n} ({failed} failed)' for n, failed in scraped.scrapes) or 'none'}")
     pairs = [(kv[r].achieved, vl[r].achieved) for r in rates if r in vl]
     if pairs and all(k is not None and v is not None for k, v in pairs):
         print(f"aim kvdrain req/s >= vllm bench's at every rate: "
@@ -218,7 +224,7 @@ def main() -> None:
     print(f"mock runner, P/D; Poisson arrivals, {args.duration:g} s per rate, {args.prompt_len}-token "
           f"prompts, max_tokens {args.max_tokens}; one serve, the clients in turn")
     print_table(args.rates, kv, vl, vllm_note)
-    print_aims(args.rates, kv, vl, scraped, args.scrape_rate)
+    print_aims(args.rates, kv, vl, scraped, args.scrape_rate, args.duration)
     print(load.report())
 
 
