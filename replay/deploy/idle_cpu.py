@@ -1,15 +1,16 @@
 """What a launched deployment's processes burn while it has no request, and the threads that spin then, lowered. Runs in: frontend process.
 
-Measured on a 2-core host: each P/D instance's worker runs NIXL's UCX progress thread,
-which polls without pause (nixl's agent sets no delay, and vLLM's NixlConnector offers
-no way to turn the thread off): 2.0 of the 2 cores while idle. In a replay its model
-threads then got 10-30% of a core and bursts ran 19-23 s behind 16 s gaps (inconclusive);
-with those two threads at nice 19 the same row observed 4 of 4 windows (verified), and
-the pre-fix release still leaked. So on a CPU host, once every instance is ready and
-before the first request, every thread below the instances that is not its process's
-main thread and kept SPIN_SHARE of a core busy over SAMPLE_S is lowered to nice 19: it
-still runs whenever a core is free, and the models, the API servers and the replay come
-first. Figures come from /proc (utime + stime).
+Each P/D instance's worker runs NIXL's UCX progress thread, which polls without pause
+(nixl's agent sets no delay, and vLLM's NixlConnector offers no way to turn the thread
+off): on a 2-core host the two of them used 2.0 of the cores while the pair was idle, and
+shared each instance's core with its model thread in a replay (which then got 10-30% of
+it). So on a CPU host, once every instance is ready and before the first request, every
+thread below the instances that is not its process's main thread and was runnable for
+SPIN_SHARE of SAMPLE_S (/proc's schedstat: on a core or waiting for one, so a spinner
+reads about 1 however loaded the host is) is lowered to nice 19. Nice ranks threads
+within one scheduling group: each instance is its own session, hence its own autogroup
+where the kernel makes them, so the spinner then yields to its own instance's model and
+server threads, not to other processes. The cores used come from utime + stime.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 SAMPLE_S = 1.0
-SPIN_SHARE = 0.5  # of a core, while idle: a thread that polls rather than waits
+SPIN_SHARE = 0.9  # of the time runnable while idle: a thread that polls rather than waits
 LOWERED_NICE = 19
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -30,8 +31,9 @@ class IdleCpu:
     lowered: tuple[int, ...]  # the spinning threads lowered to LOWERED_NICE (thread ids)
 
 
-def thread_ticks(pids: Iterable[int]) -> dict[tuple[int, int], int]:
-    """(pid, tid) -> utime + stime, for every thread of every pid still there."""
+def thread_times(pids: Iterable[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(pid, tid) -> (utime + stime in ticks, ns runnable: on a core or waiting for one),
+    for every thread of every pid still there."""
     out = {}
     for pid in pids:
         try:
@@ -42,7 +44,9 @@ def thread_ticks(pids: Iterable[int]) -> dict[tuple[int, int], int]:
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
                     fields = f.read().decode(errors="replace").rpartition(")")[2].split()
-                out[(pid, int(tid))] = int(fields[11]) + int(fields[12])
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    on_cpu_ns, waiting_ns = f.read().split()[:2]
+                out[(pid, int(tid))] = (int(fields[11]) + int(fields[12]), int(on_cpu_ns) + int(waiting_ns))
             except (OSError, ValueError, IndexError):
                 continue
     return out
@@ -50,17 +54,18 @@ def thread_ticks(pids: Iterable[int]) -> dict[tuple[int, int], int]:
 
 def lower_spinners(pids: list[int], interval_s: float = SAMPLE_S, share: float = SPIN_SHARE) -> IdleCpu:
     """Sample `pids` over interval_s from now (they should be idle), then lower every thread
-    that is not its process's main one and kept `share` of a core busy."""
-    before, t0 = thread_ticks(pids), time.monotonic()
+    that is not its process's main one and was runnable for `share` of it."""
+    before, t0 = thread_times(pids), time.monotonic()
     time.sleep(interval_s)
-    after, elapsed = thread_ticks(pids), time.monotonic() - t0
-    used = {key: (ticks - before[key]) / TICKS_PER_S / elapsed
-            for key, ticks in after.items() if key in before}
-    lowered = []
-    for (pid, tid), cores in sorted(used.items()):
-        if tid != pid and cores >= share and _lower(tid):
+    after, elapsed = thread_times(pids), time.monotonic() - t0
+    cores, lowered = 0.0, []
+    for key in sorted(k for k in after if k in before):
+        (ticks, runnable_ns), (ticks0, runnable0_ns) = after[key], before[key]
+        cores += (ticks - ticks0) / TICKS_PER_S / elapsed
+        pid, tid = key
+        if tid != pid and (runnable_ns - runnable0_ns) / 1e9 / elapsed >= share and _lower(tid):
             lowered.append(tid)
-    return IdleCpu(cores=sum(used.values()), lowered=tuple(lowered))
+    return IdleCpu(cores=cores, lowered=tuple(lowered))
 
 
 def _lower(tid: int) -> bool:
@@ -75,9 +80,9 @@ def idle_note(idle: IdleCpu, num_cores: int) -> str:
     """One line for the launch: the figure, what was lowered, and what follows from it."""
     line = f"vllm: idle, its processes use {idle.cores:.1f} of this host's {num_cores} cores"
     if idle.lowered:
-        return line + (f"; {len(idle.lowered)} threads that spin while idle (NIXL's UCX progress "
-                       f"thread, one per P/D worker) lowered to nice {LOWERED_NICE}, so the models "
-                       f"and the replay come first")
+        return line + (f"; {len(idle.lowered)} threads that spin while idle (on P/D: NIXL's UCX "
+                       f"progress thread) lowered to nice {LOWERED_NICE}, below their own "
+                       f"instance's model and server threads")
     if idle.cores >= num_cores / 2:
         line += (": the models get what is left, so the engines may lag the trace; shape it to this"
                  " host (--speedup, --scale-tokens, as `make e2e-vllm` does) or give them cores")

@@ -12,8 +12,8 @@ start-up stop it alike (exit 130, 143).
 from __future__ import annotations
 
 import contextlib
-import os
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -74,7 +74,7 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
         config = replace(config, verify=replace(config.verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S))
         _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
                       f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
-    if not threshold_given and config.verify.idle_threshold_s < config.verify.drain_deadline_s:
+    if not threshold_given and on_cpu and config.verify.idle_threshold_s < config.verify.drain_deadline_s:
         config = replace(config, verify=replace(config.verify, idle_threshold_s=config.verify.drain_deadline_s))
         _say(console, f"idle threshold {config.verify.idle_threshold_s:g} s: a window shorter than the "
                       f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)")
@@ -86,7 +86,7 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
     with interruptible():
         deployment = VllmDeployment(options, install, run_dir)
         try:
-            return _launch_and_replay(deployment, config, outputs, display, console)
+            return _launch_and_replay(deployment, config, outputs, display, console, on_cpu)
         except VllmFault as e:
             _fault(console, e)
             return EXIT_FAULT
@@ -102,7 +102,7 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
 
 
 def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs: OutputFiles,
-                       display: Display, console) -> int:
+                       display: Display, console, on_cpu: bool) -> int:
     deployment.start()
     for swept in deployment.swept:
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in swept.stopped if p.leader)
@@ -114,7 +114,7 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs
         _say(console, f"  {spec.name}: starting... {spec.url}{side}, log {spec.log_path}")
     deployment.wait_ready(_StartupView(console, [i.spec.name for i in deployment.instances]))
     ready_s = max(s.ready_s or 0.0 for s in deployment.statuses())
-    if gpu_count() == 0:
+    if on_cpu:
         idle = lower_spinners(deployment.instance_pids())  # before the first request: idle
         _say(console, idle_note(idle, len(os.sched_getaffinity(0))))
     _say(console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}")

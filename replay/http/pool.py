@@ -5,14 +5,14 @@ vLLM's server (uvicorn) closes a keep-alive connection after VLLM_HTTP_TIMEOUT_K
 server is closing at that moment fails with "Server disconnected" before the server read
 it (measured: 4 of 32 requests of a P/D replay whose bursts were about 5 s apart). Such
 a request cannot be retried blindly (a prefill that did run leaves its KV held for a
-decode that never comes), so no connection is reused after IDLE_S: the server's close
-and the client's reuse never meet.
+decode that never comes), so no connection is reused after IDLE_S: for any server whose
+keep-alive is longer, the server's close and the client's reuse never meet.
 """
 from __future__ import annotations
 
 import aiohttp
 
-IDLE_S = 2.0  # well inside uvicorn's 5 s keep-alive, and any server's worth using
+IDLE_S = 2.0  # well inside uvicorn's 5 s keep-alive
 
 
 def connector() -> aiohttp.TCPConnector:

@@ -352,9 +352,9 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
         coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
-    short = [] if expected is None else [  # nothing modelled: no window is known to be spare
-        w for w in windows if too_short(w, options.drain_deadline_s, coverage)]
-    counted = [w for w in windows if w not in short]
+    # no coverage computed: no window is known to be spare
+    spare = [expected is not None and too_short(w, options.drain_deadline_s, coverage) for w in windows]
+    counted = [w for w, is_spare in zip(windows, spare) if not is_spare]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
     reasons += starved_reasons(timeline.meta.get("starved", ()))
     reasons += [f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
@@ -367,7 +367,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         reasons.append(LAG_ADVICE)
     return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
                    reasons=tuple(reasons), ignored=ignored, faults=faults, partial=partial,
-                   num_too_short=len(short))
+                   num_too_short=sum(spare))
 
 
 def too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:
@@ -398,7 +398,7 @@ def _partial_coverage(coverage: Sequence[WindowCoverage], windows: Sequence[Idle
         return ""
     expected = [c for c in coverage if c.state != "busy"]
     observed = sum(c.state == "observed" for c in expected)
-    if not expected or observed / len(expected) < options.min_coverage:
+    if not expected or not observed or observed / len(expected) < options.min_coverage:
         return ""
     if any(w.verdict != "drained" for w in windows):
         return ""

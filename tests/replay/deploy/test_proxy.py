@@ -200,13 +200,13 @@ def test_no_upstream_connection_is_reused_once_idle_as_long_as_a_servers_keep_al
     """vLLM's uvicorn closes an idle keep-alive connection after 5 s; a request sent on one
     it is closing fails ("Server disconnected"), so the proxy reuses none idle for
     pool.IDLE_S (shortened here), and still reuses a connection between two requests."""
-    monkeypatch.setattr(pool, "IDLE_S", 0.2)
+    monkeypatch.setattr(pool, "IDLE_S", 0.5)
 
     async def go():
         async with deployment() as (proxy, (p,), (d,)):
             for _ in range(2):
                 assert (await _post(proxy.url, CLIENT_REQUEST))[0] == 200
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(1.0)
             assert (await _post(proxy.url, CLIENT_REQUEST))[0] == 200
             for fake in (p, d):
                 assert fake.peers[0] == fake.peers[1] != fake.peers[2], fake.peers

@@ -295,9 +295,13 @@ def test_a_2p2d_deployment_puts_both_prefill_instances_and_both_decode_instances
 def test_vllm_on_the_cpu_is_judged_by_a_wider_drain_deadline_and_no_shorter_windows_unless_given(
         fake_venv, pidfile, tmp_path, given, expected, threshold):
     report = tmp_path / "report.json"
+    no_gpu = tmp_path / "bin"  # a CPU host even where nvidia-smi is installed
+    no_gpu.mkdir()
+    (no_gpu / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")
+    (no_gpu / "nvidia-smi").chmod(0o755)
     result = kvdrain("replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv", str(fake_venv), "--topology",
                      "single", "--no-live", "--speedup", "4", "--max-requests", "8", "--report", str(report),
-                     *given)
+                     *given, env={"PATH": f"{no_gpu}:{os.environ['PATH']}"})
     assert result.returncode in (0, 3), result.stdout + result.stderr  # 3: a gap shorter than 2 s
     verify = json.loads(report.read_text())["settings"]["verify"]
     assert (verify["drain_deadline_s"], verify["idle_threshold_s"]) == (expected, threshold)

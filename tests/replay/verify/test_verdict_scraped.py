@@ -472,7 +472,7 @@ def test_an_engine_window_shorter_than_the_drain_deadline_in_busy_time_is_too_sh
     assert [(w.engine, w.verdict) for w in short] == [("D0", "undecided")] and short[0].length < 2.0
     assert verdict.status == "verified" and verdict.num_too_short == 1, verdict.reasons
     assert "1 engine window shorter than the drain deadline not judged" in verdict_line(verdict.to_dict())
-    # nothing modelled: no window is known to be spare, so the same window is still a reason
+    # no coverage computed: no window is known to be spare, so the same window is still a reason
     unmodelled = verify(timeline, [], options)
     assert unmodelled.status == "inconclusive" and "undecided" in unmodelled.reasons[0]
 
@@ -492,3 +492,24 @@ def test_a_gap_is_not_credited_with_an_engine_window_that_was_not_decided():
     verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
     assert [w.verdict for w in verdict.windows if w.engine == "P" and 1.0 < w.start < 5.5] == ["undecided"]
     assert [(c.state, c.judged_on) for c in verdict.coverage if c.start == 1.0] == [("missed", ())]
+
+
+def test_min_coverage_zero_with_no_window_observed_is_no_pass():
+    """Requests every 2 s, each 2.5 s long: every gap of the trace is swallowed; D0 has only
+    moments of its own, shorter than the deadline: nothing was judged, so nothing passes."""
+    requests = [RequestRecord(req_id=f"r{i}", arrival_t=2.0 * i, send_t=2.0 * i, send_lateness_s=0.0,
+                              first_token_t=2.0 * i + 0.2, end_t=2.0 * i + 2.5, num_prompt_tokens=8,
+                              num_output_tokens=4, num_prefix_hit_tokens=0, finish_reason="length")
+                for i in range(5)]
+    samples = []
+    for i in range(110):
+        t = 0.1 * i
+        d0_idle = (t % 2.0) < 1.5 and 1.0 < t < 10.0
+        samples.append(engine_reading(t, "D0", 6 if d0_idle else 4, 0 if d0_idle else 1))
+        samples.append(engine_reading(t, "D1", 4, 1))
+    timeline = Timeline(engines=["D0", "D1"], num_usable_blocks={"D0": 100, "D1": 100}, samples=samples,
+                        requests=requests, arrivals=[r.arrival_t for r in requests], aborts=[], end_t=10.5,
+                        meta={"sampling": SAMPLING_SCRAPED, "queue_gauges": ["D0", "D1"]})
+    options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=2.0, min_coverage=0.0)
+    verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
+    assert verdict.status == "inconclusive" and not verdict.partial
