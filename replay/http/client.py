@@ -45,7 +45,6 @@ replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's st
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -361,16 +360,11 @@ class HttpReplay:
                 await scraper.scrape(session)
             self.facts_before = await self._read_facts(session)
             await self._read_versions(session)
-            frozen = freeze_heap()
             self.origin = time.monotonic() + LEAD_IN_S  # a slow probe or first scrape delays no send
             for scraper in self.scrapers:
                 scraper.rebase(self.origin)
             self._tick()
-            try:
-                await self._send_while_scraping(session, records)
-            finally:
-                if frozen:
-                    gc.unfreeze()
+            await self._send_while_scraping(session, records)
             for scraper in self.scrapers:  # a last reading, after the tail
                 await scraper.scrape(session)
             self.end_t = self.now()
@@ -617,18 +611,6 @@ class HttpReplay:
                 "num_gpu_blocks": _int_or_none(config.get("num_gpu_blocks")),
                 "connector": self.options.connector or (facts.connector if facts else None),
                 "cache_config": config}
-
-
-def freeze_heap() -> bool:
-    """Collect, then move every object alive now out of the collector's sight (gc.freeze)
-    until the replay is over: a full collection walks the whole process heap (imports,
-    the trace, aiohttp), and that held every send back (55 to 200 ms on this 2-core machine,
-    once or twice a run at 100 req/s). False where the heap was already frozen by someone else."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:

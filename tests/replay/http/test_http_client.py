@@ -437,27 +437,6 @@ def test_a_plain_line_is_read_by_the_fast_parse_and_an_escaped_one_left_to_prome
     assert parse_plain_samples(plain + 'vllm:num_requests_running{engine="a\\"b"} 1\n') is None
 
 
-def test_the_heap_alive_at_t0_is_out_of_the_collectors_sight_until_the_replay_is_over():
-    """A full collection walked the whole process heap and held every send back meanwhile
-    (55 to 200 ms at 100 req/s on a 2-core machine); frozen (gc.freeze) after the probes,
-    the collector walks only what the replay makes."""
-    import gc
-
-    frozen: list[int] = []
-    server = FakeServer(good)
-
-    async def go() -> Timeline:
-        async with server.running() as url:
-            options = HttpTargetOptions(url, tail_s=0.05, scrape_interval_s=0.02)
-            replay = HttpReplay(options, on_tick=lambda r: frozen.append(gc.get_freeze_count()))
-            return await replay.run_async([TraceRequest(0.0, "r0", 2, 2)])
-    assert gc.get_freeze_count() == 0
-    timeline = asyncio.run(asyncio.wait_for(go(), 30))
-    assert timeline.request("r0").error is None
-    assert frozen and all(n > 0 for n in frozen)
-    assert gc.get_freeze_count() == 0
-
-
 def test_n_metrics_urls_are_scraped_spread_over_the_interval_each_on_its_own_grid(monkeypatch):
     """Started at one instant, n scrapes' aiohttp work (1-2 ms each on a 2-core machine)
     held a send due then behind all n; the i-th of n URLs is scraped at (k + i/n) * interval."""
