@@ -70,16 +70,8 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
         _say(console, f"[red]error:[/] {e}")
         return EXIT_USAGE
     on_cpu = gpu_count() == 0
-    if not deadline_given and on_cpu and config.verify.drain_deadline_s < CPU_DRAIN_DEADLINE_S:
-        config = replace(config, verify=replace(config.verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S))
-        _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
-                      f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
-    if not threshold_given and on_cpu and config.verify.idle_threshold_s < config.verify.drain_deadline_s:
-        config = replace(config, verify=replace(config.verify, idle_threshold_s=config.verify.drain_deadline_s))
-        _say(console, f"idle threshold {config.verify.idle_threshold_s:g} s: a window shorter than the "
-                      f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)")
-    if on_cpu and config.http.scrape_timeout_s < CPU_SCRAPE_TIMEOUT_S:
-        config = replace(config, http=replace(config.http, scrape_timeout_s=CPU_SCRAPE_TIMEOUT_S))
+    if on_cpu:
+        config = _cpu_config(config, console, deadline_given, threshold_given)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
     _say(console, f"vLLM {install.version} ({options.venv}), topology {options.topology}; "
                   f"logs in {run_dir}")
@@ -99,6 +91,22 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
             _say(console, f"vllm: stopped every process started ({len(deployment.processes())} "
                           f"and their children); logs: "
                           f"{', '.join(map(str, deployment.log_paths))}")
+
+
+def _cpu_config(config: ReplayConfig, console, deadline_given: bool, threshold_given: bool) -> ReplayConfig:
+    """What judging vLLM on a CPU host takes: a wider drain deadline and scrape timeout, and
+    no idle window shorter than the deadline (the options the user gave stay theirs)."""
+    verify = config.verify
+    if not deadline_given and verify.drain_deadline_s < CPU_DRAIN_DEADLINE_S:
+        verify = replace(verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S)
+        _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
+                      f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
+    if not threshold_given and verify.idle_threshold_s < verify.drain_deadline_s:
+        verify = replace(verify, idle_threshold_s=verify.drain_deadline_s)
+        _say(console, f"idle threshold {verify.idle_threshold_s:g} s: a window shorter than the "
+                      f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)")
+    http = replace(config.http, scrape_timeout_s=max(config.http.scrape_timeout_s, CPU_SCRAPE_TIMEOUT_S))
+    return replace(config, verify=verify, http=http)
 
 
 def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs: OutputFiles,
