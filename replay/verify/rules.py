@@ -18,8 +18,8 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   readings taken for sure after the deadline and before the window ended are evidence:
   one that saw blocks held is a leak; all zero is "drained" only if the drain is
   proven by the deadline (time_to_drain, from the answer of the first zero reading
-  after the last that saw blocks, is an upper bound: never under-reported); otherwise (no evidence, evidence too late, a drain not
-  proven in time) "undecided".
+  after the last that saw blocks, is an upper bound: never under-reported); otherwise
+  (no evidence, evidence too late, a drain not proven in time) "undecided".
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks. A recorded
   idle state (queues all empty, as `serve --record` writes them: settled, see
