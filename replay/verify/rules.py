@@ -115,7 +115,9 @@ class Verdict:
     # dicts: t, engine, kind, cause, end_t), first seen first.
     faults: tuple[dict, ...] = ()
     partial: str = ""  # a pass on partial coverage (--min-coverage): what was and was not observed
-    num_too_short: int = 0  # undecided windows shorter than the drain deadline, not judged (too_short)
+    # Per window (windows' order): undecided, shorter than the drain deadline and over no
+    # observed candidate gap, so not judged (too_short); empty: none is known to be.
+    too_short: tuple[bool, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -134,6 +136,10 @@ class Verdict:
     def exit_code(self) -> int:
         return exit_code_for(self.status)
 
+    @property
+    def num_too_short(self) -> int:
+        return sum(self.too_short)
+
     def num_covered(self) -> tuple[int, int]:
         """(observed, expected) idle windows, the tail included."""
         expected = [c for c in self.coverage if c.state != "busy"]
@@ -146,7 +152,8 @@ class Verdict:
                 "num_expected_windows": expected, "num_observed_windows": observed,
                 "coverage": [asdict(c) for c in self.coverage],
                 "ignored": dict(self.ignored or {}),
-                "windows": [dict(asdict(w), length=w.length) for w in self.windows],
+                "windows": [dict(asdict(w), length=w.length, too_short=short)
+                            for w, short in zip(self.windows, self.too_short or [False] * len(self.windows))],
                 "violations": [asdict(v) for v in self.violations],
                 "faults": [dict(f) for f in self.faults],
                 "num_too_short_windows": self.num_too_short,
@@ -366,7 +373,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         reasons.append(LAG_ADVICE)
     return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
                    reasons=tuple(reasons), ignored=ignored, faults=faults, partial=partial,
-                   num_too_short=sum(spare))
+                   too_short=tuple(spare))
 
 
 def too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:

@@ -471,7 +471,9 @@ def test_an_engine_window_shorter_than_the_drain_deadline_in_busy_time_is_too_sh
     short = [w for w in verdict.windows if not w.is_tail]
     assert [(w.engine, w.verdict) for w in short] == [("D0", "undecided")] and short[0].length < 2.0
     assert verdict.status == "verified" and verdict.num_too_short == 1, verdict.reasons
-    assert "1 engine window shorter than the drain deadline not judged" in verdict_line(verdict.to_dict())
+    report = verdict.to_dict()
+    assert "1 engine window shorter than the drain deadline not judged" in verdict_line(report)
+    assert [(w["engine"], w["too_short"]) for w in report["windows"]] == [("D0", True), ("D0", False), ("D1", False)]
     # no coverage computed: no window is known to be spare, so the same window is still a reason
     unmodelled = verify(timeline, [], options)
     assert unmodelled.status == "inconclusive" and "undecided" in unmodelled.reasons[0]
