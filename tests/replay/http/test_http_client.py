@@ -52,6 +52,7 @@ class FakeServer:
         self.vocab_size = vocab_size
         self.num_posts = 0
         self.num_tokenizes = 0
+        self.peers: set[tuple] = set()  # the client ends of the connections POSTs came on
         self.release = asyncio.Event()
         self.route = lambda body: None  # the ROUTE_HEADER a body is answered with (None: none)
 
@@ -70,6 +71,7 @@ class FakeServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.num_posts += 1
+        self.peers.add(request.transport.get_extra_info("peername"))
         body = await request.json()
         chunks, route = self.answer(body), self.route(body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -348,6 +350,44 @@ def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
     assert (record.error, record.finish_reason, record.num_output_tokens, record.output_digest) == \
         (None, "length", 2, expected.output_digest)
     assert len(record.itls) == 1
+
+
+def test_requests_one_after_another_reuse_one_connection():
+    trace = [TraceRequest(0.05 * i, f"r{i}", 2, 2) for i in range(8)]
+    timeline, server = replay(good, trace)
+    assert [r.error for r in timeline.requests] == [None] * 8
+    assert server.num_posts == 8 and len(server.peers) == 1
+
+
+def test_the_heap_alive_at_t0_is_frozen_without_a_collection_until_the_sending_is_over(monkeypatch):
+    """A full collection walks the whole heap and holds every send back meanwhile; frozen
+    after the probes, the collector walks only what the replay makes. The freeze runs no
+    collection: one would run every pending finalizer of the process on the replay's loop,
+    synchronously, where a blocking one stops the replay and no asyncio timeout can fire."""
+    import gc
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        pytest.skip("the heap is already frozen, or the collector off, in this process")
+
+    def collect(*args):
+        raise AssertionError("gc.collect() called on the replay's loop")
+    monkeypatch.setattr(gc, "collect", collect)
+    frozen: list[int] = []
+    server = FakeServer(good)
+
+    async def go() -> Timeline:
+        async with server.running() as url:
+            options = HttpTargetOptions(url, tail_s=0.05, scrape_interval_s=0.02)
+            replay = HttpReplay(options, on_tick=lambda r: frozen.append(gc.get_freeze_count()))
+            return await replay.run_async([TraceRequest(0.0, "r0", 2, 2)])
+    try:
+        timeline = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        after = gc.get_freeze_count()
+        gc.unfreeze()
+    assert timeline.request("r0").error is None
+    assert len(frozen) >= 2 and frozen[0] == 0 and all(n > 0 for n in frozen[1:])
+    assert after == 0
 
 
 def test_a_stream_line_past_the_cap_is_that_requests_error():
