@@ -22,7 +22,9 @@ import multiprocessing
 import os
 import signal
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -68,7 +70,7 @@ class ConnectorWorkerProc:
         self.agent = self._bind(zmq.PAIR, config.agent_addr, hwm=0)
         self.peers = self._bind(zmq.ROUTER, config.kv_addr)
         self.puller = Puller(self.ctx, config.transport)
-        self.puller.on_slow_reply = self._send_held  # a slow peer holds back no one's news
+        self.puller.on_slow_reply = _weak_call(self._send_held)  # a slow peer holds back no one's news
         self.held: deque[tuple[str, ReadDone | ReadAbandoned]] = deque()  # (P's address, its news)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
@@ -297,14 +299,32 @@ class ConnectorWorkerProc:
         send_blocks(self.peers, reply.reply_to, reply.req_id, self.kv_cache, reply.block_ids)
 
     def close(self) -> None:
+        """Send what is held, close every socket, end the Context; whatever raises on the
+        way (a second signal), the sockets close and the Context ends."""
         try:
             self._send_held()  # a signal ended a batch while its news was going out
         except zmq.ZMQError:
             pass
-        self.puller.close()  # lingers a moment: that news still leaves
-        self.agent.close(linger=0)
-        self.peers.close(linger=0)
-        self.ctx.term()
+        finally:
+            try:
+                self.puller.close()  # lingers a moment: that news still leaves
+            finally:
+                self.agent.close(linger=0)
+                self.peers.close(linger=0)
+                self.ctx.destroy(linger=0)  # term(), after closing any socket still open
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """method, called through a weak reference to its object: a hook that the object's
+    own Puller holds makes no reference cycle (in one, the collector would finalize the
+    Context before its sockets, and pyzmq's term() would wait for them forever)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+    return call
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -509,10 +509,12 @@ def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
     monkeypatch.setattr(proc.puller, "link", lambda addr: Link())
     news = [("ipc://p1", ReadDone("p-a")), ("ipc://p1", ReadAbandoned("p-b")), ("ipc://p2", ReadDone("p-c"))]
     proc.held.extend(news)
-    with pytest.raises(SystemExit):
-        proc._send_held()
-    assert list(proc.held) == news and sent == []
-    proc.close()
+    try:
+        with pytest.raises(SystemExit):
+            proc._send_held()
+        assert list(proc.held) == news and sent == []
+    finally:
+        proc.close()
     assert sent == [msg for _, msg in news] and not proc.held
 
 
@@ -530,3 +532,29 @@ def test_a_second_sigterm_finds_the_worker_already_leaving():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_worker_dropped_without_close_leaves_no_context_for_the_collector(tmp_path):
+    """Dropped unclosed (a failed test, an error before close()), the worker's sockets go
+    by reference counting before its Context. In a reference cycle the collector would
+    finalize them together: pyzmq's Context.__del__ finds its weak set of sockets already
+    cleared and term() waits for them forever, on whichever thread collected (a replay's
+    event loop, in one CI run). A fresh process, bounded: the hang must not be this one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import gc, weakref
+        from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
+        gc.disable()
+        proc = ConnectorWorkerProc(ConnectorWorkerConfig(
+            engine_id="D", agent_addr="ipc://{tmp_path}/agent", kv_addr="ipc://{tmp_path}/kv"))
+        proc.puller.link("ipc://{tmp_path}/peer")  # a link's socket open too
+        ctx = weakref.ref(proc.ctx)
+        del proc
+        assert ctx() is None, "the worker's Context outlived it: it is in a reference cycle"
+        gc.collect()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
