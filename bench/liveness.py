@@ -340,8 +340,8 @@ def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]
           "(the least event/poll could be here with one report per free)")
     print(f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
           f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
-          f"left for the main thread at 0.05: {1e6 * (0.05 * poll / NUM_REQUESTS - event_io):.0f} us per free, "
-          f"where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us")
+          f"left for the main thread within the aim (1.25 x floor): {1e6 * (1.25 * floor - event_io):.0f} us "
+          f"per free, where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us")
     print(f"event's P per free / zmq floor: {event / floor:.2f}x (aim <= 1.25)")
 
 

@@ -152,8 +152,8 @@ class Verdict:
                 "num_expected_windows": expected, "num_observed_windows": observed,
                 "coverage": [asdict(c) for c in self.coverage],
                 "ignored": dict(self.ignored or {}),
-                "windows": [dict(asdict(w), length=w.length, too_short=short)
-                            for w, short in zip(self.windows, self.too_short or [False] * len(self.windows))],
+                "windows": [dict(asdict(w), length=w.length, too_short=short) for w, short
+                            in zip(self.windows, self.too_short or [False] * len(self.windows), strict=True)],
                 "violations": [asdict(v) for v in self.violations],
                 "faults": [dict(f) for f in self.faults],
                 "num_too_short_windows": self.num_too_short,
