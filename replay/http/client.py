@@ -455,10 +455,11 @@ class HttpReplay:
         while True:
             k += 1
             delay = k * interval - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            else:  # fell behind (a slow server): skip the missed slots
+            if delay <= 0:  # fell behind (a slow server, a slow on_tick): skip the missed slots
                 k = int(self.now() / interval)
+            # Yields even when behind: with nothing to scrape the gather below does not,
+            # and a loop that never yields starves every send (and every timeout).
+            await asyncio.sleep(max(0.0, delay))
             await asyncio.gather(*(self._scrape_at(session, s, (k + i / len(self.scrapers)) * interval)
                                    for i, s in enumerate(self.scrapers)))
             self._tick()

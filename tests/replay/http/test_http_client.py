@@ -359,6 +359,29 @@ def test_requests_one_after_another_reuse_one_connection():
     assert server.num_posts == 8 and len(server.peers) == 1
 
 
+def test_a_tick_slower_than_the_scrape_interval_starves_no_send():
+    """No /metrics to scrape and an on_tick (the live view) slower than the interval: the
+    scrape loop is behind at every slot, and still yields to the loop each time. It did
+    not once: the sending never ran and no asyncio timeout could fire (a full CI run, where
+    a test's tick walked a large frozen heap)."""
+    import time as clock
+
+    ticks: list[float] = []
+
+    def slow_tick(replay: HttpReplay) -> None:
+        clock.sleep(0.03)  # > scrape_interval_s
+        ticks.append(replay.now())
+        assert len(ticks) < 200, "the scrape loop ran 200 ticks and the one request never finished"
+    server = FakeServer(good)
+
+    async def go() -> Timeline:
+        async with server.running() as url:
+            options = HttpTargetOptions(url, tail_s=0.05, scrape_interval_s=0.02)
+            return await HttpReplay(options, on_tick=slow_tick).run_async([TraceRequest(0.0, "r0", 2, 2)])
+    timeline = asyncio.run(asyncio.wait_for(go(), 30))
+    assert timeline.request("r0").error is None and server.num_posts == 1
+
+
 def test_the_heap_alive_at_t0_is_frozen_without_a_collection_until_the_sending_is_over(monkeypatch):
     """A full collection walks the whole heap and holds every send back meanwhile; frozen
     after the probes, the collector walks only what the replay makes. The freeze runs no
