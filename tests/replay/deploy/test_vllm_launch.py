@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmVenvError, check_venv,
-                                       core_sets, instance_env, stop_all)
+from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmInstall, VllmVenvError,
+                                       check_venv, core_sets, cpu_flags, instance_env, plan_instances,
+                                       stop_all)
 from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, write_tiny_model
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import RECORD_FILE, RUN_PREFIX, read_record
@@ -98,6 +99,23 @@ def test_each_instance_gets_its_own_cores_and_side_channel_and_no_pythonpath():
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["UCX_NET_DEVICES"] == "lo" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert instance_env({}, 5602, [0], 1, ())["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_the_tiny_model_is_float16_on_a_cpu_host_with_amx_and_bfloat16_elsewhere(tmp_path):
+    """vllm-cpu's AMX attention for bfloat16 died of SIGILL in D's first step after a NIXL
+    load; a user's own --dtype (options.args, after the tiny model's) still wins."""
+    install = VllmInstall(venv=tmp_path, vllm=tmp_path / "vllm", python=tmp_path / "python", version="0.32.0")
+
+    def dtypes(num_gpus: int, flags: set[str], args: tuple[str, ...] = ()) -> list[list[str]]:
+        specs = plan_instances(VllmOptions(args=args), install, "m", tmp_path, {}, [0, 1], num_gpus, flags)
+        return [[a for i, a in enumerate(s.argv) if s.argv[i - 1] == "--dtype"] for s in specs]
+    assert dtypes(0, {"avx512f", "amx_bf16", "amx_tile"}) == [["float16"], ["float16"]]
+    assert dtypes(0, {"avx512f", "avx512_bf16"}) == [["bfloat16"], ["bfloat16"]]
+    assert dtypes(1, {"amx_tile"}) == [["bfloat16"], ["bfloat16"]]  # a GPU host: CUDA kernels
+    assert dtypes(0, {"amx_tile"}, ("--dtype", "bfloat16")) == [["float16", "bfloat16"]] * 2
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n")
+    assert cpu_flags(str(tmp_path / "cpuinfo")) == {"fpu", "avx2", "amx_tile"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
 
 
 def test_a_venv_without_vllm_is_refused_with_how_to_make_one(tmp_path):
