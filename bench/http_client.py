@@ -200,7 +200,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    venv = args.vllm_venv if (args.vllm_venv / "bin" / "vllm").exists() else None
+    venv = args.vllm_venv.resolve() if (args.vllm_venv / "bin" / "vllm").exists() else None  # runs in a tmp dir
     vllm_note = None if venv else f"not run: no {args.vllm_venv / 'bin' / 'vllm'} (give --vllm-venv)"
     load = OtherLoad()
     kv: dict[float, Row] = {}
