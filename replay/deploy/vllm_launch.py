@@ -196,6 +196,22 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+SIGILL_MARKS = ("(exit code: -4)", "Fatal Python error: Illegal instruction")
+
+
+def sigill_hint(log_path: Path) -> str:
+    """What to try, where the log says a process of the instance died of SIGILL: on a CPU
+    with AMX, vLLM's bfloat16 attention did (tiny_dtype); a real model's dtype is the user's."""
+    try:
+        with open(log_path, errors="replace") as f:
+            if not any(mark in line for line in f for mark in SIGILL_MARKS):
+                return ""
+    except OSError:
+        return ""
+    amx = " (this CPU has AMX: vLLM's bfloat16 attention took its AMX path)" if "amx_tile" in cpu_flags() else ""
+    return f"; a process of it died of SIGILL (illegal instruction){amx}: try --vllm-arg=--dtype=float16"
+
+
 def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_dir: Path,
                    base_env: dict[str, str], cores: list[int], num_gpus: int,
                    flags: set[str] | None = None) -> list[InstanceSpec]:
@@ -394,7 +410,8 @@ class Instance:
 
     def fault(self) -> VllmFault | None:
         if self.status.state == "exited":
-            reason = f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
+            reason = (f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
+                      f"{sigill_hint(self.spec.log_path)}")
         elif self.status.state == "timed out":
             reason = f"vllm serve was not healthy within {self.status.since_s:.0f} s"
         else:
@@ -535,8 +552,8 @@ class VllmDeployment:
         for p in [i.process for i in self.instances] + ([self.proxy] if self.proxy else []):
             code = p.exit_code()
             if code is not None:
-                return VllmFault(p.name, f"exited with status {code} during the replay", p.log_path,
-                                 last_lines(p.log_path))
+                reason = f"exited with status {code} during the replay{sigill_hint(p.log_path)}"
+                return VllmFault(p.name, reason, p.log_path, last_lines(p.log_path))
         return None
 
     @property

@@ -13,7 +13,7 @@ import pytest
 
 from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmInstall, VllmVenvError,
                                        check_venv, core_sets, cpu_flags, instance_env, plan_instances,
-                                       stop_all)
+                                       sigill_hint, stop_all)
 from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, write_tiny_model
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import RECORD_FILE, RUN_PREFIX, read_record
@@ -116,6 +116,16 @@ def test_the_tiny_model_is_float16_on_a_cpu_host_with_amx_and_bfloat16_elsewhere
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n")
     assert cpu_flags(str(tmp_path / "cpuinfo")) == {"fpu", "avx2", "amx_tile"}
     assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_an_instance_whose_worker_died_of_sigill_is_a_fault_suggesting_float16(tmp_path):
+    log = tmp_path / "D.log"
+    log.write_text("(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+                   "unexpectedly (exit code: -4), shutting down executor.\n" + "later lines\n" * 50)
+    hint = sigill_hint(log)
+    assert hint.startswith("; a process of it died of SIGILL") and hint.endswith("try --vllm-arg=--dtype=float16")
+    log.write_text("Worker proc VllmWorker-0 died unexpectedly (exit code: -9)\n")
+    assert sigill_hint(log) == "" == sigill_hint(tmp_path / "missing.log")
 
 
 def test_a_venv_without_vllm_is_refused_with_how_to_make_one(tmp_path):
