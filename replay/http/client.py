@@ -394,9 +394,9 @@ class HttpReplay:
     async def _send_all(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
         for record in records:
             if isinstance(record, (TraceRequest, TraceAbort)):
-                delay = record.t - self.now()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                # Yields even when late: a burst behind schedule holds back no scrape,
+                # no request's I/O and no timeout until it is all started.
+                await asyncio.sleep(max(0.0, record.t - self.now()))
             if isinstance(record, TraceRequest):
                 self._start(session, record)
             elif isinstance(record, TraceAbort):

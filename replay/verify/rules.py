@@ -359,7 +359,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         coverage += cover_engine_windows(expected_engine, run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     # no coverage computed: no window is known to be spare
-    spare = [expected is not None and too_short(w, options.drain_deadline_s, coverage) for w in windows]
+    spare = [expected is not None and is_too_short(w, options.drain_deadline_s, coverage) for w in windows]
     counted = [w for w, is_spare in zip(windows, spare) if not is_spare]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
     reasons += starved_reasons(timeline.meta.get("starved", ()))
@@ -376,7 +376,7 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
                    too_short=tuple(spare))
 
 
-def too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:
+def is_too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:
     """An undecided window shorter than the drain deadline that overlaps no observed candidate
     gap: no drain can be proven or disproven in it (blocks may still be freed in time after it
     ends), and no window the verdict claims rests on it, so it makes the run neither a

@@ -15,6 +15,7 @@ from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS
 from connector.transfer import TransferError
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
 from tests.mp_utils import spawned_p_worker
+from tests.paths import ROOT
 
 LEASE = 9_000  # ns: small numbers read better; the ledger only adds and compares
 
@@ -538,8 +539,8 @@ def test_a_worker_dropped_without_close_leaves_no_context_for_the_collector(tmp_
     """Dropped unclosed (a failed test, an error before close()), the worker's sockets go
     by reference counting before its Context. In a reference cycle the collector would
     finalize them together: pyzmq's Context.__del__ finds its weak set of sockets already
-    cleared and term() waits for them forever, on whichever thread collected (a replay's
-    event loop, in one CI run). A fresh process, bounded: the hang must not be this one."""
+    cleared and term() waits for them forever, on whichever thread collected. A fresh
+    process, bounded: the hang must not be this one."""
     import subprocess
     import sys
     import textwrap
@@ -556,5 +557,19 @@ def test_a_worker_dropped_without_close_leaves_no_context_for_the_collector(tmp_
         assert ctx() is None, "the worker's Context outlived it: it is in a reference cycle"
         gc.collect()
     """)
-    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_close_cut_by_a_signal_still_closes_every_socket_and_the_context(tmp_path):
+    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
+                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    link = proc.puller.link(f"ipc://{tmp_path}/peer")
+
+    def signalled() -> None:
+        raise SystemExit(0)
+    proc._send_held = signalled
+    with pytest.raises(SystemExit):
+        proc.close()
+    assert proc.agent.closed and proc.peers.closed and link.socket.closed and proc.ctx.closed
