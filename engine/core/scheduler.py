@@ -426,12 +426,11 @@ class Scheduler:
         out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
         bs, preempted = self.block_size, RequestStatus.PREEMPTED
         any_finished = False
-        req_ids = sched_out.req_ids
-        # The lookups run in C, lazily, one request at a time (as the slow loop's).
-        for req_id, request, token in zip(req_ids, map(requests.get, req_ids),
-                                          map(sampled_token_ids.get, req_ids)):
+        for req_id in sched_out.req_ids:
+            request = requests.get(req_id)
             if request is None or request.status > preempted:
                 continue  # aborted while the step ran
+            token = sampled_token_ids.get(req_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             # request.append_output_token_ids(token), inline:
