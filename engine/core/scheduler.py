@@ -6,7 +6,6 @@ num_computed_tokens reaches num_tokens, so chunked prefill needs no special case
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice, repeat
 
 from engine.core.block_hash import hash_request_blocks
 from engine.config import EngineConfig
@@ -231,7 +230,7 @@ class Scheduler:
         num_computed_tokens, token_ids = out.num_computed_tokens, out.token_ids
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
         num_before = len(req_ids)
-        for request in islice(self.running, req_index, req_index + budget):
+        for request in self.running[req_index:req_index + budget]:
             num_computed = request.num_computed_tokens
             if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
                 break
@@ -250,7 +249,7 @@ class Scheduler:
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
         num_decodes = len(req_ids) - num_before
-        out.num_scheduled_tokens.extend(repeat(1, num_decodes))
+        out.num_scheduled_tokens += [1] * num_decodes
         out.total_num_scheduled_tokens += num_decodes
         return num_decodes
 
