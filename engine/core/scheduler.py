@@ -232,8 +232,10 @@ class Scheduler:
         bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
         num_computed_tokens, token_ids = out.num_computed_tokens, out.token_ids
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
-        num_before = len(req_ids)
-        for request in self.running[req_index:req_index + budget]:
+        num_before, running = len(req_ids), self.running
+        if req_index or budget < len(running):  # else no copy: it walks every request twice
+            running = running[req_index:req_index + budget]
+        for request in running:
             num_computed = request.num_computed_tokens
             if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
                 break
