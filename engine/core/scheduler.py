@@ -276,7 +276,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted_req_ids.add(request.req_id)
+        out.add_preempted(request.req_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """vLLM's admission loop: requests holding KV blocks first, then `waiting`, in order.
