@@ -441,9 +441,11 @@ class Scheduler:
             request.num_tokens = num_tokens = request.num_tokens + 1
             if num_tokens % bs == 0:
                 hash_request_blocks(request.all_token_ids, bs, request.block_hashes)
-            # check_stop's conditions: if one holds, check_stop decides.
-            if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
-                    or num_tokens - request.num_prompt_tokens >= request.max_tokens):
+            # check_stop's conditions: if one holds, check_stop decides. (An int compared
+            # with a None eos takes CPython's slow path, both sides' __eq__: hence `is`.)
+            eos = request.eos_token_id
+            if ((eos is not None and token == eos) or token in request.stop_token_ids
+                    or num_tokens >= max_len or num_tokens - request.num_prompt_tokens >= request.max_tokens):
                 outputs.append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue
