@@ -192,7 +192,7 @@ class Scheduler:
         # Most decode steps find both queues empty and make no call.
         if (self.skipped_waiting or self.waiting) and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
-        if self.finished_req_ids:  # else out's own empty set
+        if self.finished_req_ids:  # else out keeps NO_REQ_IDS
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
