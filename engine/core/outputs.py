@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 _new_object = object.__new__  # an instance without __init__ (SchedulerOutput.empty)
+# The id sets of SchedulerOutput.empty() until a first id: one immutable empty set for
+# every output (most steps add none to most of them; a set costs ~600 instructions to
+# make and free), so a consumer that tries to add to it fails instead of reaching others.
+NO_REQ_IDS: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -42,16 +46,16 @@ class SchedulerOutput:
     # request in `new_req_ids` the table starts over from these (first schedule, or
     # resumed after preemption).
     new_block_ids: dict[str, list[int]]
-    new_req_ids: set[str]
+    new_req_ids: set[str] | frozenset[str]  # the id sets: NO_REQ_IDS while empty (empty())
     # The prompt of each request in new_req_ids (vLLM's NewRequestData.prompt_token_ids),
     # by reference; empty when built from records.
     prompt_token_ids: dict[str, list[int]]
     # Chunks that end before their request's known tokens do: nothing to sample.
-    partial_req_ids: set[str]
+    partial_req_ids: set[str] | frozenset[str]
     total_num_scheduled_tokens: int
     # Finished since the previous schedule(): the connector's agent drops their state.
-    finished_req_ids: set[str]
-    preempted_req_ids: set[str]
+    finished_req_ids: set[str] | frozenset[str]
+    preempted_req_ids: set[str] | frozenset[str]
     kv_connector_metadata: object | None
 
     def __init__(self, scheduled: Iterable[ScheduledRequest] = (), total_num_scheduled_tokens: int = 0,
@@ -70,7 +74,8 @@ class SchedulerOutput:
     @classmethod
     def empty(cls) -> SchedulerOutput:
         """SchedulerOutput() for the scheduler's step: the same empty columns, every slot
-        stored once, without __init__'s arguments (a cost paid on every step)."""
+        stored once, without __init__'s arguments (a cost paid on every step); its id
+        sets are NO_REQ_IDS until add(), add_preempted() or an assignment fills them."""
         out = _new_object(cls)
         out.req_ids = []
         out.num_computed_tokens = []
@@ -78,11 +83,11 @@ class SchedulerOutput:
         out.token_ids = []
         out.new_block_ids = {}
         out.prompt_token_ids = {}
-        out.new_req_ids = set()
-        out.partial_req_ids = set()
+        out.new_req_ids = NO_REQ_IDS
+        out.partial_req_ids = NO_REQ_IDS
         out.total_num_scheduled_tokens = 0
-        out.finished_req_ids = set()
-        out.preempted_req_ids = set()
+        out.finished_req_ids = NO_REQ_IDS
+        out.preempted_req_ids = NO_REQ_IDS
         out.kv_connector_metadata = None
         return out
 
@@ -96,9 +101,18 @@ class SchedulerOutput:
         if sched_req.new_block_ids or sched_req.is_new:
             self.new_block_ids[req_id] = sched_req.new_block_ids
         if sched_req.is_new:
+            if self.new_req_ids is NO_REQ_IDS:
+                self.new_req_ids = set()
             self.new_req_ids.add(req_id)
         if not sched_req.sample:
+            if self.partial_req_ids is NO_REQ_IDS:
+                self.partial_req_ids = set()
             self.partial_req_ids.add(req_id)
+
+    def add_preempted(self, req_id: str) -> None:
+        if self.preempted_req_ids is NO_REQ_IDS:
+            self.preempted_req_ids = set()
+        self.preempted_req_ids.add(req_id)
 
     @property
     def scheduled(self) -> tuple[ScheduledRequest, ...]:

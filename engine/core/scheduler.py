@@ -6,7 +6,6 @@ num_computed_tokens reaches num_tokens, so chunked prefill needs no special case
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice, repeat
 
 from engine.core.block_hash import hash_request_blocks
 from engine.config import EngineConfig
@@ -22,6 +21,9 @@ __all__ = ["Scheduler"]
 
 # No request's KV failed this step (update_from_output): shared, never mutated.
 _NO_IDS: frozenset[str] = frozenset()
+# Statuses above it are finished. A plain name: on Python 3.11 each read of an Enum
+# class attribute goes through its metaclass's __getattr__ hook (~850 instructions).
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
@@ -190,7 +192,7 @@ class Scheduler:
         # Most decode steps find both queues empty and make no call.
         if (self.skipped_waiting or self.waiting) and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
-        if self.finished_req_ids:  # else out's own empty set
+        if self.finished_req_ids:  # else out keeps NO_REQ_IDS
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -230,8 +232,10 @@ class Scheduler:
         bs, kv, req_ids = self.block_size, self.kv_cache_manager, out.req_ids
         num_computed_tokens, token_ids = out.num_computed_tokens, out.token_ids
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
-        num_before = len(req_ids)
-        for request in islice(self.running, req_index, req_index + budget):
+        num_before, running = len(req_ids), self.running
+        if req_index or budget < len(running):  # else no copy: it walks every request twice
+            running = running[req_index:req_index + budget]
+        for request in running:
             num_computed = request.num_computed_tokens
             if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
                 break
@@ -250,7 +254,7 @@ class Scheduler:
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
         num_decodes = len(req_ids) - num_before
-        out.num_scheduled_tokens.extend(repeat(1, num_decodes))
+        out.num_scheduled_tokens += [1] * num_decodes
         out.total_num_scheduled_tokens += num_decodes
         return num_decodes
 
@@ -272,7 +276,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted_req_ids.add(request.req_id)
+        out.add_preempted(request.req_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """vLLM's admission loop: requests holding KV blocks first, then `waiting`, in order.
@@ -399,8 +403,7 @@ class Scheduler:
         return outputs
 
     def _remove_finished(self) -> None:
-        preempted = RequestStatus.PREEMPTED
-        self.running = [r for r in self.running if r.status <= preempted]  # r.is_finished(), inline
+        self.running = [r for r in self.running if r.status <= _PREEMPTED]  # r.is_finished(), inline
 
     def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
                           failed_ids: set[str], outputs: StepOutputs) -> bool:
@@ -424,14 +427,13 @@ class Scheduler:
         """
         requests, max_len = self.requests, self.config.max_model_len
         out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
-        bs, preempted = self.block_size, RequestStatus.PREEMPTED
+        bs = self.block_size
         any_finished = False
-        req_ids = sched_out.req_ids
-        # The lookups run in C, lazily, one request at a time (as the slow loop's).
-        for req_id, request, token in zip(req_ids, map(requests.get, req_ids),
-                                          map(sampled_token_ids.get, req_ids)):
-            if request is None or request.status > preempted:
+        for req_id in sched_out.req_ids:
+            request = requests.get(req_id)
+            if request is None or request.status > _PREEMPTED:
                 continue  # aborted while the step ran
+            token = sampled_token_ids.get(req_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             # request.append_output_token_ids(token), inline:
@@ -439,9 +441,11 @@ class Scheduler:
             request.num_tokens = num_tokens = request.num_tokens + 1
             if num_tokens % bs == 0:
                 hash_request_blocks(request.all_token_ids, bs, request.block_hashes)
-            # check_stop's conditions: if one holds, check_stop decides.
-            if (token == request.eos_token_id or token in request.stop_token_ids or num_tokens >= max_len
-                    or num_tokens - request.num_prompt_tokens >= request.max_tokens):
+            # check_stop's conditions: if one holds, check_stop decides. (An int compared
+            # with a None eos takes CPython's slow path, both sides' __eq__: hence `is`.)
+            eos = request.eos_token_id
+            if ((eos is not None and token == eos) or token in request.stop_token_ids
+                    or num_tokens >= max_len or num_tokens - request.num_prompt_tokens >= request.max_tokens):
                 outputs.append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue

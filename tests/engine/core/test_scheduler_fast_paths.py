@@ -17,7 +17,7 @@ import pytest
 
 from engine.core.block_hash import NONE_HASH, hash_block_tokens
 from engine.runner.mock_runner import MockModelRunner
-from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.core.outputs import NO_REQ_IDS, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from tests.engine.core.test_random_workload import FakeWorld, make_random_request
@@ -184,11 +184,23 @@ def test_scheduler_output_columns_round_trip_records():
 def test_an_empty_scheduler_output_is_the_constructor_s_with_its_own_containers():
     fast, slow = SchedulerOutput.empty(), SchedulerOutput()
     assert fast == slow and type(fast) is SchedulerOutput
-    for slot in SchedulerOutput.__slots__:  # every slot set, none shared with another output
+    for slot in SchedulerOutput.__slots__:  # every slot set; none mutable shared with another output
         value = getattr(fast, slot)
         assert value == getattr(slow, slot)
-        if value is not None and not isinstance(value, int):
+        if value is NO_REQ_IDS:  # an id set still empty: immutable, so adding to it fails
+            with pytest.raises(AttributeError):
+                value.add("x")
+        elif value is not None and not isinstance(value, int):
             assert value is not getattr(SchedulerOutput.empty(), slot)
+
+
+def test_ids_added_to_an_empty_scheduler_output_stay_in_it():
+    out, other = SchedulerOutput.empty(), SchedulerOutput.empty()
+    out.add(ScheduledRequest(req_id="p", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[3],
+                             is_new=True, sample=False))
+    out.add_preempted("q")
+    assert (out.new_req_ids, out.partial_req_ids, out.preempted_req_ids) == ({"p"}, {"p"}, {"q"})
+    assert other == SchedulerOutput() and NO_REQ_IDS == frozenset()
 
 def test_block_hash_is_sha256_of_parent_and_int64_tokens():
     rng = random.Random(0)
