@@ -12,14 +12,6 @@ _new_object = object.__new__  # an instance without __init__ (SchedulerOutput.em
 NO_REQ_IDS: frozenset[str] = frozenset()
 
 
-def _with(req_ids: set[str] | frozenset[str], req_id: str) -> set[str]:
-    """req_ids with req_id added: a set of its own in place of NO_REQ_IDS."""
-    if req_ids is NO_REQ_IDS:
-        req_ids = set()
-    req_ids.add(req_id)
-    return req_ids
-
-
 @dataclass(slots=True, kw_only=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions from `num_computed_tokens`."""
@@ -109,12 +101,18 @@ class SchedulerOutput:
         if sched_req.new_block_ids or sched_req.is_new:
             self.new_block_ids[req_id] = sched_req.new_block_ids
         if sched_req.is_new:
-            self.new_req_ids = _with(self.new_req_ids, req_id)
+            if self.new_req_ids is NO_REQ_IDS:
+                self.new_req_ids = set()
+            self.new_req_ids.add(req_id)
         if not sched_req.sample:
-            self.partial_req_ids = _with(self.partial_req_ids, req_id)
+            if self.partial_req_ids is NO_REQ_IDS:
+                self.partial_req_ids = set()
+            self.partial_req_ids.add(req_id)
 
     def add_preempted(self, req_id: str) -> None:
-        self.preempted_req_ids = _with(self.preempted_req_ids, req_id)
+        if self.preempted_req_ids is NO_REQ_IDS:
+            self.preempted_req_ids = set()
+        self.preempted_req_ids.add(req_id)
 
     @property
     def scheduled(self) -> tuple[ScheduledRequest, ...]:

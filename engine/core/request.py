@@ -21,12 +21,12 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > PREEMPTED
+        return status > _PREEMPTED
 
 
 # Statuses above it are finished. A plain name: on Python 3.11 each read of an Enum
 # class attribute goes through its metaclass's __getattr__ hook (~850 instructions).
-PREEMPTED = RequestStatus.PREEMPTED
+_PREEMPTED = RequestStatus.PREEMPTED
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -87,7 +87,7 @@ class Request:
         return self.num_tokens - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
-        return self.status > PREEMPTED
+        return self.status > _PREEMPTED
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Append a sampled token; a block it fills gets its prefix hash now, once."""

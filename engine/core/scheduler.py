@@ -12,12 +12,18 @@ from engine.config import EngineConfig
 from engine.core.invalid_blocks import cut_back_to_valid_prefix
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_connector import KVConnectorBase
-from engine.core.outputs import (NO_REQ_IDS, KVConnectorOutput, ModelRunnerOutput, RequestOutput,
+from engine.core.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
                                  ScheduledRequest, SchedulerOutput, SchedulerStats, StepOutputs)
-from engine.core.request import PREEMPTED, Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
 __all__ = ["Scheduler"]
+
+# No request's KV failed this step (update_from_output): shared, never mutated.
+_NO_IDS: frozenset[str] = frozenset()
+# Statuses above it are finished. A plain name: on Python 3.11 each read of an Enum
+# class attribute goes through its metaclass's __getattr__ hook (~850 instructions).
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
@@ -381,7 +387,7 @@ class Scheduler:
             if self._update_sampled(sched_out, runner_out.sampled_token_ids, outputs):
                 self._remove_finished()
             return outputs
-        failed_ids: set[str] | frozenset[str] = NO_REQ_IDS  # none failed: shared, never mutated
+        failed_ids: set[str] | frozenset[str] = _NO_IDS
         if kv_out is not None and kv_out.invalid_block_ids:  # before the tokens, like vLLM
             failed_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids, sched_out)
         if self.fast_path and not failed_ids and not runner_out.failed:
@@ -397,7 +403,7 @@ class Scheduler:
         return outputs
 
     def _remove_finished(self) -> None:
-        self.running = [r for r in self.running if r.status <= PREEMPTED]  # r.is_finished(), inline
+        self.running = [r for r in self.running if r.status <= _PREEMPTED]  # r.is_finished(), inline
 
     def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
                           failed_ids: set[str], outputs: StepOutputs) -> bool:
@@ -425,7 +431,7 @@ class Scheduler:
         any_finished = False
         for req_id in sched_out.req_ids:
             request = requests.get(req_id)
-            if request is None or request.status > PREEMPTED:
+            if request is None or request.status > _PREEMPTED:
                 continue  # aborted while the step ran
             token = sampled_token_ids.get(req_id)
             if token is None:
