@@ -47,7 +47,8 @@ from replay.trace.reader import TraceSnapshot
 from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover_engine_windows,
                                     credit_engine_windows,
                                     ignored_by_cause, missed_reason, quiet_from)
-from replay.verify.windows import EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine
+from replay.verify.windows import (EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine,
+                                   observable_engines)
 from replay.verify.timeline import EngineSample, Timeline
 from replay.verify.verdict import exit_code_for
 from replay.verify.units import seconds
@@ -354,9 +355,10 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     decided = [(w.engine, (w.start, w.end, w.is_tail)) for w in windows if w.verdict != "undecided"]
     coverage = () if expected is None else credit_engine_windows(
         cover(expected, timeline, observed), decided, timeline.engines)
-    if expected_engine is not None:
+    if expected_engine is not None:  # expected only where the run could show it
+        seen = observable_engines(timeline)
         run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
-        coverage += cover_engine_windows(expected_engine, run_own, timeline)
+        coverage += cover_engine_windows([w for w in expected_engine if w.engine in seen], run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     # no coverage computed: no window is known to be spare
     spare = [expected is not None and is_too_short(w, options.drain_deadline_s, coverage) for w in windows]

@@ -67,6 +67,12 @@ def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[floa
     return windows
 
 
+def observable_engines(timeline: Timeline) -> set[str]:
+    """The engines whose own idle windows the run can show: all of kvdrain's own; over HTTP,
+    those whose metrics carry the queue gauges (an engine not scraped shows none)."""
+    return set(timeline.meta.get(QUEUE_GAUGES) or ()) if timeline.is_scraped() else set(timeline.engines)
+
+
 def expected_engine_windows(model: Timeline | None, idle_threshold_s: float) -> list[EngineWindow] | None:
     """The engines' own windows the model (a virtual-clock timeline) finds; None: no model."""
     if model is None:

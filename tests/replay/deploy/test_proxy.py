@@ -494,8 +494,12 @@ def test_an_insecure_proxy_beyond_loopback_warns():
 def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdict(tmp_path: Path):
     """Two single-engine serves as a P and a D stand-in. P has no connector: it answers
     without params and frees its blocks at once (too soon for a scrape to see), so D
-    prefills itself and D's /metrics is the one judged."""
+    prefills itself and D's /metrics is the one judged. The judged replay asks 50 times the
+    example's output tokens: D then holds blocks for tens of milliseconds per request, which a
+    10 ms scrape sees on a loaded machine too (the example's 4-23 tokens last a few
+    milliseconds there: a whole run's scrapes may miss every one)."""
     serves, proxy = [], None
+    longer = write(tmp_path, _times_tokens(EXAMPLE, 50))
     try:
         for _ in range(2):
             serves.append(Serve("--topology", "single", "--http", "0"))
@@ -512,9 +516,9 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
             [(f"{p_url}/metrics", ["P"]), (f"{d_url}/metrics", ["D"])]
         # Speedup 2 for slack: P prefills, then D prefills again (a single engine has no
         # connector), behind a proxy, on a small shared machine.
-        result = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
+        result = invoke("replay", str(longer), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
                         "--report", str(report), *fast[2:-2], "--speedup", "2",
-                        "--scrape-interval", "0.01")  # D's requests last milliseconds: catch them
+                        "--scrape-interval", "0.01")
         assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
         data = json.loads(report.read_text())
         assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}
@@ -529,6 +533,12 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
             proxy.proc.wait(10)
         for serve in serves:
             serve.stop()
+
+
+def _times_tokens(trace: Path, factor: int) -> list[dict]:
+    """The records of a kvdrain trace with every request's max_tokens times `factor`."""
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    return [dict(r, max_tokens=r["max_tokens"] * factor) if "max_tokens" in r else r for r in records]
 
 
 def _scraped(url: str, name: str) -> dict[tuple, float]:

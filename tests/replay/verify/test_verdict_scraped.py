@@ -515,3 +515,17 @@ def test_min_coverage_zero_with_no_window_observed_is_no_pass():
     options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=2.0, min_coverage=0.0)
     verdict = verify(timeline, [], options, expected=expected_windows(timeline.arrivals, 1.0, None))
     assert verdict.status == "inconclusive" and not verdict.partial
+
+
+def test_over_http_an_engine_that_is_not_scraped_is_expected_in_no_window_of_its_own():
+    """The model of the run foresees a P idle while D decodes; the run scrapes D alone, so
+    nothing can say whether P was idle there: no reason claims it was not."""
+    from replay.verify.windows import EngineWindow
+    timeline = busy_trace_with_an_idle_decode_engine(held=0, queue_gauges=["D0", "D1"])
+    expected_own = [EngineWindow("P", 3.0, 5.0, False), EngineWindow("D0", 2.3, 8.0, False)]
+    verdict = verify(timeline, [], VerifyOptions(), None, expected_own)
+    assert [(c.engine, c.state) for c in verdict.coverage] == [("D0", "observed")]
+    assert not any("P's own" in r for r in verdict.reasons), verdict.reasons
+    unscraped = verify(busy_trace_with_an_idle_decode_engine(held=0, queue_gauges=[]), [],
+                       VerifyOptions(), None, expected_own)  # scraped, but no queue gauges
+    assert unscraped.coverage == () and unscraped.exit_code == 0, unscraped.reasons
