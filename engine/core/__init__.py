@@ -9,6 +9,7 @@
 - async_scheduler: the same with step N+1 scheduled before step N's output (vLLM's AsyncScheduler);
 - batch_queue: the engine core's batch queue for async scheduling (step_with_batch_queue);
 - stop: stop conditions;
+- decode_run: runs of plain decode steps taken at once (the simulator's);
 - outputs: the records scheduler -> runner -> scheduler -> frontend;
 - kv_connector: the interfaces a connector implements;
 - liveness: the engine loop's policies (may it block, and on what?);

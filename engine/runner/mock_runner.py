@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from engine.core.request import Request
     from engine.runner.kv_cache import KVCache
 
 
@@ -44,3 +45,11 @@ class MockModelRunner:
             for req_id in self.stamps.corrupt & sampled.keys():
                 sampled[req_id] = (sampled[req_id] + 1) % vocab_size
         return out
+
+    def decode_token_ids(self, request: Request, num_steps: int) -> list[int]:
+        """The tokens execute() samples for `request` in its next num_steps decode steps
+        (engine/core/decode_run.py); a runner with KV stamps may sample others."""
+        if self.stamps is not None:
+            raise RuntimeError("decode_token_ids: a runner with KV stamps samples from its KV")
+        last, vocab_size = request.all_token_ids[-1], self.vocab_size
+        return [(last + i) % vocab_size for i in range(1, num_steps + 1)]

@@ -4,6 +4,7 @@
 - clock: the discrete-event loop;
 - cost: the step-cost model, fitted from a measured profile;
 - engine: one simulated engine (EngineCore's busy loop on virtual time);
+- decode_run: a run of plain decode steps skipped as one (its step times and outputs);
 - kv_worker: the connector worker on virtual time;
 - simulation: a whole replay on the virtual clock.
 """

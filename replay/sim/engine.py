@@ -26,6 +26,15 @@ still running at T, its step-end event is scheduled as usual, else the step at s
 k*p is (the first to start at or after T). Samples meanwhile count the same way.
 Integer time makes s0 + k*p exactly what k additions give, so timelines are identical
 with the shortcut off (tests/replay/sim/test_simulate.py compares both).
+
+Decode runs (SimOptions.fast_forward too). After a model step that consumed no
+connector reports, with nothing new in the input queue or the connector inbox, the
+plain decode steps that follow (engine/core/decode_run.py: one token for every running
+request, nothing else) are skipped as one run (replay/sim/decode_run.py): one event at the last one's end takes them all and
+publishes each step's tokens at that step's end. An input or a report at T takes the
+steps that started before T, and the last of them ends as any step does; an abort
+(the client's view) and the end of the simulation take them the same way first.
+tests/replay/sim/test_decode_runs.py compares the timelines with every step taken.
 """
 from __future__ import annotations
 
@@ -35,20 +44,23 @@ from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHash
 from engine.config import EngineConfig
+from engine.core.decode_run import num_plain_decode_steps, take_plain_decode_steps
 from engine.core.engine_core import EngineCore
 from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
 from engine.runner.mock_runner import MockModelRunner
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats, StepOutputs
 from engine.core.request import Request
 from engine.utils import cdiv
 from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
 from replay.sim.cost import StepShape
+from replay.sim.decode_run import DecodeRun, step_outputs
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
 from replay.verify.timeline import EngineSample
 
 _WAITS = (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY)
+MAX_RUN_STEPS = 4096  # a run's steps are planned one by one: a bound on that work
 
 
 class _TimedRunner:
@@ -95,6 +107,10 @@ class EngineSlot:
     on_outputs: Callable[[str, list[RequestOutput]], None]  # the router
     on_sample: Callable[[EngineSample], None]  # the timeline
     on_wake: Callable[[], None] = lambda: None  # the sample grid: an engine left a block
+    # on_decode_steps(engine, req_ids, tokens, num_cached_tokens, end times): the plain
+    # outputs of a run's skipped steps at once, as on_outputs of each step at its end
+    # would give them; None: no runs, every step is taken.
+    on_decode_steps: Callable[[str, list[str], list[list[int]], list[int], list[int]], None] | None = None
 
 
 def build_connector(config: EngineConfig) -> KVConnectorBase | None:
@@ -113,6 +129,7 @@ class _StepResult:
     can_progress: bool  # see engine/liveness.next_action
     must_poll: bool
     noop: bool  # changed nothing: the next step from here is the same no-op
+    got_kv_reports: bool  # else the connector has nothing left to ship (engine/core/decode_run.py)
     stats: SchedulerStats  # published at the step's end
 
 
@@ -137,7 +154,8 @@ class SimEngine:
         self.state = "blocked"
         self.num_steps = self.num_wakeups = 0
         self.ff: tuple[int, int, int] | None = None  # (next step start, period, wakeups/step)
-        self.num_pauses = 0  # counts blocks and fast-forwards: a timer belongs to one
+        self.run: DecodeRun | None = None  # plain decode steps being skipped
+        self.num_pauses = 0  # counts blocks, fast-forwards and runs: a timer belongs to one
         self.stats = self.core.make_stats()  # as last published: at a step's end, or a drain
         self.sampled: tuple | None = None
 
@@ -147,12 +165,16 @@ class SimEngine:
             self._wake()
         elif self.ff is not None:
             self._leave_ff()
+        elif self.run is not None:
+            self.leave_run(self.loop.now)
 
     def on_report(self) -> None:
         if self.blocked_on is LoopAction.WAIT_ANY:
             self._wake()
         elif self.ff is not None:
             self._leave_ff()
+        elif self.run is not None:
+            self.leave_run(self.loop.now)
 
     def _wake(self) -> None:
         self.blocked_on = None
@@ -213,7 +235,7 @@ class SimEngine:
         cost = self._cost(tokens)
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
                        _StepResult(outputs, step.model_executed, step.can_progress,
-                                   self.core.must_poll(), noop, stats))
+                                   self.core.must_poll(), noop, step.got_kv_reports, stats))
 
     def _cost(self, tokens: int) -> int:
         """The step's virtual ns: zero_step_s without tokens, else the cost model's."""
@@ -223,6 +245,13 @@ class SimEngine:
         if model is None:
             return self.base + self.per_token * tokens
         return to_ns(model.cost_s(StepShape.of(self.runner.sched_out)))
+
+    def _decode_cost(self, num_decodes: int, num_context_tokens: int) -> int:
+        """_cost of a plain decode step of that shape."""
+        model = self.options.cost_model
+        if model is None:
+            return self.base + self.per_token * num_decodes
+        return to_ns(model.cost_s(StepShape(0, num_decodes, num_context_tokens)))
 
     def _step_end(self, result: _StepResult) -> None:
         self.stats = result.stats
@@ -244,12 +273,68 @@ class SimEngine:
             self.num_wakeups += 1
             nxt += self.poll
         self._enter(LOOP_STATES[action])
-        if result.noop and self.options.fast_forward and not self.input and not reports:
+        skip = self.options.fast_forward and not self.input and not reports
+        if skip and result.noop:
             polling = action is LoopAction.SLEEP
             self.ff = (nxt, self.zero + (self.poll if polling else 0), int(polling))
             self._arm_timer()
-        else:
+        elif not (skip and action is LoopAction.STEP and not result.got_kv_reports and self._start_run()):
             self.loop.push(nxt, STEP_START, self.rank, self._step_start)
+
+    def _start_run(self) -> bool:
+        """After a model step that consumed no reports, with nothing new since: skip the
+        plain decode steps that follow, as one run whose end is its last step's end
+        (engine/core/decode_run.py, replay/sim/decode_run.py)."""
+        scheduler = self.core.scheduler
+        if self.slot.on_decode_steps is None or self.core.batch_queue is not None:
+            return False
+        num_steps = num_plain_decode_steps(scheduler, self.runner.runner.decode_token_ids, MAX_RUN_STEPS)
+        if not num_steps:
+            return False
+        num_context_tokens = sum(request.num_computed_tokens for request in scheduler.running)
+        self.run = DecodeRun.plan(self.loop.now, num_steps, len(scheduler.running), num_context_tokens,
+                                  self._decode_cost, self.core.next_deadline_ns(), self.num_pauses + 1)
+        if self.run is None:
+            return False
+        self.num_pauses += 1
+        self.loop.push(self.run.end, STEP_END, self.rank, self._end_run, self.num_pauses)
+        return True
+
+    def _end_run(self, pause: int) -> None:
+        if pause != self.num_pauses:
+            return  # an input or a report ended that run earlier
+        run, self.run = self.run, None
+        last = self._take_run_steps(run, len(run.starts))
+        self._step_end(_StepResult(last, True, False, self.core.must_poll(), False, False, self.stats))
+
+    def leave_run(self, until: int) -> None:
+        """Something came at `until` (an input, a report), or someone must see the run's
+        effects then: take the steps that started before it; the last of them ends as
+        any step does."""
+        run, self.run = self.run, None
+        self.num_pauses += 1  # its end event is void
+        num_steps = run.num_started_before(until)
+        if not num_steps:
+            self.loop.push(run.starts[0], STEP_START, self.rank, self._step_start)
+            return
+        last = self._take_run_steps(run, num_steps)
+        self.loop.push(run.end_of(num_steps - 1), STEP_END, self.rank, self._step_end,
+                       _StepResult(last, True, False, self.core.must_poll(), False, False, self.stats))
+
+    def _take_run_steps(self, run: DecodeRun, num_steps: int) -> StepOutputs:
+        """Make the run's first num_steps steps; publish the outputs of all but the
+        last, each at its step's end, and return the last one's."""
+        scheduler, core = self.core.scheduler, self.core
+        req_ids = [request.req_id for request in scheduler.running]
+        num_cached = [max(request.num_cached_tokens, 0) for request in scheduler.running]
+        tokens = take_plain_decode_steps(scheduler, self.runner.runner.decode_token_ids, num_steps)
+        self.num_steps += num_steps
+        core.num_steps += num_steps
+        core.num_model_steps += num_steps
+        if num_steps > 1:
+            self.slot.on_decode_steps(self.name, req_ids, [sampled[:-1] for sampled in tokens], num_cached,
+                                      run.starts[1:num_steps])
+        return step_outputs(req_ids, tokens, num_cached, num_steps - 1)
 
     def _leave_ff(self) -> None:
         """An input, a report or the connector's deadline came at `now`: resume real
@@ -265,7 +350,7 @@ class SimEngine:
         self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
         if last_end > now:  # that step is still running: let its end decide, as it would
             self.loop.push(last_end, STEP_END, self.rank, self._step_end,
-                           _StepResult([], False, False, self.core.must_poll(), True, self.stats))
+                           _StepResult([], False, False, self.core.must_poll(), True, False, self.stats))
         else:
             self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
 
@@ -298,6 +383,8 @@ class SimEngine:
     def sample(self) -> EngineSample:
         t, s = self.loop.now, self.stats
         steps, wakeups = self.num_steps, self.num_wakeups
+        if self.run is not None:
+            steps += self.run.num_started_by(t)
         if self.ff is not None:  # the skipped steps that started (and ended) by t
             s0, period, per_step = self.ff
             steps += (t - s0) // period + 1 if t >= s0 else 0

@@ -37,7 +37,9 @@ class SimOptions:
     cost_model: CostModel | None = None
     sample_interval_s: float = 0.1
     tail_s: float = 5.0  # observed after the last request ends
-    fast_forward: bool = True  # skip provably idle poll/spin steps (replay/sim/engine.py)
+    # Skip steps whose outcome is known (replay/sim/engine.py): idle poll/spin steps, and
+    # runs of plain decode steps; False takes every step (the tests' reference).
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         parse_topology(self.topology)

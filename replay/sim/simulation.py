@@ -78,6 +78,7 @@ class _Frontend:
         return why_malformed(checked, req.max_tokens, self.vocab_size) is None
 
     def on_abort(self, abort: TraceAbort) -> None:
+        self.sim.leave_runs(self.sim.loop.now)  # the tokens the client had by now
         self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))
         commands = self.routing.abort(abort.req_id)
         if commands:
@@ -125,6 +126,25 @@ class _Frontend:
             flight = flights[req_id]
             flight.record.on_tokens(t)
             flight.tokens.append(token)
+            if not route.via_prefill:
+                flight.record.num_prefix_hit_tokens = num_cached
+
+    def on_decode_steps(self, engine: str, req_ids: list[str], tokens: list[list[int]],
+                        num_cached_tokens: list[int], end_times: list[int]) -> None:
+        """_on_plain_outputs of several steps of one engine at once: each request's
+        tokens, the i-th at end_times[i] (ns); nothing else moves in between."""
+        routing = self.routing
+        if engine in routing.prefill:
+            return
+        routes, flights, times = routing.routes, self.flights, [t / NS for t in end_times]
+        for req_id, sampled, num_cached in zip(req_ids, tokens, num_cached_tokens):
+            route = routes.get(req_id)
+            if route is None or route.engine != engine or route.aborted:
+                continue
+            flight = flights[req_id]
+            for t in times:
+                flight.record.on_tokens(t)
+            flight.tokens += sampled
             if not route.via_prefill:
                 flight.record.num_prefix_hit_tokens = num_cached
 
@@ -180,7 +200,8 @@ class Simulation:
     def _engine(self, name: str, rank: int, role: str | None) -> SimEngine:
         config = self.options.engine_config(name, role)
         worker = None if role is None else SimKVWorker(name, self.loop, self.options, self.workers)
-        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append, self._resume_grid)
+        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append, self._resume_grid,
+                          self.frontend.on_decode_steps)
         return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
@@ -248,8 +269,15 @@ class Simulation:
         timeline.meta["interrupted"] = signal_name
         return timeline
 
+    def leave_runs(self, until: int) -> None:
+        """Every engine's skipped decode steps that started before `until`, taken (replay/sim/decode_run.py)."""
+        for engine in self.engines.values():
+            if engine.run is not None:
+                engine.leave_run(until)
+
     def _finish(self) -> Timeline:
         self.loop.now = self.end if self.end is not None else self.loop.now
+        self.leave_runs(self.loop.now + 1)  # what the events up to now did
         if self.on_progress is not None:
             self.on_progress(len(self.arrivals), self.loop.now / NS)
         counters = {}
