@@ -17,7 +17,7 @@ from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
 from engine.core.block_hash import BlockHash, hash_request_blocks
 from engine.core.request_check import why_malformed
 from engine.core.outputs import RequestOutput, StepOutputs
-from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
+from replay.sim.clock import DELIVER, NS, TICK, EventLoop, no_full_collections, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
@@ -205,16 +205,17 @@ class Simulation:
         return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
-        self._feed()
-        self.loop.push(0, TICK, 0, self._tick)
-        loop = self.loop
-        while loop.heap and (self.end is None or loop.heap[0][0] <= self.end):
-            fn, arg = loop.pop()
-            fn(arg)
-            if self.end is None and self.trace_done and (
-                    not self.frontend.flights or loop.num_pending == 0):
-                self.end = loop.now + to_ns(self.options.tail_s)
-        return self._finish()
+        with no_full_collections():
+            self._feed()
+            self.loop.push(0, TICK, 0, self._tick)
+            loop = self.loop
+            while loop.heap and (self.end is None or loop.heap[0][0] <= self.end):
+                fn, arg = loop.pop()
+                fn(arg)
+                if self.end is None and self.trace_done and (
+                        not self.frontend.flights or loop.num_pending == 0):
+                    self.end = loop.now + to_ns(self.options.tail_s)
+            return self._finish()
 
     def _feed(self) -> None:
         """Push the next trace record (one at a time: traces stream)."""
