@@ -67,7 +67,9 @@ class _TimedRunner:
     """The mock runner, noting what the cost model and the no-op test need."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = MockModelRunner(config)
+        # Every prompt reaches a simulated engine checked against the vocabulary (the
+        # frontend's why_malformed, or EngineCore.add_request), sampled tokens are in it.
+        self.runner = MockModelRunner(config, check_vocab=False)
         self.num_tokens = 0
         self.is_noop = False
 
