@@ -19,9 +19,13 @@ from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_COUNT, MAX_ENGINE
 
 MOONCAKE_BLOCK_SIZE = 512
 _MOONCAKE_MAX_IDS = -(-MAX_PROMPT_TOKENS // MOONCAKE_BLOCK_SIZE)
+_MOONCAKE_MAX_MS = MAX_TRACE_T * 1000
+_INT_ONLY = {int}
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _AZURE_TIME = re.compile(
     r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:?\d\d)?")
+# What json.loads runs once it has skipped leading whitespace: (object, end index).
+_SCAN_ONCE = json.JSONDecoder().scan_once
 _KEYS = {"abort": {"t", "abort"}, "snapshot": {"t", "kv", "queues"},
          "request": {"t", "id", "max_tokens", "prompt_len", "prompt_token_ids", "hash_ids",
                      "hash_block_size", "pd"}}
@@ -107,19 +111,29 @@ def _check_cover(length: int, hash_ids: tuple[int, ...], block: int, name: str) 
 
 def parse_json(text: str) -> dict[str, object]:
     """The JSON object of one JSONL line: nesting, numbers and strings bounded and valid."""
+    try:  # json.loads' own scan, without its passes for whitespace the reader stripped
+        obj, end = _SCAN_ONCE(text, 0)
+    except (StopIteration, ValueError, RecursionError):
+        end = -1
+    if end != len(text):  # anything else json.loads parses itself, or names what is wrong
+        obj = _loads(text)
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(obj) > MAX_JSON_DEPTH:
+        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(obj, dict):
+        raise FieldError("json", f"must be a JSON object, got {show(obj)}")
+    return obj
+
+
+def _loads(text: str) -> object:
+    """json.loads, its errors as FieldErrors."""
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise FieldError("json", f"invalid JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # an integer of more than 4300 digits
         raise FieldError("json", f"invalid JSON: {str(e)[:80]}") from None
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(obj) > MAX_JSON_DEPTH:
-        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels")
-    if not isinstance(obj, dict):
-        raise FieldError("json", f"must be a JSON object, got {show(obj)}")
-    return obj
 
 
 def check_strings(text: str, obj: dict[str, object]) -> None:
@@ -227,7 +241,25 @@ def parse_kvdrain(obj: dict[str, object], line: int) -> TraceRecord:
 
 
 def parse_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:
-    """The request of a Mooncake line, or None for a zero-length row."""
+    """The request of a Mooncake line, or None for a zero-length row.
+
+    A fast path takes a line whose every field is plainly right in one test, and builds
+    what checked_mooncake would; any other line (zero-length, bad) goes field by field
+    through checked_mooncake, which names the first bad field."""
+    t, num_in, num_out = obj.get("timestamp"), obj.get("input_length"), obj.get("output_length")
+    hash_ids = obj.get("hash_ids")
+    if ((type(t) is int or type(t) is float) and 0 <= t <= _MOONCAKE_MAX_MS
+            and type(num_in) is int and 0 < num_in <= MAX_PROMPT_TOKENS
+            and type(num_out) is int and 0 < num_out <= MAX_OUTPUT_TOKENS
+            and type(hash_ids) is list and len(hash_ids) == -(-num_in // MOONCAKE_BLOCK_SIZE)
+            and set(map(type, hash_ids)) == _INT_ONLY):
+        return TraceRequest(t / 1000, f"mc-{line}", num_out, num_in, None, tuple(hash_ids),
+                            MOONCAKE_BLOCK_SIZE, None, line)
+    return checked_mooncake(obj, line)
+
+
+def checked_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:
+    """parse_mooncake field by field: the first bad field's FieldError."""
     t = _seconds(obj.get("timestamp"), "timestamp", 1000)
     num_in = _int(obj, "input_length", 0, MAX_PROMPT_TOKENS)
     num_out = _int(obj, "output_length", 0, MAX_OUTPUT_TOKENS)

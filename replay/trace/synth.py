@@ -49,18 +49,26 @@ class BlockMemo:
         """Each id's first block_size words, drawing only those not held yet."""
         held = self.by_size.setdefault(block_size, {})
         parts = list(map(held.get, hash_ids))
-        if None in parts:  # draw the missing ones (an id twice in a prompt: drawn once)
-            for i in [i for i, part in enumerate(parts) if part is None]:
-                parts[i] = held.get(hash_ids[i]) or self._draw(held, hash_ids[i], block_size)
+        if None in parts:
+            self._draw_missing(held, hash_ids, parts, block_size)
             if self.nbytes > MEMO_BYTES:
                 self.by_size, self.nbytes = {}, 0
         return parts
 
-    def _draw(self, held: dict[int, bytes], hash_id: int, block_size: int) -> bytes:
-        num_bytes = 4 * block_size  # _words, inlined: once per distinct id of a replay
-        held[hash_id] = words = hashlib.shake_128(b"kvdrain/hash/%d" % hash_id).digest(num_bytes)
-        self.nbytes += num_bytes + MEMO_ENTRY_BYTES
-        return words
+    def _draw_missing(self, held: dict[int, bytes], hash_ids: tuple[int, ...],
+                      parts: list[bytes | None], block_size: int) -> None:
+        """Fill the holes of `parts` (an id twice in a prompt: drawn once), _words inlined:
+        this loop runs once per distinct id of a replay."""
+        num_bytes, num_drawn, shake = 4 * block_size, 0, hashlib.shake_128
+        for i, part in enumerate(parts):
+            if part is None:
+                hash_id = hash_ids[i]
+                part = held.get(hash_id)
+                if part is None:
+                    part = held[hash_id] = shake(b"kvdrain/hash/%d" % hash_id).digest(num_bytes)
+                    num_drawn += 1
+                parts[i] = part
+        self.nbytes += num_drawn * (num_bytes + MEMO_ENTRY_BYTES)
 
 
 def _words(key: bytes, num_tokens: int) -> bytes:

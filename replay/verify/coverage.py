@@ -84,6 +84,8 @@ def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[t
 
 def quiet_from(requests: Sequence[RequestRecord], ends: Sequence[float]) -> list[float]:
     """For each time in `ends`: when every request that arrived before it had ended (inf: never)."""
+    if not ends:
+        return []
     ordered = sorted(requests, key=lambda r: r.arrival_t)
     arrivals = [r.arrival_t for r in ordered]
     running, prefix = -math.inf, []
@@ -182,13 +184,19 @@ def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> flo
 def client_latenesses(expected: Sequence[ExpectedWindow],
                       requests: Sequence[RequestRecord]) -> list[float | None]:
     """client_lateness of each window, in O((windows + requests) log requests): the windows
-    by end, the requests that arrived before it added to a max-tree over end times."""
+    by end, the requests that arrived before it added to a max-tree over end times. A window
+    whose earlier requests had all ended by the model's quiet (quiet_from) has none: None,
+    without the tree (every window of a run that is its own model)."""
+    out: list[float | None] = [None] * len(expected)
+    busy_until = quiet_from(requests, [w.end for w in expected])
+    order = sorted((i for i, w in enumerate(expected)
+                    if w.model_quiet_from is not None and busy_until[i] > w.model_quiet_from),
+                   key=lambda i: expected[i].end)
+    if not order:
+        return out
     ends = sorted({math.inf if r.end_t is None else r.end_t for r in requests})
     tree: list[float | None] = [None] * (len(ends) + 1)  # prefix max over ends, latest first
     by_arrival = sorted(requests, key=lambda r: r.arrival_t)
-    out: list[float | None] = [None] * len(expected)
-    order = sorted((i for i, w in enumerate(expected) if w.model_quiet_from is not None),
-                   key=lambda i: expected[i].end)
     added = 0
     for i in order:
         w = expected[i]

@@ -174,6 +174,16 @@ class EngineSeries:
         samples = timeline.samples_for(engine)
         return EngineSeries(engine, samples, [s.t for s in samples])
 
+    @staticmethod
+    def of_all(timeline: Timeline) -> dict[str, EngineSeries]:
+        """EngineSeries.of every engine (timeline.engines' order), in one pass over the samples."""
+        by_engine: dict[str, list[EngineSample]] = {engine: [] for engine in timeline.engines}
+        elsewhere: list[EngineSample] = []  # a sample of no listed engine: of none of them
+        for sample in timeline.samples:
+            by_engine.get(sample.engine, elsewhere).append(sample)
+        return {engine: EngineSeries(engine, samples, [s.t for s in samples])
+                for engine, samples in by_engine.items()}
+
 
 def check_window(series: EngineSeries, window: tuple[float, float, bool],
                  deadline_s: float, scraped: bool = False) -> IdleWindow:
@@ -327,18 +337,21 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     """
     violations = _check_conservation(timeline)
     faults = tuple(sorted(timeline.meta.get("faults", ()), key=lambda f: f["t"]))
-    by_engine = {engine: EngineSeries.of(timeline, engine) for engine in timeline.engines}
+    by_engine = EngineSeries.of_all(timeline)
     windows = []
     observed = idle_windows(timeline, options.idle_threshold_s)
     # {}: no engine's way known; over HTTP the ways name upstreams, and their engines' own
     # windows come from their metrics (engine_only_windows, below)
     own = {} if timeline.is_scraped() else idle_windows_by_engine(timeline, options.idle_threshold_s)
+    run_own = None  # the run's engine-only windows, where needed: over HTTP, or modelled
+    if timeline.is_scraped() or expected_engine is not None:
+        run_own = engine_only_windows(timeline, options.idle_threshold_s, observed,
+                                      None if timeline.is_scraped() else own)
     cut = timeline.meta.get("interrupted") is not None  # Ctrl-C, q or SIGTERM cut its tail short:
     judged = [(series, window) for series in by_engine.values()  # that window is not judged
               for window in own.get(series.engine, observed) if not (cut and window[2])]
     if timeline.is_scraped():  # a server's own routing: its engines' metrics say when each idled
-        judged += [(by_engine[w.engine], w.window) for w in engine_only_windows(
-            timeline, options.idle_threshold_s, observed) if w.engine in by_engine]
+        judged += [(by_engine[w.engine], w.window) for w in run_own if w.engine in by_engine]
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
         w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
         windows.append(w)
@@ -357,7 +370,6 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
         cover(expected, timeline, observed), decided, timeline.engines)
     if expected_engine is not None:  # expected only where the run could show it
         seen = observable_engines(timeline)
-        run_own = engine_only_windows(timeline, options.idle_threshold_s, observed)
         coverage += cover_engine_windows([w for w in expected_engine if w.engine in seen], run_own, timeline)
     ignored = ignored_by_cause(timeline.requests)
     # no coverage computed: no window is known to be spare

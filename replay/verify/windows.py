@@ -82,12 +82,16 @@ def expected_engine_windows(model: Timeline | None, idle_threshold_s: float) -> 
 
 def intervals(record: RequestRecord) -> list[tuple[str, float, float]]:
     """(engine, since, until) of each stage of the request's way; until is inf if it never left."""
+    stages = record.stages
+    if not stages:
+        return []
     end = math.inf if record.end_t is None else record.end_t
-    kv_left = end if record.first_token_t is None else min(record.first_token_t, end)
     out = []
-    for i, (engine, since) in enumerate(record.stages):
-        until = end if i == len(record.stages) - 1 else max(kv_left, since)
-        out.append((engine, since, until))
+    if len(stages) > 1:  # every stage but the last: until the KV left it
+        kv_left = end if record.first_token_t is None else min(record.first_token_t, end)
+        out = [(engine, since, max(kv_left, since)) for engine, since in stages[:-1]]
+    engine, since = stages[-1]
+    out.append((engine, since, end))
     return out
 
 
@@ -198,36 +202,61 @@ def _less(run: Window, spans: list[tuple[float, float]], alone: bool) -> list[Wi
 
 def idle_windows_by_engine(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
     """Every engine's idle windows from its own requests; engines that had none are left out."""
-    by_engine: dict[str, list[tuple[float, float]]] = {}
-    for record in timeline.requests:
-        for engine, since, until in intervals(record):
-            by_engine.setdefault(engine, []).append((since, until))
     return {engine: _gaps(sorted(spans), timeline.end_t, idle_threshold_s)
-            for engine, spans in by_engine.items()}
+            for engine, spans in spans_by_engine(timeline.requests).items()}
+
+
+def spans_by_engine(requests: Sequence[RequestRecord]) -> dict[str, list[tuple[float, float]]]:
+    """(since, until) of every stage on each engine: intervals() of every request, inlined
+    (one pass over every request, on every verify)."""
+    by_engine: dict[str, list[tuple[float, float]]] = {}
+    inf = math.inf
+    for record in requests:
+        stages = record.stages
+        if not stages:
+            continue
+        end = inf if record.end_t is None else record.end_t
+        if len(stages) > 1:
+            first_token_t = record.first_token_t
+            kv_left = end if first_token_t is None or first_token_t > end else first_token_t
+            for engine, since in stages[:-1]:
+                _spans_of(by_engine, engine).append((since, since if since > kv_left else kv_left))
+        engine, since = stages[-1]
+        _spans_of(by_engine, engine).append((since, end))
+    return by_engine
+
+
+def _spans_of(by_engine: dict[str, list[tuple[float, float]]], engine: str) -> list[tuple[float, float]]:
+    spans = by_engine.get(engine)
+    if spans is None:
+        spans = by_engine[engine] = []
+    return spans
 
 
 def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: float) -> list[Window]:
-    windows, quiet_from = [], -math.inf
-    for i, (_, until) in enumerate(spans):
-        quiet_from = max(quiet_from, until)
-        if i + 1 < len(spans):
-            if spans[i + 1][0] - quiet_from >= idle_threshold_s:
-                windows.append((quiet_from, spans[i + 1][0], False))
-        elif quiet_from < end_t:
-            windows.append((quiet_from, end_t, True))
+    """The idle windows between sorted, non-empty spans, and the tail after the last."""
+    windows, quiet_from = [], spans[0][1]
+    for since, until in itertools.islice(spans, 1, None):
+        if since - quiet_from >= idle_threshold_s:
+            windows.append((quiet_from, since, False))
+        if until > quiet_from:
+            quiet_from = until
+    if quiet_from < end_t:
+        windows.append((quiet_from, end_t, True))
     return windows
 
 
-def engine_only_windows(timeline: Timeline, idle_threshold_s: float,
-                        trace_windows: Sequence[Window]) -> list[EngineWindow]:
+def engine_only_windows(timeline: Timeline, idle_threshold_s: float, trace_windows: Sequence[Window],
+                        by_engine: dict[str, list[Window]] | None = None) -> list[EngineWindow]:
     """Each engine's idle windows that neither hold a window of the whole trace nor lie
     inside one (that window judges the engine there), nor are an engine's tail where the
     trace's tail judges it, in time order (scraped: from the engines' own metrics,
-    scraped_idle_windows)."""
+    scraped_idle_windows). by_engine: the engines' windows if the caller has them already."""
     out, holds, inside = [], _Holds(trace_windows), _Inside(trace_windows)
     tail_start = min((s for s, _, is_tail in trace_windows if is_tail), default=math.inf)
-    by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
-        else idle_windows_by_engine(timeline, idle_threshold_s)
+    if by_engine is None:
+        by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
+            else idle_windows_by_engine(timeline, idle_threshold_s)
     for engine, windows in by_engine.items():  # the trace's tail judges every engine's tail
         out += [EngineWindow(engine, *w) for w in windows
                 if not holds(w) and not inside(w) and not (w[2] and w[1] > tail_start)]

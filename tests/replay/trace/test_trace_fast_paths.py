@@ -1,15 +1,18 @@
-"""Trace shaping's and prompt synthesis's fast paths against the straightforward ones."""
+"""Trace parsing's, shaping's and prompt synthesis's fast paths against the straightforward ones."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
 
 from engine.utils import cdiv
 from replay.trace import synth
+from replay.trace import formats
+from replay.trace.formats import FieldError, checked_mooncake, parse_json, parse_mooncake
 from replay.trace.reader import TraceRequest
-from replay.trace.records import scaled_lengths
+from replay.trace.records import MAX_JSON_DEPTH, scaled_lengths
 from replay.trace.shaping import ShapingOptions, scale_request, shape
 from replay.trace.synth import synth_prompt
 from tests.replay.sim.test_sim_fast_paths import reference_prompt
@@ -84,3 +87,61 @@ def test_a_replays_own_memo_gives_the_reference_tokens_whatever_its_budget(seed,
         assert synth_prompt(req, vocab, memo) == reference_prompt(req, vocab)
         assert memo.nbytes <= synth.MEMO_BYTES
 
+
+
+def _outcome(parse, *args) -> object:
+    """What parse(*args) returns, or the message of the FieldError it raises."""
+    try:
+        return parse(*args)
+    except FieldError as e:
+        return f"FieldError: {e}"
+
+
+def random_mooncake_value(rng: random.Random, good: object) -> object:
+    """`good` most of the time, else a value near or past a bound, or of another type."""
+    if rng.random() < 0.8:
+        return good
+    return rng.choice([0, -1, 1, 512, 513, 2**20, 2**20 + 1, 1e10, 1e10 + 1, 10**10 + 1, 0.5, -0.0,
+                       float("nan"), float("inf"), True, None, "7", [], [1.0], [1, True], [1, "2"]])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_mooncake_lines_fast_parse_equals_the_field_by_field_one(seed):
+    rng = random.Random(seed)
+    for line in range(1, 2000):
+        num_in = rng.choice([1, 511, 512, 513, rng.randint(1, 20000)])
+        obj = {"timestamp": rng.choice([0, rng.randint(0, 10**7), rng.uniform(0, 1e9)]),
+               "input_length": num_in, "output_length": rng.randint(1, 4000),
+               "hash_ids": [rng.randrange(10**6) for _ in range(-(-num_in // 512))]}
+        for key in rng.sample(sorted(obj), rng.choice([0, 0, 1, 2])):
+            if rng.random() < 0.2:
+                del obj[key]
+            else:
+                obj[key] = random_mooncake_value(rng, obj[key])
+        assert repr(_outcome(parse_mooncake, obj, line)) == repr(_outcome(checked_mooncake, obj, line))
+
+
+@pytest.mark.parametrize("text", [
+    '{"timestamp": 1, "hash_ids": [1, 2]}', '{"a": {"b": [1, 2.5, "x", null, true]}}', "[1, 2]", "7",
+    '"s"', "{} ", " {}", '{"a": 1} x', "{", '{"a": }', '{"a": 1,}', "\ufeff{}", '{"a": NaN}',
+    '{"a": 1e999}', '{"\\ud800": 1}', "[" * 70 + "]" * 70, "[" * 5000 + "]" * 5000,
+    '{"a": ' + "9" * 5000 + "}", '{"a": 1}{"b": 2}'])
+def test_a_json_lines_scan_equals_json_loads(text):
+    assert repr(_outcome(parse_json, text)) == repr(_outcome(reference_parse_json, text))
+
+
+def reference_parse_json(text: str) -> dict[str, object]:
+    """parse_json as first written: json.loads, then the depth and type checks."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError("json", f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise FieldError("json", f"invalid JSON: {str(e)[:80]}") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and formats._depth(obj) > MAX_JSON_DEPTH:
+        raise FieldError("json", f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(obj, dict):
+        raise FieldError("json", f"must be a JSON object, got {formats.show(obj)}")
+    return obj

@@ -1,4 +1,4 @@
-"""The verifier's fast paths against their definitions: each window's client lateness, the engine windows that hold a trace window."""
+"""The verifier's fast paths against their definitions: each window's client lateness, the engine windows that hold a trace window, the spans of every request on each engine, every engine's samples."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,8 @@ import pytest
 
 from replay.verify import windows
 from replay.verify.coverage import ExpectedWindow, client_lateness, client_latenesses
-from replay.verify.timeline import RequestRecord
+from replay.verify.rules import EngineSeries
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 
 
 def seeded_requests(rng: random.Random, n: int) -> list[RequestRecord]:
@@ -76,3 +77,44 @@ def test_holding_a_trace_window_by_bisection_equals_its_definition(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_lying_inside_a_trace_window_by_bisection_equals_its_definition(seed):
     _agrees_with_its_definition(seed, windows._Inside, windows.inside_any)
+
+
+def seeded_routed_requests(rng: random.Random, n: int) -> list[RequestRecord]:
+    """Requests with ways of one to three stages, times that tie, cross and are ints."""
+    out = []
+    for r in seeded_requests(rng, n):
+        t = r.arrival_t
+        for _ in range(rng.choice([0, 1, 2, 2, 3])):
+            t = rng.choice([t, int(t), t + rng.uniform(0, 3)])
+            r.stages.append([rng.choice(["P", "P1", "D", "D0"]), t])
+        r.first_token_t = rng.choice([None, r.arrival_t, int(r.arrival_t), r.arrival_t + rng.uniform(0, 9)])
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_engines_spans_equal_the_requests_intervals(seed):
+    rng = random.Random(seed)
+    requests = seeded_routed_requests(rng, rng.choice([0, 1, 40, 300]))
+    by_definition: dict[str, list[tuple[float, float]]] = {}
+    for r in requests:
+        for engine, since, until in windows.intervals(r):
+            by_definition.setdefault(engine, []).append((since, until))
+    spans = windows.spans_by_engine(requests)
+    assert spans == by_definition
+    assert {e: [tuple(map(type, s)) for s in v] for e, v in spans.items()} == \
+        {e: [tuple(map(type, s)) for s in v] for e, v in by_definition.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_engines_series_in_one_pass_equals_each_engines_own(seed):
+    rng = random.Random(seed)
+    samples = [EngineSample(t=float(i), engine=rng.choice(["P", "D", "X"]), num_used_blocks=0,
+                            num_cached_blocks=0, num_free_blocks=4, num_usable_blocks=4, num_waiting=0,
+                            num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
+                            num_finished_awaiting_free=0, loop_state="idle", num_steps=i, num_wakeups=0)
+               for i in range(rng.choice([0, 1, 50]))]
+    timeline = Timeline(engines=["D", "P"], num_usable_blocks={"P": 4, "D": 4}, samples=samples,
+                        requests=[], arrivals=[], aborts=[], end_t=60.0)  # X: a sample of no engine
+    assert EngineSeries.of_all(timeline) == {e: EngineSeries.of(timeline, e) for e in ("D", "P")}
+    assert list(EngineSeries.of_all(timeline)) == ["D", "P"]
