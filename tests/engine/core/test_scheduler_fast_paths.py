@@ -75,6 +75,9 @@ class Twin:
         meta = out.kv_connector_metadata
         if meta is not None:
             self.world.register(meta)
+        if failures.random() < 0.05 and self.sched.running:  # an abort while the step runs
+            victim = failures.choice(sorted(r.req_id for r in self.sched.running))
+            self.sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         runner_out = self.runner.execute(out)
         for req_id in out.req_ids:  # the runner fails a request now and then
             if failures.random() < 0.02:
@@ -210,6 +213,19 @@ def test_block_hash_is_sha256_of_parent_and_int64_tokens():
         expected = hashlib.sha256((parent or NONE_HASH) + array("q", tokens).tobytes()).digest()[:16]
         assert hash_block_tokens(parent, tokens) == expected
         parent = expected
+
+
+def test_a_request_aborted_while_its_step_ran_gets_no_token_and_the_others_do():
+    sched = make_scheduler()
+    for req_id in ("a", "b", "c"):
+        sched.add_request(make_request(req_id, num_tokens=5, max_tokens=3))
+    out = sched.schedule()
+    runner_out = MockModelRunner(sched.config).execute(out)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # c now sits at b's place
+    outputs = sched.update_from_output(out, runner_out)
+    assert [(o.req_id, o.finish_reason) for o in outputs] == [("a", None), ("c", None)]
+    assert [sched.requests[r].num_tokens for r in ("a", "c")] == [6, 6]
+    assert [r.req_id for r in sched.running] == ["a", "c"]
 
 
 def test_fast_update_skipped_when_the_runner_failed_a_request():
