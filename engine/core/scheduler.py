@@ -249,7 +249,7 @@ class Scheduler:
                     out.new_block_ids[req_id] = new_block_ids
             req_ids.append(req_id)
             num_computed_tokens.append(num_computed)
-            token_ids.append(request.all_token_ids[-1])
+            token_ids.append(request.all_token_ids[num_computed])  # the last (an index >= 0 is CPython's fast one)
             request.num_computed_tokens = num_computed + 1
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
