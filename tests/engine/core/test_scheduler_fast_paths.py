@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from array import array
 
 import pytest
@@ -166,6 +167,13 @@ def test_decode_fast_path_allocates_a_block_only_at_a_boundary():
     sched.update_from_output(out, MockModelRunner(sched.config).execute(out))
     out = sched.schedule()  # 9th token starts block 3
     assert out.new_block_ids == {"a": [3]} and out.token_ids == [8]
+
+
+def test_a_decode_is_scheduled_from_the_first_cache_line_of_its_request():
+    """_schedule_decodes reads four fields of a request: among its first six slots, which
+    share the first 64-byte line of a 192-byte object with its header."""
+    assert {"req_id", "num_tokens", "num_computed_tokens", "all_token_ids"} <= set(Request.__slots__[:6])
+    assert sys.getsizeof(Request("r", [1], 1, 4)) == 192
 
 
 def test_scheduler_output_columns_round_trip_records():
