@@ -2,7 +2,12 @@
 
 Workload (issue 14): N running decode requests (prompt 128 tokens, block 16, token
 budget 8192), optionally with an 8k-token prefill chunked into the mix; the runner is
-not timed, nor is releasing the step's returned outputs (their consumer's work).
+not timed, nor is releasing the step's returned outputs (their consumer's work). Both
+sides' requests decode in step, at the same place in their blocks: every 16th step
+starts a block for all of them and one fills it for all, and the median step does
+neither. `--spread` gives request i a prompt of 128 + i % 16 tokens instead, so that
+every step 1/16 of them start a block and 1/16 fill one (hashing it), on both sides.
+Both sides sample the mock runner's tokens ((last + 1) % vocab_size).
 With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
 workload runs through nano-vllm's Scheduler + BlockManager (imported without its model
 stack: its Config is replaced by a plain record) in interleaved rounds, and the table
@@ -11,7 +16,7 @@ kvdrain models (connector hooks, skipped_waiting, stop ids, vLLM's preemption or
 prefix-cache semantics), so the ratio is the price of fidelity. Needs `xxhash` for
 nano-vllm (`make bench` installs it).
 
-    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall]
+    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall] [--spread]
     python bench/scheduler_step.py --opcodes [--nano-vllm DIR] [--sizes 1,64,1024]
 
 A step's cost is this thread's CPU time (time.thread_time) unless --clock wall: on a
@@ -30,6 +35,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,14 +51,16 @@ TOKEN_BUDGET = 8192
 PREFILL_LEN = 8192
 NUM_BLOCKS = 80_000
 MAX_NUM_SEQS = 2048
+VOCAB_SIZE = EngineConfig().model.vocab_size  # the mock runner's next token: (last + 1) % VOCAB_SIZE
 # What a step costs: this thread's CPU time by default (a busy machine's other processes
 # do not inflate it, as they inflate wall time), or --clock wall (time.perf_counter).
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
+spread = False  # --spread: prompts of PROMPT_LEN + i % BLOCK_SIZE tokens
 
 
 def prompt(i: int) -> list[int]:
-    return [(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN)]
+    return [(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN + (i % BLOCK_SIZE if spread else 0))]
 
 
 class KvdrainBench:
@@ -63,12 +71,19 @@ class KvdrainBench:
     def __init__(self, num_running: int, with_prefill: bool) -> None:
         config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
                               max_num_batched_tokens=TOKEN_BUDGET, max_model_len=1 << 20)
-        self.sched = Scheduler(config)
+        # Everyone prefilled in one step, so that all decode in step, as nano-vllm's do
+        # (its prefills go first: nobody decodes before the last is prefilled). Spread
+        # over the budget's chunks they would sit at different places in their blocks,
+        # and the median step would hold block allocations and hashes on this side only.
+        prompts = [prompt(i) for i in range(num_running)]
+        num_prompt_tokens = sum(map(len, prompts))
+        self.sched = Scheduler(replace(config, max_num_batched_tokens=max(TOKEN_BUDGET, num_prompt_tokens)))
         self.runner = MockModelRunner(config)
-        for i in range(num_running):
-            self.sched.add_request(Request(f"d{i}", prompt(i), 1 << 30, BLOCK_SIZE))
+        for i, prompt_token_ids in enumerate(prompts):
+            self.sched.add_request(Request(f"d{i}", prompt_token_ids, 1 << 30, BLOCK_SIZE))
         while self.sched.waiting:  # prefill everyone, so the measured steps are decodes
             self._step()
+        self.sched.config = config
         if with_prefill:
             self.sched.add_request(Request("prefill", [j % 500 + 1 for j in range(PREFILL_LEN)],
                                            1 << 30, BLOCK_SIZE))
@@ -136,7 +151,9 @@ class NanoBench:
         start = clock()
         seqs, is_prefill = self.sched.schedule()
         elapsed = clock() - start
-        token_ids = [7] * len(seqs)  # the "model": not timed
+        # The "model", not timed: the tokens kvdrain's mock runner samples (fresh int
+        # objects, as real token ids are; a small int like 7 is one shared object).
+        token_ids = [(seq.last_token + 1) % VOCAB_SIZE for seq in seqs]
         start = clock()
         self.sched.postprocess(seqs, token_ids, is_prefill)
         return elapsed + clock() - start
@@ -218,9 +235,11 @@ def main() -> None:
                         help="this thread's CPU time (default) or wall time per step")
     parser.add_argument("--opcodes", action="store_true",
                         help="count the bytecodes of a step per function instead of timing it")
+    parser.add_argument("--spread", action="store_true",
+                        help="prompts of 128 + i %% 16 tokens: every step, 1/16 of the requests start a block")
     args = parser.parse_args()
-    global clock
-    clock = CLOCKS[args.clock]
+    global clock, spread
+    clock, spread = CLOCKS[args.clock], args.spread
     print(f"clock: {args.clock} ({clock.__name__})")
     if args.nano_vllm is not None:
         NanoBench.nano = load_nano_vllm(args.nano_vllm)

@@ -249,7 +249,7 @@ class Scheduler:
                     out.new_block_ids[req_id] = new_block_ids
             req_ids.append(req_id)
             num_computed_tokens.append(num_computed)
-            token_ids.append(request.all_token_ids[-1])
+            token_ids.append(request.all_token_ids[num_computed])  # the last (an index >= 0 is CPython's fast one)
             request.num_computed_tokens = num_computed + 1
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
@@ -424,15 +424,27 @@ class Scheduler:
         The same outputs: a request that may stop goes through check_stop and
         _free_request like any other; the rest are plain outputs, three column
         entries each (StepOutputs) and no object.
+
+        The step's requests lead `running`, in scheduling order (running ones first,
+        then admissions, which schedule() appended): each is read from there, not
+        looked up by id, unless the request at its place is another (one left running
+        while the step ran: an abort) or running ran out. A request in running is the
+        one `requests` holds under its id, so the lookup would find the same, and is
+        not finished (finishing takes a request out of running), so only a looked-up
+        one can be.
         """
-        requests, max_len = self.requests, self.config.max_model_len
+        requests, max_len, req_ids = self.requests, self.config.max_model_len, sched_out.req_ids
         out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
         bs = self.block_size
         any_finished = False
-        for req_id in sched_out.req_ids:
-            request = requests.get(req_id)
-            if request is None or request.status > _PREEMPTED:
-                continue  # aborted while the step ran
+        running = self.running
+        if len(running) < len(req_ids):  # some left it: the places past its end hold None
+            running = running + [None] * (len(req_ids) - len(running))
+        for request, req_id in zip(running, req_ids):
+            if request is None or request.req_id is not req_id:
+                request = requests.get(req_id)
+                if request is None or request.status > _PREEMPTED:
+                    continue  # aborted while the step ran
             token = sampled_token_ids.get(req_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from array import array
 
 import pytest
@@ -75,6 +76,9 @@ class Twin:
         meta = out.kv_connector_metadata
         if meta is not None:
             self.world.register(meta)
+        if failures.random() < 0.05 and self.sched.running:  # an abort while the step runs
+            victim = failures.choice(sorted(r.req_id for r in self.sched.running))
+            self.sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         runner_out = self.runner.execute(out)
         for req_id in out.req_ids:  # the runner fails a request now and then
             if failures.random() < 0.02:
@@ -165,6 +169,13 @@ def test_decode_fast_path_allocates_a_block_only_at_a_boundary():
     assert out.new_block_ids == {"a": [3]} and out.token_ids == [8]
 
 
+def test_a_decode_is_scheduled_from_the_first_cache_line_of_its_request():
+    """_schedule_decodes reads four fields of a request: among its first six slots, which
+    share the first 64-byte line of a 192-byte object with its header."""
+    assert {"req_id", "num_tokens", "num_computed_tokens", "all_token_ids"} <= set(Request.__slots__[:6])
+    assert sys.getsizeof(Request("r", [1], 1, 4)) == 192
+
+
 def test_scheduler_output_columns_round_trip_records():
     records = [ScheduledRequest(req_id="p", token_ids=[1, 2, 3], num_computed_tokens=4, new_block_ids=[5],
                                 is_new=True, sample=False),
@@ -210,6 +221,19 @@ def test_block_hash_is_sha256_of_parent_and_int64_tokens():
         expected = hashlib.sha256((parent or NONE_HASH) + array("q", tokens).tobytes()).digest()[:16]
         assert hash_block_tokens(parent, tokens) == expected
         parent = expected
+
+
+def test_a_request_aborted_while_its_step_ran_gets_no_token_and_the_others_do():
+    sched = make_scheduler()
+    for req_id in ("a", "b", "c"):
+        sched.add_request(make_request(req_id, num_tokens=5, max_tokens=3))
+    out = sched.schedule()
+    runner_out = MockModelRunner(sched.config).execute(out)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # c now sits at b's place
+    outputs = sched.update_from_output(out, runner_out)
+    assert [(o.req_id, o.finish_reason) for o in outputs] == [("a", None), ("c", None)]
+    assert [sched.requests[r].num_tokens for r in ("a", "c")] == [6, 6]
+    assert [r.req_id for r in sched.running] == ["a", "c"]
 
 
 def test_fast_update_skipped_when_the_runner_failed_a_request():
