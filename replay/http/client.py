@@ -73,6 +73,7 @@ LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
 IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
 MAX_LINE_BYTES = 128 << 10  # a longer stream line is that request's error (aiohttp's readline cap)
+DRAIN_S = 1.0  # after [DONE], how long the body's end is waited for before its connection is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +282,7 @@ class _Stream:
     num_cached_tokens: int | None = None  # None: the usage did not say
     error: str | None = None
     ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
+    done_t: float | None = None  # replay seconds when [DONE] was read: the request's end
 
     def add(self, now: float, token_ids: list[int], text: str) -> None:
         """One content chunk; a ValueError beyond max_outputs of them."""
@@ -512,8 +514,12 @@ class HttpReplay:
                     stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"
                 else:
                     await self._read_stream(response, stream)
+                    if stream.done_t is not None:
+                        await _drain(response.content)
         except asyncio.CancelledError:  # aborted by the trace, or given up on by _finish
-            if record.req_id in self.aborted:
+            if stream.done_t is not None:
+                pass  # cancelled while draining a finished stream: its outcome stands
+            elif record.req_id in self.aborted:
                 stream.finish_reason = "abort"
             else:
                 stream.error = f"gave up after {self.options.request_timeout_s:g} s without an end"
@@ -544,6 +550,7 @@ class HttpReplay:
             return False
         data = line[5:].strip()
         if data == b"[DONE]":
+            stream.done_t = self.now()
             return True
         chunk = loads_strict(data)
         if not isinstance(chunk, dict):
@@ -555,7 +562,7 @@ class HttpReplay:
         return False
 
     def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
-        record.end_t = self.now()
+        record.end_t = stream.done_t if stream.done_t is not None else self.now()
         times = stream.chunk_times
         record.first_token_t = times[0] if times else None
         record.itls = [b - a for a, b in zip(times, times[1:])]
@@ -618,6 +625,27 @@ class HttpReplay:
                 "num_gpu_blocks": _int_or_none(config.get("num_gpu_blocks")),
                 "connector": self.options.connector or (facts.connector if facts else None),
                 "cache_config": config}
+
+
+async def _drain(content: aiohttp.StreamReader) -> None:
+    """Read a finished stream's body to its end, discarding it: aiohttp returns a
+    connection to the pool only when its response was read to the end, and closes it
+    otherwise. The body's last chunk is a separate write after [DONE] (kvdrain's front and
+    vLLM's both end the body after it), so it is often in a later read: a stream left at
+    [DONE] costs a new connection, for the client and for the server. A server that sends
+    more, or keeps the body open, for DRAIN_S gets its connection closed; nothing read
+    here changes the request's record, which [DONE] already closed."""
+    if content.is_eof():
+        return
+    try:
+        await asyncio.wait_for(_read_to_end(content), DRAIN_S)
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        pass  # the connection is closed instead of reused
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> None:
+    while await content.readany():
+        pass
 
 
 def freeze_heap() -> bool:
