@@ -289,9 +289,10 @@ class _Stream:
         if self.max_outputs and len(self.chunk_times) >= self.max_outputs:
             raise ValueError(f"stream: more outputs than max_tokens ({self.max_outputs})")
         self.chunk_times.append(now)
-        for token in token_ids:
-            self.tokens_digest.update(f"{',' if self.num_tokens else ''}{token}".encode())
-            self.num_tokens += 1
+        if token_ids:  # output_digest's comma-joined ids, one update per chunk
+            ids = ",".join(map(str, token_ids))
+            self.tokens_digest.update((f",{ids}" if self.num_tokens else ids).encode())
+            self.num_tokens += len(token_ids)
         if self.max_outputs and self.num_tokens > self.max_outputs:
             raise ValueError(f"stream: more tokens than max_tokens ({self.max_outputs})")
         if text:
@@ -530,35 +531,37 @@ class HttpReplay:
 
     async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
         """The SSE lines as they come, whatever arrived at once split here (one await per
-        read, not per line: the replay's sends share this loop)."""
+        read, not per line: the replay's sends share this loop); the lines of one read
+        arrived together and share its time. A blank line only ends an event: skipped."""
         pending = b""
         async for data in response.content.iter_any():
+            now = self.now()
             *lines, pending = (pending + data).split(b"\n")
             if len(pending) > MAX_LINE_BYTES:
                 raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
             for line in lines:
-                if self._read_line(line, stream):
+                if line and self._read_line(line, stream, now):
                     return
-        self._read_line(pending, stream)
+        self._read_line(pending, stream, self.now())
 
-    def _read_line(self, line: bytes, stream: _Stream) -> bool:
-        """One SSE line into the stream; True at [DONE]."""
+    def _read_line(self, line: bytes, stream: _Stream, now: float) -> bool:
+        """One SSE line, read at `now`, into the stream; True at [DONE]."""
         if len(line) > MAX_LINE_BYTES:
             raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
         line = line.strip()
         if not line.startswith(b"data:"):
             return False
-        data = line[5:].strip()
+        data = line[5:].lstrip()
         if data == b"[DONE]":
-            stream.done_t = self.now()
+            stream.done_t = now
             return True
         chunk = loads_strict(data)
-        if not isinstance(chunk, dict):
+        if type(chunk) is not dict:
             raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
         if "error" in chunk:
             stream.error = _error_message(chunk)
         else:
-            _apply_chunk(stream, chunk, self.now())
+            _apply_chunk(stream, chunk, now)
         return False
 
     def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
@@ -682,28 +685,35 @@ def _expect(value: object, types: tuple[type, ...], what: str) -> object:
 
 def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
     """One chunk into the stream; a ValueError if its fields have the wrong types."""
-    usage = _expect(chunk.get("usage"), (dict,), "usage")
+    usage = chunk.get("usage")
     if usage is not None:
-        stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
-                                                 "usage.completion_tokens")
-        details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
-        stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
-    for choice in _expect(chunk.get("choices"), (list,), "choices") or ():
-        if not isinstance(choice, dict):
-            raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
-        _apply_choice(stream, choice, now)
+        _apply_usage(stream, _expect(usage, (dict,), "usage"))
+    choices = chunk.get("choices")
+    if choices is not None:
+        for choice in _expect(choices, (list,), "choices"):
+            if type(choice) is not dict:
+                raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
+            _apply_choice(stream, choice, now)
+
+
+def _apply_usage(stream: _Stream, usage: dict) -> None:
+    stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
+                                             "usage.completion_tokens")
+    details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
+    stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
 
 
 def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
-    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or []
-    if not all(type(t) is int for t in token_ids):
-        raise ValueError("stream chunk: token_ids: expected a list of integers")
+    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or ()
+    for token in token_ids:
+        if type(token) is not int:
+            raise ValueError("stream chunk: token_ids: expected a list of integers")
     text = _expect(choice.get("text"), (str,), "text") or ""
     if token_ids or text:
         stream.add(now, token_ids, text)
-    reason = _expect(choice.get("finish_reason"), (str,), "finish_reason")
+    reason = choice.get("finish_reason")
     if reason is not None:
-        stream.finish_reason = reason
+        stream.finish_reason = _expect(reason, (str,), "finish_reason")
         stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
                                         "kvdrain_ignored_reason")
 

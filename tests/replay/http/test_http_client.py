@@ -355,6 +355,36 @@ def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
     assert len(record.itls) == 1
 
 
+def test_the_events_of_one_read_share_its_time_and_blank_lines_between_them_are_skipped():
+    """A read's events arrived together: each is stamped with the read's time, not with
+    when the client got round to parsing it."""
+    from replay.http.client import _Stream
+
+    class Content:
+        def __init__(self, reads: list[bytes]) -> None:
+            self.reads = reads
+
+        async def iter_any(self):
+            for data in self.reads:
+                yield data
+
+    class Response:
+        content = Content([good({})[0] + good({})[1][:9], good({})[1][9:] + b"\n" + good({})[2],
+                           b"data: [DONE]\n\n"])
+
+    class Clock(HttpReplay):
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def now(self) -> float:
+            self.reads += 1
+            return float(self.reads)
+    stream = _Stream(max_outputs=2)
+    asyncio.run(Clock()._read_stream(Response(), stream))
+    assert stream.chunk_times == [1.0, 2.0] and stream.usage_completion_tokens == 2
+    assert (stream.finish_reason, stream.done_t, stream.num_tokens) == ("length", 3.0, 2)
+
+
 def test_requests_one_after_another_reuse_one_connection():
     trace = [TraceRequest(0.2 * i, f"r{i}", 2, 2) for i in range(8)]
     timeline, server = replay(good, trace)
