@@ -14,7 +14,8 @@ takes both clients in turn, rate by rate (kvdrain first, then vLLM's):
   writes (replay/deploy/vllm_model.py): `w<N>` is token N, the ids kvdrain's serve reads
   from a text prompt.
 Per rate: kvdrain's send lateness p50/p99 (the moment its request task stamped the send
-minus the trace's intended time), achieved rate (completed / from t = 0 to the last
+minus the trace's intended time), its CPU per request (this process's, the whole replay
+over the requests: less disturbed by other load than the latencies), achieved rate (completed / from t = 0 to the last
 request's end, vllm bench's request_throughput), and TTFT p50 for both. Both clients put
 the last arrival at N / rate, so their achieved rates differ only by when the last
 request ended (its lateness and latency, a few ms in 30 s): the ratio is printed to 4
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +67,7 @@ class Row:
     ttft_p50_ms: float | None = None
     lateness_p50_ms: float | None = None
     lateness_p99_ms: float | None = None
+    cpu_us: float | None = None  # the client's CPU (this process) per request
     num_completed: int = 0
     num_failed: int = 0
     error: str | None = None
@@ -92,13 +95,17 @@ def run_kvdrain(url: str, rate: float, seed: int, args, scrapes: int = 0) -> Row
     num_requests = round(rate * args.duration)
     metrics = tuple(MetricsSource(f"{url}/metrics", f"m{k}") for k in range(scrapes))
     options = HttpTargetOptions(url, metrics=metrics, scrape_interval_s=SCRAPE_INTERVAL_S, tail_s=0.01)
-    timeline = HttpReplay(options).run(poisson_trace(rate, num_requests, seed, args))
+    trace = poisson_trace(rate, num_requests, seed, args)
+    cpu = time.process_time()
+    timeline = HttpReplay(options).run(trace)
+    cpu = time.process_time() - cpu
     done = [r for r in timeline.requests if r.error is None and r.end_t is not None]
     lateness = [r.send_lateness_s for r in timeline.requests if r.send_lateness_s is not None]
     ttfts = [r.first_token_t - r.send_t for r in done if r.first_token_t is not None]
     end = max((r.end_t for r in done), default=None)
     return Row(achieved=len(done) / end if end else None, ttft_p50_ms=_ms(ttfts, 50),
                lateness_p50_ms=_ms(lateness, 50), lateness_p99_ms=_ms(lateness, 99),
+               cpu_us=cpu / num_requests * 1e6,
                num_completed=len(done), num_failed=len(timeline.requests) - len(done),
                scrapes=tuple((m["num_scrapes"], m["num_failures"]) for m in timeline.meta["http"]["metrics"]))
 
@@ -134,13 +141,14 @@ def _f(value: float | None, spec: str) -> str:
 
 
 def print_table(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], vllm_note: str | None) -> None:
-    print(f"{'rate':>6} | {'kvdrain':^47} | {'vllm bench serve':^27} | {'rate':>7}")
-    print(f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} {'ok/fail':>9} | "
+    print(f"{'rate':>6} | {'kvdrain':^55} | {'vllm bench serve':^27} | {'rate':>7}")
+    print(f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} {'CPU us':>7} {'ok/fail':>9} | "
           f"{'req/s':>8} {'TTFT p50':>9} {'ok/fail':>8} | {'kv/vllm':>7}")
     for rate in rates:
         k, v = kv[rate], vl.get(rate, Row())
         print(f"{rate:>6g} | {_f(k.lateness_p50_ms, '.2f'):>9} {_f(k.lateness_p99_ms, '.2f'):>7} "
-              f"{_f(k.achieved, '.2f'):>8} {_f(k.ttft_p50_ms, '.1f'):>9} {f'{k.num_completed}/{k.num_failed}':>9} | "
+              f"{_f(k.achieved, '.2f'):>8} {_f(k.ttft_p50_ms, '.1f'):>9} {_f(k.cpu_us, '.0f'):>7} "
+              f"{f'{k.num_completed}/{k.num_failed}':>9} | "
               f"{_f(v.achieved, '.2f'):>8} {_f(v.ttft_p50_ms, '.1f'):>9} {f'{v.num_completed}/{v.num_failed}':>8} | "
               f"{_f(_ratio(k, v), '.4f'):>7}")
     for rate in rates:
