@@ -4,7 +4,11 @@
 - every request is sent at origin + t/speedup (the shaping's times) from one monotonic
   origin, as a streaming POST /v1/completions with max_tokens, ignore_eos and
   stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
-  them) or, with --prompt-format text, those ids as the word tokenizer's text;
+  them) or, with --prompt-format text, those ids as the word tokenizer's text; each
+  from a loop timer at its time, one record per timer (_send_all);
+- a request ends at its [DONE]; its body is then read to the end (DRAIN_S at most) so
+  that its connection goes back to the pool: one connection per request in flight at
+  the busiest moment, not one per request;
 - per request: send lateness, TTFT, inter-token latencies, end-to-end latency, tokens
   (the final usage chunk, else what streamed), errors (HTTP status and message, a
   malformed stream, a request given up after request_timeout_s); every record is
