@@ -53,7 +53,7 @@ import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import aiohttp
 from yarl import URL
@@ -399,30 +399,19 @@ class HttpReplay:
                 self.versions[name] = version or self.identity.version
 
     async def _send_all(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
-        """Each request and abort from a timer callback at its time, which starts its task
-        (the request's send runs in the loop iteration after the timer, where a sleeping
-        coroutine would wake one iteration later still, behind another round of stream
-        reads) and sets the next record's timer: one record per callback, so a burst
-        behind schedule yields to the loop between records and holds back no scrape, no
-        request's I/O and no timeout until it is all started."""
-        loop = asyncio.get_running_loop()
-        finished = loop.create_future()
-        timers = _Timers(loop, iter(records), finished, self)
-        timers.set_next(session)
-        try:
-            await finished
-        finally:
-            timers.cancel()
-
-    def _send(self, session: aiohttp.ClientSession, record: TraceRequest | TraceAbort) -> None:
-        if isinstance(record, TraceRequest):
-            self._start(session, record)
-            return
-        task = self.tasks.get(record.req_id)
-        if task is not None and not task.done():
-            self.aborted.add(record.req_id)
-            task.cancel()  # the connection closes: the server aborts it
-        self.aborts.append(AbortRecord(self.now(), record.req_id))
+        for record in records:
+            if isinstance(record, (TraceRequest, TraceAbort)):
+                # Yields even when late: a burst behind schedule holds back no scrape,
+                # no request's I/O and no timeout until it is all started.
+                await asyncio.sleep(max(0.0, record.t - self.now()))
+            if isinstance(record, TraceRequest):
+                self._start(session, record)
+            elif isinstance(record, TraceAbort):
+                task = self.tasks.get(record.req_id)
+                if task is not None and not task.done():
+                    self.aborted.add(record.req_id)
+                    task.cancel()  # the connection closes: the server aborts it
+                self.aborts.append(AbortRecord(self.now(), record.req_id))
 
     def _start(self, session: aiohttp.ClientSession, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.identity.vocab_size)
@@ -731,47 +720,6 @@ def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
         stream.finish_reason = _expect(reason, (str,), "finish_reason")
         stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
                                         "kvdrain_ignored_reason")
-
-
-class _Timers:
-    """The sending's timer chain: one loop timer at a time, for the next request or abort
-    of the trace; `finished` gets the end of the trace, or what reading it raised."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, records: Iterator[TraceRecord],
-                 finished: asyncio.Future, replay: HttpReplay) -> None:
-        self.loop = loop
-        self.records = records
-        self.finished = finished
-        self.replay = replay
-        self.handle: asyncio.TimerHandle | None = None
-
-    def set_next(self, session: aiohttp.ClientSession) -> None:
-        try:
-            record = next(self.records, None)
-            while record is not None and not isinstance(record, (TraceRequest, TraceAbort)):
-                record = next(self.records, None)
-        except Exception as e:  # the trace's reader failed mid-run: the sending stops with it
-            self.finished.set_exception(e)
-            return
-        if record is None:
-            self.finished.set_result(None)
-            return
-        self.handle = self.loop.call_later(record.t - self.replay.now(), self._fire, session, record)
-
-    def _fire(self, session: aiohttp.ClientSession, record: TraceRequest | TraceAbort) -> None:
-        self.handle = None
-        if self.finished.done():  # cancelled meanwhile
-            return
-        try:
-            self.replay._send(session, record)
-        except Exception as e:  # raised to the sending, as from its own loop
-            self.finished.set_exception(e)
-            return
-        self.set_next(session)
-
-    def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
 
 
 def _int_or_none(text: str | None) -> int | None:
