@@ -4,8 +4,7 @@
 - every request is sent at origin + t/speedup (the shaping's times) from one monotonic
   origin, as a streaming POST /v1/completions with max_tokens, ignore_eos and
   stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
-  them) or, with --prompt-format text, those ids as the word tokenizer's text; each
-  from a loop timer at its time, one record per timer (_send_all);
+  them) or, with --prompt-format text, those ids as the word tokenizer's text;
 - a request ends at its [DONE]; its body is then read to the end (DRAIN_S at most) so
   that its connection goes back to the pool: one connection per request in flight at
   the busiest moment, not one per request;

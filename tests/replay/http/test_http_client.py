@@ -385,6 +385,32 @@ def test_the_events_of_one_read_share_its_time_and_blank_lines_between_them_are_
     assert (stream.finish_reason, stream.done_t, stream.num_tokens) == ("length", 3.0, 2)
 
 
+@pytest.mark.parametrize("where", ["reading the trace", "starting a request"])
+def test_what_fails_in_the_sending_midway_ends_the_replay_with_that_error(where: str, monkeypatch):
+    """An error while sending reaches the replay's caller, after the requests already started."""
+    def trace():
+        yield TraceRequest(0.0, "r0", 2, 2)
+        if where == "reading the trace":
+            raise TraceError("trace: line 2: bad")
+        yield TraceRequest(0.05, "r1", 2, 2)
+    start = HttpReplay._start
+
+    def failing_start(self: HttpReplay, session, req: TraceRequest) -> None:
+        if req.req_id == "r1":
+            raise TraceError("trace: r1: bad")
+        start(self, session, req)
+    monkeypatch.setattr(HttpReplay, "_start", failing_start)
+    server = FakeServer(good)
+
+    async def go() -> HttpReplay:
+        async with server.running() as url:
+            replay = HttpReplay(HttpTargetOptions(url, tail_s=0.05))
+            with pytest.raises(TraceError, match="bad"):
+                await replay.run_async(trace())
+            return replay
+    assert list(asyncio.run(asyncio.wait_for(go(), 30)).requests) == ["r0"]
+
+
 def test_requests_one_after_another_reuse_one_connection():
     trace = [TraceRequest(0.2 * i, f"r{i}", 2, 2) for i in range(8)]
     timeline, server = replay(good, trace)
