@@ -14,18 +14,15 @@ must finish with all its tokens. Prints both rows and the ratio HTTP / zmq.
 from __future__ import annotations
 
 import json
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import OtherLoad  # noqa: E402  (bench/common.py)
+from common import OtherLoad, start_serve  # noqa: E402  (bench/common.py)
 from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
 from replay.live.driver import WallClockReplay, WallOptions  # noqa: E402
 from replay.live.serve_client import ServeClient  # noqa: E402
@@ -35,9 +32,6 @@ NUM_REQUESTS = 1000
 PROMPT_LEN = 32
 MAX_TOKENS = 16
 REPEATS = 3
-SERVE = ["--runner", "mock", "--num-blocks", "8192", "--max-num-seqs", "256",
-         "--max-num-batched-tokens", "8192", "--no-live", "--http", "0"]
-
 
 def write_trace(path: Path, run: int) -> None:
     """Prompts are keyed by request id: a fresh id per run, so no run hits the prefix cache."""
@@ -45,25 +39,6 @@ def write_trace(path: Path, run: int) -> None:
         for i in range(NUM_REQUESTS):
             f.write(json.dumps({"t": 0.0, "id": f"run{run}-r{i}", "prompt_len": PROMPT_LEN,
                                 "max_tokens": MAX_TOKENS}) + "\n")
-
-
-def start_serve() -> tuple[subprocess.Popen, str, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *SERVE], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    zmq_address = http_url = None
-    deadline = time.monotonic() + 120
-    while (zmq_address is None or http_url is None) and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if m := re.search(r"listening on (\S+)", line):
-            zmq_address = m.group(1)
-        if m := re.search(r"HTTP on (http://\S+)", line):
-            http_url = m.group(1)
-    if zmq_address is None or http_url is None:
-        proc.kill()
-        raise RuntimeError("kvdrain serve --http did not start")
-    return proc, zmq_address, http_url
 
 
 def rate(timeline) -> float:

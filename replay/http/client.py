@@ -5,6 +5,9 @@
   origin, as a streaming POST /v1/completions with max_tokens, ignore_eos and
   stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
   them) or, with --prompt-format text, those ids as the word tokenizer's text;
+- a request ends at its [DONE]; its body is then read to the end (DRAIN_S at most) so
+  that its connection goes back to the pool: one connection per request in flight at
+  the busiest moment, not one per request;
 - per request: send lateness, TTFT, inter-token latencies, end-to-end latency, tokens
   (the final usage chunk, else what streamed), errors (HTTP status and message, a
   malformed stream, a request given up after request_timeout_s); every record is
@@ -73,6 +76,7 @@ LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
 IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
 MAX_LINE_BYTES = 128 << 10  # a longer stream line is that request's error (aiohttp's readline cap)
+DRAIN_S = 1.0  # after [DONE], how long the body's end is waited for before its connection is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,15 +285,17 @@ class _Stream:
     num_cached_tokens: int | None = None  # None: the usage did not say
     error: str | None = None
     ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
+    done_t: float | None = None  # replay seconds when [DONE] was read: the request's end
 
     def add(self, now: float, token_ids: list[int], text: str) -> None:
         """One content chunk; a ValueError beyond max_outputs of them."""
         if self.max_outputs and len(self.chunk_times) >= self.max_outputs:
             raise ValueError(f"stream: more outputs than max_tokens ({self.max_outputs})")
         self.chunk_times.append(now)
-        for token in token_ids:
-            self.tokens_digest.update(f"{',' if self.num_tokens else ''}{token}".encode())
-            self.num_tokens += 1
+        if token_ids:  # output_digest's comma-joined ids, one update per chunk
+            ids = ",".join(map(str, token_ids))
+            self.tokens_digest.update((f",{ids}" if self.num_tokens else ids).encode())
+            self.num_tokens += len(token_ids)
         if self.max_outputs and self.num_tokens > self.max_outputs:
             raise ValueError(f"stream: more tokens than max_tokens ({self.max_outputs})")
         if text:
@@ -512,8 +518,12 @@ class HttpReplay:
                     stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"
                 else:
                     await self._read_stream(response, stream)
+                    if stream.done_t is not None:
+                        await _drain(response.content)
         except asyncio.CancelledError:  # aborted by the trace, or given up on by _finish
-            if record.req_id in self.aborted:
+            if stream.done_t is not None:
+                pass  # cancelled while draining a finished stream: its outcome stands
+            elif record.req_id in self.aborted:
                 stream.finish_reason = "abort"
             else:
                 stream.error = f"gave up after {self.options.request_timeout_s:g} s without an end"
@@ -524,38 +534,41 @@ class HttpReplay:
 
     async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
         """The SSE lines as they come, whatever arrived at once split here (one await per
-        read, not per line: the replay's sends share this loop)."""
+        read, not per line: the replay's sends share this loop); the lines of one read
+        arrived together and share its time. A blank line only ends an event: skipped."""
         pending = b""
         async for data in response.content.iter_any():
+            now = self.now()
             *lines, pending = (pending + data).split(b"\n")
             if len(pending) > MAX_LINE_BYTES:
                 raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
             for line in lines:
-                if self._read_line(line, stream):
+                if line and self._read_line(line, stream, now):
                     return
-        self._read_line(pending, stream)
+        self._read_line(pending, stream, self.now())
 
-    def _read_line(self, line: bytes, stream: _Stream) -> bool:
-        """One SSE line into the stream; True at [DONE]."""
+    def _read_line(self, line: bytes, stream: _Stream, now: float) -> bool:
+        """One SSE line, read at `now`, into the stream; True at [DONE]."""
         if len(line) > MAX_LINE_BYTES:
             raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
         line = line.strip()
         if not line.startswith(b"data:"):
             return False
-        data = line[5:].strip()
+        data = line[5:].lstrip()
         if data == b"[DONE]":
+            stream.done_t = now
             return True
         chunk = loads_strict(data)
-        if not isinstance(chunk, dict):
+        if type(chunk) is not dict:
             raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
         if "error" in chunk:
             stream.error = _error_message(chunk)
         else:
-            _apply_chunk(stream, chunk, self.now())
+            _apply_chunk(stream, chunk, now)
         return False
 
     def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
-        record.end_t = self.now()
+        record.end_t = stream.done_t if stream.done_t is not None else self.now()
         times = stream.chunk_times
         record.first_token_t = times[0] if times else None
         record.itls = [b - a for a, b in zip(times, times[1:])]
@@ -620,6 +633,27 @@ class HttpReplay:
                 "cache_config": config}
 
 
+async def _drain(content: aiohttp.StreamReader) -> None:
+    """Read a finished stream's body to its end, discarding it: aiohttp returns a
+    connection to the pool only when its response was read to the end, and closes it
+    otherwise. The body's last chunk is a separate write after [DONE] (kvdrain's front and
+    vLLM's both end the body after it), so it is often in a later read: a stream left at
+    [DONE] costs a new connection, for the client and for the server. A server that sends
+    more, or keeps the body open, for DRAIN_S gets its connection closed; nothing read
+    here changes the request's record, which [DONE] already closed."""
+    if content.is_eof():
+        return
+    try:
+        await asyncio.wait_for(_read_to_end(content), DRAIN_S)
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        pass  # the connection is closed instead of reused
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> None:
+    while await content.readany():
+        pass
+
+
 def freeze_heap() -> bool:
     """Move every object alive now out of the collector's sight (gc.freeze) until the
     sending is over: a full collection walks the whole heap (imports, the trace, aiohttp)
@@ -654,28 +688,35 @@ def _expect(value: object, types: tuple[type, ...], what: str) -> object:
 
 def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
     """One chunk into the stream; a ValueError if its fields have the wrong types."""
-    usage = _expect(chunk.get("usage"), (dict,), "usage")
+    usage = chunk.get("usage")
     if usage is not None:
-        stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
-                                                 "usage.completion_tokens")
-        details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
-        stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
-    for choice in _expect(chunk.get("choices"), (list,), "choices") or ():
-        if not isinstance(choice, dict):
-            raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
-        _apply_choice(stream, choice, now)
+        _apply_usage(stream, _expect(usage, (dict,), "usage"))
+    choices = chunk.get("choices")
+    if choices is not None:
+        for choice in _expect(choices, (list,), "choices"):
+            if type(choice) is not dict:
+                raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
+            _apply_choice(stream, choice, now)
+
+
+def _apply_usage(stream: _Stream, usage: dict) -> None:
+    stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
+                                             "usage.completion_tokens")
+    details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
+    stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
 
 
 def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
-    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or []
-    if not all(type(t) is int for t in token_ids):
-        raise ValueError("stream chunk: token_ids: expected a list of integers")
+    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or ()
+    for token in token_ids:
+        if type(token) is not int:
+            raise ValueError("stream chunk: token_ids: expected a list of integers")
     text = _expect(choice.get("text"), (str,), "text") or ""
     if token_ids or text:
         stream.add(now, token_ids, text)
-    reason = _expect(choice.get("finish_reason"), (str,), "finish_reason")
+    reason = choice.get("finish_reason")
     if reason is not None:
-        stream.finish_reason = reason
+        stream.finish_reason = _expect(reason, (str,), "finish_reason")
         stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
                                         "kvdrain_ignored_reason")
 

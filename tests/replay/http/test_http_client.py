@@ -55,6 +55,7 @@ class FakeServer:
         self.peers: set[tuple] = set()  # the client ends of the connections POSTs came on
         self.release = asyncio.Event()
         self.route = lambda body: None  # the ROUTE_HEADER a body is answered with (None: none)
+        self.end = None  # awaited between [DONE] and the body's end (None: ends at once)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """Like vLLM over a WordLevel tokenizer: an unknown word is <unk>, after the words."""
@@ -83,6 +84,8 @@ class FakeServer:
         for chunk in chunks:
             await response.write(chunk)
         await response.write(b"data: [DONE]\n\n")
+        if self.end is not None:
+            await self.end(self)
         await response.write_eof()
         return response
 
@@ -352,11 +355,122 @@ def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
     assert len(record.itls) == 1
 
 
+def test_the_events_of_one_read_share_its_time_and_blank_lines_between_them_are_skipped():
+    """A read's events arrived together: each is stamped with the read's time, not with
+    when the client got round to parsing it."""
+    from replay.http.client import _Stream
+
+    class Content:
+        def __init__(self, reads: list[bytes]) -> None:
+            self.reads = reads
+
+        async def iter_any(self):
+            for data in self.reads:
+                yield data
+
+    class Response:
+        content = Content([good({})[0] + good({})[1][:9], good({})[1][9:] + b"\n" + good({})[2],
+                           b"data: [DONE]\n\n"])
+
+    class Clock(HttpReplay):
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def now(self) -> float:
+            self.reads += 1
+            return float(self.reads)
+    stream = _Stream(max_outputs=2)
+    asyncio.run(Clock()._read_stream(Response(), stream))
+    assert stream.chunk_times == [1.0, 2.0] and stream.usage_completion_tokens == 2
+    assert (stream.finish_reason, stream.done_t, stream.num_tokens) == ("length", 3.0, 2)
+
+
+@pytest.mark.parametrize("where", ["reading the trace", "starting a request"])
+def test_what_fails_in_the_sending_midway_ends_the_replay_with_that_error(where: str, monkeypatch):
+    """An error while sending reaches the replay's caller, after the requests already started."""
+    def trace():
+        yield TraceRequest(0.0, "r0", 2, 2)
+        if where == "reading the trace":
+            raise TraceError("trace: line 2: bad")
+        yield TraceRequest(0.05, "r1", 2, 2)
+    start = HttpReplay._start
+
+    def failing_start(self: HttpReplay, session, req: TraceRequest) -> None:
+        if req.req_id == "r1":
+            raise TraceError("trace: r1: bad")
+        start(self, session, req)
+    monkeypatch.setattr(HttpReplay, "_start", failing_start)
+    server = FakeServer(good)
+
+    async def go() -> HttpReplay:
+        async with server.running() as url:
+            replay = HttpReplay(HttpTargetOptions(url, tail_s=0.05))
+            with pytest.raises(TraceError, match="bad"):
+                await replay.run_async(trace())
+            return replay
+    assert list(asyncio.run(asyncio.wait_for(go(), 30)).requests) == ["r0"]
+
+
 def test_requests_one_after_another_reuse_one_connection():
     trace = [TraceRequest(0.2 * i, f"r{i}", 2, 2) for i in range(8)]
     timeline, server = replay(good, trace)
     assert [r.error for r in timeline.requests] == [None] * 8
     assert server.num_posts == 8 and len(server.peers) == 1
+
+
+def replay_ending(end, trace) -> tuple[Timeline, FakeServer]:
+    """replay() against a server that awaits end(server) between [DONE] and the body's end."""
+    server = FakeServer(good)
+    server.end = end
+
+    async def go() -> Timeline:
+        async with server.running() as url:
+            return await HttpReplay(HttpTargetOptions(url, tail_s=0.05)).run_async(trace)
+    return asyncio.run(asyncio.wait_for(go(), 30)), server
+
+
+def test_a_body_that_ends_in_a_later_write_after_done_is_read_to_its_end_and_its_connection_reused():
+    async def later(server: FakeServer) -> None:
+        await asyncio.sleep(0.05)  # the body's end in a read of its own
+    trace = [TraceRequest(0.3 * i, f"r{i}", 2, 2) for i in range(4)]
+    timeline, server = replay_ending(later, trace)
+    assert [r.error for r in timeline.requests] == [None] * 4
+    assert server.num_posts == 4 and len(server.peers) == 1
+
+
+def test_a_request_ends_at_done_and_a_body_kept_open_after_it_only_loses_its_connection(monkeypatch):
+    """The drain after [DONE] neither delays the request's end nor turns it into an error."""
+    from replay.http import client
+
+    monkeypatch.setattr(client, "DRAIN_S", 0.1)
+    closed_at: dict[str, float] = {}
+    close = HttpReplay._close
+
+    def timed_close(self: HttpReplay, record, stream, max_tokens: int = 0) -> None:
+        closed_at[record.req_id] = self.now()
+        close(self, record, stream, max_tokens)
+    monkeypatch.setattr(HttpReplay, "_close", timed_close)
+
+    async def never(server: FakeServer) -> None:
+        await server.release.wait()
+    trace = [TraceRequest(0.0, "r0", 2, 2), TraceRequest(0.5, "r1", 2, 2)]
+    timeline, server = replay_ending(never, trace)
+    assert [(r.error, r.finish_reason, r.num_output_tokens) for r in timeline.requests] == \
+        [(None, "length", 2)] * 2
+    assert len(server.peers) == 2  # each body left open: its connection closed, not reused
+    assert all(r.last_token_t <= r.end_t < closed_at[r.req_id] for r in timeline.requests)
+
+
+def test_an_abort_while_a_finished_stream_drains_leaves_its_outcome(monkeypatch):
+    from replay.http import client
+
+    monkeypatch.setattr(client, "DRAIN_S", 30.0)
+
+    async def never(server: FakeServer) -> None:
+        await server.release.wait()
+    timeline, _ = replay_ending(never, [TraceRequest(0.0, "r0", 2, 2), TraceAbort(1.0, "r0")])
+    record = timeline.request("r0")
+    assert (record.error, record.finish_reason, record.num_output_tokens) == (None, "length", 2)
 
 
 def test_a_tick_slower_than_the_scrape_interval_starves_no_send():

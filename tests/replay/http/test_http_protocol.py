@@ -1,9 +1,13 @@
-"""The HTTP front's pure parts: the word tokenizer and the completion request checks."""
+"""The HTTP front's pure parts: the word tokenizer, the completion request checks and strict JSON."""
 from __future__ import annotations
 
-import pytest
+import json
 
-from replay.http.protocol import ApiError, ServedModel, parse_completion
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay.http.protocol import ApiError, ServedModel, _encoding, loads_strict, parse_completion
 from replay.http.tokenizer import WordTokenizer
 
 MODEL = ServedModel("kvdrain-mock", max_model_len=64, vocab_size=512, block_size=16,
@@ -76,3 +80,15 @@ def test_bad_requests_get_vllm_errors(body, status, param):
 def test_prompt_too_long_says_so_like_vllm():
     with pytest.raises(ApiError, match="maximum context length is 64 tokens"):
         parse_completion({"prompt": [1] * 100}, MODEL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=8), st.binary(max_size=7).map(lambda b: b"{" + b)))
+def test_strict_json_reads_bytes_in_the_encoding_json_itself_would_guess(raw: bytes):
+    assert _encoding(raw) == json.detect_encoding(raw)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16-le", "utf-16", "utf-32-be"])
+def test_strict_json_reads_an_object_in_any_encoding_json_reads(encoding: str):
+    text = '{"choices": [{"text": "w1 héllo"}]}'
+    assert loads_strict(text.encode(encoding)) == json.loads(text.encode(encoding))
