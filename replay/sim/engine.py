@@ -71,15 +71,21 @@ class _TimedRunner:
         # frontend's why_malformed, or EngineCore.add_request), sampled tokens are in it.
         self.runner = MockModelRunner(config, check_vocab=False)
         self.num_tokens = 0
-        self.is_noop = False
+        self.sched_out: SchedulerOutput | None = None  # the step's, if it ran the model
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        meta = sched_out.kv_connector_metadata
         self.num_tokens = sched_out.total_num_scheduled_tokens
-        self.sched_out = sched_out  # its shape, for a calibrated cost model
-        self.is_noop = not (self.num_tokens or sched_out.req_ids or sched_out.preempted_req_ids
-                            or sched_out.finished_req_ids or (meta is not None and not meta.is_empty()))
+        self.sched_out = sched_out  # its shape (a calibrated cost model), what it shipped
         return self.runner.execute(sched_out)
+
+    def ran_nothing(self) -> bool:
+        """The step scheduled, shipped (finished ids, connector metadata) and preempted nothing."""
+        out = self.sched_out
+        if out is None:
+            return True
+        meta = out.kv_connector_metadata
+        return not (self.num_tokens or out.req_ids or out.preempted_req_ids or out.finished_req_ids
+                    or (meta is not None and not meta.is_empty()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +214,9 @@ class SimEngine:
         if msg.block_hashes is None or type(msg.max_tokens) is not int or msg.max_tokens < 1:
             return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
         try:
-            request = Request(msg.req_id, list(msg.prompt), msg.max_tokens, config.block_size,
+            # The prompt by reference: a Request keeps its own all_token_ids and never
+            # changes prompt_token_ids, nor does the frontend.
+            request = Request(msg.req_id, msg.prompt, msg.max_tokens, config.block_size,
                               eos_token_id=config.eos_token_id,
                               kv_transfer_params=dict(params) if params else None,
                               block_hashes=list(msg.block_hashes))
@@ -226,12 +234,12 @@ class SimEngine:
             self._block(LoopAction.WAIT_INPUT)
             return
         self.num_steps += 1
-        self.runner.num_tokens, self.runner.is_noop = 0, True  # a step may only process a batch
+        self.runner.num_tokens, self.runner.sched_out = 0, None  # a step may only process a batch
         step = self.core.step()
         outputs = step.outputs
         stats = self.core.make_stats()  # published when the step ends, with its outputs
-        noop = (self.runner.is_noop and not outputs and not num_inputs and not step.got_kv_reports
-                and not step.can_progress and stats == self.stats
+        noop = (not outputs and not num_inputs and not step.got_kv_reports and not step.can_progress
+                and self.runner.ran_nothing() and stats == self.stats
                 and not (self.core.batch_queue and self.core.batch_queue.has_pending_work()))
         tokens = self.runner.num_tokens
         cost = self._cost(tokens)
