@@ -46,14 +46,26 @@ class EventLoop:
         self.seq = 0
         self.now = 0
         self.num_pending = 0  # events other than sample ticks
+        self.order = (DELIVER, 0)  # (class, rank) of the event being handled
 
     def push(self, t: int, cls: int, rank: int, fn: Callable, arg: object = None) -> None:
         self.seq += 1
         self.num_pending += cls != TICK
-        heapq.heappush(self.heap, (t, cls, rank, self.seq, fn, arg))
+        # An event for now, pushed by the one being handled, comes after that one
+        # (a message sent at once): it inherits its place (has_passed).
+        after = self.order if t == self.now else None
+        heapq.heappush(self.heap, (t, cls, rank, self.seq, fn, arg, after))
 
     def pop(self) -> tuple[Callable, object]:
-        t, cls, _, _, fn, arg = heapq.heappop(self.heap)
+        t, cls, rank, _, fn, arg, after = heapq.heappop(self.heap)
         self.now = t
+        self.order = (cls, rank) if after is None or after < (cls, rank) else after
         self.num_pending -= cls != TICK
         return fn, arg
+
+
+def has_passed(loop: "EventLoop", rank: int) -> bool:
+    """Whether the event being handled comes after engine `rank`'s step start at `now`
+    (a message sent at once by a later engine's step start, say): a step starting now
+    has started already, and cannot see what this event brings."""
+    return loop.order > (STEP_START, rank)

@@ -52,7 +52,7 @@ from engine.runner.mock_runner import MockModelRunner
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats, StepOutputs
 from engine.core.request import Request
 from engine.utils import cdiv
-from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, to_ns
+from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, has_passed, to_ns
 from replay.sim.cost import StepShape
 from replay.sim.decode_run import DecodeRun, step_outputs
 from replay.sim.kv_worker import SimKVWorker
@@ -324,6 +324,8 @@ class SimEngine:
         run, self.run = self.run, None
         self.num_pauses += 1  # its end event is void
         num_steps = run.num_started_before(until)
+        if until == self.loop.now and has_passed(self.loop, self.rank):
+            num_steps = run.num_started_by(until)  # the step starting now missed this event
         if not num_steps:
             self.loop.push(run.starts[0], STEP_START, self.rank, self._step_start)
             return
@@ -352,6 +354,8 @@ class SimEngine:
         (s0, period, wakeups), now = self.ff, self.loop.now
         self.ff = None
         k = cdiv(now - s0, period) if now > s0 else 0
+        if now >= s0 and (now - s0) % period == 0 and has_passed(self.loop, self.rank):
+            k += 1  # the step starting now started before this event: it missed it
         if k == 0:
             self.loop.push(s0, STEP_START, self.rank, self._step_start)
             return
