@@ -26,11 +26,10 @@ class DecodeRun:
 
     starts: list[int]
     end: int
-    pause: int  # the engine's pause count when it began: its end event's ticket
 
     @classmethod
     def plan(cls, now: int, num_steps: int, num_decodes: int, num_context_tokens: int,
-             step_cost: StepCost, deadline: int | None, pause: int) -> DecodeRun | None:
+             step_cost: StepCost, deadline: int | None) -> DecodeRun | None:
         """`num_steps` steps from `now`, less those that would start at or after `deadline`; None if none is left."""
         starts, t = [], now
         for _ in range(num_steps):
@@ -39,7 +38,7 @@ class DecodeRun:
             starts.append(t)
             t += step_cost(num_decodes, num_context_tokens)
             num_context_tokens += num_decodes
-        return cls(starts, t, pause) if starts else None
+        return cls(starts, t) if starts else None
 
     def num_started_by(self, t: int) -> int:
         """Steps started at or before t (a sample at t comes after a step start at t)."""

@@ -128,7 +128,7 @@ def build_connector(config: EngineConfig) -> KVConnectorBase | None:
     return import_factory(config.kv_transfer.kv_connector)(config, KVConnectorRole.SCHEDULER)
 
 
-@dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs more
+@dataclass(slots=True, kw_only=True)  # not frozen: one per step, and a frozen __init__ costs more
 class _StepResult:
     """What a step hands to its end event: outputs and the liveness inputs."""
 
@@ -244,8 +244,9 @@ class SimEngine:
         tokens = self.runner.num_tokens
         cost = self._cost(tokens)
         self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
-                       _StepResult(outputs, step.model_executed, step.can_progress,
-                                   self.core.must_poll(), noop, step.got_kv_reports, stats))
+                       _StepResult(outputs=outputs, model_executed=step.model_executed,
+                                   can_progress=step.can_progress, must_poll=self.core.must_poll(),
+                                   noop=noop, got_kv_reports=step.got_kv_reports, stats=stats))
 
     def _cost(self, tokens: int) -> int:
         """The step's virtual ns: zero_step_s without tokens, else the cost model's."""
@@ -303,19 +304,20 @@ class SimEngine:
             return False
         num_context_tokens = sum(request.num_computed_tokens for request in scheduler.running)
         self.run = DecodeRun.plan(self.loop.now, num_steps, len(scheduler.running), num_context_tokens,
-                                  self._decode_cost, self.core.next_deadline_ns(), self.num_pauses + 1)
+                                  self._decode_cost, self.core.next_deadline_ns())
         if self.run is None:
             return False
-        self.num_pauses += 1
+        self.num_pauses += 1  # the run's ticket: its end event's
         self.loop.push(self.run.end, STEP_END, self.rank, self._end_run, self.num_pauses)
         return True
 
     def _end_run(self, pause: int) -> None:
         if pause != self.num_pauses:
-            return  # an input or a report ended that run earlier
+            self.loop.on_cancelled()  # an input or a report ended that run earlier
+            return
         run, self.run = self.run, None
         last = self._take_run_steps(run, len(run.starts))
-        self._step_end(_StepResult(last, True, False, self.core.must_poll(), False, False, self.stats))
+        self._step_end(self._run_step_result(last))
 
     def leave_run(self, until: int) -> None:
         """Something came at `until` (an input, a report), or someone must see the run's
@@ -323,6 +325,7 @@ class SimEngine:
         any step does."""
         run, self.run = self.run, None
         self.num_pauses += 1  # its end event is void
+        self.loop.cancel()
         num_steps = run.num_started_before(until)
         if until == self.loop.now and has_passed(self.loop, self.rank):
             num_steps = run.num_started_by(until)  # the step starting now missed this event
@@ -331,7 +334,13 @@ class SimEngine:
             return
         last = self._take_run_steps(run, num_steps)
         self.loop.push(run.end_of(num_steps - 1), STEP_END, self.rank, self._step_end,
-                       _StepResult(last, True, False, self.core.must_poll(), False, False, self.stats))
+                       self._run_step_result(last))
+
+    def _run_step_result(self, outputs: StepOutputs) -> _StepResult:
+        """What a run's last step hands to its end (a plain decode step's)."""
+        return _StepResult(outputs=outputs, model_executed=True, can_progress=False,
+                           must_poll=self.core.must_poll(), noop=False, got_kv_reports=False,
+                           stats=self.stats)
 
     def _take_run_steps(self, run: DecodeRun, num_steps: int) -> StepOutputs:
         """Make the run's first num_steps steps; publish the outputs of all but the
@@ -364,7 +373,9 @@ class SimEngine:
         self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
         if last_end > now:  # that step is still running: let its end decide, as it would
             self.loop.push(last_end, STEP_END, self.rank, self._step_end,
-                           _StepResult([], False, False, self.core.must_poll(), True, False, self.stats))
+                           _StepResult(outputs=[], model_executed=False, can_progress=False,
+                                       must_poll=self.core.must_poll(), noop=True, got_kv_reports=False,
+                                       stats=self.stats))
         else:
             self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from engine.core import decode_run
+from replay.sim.clock import TICK, to_ns
 from replay.sim.cost import CostModel
 from replay.sim.decode_run import DecodeRun
 from replay.sim.options import SimOptions
@@ -94,10 +95,10 @@ def test_a_run_keeps_the_steps_that_start_before_the_connectors_next_timed_actio
     """A step that starts at or after the deadline would heartbeat or reap: it is taken."""
     def cost(num_decodes, num_context_tokens):
         return 10 + num_context_tokens
-    run = DecodeRun.plan(100, 5, 2, 4, cost, deadline=140, pause=1)
+    run = DecodeRun.plan(100, 5, 2, 4, cost, deadline=140)
     assert run.starts == [100, 114, 130] and run.end == 148
-    assert DecodeRun.plan(100, 5, 2, 4, cost, deadline=100, pause=1) is None
-    whole = DecodeRun.plan(100, 3, 2, 4, cost, deadline=None, pause=1)
+    assert DecodeRun.plan(100, 5, 2, 4, cost, deadline=100) is None
+    whole = DecodeRun.plan(100, 3, 2, 4, cost, deadline=None)
     assert whole.starts == [100, 114, 130] and whole.end == 148
     assert [whole.num_started_by(t) for t in (99, 100, 113, 114, 200)] == [0, 1, 1, 2, 3]
     assert [whole.num_started_before(t) for t in (100, 101, 114, 115)] == [0, 1, 1, 2]
@@ -116,3 +117,29 @@ def test_a_request_that_arrives_as_a_skipped_step_starts_joins_that_step(topolog
     skipped = timeline_json(records, options)
     assert sum(num_skipped_steps) > 10
     assert skipped == timeline_json(records, replace(options, fast_forward=False))
+
+
+def test_a_simulation_stopped_inside_a_run_has_the_timeline_of_every_step_taken():
+    """Ctrl-C's timeline (Simulation.stopped): the run's steps that started by then
+    are taken, the tokens of those that ended are the client's, as with every step."""
+    records = decode_heavy_workload(1)
+
+    def stopped(options: SimOptions, stop_ns: int) -> tuple[str, bool]:
+        sim = Simulation(records, options)
+        sim._feed()
+        sim.loop.push(0, TICK, 0, sim._tick)
+        while sim.loop.heap and sim.loop.heap[0][0] <= stop_ns:
+            fn, arg = sim.loop.pop()
+            fn(arg)
+        in_run = any(engine.run is not None for engine in sim.engines.values())
+        sim.loop.now = stop_ns  # the signal's moment, whichever event came last
+        timeline = sim.stopped("SIGINT")
+        timeline.meta.pop("fast_forward")
+        return json.dumps(timeline.to_dict(), sort_keys=True), in_run
+    options = SimOptions(topology="single", tail_s=1.0, sample_interval_s=0.0171)
+    num_in_run = 0
+    for stop_ns in range(to_ns(0.0103), to_ns(1.2), to_ns(0.0397)):
+        skipped, in_run = stopped(options, stop_ns)
+        num_in_run += in_run
+        assert skipped == stopped(replace(options, fast_forward=False), stop_ns)[0]
+    assert num_in_run > 5

@@ -42,9 +42,9 @@ def cut_runs(monkeypatch):
     cuts = []
     plan = decode_run.DecodeRun.plan.__func__
 
-    def counting_plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, deadline, pause):
-        run = plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, deadline, pause)
-        whole = plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, None, pause)
+    def counting_plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, deadline):
+        run = plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, deadline)
+        whole = plan(cls, now, num_steps, num_decodes, num_context_tokens, step_cost, None)
         if whole is not None and (run is None or len(run.starts) < len(whole.starts)):
             cuts.append(now)
         return run
