@@ -2,11 +2,12 @@
 
 Workload (issue 14): N running decode requests (prompt 128 tokens, block 16, token
 budget 8192), optionally with an 8k-token prefill chunked into the mix; the runner is
-not timed, nor is releasing the step's returned outputs (their consumer's work). Both
-sides' requests decode in step, at the same place in their blocks: every 16th step
-starts a block for all of them and one fills it for all, and the median step does
-neither. `--spread` gives request i a prompt of 128 + i % 16 tokens instead, so that
-every step 1/16 of them start a block and 1/16 fill one (hashing it), on both sides.
+not timed, nor is releasing the step's returned outputs (their consumer's work). Two
+tables, one per workload (`--workload` picks one): `step`, both sides' requests decode
+in step, at the same place in their blocks: every 16th step starts a block for all of
+them and one fills it for all, and the median step does neither; `spread`, request i
+has a prompt of 128 + i % 16 tokens, so that every step 1/16 of them start a block and
+1/16 fill one (hashing it), on both sides: the median step holds that work.
 Both sides sample the mock runner's tokens ((last + 1) % vocab_size).
 With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
 workload runs through nano-vllm's Scheduler + BlockManager (imported without its model
@@ -16,7 +17,7 @@ kvdrain models (connector hooks, skipped_waiting, stop ids, vLLM's preemption or
 prefix-cache semantics), so the ratio is the price of fidelity. Needs `xxhash` for
 nano-vllm (`make bench` installs it).
 
-    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall] [--spread]
+    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall] [--workload step|spread|both]
     python bench/scheduler_step.py --opcodes [--nano-vllm DIR] [--sizes 1,64,1024]
 
 A step's cost is this thread's CPU time (time.thread_time) unless --clock wall: on a
@@ -56,7 +57,7 @@ VOCAB_SIZE = EngineConfig().model.vocab_size  # the mock runner's next token: (l
 # do not inflate it, as they inflate wall time), or --clock wall (time.perf_counter).
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
-spread = False  # --spread: prompts of PROMPT_LEN + i % BLOCK_SIZE tokens
+spread = False  # the spread workload: prompts of PROMPT_LEN + i % BLOCK_SIZE tokens
 
 
 def prompt(i: int) -> list[int]:
@@ -235,19 +236,23 @@ def main() -> None:
                         help="this thread's CPU time (default) or wall time per step")
     parser.add_argument("--opcodes", action="store_true",
                         help="count the bytecodes of a step per function instead of timing it")
-    parser.add_argument("--spread", action="store_true",
-                        help="prompts of 128 + i %% 16 tokens: every step, 1/16 of the requests start a block")
+    parser.add_argument("--workload", choices=("step", "spread", "both"), default="both",
+                        help="requests in step (every 16th step starts a block for all), spread "
+                             "(prompts of 128 + i %% 16 tokens: every step, 1/16 start a block), or both tables")
     args = parser.parse_args()
     global clock, spread
-    clock, spread = CLOCKS[args.clock], args.spread
+    clock = CLOCKS[args.clock]
     print(f"clock: {args.clock} ({clock.__name__})")
     if args.nano_vllm is not None:
         NanoBench.nano = load_nano_vllm(args.nano_vllm)
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.opcodes:
-        census(sizes, args.steps, args.nano_vllm is not None)
-        return
-    run(sizes, args.rounds, args.steps, args.nano_vllm is not None)
+    for workload in ("step", "spread") if args.workload == "both" else (args.workload,):
+        spread = workload == "spread"
+        print(f"workload: {workload}")
+        if args.opcodes:
+            census(sizes, args.steps, args.nano_vllm is not None)
+        else:
+            run(sizes, args.rounds, args.steps, args.nano_vllm is not None)
 
 
 if __name__ == "__main__":
