@@ -49,7 +49,7 @@ def num_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens, limit:
         num_steps = min(num_steps, -num_computed % bs, _num_steps_before_length_cap(scheduler, request))
         if num_steps > 0:
             num_steps = _num_steps_before_stop_token(request, next_tokens(request, num_steps))
-        if num_steps == 0:
+        if num_steps <= 0:
             return 0
     return num_steps
 
