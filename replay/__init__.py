@@ -9,5 +9,6 @@ One subpackage per concern:
 - deploy/  the frontend's P/D routing, the router over engine clients, launching topologies
 - verify/  the timeline, the verdict rules (conservation, drain, snapshots) and reports
 - ui/      the live dashboard: its state (plain data) and its rich view
-pipeline.py runs one replay (validate, shape, drive, verify); commands.py is what each CLI verb does.
+pipeline.py runs one replay (validate, shape, drive, verify); commands.py is what each CLI verb does;
+heap.py is the garbage collector's policy while a replay runs (the virtual clock's and the HTTP client's).
 """

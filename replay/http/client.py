@@ -48,7 +48,6 @@ replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's st
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from typing import Callable, Iterable
 import aiohttp
 from yarl import URL
 
+from replay.heap import frozen_heap
 from replay.http import pool
 from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
@@ -371,12 +371,8 @@ class HttpReplay:
             for scraper in self.scrapers:
                 scraper.rebase(self.origin)
             self._tick()
-            frozen = freeze_heap()
-            try:
+            with frozen_heap():
                 await self._send_while_scraping(session, records)
-            finally:
-                if frozen:
-                    gc.unfreeze()
             for scraper in self.scrapers:  # a last reading, after the tail
                 await scraper.scrape(session)
             self.end_t = self.now()
@@ -652,21 +648,6 @@ async def _drain(content: aiohttp.StreamReader) -> None:
 async def _read_to_end(content: aiohttp.StreamReader) -> None:
     while await content.readany():
         pass
-
-
-def freeze_heap() -> bool:
-    """Move every object alive now out of the collector's sight (gc.freeze) until the
-    sending is over: a full collection walks the whole heap (imports, the trace, aiohttp)
-    and holds every send back meanwhile (34 ms on an idle 2-core machine, over 100 ms on a
-    loaded one, about once a 10 s run at 100 req/s). No collection first: gc.collect()
-    would run every pending finalizer of the process (another library's, a test's)
-    synchronously on this loop, where no timeout can interrupt one that blocks; what is
-    garbage now is collected after the unfreeze instead. False where the heap was already
-    frozen by someone else, or the collector is off."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        return False
-    gc.freeze()
-    return True
 
 
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:

@@ -9,31 +9,12 @@ that one, whatever its class: it inherits its place (EventLoop.order, has_passed
 """
 from __future__ import annotations
 
-import gc
 import heapq
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 NS = 1_000_000_000
 DELIVER, STEP_END, STEP_START, TICK = range(4)  # event classes, in tie order
 _RANKS = 1 << 16  # engine ranks below it: an event's place at an instant is cls * _RANKS + rank
-
-
-# A full collection's threshold that a run never reaches (gc.set_threshold's third).
-NO_FULL_COLLECTION = (1 << 31) - 1
-
-
-@contextmanager
-def no_full_collections() -> Iterator[None]:
-    """Only young garbage collected meanwhile. What a simulation makes (its samples,
-    requests, engines) lives until it ends, so each full collection walks all of it for
-    nothing: 2-3 of them took 6-8% of a whole Mooncake replay. Thresholds restored after."""
-    young, middle, full = gc.get_threshold()
-    gc.set_threshold(young, middle, NO_FULL_COLLECTION)
-    try:
-        yield
-    finally:
-        gc.set_threshold(young, middle, full)
 
 
 def to_ns(seconds: float) -> int:

@@ -17,7 +17,8 @@ from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
 from engine.core.block_hash import BlockHash, hash_request_blocks
 from engine.core.request_check import why_malformed
 from engine.core.outputs import RequestOutput, StepOutputs
-from replay.sim.clock import DELIVER, NS, TICK, EventLoop, no_full_collections, to_ns
+from replay.heap import no_full_collections
+from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
