@@ -37,8 +37,8 @@ NextTokens = Callable[[Request, int], list[int]]
 def num_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens, limit: int) -> int:
     """How many of the next steps are plain decode steps (at most `limit`), given that
     the last step consumed no connector report and nothing has arrived since."""
-    if (scheduler.waiting or scheduler.skipped_waiting or scheduler.finished_req_ids
-            or len(scheduler.running) > scheduler.config.max_num_batched_tokens):
+    if (not scheduler.running or scheduler.waiting or scheduler.skipped_waiting
+            or scheduler.finished_req_ids or len(scheduler.running) > scheduler.config.max_num_batched_tokens):
         return 0
     num_steps, bs = limit, scheduler.block_size
     for request in scheduler.running:

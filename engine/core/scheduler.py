@@ -220,6 +220,8 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> int:
         """The decode fast path: running[req_index:] while each needs exactly one token.
+        (engine/core/decode_run.py takes k such steps at once: what one changes here and in
+        _update_sampled, it changes too.)
 
         The same decisions as the loop above (tests/engine/core/test_scheduler_fast_paths.py checks it step by
         step): one token per request; no new block while the slot is inside the table
