@@ -217,6 +217,8 @@ def parse_args() -> argparse.Namespace:
     args.rates = [float(r) for r in args.rates.split(",")]
     if not all(r > 0 for r in args.rates) or args.duration <= 0 or args.scrape_rate <= 0:
         parser.error("--rates, --duration and --scrape-rate must be > 0")
+    if min(round(r * args.duration) for r in (*args.rates, args.scrape_rate)) < 1:
+        parser.error("--duration: every rate (and --scrape-rate) must send at least one request in it")
     return args
 
 
