@@ -125,7 +125,7 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
     has_tail = any(is_tail for _, _, is_tail in observed)
     quiet = quiet_from(timeline.requests, [w.end for w in expected])
     last_sent = max(timeline.arrivals, default=-math.inf)
-    lateness = client_latenesses(expected, timeline.requests)
+    lateness = client_latenesses(expected, timeline.requests, quiet)
     out = []
     for w, q, late in zip(expected, quiet, lateness):
         seen = has_tail if w.is_tail else round(w.end, 9) in ends
@@ -181,14 +181,16 @@ def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> flo
     return max(late, default=None)
 
 
-def client_latenesses(expected: Sequence[ExpectedWindow],
-                      requests: Sequence[RequestRecord]) -> list[float | None]:
+def client_latenesses(expected: Sequence[ExpectedWindow], requests: Sequence[RequestRecord],
+                      busy_until: Sequence[float] | None = None) -> list[float | None]:
     """client_lateness of each window, in O((windows + requests) log requests): the windows
     by end, the requests that arrived before it added to a max-tree over end times. A window
-    whose earlier requests had all ended by the model's quiet (quiet_from) has none: None,
-    without the tree (every window of a run that is its own model)."""
+    whose earlier requests had all ended by the model's quiet (busy_until: quiet_from of the
+    windows' ends, if the caller has it) has none: None, without the tree (every window of a
+    run that is its own model)."""
     out: list[float | None] = [None] * len(expected)
-    busy_until = quiet_from(requests, [w.end for w in expected])
+    if busy_until is None:
+        busy_until = quiet_from(requests, [w.end for w in expected])
     order = sorted((i for i, w in enumerate(expected)
                     if w.model_quiet_from is not None and busy_until[i] > w.model_quiet_from),
                    key=lambda i: expected[i].end)

@@ -220,17 +220,10 @@ def spans_by_engine(requests: Sequence[RequestRecord]) -> dict[str, list[tuple[f
             first_token_t = record.first_token_t
             kv_left = end if first_token_t is None or first_token_t > end else first_token_t
             for engine, since in stages[:-1]:
-                _spans_of(by_engine, engine).append((since, since if since > kv_left else kv_left))
+                by_engine.setdefault(engine, []).append((since, since if since > kv_left else kv_left))
         engine, since = stages[-1]
-        _spans_of(by_engine, engine).append((since, end))
+        by_engine.setdefault(engine, []).append((since, end))
     return by_engine
-
-
-def _spans_of(by_engine: dict[str, list[tuple[float, float]]], engine: str) -> list[tuple[float, float]]:
-    spans = by_engine.get(engine)
-    if spans is None:
-        spans = by_engine[engine] = []
-    return spans
 
 
 def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: float) -> list[Window]:
