@@ -10,6 +10,7 @@
 - metrics: its Prometheus metrics, with vLLM's names;
 - shared_serve: the HTTP front and the zmq serve on one router, in one asyncio loop;
 - client: the replay target over HTTP;
+- stream: one streamed completion as that client reads it (its events, its body's end);
 - route: the header in which kvdrain's proxy names each completion's way;
 - pool: the connection pool of its clients (no connection reused past a server's keep-alive);
 - preflight: the checks before its first request (the target, every metrics URL);

@@ -5,8 +5,8 @@
   origin, as a streaming POST /v1/completions with max_tokens, ignore_eos and
   stream_options.include_usage; prompts are the synthesised token ids (as vLLM accepts
   them) or, with --prompt-format text, those ids as the word tokenizer's text;
-- a request ends at its [DONE]; its body is then read to the end (DRAIN_S at most) so
-  that its connection goes back to the pool: one connection per request in flight at
+- a request ends at its [DONE]; its body is then read to the end (replay/http/stream.py)
+  so that its connection goes back to the pool: one connection per request in flight at
   the busiest moment, not one per request;
 - per request: send lateness, TTFT, inter-token latencies, end-to-end latency, tokens
   (the final usage chunk, else what streamed), errors (HTTP status and message, a
@@ -48,7 +48,6 @@ replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's st
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -61,6 +60,7 @@ from replay.http import pool
 from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
 from replay.http.protocol import DuplicateKeyError, loads_strict
+from replay.http.stream import Stream, drain, error_message, read_stream
 from replay.http.scrape import MetricsSource, Scraper
 from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
                                       probe_vocab_size, read_facts, root_of)
@@ -75,8 +75,6 @@ from replay.verify.windows import QUEUE_GAUGE, QUEUE_GAUGES
 LEAD_IN_S = 0.2  # between the probes and the trace's t = 0
 PROMPT_FORMATS = ("ids", "text")
 IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no cause given
-MAX_LINE_BYTES = 128 << 10  # a longer stream line is that request's error (aiohttp's readline cap)
-DRAIN_S = 1.0  # after [DONE], how long the body's end is waited for before its connection is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,53 +261,6 @@ def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str
     return value
 
 
-def _error_message(body: object) -> str:
-    """The server's error message, printable (it reaches the terminal)."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return printable(body["error"].get("message"))
-    return printable(body)
-
-
-@dataclass(slots=True)
-class _Stream:
-    """What one streamed response said, kept as counts and running digests (nothing grows
-    with what the server sends: a stream of more outputs than max_tokens is an error)."""
-
-    max_outputs: int = 0  # content chunks allowed (each carries at least one token); 0: any
-    num_tokens: int = 0
-    tokens_digest: hashlib._Hash = field(default_factory=hashlib.sha256)  # output_digest's
-    text_digest: hashlib._Hash | None = None  # of the text, when a chunk had text and no ids
-    chunk_times: list[float] = field(default_factory=list)  # replay seconds of each content chunk
-    finish_reason: str | None = None
-    usage_completion_tokens: int | None = None
-    num_cached_tokens: int | None = None  # None: the usage did not say
-    error: str | None = None
-    ignored_reason: str | None = None  # kvdrain's front says why it ignored the request
-    done_t: float | None = None  # replay seconds when [DONE] was read: the request's end
-
-    def add(self, now: float, token_ids: list[int], text: str) -> None:
-        """One content chunk; a ValueError beyond max_outputs of them."""
-        if self.max_outputs and len(self.chunk_times) >= self.max_outputs:
-            raise ValueError(f"stream: more outputs than max_tokens ({self.max_outputs})")
-        self.chunk_times.append(now)
-        if token_ids:  # output_digest's comma-joined ids, one update per chunk
-            ids = ",".join(map(str, token_ids))
-            self.tokens_digest.update((f",{ids}" if self.num_tokens else ids).encode())
-            self.num_tokens += len(token_ids)
-        if self.max_outputs and self.num_tokens > self.max_outputs:
-            raise ValueError(f"stream: more tokens than max_tokens ({self.max_outputs})")
-        if text:
-            if self.text_digest is None:
-                self.text_digest = hashlib.sha256()
-            self.text_digest.update(text.encode("utf-8", "surrogatepass"))
-
-    def digest(self) -> str:
-        """output_digest of the token ids; of the text when the server sent none."""
-        if self.num_tokens or self.text_digest is None:
-            return self.tokens_digest.hexdigest()[:16]
-        return self.text_digest.hexdigest()[:16]
-
-
 class HttpReplay:
     def __init__(self, options: HttpTargetOptions, identity: ServerIdentity | None = None,
                  on_tick: Callable[[HttpReplay], None] | None = None) -> None:
@@ -423,7 +374,7 @@ class HttpReplay:
         instant of its request, or a client running late): close its record here."""
         if record.end_t is not None:
             return
-        stream = _Stream(num_cached_tokens=0)  # never computed: no hits
+        stream = Stream(num_cached_tokens=0)  # never computed: no hits
         if record.req_id in self.aborted:
             stream.finish_reason = "abort"
         else:
@@ -502,7 +453,7 @@ class HttpReplay:
     async def _request(self, session: aiohttp.ClientSession, req: TraceRequest,
                        prompt: list[int], record: RequestRecord) -> None:
         url = api_root(self.options.base_url) + "/v1/completions"
-        stream = _Stream(max_outputs=req.max_tokens)
+        stream = Stream(max_outputs=req.max_tokens)
         record.send_t = self.now()
         record.send_lateness_s = record.send_t - req.t
         try:
@@ -511,11 +462,11 @@ class HttpReplay:
                     record.enter(upstream, record.send_t)  # when it reached each: not seen here
                 if response.status != 200:
                     body = await response.read()
-                    stream.error = f"HTTP {response.status}: {_error_message(_json_or_text(body))}"
+                    stream.error = f"HTTP {response.status}: {error_message(_json_or_text(body))}"
                 else:
-                    await self._read_stream(response, stream)
+                    await read_stream(response, stream, self.now)
                     if stream.done_t is not None:
-                        await _drain(response.content)
+                        await drain(response.content)
         except asyncio.CancelledError:  # aborted by the trace, or given up on by _finish
             if stream.done_t is not None:
                 pass  # cancelled while draining a finished stream: its outcome stands
@@ -528,42 +479,7 @@ class HttpReplay:
         finally:
             self._close(record, stream, req.max_tokens)
 
-    async def _read_stream(self, response: aiohttp.ClientResponse, stream: _Stream) -> None:
-        """The SSE lines as they come, whatever arrived at once split here (one await per
-        read, not per line: the replay's sends share this loop); the lines of one read
-        arrived together and share its time. A blank line only ends an event: skipped."""
-        pending = b""
-        async for data in response.content.iter_any():
-            now = self.now()
-            *lines, pending = (pending + data).split(b"\n")
-            if len(pending) > MAX_LINE_BYTES:
-                raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
-            for line in lines:
-                if line and self._read_line(line, stream, now):
-                    return
-        self._read_line(pending, stream, self.now())
-
-    def _read_line(self, line: bytes, stream: _Stream, now: float) -> bool:
-        """One SSE line, read at `now`, into the stream; True at [DONE]."""
-        if len(line) > MAX_LINE_BYTES:
-            raise ValueError(f"stream: a line longer than {MAX_LINE_BYTES >> 10} KiB")
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            return False
-        data = line[5:].lstrip()
-        if data == b"[DONE]":
-            stream.done_t = now
-            return True
-        chunk = loads_strict(data)
-        if type(chunk) is not dict:
-            raise ValueError(f"stream chunk: expected a JSON object, got {type(chunk).__name__}")
-        if "error" in chunk:
-            stream.error = _error_message(chunk)
-        else:
-            _apply_chunk(stream, chunk, now)
-        return False
-
-    def _close(self, record: RequestRecord, stream: _Stream, max_tokens: int = 0) -> None:
+    def _close(self, record: RequestRecord, stream: Stream, max_tokens: int = 0) -> None:
         record.end_t = stream.done_t if stream.done_t is not None else self.now()
         times = stream.chunk_times
         record.first_token_t = times[0] if times else None
@@ -629,27 +545,6 @@ class HttpReplay:
                 "cache_config": config}
 
 
-async def _drain(content: aiohttp.StreamReader) -> None:
-    """Read a finished stream's body to its end, discarding it: aiohttp returns a
-    connection to the pool only when its response was read to the end, and closes it
-    otherwise. The body's last chunk is a separate write after [DONE] (kvdrain's front and
-    vLLM's both end the body after it), so it is often in a later read: a stream left at
-    [DONE] costs a new connection, for the client and for the server. A server that sends
-    more, or keeps the body open, for DRAIN_S gets its connection closed; nothing read
-    here changes the request's record, which [DONE] already closed."""
-    if content.is_eof():
-        return
-    try:
-        await asyncio.wait_for(_read_to_end(content), DRAIN_S)
-    except (asyncio.TimeoutError, aiohttp.ClientError):
-        pass  # the connection is closed instead of reused
-
-
-async def _read_to_end(content: aiohttp.StreamReader) -> None:
-    while await content.readany():
-        pass
-
-
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:
     """A TraceError before t = 0 if the trace's prompts hold a token the server cannot take."""
     if max_token_id is None or max_token_id < identity.vocab_size:
@@ -657,49 +552,6 @@ def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:
     raise TraceError(f"trace: prompt token id {max_token_id:,} is outside the server's "
                      f"vocabulary [0, {identity.vocab_size:,}) (from {identity.vocab_source}); "
                      f"nothing was sent")
-
-
-def _expect(value: object, types: tuple[type, ...], what: str) -> object:
-    """value if it is None or one of types (a bool is no int); a ValueError otherwise."""
-    if value is None or (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
-        return value
-    raise ValueError(f"stream chunk: {what}: expected {' or '.join(t.__name__ for t in types)}, "
-                     f"got {type(value).__name__}")
-
-
-def _apply_chunk(stream: _Stream, chunk: dict, now: float) -> None:
-    """One chunk into the stream; a ValueError if its fields have the wrong types."""
-    usage = chunk.get("usage")
-    if usage is not None:
-        _apply_usage(stream, _expect(usage, (dict,), "usage"))
-    choices = chunk.get("choices")
-    if choices is not None:
-        for choice in _expect(choices, (list,), "choices"):
-            if type(choice) is not dict:
-                raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
-            _apply_choice(stream, choice, now)
-
-
-def _apply_usage(stream: _Stream, usage: dict) -> None:
-    stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
-                                             "usage.completion_tokens")
-    details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
-    stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
-
-
-def _apply_choice(stream: _Stream, choice: dict, now: float) -> None:
-    token_ids = _expect(choice.get("token_ids"), (list,), "token_ids") or ()
-    for token in token_ids:
-        if type(token) is not int:
-            raise ValueError("stream chunk: token_ids: expected a list of integers")
-    text = _expect(choice.get("text"), (str,), "text") or ""
-    if token_ids or text:
-        stream.add(now, token_ids, text)
-    reason = choice.get("finish_reason")
-    if reason is not None:
-        stream.finish_reason = _expect(reason, (str,), "finish_reason")
-        stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
-                                        "kvdrain_ignored_reason")
 
 
 def _int_or_none(text: str | None) -> int | None:

@@ -358,7 +358,7 @@ def test_a_stream_reads_the_same_however_its_bytes_are_cut(cut: str):
 def test_the_events_of_one_read_share_its_time_and_blank_lines_between_them_are_skipped():
     """A read's events arrived together: each is stamped with the read's time, not with
     when the client got round to parsing it."""
-    from replay.http.client import _Stream
+    from replay.http.stream import Stream, read_stream
 
     class Content:
         def __init__(self, reads: list[bytes]) -> None:
@@ -372,15 +372,15 @@ def test_the_events_of_one_read_share_its_time_and_blank_lines_between_them_are_
         content = Content([good({})[0] + good({})[1][:9], good({})[1][9:] + b"\n" + good({})[2],
                            b"data: [DONE]\n\n"])
 
-    class Clock(HttpReplay):
+    class Clock:
         def __init__(self) -> None:
             self.reads = 0
 
         def now(self) -> float:
             self.reads += 1
             return float(self.reads)
-    stream = _Stream(max_outputs=2)
-    asyncio.run(Clock()._read_stream(Response(), stream))
+    stream = Stream(max_outputs=2)
+    asyncio.run(read_stream(Response(), stream, Clock().now))
     assert stream.chunk_times == [1.0, 2.0] and stream.usage_completion_tokens == 2
     assert (stream.finish_reason, stream.done_t, stream.num_tokens) == ("length", 3.0, 2)
 
@@ -440,9 +440,7 @@ def test_a_body_that_ends_in_a_later_write_after_done_is_read_to_its_end_and_its
 
 def test_a_request_ends_at_done_and_a_body_kept_open_after_it_only_loses_its_connection(monkeypatch):
     """The drain after [DONE] neither delays the request's end nor turns it into an error."""
-    from replay.http import client
-
-    monkeypatch.setattr(client, "DRAIN_S", 0.1)
+    monkeypatch.setattr("replay.http.stream.DRAIN_S", 0.1)
     closed_at: dict[str, float] = {}
     close = HttpReplay._close
 
@@ -462,9 +460,7 @@ def test_a_request_ends_at_done_and_a_body_kept_open_after_it_only_loses_its_con
 
 
 def test_an_abort_while_a_finished_stream_drains_leaves_its_outcome(monkeypatch):
-    from replay.http import client
-
-    monkeypatch.setattr(client, "DRAIN_S", 30.0)
+    monkeypatch.setattr("replay.http.stream.DRAIN_S", 30.0)
 
     async def never(server: FakeServer) -> None:
         await server.release.wait()
@@ -527,7 +523,7 @@ def test_the_heap_alive_at_t0_is_frozen_without_a_collection_until_the_sending_i
 
 
 def test_a_stream_line_past_the_cap_is_that_requests_error():
-    from replay.http.client import MAX_LINE_BYTES
+    from replay.http.stream import MAX_LINE_BYTES
     endless = [b"data: " + b"x" * (MAX_LINE_BYTES // 2)] * 3
     timeline, _ = replay(lambda body: endless, [TraceRequest(0.0, "r0", 2, 2)])
     assert timeline.requests[0].error == "ValueError: stream: a line longer than 128 KiB"

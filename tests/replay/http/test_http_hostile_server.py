@@ -348,15 +348,15 @@ def test_more_tokens_than_max_tokens_in_one_chunk_is_that_requests_error():
 def test_a_streams_running_digest_is_output_digest_of_its_tokens():
     import hashlib
 
-    from replay.http.client import _Stream
+    from replay.http.stream import Stream
     from replay.verify.timeline import output_digest
 
-    stream = _Stream(max_outputs=10)
+    stream = Stream(max_outputs=10)
     for i, ids in enumerate(([5], [17, 3], [], [900])):
         stream.add(float(i), ids, "x")
     assert stream.digest() == output_digest([5, 17, 3, 900]) and stream.num_tokens == 4
-    assert _Stream().digest() == output_digest([])
-    text = _Stream()
+    assert Stream().digest() == output_digest([])
+    text = Stream()
     for piece in ("w1", " w2", " héllo"):
         text.add(0.0, [], piece)
     assert text.digest() == hashlib.sha256("w1 w2 héllo".encode()).hexdigest()[:16]
