@@ -1,4 +1,5 @@
 """What the benchmarks share: a measure of other processes' load, the HTTP benchmarks' serve. Runs in: a benchmark."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,19 @@ from pathlib import Path
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ROOT = Path(__file__).resolve().parent.parent
 # One `kvdrain serve --http 0` of this checkout: mock runner, P/D, event (the defaults).
-SERVE = ["--runner", "mock", "--num-blocks", "8192", "--max-num-seqs", "256",
-         "--max-num-batched-tokens", "8192", "--no-live", "--http", "0"]
+SERVE = [
+    "--runner",
+    "mock",
+    "--num-blocks",
+    "8192",
+    "--max-num-seqs",
+    "256",
+    "--max-num-batched-tokens",
+    "8192",
+    "--no-live",
+    "--http",
+    "0",
+]
 
 
 class OtherLoad:
@@ -32,14 +44,22 @@ class OtherLoad:
     def report(self) -> str:
         (busy0, own0), (busy1, own1) = self.start, self._now()
         other = max(0.0, (busy1 - busy0) - (own1 - own0))
-        return (f"other processes used ~{other:.1f} CPU s during this run"
-                + (": on 2 cores that disturbs these numbers, rerun on an idle machine" if other > 1.0 else ""))
+        return f"other processes used ~{other:.1f} CPU s during this run" + (
+            ": on 2 cores that disturbs these numbers, rerun on an idle machine"
+            if other > 1.0
+            else ""
+        )
 
 
 def start_serve() -> tuple[subprocess.Popen, str, str]:
     """The serve child, its zmq address and its HTTP URL (it prints both once listening)."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *SERVE], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "serve", *SERVE],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     zmq_address = http_url = None
     deadline = time.monotonic() + 120
     while (zmq_address is None or http_url is None) and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ SIGTERM stops the row running (its replay tears down), prints the rows so far an
 says where the time went: launch to ready, the replay itself, and the rest (checks,
 teardown). Exit 0 when every row that ran gave its expected exit code, else 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,16 @@ class Row:
 
 
 def version_of(venv: Path) -> str:
-    done = subprocess.run([str(venv / "bin" / "python"), "-c",
-                           "import importlib.metadata as m; print(m.version('vllm'))"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m; print(m.version('vllm'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done.stdout.strip() or "?"
 
 
@@ -74,22 +82,45 @@ def rows(venv: Path, prefix_venv: Path | None) -> list[Row]:
     else:
         pre, pre_venv = f"{fixed}, fix reverted", venv
         pre_env = (f"PYTHONPATH={PREFIX_OVERLAY}",)
-    return [Row(release=fixed, topology="single", venv=venv, env=(), expected=0),
-            Row(release=fixed, topology="pd", venv=venv, env=(), expected=0),
-            Row(release=pre, topology="single", venv=pre_venv, env=pre_env, expected=0),
-            Row(release=pre, topology="pd", venv=pre_venv, env=pre_env, expected=1)]
+    return [
+        Row(release=fixed, topology="single", venv=venv, env=(), expected=0),
+        Row(release=fixed, topology="pd", venv=venv, env=(), expected=0),
+        Row(release=pre, topology="single", venv=pre_venv, env=pre_env, expected=0),
+        Row(release=pre, topology="pd", venv=pre_venv, env=pre_env, expected=1),
+    ]
 
 
 def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None:
     name = f"{row.release.replace(' ', '').replace(',', '-')}-{row.topology}"
     row.log, report = out_dir / f"{name}.log", out_dir / f"{name}.json"
     # beside the report, what explains a verdict: every scraped reading, every request's times
-    argv = [sys.executable, "-m", "cli", "replay", str(TRACE), "--engine", "vllm", "--vllm-venv",
-            str(row.venv), "--topology", row.topology, "--no-live", "--report", str(report),
-            "--series", str(out_dir / f"{name}.csv"), "--requests", str(out_dir / f"{name}.req.jsonl"), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "cli",
+        "replay",
+        str(TRACE),
+        "--engine",
+        "vllm",
+        "--vllm-venv",
+        str(row.venv),
+        "--topology",
+        row.topology,
+        "--no-live",
+        "--report",
+        str(report),
+        "--series",
+        str(out_dir / f"{name}.csv"),
+        "--requests",
+        str(out_dir / f"{name}.req.jsonl"),
+        *extra,
+    ]
     for item in row.env:
         argv += ["--vllm-env", item]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     start = time.monotonic()
     print(f"-- {row.release} {row.topology}: {' '.join(argv[2:])}", flush=True)
     with open(row.log, "w") as log:
@@ -114,7 +145,9 @@ def run_row(row: Row, out_dir: Path, timeout_s: float, extra: list[str]) -> None
         row.verdict = json.loads(report.read_text())["status"]
     elif not row.verdict.startswith("timed out"):
         row.verdict = "no report"
-    print(f"   exit {row.exit_code} ({row.verdict}) in {row.total_s:.0f} s; log {row.log}", flush=True)
+    print(
+        f"   exit {row.exit_code} ({row.verdict}) in {row.total_s:.0f} s; log {row.log}", flush=True
+    )
 
 
 STOPPED_BY: list[int | None] = [None]  # the signal that stopped the script
@@ -148,33 +181,51 @@ def fmt(value: float | None) -> str:
 
 def print_matrix(all_rows: list[Row]) -> None:
     print()
-    print(f"{'vLLM':<26} {'topology':<8} {'verdict':<13} {'exit':>4} {'expect':>6} "
-          f"{'ready s':>8} {'replay s':>8} {'other s':>8} {'total s':>8}  instances ready (s)")
+    print(
+        f"{'vLLM':<26} {'topology':<8} {'verdict':<13} {'exit':>4} {'expect':>6} "
+        f"{'ready s':>8} {'replay s':>8} {'other s':>8} {'total s':>8}  instances ready (s)"
+    )
     for r in all_rows:
-        other = None if r.total_s is None or r.ready_s is None or r.replay_s is None \
+        other = (
+            None
+            if r.total_s is None or r.ready_s is None or r.replay_s is None
             else r.total_s - r.ready_s - r.replay_s
-        print(f"{r.release:<26} {r.topology:<8} {r.verdict:<13} {r.exit_code if r.exit_code is not None else '-':>4} "
-              f"{r.expected:>6} {fmt(r.ready_s):>8} {fmt(r.replay_s):>8} {fmt(other):>8} "
-              f"{fmt(r.total_s):>8}  {r.instances}")
+        )
+        print(
+            f"{r.release:<26} {r.topology:<8} {r.verdict:<13} {r.exit_code if r.exit_code is not None else '-':>4} "
+            f"{r.expected:>6} {fmt(r.ready_s):>8} {fmt(r.replay_s):>8} {fmt(other):>8} "
+            f"{fmt(r.total_s):>8}  {r.instances}"
+        )
     ran = [r for r in all_rows if r.total_s is not None]
     total = sum(r.total_s for r in ran)
     ready = sum(r.ready_s or 0 for r in ran)
     replay = sum(r.replay_s or 0 for r in ran)
-    print(f"time: {total:.0f} s over {len(ran)} replays: launch to ready {ready:.0f} s, replays "
-          f"{replay:.0f} s, the rest (venv and trace checks, teardown) {total - ready - replay:.0f} s")
+    print(
+        f"time: {total:.0f} s over {len(ran)} replays: launch to ready {ready:.0f} s, replays "
+        f"{replay:.0f} s, the rest (venv and trace checks, teardown) {total - ready - replay:.0f} s"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-vllm")
-    parser.add_argument("--prefix-venv", type=Path, default=None,
-                        help="a venv with a pre-fix vLLM instead of the overlay")
+    parser.add_argument(
+        "--prefix-venv",
+        type=Path,
+        default=None,
+        help="a venv with a pre-fix vLLM instead of the overlay",
+    )
     parser.add_argument("--run-timeout", type=float, default=900.0)
     parser.add_argument("--budget", type=float, default=3600.0, help="no row starts after this (s)")
-    parser.add_argument("--out", type=Path, default=None, help="logs and reports (default: a temp dir)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="logs and reports (default: a temp dir)"
+    )
     parser.add_argument("--only", choices=["single", "pd"], default=None, help="one topology")
-    parser.add_argument("replay_args", nargs="*", help="`kvdrain replay` options, after -- "
-                        f"(default: {' '.join(DEFAULT_REPLAY_ARGS)})")
+    parser.add_argument(
+        "replay_args",
+        nargs="*",
+        help=f"`kvdrain replay` options, after -- (default: {' '.join(DEFAULT_REPLAY_ARGS)})",
+    )
     args = parser.parse_args()
     for signum in (signal.SIGINT, signal.SIGTERM):  # either stops the row's replay
         signal.signal(signum, _on_stop_signal)

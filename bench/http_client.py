@@ -27,6 +27,7 @@ req/s with the 4 scrapes.
 --code DIR runs another checkout's HTTP client (say, a baseline) under this script, against
 this checkout's serve: before/after numbers in one sitting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ CODE = Path(sys.argv[sys.argv.index("--code") + 1]).resolve() if "--code" in sys
 sys.path.insert(0, str(CODE))
 
 from common import OtherLoad, start_serve  # noqa: E402  (bench/common.py)
+
 from replay.deploy.vllm_model import SERVED_NAME, write_tiny_model  # noqa: E402
 from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
 from replay.http.scrape import MetricsSource  # noqa: E402
@@ -83,8 +85,12 @@ def poisson_times(rate: float, num_requests: int, seed: int) -> list[float]:
 
 
 def poisson_trace(rate: float, num_requests: int, seed: int, args) -> list[TraceRequest]:
-    return [TraceRequest(t=t, req_id=f"s{seed}-r{i}", max_tokens=args.max_tokens, prompt_len=args.prompt_len)
-            for i, t in enumerate(poisson_times(rate, num_requests, seed))]
+    return [
+        TraceRequest(
+            t=t, req_id=f"s{seed}-r{i}", max_tokens=args.max_tokens, prompt_len=args.prompt_len
+        )
+        for i, t in enumerate(poisson_times(rate, num_requests, seed))
+    ]
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -94,7 +100,9 @@ def _ms(values: list[float], q: float) -> float | None:
 def run_kvdrain(url: str, rate: float, seed: int, args, scrapes: int = 0) -> Row:
     num_requests = round(rate * args.duration)
     metrics = tuple(MetricsSource(f"{url}/metrics", f"m{k}") for k in range(scrapes))
-    options = HttpTargetOptions(url, metrics=metrics, scrape_interval_s=SCRAPE_INTERVAL_S, tail_s=0.01)
+    options = HttpTargetOptions(
+        url, metrics=metrics, scrape_interval_s=SCRAPE_INTERVAL_S, tail_s=0.01
+    )
     trace = poisson_trace(rate, num_requests, seed, args)
     cpu = time.process_time()
     timeline = HttpReplay(options).run(trace)
@@ -103,54 +111,105 @@ def run_kvdrain(url: str, rate: float, seed: int, args, scrapes: int = 0) -> Row
     lateness = [r.send_lateness_s for r in timeline.requests if r.send_lateness_s is not None]
     ttfts = [r.first_token_t - r.send_t for r in done if r.first_token_t is not None]
     end = max((r.end_t for r in done), default=None)
-    return Row(achieved=len(done) / end if end else None, ttft_p50_ms=_ms(ttfts, 50),
-               lateness_p50_ms=_ms(lateness, 50), lateness_p99_ms=_ms(lateness, 99),
-               cpu_us=cpu / num_requests * 1e6,
-               num_completed=len(done), num_failed=len(timeline.requests) - len(done),
-               scrapes=tuple((m["num_scrapes"], m["num_failures"]) for m in timeline.meta["http"]["metrics"]))
+    return Row(
+        achieved=len(done) / end if end else None,
+        ttft_p50_ms=_ms(ttfts, 50),
+        lateness_p50_ms=_ms(lateness, 50),
+        lateness_p99_ms=_ms(lateness, 99),
+        cpu_us=cpu / num_requests * 1e6,
+        num_completed=len(done),
+        num_failed=len(timeline.requests) - len(done),
+        scrapes=tuple(
+            (m["num_scrapes"], m["num_failures"]) for m in timeline.meta["http"]["metrics"]
+        ),
+    )
 
 
-def vllm_command(venv: Path, url: str, rate: float, seed: int, args, tokenizer: Path, out: Path) -> list[str]:
-    return [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
-            "--model", SERVED_NAME, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-            "--random-input-len", str(args.prompt_len), "--random-output-len", str(args.max_tokens),
-            "--random-range-ratio", "0", "--ignore-eos", "--request-rate", f"{rate:g}",
-            "--num-prompts", str(round(rate * args.duration)), "--seed", str(seed),
-            "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
-            "--result-filename", out.name]
+def vllm_command(
+    venv: Path, url: str, rate: float, seed: int, args, tokenizer: Path, out: Path
+) -> list[str]:
+    return [
+        str(venv / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.prompt_len),
+        "--random-output-len",
+        str(args.max_tokens),
+        "--random-range-ratio",
+        "0",
+        "--ignore-eos",
+        "--request-rate",
+        f"{rate:g}",
+        "--num-prompts",
+        str(round(rate * args.duration)),
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
 
 
 def run_vllm(venv: Path, url: str, rate: float, seed: int, args, tokenizer: Path, tmp: Path) -> Row:
     out = tmp / f"vllm-{rate:g}.json"
     command = vllm_command(venv, url, rate, seed, args, tokenizer, out)
     try:
-        done = subprocess.run(command, cwd=tmp, capture_output=True, text=True,
-                              timeout=VLLM_STARTUP_S + 3 * args.duration)
+        done = subprocess.run(
+            command,
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=VLLM_STARTUP_S + 3 * args.duration,
+        )
     except subprocess.TimeoutExpired:
         return Row(error=f"vllm bench serve ran past {VLLM_STARTUP_S + 3 * args.duration:g} s")
     if done.returncode != 0 or not out.exists():
         tail = (done.stdout + done.stderr).strip().splitlines()[-6:]
         return Row(error=f"vllm bench serve exited {done.returncode}: " + " | ".join(tail))
     result = json.loads(out.read_text())
-    return Row(achieved=result.get("request_throughput"), ttft_p50_ms=result.get("median_ttft_ms"),
-               num_completed=result.get("completed", 0), num_failed=result.get("failed", 0))
+    return Row(
+        achieved=result.get("request_throughput"),
+        ttft_p50_ms=result.get("median_ttft_ms"),
+        num_completed=result.get("completed", 0),
+        num_failed=result.get("failed", 0),
+    )
 
 
 def _f(value: float | None, spec: str) -> str:
     return "unknown" if value is None else format(value, spec)
 
 
-def print_table(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], vllm_note: str | None) -> None:
+def print_table(
+    rates: list[float], kv: dict[float, Row], vl: dict[float, Row], vllm_note: str | None
+) -> None:
     print(f"{'rate':>6} | {'kvdrain':^55} | {'vllm bench serve':^27} | {'rate':>7}")
-    print(f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} {'CPU us':>7} {'ok/fail':>9} | "
-          f"{'req/s':>8} {'TTFT p50':>9} {'ok/fail':>8} | {'kv/vllm':>7}")
+    print(
+        f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} {'CPU us':>7} {'ok/fail':>9} | "
+        f"{'req/s':>8} {'TTFT p50':>9} {'ok/fail':>8} | {'kv/vllm':>7}"
+    )
     for rate in rates:
         k, v = kv[rate], vl.get(rate, Row())
-        print(f"{rate:>6g} | {_f(k.lateness_p50_ms, '.2f'):>9} {_f(k.lateness_p99_ms, '.2f'):>7} "
-              f"{_f(k.achieved, '.2f'):>8} {_f(k.ttft_p50_ms, '.1f'):>9} {_f(k.cpu_us, '.0f'):>7} "
-              f"{f'{k.num_completed}/{k.num_failed}':>9} | "
-              f"{_f(v.achieved, '.2f'):>8} {_f(v.ttft_p50_ms, '.1f'):>9} {f'{v.num_completed}/{v.num_failed}':>8} | "
-              f"{_f(_ratio(k, v), '.4f'):>7}")
+        print(
+            f"{rate:>6g} | {_f(k.lateness_p50_ms, '.2f'):>9} {_f(k.lateness_p99_ms, '.2f'):>7} "
+            f"{_f(k.achieved, '.2f'):>8} {_f(k.ttft_p50_ms, '.1f'):>9} {_f(k.cpu_us, '.0f'):>7} "
+            f"{f'{k.num_completed}/{k.num_failed}':>9} | "
+            f"{_f(v.achieved, '.2f'):>8} {_f(v.ttft_p50_ms, '.1f'):>9} {f'{v.num_completed}/{v.num_failed}':>8} | "
+            f"{_f(_ratio(k, v), '.4f'):>7}"
+        )
     for rate in rates:
         if vl.get(rate) is not None and vl[rate].error:
             print(f"vllm bench at {rate:g} req/s: {vl[rate].error}")
@@ -173,25 +232,43 @@ def highest_on_time(rates: list[float], kv: dict[float, Row]) -> float | None:
     return best
 
 
-def print_aims(rates: list[float], kv: dict[float, Row], vl: dict[float, Row], scraped: Row, scrape_rate: float,
-               duration: float) -> None:
-    slots = round(duration / SCRAPE_INTERVAL_S)  # the replay's grid, plus one before t = 0 and one after
+def print_aims(
+    rates: list[float],
+    kv: dict[float, Row],
+    vl: dict[float, Row],
+    scraped: Row,
+    scrape_rate: float,
+    duration: float,
+) -> None:
+    slots = round(
+        duration / SCRAPE_INTERVAL_S
+    )  # the replay's grid, plus one before t = 0 and one after
     best = highest_on_time(rates, kv)
-    print(f"highest rate with kvdrain's p99 lateness < {LATENESS_AIM_S * 1000:g} ms: "
-          f"{'none of these' if best is None else f'{best:g} req/s'}")
-    print(f"at {scrape_rate:g} req/s scraping {NUM_SCRAPES} /metrics URLs at {1 / SCRAPE_INTERVAL_S:g} Hz: "
-          f"lateness p50 {_f(scraped.lateness_p50_ms, '.2f')} ms, p99 {_f(scraped.lateness_p99_ms, '.2f')} ms, "
-          f"{_f(scraped.achieved, '.1f')} req/s, TTFT p50 {_f(scraped.ttft_p50_ms, '.1f')} ms "
-          f"(aim p99 < {LATENESS_AIM_S * 1000:g} ms: {_met(scraped.lateness_p99_ms, lambda p: p < LATENESS_AIM_S * 1000)})")
-    print(f"  scrapes per URL (of ~{slots} slots): "
-          f"{', '.join(f'{n} ({failed} failed)' for n, failed in scraped.scrapes) or 'none'}")
+    print(
+        f"highest rate with kvdrain's p99 lateness < {LATENESS_AIM_S * 1000:g} ms: "
+        f"{'none of these' if best is None else f'{best:g} req/s'}"
+    )
+    print(
+        f"at {scrape_rate:g} req/s scraping {NUM_SCRAPES} /metrics URLs at {1 / SCRAPE_INTERVAL_S:g} Hz: "
+        f"lateness p50 {_f(scraped.lateness_p50_ms, '.2f')} ms, p99 {_f(scraped.lateness_p99_ms, '.2f')} ms, "
+        f"{_f(scraped.achieved, '.1f')} req/s, TTFT p50 {_f(scraped.ttft_p50_ms, '.1f')} ms "
+        f"(aim p99 < {LATENESS_AIM_S * 1000:g} ms: {_met(scraped.lateness_p99_ms, lambda p: p < LATENESS_AIM_S * 1000)})"
+    )
+    print(
+        f"  scrapes per URL (of ~{slots} slots): "
+        f"{', '.join(f'{n} ({failed} failed)' for n, failed in scraped.scrapes) or 'none'}"
+    )
     ratios = {r: _ratio(kv[r], vl[r]) for r in rates if r in vl}
     if ratios and len(ratios) == len(rates) and None not in ratios.values():
         below = [f"{r:g} req/s ({ratio:.4f})" for r, ratio in ratios.items() if ratio < 1]
-        print(f"aim kvdrain req/s >= vllm bench's at every rate: "
-              f"{'not met at ' + ', '.join(below) if below else 'met'}")
+        print(
+            f"aim kvdrain req/s >= vllm bench's at every rate: "
+            f"{'not met at ' + ', '.join(below) if below else 'met'}"
+        )
     else:
-        print("aim kvdrain req/s >= vllm bench's at every rate: unknown (vllm bench did not run at every rate)")
+        print(
+            "aim kvdrain req/s >= vllm bench's at every rate: unknown (vllm bench did not run at every rate)"
+        )
 
 
 def _met(value: float | None, ok) -> str:
@@ -200,17 +277,31 @@ def _met(value: float | None, ok) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="10,50,100,200", help="Poisson rates, req/s, comma-separated")
+    parser.add_argument(
+        "--rates", default="10,50,100,200", help="Poisson rates, req/s, comma-separated"
+    )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--scrape-rate", type=float, default=100.0,
-                        help=f"the rate of the run with {NUM_SCRAPES} /metrics scrapes")
-    parser.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm",
-                        help="a venv with vLLM (its bin/vllm); absent: kvdrain's rows only")
+    parser.add_argument(
+        "--scrape-rate",
+        type=float,
+        default=100.0,
+        help=f"the rate of the run with {NUM_SCRAPES} /metrics scrapes",
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=ROOT / ".venv-vllm",
+        help="a venv with vLLM (its bin/vllm); absent: kvdrain's rows only",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--code", type=Path, default=ROOT,
-                        help="the checkout whose HTTP client runs (default: this one's)")
+    parser.add_argument(
+        "--code",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose HTTP client runs (default: this one's)",
+    )
     args = parser.parse_args()
     if args.code.resolve() != CODE:  # read from sys.argv before the imports: "--code DIR" only
         parser.error(f"--code: give it as two words (--code DIR); this run would measure {CODE}")
@@ -218,35 +309,49 @@ def parse_args() -> argparse.Namespace:
     if not all(r > 0 for r in args.rates) or args.duration <= 0 or args.scrape_rate <= 0:
         parser.error("--rates, --duration and --scrape-rate must be > 0")
     if min(round(r * args.duration) for r in (*args.rates, args.scrape_rate)) < 1:
-        parser.error("--duration: every rate (and --scrape-rate) must send at least one request in it")
+        parser.error(
+            "--duration: every rate (and --scrape-rate) must send at least one request in it"
+        )
     return args
 
 
 def main() -> None:
     args = parse_args()
-    venv = args.vllm_venv.resolve() if (args.vllm_venv / "bin" / "vllm").exists() else None  # runs in a tmp dir
-    vllm_note = None if venv else f"not run: no {args.vllm_venv / 'bin' / 'vllm'} (give --vllm-venv)"
+    venv = (
+        args.vllm_venv.resolve() if (args.vllm_venv / "bin" / "vllm").exists() else None
+    )  # runs in a tmp dir
+    vllm_note = (
+        None if venv else f"not run: no {args.vllm_venv / 'bin' / 'vllm'} (give --vllm-venv)"
+    )
     load = OtherLoad()
     kv: dict[float, Row] = {}
     vl: dict[float, Row] = {}
     with interruptible(), tempfile.TemporaryDirectory() as tmp:
         tokenizer = write_tiny_model(Path(tmp) / "tiny")
         proc, _, url = start_serve()
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log never fills the pipe
+        threading.Thread(
+            target=proc.stdout.read, daemon=True
+        ).start()  # its log never fills the pipe
         try:
             for k, rate in enumerate(args.rates):
                 kv[rate] = run_kvdrain(url, rate, args.seed * 100 + k, args)
                 if venv is not None:
-                    vl[rate] = run_vllm(venv, url, rate, args.seed * 100 + k, args, tokenizer, Path(tmp))
-            scraped = run_kvdrain(url, args.scrape_rate, args.seed * 100 + 99, args, scrapes=NUM_SCRAPES)
+                    vl[rate] = run_vllm(
+                        venv, url, rate, args.seed * 100 + k, args, tokenizer, Path(tmp)
+                    )
+            scraped = run_kvdrain(
+                url, args.scrape_rate, args.seed * 100 + 99, args, scrapes=NUM_SCRAPES
+            )
         finally:
             proc.terminate()
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(f"mock runner, P/D; Poisson arrivals, {args.duration:g} s per rate, {args.prompt_len}-token "
-          f"prompts, max_tokens {args.max_tokens}; one serve, the clients in turn; kvdrain's client: {CODE}")
+    print(
+        f"mock runner, P/D; Poisson arrivals, {args.duration:g} s per rate, {args.prompt_len}-token "
+        f"prompts, max_tokens {args.max_tokens}; one serve, the clients in turn; kvdrain's client: {CODE}"
+    )
     print_table(args.rates, kv, vl, vllm_note)
     print_aims(args.rates, kv, vl, scraped, args.scrape_rate, args.duration)
     print(load.report())

@@ -11,6 +11,7 @@ one streaming POST per request, aiohttp, usage in the last chunk). Requests/s = 
 / (last end - first send); REPEATS runs each, alternating, the median kept. Every request
 must finish with all its tokens. Prints both rows and the ratio HTTP / zmq.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import OtherLoad, start_serve  # noqa: E402  (bench/common.py)
+
 from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
 from replay.live.driver import WallClockReplay, WallOptions  # noqa: E402
 from replay.live.serve_client import ServeClient  # noqa: E402
@@ -33,12 +35,22 @@ PROMPT_LEN = 32
 MAX_TOKENS = 16
 REPEATS = 3
 
+
 def write_trace(path: Path, run: int) -> None:
     """Prompts are keyed by request id: a fresh id per run, so no run hits the prefix cache."""
     with path.open("w") as f:
         for i in range(NUM_REQUESTS):
-            f.write(json.dumps({"t": 0.0, "id": f"run{run}-r{i}", "prompt_len": PROMPT_LEN,
-                                "max_tokens": MAX_TOKENS}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "t": 0.0,
+                        "id": f"run{run}-r{i}",
+                        "prompt_len": PROMPT_LEN,
+                        "max_tokens": MAX_TOKENS,
+                    }
+                )
+                + "\n"
+            )
 
 
 def rate(timeline) -> float:
@@ -79,11 +91,17 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
     zmq_rate, http_rate = statistics.median(zmq_rates), statistics.median(http_rates)
-    print(f"mock runner, P/D, event; {NUM_REQUESTS} requests at t=0, {PROMPT_LEN}-token prompts, "
-          f"max_tokens {MAX_TOKENS}; one serve, both protocols; median of {REPEATS}")
+    print(
+        f"mock runner, P/D, event; {NUM_REQUESTS} requests at t=0, {PROMPT_LEN}-token prompts, "
+        f"max_tokens {MAX_TOKENS}; one serve, both protocols; median of {REPEATS}"
+    )
     print(f"{'protocol':<44} {'req/s':>8} {'out tok/s':>10}")
-    print(f"{'zmq serve protocol (replay --target tcp://)':<44} {zmq_rate:>8.0f} {zmq_rate * MAX_TOKENS:>10.0f}")
-    print(f"{'HTTP, streaming (replay --target http://)':<44} {http_rate:>8.0f} {http_rate * MAX_TOKENS:>10.0f}")
+    print(
+        f"{'zmq serve protocol (replay --target tcp://)':<44} {zmq_rate:>8.0f} {zmq_rate * MAX_TOKENS:>10.0f}"
+    )
+    print(
+        f"{'HTTP, streaming (replay --target http://)':<44} {http_rate:>8.0f} {http_rate * MAX_TOKENS:>10.0f}"
+    )
     print(f"ratio HTTP / zmq: {http_rate / zmq_rate:.2f}x (aim >= 0.5x)")
     print(load.report())
 

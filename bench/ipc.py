@@ -12,6 +12,7 @@ connector worker; shm transport, event policy). Prints requests/s, output tokens
 and each row's ratio to InprocClient. Every request's tokens are checked against the
 mock runner's rule; a wrong token or a missing request raises.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,11 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import OtherLoad  # noqa: E402  (bench/common.py)
-from replay.deploy.topology import start_topology  # noqa: E402
-from engine.proc.client import InprocClient, MPClient  # noqa: E402
+
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
 from engine.core.outputs import RequestOutput  # noqa: E402
+from engine.proc.client import InprocClient, MPClient  # noqa: E402
+from replay.deploy.topology import start_topology  # noqa: E402
 
 NUM_REQUESTS = 2000
 BURST = 200
@@ -35,10 +37,10 @@ MAX_TOKENS = 16
 REPEATS = 5
 WARMUP = 20  # requests through each system before timing (imports, handshakes)
 TIMEOUT_S = 60.0
-CONFIG = EngineConfig(engine_id="E", num_blocks=4096, block_size=16, max_num_seqs=256,
-                      max_num_batched_tokens=8192)
+CONFIG = EngineConfig(
+    engine_id="E", num_blocks=4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192
+)
 VOCAB = CONFIG.model.vocab_size
-
 
 
 def prompt(i: int) -> list[int]:
@@ -51,8 +53,9 @@ def expected(i: int) -> list[int]:
     return [(last + 1 + k) % VOCAB for k in range(MAX_TOKENS)]
 
 
-def run_burst(add: Callable[[str, list[int], int], None], poll: Callable[[], list[RequestOutput]],
-              ids: range) -> int:
+def run_burst(
+    add: Callable[[str, list[int], int], None], poll: Callable[[], list[RequestOutput]], ids: range
+) -> int:
     """Send one burst, collect it; returns the number of output tokens (all checked)."""
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     for i in ids:
@@ -68,7 +71,9 @@ def run_burst(add: Callable[[str, list[int], int], None], poll: Callable[[], lis
                 left.discard(i)
     bad = [i for i in ids if tokens[i] != expected(i)]
     if bad:
-        raise AssertionError(f"wrong tokens for {len(bad)} requests, e.g. r{bad[0]}: {tokens[bad[0]]}")
+        raise AssertionError(
+            f"wrong tokens for {len(bad)} requests, e.g. r{bad[0]}: {tokens[bad[0]]}"
+        )
     return sum(len(t) for t in tokens.values())
 
 
@@ -80,7 +85,9 @@ def run_all(add, poll) -> tuple[float, int]:
         start, num_tokens = time.perf_counter(), 0
         offset = WARMUP + repeat * NUM_REQUESTS  # fresh prompts: no prefix-cache hits
         for first in range(offset, offset + NUM_REQUESTS, BURST):
-            num_tokens += run_burst(add, poll, range(first, min(first + BURST, offset + NUM_REQUESTS)))
+            num_tokens += run_burst(
+                add, poll, range(first, min(first + BURST, offset + NUM_REQUESTS))
+            )
         times.append(time.perf_counter() - start)
     return statistics.median(times), num_tokens
 
@@ -111,18 +118,24 @@ def measure_pd() -> tuple[float, int]:
 
 def main() -> None:
     load = OtherLoad()
-    print(f"mock runner; {NUM_REQUESTS} requests, {PROMPT_LEN}-token prompts, max_tokens {MAX_TOKENS}, "
-          f"bursts of {BURST}; median of {REPEATS} runs; ratio = row / InprocClient")
+    print(
+        f"mock runner; {NUM_REQUESTS} requests, {PROMPT_LEN}-token prompts, max_tokens {MAX_TOKENS}, "
+        f"bursts of {BURST}; median of {REPEATS} runs; ratio = row / InprocClient"
+    )
     print(f"{'system':<34} {'seconds':>8} {'req/s':>9} {'out tok/s':>10} {'ratio':>6}")
-    rows = (("InprocClient (reference)", measure_inproc),
-            ("MPClient, 1 engine core process", measure_mp),
-            ("P/D topology via router (2 engines)", measure_pd))
+    rows = (
+        ("InprocClient (reference)", measure_inproc),
+        ("MPClient, 1 engine core process", measure_mp),
+        ("P/D topology via router (2 engines)", measure_pd),
+    )
     reference = None
     for name, measure in rows:
         seconds, num_tokens = measure()
         rps = NUM_REQUESTS / seconds
         reference = reference or rps
-        print(f"{name:<34} {seconds:>8.2f} {rps:>9.0f} {num_tokens / seconds:>10.0f} {rps / reference:>6.2f}")
+        print(
+            f"{name:<34} {seconds:>8.2f} {rps:>9.0f} {num_tokens / seconds:>10.0f} {rps / reference:>6.2f}"
+        )
     print(load.report())
 
 

@@ -28,6 +28,7 @@ beside event's P CPU per free, and NUM_REQUESTS x floor / poll's P CPU: the lowe
 event/poll B allows on this machine; and the part of event's P CPU that libzmq's I/O
 thread takes (each report in and snapshot out passes through it), as a share of poll's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,15 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
+
 from connector.messages import CONNECTOR_CODEC, KVReport, ReadDone, RecvSpec  # noqa: E402
-from replay.deploy.topology import engine_configs, start_topology  # noqa: E402
 from connector.transfer import Puller  # noqa: E402
-from engine.proc.client import MPClient, make_run_dir  # noqa: E402
 from engine.config import EngineConfig, KVTransferConfig  # noqa: E402
-from engine.runner.kv_cache import KVCache  # noqa: E402
-from engine.proc.messages import CODEC, StatsSnapshot  # noqa: E402
 from engine.core.outputs import RequestOutput  # noqa: E402
+from engine.proc.client import MPClient, make_run_dir  # noqa: E402
+from engine.proc.messages import CODEC, StatsSnapshot  # noqa: E402
+from engine.runner.kv_cache import KVCache  # noqa: E402
+from replay.deploy.topology import engine_configs, start_topology  # noqa: E402
 
 POLICIES = ("legacy", "poll", "event")
 NUM_REQUESTS = 32
@@ -140,7 +142,9 @@ class Observer:
             self.poll(0.02)
         return history[-1]
 
-    def wait_for_d(self, predicate: Callable[[StatsSnapshot], bool], timeout_s: float = 10.0) -> StatsSnapshot:
+    def wait_for_d(
+        self, predicate: Callable[[StatsSnapshot], bool], timeout_s: float = 10.0
+    ) -> StatsSnapshot:
         """D's first requested snapshot that satisfies predicate; bounded."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -164,8 +168,9 @@ def free_times(history: list[StatsSnapshot], n: int) -> list[float]:
     return times
 
 
-def measure_window(obs: Observer, policy: str, pids: dict[str, int],
-                   tick: Callable[[], float] | None = None) -> Result:
+def measure_window(
+    obs: Observer, policy: str, pids: dict[str, int], tick: Callable[[], float] | None = None
+) -> Result:
     """Traffic has stopped: WINDOW_S of polling, bracketed by snapshots and CPU readings."""
     snap0 = obs.stats_of()
     pids = dict(pids, worker=snap0.counts["connector_worker_pid"])
@@ -173,27 +178,41 @@ def measure_window(obs: Observer, policy: str, pids: dict[str, int],
     obs.poll_until(time.monotonic() + WINDOW_S, tick)
     cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     snap1 = obs.stats_of()
-    last = next((s for s in obs.history["P"] if s.seq > snap0.seq and num_freed(s) >= NUM_REQUESTS),
-                snap1)
+    last = next(
+        (s for s in obs.history["P"] if s.seq > snap0.seq and num_freed(s) >= NUM_REQUESTS), snap1
+    )
 
     def rate(a: StatsSnapshot, b: StatsSnapshot) -> float:
         return (b.num_wakeups - a.num_wakeups) / (b.monotonic - a.monotonic)
-    return Result(policy=policy, cpu_s={n: cpu1[n][0] - cpu0[n][0] for n in pids},
-                  ticks_s={n: cpu1[n][1] - cpu0[n][1] for n in pids},
-                  io_s={n: cpu1[n][2] - cpu0[n][2] for n in pids}, wakeups_per_s=rate(snap0, snap1),
-                  held_s=last.monotonic - snap0.monotonic, held_wakeups_per_s=rate(snap0, last),
-                  num_freed=num_freed(snap1), num_done=0, blocks_held=snap1.counts["num_used_blocks"])
+
+    return Result(
+        policy=policy,
+        cpu_s={n: cpu1[n][0] - cpu0[n][0] for n in pids},
+        ticks_s={n: cpu1[n][1] - cpu0[n][1] for n in pids},
+        io_s={n: cpu1[n][2] - cpu0[n][2] for n in pids},
+        wakeups_per_s=rate(snap0, snap1),
+        held_s=last.monotonic - snap0.monotonic,
+        held_wakeups_per_s=rate(snap0, last),
+        num_freed=num_freed(snap1),
+        num_done=0,
+        blocks_held=snap1.counts["num_used_blocks"],
+    )
 
 
 def measure_topology(policy: str) -> Result:
     kv = KVTransferConfig(pull_delay_ms=1000 * PULL_DELAY_S)
-    router = start_topology(EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE,
-                                         liveness=policy), kv, "pd")
+    router = start_topology(
+        EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE, liveness=policy), kv, "pd"
+    )
     try:
         done: set[str] = set()
-        obs = Observer(router.poll, router.take_stats, router.clients["P"].request_stats,
-                       lambda o: done.add(o.req_id) if o.finished else None,
-                       router.clients["D"].request_stats)
+        obs = Observer(
+            router.poll,
+            router.take_stats,
+            router.clients["P"].request_stats,
+            lambda o: done.add(o.req_id) if o.finished else None,
+            router.clients["D"].request_stats,
+        )
         for i in range(NUM_REQUESTS):
             router.add_request(f"r{i}", prompt(i), MAX_TOKENS)
         waiting = obs.wait_for_d(lambda s: s.counts["num_waiting_for_remote_kvs"] == NUM_REQUESTS)
@@ -209,8 +228,11 @@ def measure_topology(policy: str) -> Result:
 def d_steps_per_s_while_waiting(history: list[StatsSnapshot], first: StatsSnapshot) -> float:
     """D's steps per second from `first` (all loads waiting) to its first snapshot after
     a load landed (D publishes one whenever its counts change)."""
-    landed = next(s for s in history if s.seq > first.seq
-                  and s.counts["num_waiting_for_remote_kvs"] < NUM_REQUESTS)
+    landed = next(
+        s
+        for s in history
+        if s.seq > first.seq and s.counts["num_waiting_for_remote_kvs"] < NUM_REQUESTS
+    )
     return (landed.num_steps - first.num_steps) / (landed.monotonic - first.monotonic)
 
 
@@ -233,9 +255,17 @@ class Reader:
             _, params = self.due.pop(0)
             block_ids = params["remote_block_ids"]
             local_ids = list(range(1, len(block_ids) + 1))
-            self.puller.pull(self.local, RecvSpec(params["remote_request_id"], local_ids, block_ids,
-                                                  params["remote_engine_id"], params["remote_request_id"],
-                                                  params["remote_addr"]))
+            self.puller.pull(
+                self.local,
+                RecvSpec(
+                    params["remote_request_id"],
+                    local_ids,
+                    block_ids,
+                    params["remote_engine_id"],
+                    params["remote_request_id"],
+                    params["remote_addr"],
+                ),
+            )
             self.sent_at.append(time.monotonic())
             self.puller.link(params["remote_addr"]).send(ReadDone(params["remote_request_id"]))
         return self.due[0][0] if self.due else time.monotonic() + 1.0
@@ -243,14 +273,21 @@ class Reader:
 
 def measure_reads(policy: str) -> Result:
     run_dir = make_run_dir()
-    config = engine_configs(EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE,
-                                         liveness=policy), KVTransferConfig(), "pd", run_dir)[0]
-    reader = Reader(KVCache.allocate(config.model, 8, BLOCK_SIZE, "cpu"),
-                    Puller(zmq.Context.instance(), "shm"))
+    config = engine_configs(
+        EngineConfig(num_blocks=NUM_CACHE_BLOCKS, block_size=BLOCK_SIZE, liveness=policy),
+        KVTransferConfig(),
+        "pd",
+        run_dir,
+    )[0]
+    reader = Reader(
+        KVCache.allocate(config.model, 8, BLOCK_SIZE, "cpu"), Puller(zmq.Context.instance(), "shm")
+    )
     client = None
     try:
         client = MPClient(config, run_dir)
-        obs = Observer(client.get_outputs, client.take_stats, client.request_stats, reader.on_output)
+        obs = Observer(
+            client.get_outputs, client.take_stats, client.request_stats, reader.on_output
+        )
         start = time.monotonic()
         for i in range(NUM_REQUESTS):
             obs.poll_until(start + i * SEND_GAP_S, reader.tick)
@@ -287,7 +324,9 @@ def run_floor_echo(addr_in: str, addr_out: str) -> None:
                 return
             CONNECTOR_CODEC.decode(data)
             seq += 1
-            snapshots.send(CODEC.encode(StatsSnapshot("P", seq, time.monotonic(), "blocked", seq, seq, counts)))
+            snapshots.send(
+                CODEC.encode(StatsSnapshot("P", seq, time.monotonic(), "blocked", seq, seq, counts))
+            )
 
 
 def measure_floor() -> tuple[float, float]:
@@ -299,7 +338,8 @@ def measure_floor() -> tuple[float, float]:
     reports.bind(f"ipc://{run_dir}/floor-in")
     snapshots.bind(f"ipc://{run_dir}/floor-out")
     proc = multiprocessing.get_context("spawn").Process(
-        target=run_floor_echo, args=(f"ipc://{run_dir}/floor-in", f"ipc://{run_dir}/floor-out"))
+        target=run_floor_echo, args=(f"ipc://{run_dir}/floor-in", f"ipc://{run_dir}/floor-out")
+    )
     proc.start()
     try:
         report = KVReport(["r0"], [], [], {"num_sent": 1, "report_ns": time.monotonic_ns()})
@@ -334,14 +374,18 @@ def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]
     median = median_run(runs["event"])  # both from one run: a split of its CPU
     event, event_io = (x / max(1, median.num_freed) for x in (median.cpu_s["P"], median.io_s["P"]))
     poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
-    print(f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
-          f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
-          f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
-          "(the least event/poll could be here with one report per free)")
-    print(f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
-          f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
-          f"left for the main thread within the aim (1.25 x floor): {1e6 * (1.25 * floor - event_io):.0f} us "
-          f"per free, where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us")
+    print(
+        f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
+        f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
+        f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
+        "(the least event/poll could be here with one report per free)"
+    )
+    print(
+        f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
+        f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
+        f"left for the main thread within the aim (1.25 x floor): {1e6 * (1.25 * floor - event_io):.0f} us "
+        f"per free, where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us"
+    )
     print(f"event's P per free / zmq floor: {event / floor:.2f}x (aim <= 1.25)")
 
 
@@ -360,8 +404,9 @@ def median_run(runs: list[Result]) -> Result:
     return median
 
 
-def measure_runs(measure: Callable[[str], Result], num_runs: int,
-                 each_round: Callable[[], None] | None = None) -> dict[str, list[Result]]:
+def measure_runs(
+    measure: Callable[[str], Result], num_runs: int, each_round: Callable[[], None] | None = None
+) -> dict[str, list[Result]]:
     """Every policy num_runs times, interleaved (a burst of load hits all alike);
     each_round (another measurement) runs in every round too."""
     runs: dict[str, list[Result]] = {p: [] for p in POLICIES}
@@ -376,44 +421,62 @@ def measure_runs(measure: Callable[[str], Result], num_runs: int,
 def print_runs(title: str, runs: dict[str, list[Result]], done_name: str, aim: str) -> None:
     print_table(title, [median_run(r) for r in runs.values()], done_name)
     per_run = [e.cpu_s["P"] / p.cpu_s["P"] for e, p in zip(runs["event"], runs["poll"])]
-    print(f"event/poll P cpu per run: {', '.join(f'{x:.3f}' for x in per_run)} "
-          f"(median {statistics.median(per_run):.3f}, max {max(per_run):.3f}; {aim}); "
-          f"poll wake-ups/s per run: {', '.join(f'{r.wakeups_per_s:.0f}' for r in runs['poll'])}")
+    print(
+        f"event/poll P cpu per run: {', '.join(f'{x:.3f}' for x in per_run)} "
+        f"(median {statistics.median(per_run):.3f}, max {max(per_run):.3f}; {aim}); "
+        f"poll wake-ups/s per run: {', '.join(f'{r.wakeups_per_s:.0f}' for r in runs['poll'])}"
+    )
     event, poll = median_run(runs["event"]), median_run(runs["poll"])
     if event.latencies_ms and poll.latencies_ms:
-        print(f"free latency over {len(runs['event'])} runs: event p50 {percentile(event.latencies_ms, 50):.3f} "
-              f"p99 {percentile(event.latencies_ms, 99):.3f} ms, poll p50 {percentile(poll.latencies_ms, 50):.3f} "
-              f"p99 {percentile(poll.latencies_ms, 99):.3f} ms; event p99 / poll p50 "
-              f"{percentile(event.latencies_ms, 99) / percentile(poll.latencies_ms, 50):.2f} (aim <= 1)")
+        print(
+            f"free latency over {len(runs['event'])} runs: event p50 {percentile(event.latencies_ms, 50):.3f} "
+            f"p99 {percentile(event.latencies_ms, 99):.3f} ms, poll p50 {percentile(poll.latencies_ms, 50):.3f} "
+            f"p99 {percentile(poll.latencies_ms, 99):.3f} ms; event p99 / poll p50 "
+            f"{percentile(event.latencies_ms, 99) / percentile(poll.latencies_ms, 50):.2f} (aim <= 1)"
+        )
 
 
 def print_table(title: str, results: list[Result], done_name: str) -> None:
     print(f"\n{title}")
     has_d = "D" in results[0].cpu_s
-    print(f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}" + (f" {'D cpu ms':>9} {'D wait st/s':>11}" if has_d else "")
-          + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10} {'free p50 ms':>12} {'free p99 ms':>12}"
-          f" {'freed':>6} {done_name:>7} {'P blocks held':>14}")
+    print(
+        f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}"
+        + (f" {'D cpu ms':>9} {'D wait st/s':>11}" if has_d else "")
+        + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10} {'free p50 ms':>12} {'free p99 ms':>12}"
+        f" {'freed':>6} {done_name:>7} {'P blocks held':>14}"
+    )
     for r in results:
         cpu = {name: f"{1000 * s:.1f}" for name, s in r.cpu_s.items()}
-        print(f"{r.policy:<8} {cpu['P']:>9} {cpu['worker']:>10}"
-              + (f" {cpu['D']:>9} {r.d_wait_steps_per_s:>11.0f}" if has_d else "")
-              + f" {r.wakeups_per_s:>10.1f} {r.held_s:>7.2f} {r.held_wakeups_per_s:>10.1f}"
-              f" {_latency(r, 50):>12} {_latency(r, 99):>12} {r.num_freed:>3}/{NUM_REQUESTS:<2}"
-              f" {r.num_done:>4}/{NUM_REQUESTS:<2} {r.blocks_held:>14}")
+        print(
+            f"{r.policy:<8} {cpu['P']:>9} {cpu['worker']:>10}"
+            + (f" {cpu['D']:>9} {r.d_wait_steps_per_s:>11.0f}" if has_d else "")
+            + f" {r.wakeups_per_s:>10.1f} {r.held_s:>7.2f} {r.held_wakeups_per_s:>10.1f}"
+            f" {_latency(r, 50):>12} {_latency(r, 99):>12} {r.num_freed:>3}/{NUM_REQUESTS:<2}"
+            f" {r.num_done:>4}/{NUM_REQUESTS:<2} {r.blocks_held:>14}"
+        )
     print_ratios({r.policy: r for r in results})
-    print("cross-check, utime+stime from /proc/<pid>/stat, 10 ms ticks (P / worker ms): " + ", ".join(
-        f"{r.policy} {1000 * r.ticks_s['P']:.0f} / {1000 * r.ticks_s['worker']:.0f}" for r in results))
+    print(
+        "cross-check, utime+stime from /proc/<pid>/stat, 10 ms ticks (P / worker ms): "
+        + ", ".join(
+            f"{r.policy} {1000 * r.ticks_s['P']:.0f} / {1000 * r.ticks_s['worker']:.0f}"
+            for r in results
+        )
+    )
 
 
 def print_ratios(by: dict[str, Result]) -> None:
     poll, event = by["poll"], by["event"]
     p_and_worker = [r.cpu_s["P"] + r.cpu_s["worker"] for r in (event, poll)]
-    ratios = [f"P cpu {event.cpu_s['P'] / poll.cpu_s['P']:.3f}",
-              f"P+worker cpu {p_and_worker[0] / p_and_worker[1]:.3f}",
-              f"wake-ups {event.wakeups_per_s / poll.wakeups_per_s:.4f}"]
+    ratios = [
+        f"P cpu {event.cpu_s['P'] / poll.cpu_s['P']:.3f}",
+        f"P+worker cpu {p_and_worker[0] / p_and_worker[1]:.3f}",
+        f"wake-ups {event.wakeups_per_s / poll.wakeups_per_s:.4f}",
+    ]
     if event.latencies_ms and poll.latencies_ms:
-        ratios += [f"free p{q} {percentile(event.latencies_ms, q) / percentile(poll.latencies_ms, q):.2f}"
-                   for q in (50, 99)]
+        ratios += [
+            f"free p{q} {percentile(event.latencies_ms, q) / percentile(poll.latencies_ms, q):.2f}"
+            for q in (50, 99)
+        ]
     print("event/poll: " + ", ".join(ratios))
 
 
@@ -425,15 +488,23 @@ def _latency(r: Result, q: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per policy and scenario (interleaved)")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="runs per policy and scenario (interleaved)"
+    )
     num_runs = max(1, parser.parse_args().runs)
     load = OtherLoad()
-    print(f"mock runner, shm transport; {NUM_REQUESTS} requests of {PROMPT_LEN // BLOCK_SIZE} blocks; "
-          f"each read {PULL_DELAY_S:g} s after P finished it; then {WINDOW_S:g} s of no traffic, "
-          f"measured on P; {num_runs} runs per policy, the median run shown")
-    print_runs("A. P/D topology, 32 requests in one burst, D pulls with pull_delay_ms=1000 "
-               "(free latency: see B)", measure_runs(measure_topology, num_runs), "D done",
-               "aim <= 0.05")
+    print(
+        f"mock runner, shm transport; {NUM_REQUESTS} requests of {PROMPT_LEN // BLOCK_SIZE} blocks; "
+        f"each read {PULL_DELAY_S:g} s after P finished it; then {WINDOW_S:g} s of no traffic, "
+        f"measured on P; {num_runs} runs per policy, the median run shown"
+    )
+    print_runs(
+        "A. P/D topology, 32 requests in one burst, D pulls with pull_delay_ms=1000 "
+        "(free latency: see B)",
+        measure_runs(measure_topology, num_runs),
+        "D done",
+        "aim <= 0.05",
+    )
     # B's reads run torch ops in this process. With more than one thread, OpenMP's idle
     # threads spin after each op and, on two cores, keep P's worker and engine core off
     # the CPU just when they should handle the ReadDone that was sent: that would be
@@ -441,10 +512,14 @@ def main() -> None:
     torch.set_num_threads(1)
     floors: list[tuple[float, float]] = []  # the zmq floor, measured in B's rounds (interleaved)
     runs_b = measure_runs(measure_reads, num_runs, lambda: floors.append(measure_floor()))
-    print_runs(f"B. P alone, this process reads as D's worker would; requests "
-               f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
-               "free latency = P's free snapshot - ReadDone sent", runs_b, "read",
-               "no aim: the zmq floor bounds it, see below")
+    print_runs(
+        f"B. P alone, this process reads as D's worker would; requests "
+        f"{1000 * SEND_GAP_S:g} ms apart, one read, report and free each; "
+        "free latency = P's free snapshot - ReadDone sent",
+        runs_b,
+        "read",
+        "no aim: the zmq floor bounds it, see below",
+    )
     print_floor(runs_b, floors)
     print(load.report())
 

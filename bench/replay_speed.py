@@ -26,6 +26,7 @@ CPU cores (under 3.54 s), and no slower than before on the Azure trace. The rows
 second compare across revisions: run this script against another checkout's code with
 `.venv/bin/python bench/replay_speed.py --code <checkout>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import OtherLoad  # noqa: E402  (bench/common.py)
 
-from engine.config import LIVENESS_POLICIES, EngineConfig  # noqa: E402
-from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES  # noqa: E402
-from replay.verify.report import request_summary  # noqa: E402
-from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
 # run_replay imports the simulator (and numpy, for prompt synthesis) on its first virtual
 # run, inside its timed span: imported here, so the first row does not pay for it.
 import replay.sim.simulation  # noqa: E402,F401
-from replay.trace.shaping import ShapingOptions  # noqa: E402
+from engine.config import LIVENESS_POLICIES, EngineConfig  # noqa: E402
+from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES  # noqa: E402
+from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
 from replay.trace.reader import validate_trace  # noqa: E402
+from replay.trace.shaping import ShapingOptions  # noqa: E402
+from replay.verify.report import request_summary  # noqa: E402
 from replay.verify.rules import VerifyOptions  # noqa: E402
 
 MOONCAKE_NAME = "conversation_trace.jsonl"
@@ -73,8 +74,10 @@ def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
     return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
 
@@ -98,10 +101,19 @@ def num_leak_windows(result: ReplayResult) -> int:
 def virtual_row(name: str, result: ReplayResult, cpu_s: float) -> list[str]:
     wall_s, sim_s, steps = result.wall_s, result.timeline.end_t, num_steps(result)
     num_requests = len(result.timeline.requests)
-    return [name, f"{wall_s:.2f}", f"{cpu_s:.2f}", f"{sim_s:.1f}", f"{steps:,}",
-            f"{num_requests / wall_s:,.0f}", f"{steps / wall_s:,.0f}", f"{steps / cpu_s:,.0f}",
-            f"{sim_s / wall_s:,.0f}x", str(result.verdict.exit_code),
-            f"{num_leak_windows(result)}/{len(result.verdict.windows)}"]
+    return [
+        name,
+        f"{wall_s:.2f}",
+        f"{cpu_s:.2f}",
+        f"{sim_s:.1f}",
+        f"{steps:,}",
+        f"{num_requests / wall_s:,.0f}",
+        f"{steps / wall_s:,.0f}",
+        f"{steps / cpu_s:,.0f}",
+        f"{sim_s / wall_s:,.0f}x",
+        str(result.verdict.exit_code),
+        f"{num_leak_windows(result)}/{len(result.verdict.windows)}",
+    ]
 
 
 def timed_replay(config: ReplayConfig, summary) -> tuple[ReplayResult, float]:
@@ -123,15 +135,24 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
         return
     start = time.monotonic()
     summary = validate_trace(trace)
-    print(f"{summary.num_requests:,} requests over {summary.duration:,.1f} s ({summary.format}); "
-          f"validated in {time.monotonic() - start:.2f} s (once, not in the rows below)")
-    print(f"P/D, {BASE.num_blocks} blocks x {BASE.block_size} tokens per engine, "
-          f"--scale-tokens {scale_tokens:g}; leak windows = engine x idle window")
-    config = ReplayConfig(trace=trace, clock="virtual", engine=BASE,
-                          shaping=ShapingOptions(scale_tokens=scale_tokens),
-                          verify=VerifyOptions(snapshot_tolerance_blocks=0))
-    profile = replace(config, engine=PROFILES[DEFAULT_VIRTUAL_PROFILE].apply(
-        replace(BASE, liveness="event")))
+    print(
+        f"{summary.num_requests:,} requests over {summary.duration:,.1f} s ({summary.format}); "
+        f"validated in {time.monotonic() - start:.2f} s (once, not in the rows below)"
+    )
+    print(
+        f"P/D, {BASE.num_blocks} blocks x {BASE.block_size} tokens per engine, "
+        f"--scale-tokens {scale_tokens:g}; leak windows = engine x idle window"
+    )
+    config = ReplayConfig(
+        trace=trace,
+        clock="virtual",
+        engine=BASE,
+        shaping=ShapingOptions(scale_tokens=scale_tokens),
+        verify=VerifyOptions(snapshot_tolerance_blocks=0),
+    )
+    profile = replace(
+        config, engine=PROFILES[DEFAULT_VIRTUAL_PROFILE].apply(replace(BASE, liveness="event"))
+    )
     cases = [(p, with_liveness(config, p)) for p in LIVENESS_POLICIES]
     cases.append((f"event, --profile {DEFAULT_VIRTUAL_PROFILE}", profile))
     cases.append(("event, 4p4d", replace(with_liveness(config, "event"), topology=XPYD)))
@@ -139,8 +160,19 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
     for _ in range(runs):  # interleaved, so a burst of load hits every case alike
         for name, case in cases:
             results[name].append(timed_replay(case, summary))
-    header = ["case", "wall s", "cpu s", "sim s", "steps (P+D)", "req/wall s", "steps/wall s",
-              "steps/cpu s", "speed-up", "exit", "leak windows"]
+    header = [
+        "case",
+        "wall s",
+        "cpu s",
+        "sim s",
+        "steps (P+D)",
+        "req/wall s",
+        "steps/wall s",
+        "steps/cpu s",
+        "speed-up",
+        "exit",
+        "leak windows",
+    ]
     rows, slowest = [], float("inf")
     for name, runs_of in results.items():
         result, cpu_s = sorted(runs_of, key=lambda r: r[0].wall_s)[len(runs_of) // 2]
@@ -149,16 +181,25 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
             slowest = min(slowest, result.timeline.end_t / result.wall_s)
     print("\n".join(format_table(header, rows)))
     if runs > 1:
-        print(f"median of {runs} runs each; wall s of every run: " + "; ".join(
-            f"{name} " + " ".join(f"{r.wall_s:.2f}" for r, _ in runs_of) for name, runs_of in results.items()))
+        print(
+            f"median of {runs} runs each; wall s of every run: "
+            + "; ".join(
+                f"{name} " + " ".join(f"{r.wall_s:.2f}" for r, _ in runs_of)
+                for name, runs_of in results.items()
+            )
+        )
     rate = _rates(results)
     ratio = rate[f"event, {XPYD}"] / rate["event"]
-    print(f"{XPYD} vs 1p1d (event): {rate[f'event, {XPYD}']:,.0f} vs {rate['event']:,.0f} requests per "
-          f"wall s, {ratio:.2f}x (aim >= 0.5: {'met' if ratio >= 0.5 else 'MISSED'})")
+    print(
+        f"{XPYD} vs 1p1d (event): {rate[f'event, {XPYD}']:,.0f} vs {rate['event']:,.0f} requests per "
+        f"wall s, {ratio:.2f}x (aim >= 0.5: {'met' if ratio >= 0.5 else 'MISSED'})"
+    )
     if trace.name == MOONCAKE_NAME and scale_tokens == SCALE_TOKENS:  # the aim's own workload
         verdict = "met" if slowest >= AIM_SPEEDUP else "MISSED"
-        print(f"aim: whole trace >= {AIM_SPEEDUP:,.0f}x real time per policy: {verdict} "
-              f"(slowest {slowest:,.0f}x, median run)")
+        print(
+            f"aim: whole trace >= {AIM_SPEEDUP:,.0f}x real time per policy: {verdict} "
+            f"(slowest {slowest:,.0f}x, median run)"
+        )
 
 
 def _rates(results: dict[str, list[tuple[ReplayResult, float]]]) -> dict[str, float]:
@@ -172,38 +213,64 @@ def _rates(results: dict[str, list[tuple[ReplayResult, float]]]) -> dict[str, fl
 
 def wall_row(speedup: float, run: int, result: ReplayResult) -> list[str]:
     r = request_summary(result.timeline)
-    return [f"{speedup:g}", str(run), f"{r['num_finished']}/{r['num_requests']}",
-            f"{result.timeline.end_t:.2f}", f"{result.wall_s:.2f}",
-            f"{r['send_lateness_p50_ms']:.3f}", f"{r['send_lateness_p99_ms']:.3f}",
-            str(result.verdict.exit_code),
-            f"{num_leak_windows(result)}/{len(result.verdict.windows)}"]
+    return [
+        f"{speedup:g}",
+        str(run),
+        f"{r['num_finished']}/{r['num_requests']}",
+        f"{result.timeline.end_t:.2f}",
+        f"{result.wall_s:.2f}",
+        f"{r['send_lateness_p50_ms']:.3f}",
+        f"{r['send_lateness_p99_ms']:.3f}",
+        str(result.verdict.exit_code),
+        f"{num_leak_windows(result)}/{len(result.verdict.windows)}",
+    ]
 
 
 def bench_wall() -> None:
     print(f"== 2. wall clock: {EXAMPLE.relative_to(ROOT)}, P/D, mock runner, event policy")
     engine = replace(BASE, liveness="event")
-    header = ["speedup", "run", "finished", "replay s", "wall s", "late p50 ms", "late p99 ms",
-              "exit", "leak windows"]
+    header = [
+        "speedup",
+        "run",
+        "finished",
+        "replay s",
+        "wall s",
+        "late p50 ms",
+        "late p99 ms",
+        "exit",
+        "leak windows",
+    ]
     rows = []
     for speedup in SPEEDUPS:
-        config = ReplayConfig(trace=EXAMPLE, clock="wall", engine=engine,
-                              shaping=ShapingOptions(speedup=speedup),
-                              verify=VerifyOptions(snapshot_tolerance_blocks=2))
+        config = ReplayConfig(
+            trace=EXAMPLE,
+            clock="wall",
+            engine=engine,
+            shaping=ShapingOptions(speedup=speedup),
+            verify=VerifyOptions(snapshot_tolerance_blocks=2),
+        )
         rows += [wall_row(speedup, run, run_replay(config)) for run in range(1, WALL_RUNS + 1)]
     print("\n".join(format_table(header, rows)))
-    print("replay s: the timeline (trace / speedup + lead-in + tail); wall s adds engine "
-          "start-up and shutdown. With 32 requests p99 is the latest send.")
+    print(
+        "replay s: the timeline (trace / speedup + lead-in + tail); wall s adds engine "
+        "start-up and shutdown. With 32 requests p99 is the latest send."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES,
-                        help=f"directory holding {MOONCAKE_NAME}, or the file itself")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=DEFAULT_TRACES,
+        help=f"directory holding {MOONCAKE_NAME}, or the file itself",
+    )
     parser.add_argument("--scale-tokens", type=float, default=SCALE_TOKENS)
     parser.add_argument("--runs", type=int, default=1, help="virtual-clock runs per case (median)")
     parser.add_argument("--no-wall", action="store_true", help="skip the wall-clock part")
-    parser.add_argument("--code", type=Path, default=ROOT,
-                        help="the checkout whose code runs (default: this one's)")
+    parser.add_argument(
+        "--code", type=Path, default=ROOT, help="the checkout whose code runs (default: this one's)"
+    )
     args = parser.parse_args()
     if args.code.resolve() != CODE:  # read from sys.argv before the imports: "--code DIR" only
         parser.error(f"--code: give it as two words (--code DIR); this run would measure {CODE}")

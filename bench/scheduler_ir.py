@@ -11,6 +11,7 @@ load, so they compare revisions on a busy machine. Per step = Collected / STEPS:
         --toggle-collect=starmap_next --callgrind-out-file=/dev/null \\
         .venv/bin/python bench/scheduler_ir.py [--nano-vllm DIR] RUNNING [--prefill] [--steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def main() -> None:
     parser.add_argument("running", type=int, help="running decodes")
     parser.add_argument("--prefill", action="store_true", help="with the 8k prefill")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--nano-vllm", type=Path, help="a nano-vllm checkout: step its scheduler instead")
+    parser.add_argument(
+        "--nano-vllm", type=Path, help="a nano-vllm checkout: step its scheduler instead"
+    )
     args = parser.parse_args()
     kept: list = []
     if args.nano_vllm is not None:
@@ -47,6 +50,7 @@ def main() -> None:
             for req_id in out.partial_req_ids:
                 del sampled[req_id]
             kept.append(sched.update_from_output(out, ModelRunnerOutput(sampled)))
+
     for _ in range(3):
         step()
     kept.clear()

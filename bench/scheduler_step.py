@@ -26,6 +26,7 @@ shared machine the wall time of a step mostly says how often another process ran
 which no other load changes: a census of where the Python work is, not a time (a C
 call counts one, whatever it costs; allocations and garbage collection are not seen).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.runner.mock_runner import MockModelRunner  # noqa: E402
 from engine.core.request import Request  # noqa: E402
 from engine.core.scheduler import Scheduler  # noqa: E402
+from engine.runner.mock_runner import MockModelRunner  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 128
@@ -52,7 +53,9 @@ TOKEN_BUDGET = 8192
 PREFILL_LEN = 8192
 NUM_BLOCKS = 80_000
 MAX_NUM_SEQS = 2048
-VOCAB_SIZE = EngineConfig().model.vocab_size  # the mock runner's next token: (last + 1) % VOCAB_SIZE
+VOCAB_SIZE = (
+    EngineConfig().model.vocab_size
+)  # the mock runner's next token: (last + 1) % VOCAB_SIZE
 # What a step costs: this thread's CPU time by default (a busy machine's other processes
 # do not inflate it, as they inflate wall time), or --clock wall (time.perf_counter).
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -70,15 +73,22 @@ class KvdrainBench:
     name = "kvdrain"
 
     def __init__(self, num_running: int, with_prefill: bool) -> None:
-        config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
-                              max_num_batched_tokens=TOKEN_BUDGET, max_model_len=1 << 20)
+        config = EngineConfig(
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            max_model_len=1 << 20,
+        )
         # Everyone prefilled in one step, so that all decode in step, as nano-vllm's do
         # (its prefills go first: nobody decodes before the last is prefilled). Spread
         # over the budget's chunks they would sit at different places in their blocks,
         # and the median step would hold block allocations and hashes on this side only.
         prompts = [prompt(i) for i in range(num_running)]
         num_prompt_tokens = sum(map(len, prompts))
-        self.sched = Scheduler(replace(config, max_num_batched_tokens=max(TOKEN_BUDGET, num_prompt_tokens)))
+        self.sched = Scheduler(
+            replace(config, max_num_batched_tokens=max(TOKEN_BUDGET, num_prompt_tokens))
+        )
         self.runner = MockModelRunner(config)
         for i, prompt_token_ids in enumerate(prompts):
             self.sched.add_request(Request(f"d{i}", prompt_token_ids, 1 << 30, BLOCK_SIZE))
@@ -86,8 +96,9 @@ class KvdrainBench:
             self._step()
         self.sched.config = config
         if with_prefill:
-            self.sched.add_request(Request("prefill", [j % 500 + 1 for j in range(PREFILL_LEN)],
-                                           1 << 30, BLOCK_SIZE))
+            self.sched.add_request(
+                Request("prefill", [j % 500 + 1 for j in range(PREFILL_LEN)], 1 << 30, BLOCK_SIZE)
+            )
 
     def _step(self) -> None:
         out = self.sched.schedule()
@@ -109,7 +120,9 @@ def load_nano_vllm(root: Path) -> types.SimpleNamespace:
     """nano-vllm's scheduler modules, loaded by path with a stub Config (no transformers)."""
     pkg = root / "nanovllm"
     if not (pkg / "engine" / "scheduler.py").is_file():
-        raise SystemExit(f"--nano-vllm: {root} is not a nano-vllm checkout (no nanovllm/engine/scheduler.py)")
+        raise SystemExit(
+            f"--nano-vllm: {root} is not a nano-vllm checkout (no nanovllm/engine/scheduler.py)"
+        )
     for name in ("nanovllm", "nanovllm.engine"):
         module = types.ModuleType(name)
         module.__path__ = []
@@ -137,8 +150,13 @@ class NanoBench:
 
     def __init__(self, num_running: int, with_prefill: bool) -> None:
         nano = self.nano
-        config = types.SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
-                                       eos=-1, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=NUM_BLOCKS)
+        config = types.SimpleNamespace(
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            eos=-1,
+            kvcache_block_size=BLOCK_SIZE,
+            num_kvcache_blocks=NUM_BLOCKS,
+        )
         self.sched = nano.scheduler.Scheduler(config)
         params = nano.sampling_params.SamplingParams(max_tokens=1 << 30, ignore_eos=True)
         for i in range(num_running):
@@ -146,7 +164,9 @@ class NanoBench:
         while self.sched.waiting:
             self.timed_step()
         if with_prefill:
-            self.sched.add(nano.sequence.Sequence([j % 500 + 1 for j in range(PREFILL_LEN)], params))
+            self.sched.add(
+                nano.sequence.Sequence([j % 500 + 1 for j in range(PREFILL_LEN)], params)
+            )
 
     def timed_step(self) -> float:
         start = clock()
@@ -197,8 +217,10 @@ def census(sizes: list[int], num_steps: int, with_nano: bool) -> None:
             for name in [n for n in counts if n.startswith(NOT_COUNTED)]:
                 del counts[name]  # the clock's calls and the "model" are not the scheduler's
             top = ", ".join(f"{name} {n / num_steps:,.0f}" for name, n in counts.most_common(4))
-            print(f"{num_running:>6} {cls.name:>10} {sum(counts.values()) / num_steps:>9,.0f} opcodes/step  ({top})",
-                  flush=True)
+            print(
+                f"{num_running:>6} {cls.name:>10} {sum(counts.values()) / num_steps:>9,.0f} opcodes/step  ({top})",
+                flush=True,
+            )
 
 
 def median_us(make: Callable[[], object], num_steps: int) -> float:
@@ -209,13 +231,17 @@ def median_us(make: Callable[[], object], num_steps: int) -> float:
 def run(sizes: list[int], rounds: int, num_steps: int, with_nano: bool) -> None:
     benches = [KvdrainBench] + ([NanoBench] if with_nano else [])
     header = f"{'running':>8} {'+8k prefill':>12} {'kvdrain us':>11}"
-    print(header + (f" {'nano-vllm us':>13} {'ratio':>6}" if with_nano else f" {'sched req/s':>12}"))
+    print(
+        header + (f" {'nano-vllm us':>13} {'ratio':>6}" if with_nano else f" {'sched req/s':>12}")
+    )
     for num_running in sizes:
         for with_prefill in (False, True):
             samples: dict[str, list[float]] = {b.name: [] for b in benches}
             for _ in range(rounds):  # interleaved, so drift hits both alike
                 for cls in benches:
-                    samples[cls.name].append(median_us(lambda: cls(num_running, with_prefill), num_steps))
+                    samples[cls.name].append(
+                        median_us(lambda: cls(num_running, with_prefill), num_steps)  # noqa: B023
+                    )
             ours = statistics.median(samples["kvdrain"])
             line = f"{num_running:>8} {str(with_prefill):>12} {ours:>11.1f}"
             if with_nano:
@@ -232,13 +258,24 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,64,256,1024", help="running decodes, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per round")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                        help="this thread's CPU time (default) or wall time per step")
-    parser.add_argument("--opcodes", action="store_true",
-                        help="count the bytecodes of a step per function instead of timing it")
-    parser.add_argument("--workload", choices=("step", "spread", "both"), default="both",
-                        help="requests in step (every 16th step starts a block for all), spread "
-                             "(prompts of 128 + i %% 16 tokens: every step, 1/16 start a block), or both tables")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="this thread's CPU time (default) or wall time per step",
+    )
+    parser.add_argument(
+        "--opcodes",
+        action="store_true",
+        help="count the bytecodes of a step per function instead of timing it",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("step", "spread", "both"),
+        default="both",
+        help="requests in step (every 16th step starts a block for all), spread "
+        "(prompts of 128 + i %% 16 tokens: every step, 1/16 start a block), or both tables",
+    )
     args = parser.parse_args()
     global clock, spread
     clock = CLOCKS[args.clock]

@@ -22,6 +22,7 @@ processes imported torch (from /proc/<pid>/maps while the replay runs).
 --importtime also prints the 15 slowest imports of an engine-core child and a
 connector-worker child for each runner (python -X importtime of the child's imports).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,15 @@ from bench.common import OtherLoad  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
 AIMS_S = {"mock": 1.0, "torch": 2.5}
-PHASES = ("cli imported", "trace validated", "engines launched", "windows modelled", "engines ready",
-          "first request", "cpu s before it")
+PHASES = (
+    "cli imported",
+    "trace validated",
+    "engines launched",
+    "windows modelled",
+    "engines ready",
+    "first request",
+    "cpu s before it",
+)
 # Runs the CLI with hooks that only note times: the same code paths, one extra import order.
 PROBE = r"""
 import json, os, sys, time
@@ -103,8 +111,23 @@ cli.cli()
 
 
 def replay_args(runner: str) -> list[str]:
-    return ["replay", str(EXAMPLE), "--clock", "wall", "--topology", "pd", "--runner", runner,
-            "--device", "cpu", "--no-live", "--speedup", "100", "--liveness", "event"]
+    return [
+        "replay",
+        str(EXAMPLE),
+        "--clock",
+        "wall",
+        "--topology",
+        "pd",
+        "--runner",
+        runner,
+        "--device",
+        "cpu",
+        "--no-live",
+        "--speedup",
+        "100",
+        "--liveness",
+        "event",
+    ]
 
 
 def one_run(runner: str, root: Path = ROOT) -> tuple[dict[str, float], list[str]]:
@@ -114,19 +137,33 @@ def one_run(runner: str, root: Path = ROOT) -> tuple[dict[str, float], list[str]
         marks_path = os.path.join(tmp, "marks.json")
         launch = time.monotonic()
         script = str(Path(sys.executable).parent / "kvdrain")
-        proc = subprocess.Popen([sys.executable, "-c", PROBE, marks_path, script, *replay_args(runner)],
-                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, marks_path, script, *replay_args(runner)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         with_torch = _torch_children(proc, marks_path + ".pids")
         output = proc.communicate(timeout=300)[0].decode(errors="replace")
         marks = json.loads(Path(marks_path).read_text()) if os.path.exists(marks_path) else {}
         if proc.returncode in (1, 3, 4) and "first request" in marks:  # a verdict after start-up
-            why = [line for line in output.splitlines()
-                   if line.startswith(("fault:", "FAULT", "VIOLATION", "INCONCLUSIVE"))]
-            print(f"note: {runner} in {root} exited {proc.returncode} after its start-up: "
-                  f"{' '.join(why)}", flush=True)
+            why = [
+                line
+                for line in output.splitlines()
+                if line.startswith(("fault:", "FAULT", "VIOLATION", "INCONCLUSIVE"))
+            ]
+            print(
+                f"note: {runner} in {root} exited {proc.returncode} after its start-up: "
+                f"{' '.join(why)}",
+                flush=True,
+            )
         elif proc.returncode != 0:
-            raise RuntimeError(f"kvdrain replay --runner {runner} in {root} exited {proc.returncode}:\n{output}")
-    return {name: t if name == "cpu s before it" else t - launch for name, t in marks.items()}, with_torch
+            raise RuntimeError(
+                f"kvdrain replay --runner {runner} in {root} exited {proc.returncode}:\n{output}"
+            )
+    return {
+        name: t if name == "cpu s before it" else t - launch for name, t in marks.items()
+    }, with_torch
 
 
 def _torch_children(proc: subprocess.Popen, pids_path: str) -> list[str]:
@@ -138,8 +175,9 @@ def _torch_children(proc: subprocess.Popen, pids_path: str) -> list[str]:
         return []
     cores = [int(p) for p in Path(pids_path).read_text().split()]
     workers = [c for p in cores for c in _children(p)]  # connector workers: the cores' children
-    return ([f"engine core {p}" for p in cores if _maps_torch(p)]
-            + [f"connector worker {p}" for p in workers if _maps_torch(p)])
+    return [f"engine core {p}" for p in cores if _maps_torch(p)] + [
+        f"connector worker {p}" for p in workers if _maps_torch(p)
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -164,9 +202,16 @@ CHILD_IMPORTS = {
 
 def importtime(runner: str, what: str) -> list[str]:
     """The 15 slowest cumulative imports of what a child imports (-X importtime)."""
-    code = CHILD_IMPORTS[what] + ("; import engine.model_runner" if runner == "torch" and what == "engine core" else "")
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    code = CHILD_IMPORTS[what] + (
+        "; import engine.model_runner" if runner == "torch" and what == "engine core" else ""
+    )
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = []
     for line in proc.stderr.splitlines():
         parts = line.split("|")
@@ -180,8 +225,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--importtime", action="store_true")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="another checkout to run beside this one, interleaved")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout to run beside this one, interleaved",
+    )
     args = parser.parse_args()
     load = OtherLoad()
     roots = {"": ROOT} if args.baseline is None else {"": ROOT, " base": args.baseline.resolve()}
@@ -192,19 +241,28 @@ def main() -> None:
         for runner, label in columns:
             marks, torch_in[runner, label] = one_run(runner, roots[label])
             results[runner, label].append(marks)
-    print("seconds after launch at the end of each phase (median of "
-          f"{args.runs} run{'s' if args.runs != 1 else ''}, P/D topology, examples/pd_idle.jsonl)"
-          + (f"; base: {args.baseline}" if args.baseline else ""))
+    print(
+        "seconds after launch at the end of each phase (median of "
+        f"{args.runs} run{'s' if args.runs != 1 else ''}, P/D topology, examples/pd_idle.jsonl)"
+        + (f"; base: {args.baseline}" if args.baseline else "")
+    )
     print(f"{'phase':<18}" + "".join(f"{r + label:>12}" for r, label in columns))
     for phase in PHASES:
-        cells = [statistics.median(m[phase] for m in runs) if all(phase in m for m in runs) else None
-                 for runs in results.values()]
-        print(f"{phase:<18}" + "".join(f"{c:>12.2f}" if c is not None else f"{'-':>12}" for c in cells))
+        cells = [
+            statistics.median(m[phase] for m in runs) if all(phase in m for m in runs) else None
+            for runs in results.values()
+        ]
+        print(
+            f"{phase:<18}"
+            + "".join(f"{c:>12.2f}" if c is not None else f"{'-':>12}" for c in cells)
+        )
     for (runner, label), runs in results.items():
         first = statistics.median(m["first request"] for m in runs)
-        print(f"{runner}{label}: first request {first:.2f} s after launch; aim <= {AIMS_S[runner]} s "
-              f"({first / AIMS_S[runner]:.2f}x the aim); torch loaded in: "
-              f"{', '.join(torch_in[runner, label]) or 'no child process'}")
+        print(
+            f"{runner}{label}: first request {first:.2f} s after launch; aim <= {AIMS_S[runner]} s "
+            f"({first / AIMS_S[runner]:.2f}x the aim); torch loaded in: "
+            f"{', '.join(torch_in[runner, label]) or 'no child process'}"
+        )
     if args.importtime:
         for runner in AIMS_S:
             for what in CHILD_IMPORTS:

@@ -24,6 +24,7 @@ this process plus the worker's. Every transport is checked once for bit-exact co
 No torch here (nor in the worker, for CPU memory): numpy copies run on one thread, and
 no idle OpenMP thread spins on a core the peer process needs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,17 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import CLK_TCK, OtherLoad  # noqa: E402  (bench/common.py)
-from connector.messages import (CONNECTOR_CODEC, BlockData, ReadBlocks, RecvSpec,  # noqa: E402
-                                KVCacheRegistered, RegisterKVCache, StepMeta, WorkerReady)
+
+from connector.messages import (
+    CONNECTOR_CODEC,
+    BlockData,
+    KVCacheRegistered,
+    ReadBlocks,
+    RecvSpec,  # noqa: E402
+    RegisterKVCache,
+    StepMeta,
+    WorkerReady,
+)
 from connector.transfer import PeerLink, Puller, keep_freed_buffers  # noqa: E402
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker  # noqa: E402
 from engine.config import ModelConfig, get_model_config  # noqa: E402
@@ -60,8 +70,11 @@ MIN_CALLS, MAX_CALLS = 5, 200  # ... within these bounds
 TIMEOUT_S = 30.0
 LAYOUTS = (
     ("small preset, fp32", get_model_config("small"), "float32"),
-    ("8 layers x 8 KV heads x 64, bf16", ModelConfig(num_layers=8, num_heads=8, num_kv_heads=8,
-                                                     head_dim=64), "bfloat16"),
+    (
+        "8 layers x 8 KV heads x 64, bf16",
+        ModelConfig(num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64),
+        "bfloat16",
+    ),
 )
 PLAIN, BLOCKS = "plain copy of the bytes", "in-process block copy"
 GOALS = {"shm": 0.8, "zmq": 0.4}  # issue 14, goal 5: of the in-process block copy, 16 MiB pulls
@@ -72,13 +85,15 @@ class PrefillWorker:
 
     def __init__(self, cache: KVCache, run_dir: str) -> None:
         self.kv_addr = f"ipc://{run_dir}/P-kv"
-        config = ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{run_dir}/P-agent",
-                                       kv_addr=self.kv_addr)
+        config = ConnectorWorkerConfig(
+            engine_id="P", agent_addr=f"ipc://{run_dir}/P-agent", kv_addr=self.kv_addr
+        )
         self.ctx = zmq.Context.instance()
         self.agent = self.ctx.socket(zmq.PAIR)
         self.agent.setsockopt(zmq.LINGER, 0)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_connector_worker, args=(config,), name="kvdrain-bench-worker")
+            target=run_connector_worker, args=(config,), name="kvdrain-bench-worker"
+        )
         self.process.start()
         try:
             self.agent.connect(config.agent_addr)
@@ -89,8 +104,9 @@ class PrefillWorker:
 
     def _start_serving(self, cache: KVCache) -> None:
         if not self.agent.poll(int(TIMEOUT_S * 1000), zmq.POLLIN):
-            raise TimeoutError(f"connector worker not ready in {TIMEOUT_S} s "
-                               f"(exit code {self.process.exitcode})")
+            raise TimeoutError(
+                f"connector worker not ready in {TIMEOUT_S} s (exit code {self.process.exitcode})"
+            )
         if not isinstance(CONNECTOR_CODEC.decode(self.agent.recv()), WorkerReady):
             raise RuntimeError("connector worker did not say WorkerReady first")
         held = list(range(1, cache.num_blocks))
@@ -142,11 +158,15 @@ class Path:
         durations: list[float] = []
         cpu0, worker0 = time.process_time(), self.worker.cpu_s() if self.worker else 0.0
         end = time.perf_counter() + ROUND_S
-        while len(durations) < MAX_CALLS and (len(durations) < MIN_CALLS or time.perf_counter() < end):
+        while len(durations) < MAX_CALLS and (
+            len(durations) < MIN_CALLS or time.perf_counter() < end
+        ):
             start = time.perf_counter()
             self.fn()
             durations.append(time.perf_counter() - start)
-        self.cpu_s += time.process_time() - cpu0 + (self.worker.cpu_s() - worker0 if self.worker else 0.0)
+        self.cpu_s += (
+            time.process_time() - cpu0 + (self.worker.cpu_s() - worker0 if self.worker else 0.0)
+        )
         self.num_calls += len(durations)
         self.times.append(statistics.median(durations))
 
@@ -157,7 +177,7 @@ def measure(paths: list[Path], rounds: int) -> None:
         for _ in range(3):
             path.fn()
     for r in range(rounds):
-        for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+        for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
             path.run_round()
 
 
@@ -171,7 +191,9 @@ def blocks_equal(a: KVCache, a_ids: list[int], b: KVCache, b_ids: list[int]) -> 
     return np.array_equal(a.gather_blocks(a_ids), b.gather_blocks(b_ids))
 
 
-def measure_layout(model: ModelConfig, dtype: str, run_dir: str, rounds: int) -> tuple[int, list[Path]]:
+def measure_layout(
+    model: ModelConfig, dtype: str, run_dir: str, rounds: int
+) -> tuple[int, list[Path]]:
     """(bytes per block, the measured paths) for one KV layout."""
     src = KVCache.allocate(model, CACHE_BLOCKS, BLOCK_SIZE, "cpu", dtype)
     dst = KVCache.allocate(model, CACHE_BLOCKS, BLOCK_SIZE, "cpu", dtype)
@@ -181,8 +203,10 @@ def measure_layout(model: ModelConfig, dtype: str, run_dir: str, rounds: int) ->
     dst_ids = rng.sample(range(1, CACHE_BLOCKS), NUM_BLOCKS)
     flat_src = src.gather_blocks(src_ids)
     flat_dst = np.empty_like(flat_src)
-    paths = [Path(PLAIN, lambda: np.copyto(flat_dst, flat_src)),
-             Path(BLOCKS, lambda: dst.copy_blocks_from(src, src_ids, dst_ids))]
+    paths = [
+        Path(PLAIN, lambda: np.copyto(flat_dst, flat_src)),
+        Path(BLOCKS, lambda: dst.copy_blocks_from(src, src_ids, dst_ids)),
+    ]
     worker = PrefillWorker(src, run_dir)
     pullers = []
     try:
@@ -208,14 +232,18 @@ def measure_layout(model: ModelConfig, dtype: str, run_dir: str, rounds: int) ->
 def print_layout(name: str, block_bytes: int, paths: list[Path]) -> None:
     num_bytes = NUM_BLOCKS * block_bytes
     print(f"\n{name}: {block_bytes // 1024} KiB per block, {num_bytes / 2**20:g} MiB per pull")
-    print(f"{'path':<26} {'GB/s':>6} {'vs plain':>9} {'vs in-process blocks (range)':>29} {'CPU ms/pull':>12}")
+    print(
+        f"{'path':<26} {'GB/s':>6} {'vs plain':>9} {'vs in-process blocks (range)':>29} {'CPU ms/pull':>12}"
+    )
     plain, blocks = paths[0], paths[1]
     for path in paths:
         gbps = num_bytes / statistics.median(path.times) / 1e9
         (r_plain, _, _), (r_blocks, lo, hi) = ratio(path, plain), ratio(path, blocks)
         cpu_ms = 1e3 * path.cpu_s / path.num_calls
-        print(f"{path.name:<26} {gbps:>6.2f} {r_plain:>9.2f} {r_blocks:>12.2f} ({lo:.2f}-{hi:.2f})"
-              f"{'':>4} {cpu_ms:>12.2f}")
+        print(
+            f"{path.name:<26} {gbps:>6.2f} {r_plain:>9.2f} {r_blocks:>12.2f} ({lo:.2f}-{hi:.2f})"
+            f"{'':>4} {cpu_ms:>12.2f}"
+        )
 
 
 def main() -> None:
@@ -224,10 +252,12 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_buffers()  # this process plays D's connector worker, which does this at start
     load = OtherLoad()
-    print(f"{NUM_BLOCKS} scattered blocks per pull, block_size {BLOCK_SIZE}, CPU, numpy (one thread); "
-          f"{args.rounds} interleaved rounds of {ROUND_S:g} s per path; GB/s = 1e9 payload bytes/s "
-          "(median over rounds of each round's median call); ratio = median over rounds; "
-          "CPU = this process + the worker")
+    print(
+        f"{NUM_BLOCKS} scattered blocks per pull, block_size {BLOCK_SIZE}, CPU, numpy (one thread); "
+        f"{args.rounds} interleaved rounds of {ROUND_S:g} s per path; GB/s = 1e9 payload bytes/s "
+        "(median over rounds of each round's median call); ratio = median over rounds; "
+        "CPU = this process + the worker"
+    )
     run_dir = tempfile.mkdtemp(prefix="kvdrain-bench-", dir="/tmp")
     summary = []
     try:
@@ -237,8 +267,10 @@ def main() -> None:
             summary = [(p.name.split()[-1], ratio(p, paths[1])[0]) for p in paths[2:]]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"\nkvdrain vs the in-process block copy, {NUM_BLOCKS * block_bytes / 2**20:g} MiB pulls: "
-          + ", ".join(f"{t} {r:.2f} (goal >= {GOALS[t]})" for t, r in summary))
+    print(
+        f"\nkvdrain vs the in-process block copy, {NUM_BLOCKS * block_bytes / 2**20:g} MiB pulls: "
+        + ", ".join(f"{t} {r:.2f} (goal >= {GOALS[t]})" for t, r in summary)
+    )
     print(load.report())
 
 

@@ -7,6 +7,7 @@ instance's launch to ready alone and in the pair, the pair's (its slower instanc
 over the slower instance alone (the aim: at most 1.2), and the load average when each
 launch began (other processes' CPU use lengthens a start-up on a small machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +36,12 @@ def launch(install, run_dir: Path, names: tuple[str, ...] | None) -> dict[str, f
     finally:
         deployment.close()
     ready = {s.name: s.ready_s for s in deployment.statuses()}
-    print(f"  {'+'.join(ready)}: " + ", ".join(f"{n} {t:.1f} s" for n, t in ready.items())
-          + f" (load average {load:.1f} at launch)", flush=True)
+    print(
+        f"  {'+'.join(ready)}: "
+        + ", ".join(f"{n} {t:.1f} s" for n, t in ready.items())
+        + f" (load average {load:.1f} at launch)",
+        flush=True,
+    )
     return ready
 
 
@@ -56,16 +60,21 @@ def main() -> int:
             alone[name].append(launch(install, out / f"{run}-{name}", (name,))[name])
         for name, t in launch(install, out / f"{run}-pd", None).items():
             pair[name].append(t)
-    median = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in (("alone", alone), ("pair", pair))}
+    median = {
+        k: {n: statistics.median(v) for n, v in d.items()}
+        for k, d in (("alone", alone), ("pair", pair))
+    }
     print(f"\n{'instance':<9} {'alone s':>8} {'in P/D s':>9}")
     for name in ("P", "D"):
         print(f"{name:<9} {median['alone'][name]:>8.1f} {median['pair'][name]:>9.1f}")
     slower_alone = max(median["alone"].values())
     pair_ready = statistics.median(max(p, d) for p, d in zip(pair["P"], pair["D"]))
     ratio = pair_ready / slower_alone
-    print(f"P/D launch to ready {pair_ready:.1f} s = {ratio:.2f}x the slower instance alone "
-          f"({slower_alone:.1f} s); aim <= {AIM}x: {'met' if ratio <= AIM else 'NOT met'}"
-          f" (medians of {args.runs} runs)")
+    print(
+        f"P/D launch to ready {pair_ready:.1f} s = {ratio:.2f}x the slower instance alone "
+        f"({slower_alone:.1f} s); aim <= {AIM}x: {'met' if ratio <= AIM else 'NOT met'}"
+        f" (medians of {args.runs} runs)"
+    )
     return 0
 
 

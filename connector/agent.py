@@ -9,6 +9,7 @@ that stops stepping reaps nothing. If the worker process dies, every transfer it
 owned is resolved here: held sends are released, pending loads fail (their blocks
 become invalid and kv_load_failure_policy decides), and `error` says what died.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -19,16 +20,26 @@ from typing import Literal
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, KVCacheRegistered, KVReport, LeaseDue, LeasesReaped,
-                                ReadAbandoned, ReapLeases, RecvSpec, RegisterKVCache, StepMeta,
-                                WorkerReady)
+from connector.messages import (
+    CONNECTOR_CODEC,
+    KVCacheRegistered,
+    KVReport,
+    LeaseDue,
+    LeasesReaped,
+    ReadAbandoned,
+    ReapLeases,
+    RecvSpec,
+    RegisterKVCache,
+    StepMeta,
+    WorkerReady,
+)
 from connector.pd import PDConnectorMetadata
 from connector.send_ledger import READ_LEASE_NS, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
 from engine.core.kv_connector import KVConnectorAgentBase
-from engine.proc.messages import DecodeError
 from engine.core.outputs import KVConnectorOutput
+from engine.proc.messages import DecodeError
 from engine.proc.socket_limits import connector_control_bytes, set_max_message_size
 
 READY_TIMEOUT_S = 60.0
@@ -126,7 +137,9 @@ class PendingTransfers:
 
     def orphans_due(self) -> int | None:
         """When resolve_orphans releases the held sends (ns); None: nothing waits."""
-        return None if self.orphaned_at is None or not self.sends else self.orphaned_at + READ_LEASE_NS
+        return (
+            None if self.orphaned_at is None or not self.sends else self.orphaned_at + READ_LEASE_NS
+        )
 
 
 class PDConnectorAgent(KVConnectorAgentBase):
@@ -140,13 +153,21 @@ class PDConnectorAgent(KVConnectorAgentBase):
         self.socket.setsockopt(zmq.RCVHWM, 0)  # reports wait here while the loop is parked
         control_bytes = connector_control_bytes(config.num_blocks, config.max_num_seqs)
         set_max_message_size(self.socket, control_bytes)
-        worker_config = ConnectorWorkerConfig(engine_id=config.engine_id, agent_addr=kv.agent_addr,
-                                              kv_addr=kv.kv_addr, transport=kv.transport,
-                                              kv_lease_s=kv.kv_lease_s, pull_delay_ms=kv.pull_delay_ms,
-                                              drop_read_done=kv.drop_read_done,
-                                              max_control_bytes=control_bytes)
+        worker_config = ConnectorWorkerConfig(
+            engine_id=config.engine_id,
+            agent_addr=kv.agent_addr,
+            kv_addr=kv.kv_addr,
+            transport=kv.transport,
+            kv_lease_s=kv.kv_lease_s,
+            pull_delay_ms=kv.pull_delay_ms,
+            drop_read_done=kv.drop_read_done,
+            max_control_bytes=control_bytes,
+        )
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_connector_worker, args=(worker_config,), name=f"kvdrain-connector-{self.engine_id}")
+            target=run_connector_worker,
+            args=(worker_config,),
+            name=f"kvdrain-connector-{self.engine_id}",
+        )
         self.process.start()
         self.socket.connect(kv.agent_addr)
         worker_pid = self._wait_for(WorkerReady).pid
@@ -173,11 +194,15 @@ class PDConnectorAgent(KVConnectorAgentBase):
                 if isinstance(msg, kind):
                     return msg
             if not self.process.is_alive():
-                raise RuntimeError(f"connector worker of engine {self.engine_id} exited with code "
-                                   f"{self.process.exitcode} before {kind.__name__}")
+                raise RuntimeError(
+                    f"connector worker of engine {self.engine_id} exited with code "
+                    f"{self.process.exitcode} before {kind.__name__}"
+                )
         self.process.kill()
-        raise RuntimeError(f"connector worker of engine {self.engine_id}: no {kind.__name__} in "
-                           f"{READY_TIMEOUT_S} s")
+        raise RuntimeError(
+            f"connector worker of engine {self.engine_id}: no {kind.__name__} in "
+            f"{READY_TIMEOUT_S} s"
+        )
 
     def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:
         if metadata is None or metadata.is_empty():
@@ -185,8 +210,13 @@ class PDConnectorAgent(KVConnectorAgentBase):
         self.pending.start(metadata, time.monotonic_ns())
         specs = [*metadata.reqs_to_recv.values(), *metadata.reqs_to_release]  # empty: releases
         if self.error is None:
-            self.socket.send(CONNECTOR_CODEC.encode(StepMeta(
-                metadata.reqs_to_send, specs, metadata.send_deadlines, metadata.heartbeats)))
+            self.socket.send(
+                CONNECTOR_CODEC.encode(
+                    StepMeta(
+                        metadata.reqs_to_send, specs, metadata.send_deadlines, metadata.heartbeats
+                    )
+                )
+            )
         else:  # no worker to say it: the loads fail in get_finished, which tells P for them
             self._release_at_peers([s for s in specs if not s.local_block_ids])
 
@@ -201,8 +231,10 @@ class PDConnectorAgent(KVConnectorAgentBase):
         # fds close, a moment before waitpid can reap it. One poll object, made once.
         if self.error is None and self._sentinel_poll.poll(0):
             self.process.join(1.0)
-            self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
-                          f"died with exit code {self.process.exitcode}")
+            self.error = (
+                f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
+                f"died with exit code {self.process.exitcode}"
+            )
         if self.error is not None:
             self._release_at_peers(self.pending.resolve_orphans(out, time.monotonic_ns()))
             out.worker_error = self.error
@@ -221,7 +253,9 @@ class PDConnectorAgent(KVConnectorAgentBase):
                 link.setsockopt(zmq.LINGER, 1000)  # let the last ones out at shutdown
                 link.connect(spec.remote_addr)
             try:
-                link.send(CONNECTOR_CODEC.encode(ReadAbandoned(spec.remote_request_id)), zmq.NOBLOCK)
+                link.send(
+                    CONNECTOR_CODEC.encode(ReadAbandoned(spec.remote_request_id)), zmq.NOBLOCK
+                )
             except zmq.ZMQError:
                 pass  # P is gone or flooded: its lease frees them
 
@@ -241,8 +275,10 @@ class PDConnectorAgent(KVConnectorAgentBase):
         # Stuck: killed, so that it never serves a read (nor grants a pin) of blocks this
         # engine frees from now on.
         self.process.kill()
-        self.error = (f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
-                      f"did not answer a lease reap in {REAP_TIMEOUT_S} s (killed)")
+        self.error = (
+            f"connector worker of engine {self.engine_id} (pid {self.process.pid}) "
+            f"did not answer a lease reap in {REAP_TIMEOUT_S} s (killed)"
+        )
 
     def now_ns(self) -> int:
         return time.monotonic_ns()

@@ -16,6 +16,7 @@ so that the sub-second leases its tests and fault reproductions use still heartb
 (vLLM's arithmetic gives a 1 s lease a 0 s interval and a 0 s extension); the two
 agree whenever the lease is a multiple of 6 s, the default included.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,15 +50,18 @@ class HeartbeatTracker:
 
     def package(self, now_ns: int) -> list[HeartbeatSpec]:
         """The heartbeats for this step's metadata: all tracked ids if one is due, else none."""
-        if not self.tracked or (self.last_sent_ns is not None
-                                and now_ns - self.last_sent_ns < self.interval_ns):
+        if not self.tracked or (
+            self.last_sent_ns is not None and now_ns - self.last_sent_ns < self.interval_ns
+        ):
             return []
         self.last_sent_ns = now_ns
         by_engine: dict[tuple[str, str], list[str]] = {}
         for remote in self.tracked.values():
             by_engine.setdefault((remote.engine_id, remote.addr), []).append(remote.req_id)
-        return [HeartbeatSpec(engine_id, addr, sorted(ids))
-                for (engine_id, addr), ids in sorted(by_engine.items())]
+        return [
+            HeartbeatSpec(engine_id, addr, sorted(ids))
+            for (engine_id, addr), ids in sorted(by_engine.items())
+        ]
 
     def next_due_ns(self, now_ns: int) -> int | None:
         """When package() next gives something (ns); None: nothing is tracked."""

@@ -5,6 +5,7 @@ zero-copy ZMQ frame holding `num_chunk_blocks` of the blocks asked for, from `fi
 on, in the order they were asked for. A read is answered in chunks (several such
 messages, in order), so the reader writes one chunk while the next is on the wire.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

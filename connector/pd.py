@@ -12,17 +12,21 @@ reaps it when P steps past it. While D waits for the blocks it heartbeats
 (connector/heartbeats.py), and P's worker extends the leases it names. Time is the
 agent's clock, given by the engine core (set_time; engine/core/kv_connector.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from connector.heartbeats import HeartbeatTracker
-from connector.messages import HeartbeatSpec, RecvSpec  # a load: remote_block_ids -> local_block_ids
+from connector.messages import (
+    HeartbeatSpec,
+    RecvSpec,
+)  # a load: remote_block_ids -> local_block_ids
 from engine.config import EngineConfig
-from engine.utils import cdiv
 from engine.core.kv_connector import KVConnectorBase, KVConnectorMetadata
 from engine.core.outputs import KVConnectorOutput, SchedulerOutput
 from engine.core.request import Request, RequestStatus
+from engine.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -38,7 +42,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_release: list[RecvSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_send or self.reqs_to_recv or self.heartbeats or self.reqs_to_release)
+        return not (
+            self.reqs_to_send or self.reqs_to_recv or self.heartbeats or self.reqs_to_release
+        )
 
 
 class PDConnector(KVConnectorBase):
@@ -60,7 +66,9 @@ class PDConnector(KVConnectorBase):
         # more (the router then lets D prefill itself), or D could read freed blocks.
         self.worker_error: str | None = None
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -76,15 +84,20 @@ class PDConnector(KVConnectorBase):
 
     def _remote_params_fit(self, request: Request, params: dict) -> bool:
         remote_block_ids = params.get("remote_block_ids")
-        return (isinstance(remote_block_ids, list)
-                and len(remote_block_ids) == cdiv(request.num_prompt_tokens, self.block_size)
-                and all(type(b) is int and b > 0 for b in remote_block_ids)
-                and all(isinstance(params.get(k, ""), str)
-                        for k in ("remote_request_id", "remote_engine_id", "remote_addr"))
-                and isinstance(params.get("remote_request_id"), str))
+        return (
+            isinstance(remote_block_ids, list)
+            and len(remote_block_ids) == cdiv(request.num_prompt_tokens, self.block_size)
+            and all(type(b) is int and b > 0 for b in remote_block_ids)
+            and all(
+                isinstance(params.get(k, ""), str)
+                for k in ("remote_request_id", "remote_engine_id", "remote_addr")
+            )
+            and isinstance(params.get("remote_request_id"), str)
+        )
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -117,8 +130,13 @@ class PDConnector(KVConnectorBase):
         return self._heartbeats.next_due_ns(self._now)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(self._reqs_need_send, self._reqs_need_recv, self._send_deadlines,
-                                   self._heartbeats.package(self._now), self._reqs_to_release)
+        meta = PDConnectorMetadata(
+            self._reqs_need_send,
+            self._reqs_need_recv,
+            self._send_deadlines,
+            self._heartbeats.package(self._now),
+            self._reqs_to_release,
+        )
         self._reqs_need_send, self._reqs_need_recv, self._send_deadlines = {}, {}, {}
         self._reqs_to_release = []
         return meta
@@ -134,8 +152,9 @@ class PDConnector(KVConnectorBase):
         remote_req_id, addr = params.get("remote_request_id"), params.get("remote_addr", "")
         if isinstance(remote_req_id, str) and remote_req_id and isinstance(addr, str) and addr:
             engine_id = params.get("remote_engine_id", "")
-            spec = RecvSpec(req_id, [], [], engine_id if isinstance(engine_id, str) else "",
-                            remote_req_id, addr)
+            spec = RecvSpec(
+                req_id, [], [], engine_id if isinstance(engine_id, str) else "", remote_req_id, addr
+            )
             if req_id in self._reqs_need_recv:
                 self._reqs_to_release.append(spec)
             else:
@@ -154,8 +173,11 @@ class PDConnector(KVConnectorBase):
             return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
-        if (request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-                or not block_ids):
+        if (
+            request.status
+            not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            or not block_ids
+        ):
             # Aborted or failed: nothing for the decode side to read. A stop (its one
             # token was EOS) is held like a length cap, as vLLM 0.32's NIXL does.
             return False, None
@@ -180,4 +202,3 @@ class PDConnector(KVConnectorBase):
 
     def get_counters(self) -> dict[str, int]:
         return {"num_bad_params": self.num_bad_params}
-

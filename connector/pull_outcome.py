@@ -9,6 +9,7 @@ failure: the load failed, so its local blocks are reported invalid with
 finished_recving (kv_load_failure_policy decides), and P is told to free the send
 unread (ReadAbandoned).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -45,6 +45,7 @@ The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
   as a read after expiry. With `drop_read_done`, every "read done" is dropped and
   counted (num_read_done_dropped): only the lease frees.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -87,11 +88,15 @@ class ReadReply:
 
     def refused(self, error: str) -> ReadReply:
         """This read, refused with `error` (dataclasses.replace, without its cost)."""
-        return ReadReply(self.reply_to, self.req_id, self.block_ids, error, self.pin, self.read_until)
+        return ReadReply(
+            self.reply_to, self.req_id, self.block_ids, error, self.pin, self.read_until
+        )
 
     def granted_until(self, read_until: int) -> ReadReply:
         """This pin, granted until `read_until`."""
-        return ReadReply(self.reply_to, self.req_id, self.block_ids, self.error, self.pin, read_until)
+        return ReadReply(
+            self.reply_to, self.req_id, self.block_ids, self.error, self.pin, read_until
+        )
 
 
 @dataclass(slots=True)
@@ -126,8 +131,9 @@ class SendLedger:
 
     max_early_holds = MAX_EARLY_HOLDS
 
-    def __init__(self, lease_ns: int, drop_read_done: bool = False,
-                 early_hold_ns: int = EARLY_HOLD_NS) -> None:
+    def __init__(
+        self, lease_ns: int, drop_read_done: bool = False, early_hold_ns: int = EARLY_HOLD_NS
+    ) -> None:
         self.lease_ns, self.early_hold_ns = lease_ns, early_hold_ns
         self.lease_extension_ns = lease_ns * 2 // 3
         self.drop_read_done = drop_read_done
@@ -143,15 +149,25 @@ class SendLedger:
         self._leases: list[tuple[int, int, str]] = []  # heap of (deadline, seq, req_id)
         self._holds: list[tuple[int, int, str]] = []  # the same, of early holds
         self._seq = 0
-        self.counters = dict.fromkeys(("num_sent", "num_expired", "num_read_done_dropped",
-                                       "num_reads_after_expiry", "num_heartbeats",
-                                       "num_released_unread", "num_reads_refused",
-                                       "num_expiries_deferred"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "num_sent",
+                "num_expired",
+                "num_read_done_dropped",
+                "num_reads_after_expiry",
+                "num_heartbeats",
+                "num_released_unread",
+                "num_reads_refused",
+                "num_expiries_deferred",
+            ),
+            0,
+        )
 
     # ---- what P's engine says -------------------------------------------------------
 
-    def register(self, req_id: str, block_ids: list[int], now: int,
-                 deadline: int | None = None) -> LedgerOutput:
+    def register(
+        self, req_id: str, block_ids: list[int], now: int, deadline: int | None = None
+    ) -> LedgerOutput:
         """These blocks wait for a remote read, leased until `deadline` (default: a
         lease from now): hold them, or settle what came early."""
         out = LedgerOutput()
@@ -210,8 +226,9 @@ class SendLedger:
         self.counters["num_heartbeats"] += 1
         return first
 
-    def read(self, reply_to: object, req_id: str, block_ids: list[int], now: int,
-             pin: bool = False) -> LedgerOutput:
+    def read(
+        self, reply_to: object, req_id: str, block_ids: list[int], now: int, pin: bool = False
+    ) -> LedgerOutput:
         """A read of a send's blocks: answered now, or held until the send is registered.
 
         pin: an shm read, granted with a read lease (READ_LEASE_NS) during which no
@@ -250,7 +267,9 @@ class SendLedger:
                 self.counters["num_reads_after_expiry"] += 1
             self.expired.pop(req_id, None)
         elif req_id in self.recently_finished:  # a second "read done" (or release) of it
-            self.counters["num_read_done_duplicates"] = self.counters.get("num_read_done_duplicates", 0) + 1
+            self.counters["num_read_done_duplicates"] = (
+                self.counters.get("num_read_done_duplicates", 0) + 1
+            )
         else:  # held as long as a send could wait: P registers it in its next step
             hold = self._hold_early(req_id, now, self.lease_ns, out)
             if hold is not None:
@@ -296,7 +315,7 @@ class SendLedger:
         """Serve a read of a held send (a pin: leased for READ_LEASE_NS), or refuse it."""
         send, block_ids = self.sends[read.req_id], read.block_ids
         # The usual read is the send's tail (D's prefix hits are its head): a subset.
-        is_tail = block_ids == send.block_ids[len(send.block_ids) - len(block_ids):]
+        is_tail = block_ids == send.block_ids[len(send.block_ids) - len(block_ids) :]
         if not is_tail and not set(send.block_ids).issuperset(block_ids):
             self.counters["num_reads_refused"] += 1
             return read.refused(BLOCKS_NOT_HELD)
@@ -316,7 +335,9 @@ class SendLedger:
             del self.recently_finished[next(iter(self.recently_finished))]
         out.finished_sending.append(req_id)
 
-    def _hold_early(self, req_id: str, now: int, hold_ns: int, out: LedgerOutput) -> _EarlyHold | None:
+    def _hold_early(
+        self, req_id: str, now: int, hold_ns: int, out: LedgerOutput
+    ) -> _EarlyHold | None:
         """The hold of an id not registered yet; its first arrival sets how long it lasts.
 
         None, counted in num_early_dropped, when max_early_holds ids are held already:
@@ -324,7 +345,9 @@ class SendLedger:
         (a stranger's, or a stuck peer's) gets here, and it must not grow the worker."""
         hold = self.early.get(req_id)
         if hold is None and len(self.early) >= self.max_early_holds:
-            self.counters["num_early_dropped"] = self.counters.get("num_early_dropped", 0) + 1  # appears on the first drop
+            self.counters["num_early_dropped"] = (
+                self.counters.get("num_early_dropped", 0) + 1
+            )  # appears on the first drop
             return None
         if hold is None:
             hold = self.early[req_id] = _EarlyHold(self._next_seq(), now + hold_ns)

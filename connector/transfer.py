@@ -8,6 +8,7 @@ next chunk while libzmq sends the last, and the decode worker writes one chunk i
 its cache while the next arrives; a chunk of about CHUNK_BYTES also stays in the CPU's
 cache between the copies. Either way the prefill engine core is not involved.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,11 +17,17 @@ from collections.abc import Callable
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, PinSend, ReadBlocks, ReadGranted,
-                                RecvSpec)
+from connector.messages import (
+    CONNECTOR_CODEC,
+    BlockData,
+    PinSend,
+    ReadBlocks,
+    ReadGranted,
+    RecvSpec,
+)
 from connector.pull_outcome import copy_within_read_lease
-from engine.runner.kv_cache import KVCache, KVCacheHandle
 from engine.proc.messages import DecodeError
+from engine.runner.kv_cache import KVCache, KVCacheHandle
 
 CHUNK_BYTES = 2 << 20  # a zmq read's chunk: whole blocks, about this many bytes ...
 MAX_CHUNKS = 64  # ... in at most this many chunks (a ROUTER drops past its high-water mark)
@@ -44,8 +51,14 @@ class PeerTimeout(TransferError):
 class PeerLink:
     """A DEALER to one peer worker's ROUTER, for request/reply with a timeout."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float,
-                 max_message_bytes: int = -1, on_slow_reply: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        timeout_s: float,
+        max_message_bytes: int = -1,
+        on_slow_reply: Callable[[], None] | None = None,
+    ) -> None:
         self.addr = addr
         self.timeout_ms = int(timeout_s * 1000)
         self.on_slow_reply = on_slow_reply
@@ -110,15 +123,18 @@ class Puller:
 
     def link(self, addr: str) -> PeerLink:
         if addr not in self.links:
-            self.links[addr] = PeerLink(self.ctx, addr, self.timeout_s, self.max_message_bytes,
-                                        self.on_slow_reply)
+            self.links[addr] = PeerLink(
+                self.ctx, addr, self.timeout_s, self.max_message_bytes, self.on_slow_reply
+            )
         return self.links[addr]
 
     def pull(self, local: KVCache, spec: RecvSpec) -> None:
         """Fill spec.local_block_ids from the peer's spec.remote_block_ids, or raise TransferError."""
         if len(spec.local_block_ids) != len(spec.remote_block_ids):
-            raise TransferError(f"{spec.req_id}: {len(spec.local_block_ids)} local blocks for "
-                                f"{len(spec.remote_block_ids)} remote ones")
+            raise TransferError(
+                f"{spec.req_id}: {len(spec.local_block_ids)} local blocks for "
+                f"{len(spec.remote_block_ids)} remote ones"
+            )
         if self.unreachable_until.get(spec.remote_addr, 0.0) > time.monotonic():
             raise TransferError(f"{spec.req_id}: peer {spec.remote_addr} is unreachable")
         try:
@@ -141,13 +157,16 @@ class Puller:
         # still-mapped memory would read blocks that may be reused. One round trip on
         # ipc (~0.1 ms); the copy must end before the lease does.
         reply, _ = self.link(spec.remote_addr).request(
-            PinSend(spec.remote_engine_id, spec.remote_request_id, spec.remote_block_ids))
+            PinSend(spec.remote_engine_id, spec.remote_request_id, spec.remote_block_ids)
+        )
         if isinstance(reply, BlockData) and not reply.ok:
             raise TransferError(f"{spec.req_id}: read refused by {spec.remote_addr}: {reply.error}")
         if not isinstance(reply, ReadGranted) or reply.req_id != spec.remote_request_id:
             raise TransferError(f"pin at {spec.remote_addr} got {type(reply).__name__}")
         self._copy_shm(local, spec, self._peer_cache(spec, reply.handle))
-        if not copy_within_read_lease(reply.read_until, time.monotonic_ns()):  # P may have freed them
+        if not copy_within_read_lease(
+            reply.read_until, time.monotonic_ns()
+        ):  # P may have freed them
             raise TransferError(f"{spec.req_id}: the copy outlasted its read lease")
 
     def _peer_cache(self, spec: RecvSpec, handle: dict) -> KVCache:
@@ -156,7 +175,9 @@ class Puller:
             try:
                 peer = KVCache.open(KVCacheHandle.from_dict(handle))
             except (ValueError, OSError) as e:
-                raise TransferError(f"cannot map the KV cache of {spec.remote_engine_id}: {e}") from None
+                raise TransferError(
+                    f"cannot map the KV cache of {spec.remote_engine_id}: {e}"
+                ) from None
             self.peer_caches[spec.remote_addr] = peer
         return peer
 
@@ -177,18 +198,25 @@ class Puller:
             num_done = self._write_chunk(local, spec, reply, frames, num_done)
 
     @staticmethod
-    def _write_chunk(local: KVCache, spec: RecvSpec, reply: object, frames: list[zmq.Frame],
-                     num_done: int) -> int:
+    def _write_chunk(
+        local: KVCache, spec: RecvSpec, reply: object, frames: list[zmq.Frame], num_done: int
+    ) -> int:
         """Write one chunk after num_done blocks; returns the blocks done now."""
         if not isinstance(reply, BlockData) or not reply.ok or len(frames) != 1:
             why = reply.error if isinstance(reply, BlockData) else type(reply).__name__
             raise TransferError(f"{spec.req_id}: read refused by {spec.remote_addr}: {why}")
         end = num_done + reply.num_chunk_blocks
         num_wanted = len(spec.local_block_ids)
-        if (reply.req_id != spec.remote_request_id or reply.first_block != num_done
-                or end > num_wanted or (reply.num_chunk_blocks <= 0 < num_wanted)):
-            raise TransferError(f"{spec.req_id}: chunk of {reply.num_chunk_blocks} blocks from "
-                                f"{reply.first_block} of {reply.req_id!r} after {num_done} blocks")
+        if (
+            reply.req_id != spec.remote_request_id
+            or reply.first_block != num_done
+            or end > num_wanted
+            or (reply.num_chunk_blocks <= 0 < num_wanted)
+        ):
+            raise TransferError(
+                f"{spec.req_id}: chunk of {reply.num_chunk_blocks} blocks from "
+                f"{reply.first_block} of {reply.req_id!r} after {num_done} blocks"
+            )
         try:
             local.write_blocks(spec.local_block_ids[num_done:end], frames[0].buffer)
         except (ValueError, RuntimeError) as e:
@@ -207,15 +235,21 @@ class Puller:
             self._forget(addr, CLOSE_LINGER_MS)
 
 
-def send_blocks(sock: zmq.Socket, reply_to: zmq.Frame | bytes, req_id: str, cache: KVCache,
-                block_ids: list[int], chunk_bytes: int = CHUNK_BYTES) -> None:
+def send_blocks(
+    sock: zmq.Socket,
+    reply_to: zmq.Frame | bytes,
+    req_id: str,
+    cache: KVCache,
+    block_ids: list[int],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
     """Answer a ReadBlocks on a ROUTER: the blocks' bytes in chunks of whole blocks, each
     [BlockData, bytes] with the bytes gathered into a fresh array that libzmq sends
     without a copy (it keeps the array alive until sent). The chunks are gathered now,
     while the blocks are held; a read of no blocks is answered by one empty chunk."""
     per_chunk = max(1, chunk_bytes // cache.num_bytes_per_block, -(-len(block_ids) // MAX_CHUNKS))
     for first in range(0, max(len(block_ids), 1), per_chunk):
-        ids = block_ids[first:first + per_chunk]
+        ids = block_ids[first : first + per_chunk]
         header = CONNECTOR_CODEC.encode(BlockData(req_id, True, "", first, len(ids)))
         sock.send_multipart([reply_to, header, cache.gather_blocks(ids)], copy=False)
 
@@ -235,10 +269,13 @@ def keep_freed_buffers() -> bool:
         return False
     import ctypes
     import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )

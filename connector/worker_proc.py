@@ -15,6 +15,7 @@ finished_recving (with invalid_block_ids when a pull fails), and sends the
 heartbeats its engine's scheduler side packaged. Reports go to the engine core at
 once; whether the engine reads them is the engine loop's liveness policy.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -29,17 +30,40 @@ from dataclasses import dataclass
 
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, GetKVHandle, Heartbeat,
-                                KVCacheRegistered, KVHandle, KVReport, LeaseDue, LeasesReaped,
-                                PinSend, ReadAbandoned, ReadBlocks, ReadDone, ReadGranted,
-                                ReapLeases, RecvSpec, RegisterKVCache, StepMeta, WorkerReady)
+from connector.messages import (
+    CONNECTOR_CODEC,
+    BlockData,
+    GetKVHandle,
+    Heartbeat,
+    KVCacheRegistered,
+    KVHandle,
+    KVReport,
+    LeaseDue,
+    LeasesReaped,
+    PinSend,
+    ReadAbandoned,
+    ReadBlocks,
+    ReadDone,
+    ReadGranted,
+    ReapLeases,
+    RecvSpec,
+    RegisterKVCache,
+    StepMeta,
+    WorkerReady,
+)
 from connector.pull_outcome import pull_outcome
 from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
-from connector.transfer import (SLOW_REPLY_MS, PeerTimeout, Puller, TransferError,
-                                keep_freed_buffers, send_blocks)
-from engine.runner.kv_cache import KVCache, KVCacheHandle
+from connector.transfer import (
+    SLOW_REPLY_MS,
+    PeerTimeout,
+    Puller,
+    TransferError,
+    keep_freed_buffers,
+    send_blocks,
+)
 from engine.proc.messages import DecodeError
 from engine.proc.socket_limits import block_payload_bytes, set_max_message_size
+from engine.runner.kv_cache import KVCache, KVCacheHandle
 
 # A pull's ReadDone is held back for the pulls due with it at most about this long
 # (then sent, even while a reply is awaited: transfer.SLOW_REPLY_MS), a small part of
@@ -56,7 +80,9 @@ class ConnectorWorkerConfig:
     kv_lease_s: float = 30.0  # only for sends registered without a deadline
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
-    max_control_bytes: int = -1  # ZMQ_MAXMSGSIZE of both sockets (engine/proc/socket_limits.py); -1: none
+    max_control_bytes: int = (
+        -1
+    )  # ZMQ_MAXMSGSIZE of both sockets (engine/proc/socket_limits.py); -1: none
 
 
 class ConnectorWorkerProc:
@@ -70,7 +96,9 @@ class ConnectorWorkerProc:
         self.agent = self._bind(zmq.PAIR, config.agent_addr, hwm=0)
         self.peers = self._bind(zmq.ROUTER, config.kv_addr)
         self.puller = Puller(self.ctx, config.transport)
-        self.puller.on_slow_reply = _weak_call(self._send_held)  # a slow peer holds back no one's news
+        self.puller.on_slow_reply = _weak_call(
+            self._send_held
+        )  # a slow peer holds back no one's news
         self.held: deque[tuple[str, ReadDone | ReadAbandoned]] = deque()  # (P's address, its news)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
@@ -80,9 +108,18 @@ class ConnectorWorkerProc:
         self.report = KVReport([], [], [], {})
         self._reads_after_expiry_reported = 0
         self._counters_sent: dict[str, int] = {}  # as of the last report (the agent's copy)
-        self.counters = dict.fromkeys(("num_recved", "num_failed_recvs", "num_recvs_in_flight",
-                                       "num_bad_messages", "num_bytes_pulled",
-                                       "num_heartbeats_sent", "num_pull_timeouts"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "num_recved",
+                "num_failed_recvs",
+                "num_recvs_in_flight",
+                "num_bad_messages",
+                "num_bytes_pulled",
+                "num_heartbeats_sent",
+                "num_pull_timeouts",
+            ),
+            0,
+        )
 
     def _bind(self, kind: int, addr: str, hwm: int = 1000) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -96,8 +133,11 @@ class ConnectorWorkerProc:
     # ---- the loop ------------------------------------------------------------------
 
     def run(self) -> None:
-        self.agent.send(CONNECTOR_CODEC.encode(
-            WorkerReady(self.config.engine_id, os.getpid(), self.config.kv_addr)))
+        self.agent.send(
+            CONNECTOR_CODEC.encode(
+                WorkerReady(self.config.engine_id, os.getpid(), self.config.kv_addr)
+            )
+        )
         poller = zmq.Poller()
         poller.register(self.agent, zmq.POLLIN)
         poller.register(self.peers, zmq.POLLIN)
@@ -118,8 +158,11 @@ class ConnectorWorkerProc:
     def _poll_timeout_ms(self) -> float | None:
         """Until the next deadline of this process's own (an early hold's or a pull's;
         never a lease's: the engine reaps those); None: block."""
-        dues = [t for t in (self.ledger.next_hold_deadline(), self.pulls[0][0] if self.pulls else None)
-                if t is not None]
+        dues = [
+            t
+            for t in (self.ledger.next_hold_deadline(), self.pulls[0][0] if self.pulls else None)
+            if t is not None
+        ]
         return None if not dues else max(0, (min(dues) - time.monotonic_ns()) / 1e6)
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
@@ -167,9 +210,14 @@ class ConnectorWorkerProc:
         if isinstance(msg, RegisterKVCache):
             try:
                 self.kv_cache = KVCache.open(KVCacheHandle.from_dict(msg.handle))
-            except (ValueError, OSError) as e:  # the agent waits for KVCacheRegistered: exit, say why
-                raise SystemExit(f"connector worker of engine {self.config.engine_id}: "
-                                 f"cannot map the KV cache: {e}") from None
+            except (
+                ValueError,
+                OSError,
+            ) as e:  # the agent waits for KVCacheRegistered: exit, say why
+                raise SystemExit(
+                    f"connector worker of engine {self.config.engine_id}: "
+                    f"cannot map the KV cache: {e}"
+                ) from None
             # A pull fills local blocks: its bytes never exceed this cache's.
             self.puller.max_message_bytes = block_payload_bytes(self.kv_cache.nbytes)
             self._send_to_agent(KVCacheRegistered(self.config.engine_id, self.kv_cache.num_blocks))
@@ -186,7 +234,9 @@ class ConnectorWorkerProc:
     def _on_step_meta(self, msg: StepMeta) -> None:
         now = time.monotonic_ns()
         for req_id, block_ids in msg.reqs_to_send.items():
-            self._apply(self.ledger.register(req_id, block_ids, now, msg.send_deadlines.get(req_id)))
+            self._apply(
+                self.ledger.register(req_id, block_ids, now, msg.send_deadlines.get(req_id))
+            )
         for spec in msg.reqs_to_recv:
             if not spec.local_block_ids:  # nothing to read: just release P's blocks
                 self.puller.link(spec.remote_addr).send(ReadAbandoned(spec.remote_request_id))
@@ -226,20 +276,35 @@ class ConnectorWorkerProc:
         self.report.finished_recving.append(outcome.req_id)
         # Failed: D never reads it now, so P frees it at once, not at the lease's end (if
         # P is stopped, the message waits in its socket; if P is gone, it is dropped).
-        news = ReadDone(spec.remote_request_id) if outcome.read else ReadAbandoned(spec.remote_request_id)
+        news = (
+            ReadDone(spec.remote_request_id)
+            if outcome.read
+            else ReadAbandoned(spec.remote_request_id)
+        )
         return spec.remote_addr, news
 
     def _flush_report(self) -> None:
         r = self.report
-        if not (r.finished_sending or r.finished_recving or r.invalid_block_ids
-                or self.ledger.counters["num_reads_after_expiry"] != self._reads_after_expiry_reported):
+        if not (
+            r.finished_sending
+            or r.finished_recving
+            or r.invalid_block_ids
+            or self.ledger.counters["num_reads_after_expiry"] != self._reads_after_expiry_reported
+        ):
             return  # a read after expiry is reported even alone: the verdict reads it
         self._reads_after_expiry_reported = self.ledger.counters["num_reads_after_expiry"]
-        counters = dict(self.counters, **self.ledger.counters, num_sends_pending=len(self.ledger.sends),
-                        oldest_send_age_ms=self._oldest_send_age_ms(),
-                        report_ns=time.monotonic_ns())  # the agent times loads by it
-        self._send_to_agent(KVReport(r.finished_sending, r.finished_recving, r.invalid_block_ids,
-                                     self._changed(counters)))
+        counters = dict(
+            self.counters,
+            **self.ledger.counters,
+            num_sends_pending=len(self.ledger.sends),
+            oldest_send_age_ms=self._oldest_send_age_ms(),
+            report_ns=time.monotonic_ns(),
+        )  # the agent times loads by it
+        self._send_to_agent(
+            KVReport(
+                r.finished_sending, r.finished_recving, r.invalid_block_ids, self._changed(counters)
+            )
+        )
         self.report = KVReport([], [], [], {})
 
     def _changed(self, counters: dict[str, int]) -> dict[str, int]:
@@ -269,8 +334,11 @@ class ConnectorWorkerProc:
             raise DecodeError(f"expected [identity, message], got {len(frames)} frames")
         msg = CONNECTOR_CODEC.decode(payload.bytes)
         if isinstance(msg, (ReadDone, ReadAbandoned)):
-            self._apply(self.ledger.read_done(msg.req_id, time.monotonic_ns(),
-                                              read=isinstance(msg, ReadDone)))
+            self._apply(
+                self.ledger.read_done(
+                    msg.req_id, time.monotonic_ns(), read=isinstance(msg, ReadDone)
+                )
+            )
         elif isinstance(msg, Heartbeat):
             if self.ledger.receive_heartbeat(msg.req_ids):
                 self._send_to_agent(LeaseDue())
@@ -279,8 +347,9 @@ class ConnectorWorkerProc:
             if self.kv_cache is None:  # nothing to read from: no hold either
                 self._reply(ReadReply(identity, msg.req_id, msg.block_ids, UNKNOWN_REQUEST, pin))
             else:
-                self._apply(self.ledger.read(identity, msg.req_id, msg.block_ids,
-                                             time.monotonic_ns(), pin))
+                self._apply(
+                    self.ledger.read(identity, msg.req_id, msg.block_ids, time.monotonic_ns(), pin)
+                )
         elif isinstance(msg, GetKVHandle) and self.kv_cache is not None:
             reply = KVHandle(self.config.engine_id, self.kv_cache.handle.to_dict())
             self.peers.send_multipart([identity, CONNECTOR_CODEC.encode(reply)])
@@ -324,6 +393,7 @@ def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
         bound = ref()
         if bound is not None:
             bound()
+
     return call
 
 

@@ -1,4 +1,5 @@
 """Engine, model and KV-transfer configuration. Runs in: every process (plain data)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -40,23 +41,51 @@ class ModelConfig:
     dtype: str = "auto"  # auto: fp32 on the CPU, bf16 on CUDA
 
     def __post_init__(self) -> None:
-        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads",
-                          "num_kv_heads", "head_dim", "intermediate_size")
-        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-                 f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
-        _require(self.dtype in ("auto", "float32", "float64", "float16", "bfloat16"),
-                 "dtype", f"unknown dtype {self.dtype!r}")
+        _require_positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}",
+        )
+        _require(
+            self.dtype in ("auto", "float32", "float64", "float16", "bfloat16"),
+            "dtype",
+            f"unknown dtype {self.dtype!r}",
+        )
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Replays on 2 CPU cores in seconds.
     "tiny": ModelConfig(),
     # A few times the tiny model's work per token; still fine on a CPU.
-    "small": ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
-                         num_kv_heads=2, head_dim=32, intermediate_size=768),
+    "small": ModelConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=768,
+    ),
     # About 0.3 B parameters: for GPUs.
-    "medium": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16,
-                          num_kv_heads=4, head_dim=64, intermediate_size=2816),
+    "medium": ModelConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+    ),
 }
 
 
@@ -90,8 +119,11 @@ class KVTransferConfig:
     agent_addr: str = ""  # PAIR between the engine core and its connector worker
 
     def __post_init__(self) -> None:
-        _require(":" in self.kv_connector, "kv_connector",
-                 f"must be 'module:function', got {self.kv_connector!r}")
+        _require(
+            ":" in self.kv_connector,
+            "kv_connector",
+            f"must be 'module:function', got {self.kv_connector!r}",
+        )
         _require(self.kv_role in KV_ROLES, "kv_role", f"must be one of {KV_ROLES}")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
         _require_positive(self, "kv_lease_s")
@@ -132,19 +164,37 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "engine_id", "must not be empty")
         _require(self.num_blocks >= 2, "num_blocks", f"must be >= 2, got {self.num_blocks}")
-        _require_positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
-                          "max_model_len", "poll_interval_s")
-        _require(self.liveness in LIVENESS_POLICIES, "liveness",
-                 f"must be one of {LIVENESS_POLICIES}, got {self.liveness!r}")
-        _require(self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES,
-                 "kv_load_failure_policy", f"must be one of {KV_LOAD_FAILURE_POLICIES}")
+        _require_positive(
+            self,
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "poll_interval_s",
+        )
+        _require(
+            self.liveness in LIVENESS_POLICIES,
+            "liveness",
+            f"must be one of {LIVENESS_POLICIES}, got {self.liveness!r}",
+        )
+        _require(
+            self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES,
+            "kv_load_failure_policy",
+            f"must be one of {KV_LOAD_FAILURE_POLICIES}",
+        )
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
-        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
-                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _require(
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
         if self.eos_token_id is not None:
-            _require(0 <= self.eos_token_id < self.model.vocab_size, "eos_token_id",
-                     f"must be a token id below vocab_size={self.model.vocab_size}")
+            _require(
+                0 <= self.eos_token_id < self.model.vocab_size,
+                "eos_token_id",
+                f"must be a token id below vocab_size={self.model.vocab_size}",
+            )
 
 
 def config_to_dict(config: object) -> dict:

@@ -5,6 +5,7 @@ known to be good, so what the frontend does next (import the live view and the w
 driver, model the idle windows, draw) overlaps their start: this module imports those
 where they are used, not here.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replay.deploy.topology import start_topology
-from engine.proc.client import EngineDeadError
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
+from engine.proc.client import EngineDeadError
+from replay.deploy.topology import start_topology
 from replay.live.interrupt import Interrupted, interruptible, stopping_line
 from replay.live.serve_messages import ServeInfo
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.trace.reader import TraceError, TraceSummary
-from replay.verify.verdict import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, EXIT_USAGE, status_for, worst
+from replay.verify.verdict import (
+    EXIT_FAULT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    status_for,
+    worst,
+)
 
 if TYPE_CHECKING:
     from replay.live.auth import AuthOptions
@@ -43,8 +52,11 @@ class OutputFiles:
 
     def given(self) -> list[tuple[str, Path]]:
         """(--flag, path) of each file asked for."""
-        return [(f"--{f.name}", getattr(self, f.name)) for f in fields(self)
-                if getattr(self, f.name) is not None]
+        return [
+            (f"--{f.name}", getattr(self, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        ]
 
     def check(self) -> None:
         """A ValueError naming the first file that could not be written, before a run
@@ -69,7 +81,9 @@ def unwritable(path: Path) -> str | None:
     parent = path.parent
     if not parent.is_dir():
         return f"no such directory: {parent}"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"the directory {parent} is not writable"
+    return (
+        None if os.access(parent, os.W_OK | os.X_OK) else f"the directory {parent} is not writable"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,8 +126,10 @@ def replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, co
     except ValueError as e:
         _error(console, e)
         return EXIT_USAGE
+
     def on_stop(name: str) -> None:  # at once, from the signal handler
         console.print(stopping_line(name), highlight=False, markup=False, soft_wrap=True)
+
     with interruptible(on_stop):
         try:
             return _replay_main(config, outputs, display, console)
@@ -124,11 +140,19 @@ def replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, co
             return EXIT_INTERRUPTED
 
 
-def _stopped_before_prepared(e: Interrupted, config: ReplayConfig, outputs: OutputFiles, console) -> int:
+def _stopped_before_prepared(
+    e: Interrupted, config: ReplayConfig, outputs: OutputFiles, console
+) -> int:
     """The verdict line and --report of a run stopped before its trace was checked."""
     from replay.verify.report import set_status, verdict_line, write_report
-    report = {"kvdrain_report": 1, "reasons": [], "settings": {"trace": str(config.trace), "clock": config.clock},
-              "interrupted": e.name, "stop": {"by": e.name, "after_s": 0.0, "num_sent": 0, "num_requests": None}}
+
+    report = {
+        "kvdrain_report": 1,
+        "reasons": [],
+        "settings": {"trace": str(config.trace), "clock": config.clock},
+        "interrupted": e.name,
+        "stop": {"by": e.name, "after_s": 0.0, "num_sent": 0, "num_requests": None},
+    }
     set_status(report, status_for(e.exit_code))
     console.print(verdict_line(report), highlight=False, markup=False, soft_wrap=True)
     if outputs.report is not None:
@@ -151,15 +175,21 @@ def _replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, c
         return _run_and_report(prepared, outputs, display, console)
 
 
-def _run_and_report(prepared: PreparedReplay, outputs: OutputFiles, display: Display, console) -> int:
+def _run_and_report(
+    prepared: PreparedReplay, outputs: OutputFiles, display: Display, console
+) -> int:
     from replay.live.monitor import ReplayMonitor, replay_state
     from replay.live.serve_client import TargetLostError
     from replay.ui.tui import LiveView
+
     config, summary = prepared.config, prepared.summary
     _print_trace_notes(summary, config, console)
     state = replay_state(config, summary.num_requests, summary.duration)
-    view = (LiveView(state, console, max_window_lines=display.max_window_lines) if display.live
-            else _NoView())
+    view = (
+        LiveView(state, console, max_window_lines=display.max_window_lines)
+        if display.live
+        else _NoView()
+    )
     monitor = ReplayMonitor(state, view, config.verify, start=prepared.launched_at)
     try:
         with view:
@@ -187,28 +217,53 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
     for message in summary.bad_line_messages:
         console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
     if summary.num_capped:
-        console.print(f"[yellow]note:[/] {summary.num_capped:,} of the trace's {summary.num_requests:,} "
-                      f"requests (before shaping) ask for more than max_model_len {config.engine.max_model_len:,} "
-                      f"tokens (prompt + max_tokens); the engines stop them there", highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"[yellow]note:[/] {summary.num_capped:,} of the trace's {summary.num_requests:,} "
+            f"requests (before shaping) ask for more than max_model_len {config.engine.max_model_len:,} "
+            f"tokens (prompt + max_tokens); the engines stop them there",
+            highlight=False,
+            soft_wrap=True,
+        )
     from replay.trace.inspect import wall_time_note
-    note = wall_time_note(config.clock, config.trace, config.fmt, config.shaping, summary.duration,
-                          config.effective_tail_s(), config.skip_bad_lines)
+
+    note = wall_time_note(
+        config.clock,
+        config.trace,
+        config.fmt,
+        config.shaping,
+        summary.duration,
+        config.effective_tail_s(),
+        config.skip_bad_lines,
+    )
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
 def _report(result: ReplayResult, outputs: OutputFiles, display: Display, console) -> int:
     from replay.verify.report import build_report, print_summary, set_status
+
     s = result.summary
-    trace = {"path": s.path, "format": s.format, "sha256": s.sha256, "num_requests": s.num_requests,
-             "duration_s": s.duration, "num_bad_lines": s.num_bad_lines}
-    report = build_report(result.timeline, result.verdict, result.settings(), trace,
-                          result.shaping_log.lines(), display.percentiles)
+    trace = {
+        "path": s.path,
+        "format": s.format,
+        "sha256": s.sha256,
+        "num_requests": s.num_requests,
+        "duration_s": s.duration,
+        "num_bad_lines": s.num_bad_lines,
+    }
+    report = build_report(
+        result.timeline,
+        result.verdict,
+        result.settings(),
+        trace,
+        result.shaping_log.lines(),
+        display.percentiles,
+    )
     http = _http_outcome(result)
     if http is not None:
         report["http"] = http
         from replay.http.outcome import outcome_lines
+
         for line in outcome_lines(http):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
         set_status(report, worst(report["status"], http["verdict"]))
@@ -216,8 +271,12 @@ def _report(result: ReplayResult, outputs: OutputFiles, display: Display, consol
     interrupted = _interruption(result, report)
     print_summary(console, report, latency_block=display.latency_block)
     from replay.trace.inspect import only_tail_note
-    note = only_tail_note(result.verdict.coverage, result.config.shaping.speedup,
-                          result.config.verify.idle_threshold_s)
+
+    note = only_tail_note(
+        result.verdict.coverage,
+        result.config.shaping.speedup,
+        result.config.verify.idle_threshold_s,
+    )
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     written = _write_outputs(outputs, result, report, console)
@@ -231,12 +290,19 @@ def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, con
     are still written. False if any failed."""
     from replay.verify.plot import write_plot, write_series
     from replay.verify.report import write_report, write_requests
+
     writers = {
         "report": lambda path: write_report(path, report),
         "requests": lambda path: write_requests(path, result.timeline),
         "series": lambda path: write_series(path, result.timeline),
-        "plot": lambda path: write_plot(path, result.timeline, result.verdict, _plot_title(result, report),
-                                        result.config.verify.drain_deadline_s)}
+        "plot": lambda path: write_plot(
+            path,
+            result.timeline,
+            result.verdict,
+            _plot_title(result, report),
+            result.config.verify.drain_deadline_s,
+        ),
+    }
     ok = True
     for flag, path in outputs.given():
         try:
@@ -254,23 +320,36 @@ def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, con
 
 def _plot_title(result: ReplayResult, report: dict) -> str:
     from replay.verify.plot import plot_title, system_label
-    return plot_title(result.config.trace.name, system_label(report["settings"]), result.config.clock,
-                      report["status"], report["exit_code"])
+
+    return plot_title(
+        result.config.trace.name,
+        system_label(report["settings"]),
+        result.config.clock,
+        report["status"],
+        report["exit_code"],
+    )
 
 
 def _interruption(result: ReplayResult, report: dict) -> Interrupted | None:
     """A run stopped by a signal or `q`: its status (one exit code, 130 or 143) and what
     ran, for the verdict line (replay/verify/report.py) and the report."""
     from replay.verify.report import STOPPED_EARLY, set_status
+
     name = result.timeline.meta.get("interrupted")
     if name is None:
         return None
     interrupted = Interrupted.named(name)
     report["interrupted"] = name
-    report["stop"] = {"by": name, "after_s": result.timeline.end_t, "num_sent": len(result.timeline.requests),
-                      "num_requests": result.summary.num_requests}
+    report["stop"] = {
+        "by": name,
+        "after_s": result.timeline.end_t,
+        "num_sent": len(result.timeline.requests),
+        "num_requests": result.summary.num_requests,
+    }
     set_status(report, status_for(interrupted.exit_code))
-    report["reasons"] = [r for r in report["reasons"] if not r.startswith(STOPPED_EARLY)]  # the verdict line's
+    report["reasons"] = [
+        r for r in report["reasons"] if not r.startswith(STOPPED_EARLY)
+    ]  # the verdict line's
     return interrupted
 
 
@@ -279,6 +358,7 @@ def _http_outcome(result: ReplayResult) -> dict | None:
     if result.config.http is None:
         return None
     from replay.http.outcome import http_outcome
+
     return http_outcome(result.timeline, result.verdict)
 
 
@@ -296,20 +376,32 @@ class _StopFlag:
         return self.stop
 
 
-def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, address: str,
-               record: Path | None, live: bool, console, http=None, auth: AuthOptions | None = None,
-               policy: str = "round-robin") -> int:
+def serve_main(
+    engine: EngineConfig,
+    kv: KVTransferConfig,
+    topology: str,
+    address: str,
+    record: Path | None,
+    live: bool,
+    console,
+    http=None,
+    auth: AuthOptions | None = None,
+    policy: str = "round-robin",
+) -> int:
     """http: replay/http/shared_serve.py HttpServe, to serve OpenAI-compatible HTTP beside zmq;
     auth: the credentials clients must give (replay/live/auth.py)."""
     from replay.live.auth import AuthOptions
     from replay.live.monitor import ServeMonitor
-    from replay.live.serve import ServeError, Server, ServeOptions, open_front, recording_metadata
+    from replay.live.serve import ServeError, ServeOptions, Server, open_front, recording_metadata
     from replay.ui.dashboard import DashboardState
     from replay.ui.tui import LiveView
+
     stop = _StopFlag()
     options = ServeOptions(address, record, engine.max_model_len, auth or AuthOptions())
     try:  # the client socket and --record first: a bad one is an error before any engine starts
-        front = open_front(options, recording_metadata(topology, engine.liveness, engine.block_size))
+        front = open_front(
+            options, recording_metadata(topology, engine.liveness, engine.block_size)
+        )
     except ServeError as e:
         _error(console, e)
         return EXIT_USAGE
@@ -321,18 +413,31 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
         front.close()
         raise
     try:
-        info = ServeInfo(router.engines, topology, engine.liveness, router.vocab_size, engine.block_size,
-                         engine.runner, engine.max_model_len, router.num_blocks, _preset_name(engine))
+        info = ServeInfo(
+            router.engines,
+            topology,
+            engine.liveness,
+            router.vocab_size,
+            engine.block_size,
+            engine.runner,
+            engine.max_model_len,
+            router.num_blocks,
+            _preset_name(engine),
+        )
         shared = router if http is None else http.share(router)
         server = Server(shared, options, info, front)
     except Exception:
         front.close()
         router.shutdown()
         raise
-    print(f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
-          f"{server.address}", flush=True)
-    state = DashboardState(title=f"kvdrain serve {server.address}",
-                           server=f"{topology}  liveness {engine.liveness}")
+    print(
+        f"kvdrain serve: {topology} topology, liveness {engine.liveness}, listening on "
+        f"{server.address}",
+        flush=True,
+    )
+    state = DashboardState(
+        title=f"kvdrain serve {server.address}", server=f"{topology}  liveness {engine.liveness}"
+    )
     view = LiveView(state, console) if live else _NoView()
     monitor = ServeMonitor(state, view, http_url=lambda: getattr(http, "url", None))
     try:
@@ -340,16 +445,20 @@ def serve_main(engine: EngineConfig, kv: KVTransferConfig, topology: str, addres
             if http is None:
                 server.serve_forever(monitor.on_tick, lambda: stop() or view.quit_requested)
             else:
-                http.run(server, engine, topology, monitor.on_tick,
-                         lambda: stop() or view.quit_requested)
+                http.run(
+                    server, engine, topology, monitor.on_tick, lambda: stop() or view.quit_requested
+                )
     except KeyboardInterrupt:
         pass
     finally:
         server.close()
         router.shutdown()
     over_http = "" if http is None else f" ({http.num_requests} over HTTP)"
-    print(f"kvdrain serve: stopped after {server.num_requests + (http.num_requests if http else 0)} "
-          f"requests{over_http}", flush=True)
+    print(
+        f"kvdrain serve: stopped after {server.num_requests + (http.num_requests if http else 0)} "
+        f"requests{over_http}",
+        flush=True,
+    )
     return EXIT_TERMINATED if stop() else EXIT_OK  # SIGTERM: 128 + 15, as the verdict table says
 
 
@@ -362,13 +471,15 @@ def top_main(address: str, seconds: float | None, console, auth: AuthOptions | N
     from replay.live.serve_client import ServeClient
     from replay.ui.dashboard import DashboardState
     from replay.ui.tui import LiveView
+
     try:
         client = ServeClient(address, auth=auth)
     except ConnectionError as e:
         _error(console, e)
         return EXIT_USAGE
-    state = DashboardState(title=f"kvdrain top {address} ({client.info.topology}, "
-                                 f"{client.info.liveness})")
+    state = DashboardState(
+        title=f"kvdrain top {address} ({client.info.topology}, {client.info.liveness})"
+    )
     code = EXIT_OK
     try:
         view = LiveView(state, console)
@@ -387,8 +498,10 @@ def top_main(address: str, seconds: float | None, console, auth: AuthOptions | N
 def _watch(client: ServeClient, monitor: ServeMonitor, seconds: float | None) -> int:
     """Show the serve's stats until `seconds` pass; EXIT_FAULT once it stops answering."""
     from replay.live.serve_client import TargetLostError
-    while (seconds is None or time.monotonic() - monitor.start < seconds) and \
-            not monitor.view.quit_requested:  # q quits, as Ctrl-C does
+
+    while (
+        seconds is None or time.monotonic() - monitor.start < seconds
+    ) and not monitor.view.quit_requested:  # q quits, as Ctrl-C does
         try:
             client.poll(0.1)
         except TargetLostError as e:

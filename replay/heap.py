@@ -6,6 +6,7 @@ engines and their samples): walking it finds nothing and delays whatever runs th
 The virtual clock keeps full collections out of a simulation; the HTTP replay freezes the
 heap that exists when its sending starts. Each is undone after.
 """
+
 from __future__ import annotations
 
 import gc

@@ -13,30 +13,39 @@ The trace is streamed, never held: the virtual clock reads it twice (the check, 
 the wall clock three times (the check, which ends before anything starts; the model,
 which runs while the engines start; the run), each pass in the format the check found.
 """
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_to_dict
 from replay.deploy.balance import RouterPolicy
-from replay.trace.shaping import ShapingLog, ShapingOptions, shape
-from replay.trace.source import watch_trace
+from replay.live.interrupt import Interrupted
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
-from replay.live.interrupt import Interrupted
-from replay.verify.timeline import Timeline
 from replay.trace.inspect import no_request_left
-from replay.trace.reader import (TraceError, TraceLimits, TraceRecord, TraceSnapshot, TraceSummary,
-                                 read_trace, validate_trace)
+from replay.trace.reader import (
+    TraceError,
+    TraceLimits,
+    TraceRecord,
+    TraceSnapshot,
+    TraceSummary,
+    read_trace,
+    validate_trace,
+)
+from replay.trace.shaping import ShapingLog, ShapingOptions, shape
+from replay.trace.source import watch_trace
 from replay.verify.coverage import expected_windows
-from replay.verify.windows import expected_engine_windows
 from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
+from replay.verify.timeline import Timeline
+from replay.verify.windows import expected_engine_windows
 
 if TYPE_CHECKING:  # imported where used: a wall replay's engines start before they load
     from replay.deploy.topology import TopologyLaunch
@@ -45,8 +54,12 @@ if TYPE_CHECKING:  # imported where used: a wall replay's engines start before t
 
 CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
 # A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
-MODELLING, CONNECTING, STARTING, RUNNING = ("modelling idle windows", "connecting",
-                                            "starting engines", "running")
+MODELLING, CONNECTING, STARTING, RUNNING = (
+    "modelling idle windows",
+    "connecting",
+    "starting engines",
+    "running",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +69,9 @@ class ReplayHooks:
     on_tick: Callable[[WallClockReplay], None] | None = None  # wall clock, every tick
     on_phase: Callable[[str, list[str]], None] | None = None  # start-up: phase, engines ready
     on_progress: ProgressCallback | None = None  # virtual clock (also the wall clock's model)
-    on_http_tick: Callable[[object], None] | None = None  # --target http://: HttpReplay, every scrape
+    on_http_tick: Callable[[object], None] | None = (
+        None  # --target http://: HttpReplay, every scrape
+    )
 
     def phase(self, name: str, ready: list[str] | None = None) -> None:
         if self.on_phase is not None:
@@ -70,7 +85,9 @@ class ReplayConfig:
     skip_bad_lines: bool = False
     clock: str = "wall"
     topology: str = "pd"
-    router: RouterPolicy = "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+    router: RouterPolicy = (
+        "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)  # liveness, sizes, runner
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     shaping: ShapingOptions = field(default_factory=ShapingOptions)
@@ -96,10 +113,12 @@ class ReplayConfig:
             if mismatch is not None:
                 raise ValueError(mismatch)
         if self.check_outputs:
-            why = ("--check-outputs: only for a local wall-clock replay (the virtual clock has no "
-                   "KV memory; a --target's engines are not known here)"
-                   if self.clock != "wall" or self.target is not None or self.http is not None
-                   else can_check_outputs(self.engine))
+            why = (
+                "--check-outputs: only for a local wall-clock replay (the virtual clock has no "
+                "KV memory; a --target's engines are not known here)"
+                if self.clock != "wall" or self.target is not None or self.http is not None
+                else can_check_outputs(self.engine)
+            )
             if why is not None:
                 raise ValueError(why)
 
@@ -110,25 +129,42 @@ class ReplayConfig:
         profile, engine = self.cost_profile, self.engine
         if self.clock != "wall" or self.target is not None or self.http is not None:
             return None
-        device = "cpu" if engine.runner == "mock" or not (
-            engine.device == "cuda" or (engine.device == "auto" and _may_have_cuda())) else "cuda"
-        if (profile.runner == engine.runner and MODEL_PRESETS.get(profile.model_preset) == engine.model
-                and profile.device.partition(":")[0] == device):
+        device = (
+            "cpu"
+            if engine.runner == "mock"
+            or not (engine.device == "cuda" or (engine.device == "auto" and _may_have_cuda()))
+            else "cuda"
+        )
+        if (
+            profile.runner == engine.runner
+            and MODEL_PRESETS.get(profile.model_preset) == engine.model
+            and profile.device.partition(":")[0] == device
+        ):
             return None
         model = next((name for name, m in MODEL_PRESETS.items() if m == engine.model), None)
-        hint = f"kvdrain calibrate --runner {engine.runner}" + (f" --model {model}" if model else "")
-        return (f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}, "
-                f"device {profile.device}; this replay's engines run runner {engine.runner}, model "
-                f"{model or 'a custom one'}, device {device}: calibrate them (`{hint}`)")
+        hint = f"kvdrain calibrate --runner {engine.runner}" + (
+            f" --model {model}" if model else ""
+        )
+        return (
+            f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}, "
+            f"device {profile.device}; this replay's engines run runner {engine.runner}, model "
+            f"{model or 'a custom one'}, device {device}: calibrate them (`{hint}`)"
+        )
 
     def effective_check_outputs(self) -> bool:
         if self.check_outputs is not None:
             return self.check_outputs
-        return (self.clock == "wall" and self.target is None and self.http is None
-                and can_check_outputs(self.engine) is None)
+        return (
+            self.clock == "wall"
+            and self.target is None
+            and self.http is None
+            and can_check_outputs(self.engine) is None
+        )
 
     def effective_tail_s(self) -> float:
-        return self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
+        return (
+            self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
+        )
 
 
 @dataclass(slots=True)
@@ -142,15 +178,22 @@ class ReplayResult:
 
     def settings(self) -> dict:
         c = self.config
-        return {"trace": str(c.trace), "format": self.summary.format, "clock": c.clock,
-                "topology": self.timeline.meta.get("topology", c.topology), "target": c.target,
-                **({"router": c.router} if c.router != "round-robin" else {}),
-                "tail_s": c.effective_tail_s(),
-                "engine": self.engine_settings(),
-                "kv_transfer": None if c.http is not None else config_to_dict(c.kv),
-                "shaping": config_to_dict(c.shaping), "verify": config_to_dict(c.verify),
-                "wall_s": round(self.wall_s, 3), "check_outputs": c.effective_check_outputs(),
-                "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None}
+        return {
+            "trace": str(c.trace),
+            "format": self.summary.format,
+            "clock": c.clock,
+            "topology": self.timeline.meta.get("topology", c.topology),
+            "target": c.target,
+            **({"router": c.router} if c.router != "round-robin" else {}),
+            "tail_s": c.effective_tail_s(),
+            "engine": self.engine_settings(),
+            "kv_transfer": None if c.http is not None else config_to_dict(c.kv),
+            "shaping": config_to_dict(c.shaping),
+            "verify": config_to_dict(c.verify),
+            "wall_s": round(self.wall_s, 3),
+            "check_outputs": c.effective_check_outputs(),
+            "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None,
+        }
 
     def engine_settings(self) -> dict:
         """What really ran: the server's own configuration with --target (over HTTP as it
@@ -158,7 +201,10 @@ class ReplayResult:
         config given."""
         c = self.config
         if c.http is not None:
-            return {"source": "http server", **self.timeline.meta.get("http", {}).get("settings", {})}
+            return {
+                "source": "http server",
+                **self.timeline.meta.get("http", {}).get("settings", {}),
+            }
         server = self.timeline.meta.get("server")
         if server is not None:
             return {"source": "server", **server}
@@ -168,7 +214,9 @@ class ReplayResult:
         return engine
 
 
-def _keep_snapshots(records: Iterator[TraceRecord], into: list[TraceSnapshot]) -> Iterator[TraceRecord]:
+def _keep_snapshots(
+    records: Iterator[TraceRecord], into: list[TraceSnapshot]
+) -> Iterator[TraceRecord]:
     for record in records:
         if isinstance(record, TraceSnapshot):
             into.append(record)
@@ -209,7 +257,9 @@ def prepare_replay(config: ReplayConfig) -> PreparedReplay:
     draws its view and the run models the idle windows. The caller closes it."""
     watch_trace(config.trace)  # every later pass reads these bytes (replay/trace/source.py)
     summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
-    why = no_request_left(config.trace, config.fmt, config.shaping, summary.num_requests, config.skip_bad_lines)
+    why = no_request_left(
+        config.trace, config.fmt, config.shaping, summary.num_requests, config.skip_bad_lines
+    )
     if why is not None:
         raise TraceError(why)
     return PreparedReplay(config=config, summary=summary, engines=launch_engines(config))
@@ -221,6 +271,7 @@ def launch_engines(config: ReplayConfig) -> TopologyLaunch | None:
     if config.clock != "wall" or config.target is not None or config.http is not None:
         return None
     from replay.deploy.topology import TopologyLaunch  # engine processes only for a wall replay
+
     return TopologyLaunch(config.engine, config.kv, config.topology, router=config.router)
 
 
@@ -260,7 +311,9 @@ class PreparedReplay:
 
     def records(self, config: ReplayConfig, log: ShapingLog) -> Iterator[TraceRecord]:
         """A pass over the shaped trace, in the format the checking pass found."""
-        trace = read_trace(config.trace, self.summary.format, config.skip_bad_lines, trace_limits(config))
+        trace = read_trace(
+            config.trace, self.summary.format, config.skip_bad_lines, trace_limits(config)
+        )
         return shape(trace, config.shaping, log)
 
     def run(self, hooks: ReplayHooks | None = None) -> ReplayResult:
@@ -269,26 +322,33 @@ class PreparedReplay:
         start = time.monotonic()
         if config.clock == "virtual":
             timeline = expected = simulate_interruptible(
-                _keep_snapshots(self.records(config, log), snapshots), _sim_options(config),
-                hooks.on_progress)
+                _keep_snapshots(self.records(config, log), snapshots),
+                _sim_options(config),
+                hooks.on_progress,
+            )
         else:
             try:
                 config, timeline, expected = self._run_wall(hooks, log, snapshots)
             except Interrupted as e:  # before the first request: the model, a start, a check
                 timeline, expected = stopped_before_start(e.name), None
-        windows = expected_windows(timeline.arrivals if expected is None else expected.arrivals,
-                                   config.verify.idle_threshold_s, expected)
+        windows = expected_windows(
+            timeline.arrivals if expected is None else expected.arrivals,
+            config.verify.idle_threshold_s,
+            expected,
+        )
         own = expected_engine_windows(expected, config.verify.idle_threshold_s)
         verdict = verify(timeline, snapshots, config.verify, windows, own)
         return ReplayResult(config, self.summary, log, timeline, verdict, time.monotonic() - start)
 
-    def _run_wall(self, hooks: ReplayHooks, log: ShapingLog, snapshots: list[TraceSnapshot]
-                  ) -> tuple[ReplayConfig, Timeline, Timeline | None]:
+    def _run_wall(
+        self, hooks: ReplayHooks, log: ShapingLog, snapshots: list[TraceSnapshot]
+    ) -> tuple[ReplayConfig, Timeline, Timeline | None]:
         """(the config as run, its pool as the engines sized it; the timeline; the expected one)."""
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
             hooks.phase(CONNECTING)
             from replay.http.preflight import preflight  # every URL checked once: nothing sent yet
+
             checked = preflight(config.http)
             config = replace(config, http=checked.options)
             expected = self._expect(config, hooks, list)
@@ -304,6 +364,7 @@ class PreparedReplay:
                 expected = self._expect(config, hooks, lambda: list(target.engines))
             hooks.phase(RUNNING, list(target.engines))
             from replay.live.driver import WallClockReplay
+
             replay = WallClockReplay(target, _wall_options(config), hooks.on_tick)
             timeline = replay.run(_keep_snapshots(self.records(config, log), snapshots))
         finally:
@@ -311,8 +372,9 @@ class PreparedReplay:
         timeline.meta.update(_target_meta(config, target))
         return _sized(config, target), timeline, expected
 
-    def _expect(self, config: ReplayConfig, hooks: ReplayHooks,
-                ready: Callable[[], list[str]]) -> Timeline | None:
+    def _expect(
+        self, config: ReplayConfig, hooks: ReplayHooks, ready: Callable[[], list[str]]
+    ) -> Timeline | None:
         """MODELLING: the virtual clock over the same shaped trace, on config's pool: which
         gaps become idle windows (replay/verify/coverage.py); None if it cannot run (then
         every gap counts). `ready`: the engines ready so far, shown meanwhile; one still
@@ -329,6 +391,7 @@ class PreparedReplay:
             hooks.phase(MODELLING, now_ready)
             if hooks.on_progress is not None:
                 hooks.on_progress(num_done, t)
+
         expected = model_timeline(self.records(config, ShapingLog()), config, on_progress)
         if dead:
             raise dead[0]
@@ -339,6 +402,7 @@ class PreparedReplay:
         if config.target is not None:
             hooks.phase(CONNECTING)
             from replay.live.serve_client import ServeClient
+
             return ServeClient(config.target, auth=config.target_auth)
         engines = self.engines
         ready = engines.ready_engines()
@@ -346,31 +410,48 @@ class PreparedReplay:
             hooks.phase(STARTING, ready)
         return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
 
-    def _run_http(self, hooks: ReplayHooks, config: ReplayConfig, log: ShapingLog,
-                  snapshots: list[TraceSnapshot], identity: object) -> Timeline:
+    def _run_http(
+        self,
+        hooks: ReplayHooks,
+        config: ReplayConfig,
+        log: ShapingLog,
+        snapshots: list[TraceSnapshot],
+        identity: object,
+    ) -> Timeline:
         from replay.http.client import HttpReplay
-        options = replace(config.http, tail_s=config.effective_tail_s(),
-                          max_token_id=self.summary.max_prompt_token_id)
+
+        options = replace(
+            config.http,
+            tail_s=config.effective_tail_s(),
+            max_token_id=self.summary.max_prompt_token_id,
+        )
         return HttpReplay(options, identity, on_tick=hooks.on_http_tick).run(
-            _keep_snapshots(self.records(config, log), snapshots))
+            _keep_snapshots(self.records(config, log), snapshots)
+        )
 
 
-def model_timeline(records: Iterator[TraceRecord], config: ReplayConfig,
-                   on_progress: ProgressCallback | None = None) -> Timeline | None:
+def model_timeline(
+    records: Iterator[TraceRecord],
+    config: ReplayConfig,
+    on_progress: ProgressCallback | None = None,
+) -> Timeline | None:
     """The virtual clock over `records` on config's engines: the expected timeline; None
     if it cannot run."""
     from replay.sim.simulation import simulate
+
     try:
         return simulate(records, _sim_options(config), on_progress)
     except (ValueError, RuntimeError):
         return None
 
 
-def simulate_interruptible(records: Iterator[TraceRecord], options: SimOptions,
-                           on_progress: ProgressCallback | None) -> Timeline:
+def simulate_interruptible(
+    records: Iterator[TraceRecord], options: SimOptions, on_progress: ProgressCallback | None
+) -> Timeline:
     """The virtual clock's replay; Ctrl-C or SIGTERM stops it where it is, with the
     timeline so far (meta "interrupted" names the signal), as the wall clock's driver does."""
     from replay.sim.simulation import Simulation
+
     simulation = Simulation(records, options, on_progress)
     try:
         return simulation.run()
@@ -380,8 +461,16 @@ def simulate_interruptible(records: Iterator[TraceRecord], options: SimOptions,
 
 def stopped_before_start(name: str) -> Timeline:
     """The timeline of a run stopped (meta "interrupted": `name`) before it sent anything."""
-    return Timeline(engines=[], num_usable_blocks={}, samples=[], requests=[], arrivals=[], aborts=[],
-                    end_t=0.0, meta={"interrupted": name})
+    return Timeline(
+        engines=[],
+        num_usable_blocks={},
+        samples=[],
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=0.0,
+        meta={"interrupted": name},
+    )
 
 
 def _sized(config: ReplayConfig, target: ReplayTarget) -> ReplayConfig:
@@ -399,14 +488,21 @@ def _target_meta(config: ReplayConfig, target: ReplayTarget) -> dict:
         server = {f.name: getattr(info, f.name) for f in fields(info)}
         return {"liveness": info.liveness, "topology": info.topology, "server": server}
     # the pool the engines allocated (sized from GPU memory, maybe)
-    return {"liveness": config.engine.liveness, "topology": config.topology,
-            "num_blocks": target.num_blocks}
+    return {
+        "liveness": config.engine.liveness,
+        "topology": config.topology,
+        "num_blocks": target.num_blocks,
+    }
 
 
 def _wall_options(config: ReplayConfig) -> WallOptions:
     from replay.live.driver import WallOptions
-    expected = (partial(mock_output_tokens, engine=config.engine)
-                if config.effective_check_outputs() else None)
+
+    expected = (
+        partial(mock_output_tokens, engine=config.engine)
+        if config.effective_check_outputs()
+        else None
+    )
     return WallOptions(tail_s=config.effective_tail_s(), expected_tokens=expected)
 
 
@@ -415,9 +511,14 @@ def _sim_options(config: ReplayConfig) -> SimOptions:
     except the step cost, when a calibrated profile is given (the virtual clock's run,
     and the wall clock's model of the expected windows alike)."""
     profile = config.cost_profile
-    return SimOptions(engine=config.engine, kv=config.kv, topology=config.topology, router=config.router,
-                      tail_s=config.effective_tail_s(),
-                      cost_model=profile.model if profile is not None else None)
+    return SimOptions(
+        engine=config.engine,
+        kv=config.kv,
+        topology=config.topology,
+        router=config.router,
+        tail_s=config.effective_tail_s(),
+        cost_model=profile.model if profile is not None else None,
+    )
 
 
 def with_liveness(config: ReplayConfig, liveness: str) -> ReplayConfig:

@@ -1,4 +1,5 @@
 """pytest configuration for the default test run."""
+
 import os
 import signal
 

@@ -1,4 +1,5 @@
 """An in-process connector agent for core tests: reports after a set number of polls."""
+
 from __future__ import annotations
 
 from engine.core.kv_connector import KVConnectorAgentBase
@@ -24,8 +25,9 @@ class FakeKVAgent(KVConnectorAgentBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         self.num_polls += 1
-        return KVConnectorOutput(finished_sending=_tick(self.pending_send),
-                                 finished_recving=_tick(self.pending_recv))
+        return KVConnectorOutput(
+            finished_sending=_tick(self.pending_send), finished_recving=_tick(self.pending_recv)
+        )
 
 
 def _tick(pending: dict[str, int]) -> set[str]:

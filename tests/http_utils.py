@@ -1,4 +1,5 @@
 """Helpers for the HTTP tests: kvdrain's HTTP front, its proxy, or any aiohttp app, on a free loopback port in a thread of its own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import threading
 
 from aiohttp import web
 
-from replay.deploy.topology import start_topology
 from engine.config import EngineConfig, KVTransferConfig
+from replay.deploy.topology import start_topology
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions
 
@@ -16,13 +17,24 @@ MODEL_NAME = "kvdrain-mock"
 
 
 def served_model(router, config: EngineConfig, topology: str) -> ServedModel:
-    return ServedModel(MODEL_NAME, config.max_model_len, router.vocab_size, config.block_size,
-                       tuple(router.engines), topology, config.liveness)
+    return ServedModel(
+        MODEL_NAME,
+        config.max_model_len,
+        router.vocab_size,
+        config.block_size,
+        tuple(router.engines),
+        topology,
+        config.liveness,
+    )
 
 
 @contextlib.contextmanager
-def engines(liveness: str = "event", topology: str = "pd", kv: KVTransferConfig = KVTransferConfig(),
-            **overrides):
+def engines(
+    liveness: str = "event",
+    topology: str = "pd",
+    kv: KVTransferConfig = KVTransferConfig(),
+    **overrides,
+):
     config = EngineConfig(runner="mock", num_blocks=256, liveness=liveness, **overrides)
     router = start_topology(config, kv, topology)
     try:
@@ -39,7 +51,11 @@ def _in_thread(what: str, serve):
 
     async def main() -> None:
         async with serve() as value:
-            box["value"], box["stop"], box["loop"] = value, asyncio.Event(), asyncio.get_running_loop()
+            box["value"], box["stop"], box["loop"] = (
+                value,
+                asyncio.Event(),
+                asyncio.get_running_loop(),
+            )
             ready.set()
             await box["stop"].wait()
 
@@ -63,6 +79,7 @@ def _in_thread(what: str, serve):
 @contextlib.contextmanager
 def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions()):
     """The front serving `router` from a thread with its own event loop; yields it (port set)."""
+
     @contextlib.asynccontextmanager
     async def serve():
         front = HttpFront(router, model, options)

@@ -2,6 +2,7 @@
 
 tests/test_architecture.py holds README to it, so the map cannot drift from the tree.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,7 +31,13 @@ def folders() -> list[Path]:
 
 def module_map() -> str:
     """The map as README shows it: a line per package, then a line per module."""
-    lines = [BEGIN, "", "| module | what it is | runs in |", "|---|---|---|", f"| `cli.py` | {summary(ROOT / 'cli.py')} |"]
+    lines = [
+        BEGIN,
+        "",
+        "| module | what it is | runs in |",
+        "|---|---|---|",
+        f"| `cli.py` | {summary(ROOT / 'cli.py')} |",
+    ]
     for folder in folders():
         lines.append(f"| **`{folder.relative_to(ROOT)}/`** | {summary(folder / '__init__.py')} |")
         for path in sorted(folder.glob("*.py")):
@@ -42,7 +49,7 @@ def module_map() -> str:
 def readme_map() -> str:
     text = (ROOT / "README.md").read_text()
     start, end = text.find(BEGIN), text.find(END)
-    return text[start:end + len(END)] if start >= 0 and end >= 0 else ""
+    return text[start : end + len(END)] if start >= 0 and end >= 0 else ""
 
 
 def write_readme_map() -> None:

@@ -3,6 +3,7 @@
 Everything goes through the router, so P's outputs are always forwarded to D while a
 test waits for stats; user-facing outputs are kept in a backlog for `collect`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,13 +13,13 @@ import time
 import zmq
 
 from connector.messages import CONNECTOR_CODEC, KVCacheRegistered, RegisterKVCache, WorkerReady
-from replay.deploy.router import PDRouter
-from replay.deploy.topology import start_topology
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig, KVTransferConfig, ModelConfig
-from engine.runner.kv_cache import KVCache
-from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
+from engine.proc.messages import StatsSnapshot
+from engine.runner.kv_cache import KVCache
+from replay.deploy.router import PDRouter
+from replay.deploy.topology import start_topology
 
 
 def mock_tokens(prompt: list[int], max_tokens: int, vocab: int = 512) -> list[int]:
@@ -52,7 +53,9 @@ class Harness:
             if set(finished) == req_ids:
                 return {"tokens": tokens, "reasons": finished}
             if time.monotonic() > deadline:
-                raise TimeoutError(f"unfinished after {timeout_s} s: {sorted(req_ids - set(finished))}")
+                raise TimeoutError(
+                    f"unfinished after {timeout_s} s: {sorted(req_ids - set(finished))}"
+                )
             self.poll(0.05)
 
     def stats(self, engine: str, timeout_s: float = 5.0) -> StatsSnapshot:
@@ -85,10 +88,22 @@ class Harness:
 
 
 @contextlib.contextmanager
-def topology(liveness: str = "event", topology_name: str = "pd", policy: str = "recompute",
-             runner: str = "mock", device: str = "cpu", **kv_options):
-    base = EngineConfig(num_blocks=128, block_size=4, liveness=liveness,
-                        kv_load_failure_policy=policy, runner=runner, device=device)
+def topology(
+    liveness: str = "event",
+    topology_name: str = "pd",
+    policy: str = "recompute",
+    runner: str = "mock",
+    device: str = "cpu",
+    **kv_options,
+):
+    base = EngineConfig(
+        num_blocks=128,
+        block_size=4,
+        liveness=liveness,
+        kv_load_failure_policy=policy,
+        runner=runner,
+        device=device,
+    )
     router = start_topology(base, KVTransferConfig(**kv_options), topology_name)
     try:
         yield Harness(router)
@@ -106,8 +121,12 @@ def spawned_p_worker(tmp_path, **config_kw):
     """A real prefill connector worker process with its KV cache registered:
     yields (config, cache, agent, peer); killed and closed on the way out."""
     ctx = zmq.Context.instance()
-    config = ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{tmp_path}/agent",
-                                   kv_addr=f"ipc://{tmp_path}/kv", **config_kw)
+    config = ConnectorWorkerConfig(
+        engine_id="P",
+        agent_addr=f"ipc://{tmp_path}/agent",
+        kv_addr=f"ipc://{tmp_path}/kv",
+        **config_kw,
+    )
     cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=4)
     agent, peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.DEALER)
     proc = multiprocessing.get_context("spawn").Process(target=run_connector_worker, args=(config,))
@@ -118,7 +137,9 @@ def spawned_p_worker(tmp_path, **config_kw):
             sock.connect(addr)
         assert isinstance(CONNECTOR_CODEC.decode(_recv_one(agent, 60)), WorkerReady)
         agent.send(CONNECTOR_CODEC.encode(RegisterKVCache("P", cache.handle.to_dict())))
-        assert CONNECTOR_CODEC.decode(_recv_one(agent, 60)) == KVCacheRegistered("P", cache.num_blocks)
+        assert CONNECTOR_CODEC.decode(_recv_one(agent, 60)) == KVCacheRegistered(
+            "P", cache.num_blocks
+        )
         yield config, cache, agent, peer
     finally:
         proc.terminate()

@@ -1,4 +1,5 @@
 """Where the tests find the repository and its bundled files."""
+
 import os
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Test helpers for whole process trees: their descendants from /proc, and bounded waits on outside conditions."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The project's structure, checked from the source: no import circle, layers point one way, the pure core stays pure."""
+
 from __future__ import annotations
 
 import ast
@@ -13,14 +14,38 @@ from tests.module_map import module_map, readme_map
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "connector", "replay")
 # What each layer may import (DESIGN.md: cli -> replay -> {connector, engine}, connector -> engine).
-LAYERS = {"engine": {"engine"}, "connector": {"engine", "connector"},
-          "replay": {"engine", "connector", "replay"}, "cli": {"engine", "connector", "replay", "cli"}}
+LAYERS = {
+    "engine": {"engine"},
+    "connector": {"engine", "connector"},
+    "replay": {"engine", "connector", "replay"},
+    "cli": {"engine", "connector", "replay", "cli"},
+}
 MAX_FLAT_REPLAY_MODULES = 6  # the rest of replay/ lives in one subpackage per concern
 # The pure ring is a path: everything under engine/core/ (the simulator drives it on a virtual clock).
 PURE_RING = "engine.core"
-IMPURE = {"torch", "numpy", "zmq", "msgpack", "time", "random", "socket", "selectors", "asyncio",
-          "multiprocessing", "threading", "subprocess", "signal", "os", "io", "pathlib", "shutil",
-          "tempfile", "secrets", "uuid", "datetime"}
+IMPURE = {
+    "torch",
+    "numpy",
+    "zmq",
+    "msgpack",
+    "time",
+    "random",
+    "socket",
+    "selectors",
+    "asyncio",
+    "multiprocessing",
+    "threading",
+    "subprocess",
+    "signal",
+    "os",
+    "io",
+    "pathlib",
+    "shutil",
+    "tempfile",
+    "secrets",
+    "uuid",
+    "datetime",
+}
 
 
 def project_modules() -> dict[str, Path]:
@@ -48,7 +73,7 @@ def imported_names(module: str) -> set[str]:
             base = node.module or ""
             if node.level:  # relative: climb level - 1 packages from this module's package
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
@@ -93,8 +118,12 @@ def shortest_circle(start: str) -> list[str] | None:
 
 
 def test_the_scan_sees_the_project():
-    assert {"cli", "engine.core.engine_core", "replay.deploy.router", "replay.pipeline"} <= set(MODULES)
-    assert "engine.core.outputs" in GRAPH["engine.core.engine_core"]  # a plain from-import is an edge
+    assert {"cli", "engine.core.engine_core", "replay.deploy.router", "replay.pipeline"} <= set(
+        MODULES
+    )
+    assert (
+        "engine.core.outputs" in GRAPH["engine.core.engine_core"]
+    )  # a plain from-import is an edge
     assert owner("replay.verify.timeline.Timeline") == "replay.verify.timeline"
     assert owner("zmq.Socket") is None
 
@@ -108,8 +137,13 @@ def test_no_import_circle():
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_imports_point_down(name):
     """engine imports nothing above it; connector only engine; replay no cli."""
-    upward = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if layer(m) == name
-                    for t in targets if layer(t) not in LAYERS[name])
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in GRAPH.items()
+        if layer(m) == name
+        for t in targets
+        if layer(t) not in LAYERS[name]
+    )
     assert not upward, f"{name} imports upward:\n" + "\n".join(upward)
 
 
@@ -137,8 +171,12 @@ def test_pure_ring_imports_no_torch_zmq_clock_randomness_or_io():
     """engine/core/ and what it imports: no torch, zmq, clock, randomness or I/O."""
     closure = pure_closure()
     assert "engine.core.scheduler" in closure
-    impure = sorted(f"{m} imports {name}" for m in closure for name in imported_names(m)
-                    if owner(name) is None and name.partition(".")[0] in IMPURE)
+    impure = sorted(
+        f"{m} imports {name}"
+        for m in closure
+        for name in imported_names(m)
+        if owner(name) is None and name.partition(".")[0] in IMPURE
+    )
     assert not impure, "\n".join(impure)
     assert all(layer(m) == "engine" for m in closure), sorted(closure)
 
@@ -153,13 +191,16 @@ def test_packages_say_what_they_are_for():
 
 def test_readme_maps_every_module_as_the_tree_has_it():
     """README's "Where things live" is the generated map (python -m tests.module_map rewrites it)."""
-    assert readme_map() == module_map(), "README's module map is stale: run python -m tests.module_map"
+    assert readme_map() == module_map(), (
+        "README's module map is stale: run python -m tests.module_map"
+    )
 
 
 def test_every_module_says_what_it_is_and_where_it_runs():
     def first_line(path: Path) -> str:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
+
     missing = sorted(m for m, path in MODULES.items() if "Runs in:" not in first_line(path))
     assert not missing, f"first docstring lines without 'Runs in:': {missing}"
 
@@ -178,25 +219,34 @@ def test_each_package_docstring_names_all_its_modules():
 def test_readme_indexes_every_fast_path_test():
     """Each fast/slow pair's test file is in README's "Fast paths and the tests that pin them"."""
     text = (ROOT / "README.md").read_text()
-    index = text[text.index("### Fast paths and the tests that pin them"):]
+    index = text[text.index("### Fast paths and the tests that pin them") :]
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fast_paths.py"))
     assert files and all(f"`{f}`" in index for f in files), files
 
 
 # Records of many fields, each built at several sites: only keywords say which value is which.
-WIDE_RECORDS = ("replay.verify.timeline:RequestRecord", "replay.verify.timeline:EngineSample",
-                "replay.verify.timeline:Timeline", "replay.trace.reader:TraceSummary",
-                "replay.trace.inspect:TraceInspection", "replay.verify.rules:IdleWindow",
-                "replay.verify.rules:Verdict", "replay.verify.coverage:WindowCoverage",
-                "replay.sim.cost:CostProfile", "replay.ui.dashboard:ReplayProgress",
-                "replay.ui.dashboard:WindowVerdict", "connector.worker_proc:ConnectorWorkerConfig",
-                "engine.core.outputs:ScheduledRequest")
+WIDE_RECORDS = (
+    "replay.verify.timeline:RequestRecord",
+    "replay.verify.timeline:EngineSample",
+    "replay.verify.timeline:Timeline",
+    "replay.trace.reader:TraceSummary",
+    "replay.trace.inspect:TraceInspection",
+    "replay.verify.rules:IdleWindow",
+    "replay.verify.rules:Verdict",
+    "replay.verify.coverage:WindowCoverage",
+    "replay.sim.cost:CostProfile",
+    "replay.ui.dashboard:ReplayProgress",
+    "replay.ui.dashboard:WindowVerdict",
+    "connector.worker_proc:ConnectorWorkerConfig",
+    "engine.core.outputs:ScheduledRequest",
+)
 
 
 @pytest.mark.parametrize("name", WIDE_RECORDS)
 def test_wide_records_take_keywords_only(name):
     import dataclasses
     import importlib
+
     module, _, attr = name.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     positional = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]

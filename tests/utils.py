@@ -1,4 +1,5 @@
 """Test helpers in the spirit of vLLM's tests/v1/core/utils.py."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,8 +14,14 @@ BLOCK_SIZE = 4
 
 
 def make_config(**overrides) -> EngineConfig:
-    base = EngineConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=16,
-                        max_num_batched_tokens=64, max_model_len=256, liveness="poll")
+    base = EngineConfig(
+        num_blocks=64,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        liveness="poll",
+    )
     return replace(base, **overrides)
 
 
@@ -25,20 +32,37 @@ def make_scheduler(use_kv_connector: bool = False, **overrides) -> Scheduler:
     return Scheduler(config, PDConnector(config) if use_kv_connector else None)
 
 
-def make_request(req_id: str, num_tokens: int = 10, max_tokens: int = 16, *, start: int = 0,
-                 params: dict | None = None, block_size: int = BLOCK_SIZE,
-                 eos_token_id: int | None = None, prompt: list[int] | None = None) -> Request:
+def make_request(
+    req_id: str,
+    num_tokens: int = 10,
+    max_tokens: int = 16,
+    *,
+    start: int = 0,
+    params: dict | None = None,
+    block_size: int = BLOCK_SIZE,
+    eos_token_id: int | None = None,
+    prompt: list[int] | None = None,
+) -> Request:
     if prompt is None:
         prompt = [(start + i) % 500 for i in range(num_tokens)]
-    return Request(req_id, prompt, max_tokens, block_size, eos_token_id=eos_token_id,
-                   kv_transfer_params=params)
+    return Request(
+        req_id, prompt, max_tokens, block_size, eos_token_id=eos_token_id, kv_transfer_params=params
+    )
 
 
-def runner_output(sched_out: SchedulerOutput, token_id: int | None = None,
-                  finished_sending=(), finished_recving=(), invalid_block_ids=()) -> ModelRunnerOutput:
+def runner_output(
+    sched_out: SchedulerOutput,
+    token_id: int | None = None,
+    finished_sending=(),
+    finished_recving=(),
+    invalid_block_ids=(),
+) -> ModelRunnerOutput:
     """One sampled token per request that reached its end (vLLM's create_model_runner_output)."""
-    sampled = {s.req_id: (token_id if token_id is not None else (s.token_ids[-1] + 1) % 512)
-               for s in sched_out.scheduled if s.sample}
+    sampled = {
+        s.req_id: (token_id if token_id is not None else (s.token_ids[-1] + 1) % 512)
+        for s in sched_out.scheduled
+        if s.sample
+    }
     kv = None
     if finished_sending or finished_recving or invalid_block_ids:
         kv = KVConnectorOutput(set(finished_sending), set(finished_recving), set(invalid_block_ids))

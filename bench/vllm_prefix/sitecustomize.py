@@ -13,6 +13,7 @@ release before the fix:
 So an idle P stops stepping and never frees what D read. Each patch must match exactly
 once, else the import fails: another vLLM version is refused, not silently left fixed.
 """
+
 import importlib.abc
 import importlib.machinery
 import sys
@@ -21,10 +22,12 @@ PATCHES = {
     "vllm.v1.core.sched.scheduler": (
         "    def has_finished_requests(self) -> bool:\n",
         "    def has_finished_requests(self) -> bool:\n"
-        "        return len(self.finished_req_ids) > 0  # the fix reverted\n"),
+        "        return len(self.finished_req_ids) > 0  # the fix reverted\n",
+    ),
     "vllm.v1.engine.core": (
         "        if not model_executed and self.scheduler.has_requests():\n",
-        "        if not model_executed and self.scheduler.has_unfinished_requests():\n"),
+        "        if not model_executed and self.scheduler.has_unfinished_requests():\n",
+    ),
 }
 
 
@@ -33,9 +36,13 @@ class _PatchingLoader(importlib.machinery.SourceFileLoader):
         source = self.get_source(fullname)
         old, new = PATCHES[fullname]
         if source.count(old) != 1:
-            raise ImportError(f"pre-fix overlay: {fullname} is not vLLM 0.32's ({old.strip()!r} "
-                              f"found {source.count(old)} times)")
-        print(f"pre-fix overlay: {fullname}: the fix of #43433 reverted", file=sys.stderr, flush=True)
+            raise ImportError(
+                f"pre-fix overlay: {fullname} is not vLLM 0.32's ({old.strip()!r} "
+                f"found {source.count(old)} times)"
+            )
+        print(
+            f"pre-fix overlay: {fullname}: the fix of #43433 reverted", file=sys.stderr, flush=True
+        )
         return compile(source.replace(old, new), self.path, "exec", dont_inherit=True)
 
 

@@ -24,6 +24,7 @@ decoding, no pipeline parallelism):
   output is processed (sched_step_seq / processed_step_seq fences), and such a
   request is not preempted to make room.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -83,12 +84,18 @@ class AsyncScheduler(Scheduler):
         while req_index < len(self.running) and budget > 0:
             request = self.running[req_index]
             placeholders = request.num_output_placeholders
-            if (placeholders > 0 and request.num_computed_tokens + 2 - placeholders
-                    >= request.num_prompt_tokens + request.max_tokens):
+            if (
+                placeholders > 0
+                and request.num_computed_tokens + 2 - placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
                 req_index += 1  # its tokens in flight already reach max_tokens
                 continue
-            num_new = min(request.num_tokens + placeholders - request.num_computed_tokens, budget,
-                          max_computed - request.num_computed_tokens)
+            num_new = min(
+                request.num_tokens + placeholders - request.num_computed_tokens,
+                budget,
+                max_computed - request.num_computed_tokens,
+            )
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -113,8 +120,14 @@ class AsyncScheduler(Scheduler):
             if victim is request:
                 return None
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
-                       new_block_ids: list[int], is_new: bool) -> None:
+    def _add_scheduled(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        new_block_ids: list[int],
+        is_new: bool,
+    ) -> None:
         start = request.num_computed_tokens
         super()._add_scheduled(out, request, num_new, new_block_ids, is_new)
         missing = start + num_new - request.num_tokens  # positions of tokens in flight
@@ -128,7 +141,8 @@ class AsyncScheduler(Scheduler):
         # connector's hand-off needs it recomputed), but it must not move the counters
         # the preemption just reset.
         request.drop_stale_output = self.requires_kv_delivery or (
-            request.drop_stale_output and request.num_stale_output_tokens > 0)
+            request.drop_stale_output and request.num_stale_output_tokens > 0
+        )
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
 
@@ -160,16 +174,22 @@ class AsyncScheduler(Scheduler):
 
     # ---- update --------------------------------------------------------------
 
-    def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> StepOutputs:
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> StepOutputs:
         # Every write of this and earlier steps is done: deferred blocks may go back.
         if self.defer_block_free and sched_out.total_num_scheduled_tokens > 0:
             self.processed_step_seq += 1
             self._drain_deferred_frees()
         return super().update_from_output(sched_out, runner_out)
 
-    def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                          failed_ids: set[str], outputs: StepOutputs) -> bool:
+    def _update_scheduled(
+        self,
+        sched_out: SchedulerOutput,
+        runner_out: ModelRunnerOutput,
+        failed_ids: set[str],
+        outputs: StepOutputs,
+    ) -> bool:
         any_finished = False
         stopped_waiting: list[Request] = []
         for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
@@ -202,8 +222,9 @@ class AsyncScheduler(Scheduler):
             self._remove_from_waiting(request)
         return any_finished
 
-    def _deliver(self, request: Request, token: int, is_stale: bool,
-                 status_before: RequestStatus) -> RequestOutput:
+    def _deliver(
+        self, request: Request, token: int, is_stale: bool, status_before: RequestStatus
+    ) -> RequestOutput:
         """Append a sampled token; cache what it completes before a stop frees the
         blocks (vLLM's order: _update_request_with_output, then _free_request)."""
         request.append_output_token_ids(token)
@@ -212,10 +233,16 @@ class AsyncScheduler(Scheduler):
             request.num_output_placeholders -= 1
         if status_before == RequestStatus.RUNNING:
             self.kv_cache_manager.cache_blocks(
-                request, request.num_computed_tokens - request.num_output_placeholders)
+                request, request.num_computed_tokens - request.num_output_placeholders
+            )
         params = self._free_request(request) if stopped else None
-        return RequestOutput(request.req_id, [token], request.get_finished_reason(), params,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+        return RequestOutput(
+            request.req_id,
+            [token],
+            request.get_finished_reason(),
+            params,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def _remove_from_waiting(self, request: Request) -> None:
         if request in self.skipped_waiting:

@@ -17,6 +17,7 @@ A placeholder (a token sampled by a batch still queued) is filled from that batc
 output before the new batch runs, as vLLM's model runner takes its previous sampled
 tokens.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -80,9 +81,12 @@ class BatchQueue:
                     break
 
 
-def step_with_batch_queue(scheduler: Scheduler, queue: BatchQueue,
-                          execute: Callable[[SchedulerOutput], tuple[ModelRunnerOutput, bool]],
-                          tell_time: Callable[[], None]) -> BatchStep:
+def step_with_batch_queue(
+    scheduler: Scheduler,
+    queue: BatchQueue,
+    execute: Callable[[SchedulerOutput], tuple[ModelRunnerOutput, bool]],
+    tell_time: Callable[[], None],
+) -> BatchStep:
     """One call of vLLM's step_with_batch_queue (module docstring). `execute` runs a
     batch (the forward and the connector worker's part: EngineCore.execute)."""
     step = BatchStep()
@@ -104,7 +108,8 @@ def step_with_batch_queue(scheduler: Scheduler, queue: BatchQueue,
     tell_time()  # request_finished stamps leases after the forward, as vLLM's
     step.processed = True
     step.outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
-    step.can_progress = queue.has_pending_work() or scheduler.can_progress(batch.sched_out,
-                                                                           batch.got_kv_reports)
+    step.can_progress = queue.has_pending_work() or scheduler.can_progress(
+        batch.sched_out, batch.got_kv_reports
+    )
     step.got_kv_reports = batch.got_kv_reports
     return step

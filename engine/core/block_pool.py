@@ -1,4 +1,5 @@
 """Paged KV block pool with prefix caching. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 from engine.core.block_hash import BlockHash
@@ -208,14 +209,18 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
 
-    def get_cached_prefix(self, block_hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+    def get_cached_prefix(
+        self, block_hashes: list[BlockHash], max_blocks: int
+    ) -> list[KVCacheBlock]:
         """The cached blocks of the longest cached prefix of block_hashes[:max_blocks]."""
         return self.cached_block_hash_to_block.get_prefix(block_hashes, max_blocks)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """num_blocks from the free queue's head, their old hashes evicted, ref 1."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free")
+            raise ValueError(
+                f"cannot get {num_blocks} blocks; only {self.get_num_free_blocks()} free"
+            )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         # _maybe_evict_cached_block of each (all free, so each hashed one was cached-free).
         self.num_cached_free_blocks -= self.cached_block_hash_to_block.evict(blocks)
@@ -269,8 +274,11 @@ class BlockPool:
         self.free_block_queue.append_n(evict_last)
 
     def cache_full_blocks(
-        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-        num_cached_blocks: int, num_full_blocks: int,
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
     ) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] their prefix hashes.
 
@@ -315,9 +323,13 @@ class BlockPool:
         if set(free_ids) & {b.block_id for b in referenced}:
             raise AssertionError("a block is both free and referenced")
         if len(referenced) != self.num_used_blocks:
-            raise AssertionError(f"used counter {self.num_used_blocks} != {len(referenced)} referenced")
+            raise AssertionError(
+                f"used counter {self.num_used_blocks} != {len(referenced)} referenced"
+            )
         if len(free_ids) + len(referenced) != self.num_usable_blocks:
-            raise AssertionError(f"free {len(free_ids)} + used {len(referenced)} != {self.num_usable_blocks}")
+            raise AssertionError(
+                f"free {len(free_ids)} + used {len(referenced)} != {self.num_usable_blocks}"
+            )
         cached = list(self.cached_block_hash_to_block.items())
         for block_hash, block in cached:
             if block.block_hash != block_hash:

@@ -22,6 +22,7 @@ the same hash cache them in that order). replay/sim/engine.py skips the steps in
 between; tests/replay/sim/test_decode_runs.py compares the timelines with every step
 taken.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,8 +38,13 @@ NextTokens = Callable[[Request, int], list[int]]
 def num_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens, limit: int) -> int:
     """How many of the next steps are plain decode steps (at most `limit`), given that
     the last step consumed no connector report and nothing has arrived since."""
-    if (not scheduler.running or scheduler.waiting or scheduler.skipped_waiting
-            or scheduler.finished_req_ids or len(scheduler.running) > scheduler.config.max_num_batched_tokens):
+    if (
+        not scheduler.running
+        or scheduler.waiting
+        or scheduler.skipped_waiting
+        or scheduler.finished_req_ids
+        or len(scheduler.running) > scheduler.config.max_num_batched_tokens
+    ):
         return 0
     num_steps, bs = limit, scheduler.block_size
     for request in scheduler.running:
@@ -46,7 +52,9 @@ def num_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens, limit:
         if request.num_tokens - num_computed != 1:
             return 0
         # The step whose slot starts a block may take one from the pool: not plain.
-        num_steps = min(num_steps, -num_computed % bs, _num_steps_before_length_cap(scheduler, request))
+        num_steps = min(
+            num_steps, -num_computed % bs, _num_steps_before_length_cap(scheduler, request)
+        )
         if num_steps > 0:
             num_steps = _num_steps_before_stop_token(request, next_tokens(request, num_steps))
         if num_steps <= 0:
@@ -56,7 +64,9 @@ def num_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens, limit:
 
 def _num_steps_before_length_cap(scheduler: Scheduler, request: Request) -> int:
     """Steps before the one whose token reaches max_model_len or max_tokens (it stops)."""
-    last_num_tokens = min(scheduler.config.max_model_len, request.num_prompt_tokens + request.max_tokens)
+    last_num_tokens = min(
+        scheduler.config.max_model_len, request.num_prompt_tokens + request.max_tokens
+    )
     return last_num_tokens - request.num_tokens - 1
 
 
@@ -69,8 +79,9 @@ def _num_steps_before_stop_token(request: Request, tokens: list[int]) -> int:
     return len(tokens)
 
 
-def take_plain_decode_steps(scheduler: Scheduler, next_tokens: NextTokens,
-                            num_steps: int) -> list[list[int]]:
+def take_plain_decode_steps(
+    scheduler: Scheduler, next_tokens: NextTokens, num_steps: int
+) -> list[list[int]]:
     """Make `num_steps` plain decode steps (num_plain_decode_steps said so); returns each
     running request's sampled tokens, in running order."""
     bs, kv = scheduler.block_size, scheduler.kv_cache_manager

@@ -3,6 +3,7 @@
 The process shell (core_proc.py) and the virtual-clock simulator both drive this
 class, so the simulator reproduces the real engine's decisions exactly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,13 @@ from engine.config import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
 from engine.core.batch_queue import BatchQueue, step_with_batch_queue
 from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorBase
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats, StepOutputs
+from engine.core.outputs import (
+    ModelRunnerOutput,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    StepOutputs,
+)
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
 from engine.core.scheduler import Scheduler
@@ -42,7 +49,6 @@ class EngineStepResult:
     got_kv_reports: bool  # the step consumed connector reports
 
 
-
 class EngineCore:
     def __init__(
         self,
@@ -62,8 +68,12 @@ class EngineCore:
         self.num_model_steps = 0
 
     def add_request(
-        self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-        kv_transfer_params: dict | None = None, stop_token_ids: tuple[int, ...] = (),
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> list[RequestOutput]:
         """Queue a request; returns an output at once only if it can never run.
 
@@ -77,9 +87,15 @@ class EngineCore:
         if why is not None:
             return [self.scheduler.reject_request(req_id, params, why)]
         try:
-            request = Request(req_id, list(prompt_token_ids), max_tokens, self.config.block_size,
-                              eos_token_id=self.config.eos_token_id,
-                              stop_token_ids=tuple(stop_token_ids), kv_transfer_params=params)
+            request = Request(
+                req_id,
+                list(prompt_token_ids),
+                max_tokens,
+                self.config.block_size,
+                eos_token_id=self.config.eos_token_id,
+                stop_token_ids=tuple(stop_token_ids),
+                kv_transfer_params=params,
+            )
         except ValueError as e:
             return [self.scheduler.reject_request(req_id, params, str(e))]
         return self.add(request)
@@ -124,11 +140,14 @@ class EngineCore:
         return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
 
     def _step_with_batch_queue(self) -> EngineStepResult:
-        step = step_with_batch_queue(self.scheduler, self.batch_queue, self.execute, self._tell_time)
+        step = step_with_batch_queue(
+            self.scheduler, self.batch_queue, self.execute, self._tell_time
+        )
         self.num_steps += step.processed  # a step: one batch's output processed
         self.num_model_steps += step.model_executed
-        return EngineStepResult(step.outputs, step.model_executed, step.can_progress,
-                                step.got_kv_reports)
+        return EngineStepResult(
+            step.outputs, step.model_executed, step.can_progress, step.got_kv_reports
+        )
 
     def execute(self, sched_out: SchedulerOutput) -> tuple[ModelRunnerOutput, bool]:
         """The forward pass with the connector agent's part: its loads start, and

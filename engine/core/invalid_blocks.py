@@ -3,6 +3,7 @@
 vLLM's Scheduler._update_requests_with_invalid_blocks, as a pure function: the
 scheduler decides what to do with the affected requests (kv_load_failure_policy).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -13,8 +14,11 @@ from engine.utils import cdiv
 
 
 def cut_back_to_valid_prefix(
-    requests: Iterable[Request], invalid_block_ids: set[int], num_scheduled: dict[str, int],
-    kv_cache_manager: KVCacheManager, marked: set[int],
+    requests: Iterable[Request],
+    invalid_block_ids: set[int],
+    num_scheduled: dict[str, int],
+    kv_cache_manager: KVCacheManager,
+    marked: set[int],
 ) -> tuple[set[str], set[int]]:
     """Cut each request's num_computed_tokens back to before its first invalid block.
 
@@ -32,7 +36,7 @@ def cut_back_to_valid_prefix(
         num_computed = request.num_computed_tokens - num_scheduled.get(request.req_id, 0)
         cut: int | None = None
         is_affected = False
-        for idx, block_id in enumerate(block_ids[:cdiv(num_computed, block_size)]):
+        for idx, block_id in enumerate(block_ids[: cdiv(num_computed, block_size)]):
             if block_id not in invalid_block_ids:
                 continue
             is_affected = True

@@ -1,4 +1,5 @@
 """Per-request block tables on top of the block pool. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
@@ -7,8 +8,13 @@ from engine.utils import cdiv
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         self.block_size = block_size
         # Caps the full-sequence admission check (None: no cap).
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
@@ -64,8 +70,12 @@ class KVCacheManager:
             need = self._num_new_blocks(full_num_tokens, len(req_blocks) + len(hits))
             if need + num_revived > num_free:
                 return None
-        num_total = (request.num_computed_tokens + len(hits) * self.block_size
-                     + num_external_tokens + num_new_tokens)
+        num_total = (
+            request.num_computed_tokens
+            + len(hits) * self.block_size
+            + num_external_tokens
+            + num_new_tokens
+        )
         num_new_blocks = self._num_new_blocks(num_total, len(req_blocks) + len(hits))
         if num_new_blocks + num_revived > num_free:
             return None
@@ -93,7 +103,10 @@ class KVCacheManager:
         capacity = len(blocks) * self.block_size
         if num_computed_tokens < capacity:
             return []
-        if num_computed_tokens >= capacity + self.block_size or not self.block_pool.get_num_free_blocks():
+        if (
+            num_computed_tokens >= capacity + self.block_size
+            or not self.block_pool.get_num_free_blocks()
+        ):
             return None
         (block,) = self.block_pool.get_new_blocks(1)
         blocks.append(block)

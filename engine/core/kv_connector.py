@@ -16,6 +16,7 @@ process, virtual time in the simulator), handed over by EngineCore.step through
 moments vLLM's NIXL scheduler reads time.perf_counter() (build_connector_meta's
 heartbeats, request_finished's lease). So both halves stamp with one clock.
 """
+
 from __future__ import annotations
 
 import enum
@@ -137,8 +138,9 @@ class KVConnectorFactory(Protocol):
     "module:function" and imported by name (import_factory) in the engine-core process,
     which calls it once per role, so the engine never imports a connector package."""
 
-    def __call__(self, config: EngineConfig, role: KVConnectorRole,
-                 kv_cache_handle: dict | None = None) -> KVConnectorBase | KVConnectorAgentBase: ...
+    def __call__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_handle: dict | None = None
+    ) -> KVConnectorBase | KVConnectorAgentBase: ...
 
 
 def import_factory(name: str) -> KVConnectorFactory:

@@ -24,6 +24,7 @@ vLLM's loop (v1/engine/core.py _process_engine_step) before #43433 was
 `if not model_executed and scheduler.has_unfinished_requests(): time.sleep(0.001)`,
 and after it `... and scheduler.has_requests(): ...`: neither spins.
 """
+
 from __future__ import annotations
 
 import enum
@@ -49,9 +50,16 @@ LOOP_STATES = {
 LOOP_STATE_NAMES = ("stepping", "polling", "blocked", "stopped")
 
 
-def next_action(liveness: str, has_work: bool, model_executed: bool,
-                can_progress: bool = False, must_poll: bool = False, *,
-                has_unfinished: bool, only_in_flight: bool = False) -> LoopAction:
+def next_action(
+    liveness: str,
+    has_work: bool,
+    model_executed: bool,
+    can_progress: bool = False,
+    must_poll: bool = False,
+    *,
+    has_unfinished: bool,
+    only_in_flight: bool = False,
+) -> LoopAction:
     """What the loop does after a step.
 
     has_work: scheduler.has_requests(); has_unfinished: scheduler.has_unfinished_requests()

@@ -1,4 +1,5 @@
 """Plain records that flow scheduler -> runner -> scheduler -> frontend. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -58,9 +59,14 @@ class SchedulerOutput:
     preempted_req_ids: set[str] | frozenset[str]
     kv_connector_metadata: object | None
 
-    def __init__(self, scheduled: Iterable[ScheduledRequest] = (), total_num_scheduled_tokens: int = 0,
-                 finished_req_ids: set[str] | None = None, preempted_req_ids: set[str] | None = None,
-                 kv_connector_metadata: object | None = None) -> None:
+    def __init__(
+        self,
+        scheduled: Iterable[ScheduledRequest] = (),
+        total_num_scheduled_tokens: int = 0,
+        finished_req_ids: set[str] | None = None,
+        preempted_req_ids: set[str] | None = None,
+        kv_connector_metadata: object | None = None,
+    ) -> None:
         self.req_ids, self.num_computed_tokens, self.num_scheduled_tokens = [], [], []
         self.token_ids, self.new_block_ids, self.prompt_token_ids = [], {}, {}
         self.new_req_ids, self.partial_req_ids = set(), set()
@@ -119,13 +125,24 @@ class SchedulerOutput:
         """The scheduled requests as records, in order: made on each call, read-only
         (a tuple, so that an append meant for the output fails loudly; use add())."""
         records, offset = [], 0
-        new_block_ids, new_req_ids, partial = self.new_block_ids, self.new_req_ids, self.partial_req_ids
-        for req_id, num_computed, num_new in zip(self.req_ids, self.num_computed_tokens,
-                                                 self.num_scheduled_tokens):
-            records.append(ScheduledRequest(req_id=req_id, token_ids=self.token_ids[offset:offset + num_new],
-                                            num_computed_tokens=num_computed,
-                                            new_block_ids=new_block_ids.get(req_id, []),
-                                            is_new=req_id in new_req_ids, sample=req_id not in partial))
+        new_block_ids, new_req_ids, partial = (
+            self.new_block_ids,
+            self.new_req_ids,
+            self.partial_req_ids,
+        )
+        for req_id, num_computed, num_new in zip(
+            self.req_ids, self.num_computed_tokens, self.num_scheduled_tokens
+        ):
+            records.append(
+                ScheduledRequest(
+                    req_id=req_id,
+                    token_ids=self.token_ids[offset : offset + num_new],
+                    num_computed_tokens=num_computed,
+                    new_block_ids=new_block_ids.get(req_id, []),
+                    is_new=req_id in new_req_ids,
+                    sample=req_id not in partial,
+                )
+            )
             offset += num_new
         return tuple(records)
 
@@ -185,7 +202,14 @@ class StepOutputs:
     a consumer that reads the columns may take them and the records in either order.
     """
 
-    __slots__ = ("req_ids", "new_token_ids", "num_cached_tokens", "records", "_record_positions", "_list")
+    __slots__ = (
+        "req_ids",
+        "new_token_ids",
+        "num_cached_tokens",
+        "records",
+        "_record_positions",
+        "_list",
+    )
 
     def __init__(self) -> None:
         self.req_ids: list[str] = []
@@ -264,5 +288,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_stale_kv_reports: int = 0
     num_prefix_hit_tokens: int = 0
-    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (once per request)
+    num_prefix_query_tokens: int = (
+        0  # prompt tokens looked up in the prefix cache (once per request)
+    )
     num_kv_load_failures: int = 0

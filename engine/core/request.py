@@ -1,4 +1,5 @@
 """A request and its lifecycle status. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 import enum
@@ -62,7 +63,9 @@ class Request:
     status: RequestStatus = field(default=RequestStatus.WAITING, kw_only=True)
     eos_token_id: int | None = field(default=None, kw_only=True)
     stop_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
-    num_cached_tokens: int = field(default=-1, kw_only=True)  # prefix-cache hit tokens at first admission
+    num_cached_tokens: int = field(
+        default=-1, kw_only=True
+    )  # prefix-cache hit tokens at first admission
     block_size: int
     block_hashes: list[BlockHash] = field(default_factory=list, kw_only=True)
     kv_transfer_params: dict | None = field(default=None, kw_only=True)
@@ -89,7 +92,7 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         """The sampled tokens so far (a copy: append with append_output_token_ids)."""
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,10 +7,10 @@ so serve and the HTTP server too; the trace reader for a replay), so a request t
 could only fail never reaches P, where it would hold KV blocks for a D that rejects
 it. The engine core checks them again for anyone who talks to it directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 _INT_ONLY = {int}
 
@@ -30,8 +30,10 @@ def why_invalid(prompt_token_ids: object, max_tokens: object, limits: RequestLim
         return why
     num_tokens = len(prompt_token_ids)  # a sequence of ints now
     if num_tokens >= limits.max_model_len:
-        return (f"prompt_token_ids: a prompt of {num_tokens} tokens does not fit "
-                f"max_model_len {limits.max_model_len} (it must be shorter)")
+        return (
+            f"prompt_token_ids: a prompt of {num_tokens} tokens does not fit "
+            f"max_model_len {limits.max_model_len} (it must be shorter)"
+        )
     return None
 
 

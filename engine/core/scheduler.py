@@ -3,17 +3,25 @@
 No prefill/decode phases: every step spends one token budget until each request's
 num_computed_tokens reaches num_tokens, so chunked prefill needs no special case.
 """
+
 from __future__ import annotations
 
 from collections import deque
 
-from engine.core.block_hash import hash_request_blocks
 from engine.config import EngineConfig
+from engine.core.block_hash import hash_request_blocks
 from engine.core.invalid_blocks import cut_back_to_valid_prefix
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_connector import KVConnectorBase
-from engine.core.outputs import (KVConnectorOutput, ModelRunnerOutput, RequestOutput,
-                                 ScheduledRequest, SchedulerOutput, SchedulerStats, StepOutputs)
+from engine.core.outputs import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepOutputs,
+)
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
@@ -32,8 +40,8 @@ class Scheduler:
         self.connector = connector
         self.block_size = config.block_size
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching,
-            config.max_model_len)
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.max_model_len
+        )
         self.block_pool = self.kv_cache_manager.block_pool
         # Every request not yet fully released, including finished ones whose
         # blocks a connector still holds (delayed free).
@@ -97,7 +105,9 @@ class Scheduler:
             self.connector.on_new_request(request)  # say, D starts heartbeating for it
         return None
 
-    def reject_request(self, req_id: str, kv_transfer_params: dict | None, why: str) -> RequestOutput:
+    def reject_request(
+        self, req_id: str, kv_transfer_params: dict | None, why: str
+    ) -> RequestOutput:
         """A request that never became one (malformed): an error output, and the
         connector hears of it, since its params may hold blocks elsewhere (a remote
         prefill on P: the NIXL rule, an empty receive tells P to free). Its id goes
@@ -111,16 +121,20 @@ class Scheduler:
     def _why_unschedulable(self, request: Request) -> str | None:
         # vLLM's front rejects these prompts (input_processor); kvdrain ignores them.
         if request.num_prompt_tokens >= self.config.max_model_len:
-            return (f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
-                    f"{self.config.max_model_len}")
+            return (
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}"
+            )
         # Its longest possible life must fit the pool alone, or it would wait forever.
         # vLLM has no counterpart: there such a request waits (or is preempted) forever.
         # The last sampled token never gets a KV slot: at most max_len - 1 are computed.
         max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         need = self.kv_cache_manager.get_num_blocks_to_allocate(max_len - 1)
         if need > self.block_pool.num_usable_blocks:
-            return (f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
-                    f"{self.block_pool.num_usable_blocks}")
+            return (
+                f"up to {max_len - 1} tokens of KV need {need} KV blocks; the pool has "
+                f"{self.block_pool.num_usable_blocks}"
+            )
         return None
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
@@ -139,8 +153,9 @@ class Scheduler:
                 self.failed_recving_kv_req_ids.discard(req_id)
             request.status = status
             params = self._free_request(request, hold_for_recv)
-            outputs.append(RequestOutput(req_id, [], request.get_finished_reason(),
-                                         kv_transfer_params=params))
+            outputs.append(
+                RequestOutput(req_id, [], request.get_finished_reason(), kv_transfer_params=params)
+            )
         return outputs
 
     def _remove_from_queues(self, request: Request) -> None:
@@ -181,7 +196,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput.empty()
         budget, running = self.config.max_num_batched_tokens, self.running
-        if running and self.fast_path:  # the decodes up front; the loop past the first that is not one
+        if (
+            running and self.fast_path
+        ):  # the decodes up front; the loop past the first that is not one
             num_decodes = self._schedule_decodes(out, 0, budget)
             budget -= num_decodes
             if num_decodes < len(running) and budget > 0:
@@ -203,8 +220,11 @@ class Scheduler:
         running, fast_path = self.running, self.fast_path
         while req_index < len(running) and budget > 0:
             request = running[req_index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
-                          self.config.max_model_len - 1 - request.num_computed_tokens)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.config.max_model_len - 1 - request.num_computed_tokens,
+            )
             if num_new > 0:
                 new_blocks = self._allocate_or_preempt(request, num_new, out)
                 if new_blocks is None:
@@ -236,7 +256,7 @@ class Scheduler:
         max_computed, last_slot = self.config.max_model_len - 1, bs - 1
         num_before, running = len(req_ids), self.running
         if req_index or budget < len(running):  # else no copy: it walks every request twice
-            running = running[req_index:req_index + budget]
+            running = running[req_index : req_index + budget]
         for request in running:
             num_computed = request.num_computed_tokens
             if request.num_tokens - num_computed != 1 or num_computed >= max_computed:
@@ -251,7 +271,9 @@ class Scheduler:
                     out.new_block_ids[req_id] = new_block_ids
             req_ids.append(req_id)
             num_computed_tokens.append(num_computed)
-            token_ids.append(request.all_token_ids[num_computed])  # the last (an index >= 0 is CPython's fast one)
+            token_ids.append(
+                request.all_token_ids[num_computed]
+            )  # the last (an index >= 0 is CPython's fast one)
             request.num_computed_tokens = num_computed + 1
             if slot == last_slot:  # the token fills its block
                 kv.cache_blocks(request, num_computed + 1)
@@ -330,7 +352,9 @@ class Scheduler:
         if num_computed == 0:
             hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
             if self.connector is not None:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_local
+                )
                 if num_external is None:  # the connector can't tell yet: ask next step
                     self.deferred_req_ids.add(request.req_id)
                     return -1
@@ -343,8 +367,13 @@ class Scheduler:
         # flight only when the budget cut its chunk, and then no admission follows in
         # that step; so kvdrain leaves it out.
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new, hits, num_external, delay_cache_blocks=load_async,
-            full_sequence_must_fit=self.config.scheduler_reserve_full_isl)
+            request,
+            num_new,
+            hits,
+            num_external,
+            delay_cache_blocks=load_async,
+            full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
+        )
         if new_blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -360,25 +389,34 @@ class Scheduler:
             return -1
         return num_new
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
-                       new_block_ids: list[int], is_new: bool) -> None:
+    def _add_scheduled(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        new_block_ids: list[int],
+        is_new: bool,
+    ) -> None:
         start = request.num_computed_tokens
-        out.add(ScheduledRequest(
-            req_id=request.req_id,
-            token_ids=request.all_token_ids[start:start + num_new],
-            num_computed_tokens=start,
-            new_block_ids=new_block_ids,
-            is_new=is_new,
-            sample=start + num_new >= request.num_tokens,
-        ))
+        out.add(
+            ScheduledRequest(
+                req_id=request.req_id,
+                token_ids=request.all_token_ids[start : start + num_new],
+                num_computed_tokens=start,
+                new_block_ids=new_block_ids,
+                is_new=is_new,
+                sample=start + num_new >= request.num_tokens,
+            )
+        )
         out.total_num_scheduled_tokens += num_new
         # Like vLLM's _update_after_schedule: computed as soon as it is scheduled.
         request.num_computed_tokens += num_new
 
     # ---- update --------------------------------------------------------------
 
-    def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> StepOutputs:
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> StepOutputs:
         outputs = StepOutputs()
         kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
         if self.connector is not None:  # first: it may say the worker process is gone
@@ -399,16 +437,25 @@ class Scheduler:
         if any_finished:
             self._remove_finished()
         if failed_ids and self.config.kv_load_failure_policy == "fail":
-            outputs.extend(self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed"))
+            outputs.extend(
+                self._fail_requests(sorted(failed_ids), "KV load from the remote engine failed")
+            )
         if kv_out is not None:
             self._update_from_kv_xfer_finished(kv_out)
         return outputs
 
     def _remove_finished(self) -> None:
-        self.running = [r for r in self.running if r.status <= _PREEMPTED]  # r.is_finished(), inline
+        self.running = [
+            r for r in self.running if r.status <= _PREEMPTED
+        ]  # r.is_finished(), inline
 
-    def _update_scheduled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                          failed_ids: set[str], outputs: StepOutputs) -> bool:
+    def _update_scheduled(
+        self,
+        sched_out: SchedulerOutput,
+        runner_out: ModelRunnerOutput,
+        failed_ids: set[str],
+        outputs: StepOutputs,
+    ) -> bool:
         """Each scheduled request's result, into `outputs`; True if one finished."""
         for req_id in sched_out.req_ids:
             request = self.requests.get(req_id)
@@ -419,8 +466,9 @@ class Scheduler:
                 outputs.append(output)
         return any(r.is_finished() for r in self.running)
 
-    def _update_sampled(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, int],
-                        outputs: StepOutputs) -> bool:
+    def _update_sampled(
+        self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, int], outputs: StepOutputs
+    ) -> bool:
         """_update_scheduled's fast path for a step in which nothing failed.
 
         The same outputs: a request that may stop goes through check_stop and
@@ -436,7 +484,11 @@ class Scheduler:
         one can be.
         """
         requests, max_len, req_ids = self.requests, self.config.max_model_len, sched_out.req_ids
-        out_ids, out_tokens, out_cached = outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
+        out_ids, out_tokens, out_cached = (
+            outputs.req_ids,
+            outputs.new_token_ids,
+            outputs.num_cached_tokens,
+        )
         bs = self.block_size
         any_finished = False
         running = self.running
@@ -458,8 +510,12 @@ class Scheduler:
             # check_stop's conditions: if one holds, check_stop decides. (An int compared
             # with a None eos takes CPython's slow path, both sides' __eq__: hence `is`.)
             eos = request.eos_token_id
-            if ((eos is not None and token == eos) or token in request.stop_token_ids
-                    or num_tokens >= max_len or num_tokens - request.num_prompt_tokens >= request.max_tokens):
+            if (
+                (eos is not None and token == eos)
+                or token in request.stop_token_ids
+                or num_tokens >= max_len
+                or num_tokens - request.num_prompt_tokens >= request.max_tokens
+            ):
                 outputs.append(self._stop_request(request, token))
                 any_finished = any_finished or request.is_finished()
                 continue
@@ -475,10 +531,17 @@ class Scheduler:
         params = None
         if check_stop(request, self.config.max_model_len):
             params = self._free_request(request)
-        return RequestOutput(request.req_id, [token], request.get_finished_reason(), params,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+        return RequestOutput(
+            request.req_id,
+            [token],
+            request.get_finished_reason(),
+            params,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
-    def _update_request(self, request: Request, runner_out: ModelRunnerOutput) -> RequestOutput | None:
+    def _update_request(
+        self, request: Request, runner_out: ModelRunnerOutput
+    ) -> RequestOutput | None:
         error = runner_out.failed.get(request.req_id)
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
@@ -524,7 +587,9 @@ class Scheduler:
         if request.num_computed_tokens == request.num_tokens:
             request.num_computed_tokens = request.num_tokens - 1
         self.finished_recving_kv_req_ids.remove(req_id)
-        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        )
 
     def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> None:
         for req_id in sorted(kv_out.finished_recving):
@@ -542,13 +607,18 @@ class Scheduler:
             self._free_blocks(self.requests[req_id])
             return
         request = self.requests.get(req_id)
-        if (request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-                or req_id in self.finished_recving_kv_req_ids):
+        if (
+            request is None
+            or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            or req_id in self.finished_recving_kv_req_ids
+        ):
             self.num_stale_kv_reports += 1
             return
         self.finished_recving_kv_req_ids.add(req_id)
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int], sched_out: SchedulerOutput) -> set[str]:
+    def _handle_invalid_blocks(
+        self, invalid_block_ids: set[int], sched_out: SchedulerOutput
+    ) -> set[str]:
         """vLLM's _handle_invalid_blocks: requests whose KV lost blocks keep only the
         valid prefix before the first lost block. Loads in flight (WAITING_FOR_REMOTE_KVS)
         and running requests are both cut back. Returns the ids the token loop skips:
@@ -556,11 +626,16 @@ class Scheduler:
         "recompute" (they recompute next step; the loads retry on promotion)."""
         num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
         matched: set[int] = set()
-        loading = [r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        loading = [
+            r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
         kv = self.kv_cache_manager
-        async_failed, _ = cut_back_to_valid_prefix(loading, invalid_block_ids, num_scheduled, kv, matched)
-        sync_failed, to_evict = cut_back_to_valid_prefix(self.running, invalid_block_ids, num_scheduled,
-                                                         kv, matched)
+        async_failed, _ = cut_back_to_valid_prefix(
+            loading, invalid_block_ids, num_scheduled, kv, matched
+        )
+        sync_failed, to_evict = cut_back_to_valid_prefix(
+            self.running, invalid_block_ids, num_scheduled, kv, matched
+        )
         for req_id in self.held_for_recv:  # an aborted load's report: expected, not stale
             matched.update(self.kv_cache_manager.get_block_ids(req_id))
         self.num_stale_kv_reports += len(invalid_block_ids - matched)
@@ -594,7 +669,9 @@ class Scheduler:
         without unfinished requests, #43433's count is just `requests` being non-empty."""
         if self.waiting or self.skipped_waiting or self.running or self.finished_req_ids:
             return True
-        return bool(self.requests) and self.connector is not None and self.config.liveness != "legacy"
+        return (
+            bool(self.requests) and self.connector is not None and self.config.liveness != "legacy"
+        )
 
     def can_progress(self, sched_out: SchedulerOutput, got_kv_reports: bool) -> bool:
         """After a step: could the next schedule() do work without a new report or input?
@@ -603,8 +680,11 @@ class Scheduler:
         requests remain: a report that only freed a finished request's blocks leaves
         nothing for the next step to do.
         """
-        return ((got_kv_reports and self.has_unfinished_requests())
-                or bool(sched_out.preempted_req_ids) or self.has_pending_updates())
+        return (
+            (got_kv_reports and self.has_unfinished_requests())
+            or bool(sched_out.preempted_req_ids)
+            or self.has_pending_updates()
+        )
 
     def has_pending_updates(self) -> bool:
         """Work for the next schedule() that needs no new report: finished ids to ship.
@@ -621,7 +701,9 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         pool, skipped = self.block_pool, self.skipped_waiting
-        num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in skipped) if skipped else 0
+        num_remote = (
+            sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in skipped) if skipped else 0
+        )
         return SchedulerStats(
             num_waiting=len(self.waiting),
             num_skipped_waiting=len(self.skipped_waiting),

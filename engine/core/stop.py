@@ -2,6 +2,7 @@
 
 vLLM's vllm/v1/core/sched/utils.py `check_stop`: pure, so the scheduler only asks.
 """
+
 from __future__ import annotations
 
 from engine.core.request import Request, RequestStatus
@@ -18,8 +19,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if last == request.eos_token_id or last in request.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
-    if (request.num_tokens >= max_model_len
-            or request.num_output_tokens >= request.max_tokens):
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

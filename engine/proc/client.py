@@ -7,6 +7,7 @@ default), waits for Ready with a timeout, and notices a dead child through its
 process sentinel: every wait is bounded and a death is an EngineDeadError, never a
 hang.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,10 +23,22 @@ from typing import Protocol
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
-from engine.proc.core_proc import build_engine_core, kv_device, run_engine_core
-from engine.proc.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
-                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_from_msg)
 from engine.core.outputs import RequestOutput
+from engine.proc.core_proc import build_engine_core, kv_device, run_engine_core
+from engine.proc.messages import (
+    Abort,
+    AddRequest,
+    DecodeError,
+    EngineError,
+    GetStats,
+    Ready,
+    RequestOutputs,
+    Shutdown,
+    StatsSnapshot,
+    decode,
+    encode,
+    output_from_msg,
+)
 from engine.proc.run_dir import is_alive, make_run_dir, process_start_time
 from engine.proc.socket_limits import engine_output_bytes, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
@@ -53,8 +66,13 @@ class EngineClient(Protocol):
 
     def poll_ready(self, timeout_s: float) -> Ready | None: ...
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    kv_transfer_params: dict | None = None) -> None: ...
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict | None = None,
+    ) -> None: ...
 
     def abort(self, req_ids: list[str]) -> None: ...
 
@@ -77,9 +95,15 @@ class InprocClient:
         self.core, self.kv_cache = build_engine_core(config)
         self._pending: list[RequestOutput] = []
         self.errors: list[str] = []  # stays empty: an in-process engine's failure raises here
-        self.ready = Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
-                           block_size=config.block_size, max_model_len=config.max_model_len,
-                           vocab_size=config.model.vocab_size, device=kv_device(config, self.kv_cache))
+        self.ready = Ready(
+            engine_id=config.engine_id,
+            pid=os.getpid(),
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            vocab_size=config.model.vocab_size,
+            device=kv_device(config, self.kv_cache),
+        )
 
     def wait_ready(self) -> Ready:
         return self.ready
@@ -88,8 +112,9 @@ class InprocClient:
         return self.ready
 
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
-        self._pending.extend(self.core.add_request(req_id, prompt_token_ids, max_tokens,
-                                                   kv_transfer_params))
+        self._pending.extend(
+            self.core.add_request(req_id, prompt_token_ids, max_tokens, kv_transfer_params)
+        )
 
     def abort(self, req_ids: list[str]) -> None:
         self._pending.extend(self.core.abort_requests(req_ids))
@@ -116,8 +141,6 @@ class InprocClient:
             self.kv_cache.close()
 
 
-
-
 def _parent_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -133,14 +156,22 @@ class MPClient:
         self.engine_id = config.engine_id
         self._own_run_dir = run_dir is None
         self.run_dir = run_dir or make_run_dir()
-        self.addrs = EngineAddresses(input=f"ipc://{self.run_dir}/{self.engine_id}-in",
-                                     output=f"ipc://{self.run_dir}/{self.engine_id}-out")
+        self.addrs = EngineAddresses(
+            input=f"ipc://{self.run_dir}/{self.engine_id}-in",
+            output=f"ipc://{self.run_dir}/{self.engine_id}-out",
+        )
         self.ctx = zmq.Context.instance()
         self.input = self._bind(zmq.PUSH, self.addrs.input)
-        self.output = self._bind(zmq.PULL, self.addrs.output,
-                                 engine_output_bytes(config.max_model_len, config.max_num_seqs))
+        self.output = self._bind(
+            zmq.PULL,
+            self.addrs.output,
+            engine_output_bytes(config.max_model_len, config.max_num_seqs),
+        )
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, self.addrs), name=f"kvdrain-engine-{self.engine_id}")
+            target=run_engine_core,
+            args=(config, self.addrs),
+            name=f"kvdrain-engine-{self.engine_id}",
+        )
         self.process.start()
         self.ready_deadline = time.monotonic() + READY_TIMEOUT_S
         self.latest_stats: StatsSnapshot | None = None
@@ -148,7 +179,9 @@ class MPClient:
         self.errors: list[str] = []
         self.num_bad_messages = 0
         self.ready: Ready | None = None
-        self.worker: tuple[int, str | None] | None = None  # the engine's connector worker: (pid, start time)
+        self.worker: tuple[int, str | None] | None = (
+            None  # the engine's connector worker: (pid, start time)
+        )
         if wait:
             self.wait_ready()
 
@@ -176,19 +209,24 @@ class MPClient:
             return msg
         if isinstance(msg, EngineError):
             self.kill()
-            raise EngineDeadError(self.engine_id, f"engine {self.engine_id} failed to start:\n"
-                                                  f"{msg.message}")
+            raise EngineDeadError(
+                self.engine_id, f"engine {self.engine_id} failed to start:\n{msg.message}"
+            )
         self._check_alive()
         if time.monotonic() > self.ready_deadline:
             self.kill()
-            raise EngineDeadError(self.engine_id,
-                                  f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s")
+            raise EngineDeadError(
+                self.engine_id, f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s"
+            )
         return None
 
     def _check_alive(self) -> None:
         if not self.process.is_alive():
-            raise EngineDeadError(self.engine_id, f"engine core {self.engine_id} (pid {self.process.pid}) "
-                                  f"died with exit code {self.process.exitcode}")
+            raise EngineDeadError(
+                self.engine_id,
+                f"engine core {self.engine_id} (pid {self.process.pid}) "
+                f"died with exit code {self.process.exitcode}",
+            )
 
     def _recv(self, timeout_s: float) -> object | None:
         if not self.output.poll(int(timeout_s * 1000), zmq.POLLIN):
@@ -210,8 +248,10 @@ class MPClient:
             except zmq.Again:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(self.engine_id, f"engine {self.engine_id} takes no "
-                                          f"input for {SEND_TIMEOUT_S} s") from None
+                    raise EngineDeadError(
+                        self.engine_id,
+                        f"engine {self.engine_id} takes no input for {SEND_TIMEOUT_S} s",
+                    ) from None
                 self.input.poll(50, zmq.POLLOUT)
 
     def add_request(self, req_id, prompt_token_ids, max_tokens, kv_transfer_params=None) -> None:
@@ -309,7 +349,6 @@ class MPClient:
             self.output.close(linger=0)
             if self._own_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
-
 
 
 def wait_for_output(clients: list[EngineClient], timeout_s: float) -> None:

@@ -9,6 +9,7 @@ sentinel until the connector's next timed action (event, while a connector trans
 pending: a lease to reap, a heartbeat due). The frontend's death (its process
 sentinel) always wakes the loop, which then exits.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -26,11 +27,23 @@ from engine.config import EngineAddresses, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.kv_connector import KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
-from engine.proc.messages import (Abort, AddRequest, DecodeError, EngineError, GetStats, Ready,
-                             RequestOutputs, Shutdown, StatsSnapshot, decode, encode, output_to_msg)
-from engine.runner.mock_runner import MockModelRunner
 from engine.core.outputs import RequestOutput, SchedulerStats
+from engine.proc.messages import (
+    Abort,
+    AddRequest,
+    DecodeError,
+    EngineError,
+    GetStats,
+    Ready,
+    RequestOutputs,
+    Shutdown,
+    StatsSnapshot,
+    decode,
+    encode,
+    output_to_msg,
+)
 from engine.proc.socket_limits import engine_input_bytes, set_max_message_size
+from engine.runner.mock_runner import MockModelRunner
 from engine.utils import cdiv
 
 if TYPE_CHECKING:
@@ -60,12 +73,14 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, KVCache | None]
     kv_cache = None
     if config.runner == "torch":
         from engine.runner.model_runner import ModelRunner  # torch only where it is needed
+
         runner = ModelRunner(config)
         kv_cache = runner.kv_cache
         config = runner.config  # num_blocks as allocated (sized from GPU memory, maybe)
     else:
         if config.kv_transfer is not None:  # real memory, so transfers move real bytes
             from engine.runner.kv_cache import KVCache
+
             kv_cache = KVCache.allocate(config.model, config.num_blocks, config.block_size, "cpu")
         runner = MockModelRunner(config, kv_cache)  # it stamps tokens into the KV it has
     connector = agent = None
@@ -89,8 +104,9 @@ def kv_device(config: EngineConfig, kv_cache: KVCache | None) -> str:
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses,
-                 wakeup: SignalWakeup | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, addrs: EngineAddresses, wakeup: SignalWakeup | None = None
+    ) -> None:
         self.config = config
         self.wakeup = wakeup
         # The process's one context, shared with the connector agent: one I/O thread
@@ -117,9 +133,17 @@ class EngineCoreProc:
         self._pollers: dict[tuple, zmq.Poller] = {}
         self._input_poller = zmq.Poller()
         self._input_poller.register(self.input, zmq.POLLIN)
-        self._send(Ready(engine_id=config.engine_id, pid=os.getpid(), num_blocks=config.num_blocks,
-                         block_size=config.block_size, max_model_len=config.max_model_len,
-                         vocab_size=config.model.vocab_size, device=self._device()))
+        self._send(
+            Ready(
+                engine_id=config.engine_id,
+                pid=os.getpid(),
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                vocab_size=config.model.vocab_size,
+                device=self._device(),
+            )
+        )
 
     def _socket(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -153,10 +177,15 @@ class EngineCoreProc:
                 self._send_outputs(result.outputs)
                 model_executed, can_progress = result.model_executed, result.can_progress
             # must_poll matters under event only, has_unfinished under legacy only.
-            action = next_action(liveness, self.core.has_work(), model_executed, can_progress,
-                                 liveness == "event" and self.core.must_poll(),
-                                 has_unfinished=liveness == "legacy" and self.core.has_unfinished_requests(),
-                                 only_in_flight=self.core.only_in_flight())
+            action = next_action(
+                liveness,
+                self.core.has_work(),
+                model_executed,
+                can_progress,
+                liveness == "event" and self.core.must_poll(),
+                has_unfinished=liveness == "legacy" and self.core.has_unfinished_requests(),
+                only_in_flight=self.core.only_in_flight(),
+            )
             self.loop_state = LOOP_STATES[action]
             # One snapshot per step at most: a zero-token step followed at once by
             # another step (a report consumed, finished ids to ship) leaves its
@@ -182,8 +211,9 @@ class EngineCoreProc:
             return None
         return max(0, cdiv(due - time.monotonic_ns(), 1_000_000))
 
-    def _wait(self, with_connector: bool, timeout_ms: int | None = None,
-              with_input: bool = True) -> bool:
+    def _wait(
+        self, with_connector: bool, timeout_ms: int | None = None, with_input: bool = True
+    ) -> bool:
         """Block until a watched socket or fd is ready (or timeout_ms); counts a wake-up.
 
         The parent's sentinel and the SIGTERM wakeup fd are always watched. Returns
@@ -214,7 +244,9 @@ class EngineCoreProc:
             if self.wakeup is not None:
                 poller.register(self.wakeup.read_fd, zmq.POLLIN)
             if self.parent is not None:
-                poller.register(self.parent.sentinel, zmq.POLLIN | zmq.POLLERR)  # EOF is POLLHUP: ERR to zmq
+                poller.register(
+                    self.parent.sentinel, zmq.POLLIN | zmq.POLLERR
+                )  # EOF is POLLHUP: ERR to zmq
             for handle in handles:
                 poller.register(handle, zmq.POLLIN | zmq.POLLERR)
         return poller
@@ -237,9 +269,15 @@ class EngineCoreProc:
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, AddRequest):
-            self._send_outputs(self.core.add_request(
-                msg.req_id, msg.prompt_token_ids, msg.max_tokens, msg.kv_transfer_params,
-                tuple(msg.stop_token_ids or ())))
+            self._send_outputs(
+                self.core.add_request(
+                    msg.req_id,
+                    msg.prompt_token_ids,
+                    msg.max_tokens,
+                    msg.kv_transfer_params,
+                    tuple(msg.stop_token_ids or ()),
+                )
+            )
         elif isinstance(msg, Abort):
             self._send_outputs(self.core.abort_requests(msg.req_ids))
         elif isinstance(msg, GetStats):
@@ -264,9 +302,17 @@ class EngineCoreProc:
         self._last_published = key
         agent = self.core.connector_agent
         self._stats_seq += 1
-        self._send(StatsSnapshot(engine_id=self.config.engine_id, seq=self._stats_seq,
-                                 monotonic=time.monotonic(), loop_state=self.loop_state,
-                                 num_steps=self.core.num_steps, num_wakeups=self.num_wakeups, counts=counts))
+        self._send(
+            StatsSnapshot(
+                engine_id=self.config.engine_id,
+                seq=self._stats_seq,
+                monotonic=time.monotonic(),
+                loop_state=self.loop_state,
+                num_steps=self.core.num_steps,
+                num_wakeups=self.num_wakeups,
+                counts=counts,
+            )
+        )
         if agent is not None and agent.error is not None and not self._error_sent:
             self._error_sent = True
             self._send(EngineError(self.config.engine_id, agent.error))
@@ -290,7 +336,9 @@ class EngineCoreProc:
     def shutdown(self) -> None:
         """Abort what is in flight, wait (bounded) for outstanding connector reports."""
         timeout = self.shutdown_timeout_s if self.shutdown_timeout_s is not None else 5.0
-        unfinished = [r.req_id for r in self.core.scheduler.requests.values() if not r.is_finished()]
+        unfinished = [
+            r.req_id for r in self.core.scheduler.requests.values() if not r.is_finished()
+        ]
         self._send_outputs(self.core.abort_requests(unfinished))
         deadline = time.monotonic() + timeout
         # Like vLLM: drain while has_work(). Under legacy that excludes delayed frees, so

@@ -8,13 +8,15 @@ builds a message from its fields in order, so wire types are not kw_only as othe
 records are; their callers pass keywords all the same.
 stdlib, msgpack and the pure engine/core/outputs.py only, so anything can import this cheaply.
 """
+
 from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from operator import attrgetter
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import msgpack
 
@@ -28,8 +30,13 @@ class DecodeError(ValueError):
 _SCALARS = {int: (int,), float: (float, int), str: (str,), bool: (bool,), bytes: (bytes,)}
 # The exact types msgpack decodes each scalar to (it makes no subclasses; bool is its
 # own type), so the fast checks below compare types and refuse the same values.
-_EXACT = {int: frozenset((int,)), float: frozenset((float, int)), str: frozenset((str,)),
-          bool: frozenset((bool,)), bytes: frozenset((bytes,))}
+_EXACT = {
+    int: frozenset((int,)),
+    float: frozenset((float, int)),
+    str: frozenset((str,)),
+    bool: frozenset((bool,)),
+    bytes: frozenset((bytes,)),
+}
 
 
 def _make_check(tp: Any, codec: Codec) -> Callable[[Any], Any]:
@@ -46,6 +53,7 @@ def _make_check(tp: Any, codec: Codec) -> Callable[[Any], Any]:
             if not isinstance(v, ok) or (tp is not bool and isinstance(v, bool)):
                 raise DecodeError(f"expected {tp.__name__}, got {type(v).__name__}")
             return v
+
         return check
     if origin in (Union, types.UnionType):
         checks = [_make_check(a, codec) for a in args if a is not type(None)]
@@ -85,8 +93,13 @@ def _make_fast_check(tp: Any, codec: Codec, slow: Callable[[Any], Any]) -> Calla
         return lambda v: v if type(v) is dict else slow(v)
     if origin is dict and args[0] in _EXACT and args[1] in _EXACT:
         key_ok, val_ok = _EXACT[args[0]], _EXACT[args[1]]
-        return lambda v: (v if type(v) is dict and set(map(type, v)) <= key_ok
-                          and set(map(type, v.values())) <= val_ok else slow(v))
+        return lambda v: (
+            v
+            if type(v) is dict
+            and set(map(type, v)) <= key_ok
+            and set(map(type, v.values())) <= val_ok
+            else slow(v)
+        )
     return slow  # nested messages, lists of them, nested containers
 
 
@@ -107,8 +120,9 @@ class Codec:
     fast=False runs the reference field checks only (tests compare the two paths).
     """
 
-    def __init__(self, messages: dict[int, type], nested: tuple[type, ...] = (),
-                 fast: bool = True) -> None:
+    def __init__(
+        self, messages: dict[int, type], nested: tuple[type, ...] = (), fast: bool = True
+    ) -> None:
         if len(set(messages.values())) != len(messages):
             raise ValueError("a message type is registered under two tags")
         if any(not isinstance(tag, int) or isinstance(tag, bool) or tag < 0 for tag in messages):
@@ -124,7 +138,8 @@ class Codec:
             self._checks[cls] = [(name, _make_check(hints[name], self)) for name in names]
             self._fast_checks[cls] = tuple(
                 _make_fast_check(hints[name], self, check) if fast else check
-                for name, check in self._checks[cls])
+                for name, check in self._checks[cls]
+            )
             nests = not fast or any(_carries_message(hints[name]) for name in names)
             self._getters[cls] = None if nests else _tuple_getter(names)
 
@@ -132,9 +147,14 @@ class Codec:
         getter = self._getters.get(type(msg))
         if getter is not None:  # flat: every field as it is
             return list(getter(msg))
-        return [self.to_fields(v) if is_dataclass(v) else
-                [self.to_fields(x) for x in v] if isinstance(v, list) and v and is_dataclass(v[0])
-                else v for v in (getattr(msg, f.name) for f in fields(msg))]
+        return [
+            self.to_fields(v)
+            if is_dataclass(v)
+            else [self.to_fields(x) for x in v]
+            if isinstance(v, list) and v and is_dataclass(v[0])
+            else v
+            for v in (getattr(msg, f.name) for f in fields(msg))
+        ]
 
     def from_fields(self, cls: type, values: list) -> Any:
         checks = self._fast_checks[cls]
@@ -184,6 +204,7 @@ def _tuple_getter(names: list[str]) -> Callable[[Any], tuple]:
 
 # ---- frontend <-> engine core ------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     req_id: str
@@ -231,14 +252,25 @@ class RequestOutputMsg:
 
 def output_to_msg(output: RequestOutput, req_id: str | None = None) -> RequestOutputMsg:
     """The wire form of one output; req_id replaces the output's (serve's client ids)."""
-    return RequestOutputMsg(output.req_id if req_id is None else req_id, output.new_token_ids,
-                            output.finish_reason, output.kv_transfer_params,
-                            output.num_cached_tokens, output.error)
+    return RequestOutputMsg(
+        output.req_id if req_id is None else req_id,
+        output.new_token_ids,
+        output.finish_reason,
+        output.kv_transfer_params,
+        output.num_cached_tokens,
+        output.error,
+    )
 
 
 def output_from_msg(msg: RequestOutputMsg) -> RequestOutput:
-    return RequestOutput(msg.req_id, msg.new_token_ids, msg.finish_reason, msg.kv_transfer_params,
-                         msg.num_cached_tokens, msg.error)
+    return RequestOutput(
+        msg.req_id,
+        msg.new_token_ids,
+        msg.finish_reason,
+        msg.kv_transfer_params,
+        msg.num_cached_tokens,
+        msg.error,
+    )
 
 
 @dataclass(frozen=True, slots=True)

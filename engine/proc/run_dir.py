@@ -8,6 +8,7 @@ of the frontend, which runs no code. So each new run first sweeps: a run directo
 whose owner is gone, and a KV segment whose engine pid is gone, are removed. Directories
 without an owner record (older kvdrain, other tools) are left alone.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -12,6 +12,7 @@ is the largest legitimate message on that socket, with room to spare:
 - block payloads (prefill worker -> decode worker): at most every block of the KV cache.
 A cap of -1 is libzmq's "no limit".
 """
+
 from __future__ import annotations
 
 import zmq
@@ -44,8 +45,10 @@ def engine_output_bytes(max_model_len: int, max_num_seqs: int) -> int:
 
 def connector_control_bytes(num_blocks: int, max_num_seqs: int) -> int:
     """StepMeta, KVReport, ReadBlocks, ReadDone: every block and request at once."""
-    return max((num_blocks + max_num_seqs) * (REQUEST_ID_BYTES + TOKEN_ID_BYTES) + SLACK_BYTES,
-               CONTROL_FLOOR_BYTES)
+    return max(
+        (num_blocks + max_num_seqs) * (REQUEST_ID_BYTES + TOKEN_ID_BYTES) + SLACK_BYTES,
+        CONTROL_FLOOR_BYTES,
+    )
 
 
 def block_payload_bytes(kv_cache_bytes: int) -> int:

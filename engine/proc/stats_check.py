@@ -6,13 +6,14 @@ loop state is one the TUI knows, and the block counts add up. A snapshot that fa
 dropped and counted (num_bad_messages) by whoever received it: MPClient for an engine's
 output socket, ServeClient for a serve's.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
 
 from engine.core.liveness import LOOP_STATE_NAMES
-from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import SchedulerStats
+from engine.proc.messages import StatsSnapshot
 
 REQUIRED_COUNTS = tuple(f.name for f in fields(SchedulerStats))
 KNOWN_LOOP_STATES = frozenset(LOOP_STATE_NAMES)

@@ -1,4 +1,5 @@
 """Paged attention over packed tokens of many requests. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from engine.utils import cdiv
 class AttentionMetadata(Protocol):
     """What a layer needs to attend: how the step's packed tokens map onto KV memory."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_layer: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor | None
+    ) -> torch.Tensor:
         """Store the new tokens' K/V, then attend: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         ...
 
@@ -23,12 +25,13 @@ class AttentionMetadata(Protocol):
 class CausalAttentionMetadata:
     """The reference path: one whole sequence, full causal attention, no cache."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_layer: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor | None
+    ) -> torch.Tensor:
         """Full causal attention over the sequence; kv_layer is ignored."""
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=True, enable_gqa=True)
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        )
         return out.transpose(0, 1)
 
 
@@ -54,8 +57,9 @@ class PagedAttentionMetadata:
     prefill_masks: list[torch.Tensor | None]
     workspace: torch.Tensor  # [2, >= gathered elements]: reused by every layer's gathers
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_layer: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor | None
+    ) -> torch.Tensor:
         """Write the new tokens' K/V into their slots, then attend through block tables."""
         if kv_layer is None:
             raise ValueError("paged attention needs a KV cache layer")
@@ -64,7 +68,7 @@ class PagedAttentionMetadata:
         kv_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
         if self.num_decodes:
-            out[:self.num_decodes] = self._decode(q[:self.num_decodes], kv_layer)
+            out[: self.num_decodes] = self._decode(q[: self.num_decodes], kv_layer)
         for row in range(self.num_decodes, len(self.seq_lens)):
             start, end = self.query_start_loc[row], self.query_start_loc[row + 1]
             mask = self.prefill_masks[row - self.num_decodes]
@@ -74,8 +78,9 @@ class PagedAttentionMetadata:
                 out[start:end] = self._prefill(row, q[start:end], kv_layer, mask)
         return out
 
-    def _gather(self, kv_layer: torch.Tensor,
-                block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, kv_layer: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks, into the workspace: two [n, block_size, Hkv, D] views."""
         shape = (block_ids.shape[0], *kv_layer.shape[2:])
         numel = shape[0] * shape[1] * shape[2] * shape[3]
@@ -97,16 +102,18 @@ class PagedAttentionMetadata:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
         return out.reshape(num_decodes, num_heads, head_dim)
 
-    def _prefill(self, row: int, q: torch.Tensor, kv_layer: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
+    def _prefill(
+        self, row: int, q: torch.Tensor, kv_layer: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """One request's chunk after cached context: queries see keys at positions <= theirs."""
         seq_len, block_size = self.seq_lens[row], kv_layer.shape[2]
-        k, v = self._gather(kv_layer, self.block_tables[row, :cdiv(seq_len, block_size)])
+        k, v = self._gather(kv_layer, self.block_tables[row, : cdiv(seq_len, block_size)])
         return _attention(q, k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len], mask)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """q [L, Hq, D], k/v [S, Hkv, D] -> [L, Hq, D]; causal (top-left) when mask is None.
 
     K/V heads are repeated for their query groups: SDPA's enable_gqa falls back to the
@@ -116,8 +123,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None)
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+    )
     return out[0].transpose(0, 1)
 
 
@@ -132,15 +143,18 @@ class PagedAttentionBuilder:
         # Kept across steps: fresh multi-MB buffers each layer cost page faults on the CPU.
         self.workspace = torch.empty(2, 0, dtype=kv_cache.dtype, device=self.device)
 
-    def build(self, num_computed_tokens: list[int], query_lens: list[int],
-              block_tables: list[list[int]]) -> PagedAttentionMetadata:
+    def build(
+        self, num_computed_tokens: list[int], query_lens: list[int], block_tables: list[list[int]]
+    ) -> PagedAttentionMetadata:
         """Lay out one step: row i computes query_lens[i] tokens after num_computed_tokens[i]."""
         num_reqs, block_size = len(query_lens), self.block_size
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
         for seq_len, table in zip(seq_lens, block_tables):
             if len(table) * block_size < seq_len:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold "
-                                 f"{seq_len} tokens at block_size={block_size}")
+                raise ValueError(
+                    f"block table of {len(table)} blocks cannot hold "
+                    f"{seq_len} tokens at block_size={block_size}"
+                )
         num_decodes = 0
         while num_decodes < num_reqs and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -148,8 +162,11 @@ class PagedAttentionBuilder:
         decode_mask = self._decode_mask(seq_lens[:num_decodes])
         num_decode_blocks = 0 if decode_mask is None else decode_mask.shape[-1] // block_size
         # Only prefill chunks after cached context gather; fresh prompts use their own K/V.
-        prefill_blocks = [cdiv(s, block_size) for q, s in
-                          zip(query_lens[num_decodes:], seq_lens[num_decodes:]) if q != s]
+        prefill_blocks = [
+            cdiv(s, block_size)
+            for q, s in zip(query_lens[num_decodes:], seq_lens[num_decodes:])
+            if q != s
+        ]
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         starts = torch.zeros(num_reqs + 1, dtype=torch.long)
         torch.cumsum(q_lens, 0, out=starts[1:])
@@ -159,14 +176,20 @@ class PagedAttentionBuilder:
         positions = computed[rows] + torch.arange(len(rows)) - starts[rows]
         slots = tables[rows, positions // block_size] * block_size + positions % block_size
         return PagedAttentionMetadata(
-            slot_mapping=slots.to(self.device), block_tables=tables.to(self.device),
-            query_start_loc=starts.tolist(), seq_lens=seq_lens,
-            positions=positions.to(self.device), num_decodes=num_decodes,
+            slot_mapping=slots.to(self.device),
+            block_tables=tables.to(self.device),
+            query_start_loc=starts.tolist(),
+            seq_lens=seq_lens,
+            positions=positions.to(self.device),
+            num_decodes=num_decodes,
             decode_mask=decode_mask,
             decode_block_ids=tables[:num_decodes, :num_decode_blocks].flatten().to(self.device),
-            prefill_masks=[self._prefill_mask(q, s) for q, s in
-                           zip(query_lens[num_decodes:], seq_lens[num_decodes:])],
-            workspace=self._workspace(max([num_decodes * num_decode_blocks, *prefill_blocks])))
+            prefill_masks=[
+                self._prefill_mask(q, s)
+                for q, s in zip(query_lens[num_decodes:], seq_lens[num_decodes:])
+            ],
+            workspace=self._workspace(max([num_decodes * num_decode_blocks, *prefill_blocks])),
+        )
 
     def _decode_mask(self, seq_lens: list[int]) -> torch.Tensor | None:
         """Key-validity mask [D, 1, 1, max_ctx] of the batched decode rows (None when none)."""
@@ -190,8 +213,9 @@ class PagedAttentionBuilder:
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """A [2, n] buffer for gathers of num_blocks blocks; grows, never shrinks."""
         if num_blocks * self.block_numel > self.workspace.shape[1]:
-            self.workspace = torch.empty(2, num_blocks * self.block_numel,
-                                         dtype=self.workspace.dtype, device=self.device)
+            self.workspace = torch.empty(
+                2, num_blocks * self.block_numel, dtype=self.workspace.dtype, device=self.device
+            )
         return self.workspace
 
 
@@ -199,5 +223,5 @@ def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
     """[B, max_blocks] block ids, short tables padded with the null block 0."""
     tables = torch.zeros(len(block_tables), max(map(len, block_tables)), dtype=torch.long)
     for i, table in enumerate(block_tables):
-        tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
     return tables

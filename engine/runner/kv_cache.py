@@ -8,6 +8,7 @@ it, imports neither numpy nor torch). torch comes in only for what needs it: the
 tensor view a torch model runs on (the same pages, made on first use), and CUDA
 memory with its IPC handles.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,10 +32,11 @@ SHM_PREFIX = "kvdrain-kv-"  # segment file names: kvdrain-kv-<owner pid>-<random
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda[:N]" requires one."""
+    """ "auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda[:N]" requires one."""
     if device == "cpu":
         return device
     import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" or device.startswith("cuda:"):
@@ -47,6 +49,7 @@ def resolve_device(device: str) -> str:
 def resolve_dtype(model_config: ModelConfig, device: str) -> torch.dtype:
     """The model and KV dtype: ModelConfig.dtype, or for "auto" fp32 on the CPU, bf16 on CUDA."""
     import torch
+
     return getattr(torch, dtype_name(model_config, device))
 
 
@@ -59,8 +62,14 @@ def dtype_name(model_config: ModelConfig, device: str) -> str:
 
 def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> list[int]:
     """[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
-    return [model_config.num_layers, 2, num_blocks, block_size,
-            model_config.num_kv_heads, model_config.head_dim]
+    return [
+        model_config.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +117,8 @@ _FIELD_TYPES = {"str": str, "int": int, "bool": bool, "bytes": bytes}
 def _check_field_type(name: str, value: object, type_name: str) -> None:
     if type_name == "list[int]":
         ok = isinstance(value, (list, tuple)) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in value)
+            isinstance(x, int) and not isinstance(x, bool) for x in value
+        )
     else:
         expected = _FIELD_TYPES[type_name]
         ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
@@ -126,8 +136,13 @@ class KVCache:
     `pages` (numpy, no torch); `tensor` is the torch view of the same memory.
     """
 
-    def __init__(self, handle: KVCacheHandle, is_owner: bool, pages: np.ndarray | None = None,
-                 tensor: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        handle: KVCacheHandle,
+        is_owner: bool,
+        pages: np.ndarray | None = None,
+        tensor: torch.Tensor | None = None,
+    ) -> None:
         self.handle = handle
         self.is_owner = is_owner
         self._pages = pages  # see `pages`; mapped on first use
@@ -136,13 +151,21 @@ class KVCache:
         # multiprocessing's Finalize (not weakref.finalize) also runs in a multiprocessing
         # child that dies of an exception (those exit with os._exit, skipping atexit), is
         # ignored in forked children, and runs at most once.
-        self._finalizer = (util.Finalize(self, _unlink_quietly, args=(handle.name,),
-                                         exitpriority=0)
-                           if is_owner and handle.kind == "shm" else None)
+        self._finalizer = (
+            util.Finalize(self, _unlink_quietly, args=(handle.name,), exitpriority=0)
+            if is_owner and handle.kind == "shm"
+            else None
+        )
 
     @classmethod
-    def allocate(cls, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: str = "cpu", dtype: torch.dtype | str | None = None) -> KVCache:
+    def allocate(
+        cls,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> KVCache:
         """Allocate zeroed shareable KV memory (this process owns it)."""
         device = resolve_device(device)
         name = dtype_name(model_config, device) if dtype is None else _dtype_name(dtype)
@@ -164,12 +187,16 @@ class KVCache:
                 else:  # macOS: sparse file
                     os.ftruncate(fd, nbytes)
             except OSError as e:
-                raise OSError(e.errno, f"cannot reserve {nbytes} bytes of KV cache in "
-                              f"{os.path.dirname(path)}: {e.strerror}") from e
+                raise OSError(
+                    e.errno,
+                    f"cannot reserve {nbytes} bytes of KV cache in "
+                    f"{os.path.dirname(path)}: {e.strerror}",
+                ) from e
             finally:
                 os.close(fd)
-            handle = KVCacheHandle(kind="shm", name=path, shape=shape, dtype=dtype,
-                                   owner_pid=os.getpid())
+            handle = KVCacheHandle(
+                kind="shm", name=path, shape=shape, dtype=dtype, owner_pid=os.getpid()
+            )
             return cls(handle, is_owner=True)
         except BaseException:
             _unlink_quietly(path)
@@ -178,15 +205,33 @@ class KVCache:
     @classmethod
     def _allocate_cuda(cls, shape: list[int], dtype: str, device: str) -> KVCache:
         import torch
+
         tensor = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-        (device_index, cuda_handle, size_bytes, offset_bytes, ref_handle, ref_offset,
-         event_handle, event_sync) = tensor.untyped_storage()._share_cuda_()
+        (
+            device_index,
+            cuda_handle,
+            size_bytes,
+            offset_bytes,
+            ref_handle,
+            ref_offset,
+            event_handle,
+            event_sync,
+        ) = tensor.untyped_storage()._share_cuda_()
         handle = KVCacheHandle(
-            kind="cuda", name="", shape=shape, dtype=dtype, owner_pid=os.getpid(),
-            device_index=int(device_index), cuda_handle=bytes(cuda_handle),
-            storage_size_bytes=int(size_bytes), storage_offset_bytes=int(offset_bytes),
-            ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-            event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
+            kind="cuda",
+            name="",
+            shape=shape,
+            dtype=dtype,
+            owner_pid=os.getpid(),
+            device_index=int(device_index),
+            cuda_handle=bytes(cuda_handle),
+            storage_size_bytes=int(size_bytes),
+            storage_offset_bytes=int(offset_bytes),
+            ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset),
+            event_handle=bytes(event_handle or b""),
+            event_sync_required=bool(event_sync),
+        )
         return cls(handle, is_owner=True, tensor=tensor)
 
     @classmethod
@@ -221,6 +266,7 @@ class KVCache:
             if self.pages is None:
                 raise ValueError("the KV cache is closed")
             import torch
+
             flat = torch.from_numpy(self.pages.reshape(-1))
             self._tensor = flat.view(getattr(torch, self.handle.dtype)).view(self.handle.shape)
         return self._tensor
@@ -246,7 +292,10 @@ class KVCache:
         if self.pages is not None:
             return self.pages.transpose(1, 0, 2)[index].reshape(-1)
         import torch
-        blocks = self.tensor.permute(2, 0, 1, 3, 4, 5)[torch.from_numpy(index).to(self.tensor.device)]
+
+        blocks = self.tensor.permute(2, 0, 1, 3, 4, 5)[
+            torch.from_numpy(index).to(self.tensor.device)
+        ]
         return blocks.view(torch.uint8).reshape(-1).cpu().numpy()
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
@@ -261,24 +310,32 @@ class KVCache:
         index = self._block_index(block_ids, distinct=True)
         expected = len(block_ids) * self.num_bytes_per_block
         if memoryview(data).nbytes != expected:
-            raise ValueError(f"{len(block_ids)} blocks need {expected} bytes, "
-                             f"got {memoryview(data).nbytes}")
+            raise ValueError(
+                f"{len(block_ids)} blocks need {expected} bytes, got {memoryview(data).nbytes}"
+            )
         if not block_ids:
             return
         if self.pages is not None:
             import numpy as np
+
             raw = np.frombuffer(data, dtype=np.uint8)
             num_pages, _, page_bytes = self.pages.shape
-            self.pages[:, index] = raw.reshape(len(block_ids), num_pages, page_bytes).transpose(1, 0, 2)
+            self.pages[:, index] = raw.reshape(len(block_ids), num_pages, page_bytes).transpose(
+                1, 0, 2
+            )
             return
         import torch
+
         shape = [self.handle.shape[i] for i in (0, 1, 3, 4, 5)]
         with warnings.catch_warnings():  # read-only bytes: we only read from the view
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.frombuffer(data, dtype=torch.uint8)
         blocks = blocks.view(self.tensor.dtype).view(len(block_ids), *shape)
-        self.tensor.index_copy_(2, torch.from_numpy(index).to(self.tensor.device),
-                                blocks.permute(1, 2, 0, 3, 4, 5).to(self.tensor.device))
+        self.tensor.index_copy_(
+            2,
+            torch.from_numpy(index).to(self.tensor.device),
+            blocks.permute(1, 2, 0, 3, 4, 5).to(self.tensor.device),
+        )
         self._synchronize()
 
     def copy_blocks_from(self, other: KVCache, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -286,19 +343,24 @@ class KVCache:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destinations")
         if other.handle.dtype != self.handle.dtype or (
-                [s for i, s in enumerate(other.handle.shape) if i != 2]
-                != [s for i, s in enumerate(self.handle.shape) if i != 2]):
-            raise ValueError(f"KV layouts differ: {other.handle.shape} {other.handle.dtype} vs "
-                             f"{self.handle.shape} {self.handle.dtype}")
+            [s for i, s in enumerate(other.handle.shape) if i != 2]
+            != [s for i, s in enumerate(self.handle.shape) if i != 2]
+        ):
+            raise ValueError(
+                f"KV layouts differ: {other.handle.shape} {other.handle.dtype} vs "
+                f"{self.handle.shape} {self.handle.dtype}"
+            )
         src = other._block_index(src_ids)
         dst = self._block_index(dst_ids, distinct=True)
         if self.pages is not None and other.pages is not None:
             self.pages[:, dst] = other.pages[:, src]
             return
         import torch
+
         blocks = other.tensor.index_select(2, torch.from_numpy(src).to(other.tensor.device))
-        self.tensor.index_copy_(2, torch.from_numpy(dst).to(self.tensor.device),
-                                blocks.to(self.tensor.device))
+        self.tensor.index_copy_(
+            2, torch.from_numpy(dst).to(self.tensor.device), blocks.to(self.tensor.device)
+        )
         self._synchronize()
 
     def close(self) -> None:
@@ -313,32 +375,39 @@ class KVCache:
         # the blocks are ready (another process reads them on its own stream).
         if self._tensor is not None and self._tensor.is_cuda:
             import torch
+
             torch.cuda.synchronize(self._tensor.device)
 
     def _block_index(self, block_ids: list[int], distinct: bool = False) -> np.ndarray:
         for block_id in block_ids:
             if not 0 < block_id < self.num_blocks:
-                raise ValueError(f"block id {block_id} outside 1..{self.num_blocks - 1} "
-                                 "(block 0 is the null block)")
+                raise ValueError(
+                    f"block id {block_id} outside 1..{self.num_blocks - 1} "
+                    "(block 0 is the null block)"
+                )
         if distinct and len(set(block_ids)) != len(block_ids):
             raise ValueError(f"duplicate destination block ids in {block_ids}")
         import numpy as np
+
         return np.array(block_ids, dtype=np.int64)
 
 
 def _map_pages(handle: KVCacheHandle) -> np.ndarray:
     """The shm segment mapped read-write, as uint8 [num_layers * 2, num_blocks, page bytes]."""
     import numpy as np
+
     layers, kv, num_blocks = handle.shape[:3]
     page_bytes = _numel(handle.shape[3:]) * DTYPE_SIZES[handle.dtype]
-    pages = np.memmap(handle.name, dtype=np.uint8, mode="r+",
-                      shape=(layers * kv, num_blocks, page_bytes))
+    pages = np.memmap(
+        handle.name, dtype=np.uint8, mode="r+", shape=(layers * kv, num_blocks, page_bytes)
+    )
     return pages.view(np.ndarray)  # a plain array (the mapping lives as long as it does)
 
 
 def _open_cuda(handle: KVCacheHandle) -> torch.Tensor:
     """Rebuild the owner's CUDA tensor from its IPC handle (another process only)."""
     import torch
+
     dtype = getattr(torch, handle.dtype)
     if not torch.cuda.is_available():
         raise ValueError("a CUDA KV cache handle needs CUDA in this process")
@@ -346,9 +415,15 @@ def _open_cuda(handle: KVCacheHandle) -> torch.Tensor:
         raise ValueError("CUDA IPC memory cannot be opened by the process that exported it")
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        handle.device_index, handle.cuda_handle, handle.storage_size_bytes,
-        handle.storage_offset_bytes, handle.ref_counter_handle, handle.ref_counter_offset,
-        handle.event_handle or None, handle.event_sync_required)
+        handle.device_index,
+        handle.cuda_handle,
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle or None,
+        handle.event_sync_required,
+    )
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     stride = torch.empty(handle.shape, device="meta").stride()
     return torch._utils._rebuild_tensor(typed, 0, handle.shape, stride)

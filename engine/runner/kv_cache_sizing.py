@@ -8,6 +8,7 @@ vllm/v1/core/kv_cache_utils.py get_num_blocks and check_enough_kv_cache_memory):
 The measuring (a profile run of the model) lives in engine/runner/model_runner.py; this module
 is the arithmetic and vLLM's errors, shared with engine/profiles.py's presets.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,8 @@ def request_memory(init_free: int, total: int, gpu_memory_utilization: float) ->
             f"Free memory on device ({format_gib(init_free)}/{format_gib(total)} GiB) on "
             f"startup is less than desired GPU memory utilization "
             f"({gpu_memory_utilization}, {format_gib(requested)} GiB). Decrease GPU memory "
-            f"utilization or reduce GPU memory used by other processes.")
+            f"utilization or reduce GPU memory used by other processes."
+        )
     return requested
 
 
@@ -52,19 +54,27 @@ def available_kv_cache_memory(profile: MemoryProfile, gpu_memory_utilization: fl
     return requested - profile.weights - profile.peak_activation
 
 
-def num_gpu_blocks(available: int, bytes_per_block: int, block_size: int, max_model_len: int,
-                   cap: int = MAX_NUM_GPU_BLOCKS) -> int:
+def num_gpu_blocks(
+    available: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    cap: int = MAX_NUM_GPU_BLOCKS,
+) -> int:
     """Blocks for `available` bytes (the null block among them), with vLLM's two checks;
     like vLLM 0.32 (get_kv_cache_configs) they plan against the memory less the null block."""
     usable = available - bytes_per_block  # vLLM's check_memory: BlockPool holds one back
     if usable <= 0:
-        raise ValueError("No available memory for the cache blocks. Try increasing "
-                         "`gpu_memory_utilization` when initializing the engine.")
+        raise ValueError(
+            "No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine."
+        )
     needed = math.ceil(max_model_len / block_size) * bytes_per_block
     if needed > usable:
         raise ValueError(
             f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available "
             f"KV cache memory ({format_gib(usable)} GiB). Try increasing "
-            f"`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+            f"`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+        )
     return min(available // bytes_per_block, cap)

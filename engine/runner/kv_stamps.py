@@ -10,12 +10,13 @@ reused before the copy, say) marks the request corrupt: the runner then samples 
 tokens for it, so its output differs from a single engine's and the replay's output
 check (replay/verify/outputs.py) sees it, as it would with a real model.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from engine.runner.kv_cache import KVCache
 from engine.core.outputs import SchedulerOutput
+from engine.runner.kv_cache import KVCache
 
 
 class KVStamps:
@@ -40,13 +41,16 @@ class KVStamps:
         index: list[int] = []
         checks: list[tuple[str, list[int], list[int]]] = []
         offset, bs, row, stride = 0, self.block_size, self.row, self.stride
-        for req_id, start, num_new in zip(sched_out.req_ids, sched_out.num_computed_tokens,
-                                          sched_out.num_scheduled_tokens):
+        for req_id, start, num_new in zip(
+            sched_out.req_ids, sched_out.num_computed_tokens, sched_out.num_scheduled_tokens
+        ):
             table = self._table(req_id, sched_out)
             prompt = sched_out.prompt_token_ids.get(req_id)
             if start and prompt is not None and req_id in sched_out.new_req_ids:
                 checks.append((req_id, table, prompt[:start]))
-            index.extend(table[p // bs] * row + (p % bs) * stride for p in range(start, start + num_new))
+            index.extend(
+                table[p // bs] * row + (p % bs) * stride for p in range(start, start + num_new)
+            )
             offset += num_new
         if index:
             self.flat[index] = sched_out.token_ids[:offset]

@@ -6,6 +6,7 @@ cache (a P/D engine's), it also stamps the tokens into it and checks prefixes co
 elsewhere (engine/runner/kv_stamps.py): a request whose KV arrived corrupt samples
 (last token + 2) instead, as a real model's output would change.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 
 
 class MockModelRunner:
-    def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None,
-                 check_vocab: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_cache: KVCache | None = None, check_vocab: bool = True
+    ) -> None:
         """check_vocab False: the caller vouches that every token is in the vocabulary
         (each prompt checked before it reached the scheduler), so a step skips the pass
         over its tokens that fails a request holding one outside it."""
@@ -29,18 +31,24 @@ class MockModelRunner:
         self.stamps = None
         if kv_cache is not None and kv_cache.pages is not None:
             from engine.runner.kv_stamps import KVStamps  # numpy: only where there is KV memory
+
             self.stamps = KVStamps(kv_cache, config.block_size)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         tokens, vocab_size = sched_out.token_ids, self.vocab_size
-        all_valid = not (tokens and self.check_vocab) or (min(tokens) >= 0 and max(tokens) < vocab_size)
+        all_valid = not (tokens and self.check_vocab) or (
+            min(tokens) >= 0 and max(tokens) < vocab_size
+        )
         sampled, partial = out.sampled_token_ids, sched_out.partial_req_ids
         end = 0
         for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
             start, end = end, end + num_new
-            bad = None if all_valid else next(
-                (t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
+            bad = (
+                None
+                if all_valid
+                else next((t for t in tokens[start:end] if not 0 <= t < vocab_size), None)
+            )
             if bad is not None:
                 out.failed[req_id] = f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             elif req_id not in partial:

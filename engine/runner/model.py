@@ -1,4 +1,5 @@
 """Tiny Llama-style decoder over packed tokens. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.runner.attention import AttentionMetadata, CausalAttentionMetadata
 from engine.config import ModelConfig
+from engine.runner.attention import AttentionMetadata, CausalAttentionMetadata
 
 EMBED_STD = 0.1  # small next to the layers' outputs, so a token does not just predict itself
 
@@ -26,8 +27,9 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, head_dim/2] of each position's rotation angles (computed in fp64)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inv_freq = theta ** (-exponents / head_dim)
@@ -51,8 +53,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                attn_metadata: AttentionMetadata, kv_layer: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_layer: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -84,8 +91,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                attn_metadata: AttentionMetadata, kv_layer: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_layer: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Pre-norm residual block."""
         x = x + self.self_attn(self.input_layernorm(x), rotary, attn_metadata, kv_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -104,19 +116,29 @@ def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dty
 class LlamaForCausalLM(nn.Module):
     """The decoder: packed tokens in, final hidden states out; logits on demand."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.config = config
         with torch.device("meta"):
             # _weight: no reset_parameters. normal_ on a meta tensor would import
             # torch._dynamo (seconds of start-up); _init_weights draws every weight anyway.
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size),
+            )
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = (None if config.tie_word_embeddings else
-                            nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
         _materialize(self, device, dtype)  # not to_empty(): see _materialize
         self._init_weights(config.seed)
 
@@ -131,8 +153,13 @@ class LlamaForCausalLM(nn.Module):
             std = EMBED_STD if name.startswith("embed") else 1.0 / math.sqrt(param.shape[1])
             param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden [T, H]; kv_cache [L, 2, ...] or None."""
         x = self.embed_tokens(input_ids)
         rotary = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)

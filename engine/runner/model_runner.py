@@ -1,4 +1,5 @@
 """Batched model execution over the paged KV cache. Runs in: engine-core process."""
+
 from __future__ import annotations
 
 import math
@@ -6,12 +7,12 @@ from dataclasses import replace
 
 import torch
 
-from engine.runner.attention import PagedAttentionBuilder
 from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.runner.attention import PagedAttentionBuilder
 from engine.runner.kv_cache import KVCache, kv_cache_shape, resolve_device, resolve_dtype
 from engine.runner.kv_cache_sizing import MemoryProfile, available_kv_cache_memory, num_gpu_blocks
 from engine.runner.model import LlamaForCausalLM
-from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv
 
 
@@ -21,28 +22,39 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model, self.device)
-        sizing = (kv_cache is None and config.gpu_memory_utilization is not None
-                  and self.device.startswith("cuda"))
-        init = (*torch.cuda.mem_get_info(self.device), torch.cuda.memory_allocated(self.device)) \
-            if sizing else None  # vLLM's init snapshot: free, total, and what is ours already
+        sizing = (
+            kv_cache is None
+            and config.gpu_memory_utilization is not None
+            and self.device.startswith("cuda")
+        )
+        init = (
+            (*torch.cuda.mem_get_info(self.device), torch.cuda.memory_allocated(self.device))
+            if sizing
+            else None
+        )  # vLLM's init snapshot: free, total, and what is ours already
         self.model = LlamaForCausalLM(config.model, self.device, self.dtype)
         if sizing:  # vLLM: load the model, profile it, then size the KV cache
             config = replace(config, num_blocks=self.determine_num_blocks(config, *init))
         self.config = config  # num_blocks as allocated
         expected = kv_cache_shape(config.model, config.num_blocks, config.block_size)
-        if kv_cache is not None and (kv_cache.handle.shape != expected
-                                     or kv_cache.tensor.dtype != self.dtype):
-            raise ValueError(f"KV cache {kv_cache.handle.shape} {kv_cache.handle.dtype} does "
-                             f"not fit the config: {expected} {self.dtype}")
+        if kv_cache is not None and (
+            kv_cache.handle.shape != expected or kv_cache.tensor.dtype != self.dtype
+        ):
+            raise ValueError(
+                f"KV cache {kv_cache.handle.shape} {kv_cache.handle.dtype} does "
+                f"not fit the config: {expected} {self.dtype}"
+            )
         self._owns_kv_cache = kv_cache is None
         self.kv_cache = kv_cache or KVCache.allocate(
-            config.model, config.num_blocks, config.block_size, self.device, self.dtype)
+            config.model, config.num_blocks, config.block_size, self.device, self.dtype
+        )
         self.attn_builder = PagedAttentionBuilder(self.kv_cache.tensor)
         # req_id -> block table, mirrored from the scheduler's new_block_ids each step.
         self.block_tables: dict[str, list[int]] = {}
 
-    def determine_num_blocks(self, config: EngineConfig, init_free: int, total: int,
-                             allocated_before: int = 0) -> int:
+    def determine_num_blocks(
+        self, config: EngineConfig, init_free: int, total: int, allocated_before: int = 0
+    ) -> int:
         """vLLM's determine_available_memory: this engine's torch memory after a profile
         run at max_num_batched_tokens; then as many blocks as the rest of its budget holds."""
         torch.cuda.synchronize(self.device)
@@ -51,11 +63,16 @@ class ModelRunner:
         scratch_kv_bytes = self.profile_run(config)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_kv_bytes
         torch.cuda.empty_cache()
-        profile = MemoryProfile(init_free=init_free, total=total, weights=allocated - allocated_before,
-                                peak_activation=max(0, peak - allocated))
+        profile = MemoryProfile(
+            init_free=init_free,
+            total=total,
+            weights=allocated - allocated_before,
+            peak_activation=max(0, peak - allocated),
+        )
         available = available_kv_cache_memory(profile, config.gpu_memory_utilization)
-        bytes_per_block = (math.prod(kv_cache_shape(config.model, 1, config.block_size))
-                           * self.dtype.itemsize)
+        bytes_per_block = (
+            math.prod(kv_cache_shape(config.model, 1, config.block_size)) * self.dtype.itemsize
+        )
         return num_gpu_blocks(available, bytes_per_block, config.block_size, config.max_model_len)
 
     @torch.inference_mode()
@@ -66,17 +83,24 @@ class ModelRunner:
         enough; returns the scratch cache's bytes."""
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * seq_len)
-        query_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (num_tokens % seq_len > 0)
+        query_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (
+            num_tokens % seq_len > 0
+        )
         blocks_per_seq = cdiv(seq_len, config.block_size)
-        tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
-                  for i in range(len(query_lens))]
+        tables = [
+            list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+            for i in range(len(query_lens))
+        ]
         num_blocks = len(query_lens) * blocks_per_seq + 1  # the null block 0 too
-        kv = torch.zeros(kv_cache_shape(config.model, num_blocks, config.block_size),
-                         dtype=self.dtype, device=self.device)
+        kv = torch.zeros(
+            kv_cache_shape(config.model, num_blocks, config.block_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
         attn_metadata = PagedAttentionBuilder(kv).build([0] * len(query_lens), query_lens, tables)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, attn_metadata.positions, attn_metadata, kv)
-        self.model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens):])
+        self.model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens) :])
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
         return kv.nbytes
@@ -134,12 +158,16 @@ class ModelRunner:
         block_size, num_blocks = self.config.block_size, self.kv_cache.num_blocks
         num_needed = cdiv(seq_len, block_size)
         if len(table) < num_needed:
-            return (f"block table of {len(table)} blocks holds {len(table) * block_size} "
-                    f"tokens, {seq_len} needed")
+            return (
+                f"block table of {len(table)} blocks holds {len(table) * block_size} "
+                f"tokens, {seq_len} needed"
+            )
         for i, block_id in enumerate(table[:num_needed]):
             if not 0 <= block_id < num_blocks:
-                return (f"block id {block_id} at block index {i} is past the cache "
-                        f"({num_blocks} blocks)")
+                return (
+                    f"block id {block_id} at block index {i} is past the cache "
+                    f"({num_blocks} blocks)"
+                )
             if block_id == 0:
                 return f"the null block 0 at block index {i} would hold tokens"
         return None
@@ -148,15 +176,19 @@ class ModelRunner:
         """Packed forward of all chunks, decodes first (attention batches them); argmax."""
         reqs = sorted(runnable, key=lambda r: len(r.token_ids) != 1)  # stable
         attn_metadata = self.attn_builder.build(
-            [r.num_computed_tokens for r in reqs], [len(r.token_ids) for r in reqs],
-            [self.block_tables[r.req_id] for r in reqs])
-        input_ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long,
-                                 device=self.device)
+            [r.num_computed_tokens for r in reqs],
+            [len(r.token_ids) for r in reqs],
+            [self.block_tables[r.req_id] for r in reqs],
+        )
+        input_ids = torch.tensor(
+            [t for r in reqs for t in r.token_ids], dtype=torch.long, device=self.device
+        )
         hidden = self.model(input_ids, attn_metadata.positions, attn_metadata, self.kv_cache.tensor)
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return {}
-        last = torch.tensor([attn_metadata.query_start_loc[i + 1] - 1 for i in rows],
-                            device=self.device)
+        last = torch.tensor(
+            [attn_metadata.query_start_loc[i + 1] - 1 for i in rows], device=self.device
+        )
         token_ids = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         return {reqs[i].req_id: token_id for i, token_id in zip(rows, token_ids)}

@@ -14,11 +14,13 @@ table never sees a socket or a clock, so every router picks alike.
   not what an engine really holds (a router cannot see a server's cache): each engine
   remembers the last `max_blocks` hashes it was sent, the oldest forgotten first.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from itertools import count
-from typing import Hashable, Literal, Sequence, get_args
+from typing import Literal, get_args
 
 RouterPolicy = Literal["round-robin", "least-loaded", "prefix"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
@@ -50,8 +52,13 @@ class PrefixTable:
 class Balancer:
     """Picks the engines of each request under one policy, and counts what each engine got."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: RouterPolicy = "round-robin",
-                 max_blocks: int = MAX_BLOCKS_PER_ENGINE) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        policy: RouterPolicy = "round-robin",
+        max_blocks: int = MAX_BLOCKS_PER_ENGINE,
+    ) -> None:
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router policy: must be one of {ROUTER_POLICIES}, got {policy!r}")
         if not decode:
@@ -61,7 +68,9 @@ class Balancer:
         self.num_in_flight = dict.fromkeys(engines, 0)
         self.num_requests = dict.fromkeys(engines, 0)  # every request each engine was given
         self.tables = {name: PrefixTable(max_blocks) for name in self.prefill}
-        self._place = {name: place for names in (self.prefill, self.decode) for place, name in enumerate(names)}
+        self._place = {
+            name: place for names in (self.prefill, self.decode) for place, name in enumerate(names)
+        }
         self._cycles = {"prefill": count(), "decode": count()}
 
     def pick_prefill(self, block_hashes: Sequence[Hashable] = ()) -> str:
@@ -69,7 +78,9 @@ class Balancer:
         if not self.prefill:
             raise ValueError("this topology has no prefill engine")
         if self.policy == "prefix":
-            engine = min(self.prefill, key=lambda e: (-self.tables[e].match(block_hashes), self._rank(e)))
+            engine = min(
+                self.prefill, key=lambda e: (-self.tables[e].match(block_hashes), self._rank(e))
+            )
             self.tables[engine].insert(block_hashes)
         else:
             engine = self._pick(self.prefill, "prefill")

@@ -12,6 +12,7 @@ within one scheduling group: each instance is its own session, hence its own aut
 where the kernel makes them, so the spinner then yields to its own instance's model and
 server threads, not to other processes. The cores used come from utime + stime.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,18 @@ def thread_times(pids: Iterable[int]) -> dict[tuple[int, int], tuple[int, int]]:
                     fields = f.read().decode(errors="replace").rpartition(")")[2].split()
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     on_cpu_ns, waiting_ns = f.read().split()[:2]
-                out[(pid, int(tid))] = (int(fields[11]) + int(fields[12]), int(on_cpu_ns) + int(waiting_ns))
+                out[(pid, int(tid))] = (
+                    int(fields[11]) + int(fields[12]),
+                    int(on_cpu_ns) + int(waiting_ns),
+                )
             except (OSError, ValueError, IndexError):
                 continue
     return out
 
 
-def lower_spinners(pids: list[int], interval_s: float = SAMPLE_S, share: float = SPIN_SHARE) -> IdleCpu:
+def lower_spinners(
+    pids: list[int], interval_s: float = SAMPLE_S, share: float = SPIN_SHARE
+) -> IdleCpu:
     """Sample `pids` over interval_s from now (they should be idle), then lower every thread
     that is not its process's main one and was runnable for `share` of it."""
     before, t0 = thread_times(pids), time.monotonic()
@@ -80,10 +86,14 @@ def idle_note(idle: IdleCpu, num_cores: int) -> str:
     """One line for the launch: the figure, what was lowered, and what follows from it."""
     line = f"vllm: idle, its processes use {idle.cores:.1f} of this host's {num_cores} cores"
     if idle.lowered:
-        return line + (f"; {len(idle.lowered)} threads that spin while idle (on P/D: NIXL's UCX "
-                       f"progress thread) lowered to nice {LOWERED_NICE}, below their own "
-                       f"instance's model and server threads")
+        return line + (
+            f"; {len(idle.lowered)} threads that spin while idle (on P/D: NIXL's UCX "
+            f"progress thread) lowered to nice {LOWERED_NICE}, below their own "
+            f"instance's model and server threads"
+        )
     if idle.cores >= num_cores / 2:
-        line += (": the models get what is left, so the engines may lag the trace; shape it to this"
-                 " host (--speedup, --scale-tokens, as `make e2e-vllm` does) or give them cores")
+        line += (
+            ": the models get what is left, so the engines may lag the trace; shape it to this"
+            " host (--speedup, --scale-tokens, as `make e2e-vllm` does) or give them cores"
+        )
     return line

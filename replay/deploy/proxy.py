@@ -24,6 +24,7 @@ the upstreams it went to, P then D, by the names /health gives them (the names a
 scrape gives their engines), so an HTTP replay judges each engine in its own idle windows
 (replay/verify/windows.py); a proxy that does not say is judged by role, as any server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,21 +46,49 @@ from prometheus_client.registry import CollectorRegistry
 
 from engine.core.block_hash import hash_request_blocks
 from replay.deploy.balance import ROUTER_POLICIES, Balancer
-from replay.http.bearer import bearer_middleware, check_http_listen
 from replay.http import pool
+from replay.http.bearer import bearer_middleware, check_http_listen
 from replay.http.route import route_headers
 
 # What P is asked to do: hold the prompt's KV for a decode elsewhere (vLLM's toy proxy's dict).
-PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                              "remote_engine_id": None, "remote_block_ids": None,
-                              "remote_host": None, "remote_port": None}
-NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")  # P refuses or ignores them
+PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+NOT_FOR_PREFILL = (
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+)  # P refuses or ignores them
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id")
-SERVER = "kvdrain proxy"  # its Server header; an upstream's answer adds ", in front of <its Server>"
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 120.0)
+SERVER = (
+    "kvdrain proxy"  # its Server header; an upstream's answer adds ", in front of <its Server>"
+)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 EXIT_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
 class ProxyError(ValueError):
     """Options the proxy cannot run with (the CLI's usage error)."""
 
@@ -103,11 +132,16 @@ def base_url(url: str) -> str:
     """http(s)://HOST:PORT from a server URL (a trailing / or /v1 is dropped); ProxyError if not one."""
     parts = urlsplit(url)
     path = parts.path.rstrip("/")
-    if parts.scheme not in ("http", "https") or not parts.hostname or path not in ("", "/v1") \
-            or parts.query or parts.fragment:
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or path not in ("", "/v1")
+        or parts.query
+        or parts.fragment
+    ):
         raise ProxyError(f"{url!r}: expected http://HOST:PORT (a vLLM server's address)")
     try:
-        parts.port
+        _ = parts.port
     except ValueError:
         raise ProxyError(f"{url!r}: the port is not a number") from None
     return f"{parts.scheme}://{parts.netloc}"
@@ -147,17 +181,28 @@ def decode_request(body: dict, prefill_answer: dict) -> dict:
 
 def error_body(status: int, message: str) -> dict:
     """An OpenAI-style error body, as vLLM answers."""
-    kinds = {400: "BadRequestError", 401: "Unauthorized", 502: "BadGatewayError",
-             503: "ServiceUnavailableError"}
-    return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": None,
-                      "code": status}}
+    kinds = {
+        400: "BadRequestError",
+        401: "Unauthorized",
+        502: "BadGatewayError",
+        503: "ServiceUnavailableError",
+    }
+    return {
+        "error": {
+            "message": message,
+            "type": kinds.get(status, "Error"),
+            "param": None,
+            "code": status,
+        }
+    }
 
 
 class Unreachable(Exception):
     """An upstream that could not be reached or broke its answer off."""
 
-    def __init__(self, upstream: Upstream, stage: str, cause: BaseException,
-                 route: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, upstream: Upstream, stage: str, cause: BaseException, route: tuple[str, ...] = ()
+    ) -> None:
         said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
         super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: {said}")
         self.route = route  # the completion's way so far (empty: not a completion)
@@ -168,12 +213,20 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("kvdrain_proxy_requests", "Requests sent upstream, by stage "
-                                "(prefill, decode, models, version, tokenize) and answer status ('unreachable': none).",
-                                ["stage", "upstream", "status"], registry=self.registry)
-        self.latency = Histogram("kvdrain_proxy_upstream_latency_seconds", "From sending a request "
-                                 "upstream to the end of its answer.", ["stage", "upstream"],
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "kvdrain_proxy_requests",
+            "Requests sent upstream, by stage "
+            "(prefill, decode, models, version, tokenize) and answer status ('unreachable': none).",
+            ["stage", "upstream", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvdrain_proxy_upstream_latency_seconds",
+            "From sending a request upstream to the end of its answer.",
+            ["stage", "upstream"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def observe(self, stage: str, upstream: Upstream, status: str, start: float) -> None:
         self.requests.labels(stage, upstream.name, status).inc()
@@ -188,8 +241,9 @@ class Proxy:
         self.prefill = name_upstreams("P", options.prefill)
         self.decode = name_upstreams("D", options.decode)
         self.metrics = ProxyMetrics()
-        self.balancer = Balancer([u.name for u in self.prefill], [u.name for u in self.decode],
-                                 options.router)
+        self.balancer = Balancer(
+            [u.name for u in self.prefill], [u.name for u in self.decode], options.router
+        )
         self.upstreams = {u.name: u for u in self.prefill + self.decode}
         self.session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -201,7 +255,10 @@ class Proxy:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[bearer_middleware(self.options.api_key), self._unreachable], client_max_size=64 << 20)
+        app = web.Application(
+            middlewares=[bearer_middleware(self.options.api_key), self._unreachable],
+            client_max_size=64 << 20,
+        )
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completions)
         app.router.add_get("/v1/models", self.forward)
@@ -237,7 +294,9 @@ class Proxy:
         words = (prompt if isinstance(prompt, str) else json.dumps(prompt)).split()
         size, hashes, parent = self.options.block_size, [], b""
         for end in range(size, len(words) + 1, size):  # chained, as a block hash is
-            parent = hashlib.sha256(parent + " ".join(words[end - size:end]).encode()).digest()[:16]
+            parent = hashlib.sha256(parent + " ".join(words[end - size : end]).encode()).digest()[
+                :16
+            ]
             hashes.append(parent)
         return hashes
 
@@ -256,7 +315,9 @@ class Proxy:
         try:
             return await handler(request)
         except Unreachable as e:
-            return web.json_response(error_body(502, str(e)), status=502, headers=route_headers(e.route))
+            return web.json_response(
+                error_body(502, str(e)), status=502, headers=route_headers(e.route)
+            )
 
     # ---- handlers --------------------------------------------------------------------
 
@@ -279,17 +340,21 @@ class Proxy:
         decode = self.upstreams[self.balancer.pick_decode()]
         self.balancer.started(decode.name)
         try:
-            return await self._decode(request, (prefill, decode), decode_request(body, answer), request_id)
+            return await self._decode(
+                request, (prefill, decode), decode_request(body, answer), request_id
+            )
         finally:
             self.balancer.ended(decode.name)
 
-    async def _prefill(self, upstream: Upstream, path: str, body: dict,
-                       request_id: str) -> dict | web.Response:
+    async def _prefill(
+        self, upstream: Upstream, path: str, body: dict, request_id: str
+    ) -> dict | web.Response:
         """P's JSON answer, or the response that ends the request (P's error, forwarded)."""
         start, route = time.monotonic(), (upstream.name,)
         try:
-            async with self.session.post(upstream.url + path, json=body,
-                                         headers=self._headers(request_id)) as answer:
+            async with self.session.post(
+                upstream.url + path, json=body, headers=self._headers(request_id)
+            ) as answer:
                 data = await answer.read()
         except aiohttp.ClientError as e:
             self.metrics.observe("prefill", upstream, "unreachable", start)
@@ -302,29 +367,40 @@ class Proxy:
         except (ValueError, UnicodeDecodeError):
             parsed = None
         if not isinstance(parsed, dict):
-            return web.json_response(error_body(502, f"prefill server {upstream.name} "
-                                                     f"({upstream.url}) answered 200 without a "
-                                                     f"JSON object"), status=502,
-                                     headers=route_headers(route))
+            return web.json_response(
+                error_body(
+                    502,
+                    f"prefill server {upstream.name} "
+                    f"({upstream.url}) answered 200 without a "
+                    f"JSON object",
+                ),
+                status=502,
+                headers=route_headers(route),
+            )
         return parsed
 
-    async def _decode(self, request: web.Request, way: tuple[Upstream, Upstream], body: dict,
-                      request_id: str) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, way: tuple[Upstream, Upstream], body: dict, request_id: str
+    ) -> web.StreamResponse:
         """D's answer passed through as it arrives: status, content type and bytes unchanged
         (way: the P that prefilled it and this D)."""
         upstream, route = way[1], tuple(u.name for u in way)
         start = time.monotonic()
         status = "unreachable"
         try:
-            async with self.session.post(upstream.url + request.path, json=body,
-                                         headers=self._headers(request_id)) as answer:
+            async with self.session.post(
+                upstream.url + request.path, json=body, headers=self._headers(request_id)
+            ) as answer:
                 status = str(answer.status)
                 return await _pass_through(request, answer, route)
         except aiohttp.ClientError as e:
             if status != "unreachable":  # D broke off an answer already begun: cut the client off
                 status = "broken"
-                print(f"kvdrain proxy: decode server {upstream.name} broke off its answer: {e!r}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"kvdrain proxy: decode server {upstream.name} broke off its answer: {e!r}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise
             raise Unreachable(upstream, "decode", e, route) from None
         finally:
@@ -338,8 +414,12 @@ class Proxy:
         if request.content_type == "application/json":
             headers["Content-Type"] = "application/json"
         try:
-            async with self.session.request(request.method, upstream.url + request.path,
-                                            data=await request.read(), headers=headers) as answer:
+            async with self.session.request(
+                request.method,
+                upstream.url + request.path,
+                data=await request.read(),
+                headers=headers,
+            ) as answer:
                 data = await answer.read()
         except aiohttp.ClientError as e:
             self.metrics.observe(stage, upstream, "unreachable", start)
@@ -351,15 +431,18 @@ class Proxy:
         upstreams = self.prefill + self.decode
         states = await asyncio.gather(*(self._health_of(u) for u in upstreams))
         healthy = all(state == "ok" for state in states)
-        body = {"status": "ok" if healthy else "unhealthy",
-                "upstreams": {u.name: {"url": u.url, "status": s} for u, s in zip(upstreams, states)}}
+        body = {
+            "status": "ok" if healthy else "unhealthy",
+            "upstreams": {u.name: {"url": u.url, "status": s} for u, s in zip(upstreams, states)},
+        }
         return web.json_response(body, status=200 if healthy else 503)
 
     async def _health_of(self, upstream: Upstream) -> str:
         timeout = aiohttp.ClientTimeout(total=self.options.health_timeout_s)
         try:
-            async with self.session.get(upstream.url + "/health", headers=self._headers(),
-                                        timeout=timeout) as answer:
+            async with self.session.get(
+                upstream.url + "/health", headers=self._headers(), timeout=timeout
+            ) as answer:
                 await answer.read()
                 return "ok" if answer.status == 200 else f"status {answer.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -386,13 +469,16 @@ async def _name_server(request: web.Request, response: web.StreamResponse) -> No
         response.headers["Server"] = SERVER
 
 
-def _forwarded(answer: aiohttp.ClientResponse, data: bytes, route: tuple[str, ...] = ()) -> web.Response:
+def _forwarded(
+    answer: aiohttp.ClientResponse, data: bytes, route: tuple[str, ...] = ()
+) -> web.Response:
     """An upstream's whole answer, status and body as it gave them."""
     return web.Response(status=answer.status, body=data, headers=_passed(answer, route))
 
 
-async def _pass_through(request: web.Request, answer: aiohttp.ClientResponse,
-                        route: tuple[str, ...]) -> web.StreamResponse:
+async def _pass_through(
+    request: web.Request, answer: aiohttp.ClientResponse, route: tuple[str, ...]
+) -> web.StreamResponse:
     """D's answer to the client as it arrives; a client that left (its connection closing
     under a write) ends it there, and is not D breaking off."""
     response = web.StreamResponse(status=answer.status, headers=_passed(answer, route))
@@ -435,6 +521,7 @@ async def run_proxy(options: ProxyOptions, say=print) -> int:
 
 def proxy_main(options: ProxyOptions) -> int:
     """`kvdrain proxy`: the exit status (130 on SIGINT, 143 on SIGTERM, 2 if it cannot listen)."""
+
     def say(line: str) -> None:
         print(line, flush=True)
 
@@ -443,8 +530,11 @@ def proxy_main(options: ProxyOptions) -> int:
     try:
         return asyncio.run(run_proxy(options, say))
     except OSError as e:
-        print(f"kvdrain proxy: cannot listen on {options.host}:{options.port}: {e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"kvdrain proxy: cannot listen on {options.host}:{options.port}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -5,30 +5,38 @@ params; D alone; E alone); this class carries its commands out on the clients an
 the client-facing outputs (D's tokens) back. It launches nothing: replay/deploy/topology.py
 starts the engines and hands their clients here.
 """
+
 from __future__ import annotations
 
 import contextlib
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
-from replay.deploy.balance import RouterPolicy
-from replay.deploy.routing import AddTo, Command, Routing, engine_names
-from engine.proc.client import EngineClient, wait_for_output
-from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
 from engine.core.request_check import RequestLimits, why_invalid, why_malformed
+from engine.proc.client import EngineClient, wait_for_output
+from engine.proc.messages import StatsSnapshot
+from replay.deploy.balance import RouterPolicy
+from replay.deploy.routing import AddTo, Command, Routing, engine_names
 
 
 class PDRouter:
-    def __init__(self, clients: list[EngineClient], run_dir: str | None = None,
-                 topology: str | None = None, policy: RouterPolicy = "round-robin") -> None:
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        run_dir: str | None = None,
+        topology: str | None = None,
+        policy: RouterPolicy = "round-robin",
+    ) -> None:
         """clients: as engine_roles lists them, the prefill engines first; topology: theirs
         (default: one client is single, two are pd); run_dir (their sockets) is removed at shutdown."""
         self.clients = {c.engine_id: c for c in clients}
         topology = topology or ("single" if len(clients) == 1 else "pd")
         prefill, decode = engine_names(topology)
         if prefill + decode != list(self.clients):
-            raise ValueError(f"clients {list(self.clients)} are not topology {topology}'s {prefill + decode}")
+            raise ValueError(
+                f"clients {list(self.clients)} are not topology {topology}'s {prefill + decode}"
+            )
         self.routing = Routing(prefill, decode, policy)
         # Told (req_id, engine) each time a request is given to an engine (a replay's
         # driver records each request's way with it); None: nobody asked.
@@ -76,8 +84,14 @@ class PDRouter:
             self._limits = RequestLimits(ready.max_model_len, ready.vocab_size)
         return self._limits
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None, trace_t: float | None = None) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        pd: bool | None = None,
+        trace_t: float | None = None,
+    ) -> None:
         """pd=False sends a request of a pd topology to the decode engine alone; trace_t
         (when a replay's trace meant it sent) is a serve recording's, not the router's.
 
@@ -92,7 +106,9 @@ class PDRouter:
             # ignored ("length", no token, the cause: a replay counts it as ignored); a
             # malformed one is an error.
             malformed = why_malformed(prompt_token_ids, max_tokens, self.limits.vocab_size)
-            self._rejected.append(RequestOutput(req_id, [], "error" if malformed else "length", error=why))
+            self._rejected.append(
+                RequestOutput(req_id, [], "error" if malformed else "length", error=why)
+            )
             return
         self._send(self.routing.add(req_id, prompt_token_ids, max_tokens, pd))
 
@@ -122,8 +138,12 @@ class PDRouter:
             if isinstance(command, AddTo):
                 if self.on_move is not None:
                     self.on_move(command.req_id, command.engine)
-                client.add_request(command.req_id, command.prompt_token_ids, command.max_tokens,
-                                   command.kv_transfer_params)
+                client.add_request(
+                    command.req_id,
+                    command.prompt_token_ids,
+                    command.max_tokens,
+                    command.kv_transfer_params,
+                )
             else:
                 client.abort([command.req_id])
 

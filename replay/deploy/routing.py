@@ -14,11 +14,12 @@ and D's tokens are the answer (P's token is dropped: D samples the first token i
 other end at P ends the request. A request with pd=False goes to a D alone. `single`: one
 engine E, no connector.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence, Union
 
 from engine.core.block_hash import hash_request_blocks
 from engine.core.outputs import RequestOutput
@@ -106,7 +107,7 @@ class AbortAt:
     req_id: str
 
 
-Command = Union[AddTo, AbortAt]
+Command = AddTo | AbortAt
 
 
 @dataclass(slots=True)
@@ -139,8 +140,13 @@ class Routing:
     may lose the race to P's finish (after_prefill's RELEASE).
     """
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: RouterPolicy = "round-robin",
-                 block_size: int = 16) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        policy: RouterPolicy = "round-robin",
+        block_size: int = 16,
+    ) -> None:
         """prefill: no names for a topology without P (single); block_size: what `prefix` hashes by."""
         self.balancer = Balancer(prefill, decode, policy)
         self.prefill = frozenset(prefill)
@@ -148,11 +154,19 @@ class Routing:
         self.routes: dict[str, Route] = {}
 
     @classmethod
-    def for_topology(cls, topology: str, policy: RouterPolicy = "round-robin", block_size: int = 16) -> Routing:
+    def for_topology(
+        cls, topology: str, policy: RouterPolicy = "round-robin", block_size: int = 16
+    ) -> Routing:
         return cls(*engine_names(topology), policy=policy, block_size=block_size)
 
-    def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-            pd: bool | None = None, block_hashes: Sequence[Hashable] | None = None) -> list[Command]:
+    def add(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        pd: bool | None = None,
+        block_hashes: Sequence[Hashable] | None = None,
+    ) -> list[Command]:
         """A new request; pd=False sends a request of a P/D topology to a decode engine alone.
 
         block_hashes: the prompt's full blocks' (the prefix policy hashes them itself if not given)."""
@@ -198,8 +212,9 @@ class Routing:
             return Routed(output=output, action=END)
         self.balancer.ended(route.engine)
         route.engine = decode = self._move_to(self.balancer.pick_decode())
-        commands: list[Command] = [AddTo(decode, route.req_id, route.prompt_token_ids,
-                                         route.max_tokens, params)]
+        commands: list[Command] = [
+            AddTo(decode, route.req_id, route.prompt_token_ids, route.max_tokens, params)
+        ]
         if action == RELEASE:
             commands.append(AbortAt(decode, route.req_id))
         return Routed(tuple(commands), action=action)

@@ -6,6 +6,7 @@ parallel, and the P/D router is handed their clients. A launch spawns them and r
 at once, so the frontend can prepare (import, model) while they start; waiting for them
 hands their clients to the router. A failed start leaves nothing behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,19 +19,32 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from engine.config import EngineConfig, KVTransferConfig
+from engine.proc.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
 from replay.deploy.balance import RouterPolicy
 from replay.deploy.router import PDRouter
 from replay.deploy.routing import engine_roles
-from engine.proc.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
-from engine.config import EngineConfig, KVTransferConfig
 
 
-def engine_configs(base: EngineConfig, kv: KVTransferConfig, topology: str,
-                   run_dir: str) -> list[EngineConfig]:
+def engine_configs(
+    base: EngineConfig, kv: KVTransferConfig, topology: str, run_dir: str
+) -> list[EngineConfig]:
     """One config per engine, with addresses in the private run directory."""
-    return [replace(base, engine_id=name, kv_transfer=None if role is None else replace(
-        kv, kv_role=role, kv_addr=f"ipc://{run_dir}/{name}-kv", agent_addr=f"ipc://{run_dir}/{name}-agent"))
-        for name, role in engine_roles(topology)]
+    return [
+        replace(
+            base,
+            engine_id=name,
+            kv_transfer=None
+            if role is None
+            else replace(
+                kv,
+                kv_role=role,
+                kv_addr=f"ipc://{run_dir}/{name}-kv",
+                agent_addr=f"ipc://{run_dir}/{name}-agent",
+            ),
+        )
+        for name, role in engine_roles(topology)
+    ]
 
 
 @contextlib.contextmanager
@@ -60,8 +74,10 @@ def signals_deferred() -> Iterator[None]:
         yield  # signals go to the main thread only
         return
     caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda signum, frame: caught.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
@@ -75,8 +91,14 @@ class TopologyLaunch:
     """A topology's engines, spawned and starting; wait_ready hands them to a PDRouter,
     close shuts down whatever was not handed over (idempotent)."""
 
-    def __init__(self, base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
-                 inproc: bool = False, router: RouterPolicy = "round-robin") -> None:
+    def __init__(
+        self,
+        base: EngineConfig,
+        kv: KVTransferConfig,
+        topology: str = "pd",
+        inproc: bool = False,
+        router: RouterPolicy = "round-robin",
+    ) -> None:
         self.base, self.kv, self.topology, self.router = base, kv, topology, router
         self.launched_at = time.monotonic()
         self.run_dir: str | None = make_run_dir()
@@ -110,7 +132,11 @@ class TopologyLaunch:
         except BaseException:
             self.close()
             raise
-        router, self.clients, self.run_dir = PDRouter(self.clients, self.run_dir, self.topology, self.router), [], None
+        router, self.clients, self.run_dir = (
+            PDRouter(self.clients, self.run_dir, self.topology, self.router),
+            [],
+            None,
+        )
         return router
 
     def close(self) -> None:
@@ -130,16 +156,22 @@ class TopologyLaunch:
         self.close()
 
 
-def start_topology(base: EngineConfig, kv: KVTransferConfig, topology: str = "pd",
-                   inproc: bool = False, on_wait: Callable[[list[str]], None] | None = None,
-                   router: RouterPolicy = "round-robin") -> PDRouter:
+def start_topology(
+    base: EngineConfig,
+    kv: KVTransferConfig,
+    topology: str = "pd",
+    inproc: bool = False,
+    on_wait: Callable[[list[str]], None] | None = None,
+    router: RouterPolicy = "round-robin",
+) -> PDRouter:
     """Start every engine (and, through their connectors, the connector workers) and
     wait for them; on_wait (a live view's clock) hears which engines are ready meanwhile."""
     return TopologyLaunch(base, kv, topology, inproc, router).wait_ready(on_wait)
 
 
-def wait_all_ready(clients: list[EngineClient],
-                   on_wait: Callable[[list[str]], None] | None = None) -> None:
+def wait_all_ready(
+    clients: list[EngineClient], on_wait: Callable[[list[str]], None] | None = None
+) -> None:
     """Every engine's Ready (they start in parallel; each client bounds its own wait);
     while any is starting, on_wait(the engines ready so far) about ten times a second,
     the last time once all are."""

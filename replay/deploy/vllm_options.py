@@ -3,6 +3,7 @@
 Kept apart from replay/deploy/vllm_launch.py so that cli.py, which every engine process
 imports again, loads only this.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,6 +15,7 @@ SIGTERM, then SIGKILL after a bound. The record is then removed; the logs stay. 
 is ever looked up by name. The file is not named `owner`, so the ipc run directories'
 sweep (engine/proc/run_dir.py), which shares the prefix, leaves these directories alone.
 """
+
 from __future__ import annotations
 
 import glob
@@ -45,8 +46,10 @@ class Recorded:
 def write_record(run_dir: Path, processes: list[Recorded]) -> None:
     """The record of run_dir's deployment, owned by this process; replaced atomically."""
     pid = os.getpid()
-    record = {"owner": {"pid": pid, "start_time": process_start_time(pid)},
-              "processes": [asdict(p) for p in processes]}
+    record = {
+        "owner": {"pid": pid, "start_time": process_start_time(pid)},
+        "processes": [asdict(p) for p in processes],
+    }
     tmp = run_dir / (RECORD_FILE + ".tmp")
     tmp.write_text(json.dumps(record) + "\n")
     os.replace(tmp, run_dir / RECORD_FILE)
@@ -96,8 +99,11 @@ def _children() -> dict[int, list[int]]:
 
 
 def _group_members(pgid: int) -> list[int]:
-    return [int(e) for e in os.listdir("/proc")
-            if e.isdigit() and (f := _stat(int(e))) is not None and int(f[2]) == pgid and f[0] != "Z"]
+    return [
+        int(e)
+        for e in os.listdir("/proc")
+        if e.isdigit() and (f := _stat(int(e))) is not None and int(f[2]) == pgid and f[0] != "Z"
+    ]
 
 
 def orphans(processes: list[Recorded]) -> dict[int, str]:

@@ -9,6 +9,7 @@ process started is stopped, whatever happened. A start that failed, or an instan
 died during the replay, is a fault (exit 4) naming its log. Ctrl-C and SIGTERM during
 start-up stop it alike (exit 130, 143).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,15 +19,21 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 from engine.proc.run_dir import run_root
 from replay.commands import Display, OutputFiles, replay_main
 from replay.deploy.idle_cpu import idle_note, lower_spinners
-from replay.deploy.vllm_launch import (InstanceStatus, VllmDeployment, VllmFault, VllmVenvError,
-                                       check_venv, gpu_count)
+from replay.deploy.vllm_launch import (
+    InstanceStatus,
+    VllmDeployment,
+    VllmFault,
+    VllmVenvError,
+    check_venv,
+    gpu_count,
+)
 from replay.deploy.vllm_options import VllmOptions
 from replay.deploy.vllm_orphans import RUN_PREFIX
 from replay.live.interrupt import SIGNALS, Interrupted, interruptible
@@ -57,9 +64,16 @@ def _fault(console, fault: VllmFault) -> None:
         _say(console, f"  {fault.name} | {line}")
 
 
-def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: OutputFiles, display: Display,
-                     console, run_dir: Path | None = None, deadline_given: bool = True,
-                     threshold_given: bool = True) -> int:
+def vllm_replay_main(
+    options: VllmOptions,
+    config: ReplayConfig,
+    outputs: OutputFiles,
+    display: Display,
+    console,
+    run_dir: Path | None = None,
+    deadline_given: bool = True,
+    threshold_given: bool = True,
+) -> int:
     """config: an HTTP replay whose target the launched deployment replaces; deadline_given,
     threshold_given: False when --drain-deadline, --idle-threshold were left at their
     defaults (then a CPU host's deadline is wider, and the threshold no shorter)."""
@@ -73,8 +87,10 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
     if on_cpu:
         config = _cpu_config(config, console, deadline_given, threshold_given)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
-    _say(console, f"vLLM {install.version} ({options.venv}), topology {options.topology}; "
-                  f"logs in {run_dir}")
+    _say(
+        console,
+        f"vLLM {install.version} ({options.venv}), topology {options.topology}; logs in {run_dir}",
+    )
     with interruptible():
         deployment = VllmDeployment(options, install, run_dir)
         try:
@@ -88,34 +104,56 @@ def vllm_replay_main(options: VllmOptions, config: ReplayConfig, outputs: Output
         finally:
             with _signals_held():
                 deployment.close()
-            _say(console, f"vllm: stopped every process started ({len(deployment.processes())} "
-                          f"and their children); logs: "
-                          f"{', '.join(map(str, deployment.log_paths))}")
+            _say(
+                console,
+                f"vllm: stopped every process started ({len(deployment.processes())} "
+                f"and their children); logs: "
+                f"{', '.join(map(str, deployment.log_paths))}",
+            )
 
 
-def _cpu_config(config: ReplayConfig, console, deadline_given: bool, threshold_given: bool) -> ReplayConfig:
+def _cpu_config(
+    config: ReplayConfig, console, deadline_given: bool, threshold_given: bool
+) -> ReplayConfig:
     """What judging vLLM on a CPU host takes: a wider drain deadline and scrape timeout, and
     no idle window shorter than the deadline (the options the user gave stay theirs)."""
     verify = config.verify
     if not deadline_given and verify.drain_deadline_s < CPU_DRAIN_DEADLINE_S:
         verify = replace(verify, drain_deadline_s=CPU_DRAIN_DEADLINE_S)
-        _say(console, f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
-                      f"slowly to prove a drain by a shorter one (--drain-deadline sets it)")
+        _say(
+            console,
+            f"drain deadline {CPU_DRAIN_DEADLINE_S:g} s: vLLM on the CPU answers /metrics too "
+            f"slowly to prove a drain by a shorter one (--drain-deadline sets it)",
+        )
     if not threshold_given and verify.idle_threshold_s < verify.drain_deadline_s:
         verify = replace(verify, idle_threshold_s=verify.drain_deadline_s)
-        _say(console, f"idle threshold {verify.idle_threshold_s:g} s: a window shorter than the "
-                      f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)")
-    http = replace(config.http, scrape_timeout_s=max(config.http.scrape_timeout_s, CPU_SCRAPE_TIMEOUT_S))
+        _say(
+            console,
+            f"idle threshold {verify.idle_threshold_s:g} s: a window shorter than the "
+            f"drain deadline can be judged neither drained nor leaking (--idle-threshold sets it)",
+        )
+    http = replace(
+        config.http, scrape_timeout_s=max(config.http.scrape_timeout_s, CPU_SCRAPE_TIMEOUT_S)
+    )
     return replace(config, verify=verify, http=http)
 
 
-def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs: OutputFiles,
-                       display: Display, console, on_cpu: bool) -> int:
+def _launch_and_replay(
+    deployment: VllmDeployment,
+    config: ReplayConfig,
+    outputs: OutputFiles,
+    display: Display,
+    console,
+    on_cpu: bool,
+) -> int:
     deployment.start()
     for swept in deployment.swept:
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in swept.stopped if p.leader)
-        _say(console, f"vllm: stopped {swept.num_stopped} processes a killed run left running: {names}; "
-                      f"its logs: {swept.run_dir}")
+        _say(
+            console,
+            f"vllm: stopped {swept.num_stopped} processes a killed run left running: {names}; "
+            f"its logs: {swept.run_dir}",
+        )
     for instance in deployment.instances:
         spec = instance.spec
         side = f" (NIXL side channel {spec.side_channel_port})" if spec.kv_role else ""
@@ -125,16 +163,24 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs
     if on_cpu:
         idle = lower_spinners(deployment.instance_pids())  # before the first request: idle
         _say(console, idle_note(idle, len(os.sched_getaffinity(0))))
-    _say(console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}")
-    http = replace(config.http, base_url=deployment.target_url,
-                   metrics=tuple(_metrics_source(name, url) for name, url in deployment.metrics()),
-                   model=config.http.model or deployment.served_model,
-                   vocab_size=config.http.vocab_size or deployment.vocab_size,
-                   vocab_source=config.http.vocab_source if config.http.vocab_size is not None
-                   else "the launched model's config",
-                   connector="NixlConnector" if any(s.kv_role for s in deployment.specs) else None)
+    _say(
+        console, f"vllm: launch to ready {ready_s:.1f} s; replaying through {deployment.target_url}"
+    )
+    http = replace(
+        config.http,
+        base_url=deployment.target_url,
+        metrics=tuple(_metrics_source(name, url) for name, url in deployment.metrics()),
+        model=config.http.model or deployment.served_model,
+        vocab_size=config.http.vocab_size or deployment.vocab_size,
+        vocab_source=config.http.vocab_source
+        if config.http.vocab_size is not None
+        else "the launched model's config",
+        connector="NixlConnector" if any(s.kv_role for s in deployment.specs) else None,
+    )
     started = time.monotonic()
-    code = replay_main(replace(config, target=deployment.target_url, http=http), outputs, display, console)
+    code = replay_main(
+        replace(config, target=deployment.target_url, http=http), outputs, display, console
+    )
     replay_s = time.monotonic() - started
     _say(console, f"vllm: launch to ready {ready_s:.1f} s, replay {replay_s:.1f} s")
     if outputs.report is not None and outputs.report.exists():
@@ -148,13 +194,27 @@ def _launch_and_replay(deployment: VllmDeployment, config: ReplayConfig, outputs
 
 def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
     """What was launched: vLLM's version, each instance's command line, ports and log."""
-    return {"engine": "vllm", "vllm_version": deployment.install.version,
-            "venv": str(deployment.install.venv), "topology": deployment.options.topology,
-            "model": deployment.options.model or "kvdrain's tiny dummy-weight Llama",
-            "proxy": deployment.proxy_url, "run_dir": str(deployment.run_dir), "replay_s": round(replay_s, 3),
-            "instances": [{"name": i.spec.name, "url": i.spec.url, "side_channel_port": i.spec.side_channel_port,
-                           "argv": i.spec.argv[1:], "log": str(i.spec.log_path),
-                           "ready_s": i.status.ready_s} for i in deployment.instances]}
+    return {
+        "engine": "vllm",
+        "vllm_version": deployment.install.version,
+        "venv": str(deployment.install.venv),
+        "topology": deployment.options.topology,
+        "model": deployment.options.model or "kvdrain's tiny dummy-weight Llama",
+        "proxy": deployment.proxy_url,
+        "run_dir": str(deployment.run_dir),
+        "replay_s": round(replay_s, 3),
+        "instances": [
+            {
+                "name": i.spec.name,
+                "url": i.spec.url,
+                "side_channel_port": i.spec.side_channel_port,
+                "argv": i.spec.argv[1:],
+                "log": str(i.spec.log_path),
+                "ready_s": i.status.ready_s,
+            }
+            for i in deployment.instances
+        ],
+    }
 
 
 def add_deployment(report_path: Path, deployment: VllmDeployment, replay_s: float) -> None:
@@ -166,6 +226,7 @@ def add_deployment(report_path: Path, deployment: VllmDeployment, replay_s: floa
 
 def _metrics_source(name: str, url: str):
     from replay.http.scrape import MetricsSource
+
     return MetricsSource(url, name)
 
 

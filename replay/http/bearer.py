@@ -5,6 +5,7 @@ OpenAI-style body otherwise), /health and /metrics stay open. A front listening 
 loopback must have a key, or be told `--insecure` (warned about at start); the refusal
 comes before anything starts.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -29,17 +30,23 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_http_listen(host: str, api_key: str | None, insecure: bool, flag: str = "--http") -> list[str]:
+def check_http_listen(
+    host: str, api_key: str | None, insecure: bool, flag: str = "--http"
+) -> list[str]:
     """Refuse (CredentialError) a front beyond loopback without an API key; the warnings to print."""
     if is_loopback_host(host) or api_key is not None:
         return []
     where = f"[{host}]" if ":" in host and not host.startswith("[") else host
     if not insecure:
-        raise CredentialError(f"{flag} {where}: listens beyond this machine with no credential: give "
-                              f"--api-key KEY (clients send 'Authorization: Bearer KEY') or, "
-                              f"knowingly, --insecure")
-    return [f"WARNING: --insecure: HTTP on {where} accepts requests from anyone who can "
-            f"reach it, with no credential"]
+        raise CredentialError(
+            f"{flag} {where}: listens beyond this machine with no credential: give "
+            f"--api-key KEY (clients send 'Authorization: Bearer KEY') or, "
+            f"knowingly, --insecure"
+        )
+    return [
+        f"WARNING: --insecure: HTTP on {where} accepts requests from anyone who can "
+        f"reach it, with no credential"
+    ]
 
 
 def carries_key(authorization: str, api_key: str) -> bool:

@@ -16,6 +16,7 @@ Batch prompts (`prompt` a list of strings, or a list of token-id lists): each pr
 its own request, answered in one body whose choices carry their prompt's index (vLLM's
 batch completions); not streamed (422), as kvdrain's front streams one sequence.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +29,19 @@ from replay.http import protocol
 from replay.http.protocol import ApiError
 from replay.http.tokenizer import WordTokenizer
 
-CHAT_ONLY_REFUSED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
-                     "function_call": (None,), "response_format": (None,), "top_logprobs": (None, 0),
-                     "logprobs": (None, False), "parallel_tool_calls": (None,), "audio": (None,),
-                     "modalities": (None,), "prediction": (None,)}
+CHAT_ONLY_REFUSED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None,),
+    "response_format": (None,),
+    "top_logprobs": (None, 0),
+    "logprobs": (None, False),
+    "parallel_tool_calls": (None,),
+    "audio": (None,),
+    "modalities": (None,),
+    "prediction": (None,),
+}
 CHAT_ONLY_IGNORED = frozenset(("store", "metadata", "service_tier", "chat_template_kwargs"))
 
 
@@ -54,11 +64,17 @@ def _content_text(content: object, i: int) -> str:
         parts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(422, f"messages[{i}].content: only text parts are supported, "
-                                    f"got type {part.get('type')!r}", "messages")
+                raise ApiError(
+                    422,
+                    f"messages[{i}].content: only text parts are supported, "
+                    f"got type {part.get('type')!r}",
+                    "messages",
+                )
             parts.append(part["text"])
         return " ".join(parts)
-    raise ApiError(400, f"messages[{i}].content: expected a string or a list of text parts", "messages")
+    raise ApiError(
+        400, f"messages[{i}].content: expected a string or a list of text parts", "messages"
+    )
 
 
 def completion_body(body: object) -> dict:
@@ -67,11 +83,19 @@ def completion_body(body: object) -> dict:
         raise ApiError(400, f"expected a JSON object, got {type(body).__name__}")
     for key, ok in CHAT_ONLY_REFUSED.items():
         if body.get(key, ok[0]) not in ok:
-            raise ApiError(422, f"{key}={body[key]!r} is not supported by kvdrain's engines "
-                                f"(greedy, text only, one sequence)", key)
-    out = {k: v for k, v in body.items()
-           if k not in CHAT_ONLY_REFUSED and k not in CHAT_ONLY_IGNORED
-           and k not in ("messages", "max_completion_tokens")}
+            raise ApiError(
+                422,
+                f"{key}={body[key]!r} is not supported by kvdrain's engines "
+                f"(greedy, text only, one sequence)",
+                key,
+            )
+    out = {
+        k: v
+        for k, v in body.items()
+        if k not in CHAT_ONLY_REFUSED
+        and k not in CHAT_ONLY_IGNORED
+        and k not in ("messages", "max_completion_tokens")
+    }
     out["prompt"] = messages_text(body.get("messages"))
     if body.get("max_completion_tokens") is not None:
         out["max_tokens"] = body["max_completion_tokens"]
@@ -80,26 +104,40 @@ def completion_body(body: object) -> dict:
 
 def routes(front) -> list[web.RouteDef]:
     """/v1/completions (a batch here, one prompt by front.completions) and /v1/chat/completions."""
+
     async def completions_route(request: web.Request) -> web.StreamResponse:
         return await completions(front, request)
 
     async def chat_route(request: web.Request) -> web.StreamResponse:
         return await chat_completions(front, request)
 
-    return [web.post("/v1/completions", completions_route), web.post("/v1/chat/completions", chat_route)]
+    return [
+        web.post("/v1/completions", completions_route),
+        web.post("/v1/chat/completions", chat_route),
+    ]
 
 
 # ---- answers ---------------------------------------------------------------------
 
+
 def _chat_head(client_id: str, model: str, chunk: bool) -> dict:
-    return {"id": "chatcmpl-" + client_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
-            "created": int(time.time()), "model": model}
+    return {
+        "id": "chatcmpl-" + client_id,
+        "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+    }
 
 
 def chat_choice(text: str, finish_reason: str | None, ignored_reason: str | None = None) -> dict:
     """choices[0] of a chat answer; ignored_reason as a completion's choice carries it."""
-    out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-           "finish_reason": finish_reason, "stop_reason": None}
+    out = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
     if ignored_reason is not None:
         out["kvdrain_ignored_reason"] = ignored_reason
     return out
@@ -129,17 +167,30 @@ async def chat_completions(front, request: web.Request) -> web.StreamResponse:
 async def _complete(front, internal_id: str) -> web.Response:
     open_request = front.open[internal_id]
     tokens, output = await front._generate(internal_id)
-    answer = chat_choice(WordTokenizer.decode(tokens), protocol.openai_finish_reason(output.finish_reason),
-                         protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
-    return web.json_response({**_chat_head(open_request.client_id, front.model.name, False),
-                              "choices": [answer], "usage": front._usage(internal_id),
-                              "kv_transfer_params": output.kv_transfer_params})
+    answer = chat_choice(
+        WordTokenizer.decode(tokens),
+        protocol.openai_finish_reason(output.finish_reason),
+        protocol.ignored_reason(output.finish_reason, len(tokens), output.error),
+    )
+    return web.json_response(
+        {
+            **_chat_head(open_request.client_id, front.model.name, False),
+            "choices": [answer],
+            "usage": front._usage(internal_id),
+            "kv_transfer_params": output.kv_transfer_params,
+        }
+    )
 
 
 async def _stream(front, http_request: web.Request, internal_id: str) -> web.StreamResponse:
     open_request = front.open[internal_id]
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "Server": front.server_header})  # before the middleware
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "Server": front.server_header,
+        }
+    )  # before the middleware
     await response.prepare(http_request)
     head = _chat_head(open_request.client_id, front.model.name, True)
     role = chat_delta({"role": "assistant", "content": ""}, None)
@@ -155,10 +206,20 @@ async def _stream(front, http_request: web.Request, internal_id: str) -> web.Str
             text = WordTokenizer.decode(output.new_token_ids, first)
             first = first and not output.new_token_ids
             delta = {"content": text} if text else {}
-            ignored = protocol.ignored_reason(output.finish_reason, open_request.num_output_tokens,
-                                              output.error)
-            await protocol.send_event(response, {**head, "choices": [
-                chat_delta(delta, protocol.openai_finish_reason(output.finish_reason), ignored)]})
+            ignored = protocol.ignored_reason(
+                output.finish_reason, open_request.num_output_tokens, output.error
+            )
+            await protocol.send_event(
+                response,
+                {
+                    **head,
+                    "choices": [
+                        chat_delta(
+                            delta, protocol.openai_finish_reason(output.finish_reason), ignored
+                        )
+                    ],
+                },
+            )
         if output.finished:
             if open_request.params.include_usage:
                 usage = front._usage(internal_id)
@@ -171,10 +232,15 @@ async def _stream(front, http_request: web.Request, internal_id: str) -> web.Str
 
 # ---- batch prompts ---------------------------------------------------------------
 
+
 def is_batch(body: object) -> bool:
     """`prompt` is a list of strings or of token-id lists (not one token-id list)."""
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(p, (str, list)) for p in prompt)
+    )
 
 
 async def completions(front, request: web.Request) -> web.StreamResponse:
@@ -183,14 +249,24 @@ async def completions(front, request: web.Request) -> web.StreamResponse:
     if not is_batch(body):
         return await front.completions(request)  # the body stays read: aiohttp keeps it
     if body.get("stream"):
-        raise ApiError(422, "stream=true with a batch of prompts is not supported by kvdrain's "
-                            "front; send the prompts one per request", "stream")
+        raise ApiError(
+            422,
+            "stream=true with a batch of prompts is not supported by kvdrain's "
+            "front; send the prompts one per request",
+            "stream",
+        )
     client_id = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
     if not isinstance(client_id, str):
-        raise ApiError(400, f"request_id: expected str, got {type(client_id).__name__}", "request_id")
+        raise ApiError(
+            400, f"request_id: expected str, got {type(client_id).__name__}", "request_id"
+        )
     protocol.check_request_id(client_id)
-    params = [protocol.parse_completion({**body, "prompt": p, "request_id": f"{client_id}-{i}"}, front.model)
-              for i, p in enumerate(body["prompt"])]
+    params = [
+        protocol.parse_completion(
+            {**body, "prompt": p, "request_id": f"{client_id}-{i}"}, front.model
+        )
+        for i, p in enumerate(body["prompt"])
+    ]
     ids: list[str] = []
     try:  # a prompt refused at submit (its id in flight) releases those submitted before it
         for p in params:
@@ -199,8 +275,10 @@ async def completions(front, request: web.Request) -> web.StreamResponse:
     finally:
         for internal_id in ids:
             front._release(internal_id)
-    usage = {"prompt_tokens": sum(a[1]["prompt_tokens"] for a in answers),
-             "completion_tokens": sum(a[1]["completion_tokens"] for a in answers)}
+    usage = {
+        "prompt_tokens": sum(a[1]["prompt_tokens"] for a in answers),
+        "completion_tokens": sum(a[1]["completion_tokens"] for a in answers),
+    }
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     first = protocol.head("cmpl-" + client_id, front.model.name, int(time.time()))
     return web.json_response({**first, "choices": [a[0] for a in answers], "usage": usage})
@@ -208,7 +286,9 @@ async def completions(front, request: web.Request) -> web.StreamResponse:
 
 async def _answers(front, ids: list[str]) -> list[tuple[dict, dict]]:
     """Every prompt's answer, in order; one failing cancels the others (then all are released)."""
-    tasks = [asyncio.ensure_future(_one(front, internal_id, i)) for i, internal_id in enumerate(ids)]
+    tasks = [
+        asyncio.ensure_future(_one(front, internal_id, i)) for i, internal_id in enumerate(ids)
+    ]
     try:
         return await asyncio.gather(*tasks)
     finally:

@@ -45,27 +45,35 @@ described itself (version, block size, pool, max_model_len, connector, per engin
 SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
 replay/http/outcome.py adds what the HTTP observation lacked to the Verdict's status.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import aiohttp
 from yarl import URL
 
 from replay.heap import frozen_heap
 from replay.http import pool
-from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.outcome import printable
 from replay.http.protocol import DuplicateKeyError, loads_strict
-from replay.http.stream import Stream, drain, error_message, read_stream
+from replay.http.route import ROUTE_HEADER, parse_route
 from replay.http.scrape import MetricsSource, Scraper
-from replay.http.server_facts import (EngineFacts, counter_deltas, discover_metrics, fetch_version,
-                                      probe_vocab_size, read_facts, root_of)
-from replay.live.interrupt import Interrupted
+from replay.http.server_facts import (
+    EngineFacts,
+    counter_deltas,
+    discover_metrics,
+    fetch_version,
+    probe_vocab_size,
+    read_facts,
+    root_of,
+)
+from replay.http.stream import Stream, drain, error_message, read_stream
 from replay.http.tokenizer import WordTokenizer
+from replay.live.interrupt import Interrupted
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
@@ -86,12 +94,16 @@ class HttpTargetOptions:
     scrape_interval_s: float = 0.1
     api_key: str | None = None
     vocab_size: int | None = None  # --vocab-size; None: the server's (see the module docstring)
-    vocab_source: str = "--vocab-size"  # where vocab_size came from (a launcher: the model's config)
+    vocab_source: str = (
+        "--vocab-size"  # where vocab_size came from (a launcher: the model's config)
+    )
     connector: str | None = None  # the KV connector the servers were launched with, if known
     tail_s: float = 3.0
     request_timeout_s: float = 120.0
     max_token_id: int | None = None  # the trace's largest prompt token id (None: none given)
-    metrics_from: str | None = None  # who named `metrics` (replay/http/preflight.py); None: --metrics
+    metrics_from: str | None = (
+        None  # who named `metrics` (replay/http/preflight.py); None: --metrics
+    )
     scrape_timeout_s: float = 2.0  # a /metrics answer later than this is a failed scrape
 
     def __post_init__(self) -> None:
@@ -124,10 +136,18 @@ class ServerIdentity:
     version: str | None = None  # GET /version's
 
     def to_dict(self) -> dict:
-        return {"base_url": self.base_url, "model": self.model, "server": self.server_header,
-                "owned_by": self.owned_by, "max_model_len": self.max_model_len,
-                "vocab_size": self.vocab_size, "vocab_source": self.vocab_source,
-                "version": self.version, "models": self.models, "kvdrain": self.kvdrain}
+        return {
+            "base_url": self.base_url,
+            "model": self.model,
+            "server": self.server_header,
+            "owned_by": self.owned_by,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "vocab_source": self.vocab_source,
+            "version": self.version,
+            "models": self.models,
+            "kvdrain": self.kvdrain,
+        }
 
     @property
     def kind(self) -> str:
@@ -147,9 +167,11 @@ def same_origin_only(allowed: set[URL]):
 
     async def middleware(request: aiohttp.ClientRequest, handler):
         if request.url.origin() not in allowed:
-            raise aiohttp.ClientError(f"a redirect to another host ({request.url.origin()}) "
-                                      f"was not followed")
+            raise aiohttp.ClientError(
+                f"a redirect to another host ({request.url.origin()}) was not followed"
+            )
         return await handler(request)
+
     return middleware
 
 
@@ -185,8 +207,15 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
         if options.model is None:
             said = "lists no models" if status == 200 else f"HTTP {status} (no model list here)"
             raise ConnectionError(f"{url}: {said}; name the model with --model")
-        return ServerIdentity(options.base_url, options.model, server, None, None,
-                              options.vocab_size, vocab_source=_given(options))
+        return ServerIdentity(
+            options.base_url,
+            options.model,
+            server,
+            None,
+            None,
+            options.vocab_size,
+            vocab_source=_given(options),
+        )
     return _identity(options, url, server, cards)
 
 
@@ -197,15 +226,22 @@ def _refusal(status: int, body: object, options: HttpTargetOptions) -> str:
     message = error.get("message") if isinstance(error, dict) else None
     said = f"HTTP {status}" + (f": {printable(message)}" if isinstance(message, str) else "")
     if status in (401, 403):
-        return said + ("; the server refused --api-key" if options.api_key else
-                       "; the server needs an API key: give --api-key")
+        return said + (
+            "; the server refused --api-key"
+            if options.api_key
+            else "; the server needs an API key: give --api-key"
+        )
     if status >= 500:
-        return said + ("; the server failed to list its models (a proxy answers 502 when its "
-                       "decode server cannot be reached): check that it and its upstreams are up")
+        return said + (
+            "; the server failed to list its models (a proxy answers 502 when its "
+            "decode server cannot be reached): check that it and its upstreams are up"
+        )
     return said + "; the server refused to list its models"
 
 
-def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]) -> ServerIdentity:
+def _identity(
+    options: HttpTargetOptions, url: str, server: str | None, cards: list[dict]
+) -> ServerIdentity:
     names = [_card_field(url, c, "id", str, i, required=True) for i, c in enumerate(cards)]
     model = options.model or names[0]
     if model not in names:
@@ -215,9 +251,17 @@ def _identity(options: HttpTargetOptions, url: str, server: str | None, cards: l
     extra = _card_field(url, card, "kvdrain", dict, i)
     said = _card_field(url, extra, "vocab_size", int, i, "kvdrain.") if extra else None
     vocab, source = _vocabulary(options, said)
-    return ServerIdentity(options.base_url, model, server, _card_field(url, card, "owned_by", str, i),
-                          _card_field(url, card, "max_model_len", int, i), vocab, names, extra,
-                          vocab_source=source)
+    return ServerIdentity(
+        options.base_url,
+        model,
+        server,
+        _card_field(url, card, "owned_by", str, i),
+        _card_field(url, card, "max_model_len", int, i),
+        vocab,
+        names,
+        extra,
+        vocab_source=source,
+    )
 
 
 def _given(options: HttpTargetOptions) -> str | None:
@@ -242,12 +286,14 @@ async def learn_vocabulary(session: aiohttp.ClientSession, identity: ServerIdent
         raise VocabularyUnknown(
             f"{identity.base_url}: the server does not say its vocabulary size (its /v1/models "
             f"does not, and its /tokenize does not take kvdrain's w<id> words): give "
-            f"--vocab-size N (the model's config.json vocab_size)")
+            f"--vocab-size N (the model's config.json vocab_size)"
+        )
     identity.vocab_size, identity.vocab_source = size, "/tokenize"
 
 
-def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str = "",
-                required: bool = False) -> object:
+def _card_field(
+    url: str, card: dict, name: str, kind: type, i: int, prefix: str = "", required: bool = False
+) -> object:
     """card[name] if absent (None) or of `kind` (a positive int for int; no bool); a
     ConnectionError naming the field otherwise: the CLI's exit 2, before anything is sent."""
     value = card.get(name)
@@ -262,8 +308,12 @@ def _card_field(url: str, card: dict, name: str, kind: type, i: int, prefix: str
 
 
 class HttpReplay:
-    def __init__(self, options: HttpTargetOptions, identity: ServerIdentity | None = None,
-                 on_tick: Callable[[HttpReplay], None] | None = None) -> None:
+    def __init__(
+        self,
+        options: HttpTargetOptions,
+        identity: ServerIdentity | None = None,
+        on_tick: Callable[[HttpReplay], None] | None = None,
+    ) -> None:
         """identity: the target's /v1/models answer when already asked (replay/http/preflight.py);
         on_tick: called on the replay's thread once the server answered, then after every
         scrape (the live view reads the requests and the scrapers)."""
@@ -271,7 +321,9 @@ class HttpReplay:
         self.on_tick = on_tick
         self.origin = 0.0
         self.identity = identity
-        self.scrapers = [Scraper(m, 0.0, timeout_s=options.scrape_timeout_s) for m in options.metrics]
+        self.scrapers = [
+            Scraper(m, 0.0, timeout_s=options.scrape_timeout_s) for m in options.metrics
+        ]
         self.metrics_from = (options.metrics_from or "--metrics") if options.metrics else None
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
@@ -298,11 +350,16 @@ class HttpReplay:
             return timeline
 
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
-        headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        headers = (
+            {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        )
         connector = pool.connector()
-        origins = {URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))}
-        async with aiohttp.ClientSession(headers=headers, connector=connector,
-                                         middlewares=(same_origin_only(origins),)) as session:
+        origins = {
+            URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))
+        }
+        async with aiohttp.ClientSession(
+            headers=headers, connector=connector, middlewares=(same_origin_only(origins),)
+        ) as session:
             if self.identity is None:
                 self.identity = await probe(session, self.options)
             await learn_vocabulary(session, self.identity)
@@ -311,14 +368,18 @@ class HttpReplay:
             if not self.scrapers:
                 found = await discover_metrics(session, api_root(self.options.base_url))
                 origins.update(URL(m.url).origin() for m in found)  # named by the proxy itself
-                self.scrapers = [Scraper(m, 0.0, timeout_s=self.options.scrape_timeout_s) for m in found]
+                self.scrapers = [
+                    Scraper(m, 0.0, timeout_s=self.options.scrape_timeout_s) for m in found
+                ]
                 self.metrics_from = "the proxy's /health" if found else None
             for scraper in self.scrapers:  # picks the metric and names the engines
                 scraper.origin = time.monotonic()
                 await scraper.scrape(session)
             self.facts_before = await self._read_facts(session)
             await self._read_versions(session)
-            self.origin = time.monotonic() + LEAD_IN_S  # a slow probe or first scrape delays no send
+            self.origin = (
+                time.monotonic() + LEAD_IN_S
+            )  # a slow probe or first scrape delays no send
             for scraper in self.scrapers:
                 scraper.rebase(self.origin)
             self._tick()
@@ -344,7 +405,9 @@ class HttpReplay:
             for name in scraper.engines.values():
                 self.versions[name] = version or self.identity.version
 
-    async def _send_all(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
+    async def _send_all(
+        self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]
+    ) -> None:
         for record in records:
             if isinstance(record, (TraceRequest, TraceAbort)):
                 # Yields even when late: a burst behind schedule holds back no scrape,
@@ -383,8 +446,9 @@ class HttpReplay:
         record.send_lateness_s = record.send_t - record.arrival_t
         self._close(record, stream)
 
-    async def _send_while_scraping(self, session: aiohttp.ClientSession,
-                                   records: Iterable[TraceRecord]) -> None:
+    async def _send_while_scraping(
+        self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]
+    ) -> None:
         """Send the trace and wait for its tail while scraping; whatever stops the scrape
         loop (the live view's `q` raises Interrupted from on_tick) stops the sending too."""
         scraping = asyncio.create_task(self._scrape_loop(session))
@@ -399,7 +463,9 @@ class HttpReplay:
                 task.cancel()
             await asyncio.gather(scraping, sending, return_exceptions=True)
 
-    async def _send_and_finish(self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]) -> None:
+    async def _send_and_finish(
+        self, session: aiohttp.ClientSession, records: Iterable[TraceRecord]
+    ) -> None:
         await self._send_all(session, records)
         await self._finish()
 
@@ -413,8 +479,12 @@ class HttpReplay:
             # Yields even when behind: with nothing to scrape the gather below does not,
             # and a loop that never yields starves every send (and every timeout).
             await asyncio.sleep(max(0.0, delay))
-            await asyncio.gather(*(self._scrape_at(session, s, (k + i / len(self.scrapers)) * interval)
-                                   for i, s in enumerate(self.scrapers)))
+            await asyncio.gather(
+                *(
+                    self._scrape_at(session, s, (k + i / len(self.scrapers)) * interval)
+                    for i, s in enumerate(self.scrapers)
+                )
+            )
             self._tick()
 
     async def _scrape_at(self, session: aiohttp.ClientSession, scraper: Scraper, t: float) -> None:
@@ -442,16 +512,27 @@ class HttpReplay:
     def _payload(self, req: TraceRequest, prompt: list[int]) -> dict:
         identity = self.identity
         text = self.options.prompt_format == "text"
-        payload = {"model": identity.model,
-                   "prompt": WordTokenizer(max(identity.vocab_size, 256)).decode(prompt) if text else prompt,
-                   "max_tokens": req.max_tokens, "stream": True,
-                   "stream_options": {"include_usage": True}, "ignore_eos": True}
+        payload = {
+            "model": identity.model,
+            "prompt": WordTokenizer(max(identity.vocab_size, 256)).decode(prompt)
+            if text
+            else prompt,
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         if identity.owned_by in ("vllm", "kvdrain"):
             payload["return_token_ids"] = True  # vLLM's extension: token ids for the digest
         return payload
 
-    async def _request(self, session: aiohttp.ClientSession, req: TraceRequest,
-                       prompt: list[int], record: RequestRecord) -> None:
+    async def _request(
+        self,
+        session: aiohttp.ClientSession,
+        req: TraceRequest,
+        prompt: list[int],
+        record: RequestRecord,
+    ) -> None:
         url = api_root(self.options.base_url) + "/v1/completions"
         stream = Stream(max_outputs=req.max_tokens)
         record.send_t = self.now()
@@ -485,52 +566,89 @@ class HttpReplay:
         record.first_token_t = times[0] if times else None
         record.itls = [b - a for a, b in zip(times, times[1:])]
         record.last_token_t = times[-1] if times else None
-        record.num_output_tokens = stream.usage_completion_tokens if \
-            stream.usage_completion_tokens is not None else stream.num_tokens or len(times)
+        record.num_output_tokens = (
+            stream.usage_completion_tokens
+            if stream.usage_completion_tokens is not None
+            else stream.num_tokens or len(times)
+        )
         record.num_prefix_hit_tokens = stream.num_cached_tokens
         record.finish_reason = "error" if stream.error else (stream.finish_reason or "error")
-        record.error = stream.error or (None if stream.finish_reason else "stream ended without a finish_reason")
-        if record.error is None and record.finish_reason == "length" and \
-                record.num_output_tokens == 0 and max_tokens >= 1:
+        record.error = stream.error or (
+            None if stream.finish_reason else "stream ended without a finish_reason"
+        )
+        if (
+            record.error is None
+            and record.finish_reason == "length"
+            and record.num_output_tokens == 0
+            and max_tokens >= 1
+        ):
             record.error = stream.ignored_reason or IGNORED_BY_SERVER
         record.output_digest = stream.digest()
 
     # ---- the result ------------------------------------------------------------------
 
     def _timeline(self) -> Timeline:
-        samples = sorted((s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t)
+        samples = sorted(
+            (s for scraper in self.scrapers for s in scraper.samples), key=lambda s: s.t
+        )
         engines = list(dict.fromkeys(s.engine for s in samples))
         num_usable_blocks = {s.engine: s.num_usable_blocks for s in samples}
         topology = (self.identity.kvdrain or {}).get("topology") if self.identity else None
-        meta = {"driver": "http", "target": self.options.base_url, "sampling": SAMPLING_SCRAPED,
-                "topology": topology,  # None: the server does not say (settings.topology)
-                # engines whose /metrics say how many requests they run and queue: their own
-                # idle windows are read from those (replay/verify/windows.py)
-                QUEUE_GAUGES: sorted({e for s in self.scrapers if QUEUE_GAUGE in s.names_found
-                                      for e in s.engines.values()}),
-                "http": {"server": self.identity.to_dict() if self.identity else None,
-                         "metrics": [s.status() for s in self.scrapers],
-                         "metrics_from": self.metrics_from,
-                         "prompt_format": self.options.prompt_format,
-                         "scrape_interval_s": self.options.scrape_interval_s,
-                         "scrape_timeout_s": self.options.scrape_timeout_s,
-                         "latency": latency_summary(self.requests.values()),
-                         "settings": self.settings(engines)}}
-        counters = {e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e))
-                    for e in engines}
-        return Timeline(engines=engines, num_usable_blocks=num_usable_blocks, samples=samples,
-                        requests=list(self.requests.values()), arrivals=self.arrivals,
-                        aborts=self.aborts, end_t=self.end_t, counters=counters, meta=meta)
+        meta = {
+            "driver": "http",
+            "target": self.options.base_url,
+            "sampling": SAMPLING_SCRAPED,
+            "topology": topology,  # None: the server does not say (settings.topology)
+            # engines whose /metrics say how many requests they run and queue: their own
+            # idle windows are read from those (replay/verify/windows.py)
+            QUEUE_GAUGES: sorted(
+                {
+                    e
+                    for s in self.scrapers
+                    if QUEUE_GAUGE in s.names_found
+                    for e in s.engines.values()
+                }
+            ),
+            "http": {
+                "server": self.identity.to_dict() if self.identity else None,
+                "metrics": [s.status() for s in self.scrapers],
+                "metrics_from": self.metrics_from,
+                "prompt_format": self.options.prompt_format,
+                "scrape_interval_s": self.options.scrape_interval_s,
+                "scrape_timeout_s": self.options.scrape_timeout_s,
+                "latency": latency_summary(self.requests.values()),
+                "settings": self.settings(engines),
+            },
+        }
+        counters = {
+            e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e)) for e in engines
+        }
+        return Timeline(
+            engines=engines,
+            num_usable_blocks=num_usable_blocks,
+            samples=samples,
+            requests=list(self.requests.values()),
+            arrivals=self.arrivals,
+            aborts=self.aborts,
+            end_t=self.end_t,
+            counters=counters,
+            meta=meta,
+        )
 
     def settings(self, engines: list[str]) -> dict:
         """The server as it described itself (the report's settings.engine over HTTP)."""
         identity = self.identity
         if identity is None:
             return {}
-        said = {"server": identity.kind, "version": identity.version, "model": identity.model,
-                "max_model_len": identity.max_model_len, "vocab_size": identity.vocab_size,
-                "vocab_source": identity.vocab_source,
-                "engines": {e: self._engine_settings(e) for e in engines}}
+        said = {
+            "server": identity.kind,
+            "version": identity.version,
+            "model": identity.model,
+            "max_model_len": identity.max_model_len,
+            "vocab_size": identity.vocab_size,
+            "vocab_source": identity.vocab_source,
+            "engines": {e: self._engine_settings(e) for e in engines},
+        }
         if identity.kvdrain is not None:  # kvdrain's own server says its liveness policy
             said["liveness"] = identity.kvdrain.get("liveness")
         return said
@@ -538,20 +656,24 @@ class HttpReplay:
     def _engine_settings(self, engine: str) -> dict:
         facts = self.facts_after.get(engine) or self.facts_before.get(engine)
         config = facts.cache_config if facts is not None else {}
-        return {"version": self.versions.get(engine, self.identity.version),
-                "block_size": _int_or_none(config.get("block_size")),
-                "num_gpu_blocks": _int_or_none(config.get("num_gpu_blocks")),
-                "connector": self.options.connector or (facts.connector if facts else None),
-                "cache_config": config}
+        return {
+            "version": self.versions.get(engine, self.identity.version),
+            "block_size": _int_or_none(config.get("block_size")),
+            "num_gpu_blocks": _int_or_none(config.get("num_gpu_blocks")),
+            "connector": self.options.connector or (facts.connector if facts else None),
+            "cache_config": config,
+        }
 
 
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:
     """A TraceError before t = 0 if the trace's prompts hold a token the server cannot take."""
     if max_token_id is None or max_token_id < identity.vocab_size:
         return
-    raise TraceError(f"trace: prompt token id {max_token_id:,} is outside the server's "
-                     f"vocabulary [0, {identity.vocab_size:,}) (from {identity.vocab_source}); "
-                     f"nothing was sent")
+    raise TraceError(
+        f"trace: prompt token id {max_token_id:,} is outside the server's "
+        f"vocabulary [0, {identity.vocab_size:,}) (from {identity.vocab_source}); "
+        f"nothing was sent"
+    )
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -566,4 +688,3 @@ def _json_or_text(body: bytes) -> object:
         return loads_strict(body)
     except ValueError:
         return body.decode("utf-8", "replace")
-

@@ -12,16 +12,17 @@ the engines' own (connection_cap). The request head's timeout is aiohttp's keep-
 timeout (server.py), which also covers a connection that never sends a whole head;
 the body's is server.py's.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from http import HTTPStatus
 import resource
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
+from http import HTTPStatus
 
 RESERVED_FDS = 128  # the engines' sockets and pipes, the run dir, logs
 BACKLOG = 128  # listen backlog: asyncio accepts up to this many before any is admitted
@@ -40,10 +41,13 @@ def connection_cap() -> int:
 
 def refusal(status: int, message: str, kind: str) -> bytes:
     """A whole HTTP/1.1 response with vLLM's error body, for a connection never handed on."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}}).encode()
-    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    body = json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    ).encode()
+    return (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
 
 
 class ConnectionGuard:
@@ -95,8 +99,13 @@ class _Tracked(asyncio.Protocol):
             return
         # Refused: answer, stop writing, and read what the peer sent until it closes (a
         # socket closed with unread data resets the connection before the answer is read).
-        transport.write(refusal(503, f"too many connections (the cap is "
-                                     f"{self.guard.max_connections})", "ServiceUnavailableError"))
+        transport.write(
+            refusal(
+                503,
+                f"too many connections (the cap is {self.guard.max_connections})",
+                "ServiceUnavailableError",
+            )
+        )
         transport.write_eof()
         asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
 

@@ -23,6 +23,7 @@ too); vllm:request_success_total has one series per FinishReason. kvdrain's own 
 (kvdrain:*) add what vLLM does not export: block counts, delayed frees, the loop state,
 the snapshot's age and the connector's counters.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -36,10 +37,53 @@ from engine.core.liveness import LOOP_STATE_NAMES
 from engine.proc.messages import StatsSnapshot
 
 # vllm/v1/metrics/buckets.py (0.32.0): TIME_TO_FIRST_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # vllm.v1.engine.FinishReason, in order; kvdrain's "ignored" is vLLM's FINISHED_IGNORED,
 # which vLLM reports as "length".
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
@@ -76,11 +120,26 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 
 # StatsSnapshot.counts keys that are not the connector's.
-_ENGINE_KEYS = frozenset((
-    "num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-    "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
-    "num_free_blocks", "num_preemptions", "num_prefix_hit_tokens", "num_prefix_query_tokens",
-    "connector_worker_pid", "num_probe_wakeups", "num_bad_messages", "num_kv_load_failures"))
+_ENGINE_KEYS = frozenset(
+    (
+        "num_waiting",
+        "num_skipped_waiting",
+        "num_waiting_for_remote_kvs",
+        "num_running",
+        "num_finished_awaiting_free",
+        "num_usable_blocks",
+        "num_used_blocks",
+        "num_cached_blocks",
+        "num_free_blocks",
+        "num_preemptions",
+        "num_prefix_hit_tokens",
+        "num_prefix_query_tokens",
+        "connector_worker_pid",
+        "num_probe_wakeups",
+        "num_bad_messages",
+        "num_kv_load_failures",
+    )
+)
 
 
 @dataclass(slots=True)
@@ -123,9 +182,15 @@ class FrontStats:
 class EngineCollector(Collector):
     """Collects every family above from the snapshots and the front's stats."""
 
-    def __init__(self, model_name: str, engines: list[str], block_size: int,
-                 latest: dict[str, StatsSnapshot], front: dict[str, FrontStats],
-                 prefill: tuple[str, dict[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engines: list[str],
+        block_size: int,
+        latest: dict[str, StatsSnapshot],
+        front: dict[str, FrontStats],
+        prefill: tuple[str, dict[str, int]] | None = None,
+    ) -> None:
         """prefill: the prefill engine and its finished requests by reason (kept current)."""
         self.model_name = model_name
         self.prefill = prefill
@@ -142,7 +207,9 @@ class EngineCollector(Collector):
             snap = self.latest.get(engine)
             if snap is not None:
                 _add_snapshot(families, labels, snap, now, self.block_size)
-            prefill = self.prefill[1] if self.prefill is not None and self.prefill[0] == engine else {}
+            prefill = (
+                self.prefill[1] if self.prefill is not None and self.prefill[0] == engine else {}
+            )
             _add_front(families, labels, self.front.get(engine) or FrontStats(), prefill)
         yield from families.values()
 
@@ -156,41 +223,72 @@ def _new_families() -> dict[str, object]:
 
     def histogram(name, doc):
         return HistogramMetricFamily(name, doc, labels=FAMILIES[name])
-    return {f.name: f for f in (
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches."),
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-        counter("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
-        counter("vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens."),
-        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-        counter("vllm:request_success", "Count of successfully processed requests."),
-        histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
-        histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
-        gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig"),
-        gauge("kvdrain:kv_blocks_used", "KV blocks held by requests (ref count > 0)."),
-        gauge("kvdrain:kv_blocks_cached", "Free KV blocks that still hold a prefix hash."),
-        gauge("kvdrain:kv_blocks_free", "Free KV blocks, cached ones included."),
-        gauge("kvdrain:kv_blocks_usable", "Usable KV blocks (the null block excluded)."),
-        gauge("kvdrain:delayed_free_requests",
-              "Finished requests whose blocks the KV connector still holds (delayed frees)."),
-        gauge("kvdrain:requests_waiting_for_remote_kvs",
-              "Requests parked in WAITING_FOR_REMOTE_KVS."),
-        gauge("kvdrain:loop_state", "The engine loop's state at its last snapshot (1 = current)."),
-        counter("kvdrain:engine_steps", "Engine steps so far."),
-        counter("kvdrain:engine_wakeups", "Engine loop wake-ups (out of blocked, poll sleeps)."),
-        counter("kvdrain:engine_probe_wakeups", "Wake-ups of a parked engine whose only input was a stats probe."),
-        counter("kvdrain:engine_bad_messages", "Messages the engine core dropped (undecodable or not its own)."),
-        counter("kvdrain:kv_load_failures", "Requests whose KV load failed (the scheduler's count)."),
-        gauge("kvdrain:stats_age_seconds",
-              "Seconds since the engine last published stats (a parked engine's grow)."),
-        counter("kvdrain:connector_events", "KV connector counters, by event."),
-        gauge("kvdrain:connector_in_flight", "KV connector operations in flight, by kind."),
-    )}
+
+    return {
+        f.name: f
+        for f in (
+            gauge("vllm:num_requests_running", "Number of requests in model execution batches."),
+            gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+            gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            counter("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+            counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+            ),
+            counter(
+                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+            ),
+            counter("vllm:request_success", "Count of successfully processed requests."),
+            histogram(
+                "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."
+            ),
+            histogram(
+                "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
+            ),
+            gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig"),
+            gauge("kvdrain:kv_blocks_used", "KV blocks held by requests (ref count > 0)."),
+            gauge("kvdrain:kv_blocks_cached", "Free KV blocks that still hold a prefix hash."),
+            gauge("kvdrain:kv_blocks_free", "Free KV blocks, cached ones included."),
+            gauge("kvdrain:kv_blocks_usable", "Usable KV blocks (the null block excluded)."),
+            gauge(
+                "kvdrain:delayed_free_requests",
+                "Finished requests whose blocks the KV connector still holds (delayed frees).",
+            ),
+            gauge(
+                "kvdrain:requests_waiting_for_remote_kvs",
+                "Requests parked in WAITING_FOR_REMOTE_KVS.",
+            ),
+            gauge(
+                "kvdrain:loop_state", "The engine loop's state at its last snapshot (1 = current)."
+            ),
+            counter("kvdrain:engine_steps", "Engine steps so far."),
+            counter(
+                "kvdrain:engine_wakeups", "Engine loop wake-ups (out of blocked, poll sleeps)."
+            ),
+            counter(
+                "kvdrain:engine_probe_wakeups",
+                "Wake-ups of a parked engine whose only input was a stats probe.",
+            ),
+            counter(
+                "kvdrain:engine_bad_messages",
+                "Messages the engine core dropped (undecodable or not its own).",
+            ),
+            counter(
+                "kvdrain:kv_load_failures", "Requests whose KV load failed (the scheduler's count)."
+            ),
+            gauge(
+                "kvdrain:stats_age_seconds",
+                "Seconds since the engine last published stats (a parked engine's grow).",
+            ),
+            counter("kvdrain:connector_events", "KV connector counters, by event."),
+            gauge("kvdrain:connector_in_flight", "KV connector operations in flight, by kind."),
+        )
+    }
 
 
-def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: float,
-                  block_size: int) -> None:
+def _add_snapshot(
+    families: dict, labels: list[str], snap: StatsSnapshot, now: float, block_size: int
+) -> None:
     c = snap.counts
     num_usable = c.get("num_usable_blocks", 0)
     values = {
@@ -217,21 +315,25 @@ def _add_snapshot(families: dict, labels: list[str], snap: StatsSnapshot, now: f
         families[name].add_metric(labels, value)
     # vLLM's num_gpu_blocks counts the null block too.
     families["vllm:cache_config_info"].add_metric(
-        [str(block_size), str(num_usable + 1), labels[1]], 1)
+        [str(block_size), str(num_usable + 1), labels[1]], 1
+    )
     for state in LOOP_STATE_NAMES:
         families["kvdrain:loop_state"].add_metric(labels + [state], float(snap.loop_state == state))
     for key, value in sorted(c.items()):
         if key in _ENGINE_KEYS or not key.startswith("num_"):
             continue
-        name = key[len("num_"):]
+        name = key[len("num_") :]
         if name.endswith("_in_flight"):
-            families["kvdrain:connector_in_flight"].add_metric(labels + [name[:-len("_in_flight")]], value)
+            families["kvdrain:connector_in_flight"].add_metric(
+                labels + [name[: -len("_in_flight")]], value
+            )
         else:
             families["kvdrain:connector_events"].add_metric(labels + [name], value)
 
 
-def _add_front(families: dict, labels: list[str], front: FrontStats,
-               prefill_finished: dict[str, int]) -> None:
+def _add_front(
+    families: dict, labels: list[str], front: FrontStats, prefill_finished: dict[str, int]
+) -> None:
     finished = dict(front.finished)
     for reason, count in prefill_finished.items():
         reason = "length" if reason == "ignored" else reason if reason in finished else "error"
@@ -239,6 +341,8 @@ def _add_front(families: dict, labels: list[str], front: FrontStats,
     for reason, count in finished.items():
         families["vllm:request_success"].add_metric(labels + [reason], count)
     families["vllm:time_to_first_token_seconds"].add_metric(
-        labels, front.ttft.buckets(), front.ttft.total)
+        labels, front.ttft.buckets(), front.ttft.total
+    )
     families["vllm:e2e_request_latency_seconds"].add_metric(
-        labels, front.e2e.buckets(), front.e2e.total)
+        labels, front.e2e.buckets(), front.e2e.total
+    )

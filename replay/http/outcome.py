@@ -8,6 +8,7 @@ nothing; the status is the Verdict's, made inconclusive by any of them (a violat
 stays one). Statuses and exit codes are replay/verify/verdict.py's table. Latency is
 replay/verify/latency.py's (the report's "latency").
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,10 @@ from replay.verify.coverage import ignored_cause
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import exit_code_for, worst
 
-NO_METRICS = ("no --metrics URL, and no KV-usage metric at the target's own /metrics: KV usage "
-              "was not observed")
+NO_METRICS = (
+    "no --metrics URL, and no KV-usage metric at the target's own /metrics: KV usage "
+    "was not observed"
+)
 
 
 def printable(text: object, limit: int = 200) -> str:
@@ -27,8 +30,10 @@ def printable(text: object, limit: int = 200) -> str:
     text = str(text)
     if len(text) > limit:
         text = text[:limit] + "..."
-    return "".join(c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") or c == " "
-                   else ascii(c)[1:-1] for c in text)
+    return "".join(
+        c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") or c == " " else ascii(c)[1:-1]
+        for c in text
+    )
 
 
 def observation_reasons(timeline: Timeline, verdict) -> list[str]:
@@ -45,12 +50,16 @@ def observation_reasons(timeline: Timeline, verdict) -> list[str]:
             why = status["errors"][0] if status["errors"] else "none exposed"
             reasons.append(f"{status['url']}: no KV-usage metric read ({why})")
         elif status["num_failures"] and _failures_matter(status, verdict):
-            reasons.append(f"{status['url']}: {status['num_failures']} of {status['num_scrapes']} "
-                           f"scrapes failed (first: {status['errors'][0]})")
+            reasons.append(
+                f"{status['url']}: {status['num_failures']} of {status['num_scrapes']} "
+                f"scrapes failed (first: {status['errors'][0]})"
+            )
     failed = [r for r in timeline.requests if r.error is not None and ignored_cause(r) is None]
     if failed:
-        reasons.append(f"{len(failed)} of {len(timeline.requests)} requests failed "
-                       f"(first: {failed[0].req_id}: {failed[0].error})")
+        reasons.append(
+            f"{len(failed)} of {len(timeline.requests)} requests failed "
+            f"(first: {failed[0].req_id}: {failed[0].error})"
+        )
     for engine in timeline.engines:
         values = {s.num_used_blocks for s in timeline.samples_for(engine)}
         if len(values) <= 1:
@@ -69,15 +78,18 @@ def _failures_matter(status: dict, verdict) -> bool:
         return True
     windows = [(w.start, w.end) for w in verdict.windows] + [  # an expected one from its quiet
         (c.start if c.quiet_from is None else c.quiet_from, math.inf if c.end is None else c.end)
-        for c in verdict.coverage]
+        for c in verdict.coverage
+    ]
     return any(sent < end and failed > start for sent, failed in spans for start, end in windows)
 
 
 def http_verdict(timeline: Timeline, verdict) -> tuple[str, list[str]]:
     """The run's status and every reason it is inconclusive: the Verdict's, then HTTP's."""
     observed = observation_reasons(timeline, verdict)
-    return (worst(verdict.status, "inconclusive" if observed else "verified"),
-            [*verdict.reasons, *observed])
+    return (
+        worst(verdict.status, "inconclusive" if observed else "verified"),
+        [*verdict.reasons, *observed],
+    )
 
 
 def http_outcome(timeline: Timeline, verdict) -> dict | None:
@@ -87,8 +99,12 @@ def http_outcome(timeline: Timeline, verdict) -> dict | None:
     if timeline.meta.get("driver") != "http":
         return None
     status, _ = http_verdict(timeline, verdict)
-    return {**timeline.meta["http"], "verdict": status, "exit_code": exit_code_for(status),
-            "reasons": observation_reasons(timeline, verdict)}
+    return {
+        **timeline.meta["http"],
+        "verdict": status,
+        "exit_code": exit_code_for(status),
+        "reasons": observation_reasons(timeline, verdict),
+    }
 
 
 def outcome_lines(outcome: dict) -> list[str]:
@@ -99,24 +115,36 @@ def outcome_lines(outcome: dict) -> list[str]:
     """
     server = outcome.get("server") or {}
     p = printable
-    lines = [f"server: {p(server.get('server') or 'no Server header')}, model "
-             f"{p(repr(server.get('model')))} (owned_by {p(server.get('owned_by'))}), "
-             f"max_model_len {p(server.get('max_model_len'))}"]
+    lines = [
+        f"server: {p(server.get('server') or 'no Server header')}, model "
+        f"{p(repr(server.get('model')))} (owned_by {p(server.get('owned_by'))}), "
+        f"max_model_len {p(server.get('max_model_len'))}"
+    ]
     for m in outcome.get("metrics", []):
         engines = ", ".join(p(e) for e in m["engines"].values()) or "none"
-        cost = f"; answers took up to {m['max_answer_s']:.3f} s, parsing up to " \
-               f"{m['max_parse_s']:.3f} s" if "max_parse_s" in m else ""
-        lines.append(f"metrics {p(m['url'])}: {m['metric'] or 'no KV-usage metric'}"
-                     f" ({m['unit'] or '-'}), engines {engines}; {m['num_scrapes']} scrapes, "
-                     f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names "
-                     f"found{cost}")
+        cost = (
+            f"; answers took up to {m['max_answer_s']:.3f} s, parsing up to "
+            f"{m['max_parse_s']:.3f} s"
+            if "max_parse_s" in m
+            else ""
+        )
+        lines.append(
+            f"metrics {p(m['url'])}: {m['metric'] or 'no KV-usage metric'}"
+            f" ({m['unit'] or '-'}), engines {engines}; {m['num_scrapes']} scrapes, "
+            f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names "
+            f"found{cost}"
+        )
     if outcome["reasons"]:
-        lines.append("KV usage not fully observed over HTTP:"
-                     + "".join(f"\n  - {p(r, 400)}" for r in outcome["reasons"]))
+        lines.append(
+            "KV usage not fully observed over HTTP:"
+            + "".join(f"\n  - {p(r, 400)}" for r in outcome["reasons"])
+        )
     elif busy_failures := sum(m["num_failures"] for m in outcome.get("metrics", [])):
-        lines.append(f"KV usage observed from the server's own metrics in every idle window; "
-                     f"{busy_failures} failed scrape{'s' * (busy_failures != 1)} fell in busy time, "
-                     f"where nothing is judged")
+        lines.append(
+            f"KV usage observed from the server's own metrics in every idle window; "
+            f"{busy_failures} failed scrape{'s' * (busy_failures != 1)} fell in busy time, "
+            f"where nothing is judged"
+        )
     else:
         lines.append("KV usage observed from the server's own metrics throughout")
     return lines

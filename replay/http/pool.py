@@ -8,6 +8,7 @@ a request cannot be retried blindly (a prefill that did run leaves its KV held f
 decode that never comes), so no connection is reused after IDLE_S: for any server whose
 keep-alive is longer, the server's close and the client's reuse never meet.
 """
+
 from __future__ import annotations
 
 import aiohttp

@@ -12,6 +12,7 @@ sends anything:
   neither, the replay runs without metrics and says so.
 The CLI turns a PreflightError into exit 2 with no request sent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,11 +56,18 @@ def preflight(options: HttpTargetOptions) -> CheckedTarget:
 async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     origins = {URL(u).origin() for u in (options.base_url, *(m.url for m in options.metrics))}
-    async with aiohttp.ClientSession(headers=headers, middlewares=(same_origin_only(origins),)) as session:
-        identity = await probe(session, options)  # a ConnectionError naming the URL and what answered
+    async with aiohttp.ClientSession(
+        headers=headers, middlewares=(same_origin_only(origins),)
+    ) as session:
+        identity = await probe(
+            session, options
+        )  # a ConnectionError naming the URL and what answered
         metrics, named_by = options.metrics, FROM_GIVEN
         if not metrics:
-            metrics, named_by = await discover_metrics(session, api_root(options.base_url)), FROM_PROXY
+            metrics, named_by = (
+                await discover_metrics(session, api_root(options.base_url)),
+                FROM_PROXY,
+            )
             origins.update(URL(m.url).origin() for m in metrics)
         for source in metrics:
             why = await _scrape_once(session, source)

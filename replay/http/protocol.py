@@ -26,6 +26,7 @@ the engines' limits, before anything reaches an engine:
   honoured at greedy decoding's values (temperature 0, top_p 1, ...) and refused (422,
   naming the knob) at any other; a seed, which changes nothing greedy, is accepted.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,27 +37,75 @@ from dataclasses import dataclass
 from replay.http.tokenizer import WordTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
-ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
-               408: "RequestTimeout", 413: "RequestEntityTooLarge", 422: "UnprocessableEntityError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    404: "NotFoundError",
+    408: "RequestTimeout",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 # Accepted: cannot change what a greedy engine answers (a seed only matters when sampling).
-_IGNORED = frozenset((
-    "seed", "user", "skip_special_tokens", "spaces_between_special_tokens", "priority", "suffix",
-    "include_stop_str_in_output", "add_special_tokens"))
+_IGNORED = frozenset(
+    (
+        "seed",
+        "user",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "priority",
+        "suffix",
+        "include_stop_str_in_output",
+        "add_special_tokens",
+    )
+)
 # Sampling knobs: honoured at the values greedy decoding has (kvdrain's engines are
 # greedy), refused (422, naming the knob) at any other: one policy, nothing ignored.
-_GREEDY = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
-           "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-           "length_penalty": (1,)}
+_GREEDY = {
+    "temperature": (0,),
+    "top_p": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+}
 # vLLM's fields that would change the answer in ways kvdrain does not model -> the values
 # that change nothing (vLLM's defaults).
-_UNSUPPORTED = {"n": (1,), "best_of": (None, 1), "echo": (False, None), "logprobs": (None,),
-                "stop": (None, []), "use_beam_search": (False,), "min_tokens": (0,),
-                "prompt_logprobs": (None,), "stop_token_ids": (None, []),
-                "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,)}
-_KNOWN = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos",
-                    "kv_transfer_params", "request_id", "return_token_ids", "logit_bias")) \
-    | _IGNORED | set(_UNSUPPORTED) | set(_GREEDY)
+_UNSUPPORTED = {
+    "n": (1,),
+    "best_of": (None, 1),
+    "echo": (False, None),
+    "logprobs": (None,),
+    "stop": (None, []),
+    "use_beam_search": (False,),
+    "min_tokens": (0,),
+    "prompt_logprobs": (None,),
+    "stop_token_ids": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+}
+_KNOWN = (
+    frozenset(
+        (
+            "model",
+            "prompt",
+            "max_tokens",
+            "stream",
+            "stream_options",
+            "ignore_eos",
+            "kv_transfer_params",
+            "request_id",
+            "return_token_ids",
+            "logit_bias",
+        )
+    )
+    | _IGNORED
+    | set(_UNSUPPORTED)
+    | set(_GREEDY)
+)
 
 
 class ApiError(Exception):
@@ -69,8 +118,14 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "Error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +142,23 @@ class ServedModel:
 
     def card(self) -> dict:
         """One /v1/models entry (vLLM's ModelCard, plus kvdrain's own facts)."""
-        return {"id": self.name, "object": "model", "created": int(time.time()),
-                "owned_by": "kvdrain", "root": self.name, "parent": None,
-                "max_model_len": self.max_model_len, "permission": [],
-                "kvdrain": {"vocab_size": self.vocab_size, "block_size": self.block_size,
-                            "engines": list(self.engines), "topology": self.topology,
-                            "liveness": self.liveness}}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kvdrain",
+            "root": self.name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [],
+            "kvdrain": {
+                "vocab_size": self.vocab_size,
+                "block_size": self.block_size,
+                "engines": list(self.engines),
+                "topology": self.topology,
+                "liveness": self.liveness,
+            },
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +174,9 @@ class CompletionParams:
     kv_transfer_params: dict | None
 
 
-def _expect(body: dict, name: str, types: tuple[type, ...], default: object,
-            nullable: bool = True) -> object:
+def _expect(
+    body: dict, name: str, types: tuple[type, ...], default: object, nullable: bool = True
+) -> object:
     """body[name] checked against types; absent (or null when nullable): default."""
     value = body.get(name, default)
     if value is None and (nullable or default is None):
@@ -127,8 +194,9 @@ def parse_completion(body: object, model: ServedModel) -> CompletionParams:
     _check_fields(body)
     name = _expect(body, "model", (str,), None)
     if name is not None and name != model.name:
-        raise ApiError(404, f"The model `{name}` does not exist. Valid aliases: {model.name}.",
-                       "model")
+        raise ApiError(
+            404, f"The model `{name}` does not exist. Valid aliases: {model.name}.", "model"
+        )
     prompt = _prompt_ids(body, model)
     max_tokens = _expect(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
@@ -139,8 +207,15 @@ def parse_completion(body: object, model: ServedModel) -> CompletionParams:
     return_token_ids = _expect(body, "return_token_ids", (bool,), False)
     params = _expect(body, "kv_transfer_params", (dict,), None)
     request_id = _expect(body, "request_id", (str,), None) or uuid.uuid4().hex
-    return CompletionParams(request_id, prompt, min(max_tokens, model.max_model_len - len(prompt)),
-                            stream, include_usage, return_token_ids, params)
+    return CompletionParams(
+        request_id,
+        prompt,
+        min(max_tokens, model.max_model_len - len(prompt)),
+        stream,
+        include_usage,
+        return_token_ids,
+        params,
+    )
 
 
 MAX_REQUEST_ID_CHARS = 256
@@ -153,8 +228,9 @@ def check_request_id(request_id: str) -> str:
     except UnicodeEncodeError:
         raise ApiError(400, "request id: not valid UTF-8", "request_id") from None
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ApiError(400, f"request id: longer than {MAX_REQUEST_ID_CHARS} characters",
-                       "request_id")
+        raise ApiError(
+            400, f"request id: longer than {MAX_REQUEST_ID_CHARS} characters", "request_id"
+        )
     return request_id
 
 
@@ -163,8 +239,9 @@ def _include_usage(body: dict, stream: bool) -> bool:
     if not options:  # vLLM: `if data.get("stream_options") and not data.get("stream")`
         return False
     if not stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.",
-                       "stream_options")
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     include_usage = options.get("include_usage")
     if include_usage is None:  # Optional[bool] = False
         return False
@@ -180,15 +257,25 @@ def _check_fields(body: dict) -> None:
     for key, ok in _UNSUPPORTED.items():
         value = body.get(key, ok[0])
         if not any(value == v and type(value) is type(v) for v in ok):
-            raise ApiError(422, f"{key}={value!r} is not supported by kvdrain's engines "
-                                f"(greedy, one sequence, no stop strings)", key)
+            raise ApiError(
+                422,
+                f"{key}={value!r} is not supported by kvdrain's engines "
+                f"(greedy, one sequence, no stop strings)",
+                key,
+            )
     for key, ok in _GREEDY.items():
         value = body.get(key)
         if value is not None and not (type(value) in (int, float) and value in ok):
-            raise ApiError(422, f"{key}={value!r} would sample; kvdrain's engines decode "
-                                f"greedily: send {key}={ok[0]} or leave it out", key)
+            raise ApiError(
+                422,
+                f"{key}={value!r} would sample; kvdrain's engines decode "
+                f"greedily: send {key}={ok[0]} or leave it out",
+                key,
+            )
     if body.get("logit_bias") not in (None, {}):
-        raise ApiError(422, "logit_bias is not supported by kvdrain's engines (greedy)", "logit_bias")
+        raise ApiError(
+            422, "logit_bias is not supported by kvdrain's engines (greedy)", "logit_bias"
+        )
 
 
 def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
@@ -210,31 +297,38 @@ def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
         raise ApiError(400, "The prompt cannot be empty.", "prompt")
     bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"Token id {bad} is out of vocabulary (vocab_size "
-                            f"{model.vocab_size}).", "prompt")
+        raise ApiError(
+            400, f"Token id {bad} is out of vocabulary (vocab_size {model.vocab_size}).", "prompt"
+        )
     return ids
 
 
 def _text_ids(prompt: str, model: ServedModel) -> list[int]:
     """A text prompt's ids, tokenised no further than max_model_len tokens."""
     if model.vocab_size < 256:
-        raise ApiError(422, "text prompts need a vocabulary of 256 tokens or more; "
-                            "send token ids", "prompt")
+        raise ApiError(
+            422, "text prompts need a vocabulary of 256 tokens or more; send token ids", "prompt"
+        )
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"prompt: not valid Unicode (a lone surrogate at character "
-                            f"{e.start})", "prompt") from None
+        raise ApiError(
+            400, f"prompt: not valid Unicode (a lone surrogate at character {e.start})", "prompt"
+        ) from None
     return WordTokenizer(model.vocab_size).encode(prompt, limit=model.max_model_len - 1)
 
 
 def _check_length(num_tokens: int, model: ServedModel, at_least: bool = False) -> None:
     if num_tokens < model.max_model_len:
         return
-    raise ApiError(400, f"This model's maximum context length is {model.max_model_len} "
-                        f"tokens. However, your prompt contains {'at least ' if at_least else ''}"
-                        f"{num_tokens} input tokens, which leaves no room for an output token. "
-                        f"Please reduce the length of the input prompt.", "input_tokens")
+    raise ApiError(
+        400,
+        f"This model's maximum context length is {model.max_model_len} "
+        f"tokens. However, your prompt contains {'at least ' if at_least else ''}"
+        f"{num_tokens} input tokens, which leaves no room for an output token. "
+        f"Please reduce the length of the input prompt.",
+        "input_tokens",
+    )
 
 
 def loads_strict(raw: bytes | str) -> object:
@@ -286,10 +380,14 @@ _STRICT = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 # ---- responses --------------------------------------------------------------------
 
+
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens + num_output_tokens,
-            "completion_tokens": num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "completion_tokens": num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
 
 
 def head(response_id: str, model: str, created: int) -> dict:
@@ -297,12 +395,22 @@ def head(response_id: str, model: str, created: int) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model}
 
 
-def choice(text: str, token_ids: list[int] | None, finish_reason: str | None,
-           ignored_reason: str | None = None) -> dict:
+def choice(
+    text: str,
+    token_ids: list[int] | None,
+    finish_reason: str | None,
+    ignored_reason: str | None = None,
+) -> dict:
     """choices[0] (vLLM's exclude_unset dump: logprobs and stop_reason are null here);
     ignored_reason: the engine's cause of an ignored request (kvdrain's own field)."""
-    out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-           "stop_reason": None, "token_ids": token_ids}
+    out = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "token_ids": token_ids,
+    }
     if ignored_reason is not None:
         out["kvdrain_ignored_reason"] = ignored_reason
     return out
@@ -318,9 +426,16 @@ def usage_chunk(first: dict, usage_info: dict) -> dict:
     return {**first, "choices": [], "usage": usage_info}
 
 
-def completion(first: dict, answer: dict, usage_info: dict, kv_transfer_params: dict | None) -> dict:
+def completion(
+    first: dict, answer: dict, usage_info: dict, kv_transfer_params: dict | None
+) -> dict:
     """A whole (non-streamed) answer; kv_transfer_params as vLLM returns them."""
-    return {**first, "choices": [answer], "usage": usage_info, "kv_transfer_params": kv_transfer_params}
+    return {
+        **first,
+        "choices": [answer],
+        "usage": usage_info,
+        "kv_transfer_params": kv_transfer_params,
+    }
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
@@ -328,7 +443,9 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "ignored" else reason
 
 
-def ignored_reason(finish_reason: str | None, num_output_tokens: int, error: str | None) -> str | None:
+def ignored_reason(
+    finish_reason: str | None, num_output_tokens: int, error: str | None
+) -> str | None:
     """The engine's cause when it ignored a request ("length" or "ignored", no token, a cause)."""
     if finish_reason in ("length", "ignored") and num_output_tokens == 0 and error:
         return error

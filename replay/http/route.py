@@ -5,6 +5,7 @@ not, errors included, names in ROUTE_HEADER the upstreams it went to, P then D, 
 names its /health gives them; the HTTP replay client (replay/http/client.py) reads it into
 the request's stages, so each engine is judged in its own idle windows.
 """
+
 from __future__ import annotations
 
 ROUTE_HEADER = "X-Kvdrain-Route"  # "P0,D1": the upstreams a completion went to, in order

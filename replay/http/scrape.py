@@ -19,6 +19,7 @@ A scrape that fails in any way (no answer, not 200, not parseable, a value read 
 +Inf, -Inf or NaN, anything unexpected) is a counted failure with its error; the scrape
 loop goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,12 @@ from prometheus_client.samples import Sample
 from replay.http.outcome import printable
 from replay.verify.timeline import EngineSample
 
-KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-              "kvdrain:kv_blocks_used")
+KV_METRICS = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+    "kvdrain:kv_blocks_used",
+)
 PPM = 1_000_000
 MAX_METRICS_BYTES = 8 << 20  # a larger /metrics answer is a failed scrape
 INLINE_PARSE_BYTES = 64 << 10  # a later scrape's answer up to this is read on the event loop
@@ -71,8 +76,11 @@ class MetricsSource:
 def sample_lines(text: str, names: frozenset[str]) -> str:
     """The sample lines of `names` only, no comments (their samples untyped: the same
     names, labels and values as parsed from the whole text)."""
-    return "".join(f"{line}\n" for line in text.splitlines()
-                   if (m := _SAMPLE_NAME.match(line)) is not None and m[0] in names)
+    return "".join(
+        f"{line}\n"
+        for line in text.splitlines()
+        if (m := _SAMPLE_NAME.match(line)) is not None and m[0] in names
+    )
 
 
 async def _parse_off_the_sends(raw: bytes, whole: bool) -> dict[str, list]:
@@ -99,8 +107,10 @@ def _parse(raw: bytes, whole: bool) -> dict[str, list]:
 
 # A sample line as servers write it: name, labels quoted without escapes, one value, no
 # timestamp. Anything else (escapes, a timestamp, odd spacing) is prometheus_client's.
-_PLAIN_LINE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"'
-                         r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*")*)?)\})? ([0-9a-zA-Z.+-]+)')
+_PLAIN_LINE = re.compile(
+    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"'
+    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*")*)?)\})? ([0-9a-zA-Z.+-]+)'
+)
 _PLAIN_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
 
 
@@ -191,14 +201,28 @@ def read_engines(samples: dict[str, list], metric: str) -> list[Scraped]:
     return out
 
 
-_EXTRA = ("vllm:num_requests_waiting", "vllm:num_requests_running",
-          "kvdrain:requests_waiting_for_remote_kvs", "kvdrain:delayed_free_requests",
-          "kvdrain:engine_steps_total", "kvdrain:engine_wakeups_total")
+_EXTRA = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "kvdrain:requests_waiting_for_remote_kvs",
+    "kvdrain:delayed_free_requests",
+    "kvdrain:engine_steps_total",
+    "kvdrain:engine_wakeups_total",
+)
 # Every sample a scrape reads once its metric is chosen. The rest (histograms above all,
 # half of kvdrain's /metrics) is dropped before prometheus_client's parser, which costs
 # tens of microseconds a line and holds the GIL against the replay's sends meanwhile.
-READ_NAMES = frozenset((*KV_METRICS, *_EXTRA, "kvdrain:kv_blocks_free", "kvdrain:kv_blocks_cached",
-                        "kvdrain:loop_state", "vllm:cache_config_info", "sglang:max_total_num_tokens"))
+READ_NAMES = frozenset(
+    (
+        *KV_METRICS,
+        *_EXTRA,
+        "kvdrain:kv_blocks_free",
+        "kvdrain:kv_blocks_cached",
+        "kvdrain:loop_state",
+        "vllm:cache_config_info",
+        "sglang:max_total_num_tokens",
+    )
+)
 
 
 def _finite(name: str, value: float) -> float:
@@ -216,7 +240,9 @@ def _finite(name: str, value: float) -> float:
 _FRACTIONS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
-def _usage(samples: dict[str, list], metric: str, value: float, engine: str) -> tuple[int, int, str]:
+def _usage(
+    samples: dict[str, list], metric: str, value: float, engine: str
+) -> tuple[int, int, str]:
     value = _finite(metric, value)
     if metric == "kvdrain:kv_blocks_used":
         used = int(value)
@@ -245,8 +271,10 @@ def _num_gpu_blocks(samples: dict[str, list], engine: str) -> int:
 
 
 def _gauge(samples: dict[str, list], name: str, engine: str) -> float:
-    return _finite(name, next((s.value for s in samples.get(name, [])
-                               if s.labels.get("engine", "") == engine), 0.0))
+    return _finite(
+        name,
+        next((s.value for s in samples.get(name, []) if s.labels.get("engine", "") == engine), 0.0),
+    )
 
 
 def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
@@ -263,14 +291,21 @@ def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
 def to_sample(t: float, engine: str, scraped: Scraped, loop_state: str) -> EngineSample:
     g = scraped.labels
     return EngineSample(
-        t=t, engine=engine, num_used_blocks=scraped.used, num_cached_blocks=scraped.cached,
-        num_free_blocks=scraped.free, num_usable_blocks=scraped.used + scraped.free,
-        num_waiting=int(g.get("vllm:num_requests_waiting", 0)), num_skipped_waiting=0,
+        t=t,
+        engine=engine,
+        num_used_blocks=scraped.used,
+        num_cached_blocks=scraped.cached,
+        num_free_blocks=scraped.free,
+        num_usable_blocks=scraped.used + scraped.free,
+        num_waiting=int(g.get("vllm:num_requests_waiting", 0)),
+        num_skipped_waiting=0,
         num_waiting_for_remote_kvs=int(g.get("kvdrain:requests_waiting_for_remote_kvs", 0)),
         num_running=int(g.get("vllm:num_requests_running", 0)),
         num_finished_awaiting_free=int(g.get("kvdrain:delayed_free_requests", 0)),
-        loop_state=loop_state, num_steps=int(g.get("kvdrain:engine_steps_total", 0)),
-        num_wakeups=int(g.get("kvdrain:engine_wakeups_total", 0)))
+        loop_state=loop_state,
+        num_steps=int(g.get("kvdrain:engine_steps_total", 0)),
+        num_wakeups=int(g.get("kvdrain:engine_wakeups_total", 0)),
+    )
 
 
 def loop_state(samples: dict[str, list], engine: str) -> str:
@@ -361,8 +396,16 @@ class Scraper:
 
     def status(self) -> dict:
         """For the report: which metric, in what unit, what was found, what failed."""
-        return {"url": self.source.url, "metric": self.metric, "unit": self.unit,
-                "engines": dict(self.engines), "metric_names_found": self.names_found,
-                "num_scrapes": self.num_scrapes, "num_failures": self.num_failures,
-                "max_answer_s": self.max_answer_s, "max_parse_s": self.max_parse_s,
-                "errors": list(self.errors), "failure_spans": [list(s) for s in self.failure_spans]}
+        return {
+            "url": self.source.url,
+            "metric": self.metric,
+            "unit": self.unit,
+            "engines": dict(self.engines),
+            "metric_names_found": self.names_found,
+            "num_scrapes": self.num_scrapes,
+            "num_failures": self.num_failures,
+            "max_answer_s": self.max_answer_s,
+            "max_parse_s": self.max_parse_s,
+            "errors": list(self.errors),
+            "failure_spans": [list(s) for s in self.failure_spans],
+        }

@@ -14,6 +14,7 @@ aborts on disconnect); like vLLM's abort path, that counts in no finished-reques
 an engine unchecked (protocol.py); errors are vLLM's JSON error bodies with their status
 codes; a missing or wrong API key gets vLLM's auth middleware's 401 {"error": "Unauthorized"}.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,19 +23,24 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
+from engine.proc.messages import StatsSnapshot
 from replay.http import chat, protocol
 from replay.http.bearer import bearer_middleware
-from replay.http.connections import (BACKLOG, ConnectionGuard, QuietLoopErrors, connection_cap,
-                                     quiet_logger)
+from replay.http.connections import (
+    BACKLOG,
+    ConnectionGuard,
+    QuietLoopErrors,
+    connection_cap,
+    quiet_logger,
+)
 from replay.http.metrics import EngineCollector, FrontStats
 from replay.http.protocol import ApiError, CompletionParams, ServedModel
 from replay.http.tokenize import tokenize_answer
@@ -77,8 +83,14 @@ class _Open:
 class HttpFront:
     server_header = SERVER_HEADER  # for handlers elsewhere (chat.py) that stream
 
-    def __init__(self, router, model: ServedModel, options: HttpOptions = HttpOptions(),
-                 on_tick: Callable[[HttpFront], None] | None = None, shared=None) -> None:
+    def __init__(
+        self,
+        router,
+        model: ServedModel,
+        options: HttpOptions = HttpOptions(),
+        on_tick: Callable[[HttpFront], None] | None = None,
+        shared=None,
+    ) -> None:
         self.router = router
         self.shared = shared  # a SharedRouter: the co-tenant's outputs and stats go there
         self.model = model
@@ -92,11 +104,22 @@ class HttpFront:
         self.num_requests = 0
         self.registry = CollectorRegistry(auto_describe=False)
         prefill = getattr(router, "prefill_finished", None)  # P's prefill-only completions
-        self.registry.register(EngineCollector(model.name, list(model.engines), model.block_size,
-                                               self.latest, self.front, (model.engines[0], prefill)
-                                               if prefill is not None and len(model.engines) > 1 else None))
+        self.registry.register(
+            EngineCollector(
+                model.name,
+                list(model.engines),
+                model.block_size,
+                self.latest,
+                self.front,
+                (model.engines[0], prefill)
+                if prefill is not None and len(model.engines) > 1
+                else None,
+            )
+        )
         self._ids = itertools.count(1)
-        self._takes_params = "kv_transfer_params" in inspect.signature(router.add_request).parameters
+        self._takes_params = (
+            "kv_transfer_params" in inspect.signature(router.add_request).parameters
+        )
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
@@ -107,8 +130,10 @@ class HttpFront:
     # ---- life cycle ----------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.options.max_body_bytes,
-                              middlewares=[self._errors, bearer_middleware(self.options.api_key)])
+        app = web.Application(
+            client_max_size=self.options.max_body_bytes,
+            middlewares=[self._errors, bearer_middleware(self.options.api_key)],
+        )
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
@@ -120,9 +145,13 @@ class HttpFront:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(QuietLoopErrors())
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     keepalive_timeout=self.options.header_timeout_s,
-                                     logger=quiet_logger())
+        self._runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.options.header_timeout_s,
+            logger=quiet_logger(),
+        )
         await self._runner.setup()
         site = _GuardedSite(self._runner, self.options.host, self.options.port, self.guard)
         await site.start()
@@ -235,8 +264,9 @@ class HttpFront:
         try:
             raw = await asyncio.wait_for(request.read(), self.options.body_timeout_s)
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within "
-                                f"{self.options.body_timeout_s:g} s") from None
+            raise ApiError(
+                408, f"the request body did not arrive within {self.options.body_timeout_s:g} s"
+            ) from None
         except web.HTTPException:
             raise  # 413: too large
         except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
@@ -245,7 +275,9 @@ class HttpFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         params = protocol.parse_completion(await self.read_body(request), self.model)
-        client_id = protocol.check_request_id(request.headers.get("X-Request-Id") or params.request_id)
+        client_id = protocol.check_request_id(
+            request.headers.get("X-Request-Id") or params.request_id
+        )
         internal_id = self._submit(client_id, params)
         try:
             if params.stream:
@@ -262,8 +294,11 @@ class HttpFront:
         if client_id in self.client_ids:
             raise ApiError(400, f"request id {client_id!r} is already in flight", "request_id")
         internal_id = f"{client_id}@http{next(self._ids)}"
-        extra = {"kv_transfer_params": params.kv_transfer_params} \
-            if self._takes_params and params.kv_transfer_params is not None else {}
+        extra = (
+            {"kv_transfer_params": params.kv_transfer_params}
+            if self._takes_params and params.kv_transfer_params is not None
+            else {}
+        )
         self.router.add_request(internal_id, params.prompt_token_ids, params.max_tokens, **extra)
         self.num_requests += 1
         self.open[internal_id] = _Open(client_id, params, time.monotonic())
@@ -298,7 +333,9 @@ class HttpFront:
 
     def _usage(self, internal_id: str) -> dict:
         r = self.open[internal_id]
-        return protocol.usage(len(r.params.prompt_token_ids), r.num_output_tokens, r.num_cached_tokens)
+        return protocol.usage(
+            len(r.params.prompt_token_ids), r.num_output_tokens, r.num_cached_tokens
+        )
 
     async def _generate(self, internal_id: str) -> tuple[list[int], RequestOutput]:
         """Every token of a request not streamed, and its last output (a 500 if the engine
@@ -315,21 +352,36 @@ class HttpFront:
 
     def _choice(self, internal_id: str, tokens: list[int], output: RequestOutput) -> dict:
         """A completion's choice: its text, token ids if asked for, finish and stop reasons."""
-        return protocol.choice(WordTokenizer.decode(tokens),
-                               tokens if self.open[internal_id].params.return_token_ids else None,
-                               protocol.openai_finish_reason(output.finish_reason),
-                               protocol.ignored_reason(output.finish_reason, len(tokens), output.error))
+        return protocol.choice(
+            WordTokenizer.decode(tokens),
+            tokens if self.open[internal_id].params.return_token_ids else None,
+            protocol.openai_finish_reason(output.finish_reason),
+            protocol.ignored_reason(output.finish_reason, len(tokens), output.error),
+        )
 
     async def _complete(self, internal_id: str) -> web.Response:
         tokens, output = await self._generate(internal_id)
-        first = protocol.head("cmpl-" + self.open[internal_id].client_id, self.model.name, int(time.time()))
-        return web.json_response(protocol.completion(first, self._choice(internal_id, tokens, output),
-                                                     self._usage(internal_id), output.kv_transfer_params))
+        first = protocol.head(
+            "cmpl-" + self.open[internal_id].client_id, self.model.name, int(time.time())
+        )
+        return web.json_response(
+            protocol.completion(
+                first,
+                self._choice(internal_id, tokens, output),
+                self._usage(internal_id),
+                output.kv_transfer_params,
+            )
+        )
 
     async def _stream(self, http_request: web.Request, internal_id: str) -> web.StreamResponse:
         request = self.open[internal_id]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache", "Server": SERVER_HEADER})
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "Server": SERVER_HEADER,
+            }
+        )
         await response.prepare(http_request)
         first_chunk = protocol.head("cmpl-" + request.client_id, self.model.name, int(time.time()))
         first = True
@@ -342,14 +394,25 @@ class HttpFront:
             if output.new_token_ids or output.finished:
                 text = WordTokenizer.decode(output.new_token_ids, first)
                 first = first and not output.new_token_ids
-                await protocol.send_event(response, protocol.stream_chunk(first_chunk, protocol.choice(
-                    text, output.new_token_ids if request.params.return_token_ids else None,
-                    protocol.openai_finish_reason(output.finish_reason), protocol.ignored_reason(
-                        output.finish_reason, request.num_output_tokens, output.error))))
+                await protocol.send_event(
+                    response,
+                    protocol.stream_chunk(
+                        first_chunk,
+                        protocol.choice(
+                            text,
+                            output.new_token_ids if request.params.return_token_ids else None,
+                            protocol.openai_finish_reason(output.finish_reason),
+                            protocol.ignored_reason(
+                                output.finish_reason, request.num_output_tokens, output.error
+                            ),
+                        ),
+                    ),
+                )
             if output.finished:
                 if request.params.include_usage:
-                    await protocol.send_event(response, protocol.usage_chunk(first_chunk,
-                                                                     self._usage(internal_id)))
+                    await protocol.send_event(
+                        response, protocol.usage_chunk(first_chunk, self._usage(internal_id))
+                    )
                 break
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -371,5 +434,6 @@ class _GuardedSite(web.TCPSite):
     async def start(self) -> None:
         await web.BaseSite.start(self)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self.guard.factory(self._runner.server),
-                                                self._host, self._port, backlog=BACKLOG)
+        self._server = await loop.create_server(
+            self.guard.factory(self._runner.server), self._host, self._port, backlog=BACKLOG
+        )

@@ -16,6 +16,7 @@ that answered (never kvdrain's own engine options) and counts what happened betw
   are the replay's prefix-cache hits, steps, wake-ups and lease expiries. A counter
   the server does not expose is unknown (None), never 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,11 +35,16 @@ COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
     "num_prefix_query_tokens": (("vllm:prefix_cache_queries_total", {}),),
     "num_steps": (("kvdrain:engine_steps_total", {}),),
     "num_wakeups": (("kvdrain:engine_wakeups_total", {}),),
-    "num_expired": (("vllm:nixl_num_kv_expired_reqs_total", {}),
-                    ("vllm:nixl_num_kv_expired_reqs", {}),
-                    ("kvdrain:connector_events_total", {"event": "expired"})),
+    "num_expired": (
+        ("vllm:nixl_num_kv_expired_reqs_total", {}),
+        ("vllm:nixl_num_kv_expired_reqs", {}),
+        ("kvdrain:connector_events_total", {"event": "expired"}),
+    ),
 }
-CONNECTOR_FAMILIES = (("vllm:nixl_", "NixlConnector"), ("kvdrain:connector_", "kvdrain PDConnector"))
+CONNECTOR_FAMILIES = (
+    ("vllm:nixl_", "NixlConnector"),
+    ("kvdrain:connector_", "kvdrain PDConnector"),
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -67,7 +73,9 @@ def root_of(url: str) -> str:
 async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[MetricsSource, ...]:
     """NAME=URL/metrics of every upstream a proxy's /health names (none: not a kvdrain proxy)."""
     try:
-        async with session.get(root + "/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
+        async with session.get(
+            root + "/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
             body = await r.json(content_type=None) if r.content_type == "application/json" else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return ()
@@ -85,7 +93,9 @@ async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[M
 async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None:
     """GET ROOT/version's "version" (vLLM's); None when there is none."""
     try:
-        async with session.get(root + "/version", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
+        async with session.get(
+            root + "/version", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
             body = await r.json(content_type=None) if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
@@ -93,11 +103,14 @@ async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None
     return str(version) if isinstance(version, (str, int, float)) else None
 
 
-async def _tokenize(session: aiohttp.ClientSession, root: str, model: str, text: str) -> dict | None:
+async def _tokenize(
+    session: aiohttp.ClientSession, root: str, model: str, text: str
+) -> dict | None:
     body = {"model": model, "prompt": text, "add_special_tokens": False, "return_token_strs": True}
     try:
-        async with session.post(root + "/tokenize", json=body,
-                                timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
+        async with session.post(
+            root + "/tokenize", json=body, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
             answer = await r.json(content_type=None) if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
@@ -123,14 +136,17 @@ async def probe_vocab_size(session: aiohttp.ClientSession, root: str, model: str
             return None
     while outside - inside > 1:  # inside is a word, outside is not
         middle = (inside + outside) // 2
-        inside, outside = (middle, outside) if await _is_word(session, root, model, middle) \
-            else (inside, middle)
+        inside, outside = (
+            (middle, outside) if await _is_word(session, root, model, middle) else (inside, middle)
+        )
     return outside
 
 
 def _labels_match(sample, label: str, extra: dict[str, str]) -> bool:
     labels = sample.labels
-    return labels.get("engine", "") in (label, "") and all(labels.get(k) == v for k, v in extra.items())
+    return labels.get("engine", "") in (label, "") and all(
+        labels.get(k) == v for k, v in extra.items()
+    )
 
 
 def _counter(samples: dict[str, list], label: str, names) -> float | None:
@@ -143,14 +159,26 @@ def _counter(samples: dict[str, list], label: str, names) -> float | None:
 
 def engine_facts(samples: dict[str, list], label: str) -> EngineFacts:
     """One engine's facts from one parsed exposition."""
-    config = next((dict(s.labels) for s in samples.get("vllm:cache_config_info", [])
-                   if s.labels.get("engine", "") in (label, "")), {})
+    config = next(
+        (
+            dict(s.labels)
+            for s in samples.get("vllm:cache_config_info", [])
+            if s.labels.get("engine", "") in (label, "")
+        ),
+        {},
+    )
     config.pop("engine", None)
-    return EngineFacts(label=label, cache_config=config, families=family_names(samples),
-                       counters={k: _counter(samples, label, names) for k, names in COUNTERS.items()})
+    return EngineFacts(
+        label=label,
+        cache_config=config,
+        families=family_names(samples),
+        counters={k: _counter(samples, label, names) for k, names in COUNTERS.items()},
+    )
 
 
-async def read_facts(session: aiohttp.ClientSession, url: str, labels: list[str]) -> dict[str, EngineFacts]:
+async def read_facts(
+    session: aiohttp.ClientSession, url: str, labels: list[str]
+) -> dict[str, EngineFacts]:
     """Engine label -> its facts, from one GET of a metrics URL (empty if it fails)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
@@ -163,7 +191,9 @@ async def read_facts(session: aiohttp.ClientSession, url: str, labels: list[str]
     return {label: engine_facts(samples, label) for label in labels}
 
 
-def counter_deltas(before: EngineFacts | None, after: EngineFacts | None) -> dict[str, float | None]:
+def counter_deltas(
+    before: EngineFacts | None, after: EngineFacts | None
+) -> dict[str, float | None]:
     """What each counter counted between two readings (None: not read both times)."""
     out: dict[str, float | None] = {}
     for name in COUNTERS:

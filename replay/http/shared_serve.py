@@ -7,15 +7,16 @@ its requests through a RecordingRouter, so HTTP clients are recorded too (t = 0 
 first request of either front). Both run in the one thread
 of the asyncio loop: the router is never touched from two threads.
 """
+
 from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Callable
+from collections.abc import Callable
 
+from replay.http.bearer import check_http_listen
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpFront, HttpOptions
-from replay.http.bearer import check_http_listen
 from replay.live.recorder import RecordingRouter
 
 STOP_CHECK_S = 0.05
@@ -45,8 +46,9 @@ class SharedRouter:
     def errors(self) -> list:
         return self.router.errors
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None) -> None:
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int, pd: bool | None = None
+    ) -> None:
         self.router.add_request(req_id, prompt_token_ids, max_tokens, pd)
 
     def abort(self, req_id: str) -> None:
@@ -80,8 +82,15 @@ def parse_http_address(text: str) -> tuple[str, int]:
 
 def served_model(router, engine, topology: str, name: str) -> ServedModel:
     """What `serve --http` serves: the engines' limits (engine: their EngineConfig)."""
-    return ServedModel(name, engine.max_model_len, router.vocab_size, engine.block_size,
-                       tuple(router.engines), topology, engine.liveness)
+    return ServedModel(
+        name,
+        engine.max_model_len,
+        router.vocab_size,
+        engine.block_size,
+        tuple(router.engines),
+        topology,
+        engine.liveness,
+    )
 
 
 class HttpServe:
@@ -107,13 +116,23 @@ class HttpServe:
         self.shared = SharedRouter(router)
         return self.shared
 
-    def run(self, server, engine, topology: str, on_round: Callable[[object], None],
-            should_stop: Callable[[], bool]) -> None:
+    def run(
+        self,
+        server,
+        engine,
+        topology: str,
+        on_round: Callable[[object], None],
+        should_stop: Callable[[], bool],
+    ) -> None:
         """Serve both fronts until should_stop() (or Ctrl-C); `server` is the zmq serve."""
         router = self.shared.router
         taking = router if server.recorder is None else RecordingRouter(router, server.recorder)
-        self.front = HttpFront(taking, served_model(router, engine, topology, self.model_name),
-                               self.options, shared=self.shared)
+        self.front = HttpFront(
+            taking,
+            served_model(router, engine, topology, self.model_name),
+            self.options,
+            shared=self.shared,
+        )
         asyncio.run(self._serve(self.front, server, on_round, should_stop))
 
     async def _serve(self, front: HttpFront, server, on_round, should_stop) -> None:
@@ -126,8 +145,10 @@ class HttpServe:
         host = front.options.host
         url = f"http://{'[' + host + ']' if ':' in host else host}:{front.port}"
         self.url = url
-        print(f"kvdrain serve: OpenAI-compatible HTTP on {url} (model {self.model_name!r}; "
-              f"/metrics)", flush=True)
+        print(
+            f"kvdrain serve: OpenAI-compatible HTTP on {url} (model {self.model_name!r}; /metrics)",
+            flush=True,
+        )
         for warning in self.warnings:
             print(warning, file=sys.stderr, flush=True)
         try:

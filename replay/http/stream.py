@@ -9,6 +9,7 @@ error; `data: [DONE]` ends it. Then the body is read to its end (DRAIN_S at most
 that aiohttp returns its connection to the pool. replay/http/client.py turns a Stream
 into the request's record.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,7 +66,9 @@ class Stream:
         return self.text_digest.hexdigest()[:16]
 
 
-async def read_stream(response: aiohttp.ClientResponse, stream: Stream, now: Callable[[], float]) -> None:
+async def read_stream(
+    response: aiohttp.ClientResponse, stream: Stream, now: Callable[[], float]
+) -> None:
     """The SSE lines as they come, whatever arrived at once split here (one await per
     read, not per line: the replay's sends share this loop); the lines of one read
     arrived together and share its time (now()). A blank line only ends an event: skipped."""
@@ -132,10 +135,14 @@ async def _read_to_end(content: aiohttp.StreamReader) -> None:
 
 def _expect(value: object, types: tuple[type, ...], what: str) -> object:
     """value if it is None or one of types (a bool is no int); a ValueError otherwise."""
-    if value is None or (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
+    if value is None or (
+        isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    ):
         return value
-    raise ValueError(f"stream chunk: {what}: expected {' or '.join(t.__name__ for t in types)}, "
-                     f"got {type(value).__name__}")
+    raise ValueError(
+        f"stream chunk: {what}: expected {' or '.join(t.__name__ for t in types)}, "
+        f"got {type(value).__name__}"
+    )
 
 
 def _apply_chunk(stream: Stream, chunk: dict, now: float) -> None:
@@ -147,15 +154,20 @@ def _apply_chunk(stream: Stream, chunk: dict, now: float) -> None:
     if choices is not None:
         for choice in _expect(choices, (list,), "choices"):
             if type(choice) is not dict:
-                raise ValueError(f"stream chunk: choices: expected objects, got {type(choice).__name__}")
+                raise ValueError(
+                    f"stream chunk: choices: expected objects, got {type(choice).__name__}"
+                )
             _apply_choice(stream, choice, now)
 
 
 def _apply_usage(stream: Stream, usage: dict) -> None:
-    stream.usage_completion_tokens = _expect(usage.get("completion_tokens"), (int,),
-                                             "usage.completion_tokens")
+    stream.usage_completion_tokens = _expect(
+        usage.get("completion_tokens"), (int,), "usage.completion_tokens"
+    )
     details = _expect(usage.get("prompt_tokens_details"), (dict,), "usage.prompt_tokens_details")
-    stream.num_cached_tokens = _expect((details or {}).get("cached_tokens"), (int,), "cached_tokens")
+    stream.num_cached_tokens = _expect(
+        (details or {}).get("cached_tokens"), (int,), "cached_tokens"
+    )
 
 
 def _apply_choice(stream: Stream, choice: dict, now: float) -> None:
@@ -169,5 +181,6 @@ def _apply_choice(stream: Stream, choice: dict, now: float) -> None:
     reason = choice.get("finish_reason")
     if reason is not None:
         stream.finish_reason = _expect(reason, (str,), "finish_reason")
-        stream.ignored_reason = _expect(choice.get("kvdrain_ignored_reason"), (str,),
-                                        "kvdrain_ignored_reason")
+        stream.ignored_reason = _expect(
+            choice.get("kvdrain_ignored_reason"), (str,), "kvdrain_ignored_reason"
+        )

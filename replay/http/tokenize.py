@@ -7,6 +7,7 @@ text, tokenized by kvdrain's word tokenizer (replay/http/tokenizer.py); kvdrain'
 models have no special tokens, so add_special_tokens changes nothing. Chat messages are
 not served (kvdrain has no chat template).
 """
+
 from __future__ import annotations
 
 from replay.http.protocol import ApiError, ServedModel
@@ -33,7 +34,9 @@ def tokenize_answer(body: object, model: ServedModel) -> dict:
         raise ApiError(422, f"unknown field {unknown[0]!r}", unknown[0])
     name = body.get("model")
     if name is not None and name != model.name:
-        raise ApiError(404, f"The model `{name}` does not exist. Valid aliases: {model.name}.", "model")
+        raise ApiError(
+            404, f"The model `{name}` does not exist. Valid aliases: {model.name}.", "model"
+        )
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt: expected a string", "prompt")
@@ -41,6 +44,14 @@ def tokenize_answer(body: object, model: ServedModel) -> dict:
     if model.vocab_size < 256:
         raise ApiError(422, "text prompts need a vocabulary of 256 tokens or more", "prompt")
     tokens = WordTokenizer(model.vocab_size).encode(prompt)
-    strs = [WordTokenizer.decode([t]) for t in tokens] if _flag(body, "return_token_strs", False) else None
-    return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens,
-            "token_strs": strs}
+    strs = (
+        [WordTokenizer.decode([t]) for t in tokens]
+        if _flag(body, "return_token_strs", False)
+        else None
+    )
+    return {
+        "count": len(tokens),
+        "max_model_len": model.max_model_len,
+        "tokens": tokens,
+        "token_strs": strs,
+    }

@@ -11,6 +11,7 @@ as text to a server that wants text and the engine sees exactly the synthesised 
 The reverse is not an identity (`"hi"` encodes to [104, 105], which decodes to
 `"w104 w105"`). Text prompts need vocab_size >= 256 (every byte must be a token).
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,10 @@ _WORD = re.compile(r"w(0|[1-9][0-9]*)")
 class WordTokenizer:
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < NUM_BYTE_TOKENS:
-            raise ValueError(f"vocab_size: text prompts need at least {NUM_BYTE_TOKENS} "
-                             f"tokens (one per byte), got {vocab_size}")
+            raise ValueError(
+                f"vocab_size: text prompts need at least {NUM_BYTE_TOKENS} "
+                f"tokens (one per byte), got {vocab_size}"
+            )
         self.vocab_size = vocab_size
 
     def encode(self, text: str, limit: int | None = None) -> list[int]:
@@ -38,9 +41,9 @@ class WordTokenizer:
             elif limit is None:
                 ids.extend(word.encode("utf-8"))
             else:  # each character is at least one byte
-                ids.extend(word[:limit + 1 - len(ids)].encode("utf-8"))
+                ids.extend(word[: limit + 1 - len(ids)].encode("utf-8"))
             if limit is not None and len(ids) > limit:
-                return ids[:limit + 1]
+                return ids[: limit + 1]
         return ids
 
     @staticmethod

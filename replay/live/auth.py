@@ -16,6 +16,7 @@ through. (PLAIN sends the token in clear: on loopback only.) The engines' ipc so
 GetKVHandle among them, live in the run directory (mode 0700): only this uid reaches
 them (engine/proc/run_dir.py); the KV memory itself is a 0600 file.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -44,7 +45,9 @@ class AuthOptions:
 
     def __post_init__(self) -> None:
         if self.curve_keys is not None and self.token is not None:
-            raise AuthError("--curve-keys and --token: give one (CURVE authenticates clients itself)")
+            raise AuthError(
+                "--curve-keys and --token: give one (CURVE authenticates clients itself)"
+            )
         if self.token == "":
             raise AuthError("--token: must not be empty")
 
@@ -55,7 +58,7 @@ def is_loopback(address: str) -> bool:
         return True
     if not address.startswith("tcp://"):
         return False
-    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
     try:
@@ -68,7 +71,9 @@ def generate_keys(directory: Path) -> list[Path]:
     """A server and a client CURVE pair in directory (made 0700); never overwrites."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    names = [directory / f"{who}.{ext}" for who in (SERVER, CLIENT) for ext in ("key", "key_secret")]
+    names = [
+        directory / f"{who}.{ext}" for who in (SERVER, CLIENT) for ext in ("key", "key_secret")
+    ]
     existing = [str(p) for p in names if p.exists()]
     if existing:
         raise AuthError(f"keys exist already, not overwritten: {', '.join(existing)}")
@@ -84,8 +89,10 @@ def load_pair(directory: Path, who: str) -> tuple[bytes, bytes]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise AuthError(f"--curve-keys {directory}: cannot read {path.name} ({e}); "
-                        f"`kvdrain keys {directory}` makes one") from None
+        raise AuthError(
+            f"--curve-keys {directory}: cannot read {path.name} ({e}); "
+            f"`kvdrain keys {directory}` makes one"
+        ) from None
     if secret is None:
         raise AuthError(f"--curve-keys {directory}: {path.name} holds no secret key")
     return public, secret
@@ -104,15 +111,21 @@ def check_listen(address: str, auth: AuthOptions) -> list[str]:
     if is_loopback(address):
         return []
     if auth.token is not None:
-        raise AuthError(f"--token: loopback only (PLAIN sends it in clear); {address} "
-                        f"leaves this machine: use --curve-keys DIR")
+        raise AuthError(
+            f"--token: loopback only (PLAIN sends it in clear); {address} "
+            f"leaves this machine: use --curve-keys DIR"
+        )
     if auth.curve_keys is not None:
         return []
     if not auth.insecure:
-        raise AuthError(f"--address {address} listens beyond this machine: give --curve-keys DIR "
-                        f"(`kvdrain keys DIR` makes them) or, knowingly, --insecure")
-    return [f"WARNING: --insecure: {address} accepts requests from anyone who can reach it, "
-            f"with no credential"]
+        raise AuthError(
+            f"--address {address} listens beyond this machine: give --curve-keys DIR "
+            f"(`kvdrain keys DIR` makes them) or, knowingly, --insecure"
+        )
+    return [
+        f"WARNING: --insecure: {address} accepts requests from anyone who can reach it, "
+        f"with no credential"
+    ]
 
 
 def secure_server(socket: zmq.Socket, auth: AuthOptions) -> ThreadAuthenticator | None:

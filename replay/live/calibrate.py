@@ -9,6 +9,7 @@ engine-core process (no connector) decodes a request, and what its loop adds per
 (sockets, output encoding, stats) over the in-process step is added to the base. Prefix
 caching is off so every prompt token is computed.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,10 +60,18 @@ class CalibrateOptions:
         batch = max(self.decode_batches)
         num_blocks = 2 + batch * cdiv(longest, bs) + (reps + 1) * cdiv(max(self.prefill_tokens), bs)
         return EngineConfig(
-            engine_id="calibrate", num_blocks=num_blocks, block_size=bs, max_num_seqs=batch + 2,
-            max_num_batched_tokens=max(batch * max(self.context_lens), max(self.prefill_tokens)) + batch,
-            max_model_len=longest, enable_prefix_caching=False, runner=self.runner,
-            device=self.device, model=get_model_config(self.model))
+            engine_id="calibrate",
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_num_seqs=batch + 2,
+            max_num_batched_tokens=max(batch * max(self.context_lens), max(self.prefill_tokens))
+            + batch,
+            max_model_len=longest,
+            enable_prefix_caching=False,
+            runner=self.runner,
+            device=self.device,
+            model=get_model_config(self.model),
+        )
 
 
 class _ShapeRunner:
@@ -83,9 +92,11 @@ class _Bench:
     def __init__(self, config: EngineConfig) -> None:
         if config.runner == "torch":
             from engine.runner.model_runner import ModelRunner  # torch only where it is needed
+
             runner = ModelRunner(config)
         else:
             from engine.runner.mock_runner import MockModelRunner
+
             runner = MockModelRunner(config)
         self.inner = runner
         self.runner = _ShapeRunner(runner)
@@ -122,9 +133,11 @@ def _grid(options: CalibrateOptions) -> list[Cell]:
     """Prefills alone, decode batches at each context, and decodes beside a middle prefill."""
     mid = sorted(options.prefill_tokens)[len(options.prefill_tokens) // 2]
     ctx = min(options.context_lens)
-    return ([(n, 0, 0) for n in options.prefill_tokens]
-            + [(0, b, c) for b in options.decode_batches for c in options.context_lens]
-            + [(mid, b, ctx) for b in options.decode_batches])
+    return (
+        [(n, 0, 0) for n in options.prefill_tokens]
+        + [(0, b, c) for b in options.decode_batches for c in options.context_lens]
+        + [(mid, b, ctx) for b in options.decode_batches]
+    )
 
 
 def _time_cell(bench: _Bench, cell: Cell) -> list[tuple[StepShape, float]]:
@@ -147,8 +160,12 @@ def _time_cell(bench: _Bench, cell: Cell) -> list[tuple[StepShape, float]]:
 
 def _point(samples: list[tuple[StepShape, float]]) -> CostPoint:
     """A cell's point: its mean shape (rounded) and median seconds."""
-    shape = StepShape(*(round(statistics.fmean(getattr(s, f) for s, _ in samples))
-                        for f in ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")))
+    shape = StepShape(
+        *(
+            round(statistics.fmean(getattr(s, f) for s, _ in samples))
+            for f in ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
+        )
+    )
     return CostPoint(shape, statistics.median(t for _, t in samples), len(samples))
 
 
@@ -173,6 +190,7 @@ def measure_loop_overhead(config: EngineConfig, model: CostModel, context: int =
     receive are amortised; outputs read in batches do not matter).
     """
     from engine.proc.client import MPClient  # a process only when asked for
+
     client = MPClient(replace(config, liveness="event"))
     try:
         start, deadline = time.perf_counter(), time.monotonic() + LOOP_TIMEOUT_S
@@ -185,16 +203,21 @@ def measure_loop_overhead(config: EngineConfig, model: CostModel, context: int =
                 break
         end = time.perf_counter()
         if num_tokens != LOOP_DECODE_TOKENS:
-            raise RuntimeError(f"loop overhead: {num_tokens} of {LOOP_DECODE_TOKENS} tokens "
-                               f"within {LOOP_TIMEOUT_S} s")
+            raise RuntimeError(
+                f"loop overhead: {num_tokens} of {LOOP_DECODE_TOKENS} tokens "
+                f"within {LOOP_TIMEOUT_S} s"
+            )
     finally:
         client.shutdown()
     in_process = model.cost_s(StepShape(context, 0, 0)) + sum(
-        model.cost_s(StepShape(0, 1, context + i)) for i in range(LOOP_DECODE_TOKENS - 1))
+        model.cost_s(StepShape(0, 1, context + i)) for i in range(LOOP_DECODE_TOKENS - 1)
+    )
     return max(0.0, (end - start - in_process) / LOOP_DECODE_TOKENS)
 
 
-def calibrate(options: CalibrateOptions, log: Callable[[str], None] = lambda line: None) -> CostProfile:
+def calibrate(
+    options: CalibrateOptions, log: Callable[[str], None] = lambda line: None
+) -> CostProfile:
     """Measure, fit, and (if asked) add the real process loop's per-step overhead."""
     config = options.engine_config()
     bench = _Bench(config)
@@ -209,9 +232,16 @@ def calibrate(options: CalibrateOptions, log: Callable[[str], None] = lambda lin
     overhead = measure_loop_overhead(config, model) if options.loop_overhead else 0.0
     if overhead:
         model = replace(model, base_s=model.base_s + overhead)
-    return CostProfile(model=model, points=tuple(points), runner=options.runner, model_preset=options.model,
-                       device=device, dtype=dtype, torch_version=_torch_version(options.runner),
-                       loop_overhead_s=overhead)
+    return CostProfile(
+        model=model,
+        points=tuple(points),
+        runner=options.runner,
+        model_preset=options.model,
+        device=device,
+        dtype=dtype,
+        torch_version=_torch_version(options.runner),
+        loop_overhead_s=overhead,
+    )
 
 
 def _where(bench: _Bench) -> tuple[str, str]:
@@ -223,6 +253,7 @@ def _where(bench: _Bench) -> tuple[str, str]:
     name = str(tensor.device)
     if tensor.device.type == "cuda":
         import torch
+
         name = f"{name} ({torch.cuda.get_device_name(tensor.device)})"
     return name, str(tensor.dtype).removeprefix("torch.")
 
@@ -231,23 +262,28 @@ def _torch_version(runner: str) -> str | None:
     if runner != "torch":
         return None
     import torch
+
     return torch.__version__
 
 
 def format_profile(profile: CostProfile) -> list[str]:
     """The profile as lines: where, the fitted model, each point measured against the fit."""
     m = profile.model
-    lines = [f"runner {profile.runner}, model {profile.model_preset}, device {profile.device}, "
-             f"dtype {profile.dtype}, torch {profile.torch_version or '-'}",
-             f"step cost = {m.base_s * 1e6:.1f} us + {m.per_prefill_token_s * 1e6:.4f} us/prefill token"
-             f" + {m.per_decode_seq_s * 1e6:.3f} us/decode seq + {m.per_context_token_s * 1e6:.5f}"
-             f" us/context token (base includes {profile.loop_overhead_s * 1e6:.1f} us of process loop)",
-             f"{'prefill':>8} {'decode':>7} {'context':>8} {'measured us':>12} {'fit us':>9}"]
+    lines = [
+        f"runner {profile.runner}, model {profile.model_preset}, device {profile.device}, "
+        f"dtype {profile.dtype}, torch {profile.torch_version or '-'}",
+        f"step cost = {m.base_s * 1e6:.1f} us + {m.per_prefill_token_s * 1e6:.4f} us/prefill token"
+        f" + {m.per_decode_seq_s * 1e6:.3f} us/decode seq + {m.per_context_token_s * 1e6:.5f}"
+        f" us/context token (base includes {profile.loop_overhead_s * 1e6:.1f} us of process loop)",
+        f"{'prefill':>8} {'decode':>7} {'context':>8} {'measured us':>12} {'fit us':>9}",
+    ]
     for p in profile.points:
         s = p.shape
         fit = m.cost_s(s) - profile.loop_overhead_s
-        lines.append(f"{s.num_prefill_tokens:>8} {s.num_decode_seqs:>7} {s.num_context_tokens:>8} "
-                     f"{p.seconds * 1e6:>12.1f} {fit * 1e6:>9.1f}")
+        lines.append(
+            f"{s.num_prefill_tokens:>8} {s.num_decode_seqs:>7} {s.num_context_tokens:>8} "
+            f"{p.seconds * 1e6:>12.1f} {fit * 1e6:>9.1f}"
+        )
     lines.append(f"worst relative error of the fit: {profile.max_relative_error():.0%}")
     return lines
 
@@ -260,9 +296,13 @@ def calibrate_main(options: CalibrateOptions, output: Path, echo: Callable[[str]
         echo(line)
     error = profile.max_relative_error()
     if error > MAX_FIT_ERROR:
-        echo(f"warning: the fit is off by up to {error:.0%} (over {MAX_FIT_ERROR:.0%}): the step "
-             f"timings were noisy; calibrate again with more --reps (now {options.num_reps}) on a "
-             f"quieter machine (fewer jobs beside it) before trusting this profile")
-    echo(f"wrote {output}; use it with: kvdrain replay TRACE --cost-profile {output} (the wall "
-         f"clock's expected windows; with --clock virtual, its step costs)")
+        echo(
+            f"warning: the fit is off by up to {error:.0%} (over {MAX_FIT_ERROR:.0%}): the step "
+            f"timings were noisy; calibrate again with more --reps (now {options.num_reps}) on a "
+            f"quieter machine (fewer jobs beside it) before trusting this profile"
+        )
+    echo(
+        f"wrote {output}; use it with: kvdrain replay TRACE --cost-profile {output} (the wall "
+        f"clock's expected windows; with --clock virtual, its step costs)"
+    )
     return 0

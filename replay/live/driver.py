@@ -8,21 +8,23 @@ not publish has not changed (nothing frees blocks without a step), so a sample h
 until the next one: the timeline shows idle periods as they are, including the legacy
 policy's parked engine, which publishes nothing at all.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
+from engine.core.outputs import RequestOutput
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import StatsSnapshot
-from engine.core.outputs import RequestOutput
 from replay.live.faults import FaultWatch, since_start
 from replay.live.interrupt import Interrupted
 from replay.live.starvation import StarvationJudge
+from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
-from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 
 LEAD_IN_S = 0.1  # at most, between start-up and the trace's t = 0: see _lead_in
 
@@ -34,9 +36,16 @@ class ReplayTarget(Protocol):
     vocab_size: int
     errors: list[tuple[str, str]]  # (engine, message), oldest first
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None, trace_t: float | None = None) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        pd: bool | None = None,
+        trace_t: float | None = None,
+    ) -> None:
         """trace_t: when the trace meant it sent (a serve's recording keeps it)."""
+
     def abort(self, req_id: str) -> None: ...
     def poll(self, timeout_s: float) -> list[RequestOutput]: ...
     def take_stats(self) -> list[StatsSnapshot]: ...
@@ -62,18 +71,30 @@ class WallOptions:
 def sample_from_snapshot(t: float, snap: StatsSnapshot) -> EngineSample:
     c = snap.counts
     return EngineSample(
-        t=t, engine=snap.engine_id, num_used_blocks=c["num_used_blocks"],
-        num_cached_blocks=c["num_cached_blocks"], num_free_blocks=c["num_free_blocks"],
-        num_usable_blocks=c["num_usable_blocks"], num_waiting=c["num_waiting"],
+        t=t,
+        engine=snap.engine_id,
+        num_used_blocks=c["num_used_blocks"],
+        num_cached_blocks=c["num_cached_blocks"],
+        num_free_blocks=c["num_free_blocks"],
+        num_usable_blocks=c["num_usable_blocks"],
+        num_waiting=c["num_waiting"],
         num_skipped_waiting=c["num_skipped_waiting"],
-        num_waiting_for_remote_kvs=c["num_waiting_for_remote_kvs"], num_running=c["num_running"],
+        num_waiting_for_remote_kvs=c["num_waiting_for_remote_kvs"],
+        num_running=c["num_running"],
         num_finished_awaiting_free=c["num_finished_awaiting_free"],
-        loop_state=snap.loop_state, num_steps=snap.num_steps, num_wakeups=snap.num_wakeups)
+        loop_state=snap.loop_state,
+        num_steps=snap.num_steps,
+        num_wakeups=snap.num_wakeups,
+    )
 
 
 class WallClockReplay:
-    def __init__(self, target: ReplayTarget, options: WallOptions,
-                 on_tick: Callable[[WallClockReplay], None] | None = None) -> None:
+    def __init__(
+        self,
+        target: ReplayTarget,
+        options: WallOptions,
+        on_tick: Callable[[WallClockReplay], None] | None = None,
+    ) -> None:
         self.target = target
         self.options = options
         self.on_tick = on_tick
@@ -91,7 +112,9 @@ class WallClockReplay:
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines), judge=StarvationJudge(_engine_pids(target)))
-        self.quiet_since: float | None = float("-inf")  # nothing of ours in flight since (None: some)
+        self.quiet_since: float | None = float(
+            "-inf"
+        )  # nothing of ours in flight since (None: some)
         self._num_errors = 0  # of target.errors, seen
         # (req_id, engine, t) the router told of, not yet recorded: stamped as it hands the
         # request over, before the engine can have it (an engine's sample never precedes it)
@@ -135,8 +158,10 @@ class WallClockReplay:
         self.target.request_stats()
         first: list[StatsSnapshot] = []
         deadline = time.monotonic() + LEAD_IN_S
-        while (not set(self.target.engines) <= {s.engine_id for s in first}
-               and (left := deadline - time.monotonic()) > 0):
+        while (
+            not set(self.target.engines) <= {s.engine_id for s in first}
+            and (left := deadline - time.monotonic()) > 0
+        ):
             for output in self.target.poll(min(left, 0.01)):  # none: nothing was sent yet
                 self._on_output(output)
             first.extend(self.target.take_stats())
@@ -155,10 +180,14 @@ class WallClockReplay:
         self.arrivals.append(req.t)
         self.open.add(req.req_id)
         self.quiet_since = None
-        record = self.requests[req.req_id] = RequestRecord.sent(req.req_id, req.t, sent, len(prompt))
+        record = self.requests[req.req_id] = RequestRecord.sent(
+            req.req_id, req.t, sent, len(prompt)
+        )
         self._take_moves()
         if self.options.expected_tokens is not None:
-            record.expected_digest = output_digest(self.options.expected_tokens(prompt, req.max_tokens))
+            record.expected_digest = output_digest(
+                self.options.expected_tokens(prompt, req.max_tokens)
+            )
         self._tokens[req.req_id] = []
 
     def _take_moves(self) -> None:
@@ -188,8 +217,9 @@ class WallClockReplay:
             self.first.setdefault(snap.engine_id, snap)
             self.samples.append(sample_from_snapshot(snap.monotonic - self.origin, snap))
             self.faults.on_snapshot(self.now(), snap.engine_id, snap.counts)
-            self.faults.on_activity(snap.monotonic - self.origin, snap.engine_id, snap.counts,
-                                    self.quiet_since)
+            self.faults.on_activity(
+                snap.monotonic - self.origin, snap.engine_id, snap.counts, self.quiet_since
+            )
 
     def _on_output(self, output: RequestOutput) -> None:
         record = self.requests.get(output.req_id)
@@ -200,9 +230,15 @@ class WallClockReplay:
             record.on_tokens(now)
             record.num_output_tokens += len(output.new_token_ids)
             self._tokens[output.req_id].extend(output.new_token_ids)
-            record.num_prefix_hit_tokens = max(record.num_prefix_hit_tokens, output.num_cached_tokens)
+            record.num_prefix_hit_tokens = max(
+                record.num_prefix_hit_tokens, output.num_cached_tokens
+            )
         if output.finished:
-            record.end_t, record.finish_reason, record.error = now, output.finish_reason, output.error
+            record.end_t, record.finish_reason, record.error = (
+                now,
+                output.finish_reason,
+                output.error,
+            )
             record.output_digest = output_digest(self._tokens.pop(output.req_id))
             self.open.discard(output.req_id)
             if not self.open:
@@ -211,7 +247,7 @@ class WallClockReplay:
     def _watch_faults(self, now: float) -> None:
         """Engines' errors, and a stats probe for engines that have been silent a while."""
         errors = self.target.errors
-        for engine, message in errors[self._num_errors:]:
+        for engine, message in errors[self._num_errors :]:
             self.faults.on_error(now, engine, message)
         self._num_errors = len(errors)
         if self.faults.should_probe(now):
@@ -233,32 +269,46 @@ class WallClockReplay:
         self.end_t = self.now()
 
     def _have_fresh_stats(self, since: float) -> bool:
-        return all(s.monotonic - self.origin >= since for s in self.latest.values()) and \
-            set(self.latest) >= set(self.target.engines)
+        return all(s.monotonic - self.origin >= since for s in self.latest.values()) and set(
+            self.latest
+        ) >= set(self.target.engines)
 
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
         num_usable_blocks = {e: s.counts["num_usable_blocks"] for e, s in self.latest.items()}
-        counters = {e: since_start(_counters(self.first[e]), _counters(s))  # a serve's outlive replays
-                    for e, s in self.latest.items()}
+        counters = {
+            e: since_start(_counters(self.first[e]), _counters(s))  # a serve's outlive replays
+            for e, s in self.latest.items()
+        }
         routing = getattr(self.target, "routing", None)  # a local router: what each engine got
-        for engine, n in (routing.balancer.num_requests.items() if routing is not None else ()):
+        for engine, n in routing.balancer.num_requests.items() if routing is not None else ():
             counters.setdefault(engine, {})["num_routed_requests"] = n
-        return Timeline(engines=list(self.target.engines), num_usable_blocks=num_usable_blocks,
-                        samples=self.samples, requests=list(self.requests.values()),
-                        arrivals=self.arrivals, aborts=self.aborts, end_t=self.end_t,
-                        counters=counters, meta={"driver": "wall", **(
-                            {"interrupted": self.interrupted} if self.interrupted else {}),
-                            "faults": [asdict(f) for f in self.faults.faults],
-                            "starved": [asdict(s) for s in self.faults.starved]})
+        return Timeline(
+            engines=list(self.target.engines),
+            num_usable_blocks=num_usable_blocks,
+            samples=self.samples,
+            requests=list(self.requests.values()),
+            arrivals=self.arrivals,
+            aborts=self.aborts,
+            end_t=self.end_t,
+            counters=counters,
+            meta={
+                "driver": "wall",
+                **({"interrupted": self.interrupted} if self.interrupted else {}),
+                "faults": [asdict(f) for f in self.faults.faults],
+                "starved": [asdict(s) for s in self.faults.starved],
+            },
+        )
 
 
 def _engine_pids(target: ReplayTarget) -> dict[str, int]:
     """Each local engine process's pid (a router's MPClients); a serve's engines are not ours to read."""
     clients = getattr(target, "clients", {})
-    return {e: c.process.pid for e, c in clients.items()
-            if getattr(getattr(c, "process", None), "pid", None) is not None}
-
+    return {
+        e: c.process.pid
+        for e, c in clients.items()
+        if getattr(getattr(c, "process", None), "pid", None) is not None
+    }
 
 
 def _counters(snap: StatsSnapshot) -> dict[str, int]:

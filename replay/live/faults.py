@@ -24,6 +24,7 @@ Each (engine, kind) is one fault, from its first sighting; its cause keeps the l
 numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
 leak that follows a fault from a liveness leak.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -56,21 +57,42 @@ class Starved:
 # Count -> (kind, how to say it from the growth n and the counts); each count only grows,
 # and only when something stalls.
 _COUNTER_CAUSES: dict[str, tuple[str, Callable[[int, dict[str, int]], str]]] = {
-    "num_pull_timeouts": ("transfer_timeout", lambda n, c: (
-        f"{n} read{'s' if n != 1 else ''} of the prefill engine's KV timed out: its connector "
-        f"worker did not answer (stopped, stuck or dead)")),
-    "num_slow_recvs": ("slow_load", lambda n, c: (
-        f"{_waits(n, 'a KV load', 'KV loads', c.get('last_recv_wait_ms', 0))} past "
-        f"{'its' if n == 1 else 'their'} pull delay: a connector worker was stopped or stuck")),
-    "num_slow_reaps": ("slow_reap", lambda n, c: (
-        f"{_waits(n, 'a lease reap', 'lease reaps', c.get('last_reap_wait_ms', 0))} for its "
-        f"connector worker's answer (stopped or stuck)")),
+    "num_pull_timeouts": (
+        "transfer_timeout",
+        lambda n, c: (
+            f"{n} read{'s' if n != 1 else ''} of the prefill engine's KV timed out: its connector "
+            f"worker did not answer (stopped, stuck or dead)"
+        ),
+    ),
+    "num_slow_recvs": (
+        "slow_load",
+        lambda n, c: (
+            f"{_waits(n, 'a KV load', 'KV loads', c.get('last_recv_wait_ms', 0))} past "
+            f"{'its' if n == 1 else 'their'} pull delay: a connector worker was stopped or stuck"
+        ),
+    ),
+    "num_slow_reaps": (
+        "slow_reap",
+        lambda n, c: (
+            f"{_waits(n, 'a lease reap', 'lease reaps', c.get('last_reap_wait_ms', 0))} for its "
+            f"connector worker's answer (stopped or stuck)"
+        ),
+    ),
 }
 # The Timeline's counters that are counts (replay/sim/engine.py SimEngine.counters has
 # the same names): per replay, like the fault counts.
-TIMELINE_COUNTS = ("num_steps", "num_wakeups", "num_model_steps", "num_expired",
-                   "num_reads_after_expiry", "num_read_done_dropped", "num_bad_params",
-                   "num_stale_kv_reports", "num_preemptions", "num_prefix_hit_tokens")
+TIMELINE_COUNTS = (
+    "num_steps",
+    "num_wakeups",
+    "num_model_steps",
+    "num_expired",
+    "num_reads_after_expiry",
+    "num_read_done_dropped",
+    "num_bad_params",
+    "num_stale_kv_reports",
+    "num_preemptions",
+    "num_prefix_hit_tokens",
+)
 
 
 _ACTIVE = ("num_waiting", "num_skipped_waiting", "num_running")  # an engine's requests in flight
@@ -83,17 +105,25 @@ def _waits(n: int, one: str, many: str, latest_ms: int) -> str:
     return f"{n} {many} waited over a second (the latest {seconds(latest_ms / 1000)})"
 
 
-def since_start(first: dict[str, int], latest: dict[str, int],
-                counts: tuple[str, ...] = TIMELINE_COUNTS) -> dict[str, int]:
+def since_start(
+    first: dict[str, int], latest: dict[str, int], counts: tuple[str, ...] = TIMELINE_COUNTS
+) -> dict[str, int]:
     """`latest` with each of `counts` as its growth since `first` (an engine's first
     snapshot of this replay); the rest (gauges) as they are."""
-    return {name: value - first.get(name, 0) if name in counts else value
-            for name, value in latest.items()}
+    return {
+        name: value - first.get(name, 0) if name in counts else value
+        for name, value in latest.items()
+    }
 
 
 class FaultWatch:
-    def __init__(self, engines: list[str], stall_s: float = STALL_S,
-                 probe_interval_s: float = PROBE_INTERVAL_S, judge: StarvationJudge | None = None) -> None:
+    def __init__(
+        self,
+        engines: list[str],
+        stall_s: float = STALL_S,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        judge: StarvationJudge | None = None,
+    ) -> None:
         self.stall_s, self.probe_interval_s, self.judge = stall_s, probe_interval_s, judge
         self.starved: list[Starved] = []  # silences of engines alive but starved, first first
         self.heard: dict[str, float] = dict.fromkeys(engines, 0.0)  # last snapshot (replay s)
@@ -128,19 +158,26 @@ class FaultWatch:
             if grown > 0:
                 self._note(t, engine, kind, say(grown, counts))
 
-    def on_activity(self, t: float, engine: str, counts: dict[str, int],
-                    quiet_since: float | None) -> None:
+    def on_activity(
+        self, t: float, engine: str, counts: dict[str, int], quiet_since: float | None
+    ) -> None:
         """A snapshot taken at t; quiet_since: since when this replay has had no request in
         flight (None: it has some). Requests on the engine then are another client's."""
         if quiet_since is None or t <= quiet_since:
             return
         num_active = sum(counts.get(name, 0) for name in _ACTIVE)
         if num_active > 0:
-            self._note(t, engine, "shared", (
-                f"{num_active} request{'s' if num_active != 1 else ''} of another client "
-                f"waiting or running while this replay had none in flight: the serve is shared, "
-                f"and its blocks cannot be told from this replay's (replay against a serve of "
-                f"your own)"))
+            self._note(
+                t,
+                engine,
+                "shared",
+                (
+                    f"{num_active} request{'s' if num_active != 1 else ''} of another client "
+                    f"waiting or running while this replay had none in flight: the serve is shared, "
+                    f"and its blocks cannot be told from this replay's (replay against a serve of "
+                    f"your own)"
+                ),
+            )
 
     def should_probe(self, t: float) -> bool:
         """Ask for stats now? (some engine has been silent a while; at most once per interval)"""
@@ -161,15 +198,25 @@ class FaultWatch:
         """Name every engine silent for stall_s that left a probe unanswered a while."""
         for engine, asked in self.asked.items():
             silent_s = t - self.heard[engine]
-            if asked is not None and t - asked >= self.probe_interval_s and silent_s >= self.stall_s:
+            if (
+                asked is not None
+                and t - asked >= self.probe_interval_s
+                and silent_s >= self.stall_s
+            ):
                 cause = f"engine {engine} answered no stats request for {seconds(silent_s)} (stopped or stuck)"
                 judged = self.judge.judge(engine, silent_s) if self.judge is not None else None
-                if judged is not None and judged.kind == "starved" and (engine, "stalled") not in self.by_key:
+                if (
+                    judged is not None
+                    and judged.kind == "starved"
+                    and (engine, "stalled") not in self.by_key
+                ):
                     self._note_starved(engine, judged.cause)
                     continue
                 cause = cause if judged is None else judged.cause
                 key = (engine, "stalled")
-                fault = self.by_key.setdefault(key, Fault(self.heard[engine], engine, "stalled", cause))
+                fault = self.by_key.setdefault(
+                    key, Fault(self.heard[engine], engine, "stalled", cause)
+                )
                 fault.cause, fault.end_t = cause, None
 
     def _note_starved(self, engine: str, cause: str) -> None:

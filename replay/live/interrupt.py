@@ -9,13 +9,14 @@ counted: the shutdown they would cut short is bounded anyway. The exit status
 (replay/verify/verdict.py's table) is the shell's 128 + signal number: 130
 (interrupted) for Ctrl-C and `q`, 143 (terminated) for SIGTERM.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from replay.verify.verdict import EXIT_INTERRUPTED, EXIT_TERMINATED
 

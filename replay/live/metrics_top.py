@@ -7,6 +7,7 @@ windows as a serve's dashboard and `top --connect` do: quiet spells of at least 
 idle threshold, each engine's used blocks checked against the drain deadline. What a
 server does not expose (vLLM has no loop state, no step counts) is shown as unknown.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from replay.http.scrape import MetricsSource, Scraper
 from replay.live.monitor import WINDOW_CHECK_INTERVAL_S, ScrapeFeed, SnapshotWindows
 from replay.ui.dashboard import DashboardState
 from replay.verify.rules import VerifyOptions
+
 
 @dataclass(slots=True)
 class MetricsWatch:
@@ -37,7 +39,9 @@ class MetricsWatch:
     def __post_init__(self) -> None:
         self.scrapers = [Scraper(source, self.origin) for source in self.sources]
         self.windows = SnapshotWindows(self.options, scraped=True)
-        self.feed = ScrapeFeed(self.scrapers, self.state, self.windows.add_sample, forget_taken=True)
+        self.feed = ScrapeFeed(
+            self.scrapers, self.state, self.windows.add_sample, forget_taken=True
+        )
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(scraper.scrape(session) for scraper in self.scrapers))
@@ -55,7 +59,9 @@ class MetricsWatch:
     def _say_closed(self) -> None:
         """Each window that closed held (a leak, or undecided) becomes a message line."""
         num_new = self.windows.num_judged - self._num_closed
-        for w in self.windows.closed[len(self.windows.closed) - min(num_new, len(self.windows.closed)):]:
+        for w in self.windows.closed[
+            len(self.windows.closed) - min(num_new, len(self.windows.closed)) :
+        ]:
             if w.verdict != "drained":
                 self.state.messages.append(w.sentence())
         self._num_closed = self.windows.num_judged
@@ -65,16 +71,23 @@ class MetricsWatch:
 
     def failures(self) -> list[str]:
         """One line per URL that never gave a reading."""
-        return [f"{s.source.url}: no KV reading in {s.num_scrapes} scrapes"
-                + (f" ({s.errors[-1]})" if s.errors else "")
-                for s, n in zip(self.scrapers, self.feed.num_taken) if not n]
+        return [
+            f"{s.source.url}: no KV reading in {s.num_scrapes} scrapes"
+            + (f" ({s.errors[-1]})" if s.errors else "")
+            for s, n in zip(self.scrapers, self.feed.num_taken)
+            if not n
+        ]
 
 
 def top_title(sources: list[MetricsSource]) -> str:
-    return "kvdrain top " + ", ".join(s.url if s.name is None else f"{s.name}={s.url}" for s in sources)
+    return "kvdrain top " + ", ".join(
+        s.url if s.name is None else f"{s.name}={s.url}" for s in sources
+    )
 
 
-async def watch_metrics(watch: MetricsWatch, view, seconds: float | None, interval_s: float) -> None:
+async def watch_metrics(
+    watch: MetricsWatch, view, seconds: float | None, interval_s: float
+) -> None:
     """Scrape every interval_s until `seconds` pass or `q` is typed (Ctrl-C: the caller's)."""
     async with aiohttp.ClientSession() as session:
         while seconds is None or time.monotonic() - watch.origin < seconds:
@@ -86,11 +99,17 @@ async def watch_metrics(watch: MetricsWatch, view, seconds: float | None, interv
             await asyncio.sleep(max(interval_s - (time.monotonic() - started), 0.0))
 
 
-def metrics_top_main(args: list[str], seconds: float | None, interval_s: float, console,
-                     options: VerifyOptions = VerifyOptions()) -> int:
+def metrics_top_main(
+    args: list[str],
+    seconds: float | None,
+    interval_s: float,
+    console,
+    options: VerifyOptions = VerifyOptions(),
+) -> int:
     """`kvdrain top --metrics [NAME=]URL ...`: the exit status (replay/verify/verdict.py's)."""
     from replay.ui.tui import LiveView
     from replay.verify.verdict import EXIT_OK, EXIT_USAGE
+
     try:
         sources = [MetricsSource.parse(arg) for arg in args]
     except ValueError as e:
@@ -124,6 +143,8 @@ def connect_problem(address: str | None, metrics: tuple[str, ...] | list[str]) -
     if address is None and not metrics:
         return "say what to watch: --connect ADDRESS (a kvdrain serve) or --metrics URL"
     if address is not None and address.split("://")[0] in ("http", "https"):
-        return (f"--connect takes a kvdrain serve's ZMQ address (tcp://HOST:PORT or ipc://PATH), "
-                f"not {address!r}; to watch a server's Prometheus metrics: --metrics {metrics_url(address)}")
+        return (
+            f"--connect takes a kvdrain serve's ZMQ address (tcp://HOST:PORT or ipc://PATH), "
+            f"not {address!r}; to watch a server's Prometheus metrics: --metrics {metrics_url(address)}"
+        )
     return None

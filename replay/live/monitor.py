@@ -4,6 +4,7 @@ The one place where engine data becomes DashboardState: the drivers know nothing
 screen and replay/ui/tui.py knows nothing of engines. A new panel is its state in
 replay/ui/dashboard.py, its view in replay/ui/tui.py and its feed here.
 """
+
 from __future__ import annotations
 
 import signal
@@ -11,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from replay.deploy.routing import engine_roles
 from engine.proc.messages import StatsSnapshot
+from replay.deploy.routing import engine_roles
 from replay.live.driver import WallClockReplay, sample_from_snapshot
 from replay.live.interrupt import QUIT_KEY, Interrupted, stopping_line
 from replay.live.serve import Server
@@ -49,13 +50,19 @@ def replay_state(config: ReplayConfig, num_requests: int, duration: float) -> Da
     total = min(num_requests, config.shaping.max_requests or num_requests)
     remote = config.target is not None or config.http is not None
     # A server's liveness is its own: unknown until it says (a serve's ServeInfo, kvdrain's card).
-    state.progress = ReplayProgress(trace_name=config.trace.name, num_total=total,
-                                    duration_s=duration / config.shaping.speedup, clock=config.clock,
-                                    liveness="" if remote else config.engine.liveness,
-                                    speedup=config.shaping.speedup)
+    state.progress = ReplayProgress(
+        trace_name=config.trace.name,
+        num_total=total,
+        duration_s=duration / config.shaping.speedup,
+        clock=config.clock,
+        liveness="" if remote else config.engine.liveness,
+        speedup=config.shaping.speedup,
+    )
     if config.clock == "wall" and config.http is None:
         local = config.target is None
-        state.startup = StartupState(engines=[e for e, _ in engine_roles(config.topology)] if local else [])
+        state.startup = StartupState(
+            engines=[e for e, _ in engine_roles(config.topology)] if local else []
+        )
     return state
 
 
@@ -69,8 +76,13 @@ def apply_newest(state: DashboardState, snapshots: Iterable[StatsSnapshot]) -> N
 class ReplayMonitor:
     """A wall-clock replay's ticks and a replay's final result -> the dashboard."""
 
-    def __init__(self, state: DashboardState, view: LiveView, verify_options: VerifyOptions,
-                 start: float | None = None) -> None:
+    def __init__(
+        self,
+        state: DashboardState,
+        view: LiveView,
+        verify_options: VerifyOptions,
+        start: float | None = None,
+    ) -> None:
         """start: the monotonic time the dashboard's clock counts from (the engines'
         launch, when they started before the view did); None: now."""
         self.state = state
@@ -124,7 +136,7 @@ class ReplayMonitor:
         if state.progress is not None:
             self._update_progress(state.progress, replay)
         faults = replay.faults.faults  # named: died, stopped answering, stalled a transfer
-        for fault in faults[self._num_messages:]:
+        for fault in faults[self._num_messages :]:
             who = f"{fault.engine}: " if fault.engine else ""
             state.messages.append(f"fault: {who}{fault.cause}")
         self._num_messages = len(faults)
@@ -152,15 +164,20 @@ class ReplayMonitor:
         if state.elapsed_s - self._last_window_check >= WINDOW_CHECK_INTERVAL_S:
             self._last_window_check = state.elapsed_s
             samples = sorted((s for sc in replay.scrapers for s in sc.samples), key=lambda s: s.t)
-            state.windows = windows_closed_by(samples, list(replay.requests.values()),
-                                              list(replay.arrivals), replay.now(),
-                                              self.verify_options, scraped=True)
+            state.windows = windows_closed_by(
+                samples,
+                list(replay.requests.values()),
+                list(replay.arrivals),
+                replay.now(),
+                self.verify_options,
+                scraped=True,
+            )
         self._show()
 
     @staticmethod
     def _update_progress(progress: ReplayProgress, replay: WallClockReplay) -> None:
         records = list(replay.requests.values())
-        for record in records[progress.num_sent:]:
+        for record in records[progress.num_sent :]:
             progress.record_send(record.send_lateness_s)
         progress.trace_t = max(replay.now(), 0.0)
         _update_flight(progress, records)
@@ -174,7 +191,10 @@ class ReplayMonitor:
         state.windows = [WindowVerdict.of(w) for w in result.verdict.windows]
         if state.progress is not None:
             progress = state.progress
-            progress.num_sent, progress.trace_t = len(result.timeline.requests), result.timeline.end_t
+            progress.num_sent, progress.trace_t = (
+                len(result.timeline.requests),
+                result.timeline.end_t,
+            )
             progress.num_in_flight = None
             progress.rate_per_s = progress.eta_s = None  # done: no rate to finish at
             if "interrupted" not in result.timeline.meta:  # all the shaped trace had
@@ -185,9 +205,13 @@ class ServeMonitor:
     """A serve's engines -> the dashboard: the serve's own (on_tick) or top's (on_snapshots),
     with the idle windows judged as replay judges them (SnapshotWindows)."""
 
-    def __init__(self, state: DashboardState, view: LiveView,
-                 verify_options: VerifyOptions = VerifyOptions(),
-                 http_url: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        state: DashboardState,
+        view: LiveView,
+        verify_options: VerifyOptions = VerifyOptions(),
+        http_url: Callable[[], str | None] | None = None,
+    ) -> None:
         """http_url: where `serve --http` listens, once it does (for the header)."""
         self.state = state
         self.view = view
@@ -218,7 +242,7 @@ class ServeMonitor:
     def on_restarts(self, restarts: list[str]) -> None:
         """The serve's restarts so far (ServeClient.restarts): each said once, and the idle
         windows start again (the new engines' counts are not the old ones')."""
-        for notice in restarts[self._num_restarts:]:
+        for notice in restarts[self._num_restarts :]:
             self.state.messages.append(notice)
             self.windows = SnapshotWindows(self.windows.options)
         if len(restarts) > self._num_restarts and "(restarted)" not in self.state.title:
@@ -308,15 +332,31 @@ class SnapshotWindows:
     def _prune(self, before: float) -> None:
         """Drop samples before `before`, keeping each engine's last one before it."""
         keep = {s.engine: s for s in self.samples if s.t <= before}
-        self.samples = sorted([*keep.values(), *(s for s in self.samples if s.t > before)],
-                              key=lambda s: s.t)
+        self.samples = sorted(
+            [*keep.values(), *(s for s in self.samples if s.t > before)], key=lambda s: s.t
+        )
 
     def _judge(self, window: tuple[float, float, bool]) -> list[WindowVerdict]:
-        timeline = Timeline(engines=sorted(self.busy), num_usable_blocks={}, samples=self.samples,
-                            requests=[], arrivals=[], aborts=[], end_t=window[1])
-        return [WindowVerdict.of(check_window(EngineSeries.of(timeline, engine), window,
-                                              self.options.drain_deadline_s, self.scraped))
-                for engine in timeline.engines]
+        timeline = Timeline(
+            engines=sorted(self.busy),
+            num_usable_blocks={},
+            samples=self.samples,
+            requests=[],
+            arrivals=[],
+            aborts=[],
+            end_t=window[1],
+        )
+        return [
+            WindowVerdict.of(
+                check_window(
+                    EngineSeries.of(timeline, engine),
+                    window,
+                    self.options.drain_deadline_s,
+                    self.scraped,
+                )
+            )
+            for engine in timeline.engines
+        ]
 
     def verdicts(self, now: float) -> list[WindowVerdict]:
         """The closed windows, then the open one once it is idle_threshold_s long (now:
@@ -338,36 +378,67 @@ def _thinned(samples: list[EngineSample], start: float) -> list[EngineSample]:
         if s.t > start:
             runs.setdefault(s.engine, []).append(s)
     for series in runs.values():
-        reading = [((s.t if s.send_t is None else s.send_t) >= start, s.num_used_blocks,
-                    *(getattr(s, k) for k in QUEUE_COUNTS)) for s in series]
-        kept += [s for i, s in enumerate(series)
-                 if i in (0, len(series) - 1) or reading[i] != reading[i - 1] or reading[i] != reading[i + 1]]
+        reading = [
+            (
+                (s.t if s.send_t is None else s.send_t) >= start,
+                s.num_used_blocks,
+                *(getattr(s, k) for k in QUEUE_COUNTS),
+            )
+            for s in series
+        ]
+        kept += [
+            s
+            for i, s in enumerate(series)
+            if i in (0, len(series) - 1)
+            or reading[i] != reading[i - 1]
+            or reading[i] != reading[i + 1]
+        ]
     return sorted(kept, key=lambda s: s.t)
 
 
 def closed_windows(replay: WallClockReplay, options: VerifyOptions) -> list[WindowVerdict]:
     """Verdicts of the idle windows that have ended so far (the tail is judged at the end)."""
-    return windows_closed_by(sorted(replay.samples, key=lambda s: s.t), list(replay.requests.values()),
-                             list(replay.arrivals), replay.now(), options, aborts=list(replay.aborts))
+    return windows_closed_by(
+        sorted(replay.samples, key=lambda s: s.t),
+        list(replay.requests.values()),
+        list(replay.arrivals),
+        replay.now(),
+        options,
+        aborts=list(replay.aborts),
+    )
 
 
-def windows_closed_by(samples: list[EngineSample], requests: list, arrivals: list[float], now: float,
-                      options: VerifyOptions, aborts: list | None = None,
-                      scraped: bool = False) -> list[WindowVerdict]:
+def windows_closed_by(
+    samples: list[EngineSample],
+    requests: list,
+    arrivals: list[float],
+    now: float,
+    options: VerifyOptions,
+    aborts: list | None = None,
+    scraped: bool = False,
+) -> list[WindowVerdict]:
     """Verdicts of the idle windows of these samples and requests that ended before `now`
     (scraped: samples are readings at their instants, as replay/verify/rules.py takes them)."""
     engines = list(dict.fromkeys(s.engine for s in samples))
-    timeline = Timeline(engines=engines, num_usable_blocks={}, samples=samples, requests=requests,
-                        arrivals=arrivals, aborts=aborts or [], end_t=now,
-                        meta={"sampling": SAMPLING_SCRAPED} if scraped else {})
+    timeline = Timeline(
+        engines=engines,
+        num_usable_blocks={},
+        samples=samples,
+        requests=requests,
+        arrivals=arrivals,
+        aborts=aborts or [],
+        end_t=now,
+        meta={"sampling": SAMPLING_SCRAPED} if scraped else {},
+    )
     verdicts = []
     for window in idle_windows(timeline, options.idle_threshold_s):
         start, end, is_tail = window
         if is_tail or end > now:
             continue
         for engine in timeline.engines:
-            checked = check_window(EngineSeries.of(timeline, engine), window, options.drain_deadline_s,
-                                   scraped)
+            checked = check_window(
+                EngineSeries.of(timeline, engine), window, options.drain_deadline_s, scraped
+            )
             verdicts.append(WindowVerdict.of(checked))
     return verdicts
 
@@ -375,7 +446,7 @@ def windows_closed_by(samples: list[EngineSample], requests: list, arrivals: lis
 def _update_http_progress(progress: ReplayProgress, records: list, now: float) -> None:
     """Sent (a request's send_t is set when it goes out), in flight, lateness so far."""
     sent = [r for r in records if r.send_t > 0 or r.end_t is not None]
-    for record in sent[len(progress.lateness_s):]:
+    for record in sent[len(progress.lateness_s) :]:
         progress.lateness_s.append(record.send_lateness_s)
     progress.num_sent = len(sent)
     progress.trace_t = max(now, 0.0)
@@ -409,18 +480,27 @@ class ScrapeFeed:
     """Scrapers' new readings and errors -> the dashboard (each engine's panel says what
     the server does not expose as unknown); the samples also go to `on_sample`."""
 
-    def __init__(self, scrapers: list[Scraper], state: DashboardState,
-                 on_sample=None, forget_taken: bool = False) -> None:
+    def __init__(
+        self,
+        scrapers: list[Scraper],
+        state: DashboardState,
+        on_sample=None,
+        forget_taken: bool = False,
+    ) -> None:
         self.scrapers, self.state, self.on_sample = scrapers, state, on_sample
-        self.forget_taken = forget_taken  # drop each scraper's samples once taken (top runs for days)
-        self.num_taken = [0] * len(scrapers)  # each scraper's samples taken so far, forgotten or not
+        self.forget_taken = (
+            forget_taken  # drop each scraper's samples once taken (top runs for days)
+        )
+        self.num_taken = [0] * len(
+            scrapers
+        )  # each scraper's samples taken so far, forgotten or not
         self._num_kept = [0] * len(scrapers)  # of them, still in scraper.samples
         self._num_errors = [0] * len(scrapers)
 
     def take(self) -> None:
         for i, scraper in enumerate(self.scrapers):
             observed = observed_counts(scraper.names_found)
-            new = scraper.samples[self._num_kept[i]:]
+            new = scraper.samples[self._num_kept[i] :]
             for sample in new:
                 view = self.state.view(sample.engine)
                 view.unit, view.observed = scraper.unit or "blocks", observed
@@ -431,6 +511,6 @@ class ScrapeFeed:
             if self.forget_taken:
                 scraper.samples.clear()
             self._num_kept[i] = len(scraper.samples)
-            for error in scraper.errors[self._num_errors[i]:]:
+            for error in scraper.errors[self._num_errors[i] :]:
                 self.state.messages.append(f"{scraper.source.url}: {error}")
             self._num_errors[i] = len(scraper.errors)

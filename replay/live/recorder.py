@@ -29,6 +29,7 @@ liveness, topology, max_model_len), so that a replay of the recording runs the s
 engines unless told otherwise (`adopt_recorded`); it is written with the first record,
 once the serve knows the pool its engines allocated.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,13 @@ from typing import TextIO
 
 from engine.proc.messages import StatsSnapshot
 
-QUEUE_KEYS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-              "num_finished_awaiting_free")
+QUEUE_KEYS = (
+    "num_waiting",
+    "num_skipped_waiting",
+    "num_waiting_for_remote_kvs",
+    "num_running",
+    "num_finished_awaiting_free",
+)
 
 
 SETTLE_S = 1.0  # nothing in flight and no count changed this long: a snapshot (the default --idle-threshold)
@@ -51,14 +57,20 @@ RECORDED_CONFIG = ("num_blocks", "block_size", "liveness", "topology", "max_mode
 class TraceRecorder:
     def __init__(self, path: Path, metadata: dict) -> None:
         self.file: TextIO = path.open("w")
-        self.metadata = {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", SETTLED_KEY: SETTLE_S,
-                         **metadata}
+        self.metadata = {
+            "kvdrain_trace": 1,
+            "recorded_by": "kvdrain serve",
+            SETTLED_KEY: SETTLE_S,
+            **metadata,
+        }
         self.origin: float | None = None  # the first request's arrival
         self._last_t = 0.0  # of the last line written
         self._trace_offsets: dict[object, float] = {}  # a client -> its first request's t - trace_t
         self._header_written = False
         self._last_snapshot: str | None = None
-        self._settling: tuple[str, float] | None = None  # (the counts, held since): idle, not yet written
+        self._settling: tuple[str, float] | None = (
+            None  # (the counts, held since): idle, not yet written
+        )
         self.clock = time.monotonic
 
     def configure(self, **config: object) -> None:
@@ -80,12 +92,24 @@ class TraceRecorder:
         self.file.write(json.dumps(obj, separators=(",", ":")) + "\n")
         self.file.flush()
 
-    def request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                trace_t: float | None = None, source: object = None) -> None:
+    def request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        trace_t: float | None = None,
+        source: object = None,
+    ) -> None:
         """A request at its arrival, or at trace_t (when `source`, its client, said its
         trace meant it sent) on the recording's clock."""
-        self._write({"t": self._request_t(trace_t, source), "id": req_id,
-                     "prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens})
+        self._write(
+            {
+                "t": self._request_t(trace_t, source),
+                "id": req_id,
+                "prompt_token_ids": prompt_token_ids,
+                "max_tokens": max_tokens,
+            }
+        )
 
     def _request_t(self, trace_t: float | None, source: object) -> float:
         now = self.now()
@@ -104,10 +128,14 @@ class TraceRecorder:
         if self.origin is None or in_flight or not latest:
             self._settling = None
             return
-        kv = {e: {"used": s.counts["num_used_blocks"], "free": s.counts["num_free_blocks"]}
-              for e, s in sorted(latest.items())}
-        queues = {e: {k.removeprefix("num_"): s.counts[k] for k in QUEUE_KEYS}
-                  for e, s in sorted(latest.items())}
+        kv = {
+            e: {"used": s.counts["num_used_blocks"], "free": s.counts["num_free_blocks"]}
+            for e, s in sorted(latest.items())
+        }
+        queues = {
+            e: {k.removeprefix("num_"): s.counts[k] for k in QUEUE_KEYS}
+            for e, s in sorted(latest.items())
+        }
         key = json.dumps([kv, queues])
         if self._settling is None or self._settling[0] != key:
             self._settling = (key, self.clock())
@@ -130,8 +158,9 @@ class RecordingRouter:
     def __init__(self, router, recorder: TraceRecorder) -> None:
         self.router, self.recorder = router, recorder
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None) -> None:
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], max_tokens: int, pd: bool | None = None
+    ) -> None:
         self.router.add_request(req_id, prompt_token_ids, max_tokens, pd)
         self.recorder.request(req_id, prompt_token_ids, max_tokens)
 
@@ -143,8 +172,9 @@ class RecordingRouter:
         return getattr(self.router, name)
 
 
-def adopt_recorded(header: dict[str, object], given: dict[str, object],
-                   explicit: set[str]) -> dict[str, object]:
+def adopt_recorded(
+    header: dict[str, object], given: dict[str, object], explicit: set[str]
+) -> dict[str, object]:
     """The options a replay of a recording takes from its header: each RECORDED_CONFIG key
     the header has and the user did not set. An explicit option that differs from the
     recording's is a ValueError naming both (the replay would not be of the recording)."""
@@ -156,9 +186,11 @@ def adopt_recorded(header: dict[str, object], given: dict[str, object],
         if name in explicit:
             if given.get(name) != recorded:
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} {given.get(name)} conflicts with the recording's "
-                                 f"{name} {recorded} (its header); drop {flag} to replay the "
-                                 f"recording as it ran")
+                raise ValueError(
+                    f"{flag} {given.get(name)} conflicts with the recording's "
+                    f"{name} {recorded} (its header); drop {flag} to replay the "
+                    f"recording as it ran"
+                )
             continue
         adopted[name] = recorded
     return adopted

@@ -12,24 +12,32 @@ message to it, and its requests are aborted, so neither costs memory or engine t
 Garbage is counted and dropped; a frame over the largest legitimate request
 (engine/proc/socket_limits.py) drops its connection. Binds 127.0.0.1 (or an ipc path) by default.
 """
+
 from __future__ import annotations
 
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from engine.proc.client import EngineDeadError
-from replay.deploy.router import PDRouter
-from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs,
-                             StatsSnapshot, output_to_msg)
 from engine.core.outputs import RequestOutput
+from engine.proc.client import EngineDeadError
+from engine.proc.messages import (
+    Abort,
+    AddRequest,
+    DecodeError,
+    GetStats,
+    RequestOutputs,
+    StatsSnapshot,
+    output_to_msg,
+)
 from engine.proc.socket_limits import request_bytes, set_max_message_size
+from replay.deploy.router import PDRouter
 from replay.live.auth import AuthError, AuthOptions, check_listen, secure_server
 from replay.live.recorder import TraceRecorder
 from replay.live.serve_messages import ServeInfo, TracedRequest, decode, encode
@@ -126,14 +134,20 @@ def _bind(options: ServeOptions) -> ServeFront:
 
 
 class Server:
-    def __init__(self, router: PDRouter, options: ServeOptions, info: ServeInfo,
-                 front: ServeFront | None = None) -> None:
+    def __init__(
+        self,
+        router: PDRouter,
+        options: ServeOptions,
+        info: ServeInfo,
+        front: ServeFront | None = None,
+    ) -> None:
         """front: open_front's, made before the engines started (opened here if None)."""
         self.router = router
         self.info = info if info.serve_id else replace(info, serve_id=secrets.token_hex(8))
         if front is None:
-            front = open_front(options, recording_metadata(info.topology, info.liveness,
-                                                           info.block_size))
+            front = open_front(
+                options, recording_metadata(info.topology, info.liveness, info.block_size)
+            )
         self.front = front
         self.socket, self.address, self.recorder = front.socket, front.address, front.recorder
         if self.recorder is not None:  # the pool the engines allocated, for the header
@@ -155,8 +169,11 @@ class Server:
         self.clock: Callable[[], float] = time.monotonic
         self._last_expiry = 0.0
 
-    def serve_forever(self, on_tick: Callable[[Server], None] | None = None,
-                      should_stop: Callable[[], bool] = lambda: False) -> None:
+    def serve_forever(
+        self,
+        on_tick: Callable[[Server], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
         """Rounds until should_stop(). An engine that died once a stop was asked for ends
         the serve quietly: a SIGTERM to the process group reaches the engines too, and they
         may exit before this loop sees the stop."""
@@ -241,8 +258,9 @@ class Server:
         self.internal_ids[(identity, msg.req_id)] = req_id
         self.router.add_request(req_id, msg.prompt_token_ids, msg.max_tokens)
         if self.recorder is not None:
-            self.recorder.request(req_id, msg.prompt_token_ids, msg.max_tokens,
-                                  trace_t=trace_t, source=identity)
+            self.recorder.request(
+                req_id, msg.prompt_token_ids, msg.max_tokens, trace_t=trace_t, source=identity
+            )
 
     def _send(self, identity: bytes, msg: object) -> None:
         """Queue msg for the client; one whose queue is full or that has left is dropped."""

@@ -5,15 +5,23 @@ A replay target like the local PDRouter (replay/live/driver.py's ReplayTarget). 
 subscribes to stats). Every wait is bounded; the serve's death shows
 as silence, reported after a timeout.
 """
+
 from __future__ import annotations
 
 import time
 
 import zmq
 
-from engine.proc.messages import (Abort, AddRequest, DecodeError, GetStats, RequestOutputs,
-                             StatsSnapshot, output_from_msg)
 from engine.core.outputs import RequestOutput
+from engine.proc.messages import (
+    Abort,
+    AddRequest,
+    DecodeError,
+    GetStats,
+    RequestOutputs,
+    StatsSnapshot,
+    output_from_msg,
+)
 from engine.proc.socket_limits import CLIENT_CAP_BYTES, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
 from replay.live.auth import AuthError, AuthOptions, secure_client
@@ -30,8 +38,13 @@ class TargetLostError(ConnectionError):
 
 
 class ServeClient:
-    def __init__(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S,
-                 lost_after_s: float | None = None, auth: AuthOptions | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = CONNECT_TIMEOUT_S,
+        lost_after_s: float | None = None,
+        auth: AuthOptions | None = None,
+    ) -> None:
         """auth: the credentials a serve that requires them checks (replay/live/auth.py)."""
         self.address = address
         self.lost_after_s = LOST_AFTER_S if lost_after_s is None else lost_after_s
@@ -55,7 +68,9 @@ class ServeClient:
         self.new_stats: list[StatsSnapshot] = []
         self.latest: dict[str, StatsSnapshot] = {}
         self.num_bad_messages = 0
-        self.info: ServeInfo | None = None  # snapshots before it are dropped: no engines to check against
+        self.info: ServeInfo | None = (
+            None  # snapshots before it are dropped: no engines to check against
+        )
         # A serve restarted at the same address (zmq reconnects by itself): one line each,
         # as the client noticed them (its ServeInfo.serve_id changed).
         self.restarts: list[str] = []
@@ -70,9 +85,11 @@ class ServeClient:
                 if isinstance(msg, ServeInfo):
                     return msg
         self.socket.close(linger=0)
-        raise ConnectionError(f"no kvdrain serve answered at {self.address} within {timeout_s} s "
-                              f"(one that requires --curve-keys or --token ignores clients without them)"
-                              + _http_hint(self.address))
+        raise ConnectionError(
+            f"no kvdrain serve answered at {self.address} within {timeout_s} s "
+            f"(one that requires --curve-keys or --token ignores clients without them)"
+            + _http_hint(self.address)
+        )
 
     @property
     def engines(self) -> list[str]:
@@ -89,7 +106,11 @@ class ServeClient:
         except DecodeError:
             self.num_bad_messages += 1
             return None
-        if isinstance(msg, ServeInfo) and self.info is not None and msg.serve_id != self.info.serve_id:
+        if (
+            isinstance(msg, ServeInfo)
+            and self.info is not None
+            and msg.serve_id != self.info.serve_id
+        ):
             self._on_restart(msg)
         if isinstance(msg, StatsSnapshot):
             if self.info is None or snapshot_problem(msg, self.info.engines) is not None:
@@ -103,15 +124,23 @@ class ServeClient:
         """Another serve answers at this address: what came before was another's engines.
         Its engines' numbers start again (latest is cleared); a replay's requests sent to the
         old one are lost, so the restart is also an error (a replay's fault)."""
-        notice = (f"the kvdrain serve at {self.address} restarted (another serve answers since "
-                  f"{time.strftime('%H:%M:%S')}): its engines' counts start again")
+        notice = (
+            f"the kvdrain serve at {self.address} restarted (another serve answers since "
+            f"{time.strftime('%H:%M:%S')}): its engines' counts start again"
+        )
         self.restarts.append(notice)
         self.errors.append(("", notice))
         self.latest.clear()
         self.info = info
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    pd: bool | None = None, trace_t: float | None = None) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        pd: bool | None = None,
+        trace_t: float | None = None,
+    ) -> None:
         """pd is the serve's to decide (its topology); a per-request flag is not sent.
         trace_t (when the trace meant it sent) goes with it, for the serve's recording."""
         request = AddRequest(req_id, list(prompt_token_ids), max_tokens)
@@ -146,8 +175,10 @@ class ServeClient:
         now = time.monotonic()
         silent = now - self.last_heard
         if silent > self.lost_after_s:
-            raise TargetLostError(f"the kvdrain serve at {self.address} stopped answering "
-                                  f"({silent:.0f} s without a message); did it stop?")
+            raise TargetLostError(
+                f"the kvdrain serve at {self.address} stopped answering "
+                f"({silent:.0f} s without a message); did it stop?"
+            )
         if silent > PING_AFTER_S and now - self.last_ping > PING_AFTER_S:
             self.last_ping = now
             self.socket.send(encode(GetStats()))
@@ -161,6 +192,8 @@ def _http_hint(address: str) -> str:
     """For a tcp:// address: what to give if an HTTP server (vLLM, SGLang, serve --http) is there."""
     if not address.startswith("tcp://"):
         return ""
-    host_port = address[len("tcp://"):]
-    return (f"; an OpenAI-compatible HTTP server there? replay --target http://{host_port}, "
-            f"top --metrics http://{host_port}/metrics")
+    host_port = address[len("tcp://") :]
+    return (
+        f"; an OpenAI-compatible HTTP server there? replay --target http://{host_port}, "
+        f"top --metrics http://{host_port}/metrics"
+    )

@@ -7,6 +7,7 @@ free: ServeInfo (8) and TracedRequest (9, a replay's request with the time its t
 meant it for, which `serve --record` writes). Decoding is as strict as the engine's:
 the same Codec.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,10 @@ class TracedRequest:
     trace_t: float
 
 
-SERVE_TAGS: dict[int, type] = {8: ServeInfo, 9: TracedRequest}  # fixed forever, as the engine's tags
+SERVE_TAGS: dict[int, type] = {
+    8: ServeInfo,
+    9: TracedRequest,
+}  # fixed forever, as the engine's tags
 if taken := set(SERVE_TAGS) & set(ENGINE_MESSAGES):
     raise ImportError(f"wire tags {sorted(taken)}: the engine's table took the serve's tags")
 SERVE_MESSAGES: dict[int, type] = {**ENGINE_MESSAGES, **SERVE_TAGS}

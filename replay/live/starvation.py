@@ -12,6 +12,7 @@ missing (not Linux), nothing is known and the stall stays a fault.
 for the engines whose pids it knows and remembers each one's figures from its first
 unanswered probe.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ class Machine:
 
     @property
     def contended(self) -> bool:
-        return (self.load_per_core is not None and self.load_per_core >= CONTENDED_LOAD_PER_CORE) or \
-            (self.pressure_pct is not None and self.pressure_pct >= CONTENDED_PRESSURE_PCT)
+        return (
+            self.load_per_core is not None and self.load_per_core >= CONTENDED_LOAD_PER_CORE
+        ) or (self.pressure_pct is not None and self.pressure_pct >= CONTENDED_PRESSURE_PCT)
 
     def describe(self) -> str:
         parts = []
@@ -64,9 +66,16 @@ class Judgement:
     cause: str  # the figures, in words
 
 
-def classify(engine: str, before: ProcSample | None, after: ProcSample | None, interval_s: float,
-             silent_s: float, machine: Machine, runnable_seen: bool,
-             max_share: float = MAX_STARVED_SHARE) -> Judgement:
+def classify(
+    engine: str,
+    before: ProcSample | None,
+    after: ProcSample | None,
+    interval_s: float,
+    silent_s: float,
+    machine: Machine,
+    runnable_seen: bool,
+    max_share: float = MAX_STARVED_SHARE,
+) -> Judgement:
     """Judge an engine silent for silent_s from two readings interval_s apart (before: at its
     first unanswered probe, None if not read; after: now, None if it is gone).
 
@@ -76,21 +85,35 @@ def classify(engine: str, before: ProcSample | None, after: ProcSample | None, i
     if after is None or after.states[:1] in ("Z", "X"):
         return Judgement("dead", f"engine {engine} is gone (no process, or a zombie)")
     if after.states[:1] in ("T", "t"):
-        return Judgement("stopped", f"engine {engine} answered no stats request for {seconds(wall_s)}: "
-                                    f"stopped (state T: SIGSTOP or a debugger)")
+        return Judgement(
+            "stopped",
+            f"engine {engine} answered no stats request for {seconds(wall_s)}: "
+            f"stopped (state T: SIGSTOP or a debugger)",
+        )
     cpu_s = None if before is None else max(after.cpu_s - before.cpu_s, 0.0)
     share = None if cpu_s is None or interval_s <= 0 else cpu_s / interval_s
-    figures = (f"{'unknown CPU' if cpu_s is None else f'{seconds(cpu_s)} of CPU'} in {seconds(interval_s)}"
-               f"{'' if share is None else f' ({100 * share:.0f}% of a core)'}; {machine.describe()}")
+    figures = (
+        f"{'unknown CPU' if cpu_s is None else f'{seconds(cpu_s)} of CPU'} in {seconds(interval_s)}"
+        f"{'' if share is None else f' ({100 * share:.0f}% of a core)'}; {machine.describe()}"
+    )
     wanted = runnable_seen or (machine.contended and cpu_s is not None and cpu_s > 0)
     if share is not None and share >= max_share:
-        return Judgement("stuck", f"engine {engine} answered no stats request for {seconds(wall_s)} "
-                                  f"while running ({figures}): stuck in a loop")
+        return Judgement(
+            "stuck",
+            f"engine {engine} answered no stats request for {seconds(wall_s)} "
+            f"while running ({figures}): stuck in a loop",
+        )
     if wanted and machine.contended:
-        return Judgement("starved", f"engine {engine} answered no stats request for {seconds(wall_s)}, "
-                                    f"alive and runnable but starved of CPU ({figures})")
-    return Judgement("stuck", f"engine {engine} answered no stats request for {seconds(wall_s)}, "
-                              f"not runnable (state {after.states[:1]}; {figures}): stuck")
+        return Judgement(
+            "starved",
+            f"engine {engine} answered no stats request for {seconds(wall_s)}, "
+            f"alive and runnable but starved of CPU ({figures})",
+        )
+    return Judgement(
+        "stuck",
+        f"engine {engine} answered no stats request for {seconds(wall_s)}, "
+        f"not runnable (state {after.states[:1]}; {figures}): stuck",
+    )
 
 
 def read_proc(pid: int) -> ProcSample | None:
@@ -114,7 +137,7 @@ def read_proc(pid: int) -> ProcSample | None:
 
 def _stat_fields(text: str) -> list[str]:
     """The fields after "(comm)": state first (field 3 of proc(5)); utime, stime at 11, 12."""
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def read_machine() -> Machine:
@@ -160,5 +183,13 @@ class StarvationJudge:
         seen = self.runnable.get(engine, False) or (now is not None and "R" in now.states)
         self.runnable[engine] = seen
         t0, before = self.first.get(engine, (time.monotonic(), None))
-        return classify(engine, before, now, time.monotonic() - t0, silent_s, read_machine(), seen,
-                        self.max_share)
+        return classify(
+            engine,
+            before,
+            now,
+            time.monotonic() - t0,
+            silent_s,
+            read_machine(),
+            seen,
+            self.max_share,
+        )

@@ -7,6 +7,7 @@ D), then step starts, then samples (the event classes below, in that order). An 
 for now pushed by the one being handled (a message sent with no latency) comes after
 that one, whatever its class: it inherits its place (EventLoop.order, has_passed).
 """
+
 from __future__ import annotations
 
 import heapq

@@ -13,6 +13,7 @@ JSON; `replay --cost-profile FILE` loads it: the virtual clock's step costs, and
 wall clock's model of the expected idle windows (replay/verify/coverage.py), so a slow
 machine's windows are expected where its engines can really idle. Pure: no torch, no clock.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,10 @@ class CostModel:
         for name in COEFFICIENTS:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= (MIN_BASE_S if name == "base_s" else 0)):
-                raise ValueError(f"cost model: {name} must be finite and >= "
-                                 f"{MIN_BASE_S if name == 'base_s' else 0}, got {value!r}")
+                raise ValueError(
+                    f"cost model: {name} must be finite and >= "
+                    f"{MIN_BASE_S if name == 'base_s' else 0}, got {value!r}"
+                )
 
     def cost_s(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), shape.features()))
@@ -111,8 +114,10 @@ def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
     n = len(a[0]) if a else 0
     scale = [max(abs(row[j]) for row in a) or 1.0 for j in range(n)]
     a = [[row[j] / scale[j] for j in range(n)] for row in a]
-    m = [[sum(r[i] * r[j] for r in a) for j in range(n)] + [sum(r[i] * y for r, y in zip(a, b))]
-         for i in range(n)]
+    m = [
+        [sum(r[i] * r[j] for r in a) for j in range(n)] + [sum(r[i] * y for r, y in zip(a, b))]
+        for i in range(n)
+    ]
     for col in range(n):  # Gauss-Jordan with partial pivoting
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-12:
@@ -140,17 +145,30 @@ class CostProfile:
 
     def max_relative_error(self) -> float:
         """The fit's worst relative error over the measured points (loop overhead aside)."""
-        return max((abs(self.model.cost_s(p.shape) - self.loop_overhead_s - p.seconds) / p.seconds
-                    for p in self.points), default=0.0)
+        return max(
+            (
+                abs(self.model.cost_s(p.shape) - self.loop_overhead_s - p.seconds) / p.seconds
+                for p in self.points
+            ),
+            default=0.0,
+        )
 
     def to_dict(self) -> dict:
-        return {"kvdrain_cost_profile": PROFILE_VERSION, "runner": self.runner,
-                "model_preset": self.model_preset, "device": self.device, "dtype": self.dtype,
-                "torch_version": self.torch_version, "loop_overhead_s": self.loop_overhead_s,
-                "cost_model": asdict(self.model),
-                "max_relative_error": round(self.max_relative_error(), 4),
-                "points": [{**asdict(p.shape), "seconds": p.seconds, "num_samples": p.num_samples}
-                           for p in self.points]}
+        return {
+            "kvdrain_cost_profile": PROFILE_VERSION,
+            "runner": self.runner,
+            "model_preset": self.model_preset,
+            "device": self.device,
+            "dtype": self.dtype,
+            "torch_version": self.torch_version,
+            "loop_overhead_s": self.loop_overhead_s,
+            "cost_model": asdict(self.model),
+            "max_relative_error": round(self.max_relative_error(), 4),
+            "points": [
+                {**asdict(p.shape), "seconds": p.seconds, "num_samples": p.num_samples}
+                for p in self.points
+            ],
+        }
 
     @staticmethod
     def from_dict(data: dict) -> CostProfile:
@@ -159,12 +177,24 @@ class CostProfile:
             raise ValueError(f"cost profile: not a version {PROFILE_VERSION} kvdrain cost profile")
         try:
             model = CostModel(**{name: float(data["cost_model"][name]) for name in COEFFICIENTS})
-            points = tuple(CostPoint(StepShape(*(int(p[f]) for f in FEATURES)), float(p["seconds"]),
-                                     int(p["num_samples"])) for p in data["points"])
-            return CostProfile(model=model, points=points, runner=str(data["runner"]),
-                               model_preset=str(data["model_preset"]), device=str(data["device"]),
-                               dtype=str(data["dtype"]), torch_version=data["torch_version"],
-                               loop_overhead_s=float(data["loop_overhead_s"]))
+            points = tuple(
+                CostPoint(
+                    StepShape(*(int(p[f]) for f in FEATURES)),
+                    float(p["seconds"]),
+                    int(p["num_samples"]),
+                )
+                for p in data["points"]
+            )
+            return CostProfile(
+                model=model,
+                points=points,
+                runner=str(data["runner"]),
+                model_preset=str(data["model_preset"]),
+                device=str(data["device"]),
+                dtype=str(data["dtype"]),
+                torch_version=data["torch_version"],
+                loop_overhead_s=float(data["loop_overhead_s"]),
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"cost profile: malformed: missing or bad {e}") from None
 
@@ -181,6 +211,11 @@ class CostProfile:
 
     def describe(self) -> dict:
         """What a replay report says about the profile it ran with."""
-        return {"runner": self.runner, "model_preset": self.model_preset, "device": self.device,
-                "dtype": self.dtype, "torch_version": self.torch_version, **asdict(self.model)}
-
+        return {
+            "runner": self.runner,
+            "model_preset": self.model_preset,
+            "device": self.device,
+            "dtype": self.dtype,
+            "torch_version": self.torch_version,
+            **asdict(self.model),
+        }

@@ -8,6 +8,7 @@ every request's context one token longer than in the step before). The run ends
 before the connector's next timed action (a heartbeat due, a lease to reap), which
 a step starting at or after it would take.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
@@ -28,8 +29,15 @@ class DecodeRun:
     end: int
 
     @classmethod
-    def plan(cls, now: int, num_steps: int, num_decodes: int, num_context_tokens: int,
-             step_cost: StepCost, deadline: int | None) -> DecodeRun | None:
+    def plan(
+        cls,
+        now: int,
+        num_steps: int,
+        num_decodes: int,
+        num_context_tokens: int,
+        step_cost: StepCost,
+        deadline: int | None,
+    ) -> DecodeRun | None:
         """`num_steps` steps from `now`, less those that would start at or after `deadline`; None if none is left."""
         starts, t = [], now
         for _ in range(num_steps):
@@ -52,8 +60,9 @@ class DecodeRun:
         return self.starts[step + 1] if step + 1 < len(self.starts) else self.end
 
 
-def step_outputs(req_ids: list[str], tokens: list[list[int]], num_cached_tokens: list[int],
-                 step: int) -> StepOutputs:
+def step_outputs(
+    req_ids: list[str], tokens: list[list[int]], num_cached_tokens: list[int], step: int
+) -> StepOutputs:
     """The outputs of one step of a run: every request's token of that step (plain outputs)."""
     outputs = StepOutputs()
     outputs.req_ids = list(req_ids)

@@ -36,21 +36,28 @@ steps that started before T, and the last of them ends as any step does; an abor
 (the client's view) and the end of the simulation take them the same way first.
 tests/replay/sim/test_decode_runs.py compares the timelines with every step taken.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.core.block_hash import BlockHash
 from engine.config import EngineConfig
+from engine.core.block_hash import BlockHash
 from engine.core.decode_run import num_plain_decode_steps, take_plain_decode_steps
 from engine.core.engine_core import EngineCore
 from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
-from engine.runner.mock_runner import MockModelRunner
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats, StepOutputs
+from engine.core.outputs import (
+    ModelRunnerOutput,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    StepOutputs,
+)
 from engine.core.request import Request
+from engine.runner.mock_runner import MockModelRunner
 from engine.utils import cdiv
 from replay.sim.clock import DELIVER, NS, STEP_END, STEP_START, EventLoop, has_passed, to_ns
 from replay.sim.cost import StepShape
@@ -84,8 +91,13 @@ class _TimedRunner:
         if out is None:
             return True
         meta = out.kv_connector_metadata
-        return not (self.num_tokens or out.req_ids or out.preempted_req_ids or out.finished_req_ids
-                    or (meta is not None and not meta.is_empty()))
+        return not (
+            self.num_tokens
+            or out.req_ids
+            or out.preempted_req_ids
+            or out.finished_req_ids
+            or (meta is not None and not meta.is_empty())
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +130,9 @@ class EngineSlot:
     # on_decode_steps(engine, req_ids, tokens, num_cached_tokens, end times): the plain
     # outputs of a run's skipped steps at once, as on_outputs of each step at its end
     # would give them; None: no runs, every step is taken.
-    on_decode_steps: Callable[[str, list[str], list[list[int]], list[int], list[int]], None] | None = None
+    on_decode_steps: (
+        Callable[[str, list[str], list[list[int]], list[int], list[int]], None] | None
+    ) = None
 
 
 def build_connector(config: EngineConfig) -> KVConnectorBase | None:
@@ -144,8 +158,14 @@ class _StepResult:
 class SimEngine:
     """One engine's busy loop on the virtual clock, following engine/core/liveness.py."""
 
-    def __init__(self, config: EngineConfig, slot: EngineSlot, loop: EventLoop,
-                 options: SimOptions, worker: SimKVWorker | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        slot: EngineSlot,
+        loop: EventLoop,
+        options: SimOptions,
+        worker: SimKVWorker | None = None,
+    ) -> None:
         """`worker` is the simulated connector worker, the engine's agent too; with one,
         config must name a connector."""
         self.options, self.slot, self.loop = options, slot, loop
@@ -216,10 +236,15 @@ class SimEngine:
         try:
             # The prompt by reference: a Request keeps its own all_token_ids and never
             # changes prompt_token_ids, nor does the frontend.
-            request = Request(msg.req_id, msg.prompt, msg.max_tokens, config.block_size,
-                              eos_token_id=config.eos_token_id,
-                              kv_transfer_params=dict(params) if params else None,
-                              block_hashes=list(msg.block_hashes))
+            request = Request(
+                msg.req_id,
+                msg.prompt,
+                msg.max_tokens,
+                config.block_size,
+                eos_token_id=config.eos_token_id,
+                kv_transfer_params=dict(params) if params else None,
+                block_hashes=list(msg.block_hashes),
+            )
         except ValueError:
             return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
         return self.core.add(request)
@@ -238,15 +263,32 @@ class SimEngine:
         step = self.core.step()
         outputs = step.outputs
         stats = self.core.make_stats()  # published when the step ends, with its outputs
-        noop = (not outputs and not num_inputs and not step.got_kv_reports and not step.can_progress
-                and self.runner.ran_nothing() and stats == self.stats
-                and not (self.core.batch_queue and self.core.batch_queue.has_pending_work()))
+        noop = (
+            not outputs
+            and not num_inputs
+            and not step.got_kv_reports
+            and not step.can_progress
+            and self.runner.ran_nothing()
+            and stats == self.stats
+            and not (self.core.batch_queue and self.core.batch_queue.has_pending_work())
+        )
         tokens = self.runner.num_tokens
         cost = self._cost(tokens)
-        self.loop.push(self.loop.now + cost, STEP_END, self.rank, self._step_end,
-                       _StepResult(outputs=outputs, model_executed=step.model_executed,
-                                   can_progress=step.can_progress, must_poll=self.core.must_poll(),
-                                   noop=noop, got_kv_reports=step.got_kv_reports, stats=stats))
+        self.loop.push(
+            self.loop.now + cost,
+            STEP_END,
+            self.rank,
+            self._step_end,
+            _StepResult(
+                outputs=outputs,
+                model_executed=step.model_executed,
+                can_progress=step.can_progress,
+                must_poll=self.core.must_poll(),
+                noop=noop,
+                got_kv_reports=step.got_kv_reports,
+                stats=stats,
+            ),
+        )
 
     def _cost(self, tokens: int) -> int:
         """The step's virtual ns: zero_step_s without tokens, else the cost model's."""
@@ -268,10 +310,15 @@ class SimEngine:
         self.stats = result.stats
         if result.outputs:
             self.slot.on_outputs(self.name, result.outputs)
-        action = next_action(self.core.config.liveness, self.core.has_work(),
-                             result.model_executed, result.can_progress, result.must_poll,
-                             has_unfinished=self.core.has_unfinished_requests(),
-                             only_in_flight=self.core.only_in_flight())
+        action = next_action(
+            self.core.config.liveness,
+            self.core.has_work(),
+            result.model_executed,
+            result.can_progress,
+            result.must_poll,
+            has_unfinished=self.core.has_unfinished_requests(),
+            only_in_flight=self.core.only_in_flight(),
+        )
         reports = self.worker is not None and self.worker.has_reports()
         if action in _WAITS:
             if not (self.input or (action is LoopAction.WAIT_ANY and reports)):
@@ -289,7 +336,9 @@ class SimEngine:
             polling = action is LoopAction.SLEEP
             self.ff = (nxt, self.zero + (self.poll if polling else 0), int(polling))
             self._arm_timer()
-        elif not (skip and action is LoopAction.STEP and not result.got_kv_reports and self._start_run()):
+        elif not (
+            skip and action is LoopAction.STEP and not result.got_kv_reports and self._start_run()
+        ):
             self.loop.push(nxt, STEP_START, self.rank, self._step_start)
 
     def _start_run(self) -> bool:
@@ -299,12 +348,20 @@ class SimEngine:
         scheduler = self.core.scheduler
         if self.slot.on_decode_steps is None or self.core.batch_queue is not None:
             return False
-        num_steps = num_plain_decode_steps(scheduler, self.runner.runner.decode_token_ids, MAX_RUN_STEPS)
+        num_steps = num_plain_decode_steps(
+            scheduler, self.runner.runner.decode_token_ids, MAX_RUN_STEPS
+        )
         if not num_steps:
             return False
         num_context_tokens = sum(request.num_computed_tokens for request in scheduler.running)
-        self.run = DecodeRun.plan(self.loop.now, num_steps, len(scheduler.running), num_context_tokens,
-                                  self._decode_cost, self.core.next_deadline_ns())
+        self.run = DecodeRun.plan(
+            self.loop.now,
+            num_steps,
+            len(scheduler.running),
+            num_context_tokens,
+            self._decode_cost,
+            self.core.next_deadline_ns(),
+        )
         if self.run is None:
             return False
         self.num_pauses += 1  # the run's ticket: its end event's
@@ -333,14 +390,25 @@ class SimEngine:
             self.loop.push(run.starts[0], STEP_START, self.rank, self._step_start)
             return
         last = self._take_run_steps(run, num_steps)
-        self.loop.push(run.end_of(num_steps - 1), STEP_END, self.rank, self._step_end,
-                       self._run_step_result(last))
+        self.loop.push(
+            run.end_of(num_steps - 1),
+            STEP_END,
+            self.rank,
+            self._step_end,
+            self._run_step_result(last),
+        )
 
     def _run_step_result(self, outputs: StepOutputs) -> _StepResult:
         """What a run's last step hands to its end (a plain decode step's)."""
-        return _StepResult(outputs=outputs, model_executed=True, can_progress=False,
-                           must_poll=self.core.must_poll(), noop=False, got_kv_reports=False,
-                           stats=self.stats)
+        return _StepResult(
+            outputs=outputs,
+            model_executed=True,
+            can_progress=False,
+            must_poll=self.core.must_poll(),
+            noop=False,
+            got_kv_reports=False,
+            stats=self.stats,
+        )
 
     def _take_run_steps(self, run: DecodeRun, num_steps: int) -> StepOutputs:
         """Make the run's first num_steps steps; publish the outputs of all but the
@@ -353,8 +421,13 @@ class SimEngine:
         core.num_steps += num_steps
         core.num_model_steps += num_steps
         if num_steps > 1:
-            self.slot.on_decode_steps(self.name, req_ids, [sampled[:-1] for sampled in tokens], num_cached,
-                                      run.starts[1:num_steps])
+            self.slot.on_decode_steps(
+                self.name,
+                req_ids,
+                [sampled[:-1] for sampled in tokens],
+                num_cached,
+                run.starts[1:num_steps],
+            )
         return step_outputs(req_ids, tokens, num_cached, num_steps - 1)
 
     def _leave_ff(self) -> None:
@@ -372,10 +445,21 @@ class SimEngine:
         last_end = s0 + (k - 1) * period + self.zero
         self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
         if last_end > now:  # that step is still running: let its end decide, as it would
-            self.loop.push(last_end, STEP_END, self.rank, self._step_end,
-                           _StepResult(outputs=[], model_executed=False, can_progress=False,
-                                       must_poll=self.core.must_poll(), noop=True, got_kv_reports=False,
-                                       stats=self.stats))
+            self.loop.push(
+                last_end,
+                STEP_END,
+                self.rank,
+                self._step_end,
+                _StepResult(
+                    outputs=[],
+                    model_executed=False,
+                    can_progress=False,
+                    must_poll=self.core.must_poll(),
+                    noop=True,
+                    got_kv_reports=False,
+                    stats=self.stats,
+                ),
+            )
         else:
             self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
 
@@ -390,7 +474,9 @@ class SimEngine:
         self.num_pauses += 1
         due = self.core.next_deadline_ns()
         if due is not None:
-            self.loop.push(max(due, self.loop.now), DELIVER, self.rank, self._on_timer, self.num_pauses)
+            self.loop.push(
+                max(due, self.loop.now), DELIVER, self.rank, self._on_timer, self.num_pauses
+            )
 
     def _on_timer(self, pause: int) -> None:
         if pause != self.num_pauses:
@@ -415,26 +501,46 @@ class SimEngine:
             steps += (t - s0) // period + 1 if t >= s0 else 0
             wakeups += per_step * ((t - s0 - self.zero) // period + 1) if t >= s0 + self.zero else 0
         self.sampled = (s, self.state)
-        sample = EngineSample(t=t / NS, engine=self.name, num_used_blocks=s.num_used_blocks,
-                              num_cached_blocks=s.num_cached_blocks, num_free_blocks=s.num_free_blocks,
-                              num_usable_blocks=s.num_usable_blocks, num_waiting=s.num_waiting,
-                              num_skipped_waiting=s.num_skipped_waiting,
-                              num_waiting_for_remote_kvs=s.num_waiting_for_remote_kvs,
-                              num_running=s.num_running,
-                              num_finished_awaiting_free=s.num_finished_awaiting_free, loop_state=self.state,
-                              num_steps=steps, num_wakeups=wakeups)
+        sample = EngineSample(
+            t=t / NS,
+            engine=self.name,
+            num_used_blocks=s.num_used_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_usable_blocks=s.num_usable_blocks,
+            num_waiting=s.num_waiting,
+            num_skipped_waiting=s.num_skipped_waiting,
+            num_waiting_for_remote_kvs=s.num_waiting_for_remote_kvs,
+            num_running=s.num_running,
+            num_finished_awaiting_free=s.num_finished_awaiting_free,
+            loop_state=self.state,
+            num_steps=steps,
+            num_wakeups=wakeups,
+        )
         self.slot.on_sample(sample)
         return sample
 
     def counters(self, last: EngineSample) -> dict[str, int]:
         """Totals at the end, from its final sample."""
         connector, worker = self.core.scheduler.connector, self.worker
-        kv = {**(connector.get_counters() if connector is not None else {}),
-              **(worker.get_counters() if worker is not None else {})}
-        return {"num_steps": last.num_steps, "num_wakeups": last.num_wakeups,
-                "num_model_steps": self.core.num_model_steps,
-                **{name: kv.get(name, 0) for name in ("num_expired", "num_reads_after_expiry",
-                                                      "num_read_done_dropped", "num_bad_params")},
-                "num_stale_kv_reports": self.stats.num_stale_kv_reports,
-                "num_preemptions": self.stats.num_preemptions,
-                "num_prefix_hit_tokens": self.stats.num_prefix_hit_tokens}
+        kv = {
+            **(connector.get_counters() if connector is not None else {}),
+            **(worker.get_counters() if worker is not None else {}),
+        }
+        return {
+            "num_steps": last.num_steps,
+            "num_wakeups": last.num_wakeups,
+            "num_model_steps": self.core.num_model_steps,
+            **{
+                name: kv.get(name, 0)
+                for name in (
+                    "num_expired",
+                    "num_reads_after_expiry",
+                    "num_read_done_dropped",
+                    "num_bad_params",
+                )
+            },
+            "num_stale_kv_reports": self.stats.num_stale_kv_reports,
+            "num_preemptions": self.stats.num_preemptions,
+            "num_prefix_hit_tokens": self.stats.num_prefix_hit_tokens,
+        }

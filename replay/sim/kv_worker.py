@@ -19,6 +19,7 @@ batch at the batch's end. Reports wait in the inbox until the engine's
 get_finished; on_report tells the engine one came (what a message on the socket does
 to a blocked engine loop), a heartbeat's LeaseDue included.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,8 +38,9 @@ class SimKVWorker(KVConnectorAgentBase):
     """A P/D connector worker on the virtual clock, which is its engine's agent too (no
     socket between them); `peers` holds every engine's, by name."""
 
-    def __init__(self, name: str, loop: EventLoop, options: SimOptions,
-                 peers: dict[str, SimKVWorker]) -> None:
+    def __init__(
+        self, name: str, loop: EventLoop, options: SimOptions, peers: dict[str, SimKVWorker]
+    ) -> None:
         self.name, self.loop, self.options, self.peers = name, loop, options, peers
         peers[name] = self
         self.on_report: Callable[[], None] = lambda: None
@@ -70,8 +72,9 @@ class SimKVWorker(KVConnectorAgentBase):
             self._send_heartbeat(heartbeat)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        out = KVConnectorOutput(set(self.inbox_sending), set(self.inbox_recving),
-                                set(self.inbox_invalid))
+        out = KVConnectorOutput(
+            set(self.inbox_sending), set(self.inbox_recving), set(self.inbox_invalid)
+        )
         self.inbox_sending.clear()
         self.inbox_recving.clear()
         self.inbox_invalid.clear()
@@ -119,11 +122,20 @@ class SimKVWorker(KVConnectorAgentBase):
         """Ask P's worker for the read (the process's PinSend or ReadBlocks)."""
         peer = self.peers.get(recv.remote_engine_id)
         if peer is None:  # no such engine in the topology: modelled as read, as before
-            self._on_read_reply(recv, ReadReply(None, recv.remote_request_id, recv.remote_block_ids))
+            self._on_read_reply(
+                recv, ReadReply(None, recv.remote_request_id, recv.remote_block_ids)
+            )
             return
         pin = self.options.kv.transport == "shm"
-        peer._apply(peer.ledger.read((self, recv), recv.remote_request_id,
-                                     list(recv.remote_block_ids), self.loop.now, pin))
+        peer._apply(
+            peer.ledger.read(
+                (self, recv),
+                recv.remote_request_id,
+                list(recv.remote_block_ids),
+                self.loop.now,
+                pin,
+            )
+        )
 
     def _on_read_reply(self, recv: RecvSpec, reply: ReadReply) -> None:
         """Granted: the copy takes per_block * blocks; refused: the load fails now."""
@@ -139,11 +151,16 @@ class SimKVWorker(KVConnectorAgentBase):
         self._send_read_done(recv, outcome.read)
 
     def _send_read_done(self, recv: RecvSpec, read: bool = True) -> None:
-        """"read done" after a pull; read=False: a release without reading (ReadAbandoned)."""
+        """ "read done" after a pull; read=False: a release without reading (ReadAbandoned)."""
         peer = self.peers.get(recv.remote_engine_id)
         if peer is not None:
-            self.loop.push(self.loop.now + to_ns(self.options.read_done_latency_s), DELIVER, 0,
-                           peer._on_read_done if read else peer._on_abandoned, recv.remote_request_id)
+            self.loop.push(
+                self.loop.now + to_ns(self.options.read_done_latency_s),
+                DELIVER,
+                0,
+                peer._on_read_done if read else peer._on_abandoned,
+                recv.remote_request_id,
+            )
 
     def _on_read_done(self, req_id: str) -> None:
         self._apply(self.ledger.read_done(req_id, self.loop.now))
@@ -154,8 +171,13 @@ class SimKVWorker(KVConnectorAgentBase):
     def _send_heartbeat(self, heartbeat: HeartbeatSpec) -> None:
         peer = self.peers.get(heartbeat.remote_engine_id)
         if peer is not None:
-            self.loop.push(self.loop.now + to_ns(self.options.read_done_latency_s), DELIVER, 0,
-                           peer._on_heartbeat, heartbeat.req_ids)
+            self.loop.push(
+                self.loop.now + to_ns(self.options.read_done_latency_s),
+                DELIVER,
+                0,
+                peer._on_heartbeat,
+                heartbeat.req_ids,
+            )
 
     def _on_heartbeat(self, req_ids: list[str]) -> None:
         if self.ledger.receive_heartbeat(req_ids):  # the worker's LeaseDue to its engine

@@ -4,13 +4,14 @@ The one home of a simulator setting. Engine and KV-transfer settings are the sam
 EngineConfig and KVTransferConfig the wall clock runs (the replay passes its own in);
 only what the virtual clock models (latencies, step costs, sampling) lives here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.balance import RouterPolicy
 from replay.deploy.routing import parse_topology
-from engine.config import EngineConfig, KVTransferConfig
 from replay.sim.cost import CostModel
 
 
@@ -25,7 +26,9 @@ class SimOptions:
     engine: EngineConfig = field(default_factory=_default_engine)  # per engine; runner: mock
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)  # the connector factory too
     topology: str = "pd"
-    router: RouterPolicy = "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+    router: RouterPolicy = (
+        "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+    )
     pull_delay_s: float = 0.002  # D waits before reading (kv.pull_delay_ms > 0 replaces it)
     per_block_s: float = 0.00005  # D's read time per block
     read_done_latency_s: float = 0.0005  # D's worker -> P's worker
@@ -46,8 +49,14 @@ class SimOptions:
         for name in ("zero_step_s", "sample_interval_s"):
             if not getattr(self, name) >= 1e-9:
                 raise ValueError(f"{name}: must be >= 1e-9 s, got {getattr(self, name)!r}")
-        for name in ("pull_delay_s", "per_block_s", "read_done_latency_s", "step_base_s",
-                     "step_per_token_s", "tail_s"):
+        for name in (
+            "pull_delay_s",
+            "per_block_s",
+            "read_done_latency_s",
+            "step_base_s",
+            "step_per_token_s",
+            "tail_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 

@@ -8,29 +8,31 @@ idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (i
 request records; the P/D proxy is replay/deploy/routing.py's Routing, the live router's
 too), and the run that feeds the trace one record at a time.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
 from engine.core.block_hash import BlockHash, hash_request_blocks
-from engine.core.request_check import why_malformed
 from engine.core.outputs import RequestOutput, StepOutputs
+from engine.core.request_check import why_malformed
+from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
 from replay.heap import no_full_collections
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
+from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
 from replay.trace.synth import BlockMemo, synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
-from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
 
 PROGRESS_EVERY = 64  # requests fed between two on_progress calls
 
 # on_progress(requests fed so far, virtual seconds): a live view's progress bar. It
 # only reads; the run is the same with or without it.
 ProgressCallback = Callable[[int, float], None]
+
 
 @dataclass(slots=True)
 class _Flight:
@@ -49,7 +51,9 @@ class _Frontend:
 
     def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim
-        self.routing = Routing.for_topology(sim.options.topology, sim.options.router, sim.options.engine.block_size)
+        self.routing = Routing.for_topology(
+            sim.options.topology, sim.options.router, sim.options.engine.block_size
+        )
         self.flights: dict[str, _Flight] = {}  # one per route in flight
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
@@ -119,8 +123,9 @@ class _Frontend:
         if engine in routing.prefill:
             return
         routes, flights, t = routing.routes, self.flights, self.sim.loop.now / NS
-        for req_id, token, num_cached in zip(outputs.req_ids, outputs.new_token_ids,
-                                             outputs.num_cached_tokens):
+        for req_id, token, num_cached in zip(
+            outputs.req_ids, outputs.new_token_ids, outputs.num_cached_tokens
+        ):
             route = routes.get(req_id)
             if route is None or route.engine != engine or route.aborted:
                 continue
@@ -130,8 +135,14 @@ class _Frontend:
             if not route.via_prefill:
                 flight.record.num_prefix_hit_tokens = num_cached
 
-    def on_decode_steps(self, engine: str, req_ids: list[str], tokens: list[list[int]],
-                        num_cached_tokens: list[int], end_times: list[int]) -> None:
+    def on_decode_steps(
+        self,
+        engine: str,
+        req_ids: list[str],
+        tokens: list[list[int]],
+        num_cached_tokens: list[int],
+        end_times: list[int],
+    ) -> None:
         """_on_plain_outputs of several steps of one engine at once: each request's
         tokens, the i-th at end_times[i] (ns); nothing else moves in between."""
         routing = self.routing
@@ -156,9 +167,15 @@ class _Frontend:
                 flight = self.flights.get(command.req_id)
                 if flight is not None:
                     flight.record.enter(command.engine, self.sim.loop.now / NS)
-                engine.deliver(AddInput(command.req_id, command.prompt_token_ids, command.max_tokens,
-                                        command.kv_transfer_params,
-                                        flight.block_hashes if flight is not None else None))
+                engine.deliver(
+                    AddInput(
+                        command.req_id,
+                        command.prompt_token_ids,
+                        command.max_tokens,
+                        command.kv_transfer_params,
+                        flight.block_hashes if flight is not None else None,
+                    )
+                )
             else:
                 engine.deliver(AbortInput(command.req_id))
 
@@ -181,8 +198,12 @@ class _Frontend:
 class Simulation:
     """One run: the trace fed a record at a time, the engines, the frontend, the sample ticks."""
 
-    def __init__(self, records: Iterable[TraceRecord], options: SimOptions,
-                 on_progress: ProgressCallback | None = None) -> None:
+    def __init__(
+        self,
+        records: Iterable[TraceRecord],
+        options: SimOptions,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
         self.options, self.loop = options, EventLoop()
         self.on_progress = on_progress
         self.trace, self.last_t, self.trace_done = iter(records), 0, False
@@ -191,8 +212,10 @@ class Simulation:
         self.aborts: list[AbortRecord] = []
         self.workers: dict[str, SimKVWorker] = {}
         self.frontend = _Frontend(self, options.engine.model.vocab_size)
-        self.engines = {name: self._engine(name, rank, role)
-                        for rank, (name, role) in enumerate(engine_roles(options.topology))}
+        self.engines = {
+            name: self._engine(name, rank, role)
+            for rank, (name, role) in enumerate(engine_roles(options.topology))
+        }
         self.end: int | None = None
         self.last_tick = -1
         self.grid = to_ns(options.sample_interval_s)
@@ -201,8 +224,13 @@ class Simulation:
     def _engine(self, name: str, rank: int, role: str | None) -> SimEngine:
         config = self.options.engine_config(name, role)
         worker = None if role is None else SimKVWorker(name, self.loop, self.options, self.workers)
-        slot = EngineSlot(rank, self.frontend.on_outputs, self.samples.append, self._resume_grid,
-                          self.frontend.on_decode_steps)
+        slot = EngineSlot(
+            rank,
+            self.frontend.on_outputs,
+            self.samples.append,
+            self._resume_grid,
+            self.frontend.on_decode_steps,
+        )
         return SimEngine(config, slot, self.loop, self.options, worker)
 
     def run(self) -> Timeline:
@@ -213,8 +241,11 @@ class Simulation:
             while loop.heap and (self.end is None or loop.heap[0][0] <= self.end):
                 fn, arg = loop.pop()
                 fn(arg)
-                if self.end is None and self.trace_done and (
-                        not self.frontend.flights or loop.num_pending == 0):
+                if (
+                    self.end is None
+                    and self.trace_done
+                    and (not self.frontend.flights or loop.num_pending == 0)
+                ):
                     self.end = loop.now + to_ns(self.options.tail_s)
             return self._finish()
 
@@ -228,8 +259,10 @@ class Simulation:
             return
         t = to_ns(rec.t)
         if t < self.last_t:
-            raise ValueError(f"t: times must be non-decreasing, got {rec.t} after "
-                             f"{self.last_t / NS} (line {rec.line})")
+            raise ValueError(
+                f"t: times must be non-decreasing, got {rec.t} after "
+                f"{self.last_t / NS} (line {rec.line})"
+            )
         self.last_t = t
         self.loop.push(t, DELIVER, 0, self._on_record, rec)
 
@@ -284,19 +317,30 @@ class Simulation:
             self.on_progress(len(self.arrivals), self.loop.now / NS)
         counters = {}
         for name, engine in self.engines.items():
-            last = engine.sample() if self.last_tick != self.loop.now else \
-                next(s for s in reversed(self.samples) if s.engine == name)
+            last = (
+                engine.sample()
+                if self.last_tick != self.loop.now
+                else next(s for s in reversed(self.samples) if s.engine == name)
+            )
             counters[name] = engine.counters(last)
-            counters[name]["num_routed_requests"] = self.frontend.routing.balancer.num_requests[name]
+            counters[name]["num_routed_requests"] = self.frontend.routing.balancer.num_requests[
+                name
+            ]
         return Timeline(
             engines=list(self.engines),
             num_usable_blocks={n: self.options.engine.num_blocks - 1 for n in self.engines},
-            samples=self.samples, requests=self.frontend.records, arrivals=self.arrivals,
-            aborts=self.aborts, end_t=self.loop.now / NS, counters=counters,
-            meta={"driver": "virtual", **asdict(self.options)})
+            samples=self.samples,
+            requests=self.frontend.records,
+            arrivals=self.arrivals,
+            aborts=self.aborts,
+            end_t=self.loop.now / NS,
+            counters=counters,
+            meta={"driver": "virtual", **asdict(self.options)},
+        )
 
 
-def simulate(records: Iterable[TraceRecord], options: SimOptions,
-             on_progress: ProgressCallback | None = None) -> Timeline:
+def simulate(
+    records: Iterable[TraceRecord], options: SimOptions, on_progress: ProgressCallback | None = None
+) -> Timeline:
     """Replay `records` (times in replay seconds) on the virtual clock."""
     return Simulation(records, options, on_progress).run()

@@ -5,6 +5,7 @@ spans lines (format detection, headers, time order, unique ids). A bad field rai
 FieldError("name", "what is wrong"); the reader adds the file and line. Every number is
 range-checked against the caps in replay/trace/records.py before anything is built from it.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,21 @@ import re
 from datetime import datetime, timedelta, timezone
 
 from engine.utils import cdiv
-from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_COUNT, MAX_ENGINES, MAX_ID_CHARS,
-                                  MAX_JSON_DEPTH, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS,
-                                  MAX_TOKEN_ID, MAX_TRACE_T, TraceAbort, TraceRecord,
-                                  TraceRequest, TraceSnapshot)
+from replay.trace.records import (
+    DEFAULT_HASH_BLOCK_SIZE,
+    MAX_COUNT,
+    MAX_ENGINES,
+    MAX_ID_CHARS,
+    MAX_JSON_DEPTH,
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKEN_ID,
+    MAX_TRACE_T,
+    TraceAbort,
+    TraceRecord,
+    TraceRequest,
+    TraceSnapshot,
+)
 
 MOONCAKE_BLOCK_SIZE = 512
 _MOONCAKE_MAX_IDS = -(-MAX_PROMPT_TOKENS // MOONCAKE_BLOCK_SIZE)
@@ -23,12 +35,24 @@ _MOONCAKE_MAX_MS = MAX_TRACE_T * 1000
 _INT_ONLY = {int}
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _AZURE_TIME = re.compile(
-    r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:?\d\d)?")
+    r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:?\d\d)?"
+)
 # What json.loads runs once it has skipped leading whitespace: (object, end index).
 _SCAN_ONCE = json.JSONDecoder().scan_once
-_KEYS = {"abort": {"t", "abort"}, "snapshot": {"t", "kv", "queues"},
-         "request": {"t", "id", "max_tokens", "prompt_len", "prompt_token_ids", "hash_ids",
-                     "hash_block_size", "pd"}}
+_KEYS = {
+    "abort": {"t", "abort"},
+    "snapshot": {"t", "kv", "queues"},
+    "request": {
+        "t",
+        "id",
+        "max_tokens",
+        "prompt_len",
+        "prompt_token_ids",
+        "hash_ids",
+        "hash_block_size",
+        "pd",
+    },
+}
 
 
 class FieldError(Exception):
@@ -52,13 +76,13 @@ def show(value: object) -> str:
 
 def _at_most(value: int, maximum: int, label: str) -> int:
     if value > maximum:
-        raise FieldError(label, f"must be at most {maximum:,} (the reader's cap), got "
-                                f"{show(value)}")
+        raise FieldError(
+            label, f"must be at most {maximum:,} (the reader's cap), got {show(value)}"
+        )
     return value
 
 
-def _int(obj: dict[str, object], name: str, minimum: int, maximum: int,
-         label: str = "") -> int:
+def _int(obj: dict[str, object], name: str, minimum: int, maximum: int, label: str = "") -> int:
     if name not in obj:
         raise FieldError(label or name, f"missing, must be an integer >= {minimum}")
     value = obj[name]
@@ -67,18 +91,23 @@ def _int(obj: dict[str, object], name: str, minimum: int, maximum: int,
     return value if value <= maximum else _at_most(value, maximum, label or name)
 
 
-def _ints(obj: dict[str, object], name: str, max_len: int,
-          bounds: tuple[int, int] | None = None) -> tuple[int, ...]:
+def _ints(
+    obj: dict[str, object], name: str, max_len: int, bounds: tuple[int, int] | None = None
+) -> tuple[int, ...]:
     """A non-empty list of at most max_len integers, each within `bounds` if given."""
     value = obj.get(name)
     if isinstance(value, list) and len(value) > max_len:
-        raise FieldError(name, f"has {len(value):,} entries, at most {max_len:,} (the "
-                               f"reader's cap)")
-    if not isinstance(value, list) or not value or set(map(type, value)) != {int} or (
-            bounds is not None and not bounds[0] <= min(value) <= max(value) <= bounds[1]):
+        raise FieldError(
+            name, f"has {len(value):,} entries, at most {max_len:,} (the reader's cap)"
+        )
+    if (
+        not isinstance(value, list)
+        or not value
+        or set(map(type, value)) != {int}
+        or (bounds is not None and not bounds[0] <= min(value) <= max(value) <= bounds[1])
+    ):
         within = "" if bounds is None else f" from {bounds[0]:,} to {bounds[1]:,}"
-        raise FieldError(name, f"must be a non-empty list of integers{within}, "
-                               f"got {show(value)}")
+        raise FieldError(name, f"must be a non-empty list of integers{within}, got {show(value)}")
     return tuple(value)
 
 
@@ -88,8 +117,11 @@ def _seconds(value: object, name: str, per_second: int = 1) -> float:
     if type(value) not in (int, float) or not value >= 0:
         raise FieldError(name, f"must be a number >= 0 ({unit}), got {show(value)}")
     if not value <= MAX_TRACE_T * per_second:
-        raise FieldError(name, f"must be at most {MAX_TRACE_T * per_second:.0f} {unit} (the "
-                               f"reader's cap), got {show(value)}")
+        raise FieldError(
+            name,
+            f"must be at most {MAX_TRACE_T * per_second:.0f} {unit} (the "
+            f"reader's cap), got {show(value)}",
+        )
     return value / per_second
 
 
@@ -105,8 +137,9 @@ def _string(value: object, name: str) -> str:
 def _check_cover(length: int, hash_ids: tuple[int, ...], block: int, name: str) -> None:
     need = cdiv(length, block)
     if need != len(hash_ids):
-        raise FieldError("hash_ids", f"has {len(hash_ids)} ids but ceil({name} {length} "
-                                     f"/ {block}) = {need}")
+        raise FieldError(
+            "hash_ids", f"has {len(hash_ids)} ids but ceil({name} {length} / {block}) = {need}"
+        )
 
 
 def parse_json(text: str) -> dict[str, object]:
@@ -149,8 +182,9 @@ def _depth(obj: object) -> int:
         value, depth = stack.pop()
         if isinstance(value, (list, dict)):
             deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict)
-                                                  else value))
+            stack.extend(
+                (v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)
+            )
     return deepest
 
 
@@ -160,9 +194,12 @@ def _check_utf8(value: object, name: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise FieldError(name or "json", f"not valid UTF-8: a lone surrogate "
-                                             f"\\u{ord(value[e.start]):04x} at character "
-                                             f"{e.start}") from None
+            raise FieldError(
+                name or "json",
+                f"not valid UTF-8: a lone surrogate "
+                f"\\u{ord(value[e.start]):04x} at character "
+                f"{e.start}",
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_utf8(key, name)
@@ -172,14 +209,17 @@ def _check_utf8(value: object, name: str) -> None:
             _check_utf8(item, name)
 
 
-def _kvdrain_prompt(obj: dict[str, object]) -> tuple[int, tuple[int, ...] | None,
-                                                     tuple[int, ...] | None, int]:
+def _kvdrain_prompt(
+    obj: dict[str, object],
+) -> tuple[int, tuple[int, ...] | None, tuple[int, ...] | None, int]:
     """(prompt_len, prompt_token_ids, hash_ids, hash_block_size) of a request line."""
     block = DEFAULT_HASH_BLOCK_SIZE
     if "prompt_token_ids" in obj:
         if obj.keys() & {"prompt_len", "hash_ids", "hash_block_size"}:
-            raise FieldError("prompt_token_ids", "cannot be combined with prompt_len, "
-                                                 "hash_ids or hash_block_size")
+            raise FieldError(
+                "prompt_token_ids",
+                "cannot be combined with prompt_len, hash_ids or hash_block_size",
+            )
         token_ids = _ints(obj, "prompt_token_ids", MAX_PROMPT_TOKENS, (0, MAX_TOKEN_ID))
         return len(token_ids), token_ids, None, block
     if "hash_ids" in obj:
@@ -199,8 +239,9 @@ def _kvdrain_prompt(obj: dict[str, object]) -> tuple[int, tuple[int, ...] | None
     return _int(obj, "prompt_len", 1, MAX_PROMPT_TOKENS), None, None, block
 
 
-def _engine_counts(value: object, name: str, required: tuple[str, ...],
-                   allowed: set[str] | None) -> dict[str, dict[str, int]]:
+def _engine_counts(
+    value: object, name: str, required: tuple[str, ...], allowed: set[str] | None
+) -> dict[str, dict[str, int]]:
     """{engine: {count name: integer >= 0}}, as in a snapshot's kv and queues."""
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
         raise FieldError(name, f"must be an object of engine -> counts, got {show(value)}")
@@ -248,13 +289,28 @@ def parse_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:
     through checked_mooncake, which names the first bad field."""
     t, num_in, num_out = obj.get("timestamp"), obj.get("input_length"), obj.get("output_length")
     hash_ids = obj.get("hash_ids")
-    if ((type(t) is int or type(t) is float) and 0 <= t <= _MOONCAKE_MAX_MS
-            and type(num_in) is int and 0 < num_in <= MAX_PROMPT_TOKENS
-            and type(num_out) is int and 0 < num_out <= MAX_OUTPUT_TOKENS
-            and type(hash_ids) is list and len(hash_ids) == -(-num_in // MOONCAKE_BLOCK_SIZE)
-            and set(map(type, hash_ids)) == _INT_ONLY):
-        return TraceRequest(t / 1000, f"mc-{line}", num_out, num_in, None, tuple(hash_ids),
-                            MOONCAKE_BLOCK_SIZE, None, line)
+    if (
+        (type(t) is int or type(t) is float)
+        and 0 <= t <= _MOONCAKE_MAX_MS
+        and type(num_in) is int
+        and 0 < num_in <= MAX_PROMPT_TOKENS
+        and type(num_out) is int
+        and 0 < num_out <= MAX_OUTPUT_TOKENS
+        and type(hash_ids) is list
+        and len(hash_ids) == -(-num_in // MOONCAKE_BLOCK_SIZE)
+        and set(map(type, hash_ids)) == _INT_ONLY
+    ):
+        return TraceRequest(
+            t / 1000,
+            f"mc-{line}",
+            num_out,
+            num_in,
+            None,
+            tuple(hash_ids),
+            MOONCAKE_BLOCK_SIZE,
+            None,
+            line,
+        )
     return checked_mooncake(obj, line)
 
 
@@ -267,21 +323,22 @@ def checked_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:
         return None
     hash_ids = _ints(obj, "hash_ids", _MOONCAKE_MAX_IDS)
     _check_cover(num_in, hash_ids, MOONCAKE_BLOCK_SIZE, "input_length")
-    return TraceRequest(t, f"mc-{line}", num_out, num_in, None, hash_ids,
-                        MOONCAKE_BLOCK_SIZE, None, line)
+    return TraceRequest(
+        t, f"mc-{line}", num_out, num_in, None, hash_ids, MOONCAKE_BLOCK_SIZE, None, line
+    )
 
 
 def _azure_ns(text: str) -> int:
     """Nanoseconds since the epoch (by hand: datetime takes 6 fractional digits at most)."""
     m = _AZURE_TIME.fullmatch(text.strip())
     if m is None:
-        raise FieldError("TIMESTAMP", f"must be YYYY-MM-DD HH:MM:SS[.fraction][zone], "
-                                      f"got {show(text)}")
+        raise FieldError(
+            "TIMESTAMP", f"must be YYYY-MM-DD HH:MM:SS[.fraction][zone], got {show(text)}"
+        )
     zone = m[8] or "Z"
     minutes = 0 if zone == "Z" else int(zone[0] + "1") * (int(zone[1:3]) * 60 + int(zone[-2:]))
     try:
-        whole = datetime(*map(int, m.groups()[:6]),
-                         tzinfo=timezone(timedelta(minutes=minutes)))
+        whole = datetime(*map(int, m.groups()[:6]), tzinfo=timezone(timedelta(minutes=minutes)))
     except ValueError as e:
         raise FieldError("TIMESTAMP", f"{e}, got {show(text)}") from None
     return int(whole.timestamp()) * 10**9 + int((m[7] or "").ljust(9, "0"))
@@ -317,8 +374,10 @@ class AzureRows:
         num_out = _csv_int(cells[self.columns[2]], "GeneratedTokens", MAX_OUTPUT_TOKENS)
         t = (ns - (ns if self.t0_ns is None else self.t0_ns)) / 1e9
         if t > MAX_TRACE_T:
-            raise FieldError("TIMESTAMP", f"{t:,.0f} s after the first row, at most "
-                                          f"{MAX_TRACE_T:.0f} s (the reader's cap)")
+            raise FieldError(
+                "TIMESTAMP",
+                f"{t:,.0f} s after the first row, at most {MAX_TRACE_T:.0f} s (the reader's cap)",
+            )
         self.t0_ns = ns if self.t0_ns is None else self.t0_ns
         if num_in == 0 or num_out == 0:
             return None

@@ -7,6 +7,7 @@ engines would refuse (a prompt that does not fit max_model_len) or cap (prompt +
 output over it), at a wall replay's default max_model_len and the virtual clock's, and
 how long a wall replay takes. Bad lines are all counted, the first few reported.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -16,8 +17,15 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
-from replay.trace.reader import (TraceAbort, TraceRequest, TraceSnapshot, TraceSummary, detect_format,
-                                 read_trace, validate_trace)
+from replay.trace.reader import (
+    TraceAbort,
+    TraceRequest,
+    TraceSnapshot,
+    TraceSummary,
+    detect_format,
+    read_trace,
+    validate_trace,
+)
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 
 TOP_GAPS = 5
@@ -27,7 +35,9 @@ DEFAULT_TAIL_S = 2.0  # replay's tail at its default drain deadline (max(2, 3 x 
 
 def default_max_model_lens() -> dict[str, int]:
     """The max_model_len a replay runs by default, per clock."""
-    virtual = PROFILES[DEFAULT_VIRTUAL_PROFILE].sizes().get("max_model_len", EngineConfig().max_model_len)
+    virtual = (
+        PROFILES[DEFAULT_VIRTUAL_PROFILE].sizes().get("max_model_len", EngineConfig().max_model_len)
+    )
     return {"wall": EngineConfig().max_model_len, "virtual": virtual}
 
 
@@ -150,13 +160,19 @@ class _Pass:
 def _length_checks(max_model_len: int | None) -> tuple[LengthCheck, ...]:
     if max_model_len is not None:
         return (LengthCheck(max_model_len, "--max-model-len"),)
-    return tuple(LengthCheck(n, f"{clock} default") for clock, n in default_max_model_lens().items())
+    return tuple(
+        LengthCheck(n, f"{clock} default") for clock, n in default_max_model_lens().items()
+    )
 
 
-def inspect_trace(path: str | Path, fmt: str | None = None,
-                  idle_threshold: float = DEFAULT_IDLE_THRESHOLD_S,
-                  shaping: ShapingOptions = ShapingOptions(), max_model_len: int | None = None,
-                  tail_s: float = DEFAULT_TAIL_S) -> TraceInspection:
+def inspect_trace(
+    path: str | Path,
+    fmt: str | None = None,
+    idle_threshold: float = DEFAULT_IDLE_THRESHOLD_S,
+    shaping: ShapingOptions = ShapingOptions(),
+    max_model_len: int | None = None,
+    tail_s: float = DEFAULT_TAIL_S,
+) -> TraceInspection:
     """Measure the shaped trace in one streaming pass, after a validating pass that
     counts every bad line (TraceError for a trace replay could not read at all)."""
     if not idle_threshold > 0:
@@ -167,19 +183,33 @@ def inspect_trace(path: str | Path, fmt: str | None = None,
     scan = _Pass(idle_threshold, _length_checks(max_model_len))
     for rec in shape(read_trace(path, fmt, skip_bad_lines=True), shaping, log):
         scan.add(rec)
-    gaps = tuple(IdleGap(start, length, line) for length, start, line in sorted(scan.top, reverse=True))
+    gaps = tuple(
+        IdleGap(start, length, line) for length, start, line in sorted(scan.top, reverse=True)
+    )
     first, last = scan.first, scan.last
     return TraceInspection(
-        path=str(path), format=fmt, num_requests=scan.counts[TraceRequest],
-        num_aborts=scan.counts[TraceAbort], num_snapshots=scan.counts[TraceSnapshot],
-        duration=last.t - first.t if last is not None else 0.0, total_prompt_tokens=scan.prompt,
-        total_output_tokens=scan.output, idle_threshold=idle_threshold, num_idle_gaps=scan.num_gaps,
-        top_gaps=gaps, num_hash_refs=scan.num_refs, num_reused_refs=scan.num_reused,
+        path=str(path),
+        format=fmt,
+        num_requests=scan.counts[TraceRequest],
+        num_aborts=scan.counts[TraceAbort],
+        num_snapshots=scan.counts[TraceSnapshot],
+        duration=last.t - first.t if last is not None else 0.0,
+        total_prompt_tokens=scan.prompt,
+        total_output_tokens=scan.output,
+        idle_threshold=idle_threshold,
+        num_idle_gaps=scan.num_gaps,
+        top_gaps=gaps,
+        num_hash_refs=scan.num_refs,
+        num_reused_refs=scan.num_reused,
         num_trace_requests=summary.num_requests,
-        shaping=tuple(log.lines()), last_arrival=last.t if last is not None else 0.0,
-        length_checks=scan.checks, num_bad_lines=summary.num_bad_lines,
-        bad_line_messages=summary.bad_line_messages, num_skipped=summary.num_skipped,
-        tail_s=tail_s)
+        shaping=tuple(log.lines()),
+        last_arrival=last.t if last is not None else 0.0,
+        length_checks=scan.checks,
+        num_bad_lines=summary.num_bad_lines,
+        bad_line_messages=summary.bad_line_messages,
+        num_skipped=summary.num_skipped,
+        tail_s=tail_s,
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -204,15 +234,19 @@ def format_inspection(insp: TraceInspection) -> list[str]:
         f"idle gaps of {insp.idle_threshold:g} s or more: {insp.num_idle_gaps:,}"
         + (f", longest {insp.top_gaps[0].length:.1f} s" if insp.top_gaps else ""),
     ]
-    lines += [f"  {gap.length:9.3f} s after t={gap.start:.3f} s (line {gap.after_line})"
-              for gap in insp.top_gaps]
+    lines += [
+        f"  {gap.length:9.3f} s after t={gap.start:.3f} s (line {gap.after_line})"
+        for gap in insp.top_gaps
+    ]
     if insp.num_idle_gaps > len(insp.top_gaps):
         lines.append(f"  ... and {insp.num_idle_gaps - len(insp.top_gaps):,} more")
     if insp.prefix_reuse is None:
         lines.append("prefix-block reuse: n/a (no hash ids)")
     else:
-        lines.append(f"prefix-block reuse: {insp.prefix_reuse:.1%} ({insp.num_reused_refs:,} "
-                     f"of {insp.num_hash_refs:,} hash-id block references repeat an earlier id)")
+        lines.append(
+            f"prefix-block reuse: {insp.prefix_reuse:.1%} ({insp.num_reused_refs:,} "
+            f"of {insp.num_hash_refs:,} hash-id block references repeat an earlier id)"
+        )
     return lines + dry_run_lines(insp)
 
 
@@ -220,23 +254,35 @@ def dry_run_lines(insp: TraceInspection) -> list[str]:
     """What a replay of the shaped trace would send, drop, refuse and cap, and how long."""
     dropped = insp.num_trace_requests - insp.num_requests
     if insp.num_requests == 0:
-        lines = [f"a replay would send none of the trace's {insp.num_trace_requests:,} requests "
-                 f"(shaping drops them all): replay refuses it (exit 2)"]
+        lines = [
+            f"a replay would send none of the trace's {insp.num_trace_requests:,} requests "
+            f"(shaping drops them all): replay refuses it (exit 2)"
+        ]
     else:
-        lines = [f"a replay would send {insp.num_requests:,} of the trace's {insp.num_trace_requests:,} "
-                 f"requests" + (f" (shaping drops {dropped:,})" if dropped > 0 else ""),
-                 f"  a wall replay takes about {_duration(insp.wall_s)} (last arrival "
-                 f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)"]
+        lines = [
+            f"a replay would send {insp.num_requests:,} of the trace's {insp.num_trace_requests:,} "
+            f"requests" + (f" (shaping drops {dropped:,})" if dropped > 0 else ""),
+            f"  a wall replay takes about {_duration(insp.wall_s)} (last arrival "
+            f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)",
+        ]
     lines += [f"  shaping: {line}" for line in insp.shaping]
     for check in insp.length_checks:
-        lines.append(f"  max_model_len {check.max_model_len:,} ({check.source}): "
-                     f"{check.num_refused:,} too long, {check.num_capped:,} capped"
-                     + (f", {check.num_invalid:,} with max_tokens that can never be generated "
-                        f"(replay refuses the trace, exit 2)" if check.num_invalid else ""))
+        lines.append(
+            f"  max_model_len {check.max_model_len:,} ({check.source}): "
+            f"{check.num_refused:,} too long, {check.num_capped:,} capped"
+            + (
+                f", {check.num_invalid:,} with max_tokens that can never be generated "
+                f"(replay refuses the trace, exit 2)"
+                if check.num_invalid
+                else ""
+            )
+        )
     if any(check.num_refused for check in insp.length_checks):
-        lines += ["  (too long: the prompt does not fit: the engine rejects it, counted as ignored,",
-                  "  and over 1% ignored is inconclusive without --allow-ignored; capped: the",
-                  "  engine stops them at the limit)"]
+        lines += [
+            "  (too long: the prompt does not fit: the engine rejects it, counted as ignored,",
+            "  and over 1% ignored is inconclusive without --allow-ignored; capped: the",
+            "  engine stops them at the limit)",
+        ]
     if insp.num_skipped:
         lines.append(f"  {insp.num_skipped:,} rows with zero tokens (failed requests) are skipped")
     return lines
@@ -254,9 +300,15 @@ def bad_line_lines(insp: TraceInspection) -> list[str]:
 LONG_WALL_S = 300.0  # a wall replay longer than this says so before it starts
 
 
-def wall_time_note(clock: str, path: str | Path, fmt: str | None, shaping: ShapingOptions,
-                   duration_s: float, tail_s: float = DEFAULT_TAIL_S,
-                   skip_bad_lines: bool = False) -> str | None:
+def wall_time_note(
+    clock: str,
+    path: str | Path,
+    fmt: str | None,
+    shaping: ShapingOptions,
+    duration_s: float,
+    tail_s: float = DEFAULT_TAIL_S,
+    skip_bad_lines: bool = False,
+) -> str | None:
     """Before a long wall-clock replay: how long it will take, and how to make it shorter.
 
     The time is the shaped trace's (every shaping option, --max-requests and --max-gap
@@ -274,21 +326,25 @@ def wall_time_note(clock: str, path: str | Path, fmt: str | None, shaping: Shapi
     wall_s = last_arrival + tail_s
     if wall_s <= LONG_WALL_S:
         return None
-    return (f"this wall-clock replay takes about {_duration(wall_s)} (last arrival {last_arrival:,.1f} s "
-            f"+ {tail_s:g} s tail; start-up aside); --clock virtual runs it in seconds, "
-            f"--speedup, --max-gap, --max-requests or --end shorten it, and `kvdrain inspect` previews it")
+    return (
+        f"this wall-clock replay takes about {_duration(wall_s)} (last arrival {last_arrival:,.1f} s "
+        f"+ {tail_s:g} s tail; start-up aside); --clock virtual runs it in seconds, "
+        f"--speedup, --max-gap, --max-requests or --end shorten it, and `kvdrain inspect` previews it"
+    )
 
 
-def shaped_requests(path: str | Path, fmt: str | None, shaping: ShapingOptions,
-                    skip_bad_lines: bool = False) -> Iterator[TraceRequest]:
+def shaped_requests(
+    path: str | Path, fmt: str | None, shaping: ShapingOptions, skip_bad_lines: bool = False
+) -> Iterator[TraceRequest]:
     """The shaped trace's requests, streaming, in replay time."""
     for rec in shape(read_trace(path, fmt, skip_bad_lines=skip_bad_lines), shaping, ShapingLog()):
         if isinstance(rec, TraceRequest):
             yield rec
 
 
-def shaped_last_arrival(path: str | Path, fmt: str | None, shaping: ShapingOptions,
-                        skip_bad_lines: bool = False) -> float:
+def shaped_last_arrival(
+    path: str | Path, fmt: str | None, shaping: ShapingOptions, skip_bad_lines: bool = False
+) -> float:
     """The replay time of the shaped trace's last request (0 when shaping leaves none)."""
     last = 0.0
     for req in shaped_requests(path, fmt, shaping, skip_bad_lines):
@@ -296,18 +352,28 @@ def shaped_last_arrival(path: str | Path, fmt: str | None, shaping: ShapingOptio
     return last
 
 
-def no_request_left(path: str | Path, fmt: str | None, shaping: ShapingOptions, num_requests: int,
-                    skip_bad_lines: bool = False) -> str | None:
+def no_request_left(
+    path: str | Path,
+    fmt: str | None,
+    shaping: ShapingOptions,
+    num_requests: int,
+    skip_bad_lines: bool = False,
+) -> str | None:
     """Why a replay would send nothing: a --start/--end window that holds none of the
     trace's requests (None: it holds some, or no window was given)."""
     if shaping.start is None and shaping.end is None:
         return None
     if next(shaped_requests(path, fmt, shaping, skip_bad_lines), None) is not None:
         return None
-    given = " ".join(f"--{name} {value:g}" for name, value in (("start", shaping.start), ("end", shaping.end))
-                     if value is not None)
-    return (f"{path}: {given} keeps none of the trace's {num_requests:,} requests, so a replay would "
-            f"send nothing and prove nothing; `kvdrain inspect {path}` shows when they arrive")
+    given = " ".join(
+        f"--{name} {value:g}"
+        for name, value in (("start", shaping.start), ("end", shaping.end))
+        if value is not None
+    )
+    return (
+        f"{path}: {given} keeps none of the trace's {num_requests:,} requests, so a replay would "
+        f"send nothing and prove nothing; `kvdrain inspect {path}` shows when they arrive"
+    )
 
 
 def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | None:
@@ -315,7 +381,9 @@ def only_tail_note(coverage, speedup: float, idle_threshold_s: float) -> str | N
     the idle threshold, so the verdict covers the tail alone; say so."""
     if speedup <= 1 or not coverage or any(not c.is_tail for c in coverage):
         return None
-    return (f"at --speedup {speedup:g} no gap between arrivals is {idle_threshold_s:g} s or longer, "
-            f"so only the tail was checked; a lower --speedup, a lower --idle-threshold or "
-            f"--insert-idle keeps idle windows in the run (`kvdrain inspect --speedup "
-            f"{speedup:g}` shows the gaps)")
+    return (
+        f"at --speedup {speedup:g} no gap between arrivals is {idle_threshold_s:g} s or longer, "
+        f"so only the tail was checked; a lower --speedup, a lower --idle-threshold or "
+        f"--insert-idle keeps idle windows in the run (`kvdrain inspect --speedup "
+        f"{speedup:g}` shows the gaps)"
+    )

@@ -8,6 +8,7 @@ it is sent, the engine rejects it as vLLM's front does (the scheduler's "ignored
 by cause: replay/verify/coverage.py), and coverage decides as for any ignored request.
 The format's own caps (MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS) stay errors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,16 @@ def check_request(req: TraceRequest, fmt: str, limits: TraceLimits) -> bool:
     prompt, output, _ = scaled_lengths(req, limits.scale_tokens)
     max_len = limits.max_model_len if limits.max_model_len is not None else MAX_PROMPT_TOKENS + 1
     vocab = limits.vocab_size
-    if prompt > MAX_PROMPT_TOKENS or output > MAX_OUTPUT_TOKENS \
-            or (output >= max_len and prompt < max_len) or (vocab is not None and req.prompt_token_ids is not None
-                                     and max(req.prompt_token_ids) >= vocab):
+    if (
+        prompt > MAX_PROMPT_TOKENS
+        or output > MAX_OUTPUT_TOKENS
+        or (output >= max_len and prompt < max_len)
+        or (
+            vocab is not None
+            and req.prompt_token_ids is not None
+            and max(req.prompt_token_ids) >= vocab
+        )
+    ):
         _explain(req, fmt, limits, prompt, output)
     return limits.max_model_len is not None and prompt < max_len and prompt + output > max_len
 
@@ -50,12 +58,20 @@ def _explain(req: TraceRequest, fmt: str, limits: TraceLimits, prompt: int, outp
     """Raise the FieldError of the first limit that (scaled) `req` breaks."""
     names = ("prompt_token_ids" if req.prompt_token_ids else _PROMPT_FIELD[fmt], _OUTPUT_FIELD[fmt])
     scaled = "" if limits.scale_tokens == 1.0 else f" (scaled by {limits.scale_tokens:g})"
-    for name, n, cap in ((names[0], prompt, MAX_PROMPT_TOKENS), (names[1], output, MAX_OUTPUT_TOKENS)):
+    for name, n, cap in (
+        (names[0], prompt, MAX_PROMPT_TOKENS),
+        (names[1], output, MAX_OUTPUT_TOKENS),
+    ):
         if n > cap:  # scaling up can pass the caps that the line itself was within
             raise FieldError(name, f"{n:,} tokens{scaled}, more than the reader's cap of {cap:,}")
     max_len = limits.max_model_len
     if max_len is not None and output >= max_len:
-        raise FieldError(names[1], f"{output:,} tokens{scaled} can never be generated: "
-                                   f"max_model_len {max_len:,} holds prompt and output")
-    raise FieldError("prompt_token_ids", f"token {max(req.prompt_token_ids)} is outside the "
-                                         f"vocabulary [0, {limits.vocab_size})")
+        raise FieldError(
+            names[1],
+            f"{output:,} tokens{scaled} can never be generated: "
+            f"max_model_len {max_len:,} holds prompt and output",
+        )
+    raise FieldError(
+        "prompt_token_ids",
+        f"token {max(req.prompt_token_ids)} is outside the vocabulary [0, {limits.vocab_size})",
+    )

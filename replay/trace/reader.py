@@ -45,6 +45,7 @@ Given TraceLimits, each request is also checked against the engines' limits afte
 scaling, before any token is synthesised (replay/trace/limits.py); `num_capped` counts
 those whose prompt + max_tokens exceed max_model_len (the engine stops them there).
 """
+
 from __future__ import annotations
 
 import csv
@@ -53,17 +54,53 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.trace.formats import (AZURE_COLUMNS, MOONCAKE_BLOCK_SIZE, AzureRows, FieldError,
-                                  check_strings, parse_json, parse_kvdrain, parse_mooncake, show)
+from replay.trace.formats import (
+    AZURE_COLUMNS,
+    MOONCAKE_BLOCK_SIZE,
+    AzureRows,
+    FieldError,
+    check_strings,
+    parse_json,
+    parse_kvdrain,
+    parse_mooncake,
+    show,
+)
 from replay.trace.limits import TraceLimits, check_request
-from replay.trace.source import CHECK_EVERY_LINES, TraceError, check_digest, check_unchanged, open_trace
-from replay.trace.records import (DEFAULT_HASH_BLOCK_SIZE, MAX_LINE_BYTES, TraceAbort, TraceHeader,
-                                  TraceRecord, TraceRequest, TraceSnapshot)
+from replay.trace.records import (
+    DEFAULT_HASH_BLOCK_SIZE,
+    MAX_LINE_BYTES,
+    TraceAbort,
+    TraceHeader,
+    TraceRecord,
+    TraceRequest,
+    TraceSnapshot,
+)
+from replay.trace.source import (
+    CHECK_EVERY_LINES,
+    TraceError,
+    check_digest,
+    check_unchanged,
+    open_trace,
+)
 
-__all__ = ["DEFAULT_HASH_BLOCK_SIZE", "FORMATS", "MAX_BAD_LINE_MESSAGES", "MOONCAKE_BLOCK_SIZE",
-           "TRACE_VERSION", "TraceAbort", "TraceError", "TraceHeader", "TraceLimits", "TraceRecord",
-           "TraceRequest", "TraceSnapshot", "TraceSummary", "detect_format", "read_trace",
-           "validate_trace"]
+__all__ = [
+    "DEFAULT_HASH_BLOCK_SIZE",
+    "FORMATS",
+    "MAX_BAD_LINE_MESSAGES",
+    "MOONCAKE_BLOCK_SIZE",
+    "TRACE_VERSION",
+    "TraceAbort",
+    "TraceError",
+    "TraceHeader",
+    "TraceLimits",
+    "TraceRecord",
+    "TraceRequest",
+    "TraceSnapshot",
+    "TraceSummary",
+    "detect_format",
+    "read_trace",
+    "validate_trace",
+]
 
 FORMATS = ("kvdrain", "mooncake", "azure")
 TRACE_VERSION = 1
@@ -138,8 +175,9 @@ def _csv_cells(text: str) -> list[str]:
 class _Scan:
     """One streaming pass over a trace file: parse, check order and ids, count, hash."""
 
-    def __init__(self, path: Path, fmt: str, skip_bad_lines: bool,
-                 limits: TraceLimits | None) -> None:
+    def __init__(
+        self, path: Path, fmt: str, skip_bad_lines: bool, limits: TraceLimits | None
+    ) -> None:
         self.path, self.fmt, self.skip_bad_lines, self.limits = path, fmt, skip_bad_lines, limits
         self.sha256 = hashlib.sha256()
         self.num_skipped = self.num_bad_lines = self.num_capped = 0
@@ -206,8 +244,10 @@ class _Scan:
 
     def _kvdrain_header(self, obj: dict[str, object], line: int) -> TraceHeader:
         if obj["kvdrain_trace"] != TRACE_VERSION:
-            raise TraceError(f"{self.path}:{line}: kvdrain_trace: unsupported version "
-                             f"{show(obj['kvdrain_trace'])}, this reader knows 1")
+            raise TraceError(
+                f"{self.path}:{line}: kvdrain_trace: unsupported version "
+                f"{show(obj['kvdrain_trace'])}, this reader knows 1"
+            )
         obj.pop("kvdrain_trace")
         return TraceHeader(TRACE_VERSION, obj, line)
 
@@ -216,19 +256,21 @@ class _Scan:
         if isinstance(record, TraceHeader):
             return
         if record.t < self.last_t:
-            raise FieldError(_TIME_FIELD[self.fmt], f"times must be non-decreasing, got "
-                                                    f"{record.t:.9g} s after {self.last_t:.9g} s")
+            raise FieldError(
+                _TIME_FIELD[self.fmt],
+                f"times must be non-decreasing, got {record.t:.9g} s after {self.last_t:.9g} s",
+            )
         if isinstance(record, TraceRequest) and self.fmt == "kvdrain":
             first = self.req_lines.setdefault(record.req_id, record.line)
             if first != record.line:
-                raise FieldError("id", f"duplicate request id {show(record.req_id)} "
-                                       f"(first on line {first})")
+                raise FieldError(
+                    "id", f"duplicate request id {show(record.req_id)} (first on line {first})"
+                )
         if isinstance(record, TraceAbort):
             self._check_abort(record)
         if isinstance(record, TraceRequest) and self.limits is not None:
             self.num_capped += check_request(record, self.fmt, self.limits)
         self.last_t = record.t
-
 
     def _check_abort(self, record: TraceAbort) -> None:
         """An abort names an earlier request, and aborts it once."""
@@ -236,8 +278,9 @@ class _Scan:
             raise FieldError("abort", f"no earlier request with id {show(record.req_id)}")
         first = self.abort_lines.setdefault(record.req_id, record.line)
         if first != record.line:
-            raise FieldError("abort", f"request {show(record.req_id)} is already aborted "
-                                      f"(on line {first})")
+            raise FieldError(
+                "abort", f"request {show(record.req_id)} is already aborted (on line {first})"
+            )
 
 
 def _first_line(path: Path) -> tuple[int, str]:
@@ -270,9 +313,11 @@ def detect_format(path: str | Path) -> str:
     except FieldError as e:
         fmt, why = None, f" (the line: {e})"
     if fmt is None:
-        raise TraceError(f"{path}:{line}: format: unknown; expected a kvdrain header or record, "
-                         f"a Mooncake line or an Azure CSV header; name the format to "
-                         f"override{why}")
+        raise TraceError(
+            f"{path}:{line}: format: unknown; expected a kvdrain header or record, "
+            f"a Mooncake line or an Azure CSV header; name the format to "
+            f"override{why}"
+        )
     return fmt
 
 
@@ -284,14 +329,22 @@ def _resolve_format(path: str | Path, fmt: str | None) -> str:
     return fmt
 
 
-def read_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: bool = False,
-               limits: TraceLimits | None = None) -> Iterator[TraceRecord]:
+def read_trace(
+    path: str | Path,
+    fmt: str | None = None,
+    skip_bad_lines: bool = False,
+    limits: TraceLimits | None = None,
+) -> Iterator[TraceRecord]:
     """Stream a trace's records in file order (its header first when it has one)."""
     return _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits).records()
 
 
-def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: bool = False,
-                   limits: TraceLimits | None = None) -> TraceSummary:
+def validate_trace(
+    path: str | Path,
+    fmt: str | None = None,
+    skip_bad_lines: bool = False,
+    limits: TraceLimits | None = None,
+) -> TraceSummary:
     """Read a whole trace once, streaming, and summarise it; a bad line raises TraceError.
 
     With `limits`, every request is also checked against the engines' limits (see above).
@@ -310,12 +363,24 @@ def validate_trace(path: str | Path, fmt: str | None = None, skip_bad_lines: boo
             if record.prompt_token_ids:
                 max_id = max(max_id or 0, max(record.prompt_token_ids))
     if counts[TraceRequest] == 0:
-        raise TraceError(f"{path}: trace: no requests ({scan.num_bad_lines} bad lines, "
-                         f"{scan.num_skipped} zero-length rows skipped)")
-    return TraceSummary(path=str(path), format=scan.fmt, header=header, num_requests=counts[TraceRequest],
-                        num_aborts=counts[TraceAbort], num_snapshots=counts[TraceSnapshot],
-                        num_skipped=scan.num_skipped, duration=last_t - (first_t or 0.0),
-                        total_prompt_tokens=prompt, total_output_tokens=output,
-                        num_bad_lines=scan.num_bad_lines, bad_line_messages=tuple(scan.bad_line_messages),
-                        sha256=scan.sha256.hexdigest(), num_capped=scan.num_capped,
-                        max_prompt_token_id=max_id)
+        raise TraceError(
+            f"{path}: trace: no requests ({scan.num_bad_lines} bad lines, "
+            f"{scan.num_skipped} zero-length rows skipped)"
+        )
+    return TraceSummary(
+        path=str(path),
+        format=scan.fmt,
+        header=header,
+        num_requests=counts[TraceRequest],
+        num_aborts=counts[TraceAbort],
+        num_snapshots=counts[TraceSnapshot],
+        num_skipped=scan.num_skipped,
+        duration=last_t - (first_t or 0.0),
+        total_prompt_tokens=prompt,
+        total_output_tokens=output,
+        num_bad_lines=scan.num_bad_lines,
+        bad_line_messages=tuple(scan.bad_line_messages),
+        sha256=scan.sha256.hexdigest(),
+        num_capped=scan.num_capped,
+        max_prompt_token_id=max_id,
+    )

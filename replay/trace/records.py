@@ -4,6 +4,7 @@ The readers (replay/trace/reader.py, replay/trace/formats.py) yield these in fil
 shaping, synthesis, simulation and verification code consume them. replay/trace/reader.py
 re-exports every name here, so `from replay.trace.reader import TraceRequest` is the usual import.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

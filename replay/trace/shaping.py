@@ -21,6 +21,7 @@ Replay time is (shaped trace time - start) / speedup, with start 0 when none is 
 the first request keeps its own offset (t starts at 0 only if the trace's first record
 is at `start`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,19 +60,37 @@ class ShapingOptions:
         for name in ("start", "max_gap"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, f"must be >= 0, got {value!r}")
-        _require(self.end is None or self.end > (self.start or 0.0), "end",
-                 f"must be > start ({self.start or 0.0}), got {self.end!r}")
-        _require(self.max_requests is None or self.max_requests >= 1, "max_requests",
-                 f"must be >= 1, got {self.max_requests!r}")
-        _require(self.insert_idle is None or self.insert_idle > 0, "insert_idle",
-                 f"must be > 0, got {self.insert_idle!r}")
+        _require(
+            self.end is None or self.end > (self.start or 0.0),
+            "end",
+            f"must be > start ({self.start or 0.0}), got {self.end!r}",
+        )
+        _require(
+            self.max_requests is None or self.max_requests >= 1,
+            "max_requests",
+            f"must be >= 1, got {self.max_requests!r}",
+        )
+        _require(
+            self.insert_idle is None or self.insert_idle > 0,
+            "insert_idle",
+            f"must be > 0, got {self.insert_idle!r}",
+        )
         where = (self.insert_idle_every is not None) + bool(self.insert_idle_at)
-        _require(where == (self.insert_idle is not None), "insert_idle",
-                 "needs exactly one of insert_idle_every or insert_idle_at, and they need it")
-        _require(self.insert_idle_every is None or self.insert_idle_every >= 1,
-                 "insert_idle_every", f"must be >= 1, got {self.insert_idle_every!r}")
-        _require(all(t >= 0 for t in self.insert_idle_at), "insert_idle_at",
-                 f"times must be >= 0, got {self.insert_idle_at!r}")
+        _require(
+            where == (self.insert_idle is not None),
+            "insert_idle",
+            "needs exactly one of insert_idle_every or insert_idle_at, and they need it",
+        )
+        _require(
+            self.insert_idle_every is None or self.insert_idle_every >= 1,
+            "insert_idle_every",
+            f"must be >= 1, got {self.insert_idle_every!r}",
+        )
+        _require(
+            all(t >= 0 for t in self.insert_idle_at),
+            "insert_idle_at",
+            f"times must be >= 0, got {self.insert_idle_at!r}",
+        )
 
 
 @dataclass(slots=True)
@@ -91,10 +110,13 @@ class ShapingLog:
     def lines(self) -> list[str]:
         """One line per kind of change, in the order first seen: a change made once as
         itself, one made n times as "n times" and its first few examples."""
-        return [f"{kind}: {self.examples[kind][0]}" if n == 1 else
-                f"{kind}: {n:,} times ({'; '.join(self.examples[kind])}"
-                f"{'; ...' if n > len(self.examples[kind]) else ''})"
-                for kind, n in self.counts.items()]
+        return [
+            f"{kind}: {self.examples[kind][0]}"
+            if n == 1
+            else f"{kind}: {n:,} times ({'; '.join(self.examples[kind])}"
+            f"{'; ...' if n > len(self.examples[kind]) else ''})"
+            for kind, n in self.counts.items()
+        ]
 
 
 def scale_request(req: TraceRequest, factor: float, t: float | None = None) -> TraceRequest:
@@ -104,8 +126,17 @@ def scale_request(req: TraceRequest, factor: float, t: float | None = None) -> T
     token_ids = req.prompt_token_ids
     if token_ids is not None:
         token_ids = (token_ids * cdiv(length, len(token_ids)))[:length]
-    return TraceRequest(req.t if t is None else t, req.req_id, max_tokens, length, token_ids,
-                        req.hash_ids, block, req.pd, req.line)
+    return TraceRequest(
+        req.t if t is None else t,
+        req.req_id,
+        max_tokens,
+        length,
+        token_ids,
+        req.hash_ids,
+        block,
+        req.pd,
+        req.line,
+    )
 
 
 @dataclass(slots=True)
@@ -120,8 +151,7 @@ class _Clock:
     num_requests: int = 0
 
 
-def _insert_idle(rec: TraceRecord, opts: ShapingOptions, clock: _Clock,
-                 log: ShapingLog) -> None:
+def _insert_idle(rec: TraceRecord, opts: ShapingOptions, clock: _Clock, log: ShapingLog) -> None:
     idle, every, n = opts.insert_idle or 0.0, opts.insert_idle_every, clock.num_requests
     while clock.idle_at and rec.t >= clock.idle_at[0]:
         clock.inserted += idle
@@ -142,23 +172,30 @@ def _shift(rec: TraceRecord, opts: ShapingOptions, clock: _Clock, log: ShapingLo
         return rec.t - clock.removed + clock.inserted
     if is_capped:
         clock.removed += gap - opts.max_gap
-        log.note("capped gap", f"at t={clock.last_arrival:.3f} s from {gap:.3f} s to "
-                               f"{opts.max_gap:g} s")
+        log.note(
+            "capped gap", f"at t={clock.last_arrival:.3f} s from {gap:.3f} s to {opts.max_gap:g} s"
+        )
     clock.last_arrival, clock.last_shaped = rec.t, rec.t - clock.removed
     clock.num_requests += 1
     return clock.last_shaped + clock.inserted
 
 
-def _in_window(rec: TraceRecord, opts: ShapingOptions, kept: set[str],
-               log: ShapingLog) -> bool | None:
+def _in_window(
+    rec: TraceRecord, opts: ShapingOptions, kept: set[str], log: ShapingLog
+) -> bool | None:
     """Whether to keep `rec`; None ends the stream."""
     if opts.end is not None and rec.t >= opts.end:
         log.note("stopped at end", f"first record past end={opts.end:g} s at t={rec.t:.3f} s")
         return None
-    if isinstance(rec, TraceRequest) and opts.max_requests is not None \
-            and len(kept) >= opts.max_requests:
-        log.note("stopped at max_requests", f"{opts.max_requests} requests kept, stopped "
-                                            f"at t={rec.t:.3f} s")
+    if (
+        isinstance(rec, TraceRequest)
+        and opts.max_requests is not None
+        and len(kept) >= opts.max_requests
+    ):
+        log.note(
+            "stopped at max_requests",
+            f"{opts.max_requests} requests kept, stopped at t={rec.t:.3f} s",
+        )
         return None
     if opts.start is not None and rec.t < opts.start:
         log.note("dropped before start", f"{type(rec).__name__} at t={rec.t:.3f} s")
@@ -171,8 +208,9 @@ def _in_window(rec: TraceRecord, opts: ShapingOptions, kept: set[str],
     return True
 
 
-def shape(records: Iterator[TraceRecord], opts: ShapingOptions,
-          log: ShapingLog | None = None) -> Iterator[TraceRecord]:
+def shape(
+    records: Iterator[TraceRecord], opts: ShapingOptions, log: ShapingLog | None = None
+) -> Iterator[TraceRecord]:
     """Stream `records` reshaped by `opts`, t in replay seconds; changes go to `log`."""
     log = ShapingLog() if log is None else log
     base = opts.start or 0.0
@@ -192,12 +230,14 @@ def shape(records: Iterator[TraceRecord], opts: ShapingOptions,
         t = (_shift(rec, opts, clock, log) - base) / opts.speedup
         if isinstance(rec, TraceRequest) and opts.scale_tokens != 1.0:
             scaled = scale_request(rec, opts.scale_tokens, t)
-            log.note("scaled tokens", f"{rec.req_id}: prompt {rec.prompt_len} -> "
-                                      f"{scaled.prompt_len}, output {rec.max_tokens} -> "
-                                      f"{scaled.max_tokens}")
+            log.note(
+                "scaled tokens",
+                f"{rec.req_id}: prompt {rec.prompt_len} -> "
+                f"{scaled.prompt_len}, output {rec.max_tokens} -> "
+                f"{scaled.max_tokens}",
+            )
             yield scaled
             continue
         if isinstance(rec, TraceSnapshot) and opts.scale_tokens != 1.0:
-            log.note("unscaled snapshot", f"t={rec.t:.3f} s: its counts are of the full-size "
-                                          f"trace")
+            log.note("unscaled snapshot", f"t={rec.t:.3f} s: its counts are of the full-size trace")
         yield dataclasses.replace(rec, t=t)

@@ -13,6 +13,7 @@ no longer has it. The copies and fingerprints are this process's, one per path: 
 replay runs once per process; watch_trace takes a file's fingerprint afresh and keeps a
 pipe's copy (the pipe itself can be read only once).
 """
+
 from __future__ import annotations
 
 import os
@@ -94,12 +95,15 @@ def check_unchanged(path: str | Path) -> None:
     try:
         now = Fingerprint.of(os.stat(key))
     except OSError as e:
-        raise TraceError(f"{key}: file: gone while the replay was reading it "
-                               f"({e.strerror})") from None
+        raise TraceError(
+            f"{key}: file: gone while the replay was reading it ({e.strerror})"
+        ) from None
     if now != watched.fingerprint:
-        raise TraceError(f"{key}: file: {_change(watched.fingerprint, now)} while the replay "
-                               f"was reading it: its passes would read different traces; "
-                               f"replay a copy that nothing writes to")
+        raise TraceError(
+            f"{key}: file: {_change(watched.fingerprint, now)} while the replay "
+            f"was reading it: its passes would read different traces; "
+            f"replay a copy that nothing writes to"
+        )
 
 
 def check_digest(path: str | Path, sha256: str) -> None:
@@ -110,9 +114,11 @@ def check_digest(path: str | Path, sha256: str) -> None:
     if watched.sha256 is None:
         watched.sha256 = sha256
     elif watched.sha256 != sha256:
-        raise TraceError(f"{path}: file: rewritten while the replay was reading it (its "
-                               f"bytes differ from the first pass's, its size and time do not); "
-                               f"replay a copy that nothing writes to")
+        raise TraceError(
+            f"{path}: file: rewritten while the replay was reading it (its "
+            f"bytes differ from the first pass's, its size and time do not); "
+            f"replay a copy that nothing writes to"
+        )
 
 
 def _change(old: Fingerprint, new: Fingerprint) -> str:
@@ -134,14 +140,19 @@ def _stat(key: str) -> os.stat_result:
     return st
 
 
-_REFUSED = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-            stat.S_IFDIR: "a directory"}
+_REFUSED = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
 
 
 def _copy(key: str, st: os.stat_result) -> BinaryIO:
     """Read a pipe, FIFO or socket to its end into an unlinked temporary file, bounded in
     size and in how long it may stay silent."""
-    kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "stream"
+    kind = (
+        "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "stream"
+    )
     try:
         fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer opens at once
     except OSError as e:
@@ -162,7 +173,9 @@ def _drain(key: str, kind: str, fd: int, copy: BinaryIO) -> None:
     size = 0
     while True:
         if not select.select([fd], [], [], WRITER_WAIT_S)[0]:
-            what = "nothing at all (no writer?)" if size == 0 else f"nothing more after {size:,} bytes"
+            what = (
+                "nothing at all (no writer?)" if size == 0 else f"nothing more after {size:,} bytes"
+            )
             raise TraceError(f"{key}: file: a {kind} that sent {what} for {WRITER_WAIT_S:g} s")
         try:
             chunk = os.read(fd, _CHUNK)
@@ -172,6 +185,8 @@ def _drain(key: str, kind: str, fd: int, copy: BinaryIO) -> None:
             return
         size += len(chunk)
         if size > MAX_COPY_BYTES:
-            raise TraceError(f"{key}: file: a {kind} of more than {MAX_COPY_BYTES:,} bytes, "
-                                   f"more than the reader keeps of one; write the trace to a file")
+            raise TraceError(
+                f"{key}: file: a {kind} of more than {MAX_COPY_BYTES:,} bytes, "
+                f"more than the reader keeps of one; write the trace to a file"
+            )
         copy.write(chunk)

@@ -15,6 +15,7 @@ and sent as token ids, never text, so no re-tokenisation can move a block edge.
 - prompt_len only: `prompt_len` tokens of the request id's stream, unique to the request.
 - prompt_token_ids: used as given; each must be below vocab_size.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,13 @@ class BlockMemo:
                 self.by_size, self.nbytes = {}, 0
         return parts
 
-    def _draw_missing(self, held: dict[int, bytes], hash_ids: tuple[int, ...],
-                      parts: list[bytes | None], block_size: int) -> None:
+    def _draw_missing(
+        self,
+        held: dict[int, bytes],
+        hash_ids: tuple[int, ...],
+        parts: list[bytes | None],
+        block_size: int,
+    ) -> None:
         """Fill the holes of `parts` (an id twice in a prompt: drawn once), _words inlined:
         this loop runs once per distinct id of a replay."""
         num_bytes, num_drawn, shake = 4 * block_size, 0, hashlib.shake_128
@@ -89,8 +95,10 @@ def _hash_prompt(req: TraceRequest, vocab_size: int, memo: BlockMemo) -> list[in
     hash_ids, block = req.hash_ids or (), req.hash_block_size
     tail = req.prompt_len - (len(hash_ids) - 1) * block
     if not hash_ids or not 1 <= tail <= block:
-        raise ValueError(f"hash_ids: request {req.req_id!r}: {len(hash_ids)} ids of "
-                         f"{block} tokens cannot hold {req.prompt_len} tokens")
+        raise ValueError(
+            f"hash_ids: request {req.req_id!r}: {len(hash_ids)} ids of "
+            f"{block} tokens cannot hold {req.prompt_len} tokens"
+        )
     # Whole blocks joined, cut at prompt_len: the last block keeps its first `tail`.
     if block <= MEMO_MAX_BLOCK:
         parts = memo.words(hash_ids, block)
@@ -107,8 +115,10 @@ def synth_prompt(req: TraceRequest, vocab_size: int, memo: BlockMemo | None = No
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids: request {req.req_id!r}: token {bad[0]} is "
-                             f"outside [0, vocab_size={vocab_size})")
+            raise ValueError(
+                f"prompt_token_ids: request {req.req_id!r}: token {bad[0]} is "
+                f"outside [0, vocab_size={vocab_size})"
+            )
         return list(req.prompt_token_ids)
     if req.hash_ids is not None:
         return _hash_prompt(req, vocab_size, _SHARED_MEMO if memo is None else memo)

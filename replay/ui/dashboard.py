@@ -1,4 +1,5 @@
 """The dashboard's state: what the live view shows, as plain data (no rich). Runs in: frontend process."""
+
 from __future__ import annotations
 
 import math
@@ -6,13 +7,21 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.proc.messages import StatsSnapshot
-from replay.verify.timeline import EngineSample
 from replay.verify.rules import IdleWindow
+from replay.verify.timeline import EngineSample
 
 HISTORY_LEN = 120  # used-blocks points kept per engine for the sparkline
-SAMPLE_COUNTS = ("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs", "num_running",
-                 "num_finished_awaiting_free", "num_usable_blocks", "num_used_blocks", "num_cached_blocks",
-                 "num_free_blocks")
+SAMPLE_COUNTS = (
+    "num_waiting",
+    "num_skipped_waiting",
+    "num_waiting_for_remote_kvs",
+    "num_running",
+    "num_finished_awaiting_free",
+    "num_usable_blocks",
+    "num_used_blocks",
+    "num_cached_blocks",
+    "num_free_blocks",
+)
 
 
 @dataclass(slots=True)
@@ -36,8 +45,15 @@ class EngineView:
     def is_observed(self, key: str) -> bool:
         return self.observed is None or key in self.observed
 
-    def update(self, engine_id: str, monotonic: float, loop_state: str, num_steps: int,
-               num_wakeups: int, counts: dict[str, int]) -> None:
+    def update(
+        self,
+        engine_id: str,
+        monotonic: float,
+        loop_state: str,
+        num_steps: int,
+        num_wakeups: int,
+        counts: dict[str, int],
+    ) -> None:
         """Take one report; rates come from this one and the previous one."""
         if engine_id != self.engine_id:
             raise ValueError(f"engine_id: view of {self.engine_id!r} got {engine_id!r}")
@@ -118,17 +134,27 @@ class WindowVerdict:
 
     @staticmethod
     def of(window: IdleWindow) -> WindowVerdict:
-        return WindowVerdict(engine=window.engine, start=window.start, length=window.length,
-                             num_used_at_start=window.num_used_at_start, time_to_drain=window.time_to_drain,
-                             verdict=window.verdict, num_blocks_held=window.num_blocks_held)
+        return WindowVerdict(
+            engine=window.engine,
+            start=window.start,
+            length=window.length,
+            num_used_at_start=window.num_used_at_start,
+            time_to_drain=window.time_to_drain,
+            verdict=window.verdict,
+            num_blocks_held=window.num_blocks_held,
+        )
 
     def sentence(self) -> str:
         """'P held 15 blocks through 40.0 s idle: leak' / 'D drained 8 blocks in 3ms'."""
         if self.time_to_drain is None:
-            return (f"{self.engine} held {self.num_blocks_held:,} blocks through "
-                    f"{self.length:.1f} s idle: {self.verdict}")
-        return (f"{self.engine} drained {self.num_used_at_start:,} blocks in "
-                f"{1000 * self.time_to_drain:.0f} ms of {self.length:.1f} s idle: {self.verdict}")
+            return (
+                f"{self.engine} held {self.num_blocks_held:,} blocks through "
+                f"{self.length:.1f} s idle: {self.verdict}"
+            )
+        return (
+            f"{self.engine} drained {self.num_used_at_start:,} blocks in "
+            f"{1000 * self.time_to_drain:.0f} ms of {self.length:.1f} s idle: {self.verdict}"
+        )
 
 
 @dataclass(slots=True)
@@ -181,11 +207,21 @@ class DashboardState:
         return self.engines[engine_id]
 
     def apply_snapshot(self, snapshot: StatsSnapshot) -> None:
-        self.view(snapshot.engine_id).update(snapshot.engine_id, snapshot.monotonic, snapshot.loop_state,
-                                             snapshot.num_steps, snapshot.num_wakeups, snapshot.counts)
+        self.view(snapshot.engine_id).update(
+            snapshot.engine_id,
+            snapshot.monotonic,
+            snapshot.loop_state,
+            snapshot.num_steps,
+            snapshot.num_wakeups,
+            snapshot.counts,
+        )
 
     def apply_sample(self, sample: EngineSample) -> None:
-        self.view(sample.engine).update(sample.engine, sample.t, sample.loop_state,
-                                        sample.num_steps, sample.num_wakeups, sample_counts(sample))
-
-
+        self.view(sample.engine).update(
+            sample.engine,
+            sample.t,
+            sample.loop_state,
+            sample.num_steps,
+            sample.num_wakeups,
+            sample_counts(sample),
+        )

@@ -6,6 +6,7 @@ renders on the caller's thread only, from `tick()`, at most 4 times a second on 
 terminal (so it never races the state it reads and never slows an engine); without a
 terminal it prints one `plain_line` a second at most. Both leave a final summary.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
+from replay.ui.dashboard import (
+    DashboardState,
+    EngineView,
+    ReplayProgress,
+    StartupState,
+    WindowVerdict,
+)
 from replay.verify.timeline import engine_role
 
 NUM_WINDOW_ROWS = 4  # idle windows shown; 80x24 fits header 1 + engines 11 + windows 7 + footer
@@ -32,7 +39,12 @@ NUM_MESSAGE_ROWS = 3
 COMPACT_ENGINES = 2  # more engines than this: one table row each instead of a panel each
 WIDE = 120  # from this many columns the footer adds the latency so far
 SPARKS = "▁▂▃▄▅▆▇█"
-LOOP_STYLES = {"stepping": "bold green", "polling": "bold yellow", "blocked": "bold cyan", "stopped": "bold red"}
+LOOP_STYLES = {
+    "stepping": "bold green",
+    "polling": "bold yellow",
+    "blocked": "bold cyan",
+    "stopped": "bold red",
+}
 ALARM_KEYS = ("num_expired", "num_failed_recvs")
 VERDICT_COLOURS = {"drained": "green", "leak": "red", "undecided": "yellow"}
 VERDICT_STYLES = {"drained": "bold green", "leak": "bold red", "undecided": "bold yellow"}
@@ -40,14 +52,16 @@ VERDICT_STYLES = {"drained": "bold green", "leak": "bold red", "undecided": "bol
 
 # ---- pure text helpers ---------------------------------------------------------------
 
+
 def sparkline(values: Iterable[int], width: int) -> str:
     """The last `width` values as bars scaled to their peak; 0 is the lowest bar, any use is higher."""
     points = list(values)[-width:] if width > 0 else []
     peak = max(points, default=0)
     if peak <= 0:
         return SPARKS[0] * len(points)
-    return "".join(SPARKS[0] if v <= 0 else SPARKS[1 + round((len(SPARKS) - 2) * v / peak)]
-                   for v in points)
+    return "".join(
+        SPARKS[0] if v <= 0 else SPARKS[1 + round((len(SPARKS) - 2) * v / peak)] for v in points
+    )
 
 
 def _rate(x: float) -> str:
@@ -55,7 +69,9 @@ def _rate(x: float) -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1000 * seconds:.0f}ms" if seconds < 1 else f"{seconds:.1f}s"
+    return (
+        "-" if seconds is None else f"{1000 * seconds:.0f}ms" if seconds < 1 else f"{seconds:.1f}s"
+    )
 
 
 def _window_counts(windows: list[WindowVerdict]) -> dict[str, int]:
@@ -80,14 +96,18 @@ def engine_tallies(windows: list[WindowVerdict]) -> list[tuple[str, dict[str, in
     roles: dict[str, list[str]] = {}
     for engine in engines:
         roles.setdefault(engine_role(engine), []).append(engine)
-    return [(f"{role} ({len(members)})", _window_counts([w for w in windows if w.engine in members]))
-            for role, members in roles.items()]
+    return [
+        (f"{role} ({len(members)})", _window_counts([w for w in windows if w.engine in members]))
+        for role, members in roles.items()
+    ]
 
 
 def window_tally(windows: list[WindowVerdict]) -> str:
     """'idle windows 4: P 4 leak, D 4 drained' (per engine, the verdicts that occur)."""
-    parts = [f"{engine} " + " ".join(f"{n} {name}" for name, n in counts.items() if n)
-             for engine, counts in engine_tallies(windows)]
+    parts = [
+        f"{engine} " + " ".join(f"{n} {name}" for name, n in counts.items() if n)
+        for engine, counts in engine_tallies(windows)
+    ]
     return f"idle windows {num_idle_windows(windows)}" + (": " + ", ".join(parts) if parts else "")
 
 
@@ -97,7 +117,7 @@ def engine_order(engine_id: str) -> tuple[str, int, str, int]:
     reported first."""
     source, _, engine = engine_id.rpartition(":")
     role = engine_role(engine)
-    index = engine[len(role):]
+    index = engine[len(role) :]
     return (source, {"P": 0, "D": 1}.get(role, 2), role, int(index) if index else -1)
 
 
@@ -106,7 +126,7 @@ def ordered_views(state: DashboardState) -> list[EngineView]:
 
 
 def _rate_eta(p: ReplayProgress) -> str:
-    """" 812 req/s ETA 14s" (virtual clock), or "" before a rate is known."""
+    """ " 812 req/s ETA 14s" (virtual clock), or "" before a rate is known."""
     if p.rate_per_s is None:
         return ""
     return f" {_rate(p.rate_per_s)} req/s ETA {_ms(p.eta_s)}"
@@ -117,15 +137,22 @@ def plain_line(state: DashboardState) -> str:
     p, startup = state.progress, state.startup
     if startup is not None and startup.ready_s is None:
         ready = ", ".join(f"{e} ready" for e in startup.ready_at)
-        return (f"{startup.phase} {state.elapsed_s - startup.phase_start_s:.1f}s"
-                + (f" ({startup.detail})" if startup.detail else "") + (f" | {ready}" if ready else ""))
+        return (
+            f"{startup.phase} {state.elapsed_s - startup.phase_start_s:.1f}s"
+            + (f" ({startup.detail})" if startup.detail else "")
+            + (f" | {ready}" if ready else "")
+        )
     flight = "" if p is None or p.num_in_flight is None else f" ({p.num_in_flight} in flight)"
-    parts = [f"t={p.trace_t if p else state.elapsed_s:.1f}s"
-             + (f" sent {p.num_sent}/{p.num_total}{flight}{_rate_eta(p)}" if p else "")]
+    parts = [
+        f"t={p.trace_t if p else state.elapsed_s:.1f}s"
+        + (f" sent {p.num_sent}/{p.num_total}{flight}{_rate_eta(p)}" if p else "")
+    ]
     for view in ordered_views(state):
         c = view.counts
-        parts.append(f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_usable_blocks', 0)}"
-                     f" {view.loop_state}")
+        parts.append(
+            f"{view.engine_id} used {c.get('num_used_blocks', 0)}/{c.get('num_usable_blocks', 0)}"
+            f" {view.loop_state}"
+        )
     parts.append(window_tally(state.windows))
     return " | ".join(parts)
 
@@ -134,21 +161,27 @@ def summary_text(state: DashboardState, max_windows: int | None = None) -> str:
     """The plain final summary: the last line, the idle windows (leaks first, at most
     `max_windows` lines, then a count; None: all), every message."""
     lines = [f"final {plain_line(state)}"]
-    windows = sorted(state.windows, key=lambda w: (w.verdict == "drained", w.start,
-                                                   engine_order(w.engine)))
+    windows = sorted(
+        state.windows, key=lambda w: (w.verdict == "drained", w.start, engine_order(w.engine))
+    )
     shown = windows if max_windows is None else windows[:max_windows]
     for w in shown:
         drain = "never drained" if w.time_to_drain is None else f"drained in {_ms(w.time_to_drain)}"
-        lines.append(f"  window {w.engine} {w.start:.2f}s +{w.length:.2f}s: "
-                     f"{w.num_used_at_start} used at start, {drain}: {w.verdict}")
+        lines.append(
+            f"  window {w.engine} {w.start:.2f}s +{w.length:.2f}s: "
+            f"{w.num_used_at_start} used at start, {drain}: {w.verdict}"
+        )
     if len(shown) < len(windows):
-        lines.append(f"  ... and {len(windows) - len(shown):,} more "
-                     f"window{'s' if len(windows) - len(shown) != 1 else ''} (--all-windows, --report)")
+        lines.append(
+            f"  ... and {len(windows) - len(shown):,} more "
+            f"window{'s' if len(windows) - len(shown) != 1 else ''} (--all-windows, --report)"
+        )
     lines += [f"  ! {m}" for m in state.messages]
     return "\n".join(lines)
 
 
 # ---- rich render -----------------------------------------------------------------------
+
 
 class _Fit:
     """A one-line renderable drawn to whatever width it is given (bars, sparklines)."""
@@ -169,14 +202,16 @@ def _kv_bar(counts: dict[str, int], width: int) -> Text:
     used, cached = counts.get("num_used_blocks", 0), counts.get("num_cached_blocks", 0)
     num_used = min(max(round(width * used / total), 1 if used else 0), width)
     num_cached = min(round(width * (used + cached) / total), width) - num_used
-    return Text.assemble(("█" * num_used, "magenta"), ("▒" * max(num_cached, 0), "blue"),
-                         ("░" * (width - num_used - max(num_cached, 0)), "grey37"))
+    return Text.assemble(
+        ("█" * num_used, "magenta"),
+        ("▒" * max(num_cached, 0), "blue"),
+        ("░" * (width - num_used - max(num_cached, 0)), "grey37"),
+    )
 
 
 def _pair_grid(view: EngineView, rows: tuple[tuple[str, str, str, str], ...]) -> Table:
     """Two label/value pairs per row; a value is a count key or a preformatted string. A
     row whose two counts the feeder does not observe is left out; one of them: unknown."""
-    c = view.counts
     grid = Table.grid(padding=(0, 1), expand=True)
     for justify in ("left", "right", "left", "right"):
         grid.add_column(justify=justify, no_wrap=True)
@@ -201,18 +236,28 @@ def _cell(view: EngineView, key: str) -> Text:
 
 
 def _queue_grid(view: EngineView) -> Table:
-    return _pair_grid(view, (("waiting", "num_waiting", "skipped", "num_skipped_waiting"),
-                          ("remote KVs", "num_waiting_for_remote_kvs", "running", "num_running"),
-                          ("fin-await-free", "num_finished_awaiting_free", "preempted", "num_preemptions"),
-                          ("cached blocks", "num_cached_blocks", "free", "num_free_blocks")))
+    return _pair_grid(
+        view,
+        (
+            ("waiting", "num_waiting", "skipped", "num_skipped_waiting"),
+            ("remote KVs", "num_waiting_for_remote_kvs", "running", "num_running"),
+            ("fin-await-free", "num_finished_awaiting_free", "preempted", "num_preemptions"),
+            ("cached blocks", "num_cached_blocks", "free", "num_free_blocks"),
+        ),
+    )
 
 
 def _connector_grid(view: EngineView) -> Table:
     c = view.counts
     age = _ms(c.get("oldest_send_age_ms", 0) / 1000 if c.get("num_sends_pending", 0) else None)
-    return _pair_grid(view, (("sends pending", "num_sends_pending", "oldest", age),
-                          ("sent", "num_sent", "expired", "num_expired"),
-                          ("recvs in flight", "num_recvs_in_flight", "failed", "num_failed_recvs")))
+    return _pair_grid(
+        view,
+        (
+            ("sends pending", "num_sends_pending", "oldest", age),
+            ("sent", "num_sent", "expired", "num_expired"),
+            ("recvs in flight", "num_recvs_in_flight", "failed", "num_failed_recvs"),
+        ),
+    )
 
 
 def kv_figure(view: EngineView) -> str:
@@ -235,9 +280,11 @@ def spark_scale(view: EngineView) -> str:
 def _loop_text(view: EngineView) -> Text:
     if not view.is_observed("num_steps"):
         return Text.assemble((view.loop_state, "dim"), " steps unknown")
-    return Text.assemble((view.loop_state, LOOP_STYLES.get(view.loop_state, "bold")),
-                         f" {_rate(view.steps_per_s)} steps/s",
-                         f" {_rate(view.wakeups_per_s)} wake/s")
+    return Text.assemble(
+        (view.loop_state, LOOP_STYLES.get(view.loop_state, "bold")),
+        f" {_rate(view.steps_per_s)} steps/s",
+        f" {_rate(view.wakeups_per_s)} wake/s",
+    )
 
 
 def _detail_grid(view: EngineView) -> Table:
@@ -247,8 +294,14 @@ def _detail_grid(view: EngineView) -> Table:
     grid.add_column(style="dim", no_wrap=True)
     grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
     grid.add_row("KV", _Fit(lambda w: _kv_bar(c, w - len(used)) + Text(used, "magenta")))
-    grid.add_row("used", _Fit(lambda w: Text(sparkline(history, max(w - len(scale), 1)), "magenta")
-                              + Text(scale, "dim")))
+    grid.add_row(
+        "used",
+        _Fit(
+            lambda w: (
+                Text(sparkline(history, max(w - len(scale), 1)), "magenta") + Text(scale, "dim")
+            )
+        ),
+    )
     grid.add_row("loop", _loop_text(view))
     return grid
 
@@ -258,12 +311,21 @@ def _engine_panel(view: EngineView) -> Panel:
     parts = [_queue_grid(view), _detail_grid(view)]
     if view.has_connector:
         parts.append(_connector_grid(view))
-    return Panel(Group(*parts), title=Text(f"engine {view.engine_id}", "bold"), title_align="left",
-                 subtitle=f"worker pid {pid}" if pid else None, subtitle_align="right")
+    return Panel(
+        Group(*parts),
+        title=Text(f"engine {view.engine_id}", "bold"),
+        title_align="left",
+        subtitle=f"worker pid {pid}" if pid else None,
+        subtitle_align="right",
+    )
 
 
-_QUEUE_ROWS = (("num_waiting", "num_skipped_waiting"), ("num_waiting_for_remote_kvs", "num_running"),
-               ("num_finished_awaiting_free", "num_preemptions"), ("num_cached_blocks", "num_free_blocks"))
+_QUEUE_ROWS = (
+    ("num_waiting", "num_skipped_waiting"),
+    ("num_waiting_for_remote_kvs", "num_running"),
+    ("num_finished_awaiting_free", "num_preemptions"),
+    ("num_cached_blocks", "num_free_blocks"),
+)
 
 
 def _engine_height(view: EngineView) -> int:
@@ -274,12 +336,27 @@ def _engine_height(view: EngineView) -> int:
 def _engine_table(views: list[EngineView]) -> Panel:
     """One row per engine, P's then D's (a rule between roles): for many engines (4p4d)
     at 80 columns. Counts a server does not expose show as '?'."""
-    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True, show_edge=False, header_style="dim")
-    for name, justify in (("engine", "left"), ("loop", "left"), ("KV", "left"), ("used", "right"),
-                          ("wait", "right"), ("run", "right"), ("rKV", "right"), ("faf", "right"),
-                          ("steps/s", "right")):
-        table.add_column(name, justify=justify, no_wrap=True,
-                         ratio=1 if name == "KV" else None, min_width=6 if name == "KV" else None)
+    table = Table(
+        box=box.SIMPLE_HEAD, padding=(0, 1), expand=True, show_edge=False, header_style="dim"
+    )
+    for name, justify in (
+        ("engine", "left"),
+        ("loop", "left"),
+        ("KV", "left"),
+        ("used", "right"),
+        ("wait", "right"),
+        ("run", "right"),
+        ("rKV", "right"),
+        ("faf", "right"),
+        ("steps/s", "right"),
+    ):
+        table.add_column(
+            name,
+            justify=justify,
+            no_wrap=True,
+            ratio=1 if name == "KV" else None,
+            min_width=6 if name == "KV" else None,
+        )
     role = None
     for view in views:
         if role is not None and engine_role(view.engine_id.rpartition(":")[2]) != role:
@@ -287,16 +364,29 @@ def _engine_table(views: list[EngineView]) -> Panel:
         role = engine_role(view.engine_id.rpartition(":")[2])
         counts = view.counts
         steps = _rate(view.steps_per_s) if view.is_observed("num_steps") else "?"
-        table.add_row(Text(view.engine_id, "bold"),
-                      Text(view.loop_state, LOOP_STYLES.get(view.loop_state, "dim")),
-                      _Fit(lambda width, c=counts: _kv_bar(c, width)), kv_figure(view).strip(),
-                      *(_short_cell(view, k) for k in ("num_waiting", "num_running",
-                                                       "num_waiting_for_remote_kvs",
-                                                       "num_finished_awaiting_free")),
-                      steps)
-    return Panel(table, title=Text(f"engines ({len(views)})", "bold"), title_align="left",
-                 subtitle="rKV: waiting for remote KVs  faf: finished, awaiting free",
-                 subtitle_align="right")
+        table.add_row(
+            Text(view.engine_id, "bold"),
+            Text(view.loop_state, LOOP_STYLES.get(view.loop_state, "dim")),
+            _Fit(lambda width, c=counts: _kv_bar(c, width)),
+            kv_figure(view).strip(),
+            *(
+                _short_cell(view, k)
+                for k in (
+                    "num_waiting",
+                    "num_running",
+                    "num_waiting_for_remote_kvs",
+                    "num_finished_awaiting_free",
+                )
+            ),
+            steps,
+        )
+    return Panel(
+        table,
+        title=Text(f"engines ({len(views)})", "bold"),
+        title_align="left",
+        subtitle="rKV: waiting for remote KVs  faf: finished, awaiting free",
+        subtitle_align="right",
+    )
 
 
 def _short_cell(view: EngineView, key: str) -> Text:
@@ -308,7 +398,9 @@ def _engines_height(views: list[EngineView]) -> int:
     """The engines region: a panel each, or past COMPACT_ENGINES one table row each."""
     if len(views) > COMPACT_ENGINES:
         roles = {engine_role(v.engine_id.rpartition(":")[2]) for v in views}
-        return len(views) + len(roles) - 1 + 4  # rows, a rule between roles, head and its rule, border
+        return (
+            len(views) + len(roles) - 1 + 4
+        )  # rows, a rule between roles, head and its rule, border
     return max((_engine_height(v) for v in views), default=3)
 
 
@@ -347,10 +439,24 @@ def chart(values: list[int], width: int, height: int) -> list[str]:
     return rows
 
 
-LEGEND = (Text.assemble("\n", ("KV bar ", "dim"), ("█", "magenta"), " used  ", ("▒", "blue"),
-                        " cached (free, still hashed)  ", ("░", "grey37"), " free", no_wrap=False),
-          Text("skipped: skipped_waiting  remote KVs: WAITING_FOR_REMOTE_KVS  fin-await-free: "
-               "finished, blocks held for the connector", "dim"))
+LEGEND = (
+    Text.assemble(
+        "\n",
+        ("KV bar ", "dim"),
+        ("█", "magenta"),
+        " used  ",
+        ("▒", "blue"),
+        " cached (free, still hashed)  ",
+        ("░", "grey37"),
+        " free",
+        no_wrap=False,
+    ),
+    Text(
+        "skipped: skipped_waiting  remote KVs: WAITING_FOR_REMOTE_KVS  fin-await-free: "
+        "finished, blocks held for the connector",
+        "dim",
+    ),
+)
 HISTORY_MIN_ROWS = 6  # a history chart's least height (with its border and scale)
 TALL_LOWER_ROWS = 18  # below this many rows, the lower region is all idle windows
 
@@ -368,12 +474,23 @@ class _HistoryPanel:
         for _ in self.views:
             grid.add_column(ratio=1)
         width = max((options.max_width - 3 * len(self.views)) // max(len(self.views), 1), 1)
-        grid.add_row(*(Panel(Text("\n".join(chart(list(v.used_history), width - 2, max(height - 2, 1))),
-                                  "magenta", no_wrap=True),
-                             title=f"{v.engine_id} used, last {len(v.used_history)} reports",
-                             subtitle=spark_scale(v).strip(), title_align="left",
-                             subtitle_align="right", height=height)
-                       for v in self.views))
+        grid.add_row(
+            *(
+                Panel(
+                    Text(
+                        "\n".join(chart(list(v.used_history), width - 2, max(height - 2, 1))),
+                        "magenta",
+                        no_wrap=True,
+                    ),
+                    title=f"{v.engine_id} used, last {len(v.used_history)} reports",
+                    subtitle=spark_scale(v).strip(),
+                    title_align="left",
+                    subtitle_align="right",
+                    height=height,
+                )
+                for v in self.views
+            )
+        )
         yield grid
 
 
@@ -386,21 +503,39 @@ class _WindowsPanel:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         num_rows = NUM_WINDOW_ROWS if options.height is None else max(options.height - 3, 0)
         table = Table(expand=True, box=None, padding=(0, 1), header_style="dim")
-        for name, justify in (("engine", "left"), ("start", "right"), ("length", "right"),
-                              ("used at start", "right"), ("held", "right"), ("drain", "right"),
-                              ("verdict", "left")):
+        for name, justify in (
+            ("engine", "left"),
+            ("start", "right"),
+            ("length", "right"),
+            ("used at start", "right"),
+            ("held", "right"),
+            ("drain", "right"),
+            ("verdict", "left"),
+        ):
             table.add_column(name, justify=justify, no_wrap=True)
         for w in self.windows[-num_rows:] if num_rows else []:
             drain = Text("never", "red") if w.time_to_drain is None else Text(_ms(w.time_to_drain))
             held = str(w.num_blocks_held) if w.time_to_drain is None else "0"
-            table.add_row(w.engine, f"{w.start:.2f}s", f"{w.length:.2f}s", str(w.num_used_at_start),
-                          held, drain, Text(w.verdict, VERDICT_STYLES.get(w.verdict, "")))
+            table.add_row(
+                w.engine,
+                f"{w.start:.2f}s",
+                f"{w.length:.2f}s",
+                str(w.num_used_at_start),
+                held,
+                drain,
+                Text(w.verdict, VERDICT_STYLES.get(w.verdict, "")),
+            )
         spare = num_rows - min(len(self.windows), num_rows)
-        body = Group(table, *LEGEND) if options.height is not None and spare >= len(LEGEND) + 1 else table
+        body = (
+            Group(table, *LEGEND)
+            if options.height is not None and spare >= len(LEGEND) + 1
+            else table
+        )
         title = f"idle windows {num_idle_windows(self.windows)}"
         for engine, counts in engine_tallies(self.windows):
-            title += f"  {engine}:" + "".join(f" [{VERDICT_COLOURS[name]}]{n} {name}[/]"
-                                              for name, n in counts.items() if n)
+            title += f"  {engine}:" + "".join(
+                f" [{VERDICT_COLOURS[name]}]{n} {name}[/]" for name, n in counts.items() if n
+            )
         yield Panel(body, title=title, title_align="left", height=options.height)
 
 
@@ -417,21 +552,27 @@ class _LowerPanel:
         if height is None or height < TALL_LOWER_ROWS or not self.views:
             yield from windows.__rich_console__(console, options)
             return
-        windows_rows = min(max(len(self.state.windows), NUM_WINDOW_ROWS) + 3, height - HISTORY_MIN_ROWS)
+        windows_rows = min(
+            max(len(self.state.windows), NUM_WINDOW_ROWS) + 3, height - HISTORY_MIN_ROWS
+        )
         layout = Layout()
-        layout.split_column(Layout(_HistoryPanel(self.views), name="history"),
-                            Layout(windows, name="windows", size=windows_rows))
+        layout.split_column(
+            Layout(_HistoryPanel(self.views), name="history"),
+            Layout(windows, name="windows", size=windows_rows),
+        )
         yield from layout.__rich_console__(console, options)
 
 
 def _footer_line(head: str, p: ReplayProgress, width: int) -> Text:
     """The progress head (the latency so far only from WIDE columns), then a bar of the rest."""
     if width < WIDE and "  ttft" in head:
-        head = head[:head.index("  ttft")]
+        head = head[: head.index("  ttft")]
     head = head[:width]
     room = max(width - len(head) - 1, 0)
     done = round(room * min(p.num_sent / max(p.num_total, 1), 1.0))
-    return Text.assemble(head, " " if room else "", ("━" * done, "magenta"), ("━" * (room - done), "grey23"))
+    return Text.assemble(
+        head, " " if room else "", ("━" * done, "magenta"), ("━" * (room - done), "grey23")
+    )
 
 
 def _render_footer(state: DashboardState) -> Group:
@@ -442,14 +583,18 @@ def _render_footer(state: DashboardState) -> Group:
             head = f"simulated {p.num_sent}/{p.num_total}  trace {p.trace_t:.1f}s{_rate_eta(p)}"
         else:
             flight = "" if p.num_in_flight is None else f" ({p.num_in_flight} in flight)"
-            head = (f"sent {p.num_sent}/{p.num_total}{flight}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
-                    f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}")
+            head = (
+                f"sent {p.num_sent}/{p.num_total}{flight}  trace {p.trace_t:.1f}/{p.duration_s:.1f}s"
+                f"  late p50 {_ms(p.lateness_percentile_s(50))} p99 {_ms(p.lateness_percentile_s(99))}"
+            )
         ttft = p.ttft_percentile_s(50)
         if ttft is not None:
             head += f"  ttft p50 {_ms(ttft)} p99 {_ms(p.ttft_percentile_s(99))}"
         lines.append(_Fit(lambda w, head=head, p=p: _footer_line(head, p, w)))
-    lines += [Text(f"! {m}", "bold red", no_wrap=True, overflow="ellipsis")
-              for m in state.messages[-NUM_MESSAGE_ROWS:]]
+    lines += [
+        Text(f"! {m}", "bold red", no_wrap=True, overflow="ellipsis")
+        for m in state.messages[-NUM_MESSAGE_ROWS:]
+    ]
     return Group(*lines)
 
 
@@ -466,15 +611,25 @@ def render(state: DashboardState) -> Layout:
     elif views:
         engines.split_row(*(Layout(_engine_panel(v), name=f"engine:{v.engine_id}") for v in views))
     elif state.progress is not None and state.progress.clock == "virtual":
-        engines.update(Panel(Text("virtual clock: engines run in-process; blocks and windows show "
-                                  "at the end", "dim", overflow="ellipsis")))
+        engines.update(
+            Panel(
+                Text(
+                    "virtual clock: engines run in-process; blocks and windows show at the end",
+                    "dim",
+                    overflow="ellipsis",
+                )
+            )
+        )
     else:
         engines.update(Panel(Text("waiting for the first stats…", "dim")))
     footer_size = (1 if state.progress else 0) + min(len(state.messages), NUM_MESSAGE_ROWS)
     layout = Layout(name="root")
-    layout.split_column(Layout(_render_header(state), name="header", size=1), engines,
-                        Layout(_LowerPanel(state, views), name="windows", minimum_size=3),
-                        Layout(_render_footer(state), name="footer", size=max(footer_size, 1)))
+    layout.split_column(
+        Layout(_render_header(state), name="header", size=1),
+        engines,
+        Layout(_LowerPanel(state, views), name="windows", minimum_size=3),
+        Layout(_render_footer(state), name="footer", size=max(footer_size, 1)),
+    )
     return layout
 
 
@@ -484,18 +639,23 @@ def _startup_panel(startup: StartupState, now_s: float) -> Panel:
     grid.add_column(no_wrap=True)
     grid.add_column(no_wrap=True)
     if startup.ready_s is None:
-        phase = Text.assemble((startup.phase, "bold yellow"), f"  {now_s - startup.phase_start_s:.1f}s")
+        phase = Text.assemble(
+            (startup.phase, "bold yellow"), f"  {now_s - startup.phase_start_s:.1f}s"
+        )
         grid.add_row(phase, Text(startup.detail, "dim"))
     else:
         grid.add_row(Text(f"ready in {startup.ready_s:.1f}s", "bold green"), "")
     for engine in [*startup.engines, *(e for e in startup.ready_at if e not in startup.engines)]:
         at = startup.ready_at.get(engine)
-        grid.add_row(Text(f"  engine {engine}", "bold"),
-                     Text("starting…", "yellow") if at is None else Text(f"ready in {at:.2f}s", "green"))
+        grid.add_row(
+            Text(f"  engine {engine}", "bold"),
+            Text("starting…", "yellow") if at is None else Text(f"ready in {at:.2f}s", "green"),
+        )
     return Panel(grid, title=Text("start-up", "bold"), title_align="left")
 
 
 # ---- keys ------------------------------------------------------------------------------
+
 
 class KeyReader:
     """Keys typed on the terminal while a live view runs: cbreak mode (no Enter, no echo)
@@ -516,6 +676,7 @@ class KeyReader:
     def __enter__(self) -> KeyReader:
         import termios
         import tty
+
         self._saved = termios.tcgetattr(self.fd)
         tty.setcbreak(self.fd)
         return self
@@ -533,11 +694,13 @@ class KeyReader:
     def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
             import termios
+
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
             self._saved = None
 
 
 # ---- the view --------------------------------------------------------------------------
+
 
 class LiveView:
     """Shows `state` while the frontend runs: a rich Live on a terminal, plain lines otherwise.
@@ -548,9 +711,15 @@ class LiveView:
     the caller's loop honours (the terminal's settings come back in __exit__).
     """
 
-    def __init__(self, state: DashboardState, console: Console | None = None,
-                 plain_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 max_window_lines: int | None = 10, read_keys: bool | None = None) -> None:
+    def __init__(
+        self,
+        state: DashboardState,
+        console: Console | None = None,
+        plain_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_window_lines: int | None = 10,
+        read_keys: bool | None = None,
+    ) -> None:
         self.state, self.console, self.clock = state, console or Console(), clock
         self.max_window_lines = max_window_lines
         self.is_live = self.console.is_terminal
@@ -558,12 +727,23 @@ class LiveView:
         self._last_t = -math.inf
         self._num_messages_printed = 0
         self._num_startup_lines = 0
-        self.keys = KeyReader() if (KeyReader.available() if read_keys is None else read_keys) else None
+        self.keys = (
+            KeyReader() if (KeyReader.available() if read_keys is None else read_keys) else None
+        )
         self.quit_requested = False
         # auto_refresh=False: rich's refresh thread would render while the frontend
         # mutates the state; tick() refreshes on the frontend's thread instead.
-        self._live = Live(console=self.console, refresh_per_second=4, auto_refresh=False,
-                          transient=False, get_renderable=lambda: render(self.state)) if self.is_live else None
+        self._live = (
+            Live(
+                console=self.console,
+                refresh_per_second=4,
+                auto_refresh=False,
+                transient=False,
+                get_renderable=lambda: render(self.state),
+            )
+            if self.is_live
+            else None
+        )
 
     def __enter__(self) -> LiveView:
         if self.keys is not None:
@@ -595,12 +775,12 @@ class LiveView:
 
     def _print_new_startup_lines(self) -> None:
         lines = self.state.startup.lines if self.state.startup is not None else []
-        for line in lines[self._num_startup_lines:]:
+        for line in lines[self._num_startup_lines :]:
             self._print(line)
         self._num_startup_lines = len(lines)
 
     def _print_new_messages(self) -> None:
-        for message in self.state.messages[self._num_messages_printed:]:
+        for message in self.state.messages[self._num_messages_printed :]:
             self._print(f"! {message}")
         self._num_messages_printed = len(self.state.messages)
 

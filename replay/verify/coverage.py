@@ -27,6 +27,7 @@ its error, as vLLM does; over HTTP, replay/http/client.py records the cause kvdr
 front sends, else "ignored by the server"); a share of them above max_ignored_share
 makes the run inconclusive (the trace was not replayed as written) unless allowed.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from replay.verify import windows
-from replay.verify.windows import EngineWindow
 from replay.verify.timeline import RequestRecord, Timeline
+from replay.verify.windows import EngineWindow
 
 # "unobservable": the run saw no engine's KV usage at all (no --metrics over HTTP), so no
 # window was observed, whatever the requests' gaps were (the reason is the run's: outcome).
@@ -73,7 +74,9 @@ class WindowCoverage:
     # The client's part of it: the latest send among the requests still in flight when the
     # model was quiet (None: none were, or not modelled). Late sends are the client's lag.
     send_lateness_s: float | None = None
-    judged_on: tuple[str, ...] = ()  # a missed gap: the engines judged in their own window inside it
+    judged_on: tuple[
+        str, ...
+    ] = ()  # a missed gap: the engines judged in their own window inside it
 
 
 def candidate_gaps(arrivals: Sequence[float], idle_threshold_s: float) -> list[tuple[float, float]]:
@@ -99,8 +102,9 @@ def quiet_from(requests: Sequence[RequestRecord], ends: Sequence[float]) -> list
     return out
 
 
-def expected_windows(arrivals: Sequence[float], idle_threshold_s: float,
-                     model: Timeline | None) -> tuple[ExpectedWindow, ...]:
+def expected_windows(
+    arrivals: Sequence[float], idle_threshold_s: float, model: Timeline | None
+) -> tuple[ExpectedWindow, ...]:
     """The candidates and which of them the model (a virtual-clock timeline, or None) makes windows."""
     gaps = candidate_gaps(arrivals, idle_threshold_s)
     out = []
@@ -108,18 +112,26 @@ def expected_windows(arrivals: Sequence[float], idle_threshold_s: float,
         out = [ExpectedWindow(a, b, False, None, True) for a, b in gaps]
     else:
         quiet = quiet_from(model.requests, [b for _, b in gaps])
-        out = [ExpectedWindow(a, b, False, q, b - q >= idle_threshold_s)
-               for (a, b), q in zip(gaps, quiet)]
+        out = [
+            ExpectedWindow(a, b, False, q, b - q >= idle_threshold_s)
+            for (a, b), q in zip(gaps, quiet)
+        ]
     if arrivals:
         last = max(arrivals)
         tail_quiet = None if model is None else quiet_from(model.requests, [math.inf])[0]
-        out.append(ExpectedWindow(last, math.inf, True, tail_quiet,
-                                  model is None or tail_quiet < model.end_t))
+        out.append(
+            ExpectedWindow(
+                last, math.inf, True, tail_quiet, model is None or tail_quiet < model.end_t
+            )
+        )
     return tuple(out)
 
 
-def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
-          observed: Sequence[tuple[float, float, bool]]) -> tuple[WindowCoverage, ...]:
+def cover(
+    expected: Sequence[ExpectedWindow],
+    timeline: Timeline,
+    observed: Sequence[tuple[float, float, bool]],
+) -> tuple[WindowCoverage, ...]:
     """Each candidate's state after the run, from the run's own (start, end, is_tail) windows."""
     ends = {round(end, 9) for _, end, is_tail in observed if not is_tail}
     has_tail = any(is_tail for _, _, is_tail in observed)
@@ -136,27 +148,52 @@ def cover(expected: Sequence[ExpectedWindow], timeline: Timeline,
             state = "unreached"
         q_or_none = None if math.isinf(q) else q
         lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
-        out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
-                                  state=state, quiet_from=q_or_none, lag_s=lag,
-                                  send_lateness_s=late))
+        out.append(
+            WindowCoverage(
+                start=w.start,
+                end=None if w.is_tail else w.end,
+                is_tail=w.is_tail,
+                state=state,
+                quiet_from=q_or_none,
+                lag_s=lag,
+                send_lateness_s=late,
+            )
+        )
     return tuple(out)
 
 
-def cover_engine_windows(expected: Sequence[EngineWindow], run: Sequence[EngineWindow],
-                         timeline: Timeline) -> tuple[WindowCoverage, ...]:
+def cover_engine_windows(
+    expected: Sequence[EngineWindow], run: Sequence[EngineWindow], timeline: Timeline
+) -> tuple[WindowCoverage, ...]:
     """Each engine window the model expected, after the run: observed, missed or unreached."""
     out = []
     for w in expected:
-        state = "observed" if windows.observed(w, run) else \
-            "unreached" if w.start >= timeline.end_t else "missed"
-        out.append(WindowCoverage(start=w.start, end=None if w.is_tail else w.end, is_tail=w.is_tail,
-                                  state=state, quiet_from=None, lag_s=None, engine=w.engine))
+        state = (
+            "observed"
+            if windows.observed(w, run)
+            else "unreached"
+            if w.start >= timeline.end_t
+            else "missed"
+        )
+        out.append(
+            WindowCoverage(
+                start=w.start,
+                end=None if w.is_tail else w.end,
+                is_tail=w.is_tail,
+                state=state,
+                quiet_from=None,
+                lag_s=None,
+                engine=w.engine,
+            )
+        )
     return tuple(out)
 
 
-def credit_engine_windows(coverage: Sequence[WindowCoverage],
-                          judged: Sequence[tuple[str, tuple[float, float, bool]]],
-                          engines: Sequence[str]) -> tuple[WindowCoverage, ...]:
+def credit_engine_windows(
+    coverage: Sequence[WindowCoverage],
+    judged: Sequence[tuple[str, tuple[float, float, bool]]],
+    engines: Sequence[str],
+) -> tuple[WindowCoverage, ...]:
     """Each missed gap of the whole trace with the engines judged in a window of their own
     inside it (judged: (engine, window) of every window the verdict judged); observed when
     that is every engine."""
@@ -166,7 +203,9 @@ def credit_engine_windows(coverage: Sequence[WindowCoverage],
             end = math.inf if c.end is None else c.end
             on = tuple(sorted({e for e, (s, e_end, _) in judged if s < end and c.start < e_end}))
             if on:
-                c = replace(c, judged_on=on, state="observed" if set(engines) <= set(on) else "missed")
+                c = replace(
+                    c, judged_on=on, state="observed" if set(engines) <= set(on) else "missed"
+                )
         out.append(c)
     return tuple(out)
 
@@ -176,13 +215,19 @@ def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> flo
     (the definition; client_latenesses answers it for every window at once)."""
     if w.model_quiet_from is None:
         return None
-    late = [r.send_lateness_s for r in requests if r.arrival_t < w.end
-            and (r.end_t is None or r.end_t > w.model_quiet_from)]
+    late = [
+        r.send_lateness_s
+        for r in requests
+        if r.arrival_t < w.end and (r.end_t is None or r.end_t > w.model_quiet_from)
+    ]
     return max(late, default=None)
 
 
-def client_latenesses(expected: Sequence[ExpectedWindow], requests: Sequence[RequestRecord],
-                      busy_until: Sequence[float] | None = None) -> list[float | None]:
+def client_latenesses(
+    expected: Sequence[ExpectedWindow],
+    requests: Sequence[RequestRecord],
+    busy_until: Sequence[float] | None = None,
+) -> list[float | None]:
     """client_lateness of each window, in O((windows + requests) log requests): the windows
     by end, the requests that arrived before it added to a max-tree over end times. A window
     whose earlier requests had all ended by the model's quiet (busy_until: quiet_from of the
@@ -191,9 +236,14 @@ def client_latenesses(expected: Sequence[ExpectedWindow], requests: Sequence[Req
     out: list[float | None] = [None] * len(expected)
     if busy_until is None:
         busy_until = quiet_from(requests, [w.end for w in expected])
-    order = sorted((i for i, w in enumerate(expected)
-                    if w.model_quiet_from is not None and busy_until[i] > w.model_quiet_from),
-                   key=lambda i: expected[i].end)
+    order = sorted(
+        (
+            i
+            for i, w in enumerate(expected)
+            if w.model_quiet_from is not None and busy_until[i] > w.model_quiet_from
+        ),
+        key=lambda i: expected[i].end,
+    )
     if not order:
         return out
     ends = sorted({math.inf if r.end_t is None else r.end_t for r in requests})
@@ -229,9 +279,12 @@ def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
     where = "the tail" if w.is_tail else f"the idle gap {w.start:.3f}-{w.end:.3f} s"
     if w.engine:
         where = f"{w.engine}'s own idle window from {w.start:.3f} s" + (
-            " (its tail)" if w.is_tail else f" to {w.end:.3f} s")
+            " (its tail)" if w.is_tail else f" to {w.end:.3f} s"
+        )
         if w.state == "missed":
-            return f"expected window not observed: {where}: the engine was not idle there in this run"
+            return (
+                f"expected window not observed: {where}: the engine was not idle there in this run"
+            )
     if w.state == "unreached":
         return f"expected window not reached: {where}: the replay stopped before it ended"
     if w.quiet_from is None:
@@ -239,12 +292,16 @@ def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:
     else:
         busy = f"requests in flight until {w.quiet_from:.3f} s"
         if not w.is_tail:
-            busy += f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold " \
-                    f"{idle_threshold_s:g} s"
+            busy += (
+                f", leaving {max(w.end - w.quiet_from, 0):.3f} s < the idle threshold "
+                f"{idle_threshold_s:g} s"
+            )
     on = ""
     if w.judged_on:
-        on = f" on every engine: observed on {', '.join(w.judged_on)} alone (in its own idle window " \
-             f"inside it, judged there), not on the others"
+        on = (
+            f" on every engine: observed on {', '.join(w.judged_on)} alone (in its own idle window "
+            f"inside it, judged there), not on the others"
+        )
     return f"expected window not observed{on}: {where}: {busy}{_who_lagged(w)}"
 
 
@@ -254,10 +311,13 @@ def _who_lagged(w: WindowCoverage) -> str:
         return ""
     late = w.send_lateness_s or 0.0
     if late >= w.lag_s / 2:
-        return (f"; the client lagged: it sent requests up to {late:.3f} s late (the run lagged "
-                f"the model by {w.lag_s:.3f} s): a busy or slow client, not the engines")
-    return f"; the engines lagged the model by {w.lag_s:.3f} s" + \
-        (f" (the client sent up to {late:.3f} s late)" if late >= 0.001 else "")
+        return (
+            f"; the client lagged: it sent requests up to {late:.3f} s late (the run lagged "
+            f"the model by {w.lag_s:.3f} s): a busy or slow client, not the engines"
+        )
+    return f"; the engines lagged the model by {w.lag_s:.3f} s" + (
+        f" (the client sent up to {late:.3f} s late)" if late >= 0.001 else ""
+    )
 
 
 def ignored_cause(record: RequestRecord) -> str | None:

@@ -13,6 +13,7 @@ runs from the first send to the last end. A metric with no values has vllm bench
 in every key; `num_values` (kvdrain's own key) says so, and the compact lines print it
 as unknown.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,12 @@ from collections.abc import Iterable, Sequence
 
 from replay.verify.timeline import RequestRecord
 
-METRICS = (("ttft", "TTFT", "Time to First Token"),
-           ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-           ("itl", "ITL", "Inter-token Latency"),
-           ("e2el", "E2EL", "End-to-end Latency"))
+METRICS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 WIDTH = 50  # vllm bench's banner width
 DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
 
@@ -38,7 +41,9 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"--metric-percentiles: expected numbers like 50,90,99, got {text!r}") from None
+        raise ValueError(
+            f"--metric-percentiles: expected numbers like 50,90,99, got {text!r}"
+        ) from None
     if not values or not all(0 < q <= 100 for q in values):
         raise ValueError(f"--metric-percentiles: each must be in (0, 100], got {text!r}")
     return values
@@ -57,8 +62,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 def _stats(name: str, values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     mean = sum(values) / len(values) if values else 0.0
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if values else 0.0
-    out = {f"mean_{name}_ms": 1000 * mean, f"median_{name}_ms": 1000 * percentile(values, 50),
-           f"std_{name}_ms": 1000 * std}
+    out = {
+        f"mean_{name}_ms": 1000 * mean,
+        f"median_{name}_ms": 1000 * percentile(values, 50),
+        f"std_{name}_ms": 1000 * std,
+    }
     for q in percentiles:
         out[f"{percentile_key(q)}_{name}_ms"] = 1000 * percentile(values, q)
     return out
@@ -66,19 +74,27 @@ def _stats(name: str, values: Sequence[float], percentiles: Sequence[float]) -> 
 
 def is_success(record: RequestRecord) -> bool:
     """Finished with tokens, no error, not aborted (vllm bench's output.success)."""
-    return (record.end_t is not None and record.error is None and record.num_output_tokens > 0
-            and record.finish_reason not in ("abort", "error", "ignored"))
+    return (
+        record.end_t is not None
+        and record.error is None
+        and record.num_output_tokens > 0
+        and record.finish_reason not in ("abort", "error", "ignored")
+    )
 
 
-def latency_summary(records: Iterable[RequestRecord],
-                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, float | int]:
+def latency_summary(
+    records: Iterable[RequestRecord], percentiles: Sequence[float] = DEFAULT_PERCENTILES
+) -> dict[str, float | int]:
     """vllm bench serve's metrics of these requests (see the module docstring)."""
     records = list(records)
     done = [r for r in records if is_success(r)]
     ttft = [r.first_token_t - r.send_t for r in done if r.first_token_t is not None]
     e2el = [r.end_t - r.send_t for r in done]
-    tpot = [(r.end_t - r.first_token_t) / (r.num_output_tokens - 1) for r in done
-            if r.first_token_t is not None and r.num_output_tokens > 1]
+    tpot = [
+        (r.end_t - r.first_token_t) / (r.num_output_tokens - 1)
+        for r in done
+        if r.first_token_t is not None and r.num_output_tokens > 1
+    ]
     itl = [x for r in done for x in r.itls]
     sends = [r.send_t for r in records]
     ends = [r.end_t for r in records if r.end_t is not None]
@@ -86,8 +102,11 @@ def latency_summary(records: Iterable[RequestRecord],
     num_in = sum(r.num_prompt_tokens for r in done)
     num_out = sum(r.num_output_tokens for r in done)
     out: dict[str, float | int] = {
-        "completed": len(done), "failed": len(records) - len(done), "duration": duration,
-        "total_input_tokens": num_in, "total_output_tokens": num_out,
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration": duration,
+        "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
         "request_throughput": len(done) / duration if duration > 0 else 0.0,
         "output_throughput": num_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (num_in + num_out) / duration if duration > 0 else 0.0,
@@ -107,30 +126,42 @@ def _percentiles(summary: dict) -> list[float]:
 
 def latency_lines(summary: dict) -> list[str]:
     """The summary as vllm bench serve prints it (its labels, widths and banners)."""
+
     def row(label: str, value: float | int, fmt: str = "{:<10.2f}") -> str:
-        return "{:<40} ".format(label) + fmt.format(value)
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=WIDTH, c="="),
-             row("Successful requests:", summary["completed"], "{:<10}"),
-             row("Failed requests:", summary["failed"], "{:<10}"),
-             row("Benchmark duration (s):", summary["duration"]),
-             row("Total input tokens:", summary["total_input_tokens"], "{:<10}"),
-             row("Total generated tokens:", summary["total_output_tokens"], "{:<10}"),
-             row("Request throughput (req/s):", summary["request_throughput"]),
-             row("Output token throughput (tok/s):", summary["output_throughput"]),
-             row("Total token throughput (tok/s):", summary["total_token_throughput"])]
+        return f"{label:<40} " + fmt.format(value)
+
+    lines = [
+        "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=WIDTH, c="="),
+        row("Successful requests:", summary["completed"], "{:<10}"),
+        row("Failed requests:", summary["failed"], "{:<10}"),
+        row("Benchmark duration (s):", summary["duration"]),
+        row("Total input tokens:", summary["total_input_tokens"], "{:<10}"),
+        row("Total generated tokens:", summary["total_output_tokens"], "{:<10}"),
+        row("Request throughput (req/s):", summary["request_throughput"]),
+        row("Output token throughput (tok/s):", summary["output_throughput"]),
+        row("Total token throughput (tok/s):", summary["total_token_throughput"]),
+    ]
     for key, name, header in METRICS:
         lines.append("{s:{c}^{n}}".format(s=header, n=WIDTH, c="-"))
-        lines += [row(f"Mean {name} (ms):", summary[f"mean_{key}_ms"]),
-                  row(f"Median {name} (ms):", summary[f"median_{key}_ms"])]
-        lines += [row(f"P{q:g} {name} (ms):", summary[f"{percentile_key(q)}_{key}_ms"])
-                  for q in _percentiles(summary) if q != 50]  # p50 is the median, shown first
+        lines += [
+            row(f"Mean {name} (ms):", summary[f"mean_{key}_ms"]),
+            row(f"Median {name} (ms):", summary[f"median_{key}_ms"]),
+        ]
+        lines += [
+            row(f"P{q:g} {name} (ms):", summary[f"{percentile_key(q)}_{key}_ms"])
+            for q in _percentiles(summary)
+            if q != 50
+        ]  # p50 is the median, shown first
     lines.append("=" * WIDTH)
     return [line.rstrip() for line in lines]
 
 
-NO_VALUES = {"ttft": "no request completed", "e2el": "no request completed",
-             "tpot": "no completed request had 2 or more tokens",
-             "itl": "no completed request was streamed in 2 or more outputs"}
+NO_VALUES = {
+    "ttft": "no request completed",
+    "e2el": "no request completed",
+    "tpot": "no completed request had 2 or more tokens",
+    "itl": "no completed request was streamed in 2 or more outputs",
+}
 
 
 def _ms(value: float) -> str:
@@ -140,15 +171,22 @@ def _ms(value: float) -> str:
 def compact_latency_lines(summary: dict) -> list[str]:
     """Five lines under 80 columns: requests and throughput, then per metric the median,
     each percentile and the mean (the full block: latency_lines)."""
-    lines = [f"latency: {summary['completed']:,} ok, {summary['failed']:,} failed in "
-             f"{summary['duration']:.1f} s; {summary['request_throughput']:.2f} req/s, "
-             f"{summary['output_throughput']:.1f} out tok/s (ms below)"]
+    lines = [
+        f"latency: {summary['completed']:,} ok, {summary['failed']:,} failed in "
+        f"{summary['duration']:.1f} s; {summary['request_throughput']:.2f} req/s, "
+        f"{summary['output_throughput']:.1f} out tok/s (ms below)"
+    ]
     for key, name, _ in METRICS:
         if summary.get("num_values", {}).get(key, 1) == 0:
             lines.append(f"  {name.lower():<5} unknown ({NO_VALUES[key]})")
             continue
         cells = [f"p50 {_ms(summary[f'median_{key}_ms'])}"]
-        cells += [f"{percentile_key(q)} {_ms(summary[f'{percentile_key(q)}_{key}_ms'])}"
-                  for q in _percentiles(summary) if q != 50]  # p50 is the median, shown first
-        lines.append(f"  {name.lower():<5} " + "  ".join(cells) + f"  mean {_ms(summary[f'mean_{key}_ms'])}")
+        cells += [
+            f"{percentile_key(q)} {_ms(summary[f'{percentile_key(q)}_{key}_ms'])}"
+            for q in _percentiles(summary)
+            if q != 50
+        ]  # p50 is the median, shown first
+        lines.append(
+            f"  {name.lower():<5} " + "  ".join(cells) + f"  mean {_ms(summary[f'mean_{key}_ms'])}"
+        )
     return lines

@@ -7,6 +7,7 @@ output is a formula (engine/runner/mock_runner.py; it checks stamped KV, so corr
 its tokens): cheap enough to check every request, on by default. Stop conditions are
 engine/core/stop.py's: EOS first, then max_tokens and max_model_len.
 """
+
 from __future__ import annotations
 
 from engine.config import EngineConfig

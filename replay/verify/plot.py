@@ -16,6 +16,7 @@ left out: an engine without samples, and the cached panel when no engine ever ha
 cached block (vLLM does not export the count). The title names what was replayed
 against: kvdrain and its liveness policy, or the server and version.
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,8 +36,16 @@ LABEL_FONT_PT = 8
 DPI = 110
 MAX_ENGINE_PANELS = 4  # more engines than this: one panel per role, a line per engine
 ROLE_STRIP_H = 0.16  # the verdict strips of a role panel, stacked, in axes fractions
-ENGINE_COLOURS = ("tab:purple", "tab:blue", "tab:olive", "tab:cyan", "tab:brown", "tab:pink",
-                  "tab:gray", "black")
+ENGINE_COLOURS = (
+    "tab:purple",
+    "tab:blue",
+    "tab:olive",
+    "tab:cyan",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "black",
+)
 
 
 def write_series(path: Path, timeline: Timeline) -> None:
@@ -72,18 +81,35 @@ def _by_verdict(windows: list[IdleWindow]) -> dict[str, list[IdleWindow]]:
     return groups
 
 
-def _shade(ax, groups: dict[str, list[IdleWindow]], band: tuple[float, float], alpha: float) -> None:
+def _shade(
+    ax, groups: dict[str, list[IdleWindow]], band: tuple[float, float], alpha: float
+) -> None:
     """One collection per verdict over `band` (axes fractions), whatever the count."""
     for name, windows in groups.items():
-        ax.broken_barh(_spans(windows), band, transform=ax.get_xaxis_transform(),
-                       facecolors=WINDOW_COLOURS.get(name, "grey"), alpha=alpha, lw=0, clip_on=True)
+        ax.broken_barh(
+            _spans(windows),
+            band,
+            transform=ax.get_xaxis_transform(),
+            facecolors=WINDOW_COLOURS.get(name, "grey"),
+            alpha=alpha,
+            lw=0,
+            clip_on=True,
+        )
 
 
 def _deadline_lines(ax, windows: list[IdleWindow], deadline_s: float) -> None:
     xs = [w.start + deadline_s for w in windows if w.start + deadline_s < w.end]
     if xs:
-        ax.vlines(xs, 0, 1, transform=ax.get_xaxis_transform(), colors="grey", ls=":", lw=0.8,
-                  clip_on=True)
+        ax.vlines(
+            xs,
+            0,
+            1,
+            transform=ax.get_xaxis_transform(),
+            colors="grey",
+            ls=":",
+            lw=0.8,
+            clip_on=True,
+        )
 
 
 def _label_leaks(ax, windows: list[IdleWindow], top: float) -> None:
@@ -103,9 +129,18 @@ def _label_leaks(ax, windows: list[IdleWindow], top: float) -> None:
             left_px = (x - x0) * px_per_s - text_px
         if left_px < next_free_px or left_px < 0:
             continue
-        ax.annotate(text, (x, top), xytext=(dx, -2), textcoords="offset points", ha=ha,
-                    va="top", fontsize=LABEL_FONT_PT, color="tab:red", annotation_clip=True,
-                    clip_on=True)
+        ax.annotate(
+            text,
+            (x, top),
+            xytext=(dx, -2),
+            textcoords="offset points",
+            ha=ha,
+            va="top",
+            fontsize=LABEL_FONT_PT,
+            color="tab:red",
+            annotation_clip=True,
+            clip_on=True,
+        )
         next_free_px = left_px + text_px
 
 
@@ -114,9 +149,16 @@ def _held_points(ax, windows: list[IdleWindow], deadline_s: float) -> None:
     for name in ("leak", "undecided"):
         marked = [w for w in windows if w.verdict == name]
         if marked:
-            ax.scatter([w.start + deadline_s for w in marked], [w.num_blocks_held for w in marked],
-                       s=9, marker="o", color=WINDOW_COLOURS[name], zorder=3, clip_on=True,
-                       label=f"held at deadline: {name}")
+            ax.scatter(
+                [w.start + deadline_s for w in marked],
+                [w.num_blocks_held for w in marked],
+                s=9,
+                marker="o",
+                color=WINDOW_COLOURS[name],
+                zorder=3,
+                clip_on=True,
+                label=f"held at deadline: {name}",
+            )
 
 
 def _window_legend(ax, groups: dict[str, list[IdleWindow]], aggregated: bool) -> None:
@@ -134,11 +176,22 @@ def _window_legend(ax, groups: dict[str, list[IdleWindow]], aggregated: bool) ->
 
 
 def _hatch_missed(ax, verdict: Verdict, end_t: float) -> None:
-    spans = [(max(c.start, 0.0), (end_t if c.end is None else c.end) - max(c.start, 0.0))
-             for c in verdict.coverage if c.state == "missed"]
+    spans = [
+        (max(c.start, 0.0), (end_t if c.end is None else c.end) - max(c.start, 0.0))
+        for c in verdict.coverage
+        if c.state == "missed"
+    ]
     if spans:
-        ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), facecolors="none",
-                       hatch="//", edgecolor="grey", lw=0, clip_on=True)
+        ax.broken_barh(
+            spans,
+            (0, 1),
+            transform=ax.get_xaxis_transform(),
+            facecolors="none",
+            hatch="//",
+            edgecolor="grey",
+            lw=0,
+            clip_on=True,
+        )
 
 
 def _capacity(ax, timeline: Timeline, engine: str, peak: int) -> float:
@@ -151,11 +204,18 @@ def _capacity(ax, timeline: Timeline, engine: str, peak: int) -> float:
     return max(peak * 1.15, 1.0)
 
 
-def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
-                deadline_s: float | None) -> None:
+def _used_panel(
+    ax, timeline: Timeline, verdict: Verdict, engine: str, deadline_s: float | None
+) -> None:
     xs, ys = _steps(timeline.samples_for(engine), timeline.end_t, "num_used_blocks")
-    ax.step(xs, ys, where="post", color="tab:purple", lw=1.0 if len(xs) > 2000 else 1.4,
-            label="used blocks")
+    ax.step(
+        xs,
+        ys,
+        where="post",
+        color="tab:purple",
+        lw=1.0 if len(xs) > 2000 else 1.4,
+        label="used blocks",
+    )
     windows = [w for w in verdict.windows if w.engine == engine]
     aggregated = len(windows) > AGGREGATE_WINDOWS
     top = _capacity(ax, timeline, engine, max(ys, default=0))
@@ -174,8 +234,14 @@ def _used_panel(ax, timeline: Timeline, verdict: Verdict, engine: str,
         _label_leaks(ax, windows, top)
     _window_legend(ax, groups, aggregated)
     if any(c.state == "missed" for c in verdict.coverage):
-        ax.fill_between([], [], facecolor="none", hatch="//", edgecolor="grey",
-                        label="expected window not observed")
+        ax.fill_between(
+            [],
+            [],
+            facecolor="none",
+            hatch="//",
+            edgecolor="grey",
+            label="expected window not observed",
+        )
     ax.set_ylabel(f"{engine}: used blocks")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
@@ -191,15 +257,27 @@ def role_groups(engines: list[str]) -> list[tuple[str, list[str]]]:
     return list(groups.items())
 
 
-def _role_panel(ax, timeline: Timeline, verdict: Verdict, role: str, engines: list[str],
-                deadline_s: float | None) -> None:
+def _role_panel(
+    ax,
+    timeline: Timeline,
+    verdict: Verdict,
+    role: str,
+    engines: list[str],
+    deadline_s: float | None,
+) -> None:
     """A line per engine of one role; above the data, a verdict strip per engine (its
     windows), and the blocks each held at its deadlines as points in its colour."""
     peak = 0
     for i, engine in enumerate(engines):
         xs, ys = _steps(timeline.samples_for(engine), timeline.end_t, "num_used_blocks")
-        ax.step(xs, ys, where="post", color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)], lw=1.1,
-                label=engine)
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)],
+            lw=1.1,
+            label=engine,
+        )
         peak = max(peak, max(ys, default=0))
     strip_h = ROLE_STRIP_H / len(engines)
     top = max(peak * 1.15, 1.0) / (1 - ROLE_STRIP_H)  # room above the data for the strips
@@ -210,13 +288,27 @@ def _role_panel(ax, timeline: Timeline, verdict: Verdict, role: str, engines: li
         _shade(ax, own, (1 - (i + 1) * strip_h, strip_h * 0.85), 0.6)
         held = [w for w in windows if w.engine == engine and w.verdict != "drained"]
         if deadline_s is not None and held:
-            ax.scatter([w.start + deadline_s for w in held], [w.num_blocks_held for w in held], s=12,
-                       color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)], edgecolors="tab:red",
-                       linewidths=0.8, zorder=3, clip_on=True)
+            ax.scatter(
+                [w.start + deadline_s for w in held],
+                [w.num_blocks_held for w in held],
+                s=12,
+                color=ENGINE_COLOURS[i % len(ENGINE_COLOURS)],
+                edgecolors="tab:red",
+                linewidths=0.8,
+                zorder=3,
+                clip_on=True,
+            )
     _hatch_missed(ax, verdict, timeline.end_t)
     if deadline_s is not None and any(w.verdict != "drained" for w in windows):
-        ax.scatter([], [], s=12, color="white", edgecolors="tab:red", linewidths=0.8,
-                   label=f"held at the {deadline_s:g} s deadline")
+        ax.scatter(
+            [],
+            [],
+            s=12,
+            color="white",
+            edgecolors="tab:red",
+            linewidths=0.8,
+            label=f"held at the {deadline_s:g} s deadline",
+        )
     _window_legend(ax, _by_verdict(windows), aggregated=True)
     capacity = max((timeline.num_usable_blocks.get(e, 0) for e in engines), default=0)
     ax.plot([], [], " ", label=f"capacity {capacity:,} each")
@@ -237,11 +329,13 @@ def _cached_panel(ax, timeline: Timeline) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
-def build_figure(timeline: Timeline, verdict: Verdict, title: str = "",
-                 deadline_s: float | None = None):
+def build_figure(
+    timeline: Timeline, verdict: Verdict, title: str = "", deadline_s: float | None = None
+):
     """The matplotlib Figure (needs the plot extra: matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -253,10 +347,18 @@ def build_figure(timeline: Timeline, verdict: Verdict, title: str = "",
     if not ratios:  # nothing was observed: one empty panel that says so
         ratios = [1]
     height = max(2.4 * len(groups) + 2.2 * cached + 1, 3.0)
-    fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(11, height),
-                             gridspec_kw={"height_ratios": ratios}, squeeze=False, dpi=DPI)
-    fig.subplots_adjust(left=0.07, right=0.76, top=1 - 0.5 / height, bottom=0.6 / height,
-                        hspace=0.18)
+    fig, axes = plt.subplots(
+        len(ratios),
+        1,
+        sharex=True,
+        figsize=(11, height),
+        gridspec_kw={"height_ratios": ratios},
+        squeeze=False,
+        dpi=DPI,
+    )
+    fig.subplots_adjust(
+        left=0.07, right=0.76, top=1 - 0.5 / height, bottom=0.6 / height, hspace=0.18
+    )
     axes[-1, 0].set_xlim(0, max(timeline.end_t, 1e-3))  # before the labels: they measure it
     for ax, (role, members) in zip(axes[:, 0], groups):
         if len(members) == 1:
@@ -266,19 +368,33 @@ def build_figure(timeline: Timeline, verdict: Verdict, title: str = "",
     if cached:
         _cached_panel(axes[-1, 0], timeline)
     if not engines and not cached:
-        axes[0, 0].text(0.5, 0.5, "no KV-usage samples", ha="center", va="center",
-                        transform=axes[0, 0].transAxes)
+        axes[0, 0].text(
+            0.5,
+            0.5,
+            "no KV-usage samples",
+            ha="center",
+            va="center",
+            transform=axes[0, 0].transAxes,
+        )
     axes[-1, 0].set_xlabel("replay time (s)")
     # The title sits in the top margin (0.5 in, whatever the figure's height).
-    fig.suptitle(title or "kvdrain replay", fontsize=11, x=0.01, y=1 - 0.12 / height, ha="left", va="top")
+    fig.suptitle(
+        title or "kvdrain replay", fontsize=11, x=0.01, y=1 - 0.12 / height, ha="left", va="top"
+    )
     return fig
 
 
-def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = "",
-               deadline_s: float | None = None) -> None:
+def write_plot(
+    path: Path,
+    timeline: Timeline,
+    verdict: Verdict,
+    title: str = "",
+    deadline_s: float | None = None,
+) -> None:
     """The PNG (needs the plot extra: matplotlib)."""
     fig = build_figure(timeline, verdict, title, deadline_s)
     import matplotlib.pyplot as plt
+
     png = io.BytesIO()  # rendered whole, then written: a failed write raises OSError
     fig.savefig(png, format="png", dpi=DPI)
     plt.close(fig)
@@ -291,9 +407,13 @@ def system_label(settings: dict) -> str:
     engine = settings.get("engine") or {}
     if engine.get("source") != "http server":
         return f"kvdrain, liveness {engine.get('liveness', '?')}"
-    versions = [e.get("version") for e in (engine.get("engines") or {}).values()] or [engine.get("version")]
+    versions = [e.get("version") for e in (engine.get("engines") or {}).values()] or [
+        engine.get("version")
+    ]
     known = sorted({v for v in versions if v is not None})
-    label = f"{engine.get('server') or 'server'} {'/'.join(known) if known else '(version unknown)'}"
+    label = (
+        f"{engine.get('server') or 'server'} {'/'.join(known) if known else '(version unknown)'}"
+    )
     return label + (f", liveness {engine['liveness']}" if engine.get("liveness") else "")
 
 

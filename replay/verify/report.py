@@ -8,6 +8,7 @@ cached tokens and no prefix-cache counter) is None in the report and `-` or "unk
 in the summary, never 0. Over HTTP the first line describes the server (settings.engine,
 as replay/http/client.py read it), not kvdrain's engine options.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,12 @@ from pathlib import Path
 from rich.console import Console
 
 from replay.verify.coverage import ignored_cause
-from replay.verify.latency import (DEFAULT_PERCENTILES, compact_latency_lines, latency_lines,
-                                    latency_summary)
+from replay.verify.latency import (
+    DEFAULT_PERCENTILES,
+    compact_latency_lines,
+    latency_lines,
+    latency_summary,
+)
 from replay.verify.plot import system_label
 from replay.verify.rules import Verdict
 from replay.verify.stamp import stamp
@@ -28,8 +33,18 @@ from replay.verify.verdict import EXIT_CODES
 
 MAX_VIOLATIONS_SHOWN = 12
 MAX_REASONS_SHOWN = 8
-ENGINE_COLUMNS = ("engine", "peak", "end", "windows", "drained", "leak", "max drain", "steps",
-                  "wakes", "expired")
+ENGINE_COLUMNS = (
+    "engine",
+    "peak",
+    "end",
+    "windows",
+    "drained",
+    "leak",
+    "max drain",
+    "steps",
+    "wakes",
+    "expired",
+)
 LEGEND = """\
 Verdicts (exit status):
   VERIFIED (0)      every expected idle window was observed and every engine drained in it
@@ -76,8 +91,9 @@ def engine_summary(timeline: Timeline, verdict: Verdict, engine: str) -> dict:
         "num_windows": len(windows),
         "num_drained": sum(w.verdict == "drained" for w in windows),
         "num_leaks": sum(w.verdict == "leak" for w in windows),
-        "max_time_to_drain_s": max((w.time_to_drain for w in windows if w.time_to_drain is not None),
-                                   default=None),
+        "max_time_to_drain_s": max(
+            (w.time_to_drain for w in windows if w.time_to_drain is not None), default=None
+        ),
         "num_steps": _counted(counters, "num_steps", samples[-1].num_steps if samples else 0),
         "num_wakeups": _counted(counters, "num_wakeups", samples[-1].num_wakeups if samples else 0),
         "num_expired": _counted(counters, "num_expired", 0),
@@ -95,7 +111,9 @@ def prefix_hits(timeline: Timeline) -> tuple[int | None, str | None]:
 
     The requests' own counts when the server said them (usage's cached_tokens), else the
     engines' prefix-cache hit counters over the run (vllm:prefix_cache_hits_total)."""
-    said = [r.num_prefix_hit_tokens for r in timeline.requests if r.num_prefix_hit_tokens is not None]
+    said = [
+        r.num_prefix_hit_tokens for r in timeline.requests if r.num_prefix_hit_tokens is not None
+    ]
     if said or not timeline.requests:
         return sum(said), "requests"
     counted = [c.get("num_prefix_hit_tokens") for c in timeline.counters.values()]
@@ -134,8 +152,14 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
-def build_report(timeline: Timeline, verdict: Verdict, settings: dict, trace: dict,
-                 shaping: list[str], percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> dict:
+def build_report(
+    timeline: Timeline,
+    verdict: Verdict,
+    settings: dict,
+    trace: dict,
+    shaping: list[str],
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
+) -> dict:
     """The machine-readable report (--report FILE.json): status and exit_code first."""
     return {
         "kvdrain_report": 1,
@@ -182,13 +206,26 @@ def _engine_rows(report: dict) -> list[str]:
     rows = [list(ENGINE_COLUMNS)]
     for e in report["engines"]:
         drain = e["max_time_to_drain_s"]
-        rows.append([e["engine"], f"{e['peak_used_blocks']:,}/{e['num_blocks']:,}",
-                     f"{e['final_used_blocks']:,}", f"{e['num_windows']:,}", f"{e['num_drained']:,}",
-                     f"{e['num_leaks']:,}", "-" if drain is None else f"{1000 * drain:.1f} ms",
-                     *(_figure(e[k]) for k in ("num_steps", "num_wakeups", "num_expired"))])
+        rows.append(
+            [
+                e["engine"],
+                f"{e['peak_used_blocks']:,}/{e['num_blocks']:,}",
+                f"{e['final_used_blocks']:,}",
+                f"{e['num_windows']:,}",
+                f"{e['num_drained']:,}",
+                f"{e['num_leaks']:,}",
+                "-" if drain is None else f"{1000 * drain:.1f} ms",
+                *(_figure(e[k]) for k in ("num_steps", "num_wakeups", "num_expired")),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(ENGINE_COLUMNS))]
-    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
 
 
 def _figure(value: int | None) -> str:
@@ -206,10 +243,12 @@ def _hits(r: dict) -> str:
 def _request_line(report: dict) -> str:
     r = report["requests"]
     reasons = ", ".join(f"{k} {v:,}" for k, v in r["finish_reasons"].items())
-    return (f"requests: {r['num_finished']:,} of {r['num_requests']:,} finished "
-            f"({reasons}); tokens in {r['num_prompt_tokens']:,}, out {r['num_output_tokens']:,}, "
-            f"prefix-cache hits {_hits(r)}; send lateness p50 "
-            f"{r['send_lateness_p50_ms']:.2f} ms, p99 {r['send_lateness_p99_ms']:.2f} ms")
+    return (
+        f"requests: {r['num_finished']:,} of {r['num_requests']:,} finished "
+        f"({reasons}); tokens in {r['num_prompt_tokens']:,}, out {r['num_output_tokens']:,}, "
+        f"prefix-cache hits {_hits(r)}; send lateness p50 "
+        f"{r['send_lateness_p50_ms']:.2f} ms, p99 {r['send_lateness_p99_ms']:.2f} ms"
+    )
 
 
 def coverage_line(report: dict) -> str:
@@ -218,15 +257,22 @@ def coverage_line(report: dict) -> str:
     coverage = report.get("coverage", [])
     busy = sum(c["state"] == "busy" for c in coverage)
     own = sum(bool(c.get("engine")) and c["state"] != "busy" for c in coverage)
-    what = "the tail included" if not own else \
-        f"{plural(report['num_expected_windows'] - own, 'gap')} of the whole trace, the tail included, " \
+    what = (
+        "the tail included"
+        if not own
+        else f"{plural(report['num_expected_windows'] - own, 'gap')} of the whole trace, the tail included, "
         f"and {own:,} of one engine's own"
-    line = (f"idle windows: {report['num_observed_windows']:,} of "
-            f"{report['num_expected_windows']:,} expected observed ({what})")
+    )
+    line = (
+        f"idle windows: {report['num_observed_windows']:,} of "
+        f"{report['num_expected_windows']:,} expected observed ({what})"
+    )
     if any(e["num_windows"] != report["num_expected_windows"] for e in report.get("engines", [])):
         line += "; the table's windows are each engine's own, the ones it was judged in"
     if busy:
-        line += f"; {plural(busy, 'gap')} of the trace filled by its own work (busy in the model too)"
+        line += (
+            f"; {plural(busy, 'gap')} of the trace filled by its own work (busy in the model too)"
+        )
     return line
 
 
@@ -237,13 +283,17 @@ def stopped_what(report: dict) -> str:
     """An interrupted run's verdict: who stopped it, when, and the windows it reached."""
     stop = report["stop"]
     if not stop["num_sent"]:
-        return f"by {stop['by']} during start-up, before any request was sent; nothing is left running"
+        return (
+            f"by {stop['by']} during start-up, before any request was sent; nothing is left running"
+        )
     judged = [w for w in report["windows"] if w["verdict"] != "undecided"]
     drained = sum(w["verdict"] == "drained" for w in judged)
     unreached = sum(c["state"] == "unreached" for c in report["coverage"])
-    what = (f"by {stop['by']} after {seconds(stop['after_s'])} and {stop['num_sent']:,} of "
-            f"{stop['num_requests']:,} requests: {drained:,} of {len(judged):,} reached windows "
-            f"drained; {unreached:,} not reached")
+    what = (
+        f"by {stop['by']} after {seconds(stop['after_s'])} and {stop['num_sent']:,} of "
+        f"{stop['num_requests']:,} requests: {drained:,} of {len(judged):,} reached windows "
+        f"drained; {unreached:,} not reached"
+    )
     if report["violations"]:
         what += f"; {plural(len(report['violations']), 'violation')} in that part (above)"
     return what + "; the engines were shut down"
@@ -252,26 +302,39 @@ def stopped_what(report: dict) -> str:
 def verdict_line(report: dict) -> str:
     """The last line: the status in capitals, what it covered, the exit status."""
     status, code = report["status"], report["exit_code"]
-    observed, expected = report.get("num_observed_windows", 0), report.get("num_expected_windows", 0)
+    observed, expected = (
+        report.get("num_observed_windows", 0),
+        report.get("num_expected_windows", 0),
+    )
     if status == "verified":
-        what = ("every engine drained in the 1 expected idle window" if expected == 1 else
-                f"every engine drained in each of the {plural(expected, 'expected idle window')}"
-                if expected else "every engine drained in every idle window")
+        what = (
+            "every engine drained in the 1 expected idle window"
+            if expected == 1
+            else f"every engine drained in each of the {plural(expected, 'expected idle window')}"
+            if expected
+            else "every engine drained in every idle window"
+        )
         if report.get("partial_coverage"):
             what = f"partial coverage: {report['partial_coverage']}"
         if report.get("num_too_short_windows"):
-            what += (f"; {plural(report['num_too_short_windows'], 'engine window')} shorter "
-                     f"than the drain deadline not judged (too short)")
+            what += (
+                f"; {plural(report['num_too_short_windows'], 'engine window')} shorter "
+                f"than the drain deadline not judged (too short)"
+            )
     elif status == "violation":
         what = plural(len(report["violations"]), "violation")
     elif status == "inconclusive":
-        what = (f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
-                f"{plural(len(report['reasons']), 'reason')}, below")
+        what = (
+            f"{observed:,} of {plural(expected, 'expected idle window')} observed; "
+            f"{plural(len(report['reasons']), 'reason')}, below"
+        )
     elif "stop" in report:  # interrupted or terminated: one line for the part that ran
         what = stopped_what(report)
     elif status == "fault" and report.get("faults"):
-        what = (f"{plural(len(report['faults']), 'fault')}; the liveness verdict "
-                f"does not hold from the first one on")
+        what = (
+            f"{plural(len(report['faults']), 'fault')}; the liveness verdict "
+            f"does not hold from the first one on"
+        )
     else:
         what = report.get("reasons", [status])[-1] if report.get("reasons") else status
     return f"{status.upper()}: {what} (exit {code})"
@@ -295,12 +358,16 @@ def server_lines(settings: dict) -> list[str]:
     vocab = _unknown(engine.get("vocab_size"))
     if engine.get("vocab_size") is not None:
         vocab += f" (from {engine.get('vocab_source')})"
-    lines = [f"server: {system_label(settings)}, model {engine.get('model')!r}, max_model_len "
-             f"{_unknown(engine.get('max_model_len'))}, vocabulary {vocab}"]
+    lines = [
+        f"server: {system_label(settings)}, model {engine.get('model')!r}, max_model_len "
+        f"{_unknown(engine.get('max_model_len'))}, vocabulary {vocab}"
+    ]
     for name, e in (engine.get("engines") or {}).items():
-        lines.append(f"  {name}: version {_unknown(e.get('version'))}, block size "
-                     f"{_unknown(e.get('block_size'))}, num_gpu_blocks "
-                     f"{_unknown(e.get('num_gpu_blocks'))}, connector {_unknown(e.get('connector'))}")
+        lines.append(
+            f"  {name}: version {_unknown(e.get('version'))}, block size "
+            f"{_unknown(e.get('block_size'))}, num_gpu_blocks "
+            f"{_unknown(e.get('num_gpu_blocks'))}, connector {_unknown(e.get('connector'))}"
+        )
     return lines
 
 
@@ -316,11 +383,15 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     block (latency_block); a run stopped before it sent anything has only its verdict line."""
     if "stop" in report and not report["stop"]["num_sent"]:
         return [verdict_line(report)]
-    lines = server_lines(report.get("settings") or {}) + _engine_rows(report) + [_request_line(report)]
+    lines = (
+        server_lines(report.get("settings") or {}) + _engine_rows(report) + [_request_line(report)]
+    )
     if report.get("ignored"):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in report["ignored"].items())
-        lines.append(f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
-                     f"({causes}); each request's cause is in --requests (its \"error\")")
+        lines.append(
+            f"ignored: {plural(sum(report['ignored'].values()), 'request')} "
+            f'({causes}); each request\'s cause is in --requests (its "error")'
+        )
     if latency_block:
         lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
@@ -341,12 +412,17 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
     return lines
 
 
-STATUS_STYLES = {"verified": "bold green", "violation": "bold red", "inconclusive": "bold yellow",
-                 "fault": "bold red"}
+STATUS_STYLES = {
+    "verified": "bold green",
+    "violation": "bold red",
+    "inconclusive": "bold yellow",
+    "fault": "bold red",
+}
 
 
-def print_summary(console: Console, report: dict, explain: bool = False,
-                  latency_block: bool = False) -> None:
+def print_summary(
+    console: Console, report: dict, explain: bool = False, latency_block: bool = False
+) -> None:
     """The summary, one unwrapped line each; the verdict line coloured on a terminal."""
     verdict = verdict_line(report)
     for line in summary_lines(report, latency_block):
@@ -359,4 +435,5 @@ def print_summary(console: Console, report: dict, explain: bool = False,
 def write_plot(path: Path, timeline: Timeline, verdict: Verdict, title: str = "") -> None:
     """Kept for callers: replay/verify/plot.py draws it."""
     from replay.verify.plot import write_plot as draw
+
     draw(path, timeline, verdict, title)

@@ -36,6 +36,7 @@ failed; else "inconclusive" when the run does not cover what it should
 (replay/verify/coverage.py: an expected idle window not observed, too many requests
 ignored; an undecided window), with the reasons; else "verified".
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,17 +45,36 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from replay.trace.reader import TraceSnapshot
-from replay.verify.coverage import (ExpectedWindow, WindowCoverage, cover, cover_engine_windows,
-                                    credit_engine_windows,
-                                    ignored_by_cause, missed_reason, quiet_from)
-from replay.verify.windows import (EngineWindow, engine_only_windows, idle_windows, idle_windows_by_engine,
-                                   observable_engines)
+from replay.verify.coverage import (
+    ExpectedWindow,
+    WindowCoverage,
+    cover,
+    cover_engine_windows,
+    credit_engine_windows,
+    ignored_by_cause,
+    missed_reason,
+    quiet_from,
+)
 from replay.verify.timeline import EngineSample, Timeline
-from replay.verify.verdict import exit_code_for
 from replay.verify.units import seconds
+from replay.verify.verdict import exit_code_for
+from replay.verify.windows import (
+    EngineWindow,
+    engine_only_windows,
+    idle_windows,
+    idle_windows_by_engine,
+    observable_engines,
+)
 
-VIOLATION_KINDS = ("conservation", "leak", "fault_leak", "snapshot", "unfinished",
-                   "read_after_expiry", "output_mismatch")
+VIOLATION_KINDS = (
+    "conservation",
+    "leak",
+    "fault_leak",
+    "snapshot",
+    "unfinished",
+    "read_after_expiry",
+    "output_mismatch",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +91,7 @@ class VerifyOptions:
     def __post_init__(self) -> None:
         if not self.idle_threshold_s > 0:
             raise ValueError(f"idle_threshold_s: must be > 0, got {self.idle_threshold_s!r}")
-        for name in ("drain_deadline_s", "snapshot_tolerance_blocks",
-                     "max_ignored_share"):
+        for name in ("drain_deadline_s", "snapshot_tolerance_blocks", "max_ignored_share"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         if self.min_coverage is not None and not 0 <= self.min_coverage <= 1:
@@ -148,17 +167,26 @@ class Verdict:
 
     def to_dict(self) -> dict:
         observed, expected = self.num_covered()
-        return {"ok": self.status == "verified", "status": self.status, "exit_code": self.exit_code,
-                "reasons": list(self.reasons),
-                "num_expected_windows": expected, "num_observed_windows": observed,
-                "coverage": [asdict(c) for c in self.coverage],
-                "ignored": dict(self.ignored or {}),
-                "windows": [dict(asdict(w), length=w.length, too_short=short) for w, short
-                            in zip(self.windows, self.too_short or [False] * len(self.windows), strict=True)],
-                "violations": [asdict(v) for v in self.violations],
-                "faults": [dict(f) for f in self.faults],
-                "num_too_short_windows": self.num_too_short,
-                **({"partial_coverage": self.partial} if self.partial else {})}
+        return {
+            "ok": self.status == "verified",
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "reasons": list(self.reasons),
+            "num_expected_windows": expected,
+            "num_observed_windows": observed,
+            "coverage": [asdict(c) for c in self.coverage],
+            "ignored": dict(self.ignored or {}),
+            "windows": [
+                dict(asdict(w), length=w.length, too_short=short)
+                for w, short in zip(
+                    self.windows, self.too_short or [False] * len(self.windows), strict=True
+                )
+            ],
+            "violations": [asdict(v) for v in self.violations],
+            "faults": [dict(f) for f in self.faults],
+            "num_too_short_windows": self.num_too_short,
+            **({"partial_coverage": self.partial} if self.partial else {}),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +209,18 @@ class EngineSeries:
         elsewhere: list[EngineSample] = []  # a sample of no listed engine: of none of them
         for sample in timeline.samples:
             by_engine.get(sample.engine, elsewhere).append(sample)
-        return {engine: EngineSeries(engine, samples, [s.t for s in samples])
-                for engine, samples in by_engine.items()}
+        return {
+            engine: EngineSeries(engine, samples, [s.t for s in samples])
+            for engine, samples in by_engine.items()
+        }
 
 
-def check_window(series: EngineSeries, window: tuple[float, float, bool],
-                 deadline_s: float, scraped: bool = False) -> IdleWindow:
+def check_window(
+    series: EngineSeries,
+    window: tuple[float, float, bool],
+    deadline_s: float,
+    scraped: bool = False,
+) -> IdleWindow:
     """Judge one engine over one (start, end, is_tail) window.
 
     It drained at the first sample from which used blocks stay 0 until the window
@@ -195,21 +229,40 @@ def check_window(series: EngineSeries, window: tuple[float, float, bool],
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
     if not times or times[0] > end:  # nothing known about this engine in the window
-        return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=0,
-                          time_to_drain=None, verdict="undecided", num_blocks_held=0)
+        return IdleWindow(
+            engine=series.engine,
+            start=start,
+            end=end,
+            is_tail=is_tail,
+            num_used_at_start=0,
+            time_to_drain=None,
+            verdict="undecided",
+            num_blocks_held=0,
+        )
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
     if scraped:
         verdict, drained_at, held = _scraped_window(samples[lo:hi], start, end, start + deadline_s)
     else:
-        verdict, drained_at, held = _stats_window(samples[max(lo - 1, 0):hi], start, end, deadline_s)
+        verdict, drained_at, held = _stats_window(
+            samples[max(lo - 1, 0) : hi], start, end, deadline_s
+        )
     time_to_drain = None if drained_at is None or verdict == "undecided" else drained_at - start
-    return IdleWindow(engine=series.engine, start=start, end=end, is_tail=is_tail, num_used_at_start=at_start,
-                      time_to_drain=time_to_drain, verdict=verdict, num_blocks_held=held)
+    return IdleWindow(
+        engine=series.engine,
+        start=start,
+        end=end,
+        is_tail=is_tail,
+        num_used_at_start=at_start,
+        time_to_drain=time_to_drain,
+        verdict=verdict,
+        num_blocks_held=held,
+    )
 
 
-def _stats_window(samples: Sequence[EngineSample], start: float, end: float,
-                  deadline_s: float) -> tuple[str, float | None, int]:
+def _stats_window(
+    samples: Sequence[EngineSample], start: float, end: float, deadline_s: float
+) -> tuple[str, float | None, int]:
     """Engine stats (each value holds until the next sample): (verdict, drained_at, held)."""
     drained_at, held = _drained_at(samples, start)
     if drained_at is not None and drained_at - start <= deadline_s:
@@ -221,16 +274,18 @@ def _stats_window(samples: Sequence[EngineSample], start: float, end: float,
 def _drained_at(samples: Sequence[EngineSample], start: float) -> tuple[float | None, int]:
     """(when used blocks fell to 0 for good, or start if no sample held any; None: they
     never did) and the used blocks of the last sample that held some (0: none did)."""
-    last_held = next((i for i in range(len(samples) - 1, -1, -1) if samples[i].num_used_blocks),
-                     None)
+    last_held = next(
+        (i for i in range(len(samples) - 1, -1, -1) if samples[i].num_used_blocks), None
+    )
     if last_held is None:
         return start, 0
     drained_at = samples[last_held + 1].t if last_held + 1 < len(samples) else None
     return drained_at, samples[last_held].num_used_blocks
 
 
-def _scraped_window(answered: Sequence[EngineSample], start: float, end: float,
-                    deadline_t: float) -> tuple[str, float | None, int]:
+def _scraped_window(
+    answered: Sequence[EngineSample], start: float, end: float, deadline_t: float
+) -> tuple[str, float | None, int]:
     """Scraped readings answered inside a window: (verdict, drained_at, held).
 
     A reading was taken in [send_t, t]; evidence is a reading taken for sure after the
@@ -241,10 +296,11 @@ def _scraped_window(answered: Sequence[EngineSample], start: float, end: float,
     its start) after the last reading that saw blocks held: an upper bound on the drain.
     """
     evidence = [s for s in answered if _sent(s) > deadline_t]
-    last_held = next((i for i in range(len(answered) - 1, -1, -1) if answered[i].num_used_blocks),
-                     -1)
+    last_held = next(
+        (i for i in range(len(answered) - 1, -1, -1) if answered[i].num_used_blocks), -1
+    )
     held = answered[last_held].num_used_blocks if last_held >= 0 else 0
-    drained_at = next((s.t for s in answered[last_held + 1:] if _sent(s) >= start), None)
+    drained_at = next((s.t for s in answered[last_held + 1 :] if _sent(s) >= start), None)
     if any(s.num_used_blocks for s in evidence):
         return "leak", drained_at, held
     if evidence and drained_at is not None and drained_at <= deadline_t:
@@ -262,32 +318,50 @@ def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
     its cause named), not the liveness policy's."""
     where = "tail" if w.is_tail else "idle window"
     if w.time_to_drain is None:  # the two counts are two samples': each said as what it is
-        detail = f"never drained: {where} of {w.length:.3f} s: {w.num_used_at_start} blocks used " \
-                 f"at its start, {w.num_blocks_held} at its last sample that had any"
+        detail = (
+            f"never drained: {where} of {w.length:.3f} s: {w.num_used_at_start} blocks used "
+            f"at its start, {w.num_blocks_held} at its last sample that had any"
+        )
     else:
-        detail = f"late drain: {where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.3f} s " \
-                 f"after its start, past the drain deadline"
+        detail = (
+            f"late drain: {where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.3f} s "
+            f"after its start, past the drain deadline"
+        )
     cause = next((f for f in faults if f["t"] <= w.end), None)
     if cause is None:
         return Violation("leak", w.engine, w.start, detail)
     who = f"{cause['engine']}: " if cause["engine"] else ""
-    return Violation("fault_leak", w.engine, w.start,
-                     f"{detail}; caused by a fault at {cause['t']:.3f} s ({who}{cause['cause']})")
+    return Violation(
+        "fault_leak",
+        w.engine,
+        w.start,
+        f"{detail}; caused by a fault at {cause['t']:.3f} s ({who}{cause['cause']})",
+    )
 
 
 def _check_conservation(timeline: Timeline) -> list[Violation]:
     out = []
     for s in timeline.samples:
         total = timeline.num_usable_blocks.get(s.engine)
-        if s.num_used_blocks + s.num_free_blocks != s.num_usable_blocks or s.num_usable_blocks != total:
-            out.append(Violation("conservation", s.engine, s.t,
-                                 f"used {s.num_used_blocks} + free {s.num_free_blocks} != "
-                                 f"{total} blocks (sample says {s.num_usable_blocks})"))
+        if (
+            s.num_used_blocks + s.num_free_blocks != s.num_usable_blocks
+            or s.num_usable_blocks != total
+        ):
+            out.append(
+                Violation(
+                    "conservation",
+                    s.engine,
+                    s.t,
+                    f"used {s.num_used_blocks} + free {s.num_free_blocks} != "
+                    f"{total} blocks (sample says {s.num_usable_blocks})",
+                )
+            )
     return out
 
 
-def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
-                    tolerance: int) -> list[Violation]:
+def _check_snapshot(
+    snap: TraceSnapshot, by_engine: dict[str, EngineSeries], tolerance: int
+) -> list[Violation]:
     out = []
     for engine, counts in sorted(snap.kv.items()):
         if engine not in by_engine:
@@ -299,36 +373,58 @@ def _check_snapshot(snap: TraceSnapshot, by_engine: dict[str, EngineSeries],
             out.append(Violation("snapshot", engine, snap.t, "no sample at or before it"))
             continue
         sample = series.samples[at]
-        got = {"used": sample.num_used_blocks, "free": sample.num_free_blocks,
-               "cached": sample.num_cached_blocks}
-        bad = [f"{k} {got[k]} != recorded {v}" for k, v in sorted(counts.items())
-               if abs(got[k] - v) > tolerance]
+        got = {
+            "used": sample.num_used_blocks,
+            "free": sample.num_free_blocks,
+            "cached": sample.num_cached_blocks,
+        }
+        bad = [
+            f"{k} {got[k]} != recorded {v}"
+            for k, v in sorted(counts.items())
+            if abs(got[k] - v) > tolerance
+        ]
         if bad:
-            out.append(Violation("snapshot", engine, snap.t,
-                                 f"sample at {seconds(sample.t)} (line {snap.line}): "
-                                 + ", ".join(bad) + f" (tolerance {tolerance})"))
+            out.append(
+                Violation(
+                    "snapshot",
+                    engine,
+                    snap.t,
+                    f"sample at {seconds(sample.t)} (line {snap.line}): "
+                    + ", ".join(bad)
+                    + f" (tolerance {tolerance})",
+                )
+            )
     return out
 
 
 IN_FLIGHT_QUEUES = ("waiting", "skipped_waiting", "waiting_for_remote_kvs", "running")
 
 
-def _snapshots_not_reached(snapshots: Sequence[TraceSnapshot], timeline: Timeline,
-                           drain_deadline_s: float) -> list[TraceSnapshot]:
+def _snapshots_not_reached(
+    snapshots: Sequence[TraceSnapshot], timeline: Timeline, drain_deadline_s: float
+) -> list[TraceSnapshot]:
     """Recorded snapshots of an idle state (every engine's queues recorded, nothing in them:
     `serve --record` takes its snapshots so) that this replay had not been quiet for a
     drain deadline by: it lagged the recording there (a request just ended may still hold
     blocks its engine has not been told to free), so the counts say nothing either way."""
-    idle = [s for s in snapshots if s.queues and set(s.queues) == set(s.kv) and all(
-        q.get(k, 0) == 0 for q in s.queues.values() for k in IN_FLIGHT_QUEUES)]
+    idle = [
+        s
+        for s in snapshots
+        if s.queues
+        and set(s.queues) == set(s.kv)
+        and all(q.get(k, 0) == 0 for q in s.queues.values() for k in IN_FLIGHT_QUEUES)
+    ]
     busy_until = quiet_from(timeline.requests, [s.t for s in idle])
     return [s for s, quiet in zip(idle, busy_until) if quiet + drain_deadline_s > s.t]
 
 
-def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
-           options: VerifyOptions = VerifyOptions(),
-           expected: Sequence[ExpectedWindow] | None = None,
-           expected_engine: Sequence[EngineWindow] | None = None) -> Verdict:
+def verify(
+    timeline: Timeline,
+    trace_snapshots: Iterable[TraceSnapshot],
+    options: VerifyOptions = VerifyOptions(),
+    expected: Sequence[ExpectedWindow] | None = None,
+    expected_engine: Sequence[EngineWindow] | None = None,
+) -> Verdict:
     """Check conservation, idle-window drain and recorded snapshots, then what was covered.
 
     expected: the candidate windows (replay/verify/coverage.py expected_windows), computed
@@ -342,14 +438,21 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     observed = idle_windows(timeline, options.idle_threshold_s)
     # {}: no engine's way known; over HTTP the ways name upstreams, and their engines' own
     # windows come from their metrics (engine_only_windows, below)
-    own = {} if timeline.is_scraped() else idle_windows_by_engine(timeline, options.idle_threshold_s)
+    own = (
+        {} if timeline.is_scraped() else idle_windows_by_engine(timeline, options.idle_threshold_s)
+    )
     run_own = None  # the run's engine-only windows, where needed: over HTTP, or modelled
     if timeline.is_scraped() or expected_engine is not None:
-        run_own = engine_only_windows(timeline, options.idle_threshold_s, observed,
-                                      None if timeline.is_scraped() else own)
+        run_own = engine_only_windows(
+            timeline, options.idle_threshold_s, observed, None if timeline.is_scraped() else own
+        )
     cut = timeline.meta.get("interrupted") is not None  # Ctrl-C, q or SIGTERM cut its tail short:
-    judged = [(series, window) for series in by_engine.values()  # that window is not judged
-              for window in own.get(series.engine, observed) if not (cut and window[2])]
+    judged = [
+        (series, window)
+        for series in by_engine.values()  # that window is not judged
+        for window in own.get(series.engine, observed)
+        if not (cut and window[2])
+    ]
     if timeline.is_scraped():  # a server's own routing: its engines' metrics say when each idled
         judged += [(by_engine[w.engine], w.window) for w in run_own if w.engine in by_engine]
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
@@ -362,32 +465,53 @@ def verify(timeline: Timeline, trace_snapshots: Iterable[TraceSnapshot],
     for snap in snapshots:
         if snap not in unreached:
             violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
-    violations += [Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
-                   for r in timeline.requests if r.end_t is None]
+    violations += [
+        Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
+        for r in timeline.requests
+        if r.end_t is None
+    ]
     violations += _check_kv_integrity(timeline)
     decided = [(w.engine, (w.start, w.end, w.is_tail)) for w in windows if w.verdict != "undecided"]
-    coverage = () if expected is None else credit_engine_windows(
-        cover(expected, timeline, observed), decided, timeline.engines)
+    coverage = (
+        ()
+        if expected is None
+        else credit_engine_windows(cover(expected, timeline, observed), decided, timeline.engines)
+    )
     if expected_engine is not None:  # expected only where the run could show it
         seen = observable_engines(timeline)
-        coverage += cover_engine_windows([w for w in expected_engine if w.engine in seen], run_own, timeline)
+        coverage += cover_engine_windows(
+            [w for w in expected_engine if w.engine in seen], run_own, timeline
+        )
     ignored = ignored_by_cause(timeline.requests)
     # no coverage computed: no window is known to be spare
-    spare = [expected is not None and is_too_short(w, options.drain_deadline_s, coverage) for w in windows]
+    spare = [
+        expected is not None and is_too_short(w, options.drain_deadline_s, coverage)
+        for w in windows
+    ]
     counted = [w for w, is_spare in zip(windows, spare) if not is_spare]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
     reasons += starved_reasons(timeline.meta.get("starved", ()))
-    reasons += [f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
-                f"in the recording there, requests still were in this replay (it lagged the "
-                f"recording), so its counts were not compared" for s in unreached]
+    reasons += [
+        f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
+        f"in the recording there, requests still were in this replay (it lagged the "
+        f"recording), so its counts were not compared"
+        for s in unreached
+    ]
     partial = _partial_coverage(coverage, counted, reasons, options)
     if partial:
         reasons = [r for r in reasons if not r.startswith(MISSED_PREFIX)]
     elif any(r.startswith(MISSED_PREFIX) for r in reasons):
         reasons.append(LAG_ADVICE)
-    return Verdict(windows=tuple(windows), violations=tuple(violations), coverage=coverage,
-                   reasons=tuple(reasons), ignored=ignored, faults=faults, partial=partial,
-                   too_short=tuple(spare))
+    return Verdict(
+        windows=tuple(windows),
+        violations=tuple(violations),
+        coverage=coverage,
+        reasons=tuple(reasons),
+        ignored=ignored,
+        faults=faults,
+        partial=partial,
+        too_short=tuple(spare),
+    )
 
 
 def is_too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:
@@ -397,19 +521,29 @@ def is_too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[Windo
     violation nor inconclusive (an engine's own window, P idle for a moment while D decodes)."""
     if window.verdict != "undecided" or window.length >= deadline_s:
         return False
-    return not any(c.state == "observed" and c.start < window.end
-                   and window.start < (math.inf if c.end is None else c.end) for c in coverage)
+    return not any(
+        c.state == "observed"
+        and c.start < window.end
+        and window.start < (math.inf if c.end is None else c.end)
+        for c in coverage
+    )
 
 
 MISSED_PREFIX = "expected window not observed"
-LAG_ADVICE = ("to cover the windows the engines' lag swallowed: model this machine's step costs "
-              "(`kvdrain calibrate -o FILE`, then --cost-profile FILE), replay on the virtual clock "
-              "(--clock virtual), give the engines CPU, widen the gaps (--max-gap, or a larger "
-              "--idle-threshold), or accept what was observed with --min-coverage F")
+LAG_ADVICE = (
+    "to cover the windows the engines' lag swallowed: model this machine's step costs "
+    "(`kvdrain calibrate -o FILE`, then --cost-profile FILE), replay on the virtual clock "
+    "(--clock virtual), give the engines CPU, widen the gaps (--max-gap, or a larger "
+    "--idle-threshold), or accept what was observed with --min-coverage F"
+)
 
 
-def _partial_coverage(coverage: Sequence[WindowCoverage], windows: Sequence[IdleWindow],
-                      reasons: Sequence[str], options: VerifyOptions) -> str:
+def _partial_coverage(
+    coverage: Sequence[WindowCoverage],
+    windows: Sequence[IdleWindow],
+    reasons: Sequence[str],
+    options: VerifyOptions,
+) -> str:
     """The partial-coverage pass, in words, when --min-coverage is met: the only reasons are
     windows not observed (lag), every judged window drained; else ""."""
     if options.min_coverage is None or not any(r.startswith(MISSED_PREFIX) for r in reasons):
@@ -425,27 +559,43 @@ def _partial_coverage(coverage: Sequence[WindowCoverage], windows: Sequence[Idle
     missed = [c for c in expected if c.state == "missed"]
     lags = [c.lag_s for c in missed if c.lag_s is not None]
     lag = f" because the engines lagged the model by up to {max(lags):.3f} s" if lags else ""
-    return (f"every engine drained in all {observed:,} observed windows; {len(missed):,} of {len(expected):,} "
-            f"expected not observed{lag} (coverage {100 * observed / len(expected):.0f}% >= "
-            f"--min-coverage {100 * options.min_coverage:g}%)")
+    return (
+        f"every engine drained in all {observed:,} observed windows; {len(missed):,} of {len(expected):,} "
+        f"expected not observed{lag} (coverage {100 * observed / len(expected):.0f}% >= "
+        f"--min-coverage {100 * options.min_coverage:g}%)"
+    )
 
 
 def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
     """KV that may be corrupt: a decode side read blocks its prefill engine had freed
     (the connector's num_reads_after_expiry), or an output differs from what a single
     engine produces for the prompt (RequestRecord.expected_digest, when checked)."""
-    out = [Violation("read_after_expiry", engine, timeline.end_t,
-                     f"{n} read{'s' if n != 1 else ''} of sends whose lease had expired: the "
-                     f"decode side copied blocks this engine had freed and may have reused, "
-                     f"so its KV may be corrupt")
-           for engine, counters in sorted(timeline.counters.items())
-           if (n := counters.get("num_reads_after_expiry", 0)) > 0]
-    out += [Violation("output_mismatch", "", r.end_t if r.end_t is not None else r.arrival_t,
-                      f"request {r.req_id!r}: output {r.output_digest} differs from a single "
-                      f"engine's {r.expected_digest} for the same prompt (corrupt KV?)")
-            for r in timeline.requests
-            if r.expected_digest and r.error is None and r.finish_reason in ("length", "stop")
-            and r.output_digest != r.expected_digest]
+    out = [
+        Violation(
+            "read_after_expiry",
+            engine,
+            timeline.end_t,
+            f"{n} read{'s' if n != 1 else ''} of sends whose lease had expired: the "
+            f"decode side copied blocks this engine had freed and may have reused, "
+            f"so its KV may be corrupt",
+        )
+        for engine, counters in sorted(timeline.counters.items())
+        if (n := counters.get("num_reads_after_expiry", 0)) > 0
+    ]
+    out += [
+        Violation(
+            "output_mismatch",
+            "",
+            r.end_t if r.end_t is not None else r.arrival_t,
+            f"request {r.req_id!r}: output {r.output_digest} differs from a single "
+            f"engine's {r.expected_digest} for the same prompt (corrupt KV?)",
+        )
+        for r in timeline.requests
+        if r.expected_digest
+        and r.error is None
+        and r.finish_reason in ("length", "stop")
+        and r.output_digest != r.expected_digest
+    ]
     return out
 
 
@@ -455,40 +605,58 @@ def starved_reasons(starved: Sequence[dict]) -> list[str]:
     out = []
     for s in starved:
         until = "until the end" if s.get("end_t") is None else f"until {s['end_t']:.3f} s"
-        out.append(f"starved: from {s['t']:.3f} s {until}: {s['cause']}; give the engines CPU "
-                   f"(fewer jobs beside them) or replay on the virtual clock (--clock virtual)")
+        out.append(
+            f"starved: from {s['t']:.3f} s {until}: {s['cause']}; give the engines CPU "
+            f"(fewer jobs beside them) or replay on the virtual clock (--clock virtual)"
+        )
     return out
 
 
-def _inconclusive_reasons(coverage: Sequence[WindowCoverage], windows: Sequence[IdleWindow],
-                          ignored: dict[str, int], num_requests: int,
-                          options: VerifyOptions) -> list[str]:
+def _inconclusive_reasons(
+    coverage: Sequence[WindowCoverage],
+    windows: Sequence[IdleWindow],
+    ignored: dict[str, int],
+    num_requests: int,
+    options: VerifyOptions,
+) -> list[str]:
     """Why the run does not prove its engines drain (empty: it does)."""
     reasons = [missed_reason(c, options.idle_threshold_s) for c in coverage if c.state == "missed"]
     blind = sum(c.state == "unobservable" for c in coverage)
     if blind:
-        reasons.append(f"no engine's KV usage was observed, so none of the {blind:,} expected "
-                       f"idle windows was (over HTTP: give each engine's /metrics with --metrics)")
+        reasons.append(
+            f"no engine's KV usage was observed, so none of the {blind:,} expected "
+            f"idle windows was (over HTTP: give each engine's /metrics with --metrics)"
+        )
     unreached = [c for c in coverage if c.state == "unreached"]
     if unreached:  # an interrupted run: one line for what it did not reach, one for what it did
         judged = [w for w in windows if w.verdict != "undecided"]
         drained = sum(w.verdict == "drained" for w in judged)
-        reasons.append(f"stopped early: {drained:,} of {len(judged):,} reached windows drained; "
-                       f"{len(unreached):,} not reached (first: "
-                       f"{missed_reason(unreached[0], options.idle_threshold_s).split(': ', 1)[1]})")
+        reasons.append(
+            f"stopped early: {drained:,} of {len(judged):,} reached windows drained; "
+            f"{len(unreached):,} not reached (first: "
+            f"{missed_reason(unreached[0], options.idle_threshold_s).split(': ', 1)[1]})"
+        )
     undecided = [w for w in windows if w.verdict == "undecided"]
     if undecided:
         w = undecided[0]
-        reasons.append(f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
-                       f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
-                       f"no samples (for scraped metrics: no reading surely taken after its "
-                       f"drain deadline and before its end, or a drain not proven by the "
-                       f"deadline), or shorter than the drain deadline and not drained)")
+        reasons.append(
+            f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
+            f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
+            f"no samples (for scraped metrics: no reading surely taken after its "
+            f"drain deadline and before its end, or a drain not proven by the "
+            f"deadline), or shorter than the drain deadline and not drained)"
+        )
     num_ignored = sum(ignored.values())
-    if num_ignored and not options.allow_ignored and num_ignored > options.max_ignored_share * num_requests:
+    if (
+        num_ignored
+        and not options.allow_ignored
+        and num_ignored > options.max_ignored_share * num_requests
+    ):
         causes = ", ".join(f"{n:,} {cause}" for cause, n in ignored.items())
-        reasons.append(f"{num_ignored:,} of {num_requests:,} requests ignored by the engines "
-                       f"({100 * num_ignored / num_requests:.1f}% > "
-                       f"{100 * options.max_ignored_share:g}%): {causes}; size the engines for "
-                       f"the trace (--profile, --max-model-len, --num-blocks) or --allow-ignored")
+        reasons.append(
+            f"{num_ignored:,} of {num_requests:,} requests ignored by the engines "
+            f"({100 * num_ignored / num_requests:.1f}% > "
+            f"{100 * options.max_ignored_share:g}%): {causes}; size the engines for "
+            f"the trace (--profile, --max-model-len, --num-blocks) or --allow-ignored"
+        )
     return reasons

@@ -4,6 +4,7 @@ The commit is git's when kvdrain runs from a checkout (with "+dirty" when the tr
 changes), else unknown; the device is what the engines' settings say ran (a serve's own
 over --target, "unknown" for an HTTP server, which does not say).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,12 +35,17 @@ def kvdrain_version() -> str:
 def git_commit(root: Path = ROOT) -> str:
     """HEAD's hash (+dirty with uncommitted changes) when `root` is a git checkout, else unknown."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=5)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         if head.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -55,7 +61,11 @@ def device_of(engine_settings: dict) -> str:
 
 def stamp(settings: dict) -> dict:
     """The report's "kvdrain" part."""
-    return {"version": kvdrain_version(), "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node() or "unknown", "python": platform.python_version(),
-            "device": device_of(settings.get("engine", {}))}
+    return {
+        "version": kvdrain_version(),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node() or "unknown",
+        "python": platform.python_version(),
+        "device": device_of(settings.get("engine", {})),
+    }

@@ -4,6 +4,7 @@ Both replay drivers produce one: the virtual clock (replay/sim/simulation.py) fr
 engines, the wall clock (replay/live/driver.py) from the real processes. Times are seconds
 from the replay's origin. `to_dict`/`from_dict` give plain JSON-ready data and back.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,9 @@ class RequestRecord:
     end_t: float | None  # None: never finished
     num_prompt_tokens: int
     num_output_tokens: int
-    num_prefix_hit_tokens: int | None  # prefix-cache hits where the prompt was computed; None: not said
+    num_prefix_hit_tokens: (
+        int | None
+    )  # prefix-cache hits where the prompt was computed; None: not said
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "ignored"
     error: str | None = None
     # sha256 of the comma-joined output token ids, 16 hex digits: compares runs cheaply.
@@ -73,11 +76,22 @@ class RequestRecord:
             self.stages.append([engine, t])
 
     @classmethod
-    def sent(cls, req_id: str, arrival_t: float, send_t: float, num_prompt_tokens: int) -> RequestRecord:
+    def sent(
+        cls, req_id: str, arrival_t: float, send_t: float, num_prompt_tokens: int
+    ) -> RequestRecord:
         """The record of a request just sent: nothing received yet."""
-        return cls(req_id=req_id, arrival_t=arrival_t, send_t=send_t, send_lateness_s=send_t - arrival_t,
-                   first_token_t=None, end_t=None, num_prompt_tokens=num_prompt_tokens,
-                   num_output_tokens=0, num_prefix_hit_tokens=0, finish_reason=None)
+        return cls(
+            req_id=req_id,
+            arrival_t=arrival_t,
+            send_t=send_t,
+            send_lateness_s=send_t - arrival_t,
+            first_token_t=None,
+            end_t=None,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=0,
+            num_prefix_hit_tokens=0,
+            finish_reason=None,
+        )
 
     def on_tokens(self, t: float) -> None:
         """Tokens arrived at t: the first-token time, else one more inter-token latency."""

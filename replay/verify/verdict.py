@@ -15,6 +15,7 @@
 A violation wins over inconclusive (a leak that was seen is a leak); a fault wins
 over both (what the engines did after one of them died says nothing about liveness).
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0

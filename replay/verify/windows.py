@@ -22,6 +22,7 @@ engine windows that hold none of those gaps (an engine idle while others are bus
 expected from the model of the run (the virtual clock) too, and the run observes one when
 it has an idle window on that engine overlapping it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -70,10 +71,16 @@ def idle_windows(timeline: Timeline, idle_threshold_s: float) -> list[tuple[floa
 def observable_engines(timeline: Timeline) -> set[str]:
     """The engines whose own idle windows the run can show: all of kvdrain's own; over HTTP,
     those whose metrics carry the queue gauges (an engine not scraped shows none)."""
-    return set(timeline.meta.get(QUEUE_GAUGES) or ()) if timeline.is_scraped() else set(timeline.engines)
+    return (
+        set(timeline.meta.get(QUEUE_GAUGES) or ())
+        if timeline.is_scraped()
+        else set(timeline.engines)
+    )
 
 
-def expected_engine_windows(model: Timeline | None, idle_threshold_s: float) -> list[EngineWindow] | None:
+def expected_engine_windows(
+    model: Timeline | None, idle_threshold_s: float
+) -> list[EngineWindow] | None:
     """The engines' own windows the model (a virtual-clock timeline) finds; None: no model."""
     if model is None:
         return None
@@ -110,15 +117,23 @@ def scraped_idle_windows(timeline: Timeline, idle_threshold_s: float) -> dict[st
     first_send = min((min(r.send_t, r.arrival_t) for r in timeline.requests), default=None)
     for engine in engines:
         prefill = is_prefill(engine)
-        if any(on_upstream(engine, upstream) for upstream in named):  # its own requests, all cut out
+        if any(
+            on_upstream(engine, upstream) for upstream in named
+        ):  # its own requests, all cut out
             spans, alone = routed_spans(timeline.requests, engine), True
         else:
             alone = prefill or sum(is_prefill(e) == prefill for e in engines) == 1
             spans = client_spans(timeline.requests, "prefill" if prefill else "decode")
-        if first_send is not None:  # before the first send (pre-flight scrapes) nothing was under test
+        if (
+            first_send is not None
+        ):  # before the first send (pre-flight scrapes) nothing was under test
             spans.insert(0, (-math.inf, first_send))
-        out[engine] = [w for run in _idle_runs(timeline, engine) for w in _less(run, spans, alone)
-                       if w[1] - w[0] >= idle_threshold_s]
+        out[engine] = [
+            w
+            for run in _idle_runs(timeline, engine)
+            for w in _less(run, spans, alone)
+            if w[1] - w[0] >= idle_threshold_s
+        ]
     return out
 
 
@@ -151,7 +166,11 @@ def routed_spans(requests: Sequence[RequestRecord], engine: str) -> list[tuple[f
     out = []
     for r in requests:
         if r.stages:
-            out += [(since, until) for upstream, since, until in intervals(r) if on_upstream(engine, upstream)]
+            out += [
+                (since, until)
+                for upstream, since, until in intervals(r)
+                if on_upstream(engine, upstream)
+            ]
         else:
             out += client_spans([r], role)
     return sorted(out)
@@ -171,7 +190,9 @@ def client_spans(requests: Sequence[RequestRecord], role: str) -> list[tuple[flo
     out = []
     for r in requests:
         end = math.inf if r.end_t is None else r.end_t
-        until = min(r.first_token_t, end) if role == "prefill" and r.first_token_t is not None else end
+        until = (
+            min(r.first_token_t, end) if role == "prefill" and r.first_token_t is not None else end
+        )
         out.append((min(r.send_t, r.arrival_t), until))
     return sorted(out)
 
@@ -202,8 +223,10 @@ def _less(run: Window, spans: list[tuple[float, float]], alone: bool) -> list[Wi
 
 def idle_windows_by_engine(timeline: Timeline, idle_threshold_s: float) -> dict[str, list[Window]]:
     """Every engine's idle windows from its own requests; engines that had none are left out."""
-    return {engine: _gaps(sorted(spans), timeline.end_t, idle_threshold_s)
-            for engine, spans in spans_by_engine(timeline.requests).items()}
+    return {
+        engine: _gaps(sorted(spans), timeline.end_t, idle_threshold_s)
+        for engine, spans in spans_by_engine(timeline.requests).items()
+    }
 
 
 def spans_by_engine(requests: Sequence[RequestRecord]) -> dict[str, list[tuple[float, float]]]:
@@ -220,7 +243,9 @@ def spans_by_engine(requests: Sequence[RequestRecord]) -> dict[str, list[tuple[f
             first_token_t = record.first_token_t
             kv_left = end if first_token_t is None or first_token_t > end else first_token_t
             for engine, since in stages[:-1]:
-                by_engine.setdefault(engine, []).append((since, since if since > kv_left else kv_left))
+                by_engine.setdefault(engine, []).append(
+                    (since, since if since > kv_left else kv_left)
+                )
         engine, since = stages[-1]
         by_engine.setdefault(engine, []).append((since, end))
     return by_engine
@@ -239,8 +264,12 @@ def _gaps(spans: list[tuple[float, float]], end_t: float, idle_threshold_s: floa
     return windows
 
 
-def engine_only_windows(timeline: Timeline, idle_threshold_s: float, trace_windows: Sequence[Window],
-                        by_engine: dict[str, list[Window]] | None = None) -> list[EngineWindow]:
+def engine_only_windows(
+    timeline: Timeline,
+    idle_threshold_s: float,
+    trace_windows: Sequence[Window],
+    by_engine: dict[str, list[Window]] | None = None,
+) -> list[EngineWindow]:
     """Each engine's idle windows that neither hold a window of the whole trace nor lie
     inside one (that window judges the engine there), nor are an engine's tail where the
     trace's tail judges it, in time order (scraped: from the engines' own metrics,
@@ -248,11 +277,17 @@ def engine_only_windows(timeline: Timeline, idle_threshold_s: float, trace_windo
     out, holds, inside = [], _Holds(trace_windows), _Inside(trace_windows)
     tail_start = min((s for s, _, is_tail in trace_windows if is_tail), default=math.inf)
     if by_engine is None:
-        by_engine = scraped_idle_windows(timeline, idle_threshold_s) if timeline.is_scraped() \
+        by_engine = (
+            scraped_idle_windows(timeline, idle_threshold_s)
+            if timeline.is_scraped()
             else idle_windows_by_engine(timeline, idle_threshold_s)
+        )
     for engine, windows in by_engine.items():  # the trace's tail judges every engine's tail
-        out += [EngineWindow(engine, *w) for w in windows
-                if not holds(w) and not inside(w) and not (w[2] and w[1] > tail_start)]
+        out += [
+            EngineWindow(engine, *w)
+            for w in windows
+            if not holds(w) and not inside(w) and not (w[2] and w[1] > tail_start)
+        ]
     return sorted(out, key=lambda w: (w.start, w.engine))
 
 
@@ -306,5 +341,7 @@ def inside_any(window: Window, trace_windows: Sequence[Window]) -> bool:
 
 def observed(expected: EngineWindow, run: Sequence[EngineWindow]) -> bool:
     """The run had an idle window on the expected window's engine overlapping it."""
-    return any(w.engine == expected.engine and w.start < expected.end and expected.start < w.end
-               for w in run)
+    return any(
+        w.engine == expected.engine and w.start < expected.end and expected.start < w.end
+        for w in run
+    )

@@ -1,4 +1,5 @@
 """The KV registration handshake's error paths (connector/agent.py, connector/worker_proc.py)."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,15 @@ def test_a_kv_cache_the_worker_cannot_map_fails_the_start_at_once(tmp_path, monk
     ends the worker, so the agent says so at once; it used to count a bad message and
     stay silent, and the engine start hung READY_TIMEOUT_S (60 s) for KVCacheRegistered."""
     monkeypatch.setattr(agent_mod, "READY_TIMEOUT_S", 20.0)
-    config = EngineConfig(engine_id="P", num_blocks=8, kv_transfer=KVTransferConfig(
-        kv_role="kv_producer", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"))
+    config = EngineConfig(
+        engine_id="P",
+        num_blocks=8,
+        kv_transfer=KVTransferConfig(
+            kv_role="kv_producer",
+            agent_addr=f"ipc://{tmp_path}/agent",
+            kv_addr=f"ipc://{tmp_path}/kv",
+        ),
+    )
     cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=16)
     handle = cache.handle.to_dict()
     cache.close()  # the owner unlinks the segment: the handle names nothing now

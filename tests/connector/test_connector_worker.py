@@ -1,4 +1,5 @@
 """The prefill side's send ledger as plain calls with time passed in, then the connector worker process over ZMQ."""
+
 from __future__ import annotations
 
 import time
@@ -6,12 +7,31 @@ import time
 import pytest
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, BlockData, Heartbeat, HeartbeatSpec, KVReport,
-                                LeaseDue, LeasesReaped, ReadAbandoned, ReadBlocks, ReadDone,
-                                ReapLeases, RecvSpec, StepMeta)
 from connector import send_ledger
-from connector.send_ledger import (BLOCKS_NOT_HELD, EARLY_HOLD_NS, READ_LEASE_NS, UNKNOWN_REQUEST,
-                                   ReadReply, ReapSchedule, SendLedger)
+from connector.messages import (
+    CONNECTOR_CODEC,
+    BlockData,
+    Heartbeat,
+    HeartbeatSpec,
+    KVReport,
+    LeaseDue,
+    LeasesReaped,
+    ReadAbandoned,
+    ReadBlocks,
+    ReadDone,
+    ReapLeases,
+    RecvSpec,
+    StepMeta,
+)
+from connector.send_ledger import (
+    BLOCKS_NOT_HELD,
+    EARLY_HOLD_NS,
+    READ_LEASE_NS,
+    UNKNOWN_REQUEST,
+    ReadReply,
+    ReapSchedule,
+    SendLedger,
+)
 from connector.transfer import TransferError
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
 from tests.mp_utils import spawned_p_worker
@@ -38,14 +58,18 @@ def test_a_lease_ends_only_when_reaped_and_a_late_read_done_is_counted():
     assert ledger.read("peer", "r1", [1], now=2 * LEASE).replies == [ReadReply("peer", "r1", [1])]
     assert ledger.reap(now=LEASE - 1).finished_sending == []
     assert ledger.reap(now=LEASE).finished_sending == ["r1"]  # now >= lease, as vLLM's
-    assert ledger.counters["num_expired"] == 1 and ledger.reap(now=10 * LEASE).finished_sending == []
+    assert (
+        ledger.counters["num_expired"] == 1 and ledger.reap(now=10 * LEASE).finished_sending == []
+    )
     assert ledger.read_done("r1", now=LEASE + 1).finished_sending == []  # P freed them already
     # r1's bytes were served while held: the late "read done" is only late news.
     assert ledger.counters["num_reads_after_expiry"] == 0 and not ledger.early
     ledger.register("r2", [2], now=0, deadline=LEASE)  # never asked for: read behind P's back
     assert ledger.reap(now=LEASE).finished_sending == ["r2"]
     assert ledger.read_done("r2", now=LEASE + 1).finished_sending == []
-    assert ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early and not ledger.expired
+    assert (
+        ledger.counters["num_reads_after_expiry"] == 1 and not ledger.early and not ledger.expired
+    )
 
 
 def test_a_duplicate_read_done_is_dropped_not_held_for_a_later_registration():
@@ -90,10 +114,16 @@ def test_a_reused_request_id_does_not_inherit_an_old_lease():
     assert ledger.reap(now=LEASE).finished_sending == []  # the first registration's lease
     assert "r1" in ledger.sends and ledger.next_lease_deadline() == 5 + LEASE
     assert ledger.reap(now=5 + LEASE).finished_sending == ["r1"]
-    assert ledger.counters == {"num_sent": 1, "num_expired": 1, "num_read_done_dropped": 0,
-                               "num_reads_after_expiry": 0, "num_heartbeats": 0,
-                               "num_released_unread": 0, "num_reads_refused": 0,
-                               "num_expiries_deferred": 0}
+    assert ledger.counters == {
+        "num_sent": 1,
+        "num_expired": 1,
+        "num_read_done_dropped": 0,
+        "num_reads_after_expiry": 0,
+        "num_heartbeats": 0,
+        "num_released_unread": 0,
+        "num_reads_refused": 0,
+        "num_expiries_deferred": 0,
+    }
 
 
 def test_heartbeats_extend_held_leases_when_reaped():
@@ -154,10 +184,14 @@ def test_early_reads_are_answered_at_registration_and_strangers_refused_after_th
     assert ledger.read("peer-b", "r1", [9], now=1).replies == []
     assert ledger.read("peer-c", "ghost", [1], now=2).hold_deadlines == [102]
     out = ledger.register("r1", [3, 4], now=50)
-    assert out.replies == [ReadReply("peer-a", "r1", [3]),
-                           ReadReply("peer-b", "r1", [9], BLOCKS_NOT_HELD)]
+    assert out.replies == [
+        ReadReply("peer-a", "r1", [3]),
+        ReadReply("peer-b", "r1", [9], BLOCKS_NOT_HELD),
+    ]
     assert ledger.expire_holds(now=101).replies == []
-    assert ledger.expire_holds(now=102).replies == [ReadReply("peer-c", "ghost", [1], UNKNOWN_REQUEST)]
+    assert ledger.expire_holds(now=102).replies == [
+        ReadReply("peer-c", "ghost", [1], UNKNOWN_REQUEST)
+    ]
     assert not ledger.early and "r1" in ledger.sends
 
 
@@ -202,6 +236,7 @@ def test_oldest_registration():
 
 # ---- the process over ZMQ ---------------------------------------------------------------
 
+
 def _recv(sock: zmq.Socket, timeout_s: float = 10.0) -> list[bytes]:
     assert sock.poll(int(timeout_s * 1000)), "no message in time"
     return sock.recv_multipart()
@@ -232,10 +267,20 @@ def test_worker_process_serves_holds_refuses_and_reports(tmp_path):
 def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
     """A lease past its deadline is still held (and read) until the engine's step sends
     ReapLeases; a heartbeat queues (LeaseDue) and is applied at that reap."""
-    with spawned_p_worker(tmp_path, transport="zmq", kv_lease_s=0.6) as (config, cache, agent, peer):
+    with spawned_p_worker(tmp_path, transport="zmq", kv_lease_s=0.6) as (
+        config,
+        cache,
+        agent,
+        peer,
+    ):
         now = time.monotonic_ns()
-        agent.send(CONNECTOR_CODEC.encode(StepMeta({"r1": [3], "r2": [4]}, [],
-                                                   {"r1": now + 200_000_000, "r2": now + 200_000_000})))
+        agent.send(
+            CONNECTOR_CODEC.encode(
+                StepMeta(
+                    {"r1": [3], "r2": [4]}, [], {"r1": now + 200_000_000, "r2": now + 200_000_000}
+                )
+            )
+        )
         peer.send(CONNECTOR_CODEC.encode(Heartbeat(["r2"])))
         assert CONNECTOR_CODEC.decode(_recv(agent)[0]) == LeaseDue()
         assert not agent.poll(400)  # both deadlines passed: nothing expires on its own
@@ -250,20 +295,29 @@ def test_worker_process_reaps_leases_only_when_the_engine_asks(tmp_path):
         answer = CONNECTOR_CODEC.decode(_recv(agent)[0])
         # r2's heartbeat was applied at the reap: reap time + 0.4 s, not arrival + 0.4 s.
         assert isinstance(answer, LeasesReaped)
-        assert asked + 400_000_000 - 50_000_000 < answer.next_deadline_ns <= time.monotonic_ns() + 400_000_000
+        assert (
+            asked + 400_000_000 - 50_000_000
+            < answer.next_deadline_ns
+            <= time.monotonic_ns() + 400_000_000
+        )
         agent.send(CONNECTOR_CODEC.encode(ReapLeases()))  # nothing due: just the answer
         assert CONNECTOR_CODEC.decode(_recv(agent)[0]) == answer
 
 
 def test_decode_worker_sends_the_heartbeats_of_its_step(tmp_path):
     """D's worker forwards each HeartbeatSpec of a StepMeta to that P worker."""
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
-                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="D", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     p_kv = zmq.Context.instance().socket(zmq.ROUTER)
     p_kv.setsockopt(zmq.LINGER, 0)
     try:
         p_kv.bind(f"ipc://{tmp_path}/p-kv")
-        proc._on_step_meta(StepMeta({}, [], {}, [HeartbeatSpec("P", f"ipc://{tmp_path}/p-kv", ["a", "b"])]))
+        proc._on_step_meta(
+            StepMeta({}, [], {}, [HeartbeatSpec("P", f"ipc://{tmp_path}/p-kv", ["a", "b"])])
+        )
         _, payload = _recv(p_kv)
         assert CONNECTOR_CODEC.decode(payload) == Heartbeat(["a", "b"])
         assert proc.counters["num_heartbeats_sent"] == 1
@@ -274,8 +328,11 @@ def test_decode_worker_sends_the_heartbeats_of_its_step(tmp_path):
 
 @pytest.fixture
 def worker_proc(tmp_path):
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="P", agent_addr=f"ipc://{tmp_path}/agent",
-                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="P", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     yield proc
     proc.close()
 
@@ -306,9 +363,17 @@ def test_a_dead_workers_transfers_are_resolved_by_the_agent():
     from connector.messages import RecvSpec
     from connector.pd import PDConnectorMetadata
     from engine.core.outputs import KVConnectorOutput
+
     pending = PendingTransfers()
-    pending.start(PDConnectorMetadata({"s1": [1]}, {"d1": RecvSpec("d1", [4, 5], [7, 8], "P", "p1", "a"),
-                                                    "d2": RecvSpec("d2", [], [], "P", "p2", "a")}))
+    pending.start(
+        PDConnectorMetadata(
+            {"s1": [1]},
+            {
+                "d1": RecvSpec("d1", [4, 5], [7, 8], "P", "p1", "a"),
+                "d2": RecvSpec("d2", [], [], "P", "p2", "a"),
+            },
+        )
+    )
     out = KVConnectorOutput()
     pending.resolve_orphans(out, now=10)
     assert out.finished_sending == set() and out.finished_recving == {"d1"}
@@ -325,6 +390,7 @@ def test_the_agent_asks_for_a_reap_once_a_lease_may_have_passed():
     from connector.agent import PendingTransfers
     from connector.pd import PDConnectorMetadata
     from engine.core.outputs import KVConnectorOutput
+
     pending = PendingTransfers(lease_ns=100)
     assert pending.reap_due() is None
     pending.start(PDConnectorMetadata({"s1": [1], "s2": [2]}, send_deadlines={"s2": 150}), now=10)
@@ -338,12 +404,14 @@ def test_the_agent_asks_for_a_reap_once_a_lease_may_have_passed():
     assert pending.reap_due() is None and out.finished_sending == {"s1", "s2"}
 
 
-
-def test_a_report_carries_only_the_counters_that_changed_and_the_agent_keeps_them_all(worker_proc, tmp_path):
+def test_a_report_carries_only_the_counters_that_changed_and_the_agent_keeps_them_all(
+    worker_proc, tmp_path
+):
     """The first report carries every counter, later ones only those that changed (an
     unchanged counter is not resent); merged by the agent they equal the worker's own."""
     from connector.agent import PendingTransfers
     from engine.core.outputs import KVConnectorOutput
+
     agent = zmq.Context.instance().socket(zmq.PAIR)
     agent.setsockopt(zmq.LINGER, 0)
     agent.connect(worker_proc.config.agent_addr)
@@ -380,8 +448,16 @@ def test_the_worker_has_mapped_the_kv_cache_before_the_engine_goes_on(tmp_path) 
     from connector.agent import PDConnectorAgent
     from engine.config import EngineConfig, KVTransferConfig, ModelConfig
     from engine.runner.kv_cache import KVCache
-    config = EngineConfig(engine_id="P", num_blocks=8, kv_transfer=KVTransferConfig(
-        kv_role="kv_producer", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"))
+
+    config = EngineConfig(
+        engine_id="P",
+        num_blocks=8,
+        kv_transfer=KVTransferConfig(
+            kv_role="kv_producer",
+            agent_addr=f"ipc://{tmp_path}/agent",
+            kv_addr=f"ipc://{tmp_path}/kv",
+        ),
+    )
     cache = KVCache.allocate(ModelConfig(), num_blocks=8, block_size=16)
     agent = PDConnectorAgent(config, cache.handle.to_dict())
     try:
@@ -401,9 +477,13 @@ def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_pa
 
     def run(batch_ns: int) -> tuple[list[tuple], list[str]]:
         monkeypatch.setattr(wp, "NOTIFY_BATCH_NS", batch_ns)
-        proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D",
-                                                         agent_addr=f"ipc://{tmp_path}/a{batch_ns}",
-                                                         kv_addr=f"ipc://{tmp_path}/k{batch_ns}"))
+        proc = ConnectorWorkerProc(
+            ConnectorWorkerConfig(
+                engine_id="D",
+                agent_addr=f"ipc://{tmp_path}/a{batch_ns}",
+                kv_addr=f"ipc://{tmp_path}/k{batch_ns}",
+            )
+        )
         events: list[tuple] = []
 
         class Link:
@@ -418,12 +498,15 @@ def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_pa
             events.append(("pull", spec.req_id))
             if spec.req_id == "b":
                 raise TransferError("refused")
+
         try:
             monkeypatch.setattr(proc.puller, "pull", pull)
             monkeypatch.setattr(proc.puller, "link", Link)
             proc.kv_cache = object()  # mapped (the pulls are the fakes above)
-            specs = [RecvSpec(r, [i + 1], [i + 5], "P", f"p-{r}", "ipc://p1" if r != "c" else "ipc://p2")
-                     for i, r in enumerate("abc")]
+            specs = [
+                RecvSpec(r, [i + 1], [i + 5], "P", f"p-{r}", "ipc://p1" if r != "c" else "ipc://p2")
+                for i, r in enumerate("abc")
+            ]
             proc._on_step_meta(StepMeta({}, specs))
             proc._fire_timers()
             return events, list(proc.report.finished_recving)
@@ -431,8 +514,11 @@ def test_the_pulls_due_together_tell_the_prefill_worker_once_all_are_read(tmp_pa
             proc.close()
 
     batched, recving = run(10**12)
-    told = [("tell", "ipc://p1", ReadDone("p-a")), ("tell", "ipc://p1", ReadAbandoned("p-b")),
-            ("tell", "ipc://p2", ReadDone("p-c"))]
+    told = [
+        ("tell", "ipc://p1", ReadDone("p-a")),
+        ("tell", "ipc://p1", ReadAbandoned("p-b")),
+        ("tell", "ipc://p2", ReadDone("p-c")),
+    ]
     assert batched == [("pull", "a"), ("pull", "b"), ("pull", "c"), *told]
     assert recving == ["a", "b", "c"]
     one_by_one, recving = run(0)
@@ -446,9 +532,13 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
     a read lease: P would reap a send D read in time). A pull that dies mid-batch
     (SystemExit: SIGTERM) still lets the held news out."""
     from connector.transfer import PeerLink
+
     ctx = zmq.Context.instance()
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
-                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="D", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     peers = {name: ctx.socket(zmq.ROUTER) for name in ("p1", "silent")}
     events: list[tuple] = []
     real_pull, real_send = proc.puller.pull, PeerLink.send
@@ -466,6 +556,7 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
         if isinstance(msg, (ReadDone, ReadAbandoned)):
             events.append(("tell", link.addr.rsplit("/", 1)[1], msg))
         return real_send(link, msg)
+
     try:
         for name, sock in peers.items():
             sock.setsockopt(zmq.LINGER, 0)
@@ -474,16 +565,26 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
         monkeypatch.setattr(PeerLink, "send", send)
         proc.puller.timeout_s = 0.3
         proc.kv_cache = object()  # mapped (pull "a" is a fake success)
-        specs = [RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/{peer}")
-                 for r, peer in (("a", "p1"), ("b", "silent"))]
+        specs = [
+            RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/{peer}")
+            for r, peer in (("a", "p1"), ("b", "silent"))
+        ]
         proc._on_step_meta(StepMeta({}, specs))
         proc._fire_timers()
-        assert events == [("pulled", "a"), ("tell", "p1", ReadDone("p-a")), ("pulled", "b"),
-                          ("tell", "silent", ReadAbandoned("p-b"))]
+        assert events == [
+            ("pulled", "a"),
+            ("tell", "p1", ReadDone("p-a")),
+            ("pulled", "b"),
+            ("tell", "silent", ReadAbandoned("p-b")),
+        ]
         assert proc.report.invalid_block_ids == [1] and proc.counters["num_pull_timeouts"] == 1
         events.clear()
-        proc._on_step_meta(StepMeta({}, [RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/p1")
-                                         for r in ("d", "c")]))
+        proc._on_step_meta(
+            StepMeta(
+                {},
+                [RecvSpec(r, [1], [2], "P", f"p-{r}", f"ipc://{tmp_path}/p1") for r in ("d", "c")],
+            )
+        )
         with pytest.raises(SystemExit):
             proc._fire_timers()
         assert events == [("pulled", "d"), ("pulled", "c"), ("tell", "p1", ReadDone("p-d"))]
@@ -496,8 +597,11 @@ def test_a_slow_peer_holds_back_no_news_of_the_pulls_before_it(tmp_path, monkeyp
 def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
     """SIGTERM (SystemExit) in the middle of sending a batch's news: what was not sent
     stays held (the item being sent included), and close() sends it before the links go."""
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
-                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="D", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     sent: list[object] = []
     signals = [SystemExit(0)]
 
@@ -507,8 +611,13 @@ def test_news_a_signal_interrupts_is_sent_at_close(tmp_path, monkeypatch):
                 raise signals.pop()
             sent.append(msg)
             return True
+
     monkeypatch.setattr(proc.puller, "link", lambda addr: Link())
-    news = [("ipc://p1", ReadDone("p-a")), ("ipc://p1", ReadAbandoned("p-b")), ("ipc://p2", ReadDone("p-c"))]
+    news = [
+        ("ipc://p1", ReadDone("p-a")),
+        ("ipc://p1", ReadAbandoned("p-b")),
+        ("ipc://p2", ReadDone("p-c")),
+    ]
     proc.held.extend(news)
     try:
         with pytest.raises(SystemExit):
@@ -525,6 +634,7 @@ def test_a_second_sigterm_finds_the_worker_already_leaving():
     import signal
 
     from connector.worker_proc import _exit_on_signal
+
     before = signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -557,18 +667,23 @@ def test_a_worker_dropped_without_close_leaves_no_context_for_the_collector(tmp_
         assert ctx() is None, "the worker's Context outlived it: it is in a reference cycle"
         gc.collect()
     """)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_a_close_cut_by_a_signal_still_closes_every_socket_and_the_context(tmp_path):
-    proc = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
-                                                     kv_addr=f"ipc://{tmp_path}/kv"))
+    proc = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="D", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     link = proc.puller.link(f"ipc://{tmp_path}/peer")
 
     def signalled() -> None:
         raise SystemExit(0)
+
     proc._send_held = signalled
     with pytest.raises(SystemExit):
         proc.close()

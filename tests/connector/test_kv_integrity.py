@@ -9,6 +9,7 @@ the copy waits for it), a send that is no longer held is refused and the load fa
 under kv_load_failure_policy, and the mock runner stamps tokens into real KV memory so
 that corrupt KV shows in the outputs the replay checks.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,15 @@ import time
 import pytest
 import zmq
 
-from connector.messages import (CONNECTOR_CODEC, KVReport, LeasesReaped, ReadAbandoned, ReapLeases,
-                                RecvSpec, StepMeta)
+from connector.messages import (
+    CONNECTOR_CODEC,
+    KVReport,
+    LeasesReaped,
+    ReadAbandoned,
+    ReapLeases,
+    RecvSpec,
+    StepMeta,
+)
 from connector.send_ledger import READ_LEASE_NS, UNKNOWN_REQUEST, ReadReply, SendLedger
 from connector.transfer import Puller, TransferError
 from connector.worker_proc import ConnectorWorkerConfig, ConnectorWorkerProc
@@ -31,6 +39,7 @@ LEASE = 1_000
 
 
 # ---- the ledger: pins ---------------------------------------------------------------------
+
 
 def test_a_pin_defers_an_expiry_until_the_copy_is_done():
     ledger = SendLedger(LEASE)
@@ -81,6 +90,7 @@ def test_a_read_done_for_a_send_nobody_asked_to_read_is_a_read_after_expiry():
 
 
 # ---- the worker processes --------------------------------------------------------------------
+
 
 def _recv(sock: zmq.Socket, timeout_s: float = 10.0) -> bytes:
     assert sock.poll(int(timeout_s * 1000)), "no message in time"
@@ -133,8 +143,11 @@ def test_an_shm_read_of_a_held_send_is_pinned_and_exact(prefill_worker):
 def test_a_refused_pull_fails_the_load_and_releases_p(tmp_path):
     """D's worker: the refusal becomes invalid blocks (kv_load_failure_policy decides) and
     P hears ReadAbandoned, never "read done"."""
-    d = ConnectorWorkerProc(ConnectorWorkerConfig(engine_id="D", agent_addr=f"ipc://{tmp_path}/agent",
-                                                  kv_addr=f"ipc://{tmp_path}/kv"))
+    d = ConnectorWorkerProc(
+        ConnectorWorkerConfig(
+            engine_id="D", agent_addr=f"ipc://{tmp_path}/agent", kv_addr=f"ipc://{tmp_path}/kv"
+        )
+    )
     p_kv = zmq.Context.instance().socket(zmq.ROUTER)
     p_kv.setsockopt(zmq.LINGER, 0)
     try:
@@ -145,8 +158,9 @@ def test_a_refused_pull_fails_the_load_and_releases_p(tmp_path):
         d._on_step_meta(StepMeta({}, [spec]))
         d._fire_timers()  # the pull is due at once (no pull delay)
         assert d.report.invalid_block_ids == [4, 5] and d.report.finished_recving == ["d1"]
-        messages = [CONNECTOR_CODEC.decode(p_kv.recv_multipart()[-1]) for _ in range(2)
-                    if p_kv.poll(2000)]
+        messages = [
+            CONNECTOR_CODEC.decode(p_kv.recv_multipart()[-1]) for _ in range(2) if p_kv.poll(2000)
+        ]
         assert messages[-1] == ReadAbandoned("p1")
     finally:
         d.kv_cache.close()
@@ -155,6 +169,7 @@ def test_a_refused_pull_fails_the_load_and_releases_p(tmp_path):
 
 
 # ---- the mock runner's stamps ---------------------------------------------------------------
+
 
 def _core_with_kv() -> tuple[EngineCore, KVCache]:
     config = EngineConfig(num_blocks=16, block_size=4, runner="mock")
@@ -188,39 +203,88 @@ def test_stamped_kv_keeps_the_mock_formula_and_corrupt_kv_changes_the_output():
 
 # ---- the verdict: corrupt KV is a violation ---------------------------------------------------
 
+
 def _timeline(records, counters=None):
     from replay.verify.timeline import EngineSample, Timeline
-    samples = [EngineSample(t=0.0, engine="P", num_used_blocks=0, num_cached_blocks=0, num_free_blocks=10,
-                            num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
-                            num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
-                            loop_state="blocked", num_steps=0, num_wakeups=0)]
-    return Timeline(engines=["P"], num_usable_blocks={"P": 10}, samples=samples, requests=records,
-                    arrivals=[r.arrival_t for r in records], aborts=[], end_t=5.0, counters=counters or {})
+
+    samples = [
+        EngineSample(
+            t=0.0,
+            engine="P",
+            num_used_blocks=0,
+            num_cached_blocks=0,
+            num_free_blocks=10,
+            num_usable_blocks=10,
+            num_waiting=0,
+            num_skipped_waiting=0,
+            num_waiting_for_remote_kvs=0,
+            num_running=0,
+            num_finished_awaiting_free=0,
+            loop_state="blocked",
+            num_steps=0,
+            num_wakeups=0,
+        )
+    ]
+    return Timeline(
+        engines=["P"],
+        num_usable_blocks={"P": 10},
+        samples=samples,
+        requests=records,
+        arrivals=[r.arrival_t for r in records],
+        aborts=[],
+        end_t=5.0,
+        counters=counters or {},
+    )
 
 
-def _record(req_id: str, digest: str, expected: str, reason: str = "length", error: str | None = None):
+def _record(
+    req_id: str, digest: str, expected: str, reason: str = "length", error: str | None = None
+):
     from replay.verify.timeline import RequestRecord
-    return RequestRecord(req_id=req_id, arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.1,
-                         end_t=0.2, num_prompt_tokens=8, num_output_tokens=3, num_prefix_hit_tokens=0,
-                         finish_reason=reason, error=error, output_digest=digest, expected_digest=expected)
+
+    return RequestRecord(
+        req_id=req_id,
+        arrival_t=0.0,
+        send_t=0.0,
+        send_lateness_s=0.0,
+        first_token_t=0.1,
+        end_t=0.2,
+        num_prompt_tokens=8,
+        num_output_tokens=3,
+        num_prefix_hit_tokens=0,
+        finish_reason=reason,
+        error=error,
+        output_digest=digest,
+        expected_digest=expected,
+    )
 
 
 def test_a_read_after_expiry_is_a_violation_with_its_cause():
     """The finding printed VERIFIED though P counted reads after expiry."""
     from replay.verify.rules import verify
+
     verdict = verify(_timeline([_record("a", "x", "")], {"P": {"num_reads_after_expiry": 7}}), [])
     (violation,) = verdict.violations
     assert verdict.status == "violation" and violation.kind == "read_after_expiry"
-    assert violation.engine == "P" and "7 reads" in violation.detail and "corrupt" in violation.detail
+    assert (
+        violation.engine == "P" and "7 reads" in violation.detail and "corrupt" in violation.detail
+    )
 
 
 def test_an_output_that_differs_from_a_single_engines_is_a_violation():
     from replay.verify.rules import verify
-    records = [_record("ok", "d1", "d1"), _record("bad", "d2", "d3"), _record("unchecked", "d4", ""),
-               _record("failed", "d5", "d6", reason="error", error="KV load failed"),
-               _record("aborted", "d7", "d8", reason="abort")]
+
+    records = [
+        _record("ok", "d1", "d1"),
+        _record("bad", "d2", "d3"),
+        _record("unchecked", "d4", ""),
+        _record("failed", "d5", "d6", reason="error", error="KV load failed"),
+        _record("aborted", "d7", "d8", reason="abort"),
+    ]
     verdict = verify(_timeline(records), [])
-    assert [(v.kind, "'bad'" in v.detail) for v in verdict.violations] == [("output_mismatch", True)]
+    assert [(v.kind, "'bad'" in v.detail) for v in verdict.violations] == [
+        ("output_mismatch", True)
+    ]
 
 
 def test_the_mock_formula_is_what_a_single_engine_generates():
@@ -228,29 +292,52 @@ def test_the_mock_formula_is_what_a_single_engine_generates():
     max_model_len stop it the same way."""
     import random
     from dataclasses import replace
+
     from replay.verify.outputs import mock_output_tokens
+
     rng = random.Random(0)
     for case in range(40):
         vocab = rng.choice([16, 512])
         base = EngineConfig(num_blocks=64, block_size=4, max_model_len=24, runner="mock")
-        config = replace(base, model=replace(base.model, vocab_size=vocab),
-                         eos_token_id=rng.choice([None, 5, vocab - 1]))
+        config = replace(
+            base,
+            model=replace(base.model, vocab_size=vocab),
+            eos_token_id=rng.choice([None, 5, vocab - 1]),
+        )
         prompt = [rng.randrange(config.model.vocab_size) for _ in range(rng.randint(1, 20))]
         max_tokens = rng.randint(1, 12)
         core = EngineCore(config, MockModelRunner(config))
-        assert _run(core, f"c{case}", prompt, max_tokens) == mock_output_tokens(prompt, max_tokens, config)
+        assert _run(core, f"c{case}", prompt, max_tokens) == mock_output_tokens(
+            prompt, max_tokens, config
+        )
 
 
 @pytest.mark.slow
 def test_a_mock_wall_replay_checks_every_output_by_default(tmp_path):
     import json
+
     from click.testing import CliRunner
+
     from cli import cli
+
     report = tmp_path / "report.json"
     requests = tmp_path / "requests.jsonl"
-    result = CliRunner().invoke(cli, ["replay", "examples/pd_idle.jsonl", "--runner", "mock",
-                                      "--no-live", "--speedup", "4", "--report", str(report),
-                                      "--requests", str(requests)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            "examples/pd_idle.jsonl",
+            "--runner",
+            "mock",
+            "--no-live",
+            "--speedup",
+            "4",
+            "--report",
+            str(report),
+            "--requests",
+            str(requests),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(report.read_text())["settings"]["check_outputs"] is True
     records = [json.loads(line) for line in requests.read_text().splitlines()]

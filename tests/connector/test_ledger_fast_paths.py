@@ -1,4 +1,5 @@
 """The send ledger's cheap paths against the straightforward ones: same replies, same counters."""
+
 from __future__ import annotations
 
 import random
@@ -31,7 +32,7 @@ def test_answer_equals_the_set_comparison(seed):
         send = rng.sample(range(1, 40), rng.randint(1, 12))
         kind = rng.randrange(5)
         if kind == 0:  # the tail, as D reads after local prefix hits
-            read = send[rng.randint(0, len(send)):]
+            read = send[rng.randint(0, len(send)) :]
         elif kind == 1:  # a subset in another order
             read = rng.sample(send, rng.randint(0, len(send)))
         elif kind == 2:  # longer than the send
@@ -46,11 +47,14 @@ def test_answer_equals_the_set_comparison(seed):
             ledger.register("r", send, now=i)
         pin = rng.random() < 0.5
         replies.append(ledgers[0].read("d", "r", read, now=i + 1, pin=pin).replies)
-        replies.append([reference_answer(ledgers[1], ReadReply("d", "r", list(read), pin=pin), i + 1)])
+        replies.append(
+            [reference_answer(ledgers[1], ReadReply("d", "r", list(read), pin=pin), i + 1)]
+        )
         assert replies[0] == replies[1]
         assert ledgers[0].counters == ledgers[1].counters
-        assert [(s.was_read, s.read_until) for s in ledgers[0].sends.values()] == \
-            [(s.was_read, s.read_until) for s in ledgers[1].sends.values()]
+        assert [(s.was_read, s.read_until) for s in ledgers[0].sends.values()] == [
+            (s.was_read, s.read_until) for s in ledgers[1].sends.values()
+        ]
 
 
 def test_refused_and_granted_until_equal_replace():

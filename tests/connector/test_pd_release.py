@@ -7,6 +7,7 @@ refuses such a request before P sees it, and every path that ends a P/D request 
 tells P to free (the NIXL rule: an empty receive). The property test throws valid and
 broken requests at D on the virtual clock and finds no block held once traffic stops.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector.pd import PDConnector
-from replay.deploy.router import PDRouter
 from engine.config import EngineConfig, KVTransferConfig
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request
 from engine.core.request_check import RequestLimits, why_invalid
 from engine.core.scheduler import Scheduler
+from replay.deploy.router import PDRouter
 from replay.sim.clock import DELIVER, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
@@ -32,14 +33,24 @@ VOCAB = 512
 
 
 def remote_params(req_id: str = "p1", num_blocks: int = 3, addr: str = "ipc:///tmp/x/P-kv") -> dict:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "P",
-            "remote_request_id": req_id, "remote_block_ids": list(range(1, num_blocks + 1)),
-            "remote_addr": addr}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "P",
+        "remote_request_id": req_id,
+        "remote_block_ids": list(range(1, num_blocks + 1)),
+        "remote_addr": addr,
+    }
 
 
 def d_scheduler(**overrides) -> Scheduler:
-    config = EngineConfig(num_blocks=32, block_size=4, engine_id="D",
-                          kv_transfer=KVTransferConfig(kv_role="kv_consumer"), **overrides)
+    config = EngineConfig(
+        num_blocks=32,
+        block_size=4,
+        engine_id="D",
+        kv_transfer=KVTransferConfig(kv_role="kv_consumer"),
+        **overrides,
+    )
     return Scheduler(config, PDConnector(config))
 
 
@@ -52,15 +63,19 @@ def releases(sched: Scheduler) -> list[tuple[str, str]]:
 
 # ---- the checks at the front ---------------------------------------------------------
 
-@pytest.mark.parametrize("prompt,max_tokens,why", [
-    ([1, 2], 0, "max_tokens: must be an integer >= 1"),
-    ([1, 2], True, "max_tokens: must be an integer >= 1"),
-    ([], 4, "non-empty"),
-    ([1, VOCAB], 4, f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})"),
-    ([-1, 2], 4, "token id -1 is outside"),
-    ([1, "2"], 4, "every token id must be an integer"),
-    (list(range(64)), 4, "a prompt of 64 tokens does not fit max_model_len 64"),
-])
+
+@pytest.mark.parametrize(
+    "prompt,max_tokens,why",
+    [
+        ([1, 2], 0, "max_tokens: must be an integer >= 1"),
+        ([1, 2], True, "max_tokens: must be an integer >= 1"),
+        ([], 4, "non-empty"),
+        ([1, VOCAB], 4, f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})"),
+        ([-1, 2], 4, "token id -1 is outside"),
+        ([1, "2"], 4, "every token id must be an integer"),
+        (list(range(64)), 4, "a prompt of 64 tokens does not fit max_model_len 64"),
+    ],
+)
 def test_the_front_check_names_what_is_wrong(prompt, max_tokens, why):
     assert why in why_invalid(prompt, max_tokens, RequestLimits(64, VOCAB))
 
@@ -74,6 +89,7 @@ class _RecordingClient:
 
     def __init__(self, engine_id: str) -> None:
         from engine.proc.messages import Ready
+
         self.engine_id, self.errors, self.sent = engine_id, [], []
         self.ready = Ready(engine_id, 1, 32, 4, 64, VOCAB, "cpu")
 
@@ -109,29 +125,49 @@ def test_the_router_ignores_a_prompt_over_max_model_len_as_the_scheduler_does():
     where the virtual clock (the scheduler's FINISHED_IGNORED) counted them ignored."""
     from replay.verify.coverage import ignored_cause
     from replay.verify.timeline import RequestRecord
+
     p, d = _RecordingClient("P"), _RecordingClient("D")
     router = PDRouter([p, d])
     router.add_request("long", list(range(64)), 4)
     (output,) = router.poll(0)
     assert (output.finish_reason, output.new_token_ids) == ("length", [])
     assert p.sent == d.sent == [] and router.num_rejected == 1
-    record = RequestRecord(req_id="long", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0,
-                           first_token_t=None, end_t=0.0, num_prompt_tokens=64, num_output_tokens=0,
-                           num_prefix_hit_tokens=None, finish_reason=output.finish_reason,
-                           error=output.error)
+    record = RequestRecord(
+        req_id="long",
+        arrival_t=0.0,
+        send_t=0.0,
+        send_lateness_s=0.0,
+        first_token_t=None,
+        end_t=0.0,
+        num_prompt_tokens=64,
+        num_output_tokens=0,
+        num_prefix_hit_tokens=None,
+        finish_reason=output.finish_reason,
+        error=output.error,
+    )
     assert ignored_cause(record) == "prompt longer than max_model_len"
 
 
 # ---- D's scheduler side: every end releases P ------------------------------------------
 
+
 def test_a_malformed_request_on_d_releases_p():
     """EngineCore.add_request's error path used to return without telling the connector."""
     from engine.core.engine_core import EngineCore
     from engine.runner.mock_runner import MockModelRunner
-    config = EngineConfig(num_blocks=32, block_size=4, engine_id="D",
-                          kv_transfer=KVTransferConfig(kv_role="kv_consumer"))
+
+    config = EngineConfig(
+        num_blocks=32,
+        block_size=4,
+        engine_id="D",
+        kv_transfer=KVTransferConfig(kv_role="kv_consumer"),
+    )
     core = EngineCore(config, MockModelRunner(config), PDConnector(config))
-    for req_id, prompt, max_tokens in (("zero", [1] * 12, 0), ("empty", [], 4), ("oov", [VOCAB] * 12, 4)):
+    for req_id, prompt, max_tokens in (
+        ("zero", [1] * 12, 0),
+        ("empty", [], 4),
+        ("oov", [VOCAB] * 12, 4),
+    ):
         (out,) = core.add_request(req_id, prompt, max_tokens, remote_params(f"p-{req_id}"))
         assert out.finish_reason == "error"
     assert core.has_work()  # the release must reach the connector's agent in a step
@@ -141,20 +177,27 @@ def test_a_malformed_request_on_d_releases_p():
 def test_a_duplicate_releases_its_own_send_but_never_the_originals():
     sched = d_scheduler()
     sched.add_request(Request("d", [1] * 12, 4, 4, kv_transfer_params=remote_params("p-first")))
-    dup = sched.add_request(Request("d", [2] * 12, 4, 4, kv_transfer_params=remote_params("p-second")))
-    resent = sched.add_request(Request("d", [1] * 12, 4, 4, kv_transfer_params=remote_params("p-first")))
+    dup = sched.add_request(
+        Request("d", [2] * 12, 4, 4, kv_transfer_params=remote_params("p-second"))
+    )
+    resent = sched.add_request(
+        Request("d", [1] * 12, 4, 4, kv_transfer_params=remote_params("p-first"))
+    )
     assert dup.finish_reason == resent.finish_reason == "error"
     meta = sched.schedule().kv_connector_metadata
     assert [s.remote_request_id for s in meta.reqs_to_recv.values()] == ["p-first"]  # the load
-    assert [(s.req_id, s.remote_request_id, s.local_block_ids) for s in meta.reqs_to_release] == \
-        [("d", "p-second", [])]
+    assert [(s.req_id, s.remote_request_id, s.local_block_ids) for s in meta.reqs_to_release] == [
+        ("d", "p-second", [])
+    ]
     assert "d" not in meta.reqs_to_send and "d" not in sched.finished_req_ids
 
 
 def test_params_that_do_not_fit_are_computed_locally_and_release_p():
     """vLLM NIXL: a request with remote blocks but nothing to load sends an empty receive."""
     sched = d_scheduler()
-    sched.add_request(Request("d", [1] * 12, 4, 4, kv_transfer_params=remote_params("p1", num_blocks=7)))
+    sched.add_request(
+        Request("d", [1] * 12, 4, 4, kv_transfer_params=remote_params("p1", num_blocks=7))
+    )
     assert releases(sched) == [("d", "p1")]
     assert sched.connector.num_bad_params == 1
 
@@ -167,11 +210,13 @@ def test_ignored_with_params_that_do_not_fit_still_releases_p():
 
 # ---- end to end, real processes -----------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_d_refusing_a_request_frees_p_long_before_the_lease():
     """The finding end to end: P prefilled a request whose D refuses it (max_tokens 0, sent
     to D directly, past the front); P's blocks come back in well under the 30 s lease."""
     from replay.deploy.topology import start_topology
+
     base = EngineConfig(num_blocks=64, block_size=4, runner="mock", liveness="event")
     router = start_topology(base, KVTransferConfig(kv_lease_s=30.0))
     p, d = router.clients["P"], router.clients["D"]
@@ -214,8 +259,19 @@ def _used_blocks(client) -> int:
 
 # ---- the property: valid and broken requests, no block held at quiescence ----------------
 
-FAULTS = ("valid", "max_tokens_0", "empty_prompt", "oov", "too_long", "bad_params", "duplicate",
-          "resend", "abort_at_once", "abort_later", "abort_on_p")
+FAULTS = (
+    "valid",
+    "max_tokens_0",
+    "empty_prompt",
+    "oov",
+    "too_long",
+    "bad_params",
+    "duplicate",
+    "resend",
+    "abort_at_once",
+    "abort_later",
+    "abort_on_p",
+)
 
 
 class _HostileProxy:
@@ -225,15 +281,19 @@ class _HostileProxy:
     def __init__(self, options: SimOptions) -> None:
         self.loop, self.workers = EventLoop(), {}
         self.options = options
-        self.engines = {name: self._engine(name, rank, role) for rank, (name, role)
-                        in enumerate((("P", "kv_producer"), ("D", "kv_consumer")))}
+        self.engines = {
+            name: self._engine(name, rank, role)
+            for rank, (name, role) in enumerate((("P", "kv_producer"), ("D", "kv_consumer")))
+        }
         self.faults: dict[str, tuple[str, list[int], int]] = {}
         self.last_on_d: str | None = None
 
     def _engine(self, name: str, rank: int, role: str) -> SimEngine:
         worker = SimKVWorker(name, self.loop, self.options, self.workers)
         slot = EngineSlot(rank, self.on_outputs, lambda sample: None)
-        return SimEngine(self.options.engine_config(name, role), slot, self.loop, self.options, worker)
+        return SimEngine(
+            self.options.engine_config(name, role), slot, self.loop, self.options, worker
+        )
 
     def submit(self, req_id: str, fault: str, prompt: list[int], max_tokens: int) -> None:
         self.faults[req_id] = (fault, prompt, max_tokens)
@@ -257,7 +317,9 @@ class _HostileProxy:
         elif fault == "oov":
             add = replace(add, prompt=[VOCAB + 1, *prompt[1:]])
         elif fault == "too_long":
-            add = replace(add, prompt=prompt * (self.options.engine.max_model_len // len(prompt) + 1))
+            add = replace(
+                add, prompt=prompt * (self.options.engine.max_model_len // len(prompt) + 1)
+            )
         elif fault == "bad_params":
             add = replace(add, kv_transfer_params={**params, "remote_block_ids": [1]})
         elif fault == "duplicate" and self.last_on_d is not None:
@@ -268,7 +330,9 @@ class _HostileProxy:
         elif fault == "abort_at_once":
             d.deliver(AbortInput(add.req_id))
         elif fault == "abort_later":
-            self.loop.push(self.loop.now + to_ns(0.003), DELIVER, 0, d.deliver, AbortInput(add.req_id))
+            self.loop.push(
+                self.loop.now + to_ns(0.003), DELIVER, 0, d.deliver, AbortInput(add.req_id)
+            )
         self.last_on_d = add.req_id
 
     def run_until(self, t_ns: int) -> None:
@@ -278,11 +342,16 @@ class _HostileProxy:
         self.loop.now = max(self.loop.now, t_ns)
 
 
-requests = st.lists(st.tuples(st.integers(0, 20),  # ms since the previous request
-                              st.sampled_from(FAULTS),
-                              st.integers(1, 40),  # prompt tokens
-                              st.integers(1, 6)),  # max_tokens
-                    min_size=1, max_size=12)
+requests = st.lists(
+    st.tuples(
+        st.integers(0, 20),  # ms since the previous request
+        st.sampled_from(FAULTS),
+        st.integers(1, 40),  # prompt tokens
+        st.integers(1, 6),
+    ),  # max_tokens
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,8 +359,14 @@ requests = st.lists(st.tuples(st.integers(0, 20),  # ms since the previous reque
 def test_no_block_is_held_at_quiescence(ops, liveness, policy):
     """Long before the 30 s lease, every block of both engines is free again and P holds
     no send: nothing was released by expiry, everything by D's word."""
-    engine = EngineConfig(num_blocks=96, block_size=4, max_model_len=64, liveness=liveness,
-                          kv_load_failure_policy=policy, runner="mock")
+    engine = EngineConfig(
+        num_blocks=96,
+        block_size=4,
+        max_model_len=64,
+        liveness=liveness,
+        kv_load_failure_policy=policy,
+        runner="mock",
+    )
     proxy = _HostileProxy(SimOptions(engine=engine, kv=KVTransferConfig(kv_lease_s=30.0)))
     t = 0
     for i, (gap_ms, fault, prompt_len, max_tokens) in enumerate(ops):

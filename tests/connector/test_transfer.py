@@ -1,6 +1,7 @@
 """The zmq transport's chunked block reads (connector/transfer.py): a read answered in
 chunks fills exactly the blocks that one frame, or the plain read_blocks/write_blocks
 path, fills; a chunk out of order, of another read, or missing fails the pull."""
+
 from __future__ import annotations
 
 import sys
@@ -32,12 +33,16 @@ def caches():
         cache.close()
 
 
-def _serve_one_read(router: zmq.Socket, answer: Callable[[zmq.Frame, ReadBlocks], None]) -> threading.Thread:
+def _serve_one_read(
+    router: zmq.Socket, answer: Callable[[zmq.Frame, ReadBlocks], None]
+) -> threading.Thread:
     """A thread that answers the first ReadBlocks on router with answer(identity, msg)."""
+
     def run() -> None:
         if router.poll(10_000):
             identity, payload = router.recv_multipart(copy=False)
             answer(identity, CONNECTOR_CODEC.decode(payload.bytes))
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -63,8 +68,12 @@ def test_a_chunked_pull_fills_what_the_plain_copy_fills(caches, peer, blocks_per
     src, dst, ref = caches
     router, addr, puller = peer
     chunk_bytes = blocks_per_chunk * src.num_bytes_per_block
-    thread = _serve_one_read(router, lambda identity, msg: send_blocks(
-        router, identity, msg.req_id, src, msg.block_ids, chunk_bytes))
+    thread = _serve_one_read(
+        router,
+        lambda identity, msg: send_blocks(
+            router, identity, msg.req_id, src, msg.block_ids, chunk_bytes
+        ),
+    )
     puller.pull(dst, RecvSpec("d1", DST_IDS, SRC_IDS, "P", "p1", addr))
     thread.join(10)
     ref.write_blocks(DST_IDS, src.read_blocks(SRC_IDS))
@@ -72,8 +81,9 @@ def test_a_chunked_pull_fills_what_the_plain_copy_fills(caches, peer, blocks_per
     assert puller.num_bytes_pulled == len(SRC_IDS) * src.num_bytes_per_block
 
 
-def _chunks(router: zmq.Socket, dealer: zmq.Socket, cache: KVCache, block_ids: list[int],
-            chunk_bytes: int) -> list[tuple[BlockData, bytes]]:
+def _chunks(
+    router: zmq.Socket, dealer: zmq.Socket, cache: KVCache, block_ids: list[int], chunk_bytes: int
+) -> list[tuple[BlockData, bytes]]:
     dealer.send(b"read")
     identity, _ = router.recv_multipart()
     send_blocks(router, identity, "r1", cache, block_ids, chunk_bytes)
@@ -87,13 +97,17 @@ def _chunks(router: zmq.Socket, dealer: zmq.Socket, cache: KVCache, block_ids: l
     return chunks
 
 
-@pytest.mark.parametrize("max_chunks, blocks_per_chunk, expected", [
-    (64, 3, [(0, 3), (3, 3), (6, 1)]),
-    (64, 100, [(0, 7)]),
-    (2, 1, [(0, 4), (4, 3)]),  # MAX_CHUNKS bounds the messages of one read
-])
-def test_send_blocks_sends_whole_blocks_in_order(caches, peer, monkeypatch, max_chunks,
-                                                 blocks_per_chunk, expected):
+@pytest.mark.parametrize(
+    "max_chunks, blocks_per_chunk, expected",
+    [
+        (64, 3, [(0, 3), (3, 3), (6, 1)]),
+        (64, 100, [(0, 7)]),
+        (2, 1, [(0, 4), (4, 3)]),  # MAX_CHUNKS bounds the messages of one read
+    ],
+)
+def test_send_blocks_sends_whole_blocks_in_order(
+    caches, peer, monkeypatch, max_chunks, blocks_per_chunk, expected
+):
     src, _, _ = caches
     router, addr, _ = peer
     monkeypatch.setattr(transfer, "MAX_CHUNKS", max_chunks)
@@ -115,13 +129,16 @@ def _send_chunk(router: zmq.Socket, identity: zmq.Frame, header: BlockData, data
     router.send_multipart([identity, CONNECTOR_CODEC.encode(header), data])
 
 
-@pytest.mark.parametrize("second", [
-    BlockData("p1", True, "", 1, 1),  # skips a block
-    BlockData("p1", True, "", 0, 1),  # repeats one
-    BlockData("other", True, "", 2, 1),  # another read's
-    BlockData("p1", True, "", 2, 9),  # more blocks than asked for
-    BlockData("p1", False, "gone"),  # a refusal mid-read
-])
+@pytest.mark.parametrize(
+    "second",
+    [
+        BlockData("p1", True, "", 1, 1),  # skips a block
+        BlockData("p1", True, "", 0, 1),  # repeats one
+        BlockData("other", True, "", 2, 1),  # another read's
+        BlockData("p1", True, "", 2, 9),  # more blocks than asked for
+        BlockData("p1", False, "gone"),  # a refusal mid-read
+    ],
+)
 def test_a_chunk_out_of_step_fails_the_pull(caches, peer, second):
     src, dst, _ = caches
     router, addr, puller = peer
@@ -130,6 +147,7 @@ def test_a_chunk_out_of_step_fails_the_pull(caches, peer, second):
     def answer(identity: zmq.Frame, msg: ReadBlocks) -> None:
         _send_chunk(router, identity, BlockData("p1", True, "", 0, 2), block * 2)
         _send_chunk(router, identity, second, block * second.num_chunk_blocks)
+
     thread = _serve_one_read(router, answer)
     with pytest.raises(TransferError) as err:
         puller.pull(dst, RecvSpec("d1", [2, 3, 4], [1, 1, 1], "P", "p1", addr))
@@ -142,8 +160,12 @@ def test_a_read_that_stops_mid_way_times_out(caches, peer):
     src, dst, _ = caches
     router, addr, _ = peer
     puller = Puller(zmq.Context.instance(), "zmq", timeout_s=0.3)
-    thread = _serve_one_read(router, lambda identity, msg: _send_chunk(
-        router, identity, BlockData("p1", True, "", 0, 1), src.read_blocks([1])))
+    thread = _serve_one_read(
+        router,
+        lambda identity, msg: _send_chunk(
+            router, identity, BlockData("p1", True, "", 0, 1), src.read_blocks([1])
+        ),
+    )
     try:
         with pytest.raises(PeerTimeout):
             puller.pull(dst, RecvSpec("d1", [2, 3], [1, 1], "P", "p1", addr))
@@ -155,6 +177,7 @@ def test_a_read_that_stops_mid_way_times_out(caches, peer):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_buffers_takes_effect_on_glibc():
     import platform
+
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
     assert keep_freed_buffers()

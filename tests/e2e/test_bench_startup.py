@@ -1,9 +1,8 @@
 """bench/startup.py's run of the real CLI: a verdict after the first request is not a start-up failure."""
+
 from __future__ import annotations
 
 from tests.paths import ROOT
-
-
 
 
 def test_an_inconclusive_run_still_counts_for_start_up(monkeypatch):
@@ -12,6 +11,7 @@ def test_an_inconclusive_run_still_counts_for_start_up(monkeypatch):
     returns its phases (with a note, as for a fault) instead of aborting the benchmark."""
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.startup as startup
+
     args = startup.replay_args
     monkeypatch.setattr(startup, "replay_args", lambda runner: [*args(runner), "--num-blocks", "4"])
     marks, _ = startup.one_run("mock")

@@ -1,4 +1,5 @@
 """The kvdrain command line: every verb's happy path and its usage errors."""
+
 from __future__ import annotations
 
 import json
@@ -6,15 +7,15 @@ import os
 import queue
 import re
 import select
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-import click
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -52,8 +53,10 @@ def test_usage_errors_exit_2():
 
 def test_bad_trace_is_exit_2_with_file_and_line(tmp_path: Path):
     trace = tmp_path / "bad.jsonl"
-    trace.write_text('{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}\n'
-                     '{"t": 1, "id": "b", "prompt_len": 4, "max_tokens": "x"}\n')
+    trace.write_text(
+        '{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}\n'
+        '{"t": 1, "id": "b", "prompt_len": 4, "max_tokens": "x"}\n'
+    )
     result = invoke("replay", str(trace), "--clock", "virtual", *FAST)
     assert result.exit_code == 2
     assert "bad.jsonl:2: max_tokens" in result.output
@@ -63,8 +66,19 @@ def test_bad_trace_is_exit_2_with_file_and_line(tmp_path: Path):
 def test_virtual_replay_verdicts(liveness: str, code: int, tmp_path: Path):
     report = tmp_path / "report.json"
     requests = tmp_path / "requests.jsonl"
-    result = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--liveness", liveness,
-                    "--report", str(report), "--requests", str(requests), *FAST)
+    result = invoke(
+        "replay",
+        str(EXAMPLE),
+        "--clock",
+        "virtual",
+        "--liveness",
+        liveness,
+        "--report",
+        str(report),
+        "--requests",
+        str(requests),
+        *FAST,
+    )
     assert result.exit_code == code, result.output
     data = json.loads(report.read_text())
     assert data["exit_code"] == code and data["trace"]["sha256"]
@@ -87,14 +101,19 @@ def test_wall_clock_replay_matches_the_virtual_verdict(liveness: str, code: int,
     common = ["--liveness", liveness, "--speedup", "2", "--pull-delay-ms", "200", *FAST]
     result = invoke("replay", str(EXAMPLE), "--clock", "wall", "--report", str(report), *common)
     assert result.exit_code == code, result.output
-    virtual = invoke("replay", str(EXAMPLE), "--clock", "virtual", "--report", str(virtual_report),
-                     *common)
+    virtual = invoke(
+        "replay", str(EXAMPLE), "--clock", "virtual", "--report", str(virtual_report), *common
+    )
     assert virtual.exit_code == code
-    verdicts = [[w["verdict"] for w in json.loads(r.read_text())["windows"] if w["engine"] == "P"]
-                for r in (report, virtual_report)]
+    verdicts = [
+        [w["verdict"] for w in json.loads(r.read_text())["windows"] if w["engine"] == "P"]
+        for r in (report, virtual_report)
+    ]
     assert verdicts[0] == verdicts[1]
     windows = json.loads(report.read_text())["windows"]
-    p_windows = [(w["start"], w["verdict"], w["num_used_at_start"]) for w in windows if w["engine"] == "P"]
+    p_windows = [
+        (w["start"], w["verdict"], w["num_used_at_start"]) for w in windows if w["engine"] == "P"
+    ]
     assert {v for _, v, _ in p_windows} == {"leak" if code else "drained"}, p_windows
 
 
@@ -102,8 +121,9 @@ class Lines:
     """A command in a child process; its printed lines arrive on a queue (bounded waits)."""
 
     def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -130,8 +150,9 @@ STOP_TIMEOUT_S = 30  # > 2 engines x (5 + 5) s, the router's bounded shutdown
 
 def _children(pid: int) -> list[str]:
     """The command lines and states of a process's children (for a failure's message)."""
-    out = subprocess.run(["ps", "-o", "pid=,stat=,etime=,args=", "--ppid", str(pid)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["ps", "-o", "pid=,stat=,etime=,args=", "--ppid", str(pid)], capture_output=True, text=True
+    )
     return [line.strip()[:160] for line in out.stdout.splitlines()]
 
 
@@ -139,8 +160,20 @@ class Serve(Lines):
     """`kvdrain serve` in a child process."""
 
     def __init__(self, *args: str) -> None:
-        super().__init__([sys.executable, "-m", "cli", "serve", "--runner", "mock",
-                          "--num-blocks", "256", "--no-live", *args])
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "cli",
+                "serve",
+                "--runner",
+                "mock",
+                "--num-blocks",
+                "256",
+                "--no-live",
+                *args,
+            ]
+        )
         self.address = self.wait_for(r"listening on (\S+)", 60).group(1)
 
     def stop(self) -> int:
@@ -154,8 +187,10 @@ class Serve(Lines):
             children = _children(self.proc.pid)
             self.proc.kill()
             self.proc.wait(5)
-            raise AssertionError(f"serve did not stop on Ctrl-C in {STOP_TIMEOUT_S} s; its children "
-                                 f"then: {children}; it printed: {self.seen[-15:]}") from None
+            raise AssertionError(
+                f"serve did not stop on Ctrl-C in {STOP_TIMEOUT_S} s; its children "
+                f"then: {children}; it printed: {self.seen[-15:]}"
+            ) from None
 
 
 @pytest.mark.slow
@@ -163,8 +198,9 @@ def test_record_with_serve_then_replay_the_recording(tmp_path: Path):
     recording = tmp_path / "recorded.jsonl"
     serve = Serve("--liveness", "event", "--record", str(recording))
     try:
-        result = invoke("replay", str(EXAMPLE), "--target", serve.address, "--speedup", "2",
-                        "--no-live")
+        result = invoke(
+            "replay", str(EXAMPLE), "--target", serve.address, "--speedup", "2", "--no-live"
+        )
         assert result.exit_code == 0, result.output
     finally:
         assert serve.stop() == 0
@@ -186,11 +222,21 @@ def test_top_shows_counts_changing_while_a_replay_drives_serve(tmp_path: Path):
     serve = Serve("--liveness", "legacy")
     top = None
     try:
-        top = Lines([sys.executable, "-m", "cli", "top", "--connect", serve.address,
-                     "--seconds", "10"])
+        top = Lines(
+            [sys.executable, "-m", "cli", "top", "--connect", serve.address, "--seconds", "10"]
+        )
         top.wait_for(r"P used \d+/", 30)  # attached before the traffic starts
-        result = invoke("replay", str(EXAMPLE), "--target", serve.address, "--speedup", "4",
-                        "--max-requests", "16", "--no-live")
+        result = invoke(
+            "replay",
+            str(EXAMPLE),
+            "--target",
+            serve.address,
+            "--speedup",
+            "4",
+            "--max-requests",
+            "16",
+            "--no-live",
+        )
         assert top.proc.wait(30) == 0
     finally:
         if top is not None and top.proc.poll() is None:
@@ -205,8 +251,20 @@ def test_top_shows_counts_changing_while_a_replay_drives_serve(tmp_path: Path):
 def test_live_view_on_a_real_terminal():
     """Run the main job under a pseudo-terminal and read the screen it drew."""
     import pty
-    cmd = [sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock", "--speedup", "4",
-           "--liveness", "legacy"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli",
+        "replay",
+        str(EXAMPLE),
+        "--runner",
+        "mock",
+        "--speedup",
+        "4",
+        "--liveness",
+        "legacy",
+    ]
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(ROOT)
@@ -238,14 +296,21 @@ def _options(command: str) -> list:
 
 
 def test_every_option_of_every_verb_is_described_under_a_section_of_its_help():
-    for name, command in cli.commands.items():
+    for name in cli.commands:
         for option in _options(name):
             assert option.help, f"{name} {option.opts[0]} has no help"
     text = invoke("replay", "--help").output
     for title in ("Engine:", "Shaping:", "Verification:", "Target", "Outputs:", "Security:"):
         assert f"\n{title}" in text, title
-    for flag in ("--device", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--max-model-len", "--speedup", "--max-requests"):
+    for flag in (
+        "--device",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--max-model-len",
+        "--speedup",
+        "--max-requests",
+    ):
         option = next(o for o in _options("replay") if flag in o.opts)
         assert len(option.help) > 20, flag
 
@@ -261,6 +326,7 @@ def test_help_says_what_holds_where_it_stands():
 
 def test_no_verb_takes_more_than_a_dozen_or_so_parameters():
     import inspect
+
     for name, command in cli.commands.items():
         assert len(inspect.signature(command.callback).parameters) <= 12, name
 
@@ -270,15 +336,22 @@ def test_explain_prints_the_glossary_at_once_without_a_trace(monkeypatch):
 
     def never(*args, **kwargs):
         raise AssertionError("the replay ran")
+
     monkeypatch.setattr(commands, "replay_main", never)
     for args in (["explain"], ["replay", "--explain"], ["replay", str(EXAMPLE), "--explain"]):
         result = invoke(*args)
         assert result.exit_code == 0 and result.output.startswith("Verdicts (exit status):"), args
 
 
-@pytest.mark.parametrize("option", [o for o in cli.commands["replay"].params
-                                    if "group_title" in vars(o) and o.group_title == "Engine"],
-                         ids=lambda o: o.opts[0])
+@pytest.mark.parametrize(
+    "option",
+    [
+        o
+        for o in cli.commands["replay"].params
+        if "group_title" in vars(o) and o.group_title == "Engine"
+    ],
+    ids=lambda o: o.opts[0],
+)
 def test_every_engine_option_set_with_target_is_refused(option):
     """The list of what only a server's engines honour is the engine group itself."""
     if option.is_flag:
@@ -294,8 +367,10 @@ def test_every_engine_option_set_with_target_is_refused(option):
     else:
         value = ["2"]
     if option.name in ("model", "cost_profile_path"):
-        pytest.skip("--model names the served model over HTTP; --cost-profile models a target's "
-                    "expected windows too")
+        pytest.skip(
+            "--model names the served model over HTTP; --cost-profile models a target's "
+            "expected windows too"
+        )
     result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)
     assert result.exit_code == 2 and "does not apply with --target" in result.output, result.output
 
@@ -303,41 +378,77 @@ def test_every_engine_option_set_with_target_is_refused(option):
 def test_serve_help_names_every_route_of_its_http_front():
     from replay.http.server import HttpFront
     from tests.replay.http.test_http_front_fidelity import MODEL, FakeRouter, answers
-    paths = {r.resource.canonical for r in HttpFront(FakeRouter(answers), MODEL).app().router.routes()}
+
+    paths = {
+        r.resource.canonical for r in HttpFront(FakeRouter(answers), MODEL).app().router.routes()
+    }
     help_text = " ".join(invoke("serve", "--help").output.split())
     assert "/v1/chat/completions" in paths and all(path in help_text for path in paths), paths
 
 
-@pytest.mark.skipif(shutil.which("make") is None or shutil.which("awk") is None, reason="needs make and awk")
+@pytest.mark.skipif(
+    shutil.which("make") is None or shutil.which("awk") is None, reason="needs make and awk"
+)
 def test_make_demo_prints_both_runs_within_100_columns(tmp_path):
     """Side by side, the two runs' lines were 158 columns wide, cut mid-word."""
-    result = subprocess.run(["make", "-s", "demo", "STAMP=", f"KVDRAIN={sys.executable} -m cli",
-                             f"DEMO_DIR={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            "make",
+            "-s",
+            "demo",
+            "STAMP=",
+            f"KVDRAIN={sys.executable} -m cli",
+            f"DEMO_DIR={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100, lines
-    assert lines[0] == "--liveness legacy (virtual clock):" and "--liveness event (virtual clock):" in lines
-    assert "  VIOLATION: 4 violations (exit 1)" in lines and sum(x.startswith("    leak ") for x in lines) == 4
+    assert (
+        lines[0] == "--liveness legacy (virtual clock):"
+        and "--liveness event (virtual clock):" in lines
+    )
+    assert (
+        "  VIOLATION: 4 violations (exit 1)" in lines
+        and sum(x.startswith("    leak ") for x in lines) == 4
+    )
     assert any(x.startswith("  VERIFIED: every engine drained") for x in lines)
-    assert (tmp_path / "demo-legacy.png").stat().st_size and (tmp_path / "demo-event.png").stat().st_size
+    assert (tmp_path / "demo-legacy.png").stat().st_size and (
+        tmp_path / "demo-event.png"
+    ).stat().st_size
 
 
 def test_python_m_cli_names_itself_kvdrain_in_usage_lines():
-    result = subprocess.run([sys.executable, "-m", "cli", "inspect", "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.startswith("Usage: kvdrain inspect "), result.stdout
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "inspect", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("Usage: kvdrain inspect "), (
+        result.stdout
+    )
 
 
 @pytest.mark.parametrize("command", ["replay", "inspect"])
 def test_an_idle_threshold_of_0_is_refused_by_replay_and_inspect_alike(command):
     result = invoke(command, str(EXAMPLE), "--idle-threshold", "0")
-    assert result.exit_code == 2 and "--idle-threshold" in result.output and "x>0" in result.output, result.output
+    assert (
+        result.exit_code == 2 and "--idle-threshold" in result.output and "x>0" in result.output
+    ), result.output
 
 
 @pytest.mark.parametrize("command", ["replay", "serve"])
 def test_a_router_with_a_single_engine_is_a_usage_error_naming_both_options(command):
     args = [str(EXAMPLE)] if command == "replay" else []
     result = invoke(command, *args, "--topology", "single", "--router", "prefix")
-    assert result.exit_code == 2 and "--router" in result.output and "--topology single" in result.output, \
-        result.output
+    assert (
+        result.exit_code == 2
+        and "--router" in result.output
+        and "--topology single" in result.output
+    ), result.output

@@ -1,25 +1,32 @@
 """Review of the early engine launch: an engine dying while the model runs (exit 4), signals during start-up, the model on a --target serve's pool."""
+
 from __future__ import annotations
 
 import multiprocessing
 
 import pytest
-from tests.paths import EXAMPLE, ROOT
 
+from tests.paths import EXAMPLE, ROOT
 
 
 def _wall_config():
     from engine.config import EngineConfig
     from replay.pipeline import ReplayConfig
     from replay.trace.shaping import ShapingOptions
-    return ReplayConfig(trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock"),
-                        shaping=ShapingOptions(speedup=100), tail_s=1.0)
+
+    return ReplayConfig(
+        trace=EXAMPLE,
+        engine=EngineConfig(num_blocks=256, runner="mock"),
+        shaping=ShapingOptions(speedup=100),
+        tail_s=1.0,
+    )
 
 
 def _dying_launch(config, launch_engines=None):
     """launch_engines' engines, P killed at the model's first look at them (while it is
     still starting), so the model's last progress call is the one that finds it dead."""
     from replay import pipeline
+
     engines = (launch_engines or pipeline.launch_engines)(config)
     real = engines.ready_engines
     calls = []
@@ -33,6 +40,7 @@ def _dying_launch(config, launch_engines=None):
             p.process.kill()
             p.process.join(5)
         return ready
+
     engines.ready_engines = ready_engines
     return engines, calls
 
@@ -43,6 +51,7 @@ def test_an_engine_dying_while_the_model_runs_is_a_fault_not_a_crash():
     about a closed launch; nothing is left running."""
     from engine.proc.client import EngineDeadError
     from replay.pipeline import PreparedReplay, validate_trace
+
     config = _wall_config()
     engines, calls = _dying_launch(config)
     prepared = PreparedReplay(config=config, summary=validate_trace(config.trace), engines=engines)
@@ -59,46 +68,79 @@ def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
 
     import replay.pipeline
     from cli import cli
+
     launch = replay.pipeline.launch_engines
-    monkeypatch.setattr(replay.pipeline, "launch_engines", lambda config: _dying_launch(config, launch)[0])
-    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--runner", "mock", "--no-live",
-                                      "--num-blocks", "256", "--speedup", "100", "--tail", "1"])
+    monkeypatch.setattr(
+        replay.pipeline, "launch_engines", lambda config: _dying_launch(config, launch)[0]
+    )
+    result = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            str(EXAMPLE),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+            "--speedup",
+            "100",
+            "--tail",
+            "1",
+        ],
+    )
     assert result.exit_code == 4, (result.output, result.exception)
     assert "engine core P" in result.output
     assert multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize("served,modelled_on", [(300, 300), (0, 256)])
-def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(tmp_path, monkeypatch, served,
-                                                                       modelled_on):
+def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(
+    tmp_path, monkeypatch, served, modelled_on
+):
     """--target: the serve's engines sized their own pools (from GPU memory, maybe) and say
     so in ServeInfo; the idle-window model runs on that size (as for a local replay), not
     on the replay's own default. A serve that does not say (num_blocks 0: before issue 12)
     leaves the replay's own."""
     import threading
 
-    from replay.deploy.topology import start_topology
     from engine.config import EngineConfig, KVTransferConfig
-    from replay.live.serve_messages import ServeInfo
     from replay import pipeline
-    from replay.live.serve import Server, ServeOptions
+    from replay.deploy.topology import start_topology
+    from replay.live.serve import ServeOptions, Server
+    from replay.live.serve_messages import ServeInfo
     from replay.trace.shaping import ShapingOptions
+
     modelled: list[int] = []
     model_timeline = pipeline.model_timeline
-    monkeypatch.setattr(pipeline, "model_timeline", lambda records, config, on_progress=None: (
-        modelled.append(config.engine.num_blocks) or model_timeline(records, config, on_progress)))
+    monkeypatch.setattr(
+        pipeline,
+        "model_timeline",
+        lambda records, config, on_progress=None: (
+            modelled.append(config.engine.num_blocks)
+            or model_timeline(records, config, on_progress)
+        ),
+    )
     router = start_topology(EngineConfig(num_blocks=300, runner="mock"), KVTransferConfig(), "pd")
     stop = threading.Event()
     try:
-        server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"),
-                        ServeInfo(router.engines, "pd", "event", router.vocab_size, 16, "mock", 4096,
-                                  served, "tiny"))
+        server = Server(
+            router,
+            ServeOptions(f"ipc://{tmp_path}/serve"),
+            ServeInfo(
+                router.engines, "pd", "event", router.vocab_size, 16, "mock", 4096, served, "tiny"
+            ),
+        )
         thread = threading.Thread(target=server.serve_forever, args=(None, stop.is_set))
         thread.start()
         try:
-            config = pipeline.ReplayConfig(trace=EXAMPLE, engine=EngineConfig(num_blocks=256, runner="mock"),
-                                           shaping=ShapingOptions(speedup=100), tail_s=1.0,
-                                           target=server.address)
+            config = pipeline.ReplayConfig(
+                trace=EXAMPLE,
+                engine=EngineConfig(num_blocks=256, runner="mock"),
+                shaping=ShapingOptions(speedup=100),
+                tail_s=1.0,
+                target=server.address,
+            )
             result = pipeline.run_replay(config)
         finally:
             stop.set()
@@ -128,16 +170,35 @@ def test_a_signal_while_the_model_runs_leaves_nothing(tmp_path, monkeypatch, sig
 
     from engine.proc.run_dir import is_alive
     from tests.proc_utils import descendants, wait_until
+
     run_root = tempfile.mkdtemp(prefix="kvl-", dir="/tmp")
     trace = tmp_path / "long.jsonl"
     with trace.open("w") as f:  # long enough that modelling takes seconds
         for i in range(30000):
-            f.write(json.dumps({"t": i * 0.05, "id": f"r{i}", "prompt_len": 24, "max_tokens": 2}) + "\n")
+            f.write(
+                json.dumps({"t": i * 0.05, "id": f"r{i}", "prompt_len": 24, "max_tokens": 2}) + "\n"
+            )
     root = ROOT
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "replay", str(trace), "--runner", "mock", "--no-live",
-         "--num-blocks", "256"], cwd=root, env=dict(os.environ, KVDRAIN_RUN_ROOT=run_root),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            str(trace),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+        ],
+        cwd=root,
+        env=dict(os.environ, KVDRAIN_RUN_ROOT=run_root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     seen: dict[int, str | None] = {}
     try:
         # Both engine cores spawned and one has started its connector worker (a signal in
@@ -157,6 +218,7 @@ def test_a_signal_while_the_model_runs_leaves_nothing(tmp_path, monkeypatch, sig
                 os.kill(pid, signal.SIGKILL)
         proc.wait(10)
         import shutil
+
         shutil.rmtree(run_root, ignore_errors=True)
     assert proc.returncode == code, out
     assert "Traceback" not in out and "nothing is left running" in out, out
@@ -173,8 +235,9 @@ def test_a_signal_during_a_spawn_leaves_no_traceback(capfd, monkeypatch):
     from multiprocessing import util
 
     from engine.config import EngineConfig, KVTransferConfig
-    from replay.live.interrupt import Interrupted, interruptible
     from replay.deploy.topology import TopologyLaunch
+    from replay.live.interrupt import Interrupted, interruptible
+
     real, pids = util.spawnv_passfds, []
 
     def spawn_then_signal(path, args, passfds):
@@ -183,6 +246,7 @@ def test_a_signal_during_a_spawn_leaves_no_traceback(capfd, monkeypatch):
         if len(pids) == 2:  # D's engine core: Ctrl-C lands right after its fork-exec
             os.kill(os.getpid(), signal.SIGINT)
         return pid
+
     monkeypatch.setattr(util, "spawnv_passfds", spawn_then_signal)
     with pytest.raises(Interrupted):
         with interruptible():

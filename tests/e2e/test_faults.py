@@ -14,6 +14,7 @@ D's engine core, P's and D's connector worker) gets SIGKILL, or SIGSTOP and SIGC
 later; the replay must name the fault, exit 4, leave no process, run dir or KV segment
 behind, and, where the engine survives, end with no block held.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,11 @@ from replay.live.faults import FaultWatch, since_start
 from replay.verify.rules import verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_FAULT
-from tests.proc_utils import descendants, wait_until
 from tests.paths import ROOT
-
-
+from tests.proc_utils import descendants, wait_until
 
 # ---- the watch: what becomes a fault --------------------------------------------------------
+
 
 def test_errors_and_stall_counters_become_named_faults_once_each():
     watch = FaultWatch(["P", "D"])
@@ -46,10 +46,15 @@ def test_errors_and_stall_counters_become_named_faults_once_each():
     watch.on_snapshot(0.0, "P", {})
     watch.on_error(1.0, "P", "connector worker of engine P (pid 7) died with exit code -9")
     watch.on_snapshot(1.5, "D", {"num_pull_timeouts": 1})
-    watch.on_snapshot(2.5, "D", {"num_pull_timeouts": 3, "num_slow_recvs": 1, "last_recv_wait_ms": 2100})
+    watch.on_snapshot(
+        2.5, "D", {"num_pull_timeouts": 3, "num_slow_recvs": 1, "last_recv_wait_ms": 2100}
+    )
     watch.on_snapshot(2.6, "P", {"num_slow_reaps": 0})
     assert [(f.t, f.engine, f.kind) for f in watch.faults] == [
-        (1.0, "P", "error"), (1.5, "D", "transfer_timeout"), (2.5, "D", "slow_load")]
+        (1.0, "P", "error"),
+        (1.5, "D", "transfer_timeout"),
+        (2.5, "D", "slow_load"),
+    ]
     assert "3 reads of the prefill engine's KV timed out" in watch.faults[1].cause
     assert "2.100 s" in watch.faults[2].cause
 
@@ -57,8 +62,12 @@ def test_errors_and_stall_counters_become_named_faults_once_each():
 def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
     """A serve's counts outlive replays: an engine's first snapshot is the baseline."""
     watch = FaultWatch(["P", "D"])
-    before = {"num_pull_timeouts": 2, "num_slow_recvs": 1, "last_recv_wait_ms": 2400,
-              "max_recv_wait_ms": 2400}
+    before = {
+        "num_pull_timeouts": 2,
+        "num_slow_recvs": 1,
+        "last_recv_wait_ms": 2400,
+        "max_recv_wait_ms": 2400,
+    }
     watch.on_snapshot(0.0, "D", before)
     watch.on_snapshot(0.0, "P", {"num_slow_reaps": 1, "last_reap_wait_ms": 1500})
     watch.on_snapshot(3.0, "D", before)
@@ -66,7 +75,9 @@ def test_stalls_counted_before_the_replay_began_are_no_fault_of_it():
     watch.on_snapshot(4.0, "D", {**before, "num_slow_recvs": 3, "last_recv_wait_ms": 1200})
     (slow,) = watch.faults
     assert (slow.t, slow.engine, slow.kind) == (4.0, "D", "slow_load")
-    assert "2 KV loads waited over a second (the latest 1.200 s) past their pull delay" in slow.cause
+    assert (
+        "2 KV loads waited over a second (the latest 1.200 s) past their pull delay" in slow.cause
+    )
 
 
 def test_requests_on_an_engine_while_the_replay_has_none_in_flight_are_another_clients():
@@ -85,8 +96,12 @@ def test_requests_on_an_engine_while_the_replay_has_none_in_flight_are_another_c
 def test_a_replays_counters_are_what_grew_since_its_start():
     first = {"num_steps": 900, "num_reads_after_expiry": 1, "num_expired": 4, "num_used_blocks": 3}
     latest = {"num_steps": 950, "num_reads_after_expiry": 1, "num_expired": 6, "num_used_blocks": 0}
-    assert since_start(first, latest) == {"num_steps": 50, "num_reads_after_expiry": 0,
-                                          "num_expired": 2, "num_used_blocks": 0}
+    assert since_start(first, latest) == {
+        "num_steps": 50,
+        "num_reads_after_expiry": 0,
+        "num_expired": 2,
+        "num_used_blocks": 0,
+    }
 
 
 def test_an_engine_that_answers_no_probe_is_stalled_until_it_answers():
@@ -107,20 +122,57 @@ def test_an_engine_that_answers_no_probe_is_stalled_until_it_answers():
 
 
 def _timeline(faults: list[dict]) -> Timeline:
-    used = [EngineSample(t=t, engine="P", num_used_blocks=n, num_cached_blocks=0, num_free_blocks=10 - n,
-                         num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
-                         num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
-                         loop_state="blocked", num_steps=0, num_wakeups=0)
-            for t, n in ((0.0, 4), (1.0, 4), (9.0, 4))]
-    record = RequestRecord(req_id="r", arrival_t=0.0, send_t=0.0, send_lateness_s=0.0, first_token_t=0.1,
-                           end_t=0.5, num_prompt_tokens=8, num_output_tokens=1, num_prefix_hit_tokens=0,
-                           finish_reason="length")
-    return Timeline(engines=["P"], num_usable_blocks={"P": 10}, samples=used, requests=[record],
-                    arrivals=[0.0], aborts=[], end_t=10.0, meta={"faults": faults})
+    used = [
+        EngineSample(
+            t=t,
+            engine="P",
+            num_used_blocks=n,
+            num_cached_blocks=0,
+            num_free_blocks=10 - n,
+            num_usable_blocks=10,
+            num_waiting=0,
+            num_skipped_waiting=0,
+            num_waiting_for_remote_kvs=0,
+            num_running=0,
+            num_finished_awaiting_free=0,
+            loop_state="blocked",
+            num_steps=0,
+            num_wakeups=0,
+        )
+        for t, n in ((0.0, 4), (1.0, 4), (9.0, 4))
+    ]
+    record = RequestRecord(
+        req_id="r",
+        arrival_t=0.0,
+        send_t=0.0,
+        send_lateness_s=0.0,
+        first_token_t=0.1,
+        end_t=0.5,
+        num_prompt_tokens=8,
+        num_output_tokens=1,
+        num_prefix_hit_tokens=0,
+        finish_reason="length",
+    )
+    return Timeline(
+        engines=["P"],
+        num_usable_blocks={"P": 10},
+        samples=used,
+        requests=[record],
+        arrivals=[0.0],
+        aborts=[],
+        end_t=10.0,
+        meta={"faults": faults},
+    )
 
 
 def test_a_leak_after_a_fault_is_the_faults_and_the_status_is_fault():
-    fault = {"t": 2.0, "engine": "P", "kind": "error", "cause": "connector worker died", "end_t": None}
+    fault = {
+        "t": 2.0,
+        "engine": "P",
+        "kind": "error",
+        "cause": "connector worker died",
+        "end_t": None,
+    }
     verdict = verify(_timeline([fault]), [])
     (leak,) = verdict.violations
     assert leak.kind == "fault_leak"
@@ -133,13 +185,16 @@ def test_a_leak_after_a_fault_is_the_faults_and_the_status_is_fault():
 
 # ---- the suite: real processes, real signals ------------------------------------------------
 
+
 def _proc_table() -> dict[int, int]:
     """pid -> parent pid, from /proc."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                table[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1])
+                table[int(entry)] = int(
+                    Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1]
+                )
             except (OSError, ValueError, IndexError):
                 continue
     return table
@@ -174,12 +229,15 @@ def _roles(pids: list[int]) -> dict[str, int]:
     return roles
 
 
-
-
 def _trace(tmp_path: Path) -> Path:
     path = tmp_path / "steady.jsonl"
-    path.write_text("".join(json.dumps({"t": round(0.1 * i, 3), "id": f"r{i}", "prompt_len": 48,
-                                        "max_tokens": 8}) + "\n" for i in range(30)))
+    path.write_text(
+        "".join(
+            json.dumps({"t": round(0.1 * i, 3), "id": f"r{i}", "prompt_len": 48, "max_tokens": 8})
+            + "\n"
+            for i in range(30)
+        )
+    )
     return path
 
 
@@ -206,22 +264,47 @@ STOP_S = 4.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role,sig,words", CASES,
-                         ids=[f"{r.replace(' ', '-')}-{s.name}" for r, s, _ in CASES])
+@pytest.mark.parametrize(
+    "role,sig,words", CASES, ids=[f"{r.replace(' ', '-')}-{s.name}" for r, s, _ in CASES]
+)
 def test_a_fault_is_named_exits_4_and_leaves_nothing(tmp_path, run_root, role, sig, words):
     report = tmp_path / "report.json"
     env = dict(os.environ, KVDRAIN_RUN_ROOT=run_root)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "replay", str(_trace(tmp_path)), "--runner", "mock", "--no-live",
-         "--num-blocks", "256", "--pull-delay-ms", "100", "--report", str(report)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            str(_trace(tmp_path)),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+            "--pull-delay-ms",
+            "100",
+            "--report",
+            str(report),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     children: list[tuple[int, str | None]] = []
     try:
         # /proc is read afresh each time: a child caught between fork and exec still shows its
         # parent's command line (a resource tracker then looks like an engine)
-        roles = wait_until(lambda: (lambda r: r if len(r) == 4 else None)(
-            _roles([p for p, _ in descendants(proc.pid)])), 90, "both connector workers' sockets")
+        roles = wait_until(
+            lambda: (lambda r: r if len(r) == 4 else None)(
+                _roles([p for p, _ in descendants(proc.pid)])
+            ),
+            90,
+            "both connector workers' sockets",
+        )
         children = descendants(proc.pid)
         time.sleep(1.0)  # the fault lands mid-trace (the trace runs 3 s), transfers in flight
         os.kill(roles[role], sig)
@@ -243,11 +326,20 @@ def test_a_fault_is_named_exits_4_and_leaves_nothing(tmp_path, run_root, role, s
     data = json.loads(report.read_text())
     assert data["status"] == "fault" and data["exit_code"] == EXIT_FAULT and data["faults"]
     if sig == signal.SIGSTOP or "worker" in role:  # the engines survived: nothing held at the end
-        assert {e["engine"]: e["final_used_blocks"] for e in data["engines"]} == {"P": 0, "D": 0}, out
+        assert {e["engine"]: e["final_used_blocks"] for e in data["engines"]} == {"P": 0, "D": 0}, (
+            out
+        )
 
 
 def _leftovers(run_root: str, children: list[tuple[int, str | None]]) -> dict:
-    segments = [p for pid, _ in children for d in ("/dev/shm", tempfile.gettempdir())
-                for p in Path(d).glob(f"kvdrain-kv-{pid}-*")]
-    return {"processes": [pid for pid, start in children if is_alive(pid, start)],
-            "run dirs": os.listdir(run_root), "segments": segments}
+    segments = [
+        p
+        for pid, _ in children
+        for d in ("/dev/shm", tempfile.gettempdir())
+        for p in Path(d).glob(f"kvdrain-kv-{pid}-*")
+    ]
+    return {
+        "processes": [pid for pid, start in children if is_alive(pid, start)],
+        "run dirs": os.listdir(run_root),
+        "segments": segments,
+    }

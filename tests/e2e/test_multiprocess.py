@@ -1,4 +1,5 @@
 """The engine core and connector worker processes over ZMQ + msgpack (mock runner)."""
+
 from __future__ import annotations
 
 import os
@@ -9,13 +10,15 @@ import msgpack
 import pytest
 import zmq
 
-from engine.proc.client import EngineDeadError, InprocClient, MPClient
 from engine.config import EngineConfig
+from engine.proc.client import EngineDeadError, InprocClient, MPClient
 from engine.proc.messages import AddRequest, encode
-from tests.proc_utils import wait_until
 from tests.mp_utils import mock_tokens, topology
+from tests.proc_utils import wait_until
 
-PROMPTS = {f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8] + list(range(20 + 3 * i, 30 + 3 * i)) for i in range(8)}
+PROMPTS = {
+    f"r{i}": [1, 2, 3, 4, 5, 6, 7, 8] + list(range(20 + 3 * i, 30 + 3 * i)) for i in range(8)
+}
 
 
 def send_all(h, max_tokens=5):
@@ -51,7 +54,6 @@ def test_one_engine_both_clients(client):
 def test_pd_tokens_equal_single_engine(transport):
     with topology(transport=transport) as h:
         result = h.collect(send_all(h))
-        p, d = h.clients["P"], h.clients["D"]
         stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
         assert stats is not None and stats.counts["num_sent"] == 8
         assert h.stats("D").counts["num_recved"] == 8
@@ -70,7 +72,6 @@ def test_idle_prefill_engine_frees_blocks_only_when_fixed(liveness):
     """vLLM #43433: D reads 200 ms late, then 2 s of no traffic."""
     with topology(liveness=liveness, pull_delay_ms=200) as h:
         h.collect(send_all(h, 2))
-        p = h.clients["P"]
         if liveness == "legacy":
             h.idle_for(2.0)
             stats = h.stats("P")  # wakes the loop, but it does not step
@@ -89,7 +90,6 @@ def test_expiry_frees_blocks_when_read_done_is_dropped(liveness):
     with topology(liveness=liveness, drop_read_done=True, kv_lease_s=1.0) as h:
         start = time.monotonic()
         h.collect(send_all(h, 2))
-        p = h.clients["P"]
         stats = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
         elapsed = time.monotonic() - start
         assert stats is not None and 0.9 <= elapsed <= 6.0
@@ -129,15 +129,16 @@ def test_heartbeats_keep_prefill_leases_while_decode_waits(liveness):
 def test_killing_prefill_connector_worker_mid_transfer(policy):
     with topology(policy=policy, pull_delay_ms=3000) as h:
         send_all(h, 3)
-        p = h.clients["P"]
         held = h.wait_for_stats("P", lambda s: s.counts["num_finished_awaiting_free"] == 8, 10)
         assert held is not None
         os.kill(held.counts["connector_worker_pid"], signal.SIGKILL)
         freed = h.wait_for_stats("P", lambda s: s.counts["num_used_blocks"] == 0, 5)
         assert freed is not None  # P released what the dead worker held
         result = h.collect(set(PROMPTS), timeout_s=30)
-        assert any("connector worker of engine P" in why and "died" in why
-                   for engine, why in h.router.errors)
+        assert any(
+            "connector worker of engine P" in why and "died" in why
+            for engine, why in h.router.errors
+        )
         # P's connector now offers no KV: new requests are prefilled on D, held nowhere.
         h.add_request("after", PROMPTS["r0"], 3)
         after = h.collect({"after"}, timeout_s=10)
@@ -169,8 +170,12 @@ def test_garbage_is_dropped_and_counted_everywhere():
         p, d = h.clients["P"], h.clients["D"]
         # Engine input: garbage, a truncated frame, wrong field types, an unknown tag.
         good = encode(AddRequest("x", [1, 2, 3], 2))
-        for frame in (b"\xc1garbage", good[:-3], msgpack.packb([0, 7, "no", 1, None, None]),
-                      msgpack.packb([250])):
+        for frame in (
+            b"\xc1garbage",
+            good[:-3],
+            msgpack.packb([0, 7, "no", 1, None, None]),
+            msgpack.packb([250]),
+        ):
             p.input.send(frame)
         # Connector worker peer socket: garbage from a stranger.
         peer = zmq.Context.instance().socket(zmq.DEALER)
@@ -213,7 +218,9 @@ def test_shutdown_leaves_no_process_socket_or_segment():
         assert not _alive(pid), f"process {pid} survived shutdown"
     assert not os.path.exists(run_dir)
     # Segments are named kvdrain-kv-<owner pid>-<random>; none of ours may remain.
-    ours = [f for f in os.listdir("/dev/shm") if any(f.startswith(f"kvdrain-kv-{pid}-") for pid in pids)]
+    ours = [
+        f for f in os.listdir("/dev/shm") if any(f.startswith(f"kvdrain-kv-{pid}-") for pid in pids)
+    ]
     assert not ours
 
 
@@ -242,7 +249,6 @@ def test_sigterm_shuts_an_engine_down_gracefully():
         assert d.latest_stats.counts["num_used_blocks"] == 0  # the receive ended first
 
 
-
 def test_sending_to_a_dead_engine_raises_instead_of_blocking():
     with topology() as h:
         d = h.clients["D"]
@@ -259,8 +265,13 @@ def test_rejected_transfer_params_reach_the_stats_snapshot():
     """PDConnector.num_bad_params (D prefills locally instead) is published with the counts."""
     with topology() as h:
         assert h.stats("D").counts["num_bad_params"] == 0
-        bad = {"do_remote_prefill": True, "remote_block_ids": [5], "remote_request_id": "x",
-               "remote_engine_id": "P", "remote_addr": ""}  # too few blocks for the prompt
+        bad = {
+            "do_remote_prefill": True,
+            "remote_block_ids": [5],
+            "remote_request_id": "x",
+            "remote_engine_id": "P",
+            "remote_addr": "",
+        }  # too few blocks for the prompt
         h.clients["D"].add_request("bad", list(range(18)), 2, bad)
         stats = h.wait_for_stats("D", lambda s: s.counts["num_bad_params"] == 1, 5)
         assert stats is not None, h.stats("D").counts
@@ -270,6 +281,7 @@ def test_a_connector_worker_orphaned_by_its_engines_death_is_stopped_by_its_own_
     """P's engine SIGKILLed leaves its connector worker behind; here it is stopped too
     (SIGSTOP), so it cannot leave on its own: the frontend stops it by the pid P reported."""
     from engine.proc.run_dir import is_alive
+
     with topology() as h:
         p = h.clients["P"]
         stats = h.wait_for_stats("P", lambda s: s.counts.get("connector_worker_pid"), 10)
@@ -278,8 +290,11 @@ def test_a_connector_worker_orphaned_by_its_engines_death_is_stopped_by_its_own_
         os.kill(p.process.pid, signal.SIGKILL)
         p.process.join(5)
         p.kill()
-        wait_until(lambda: not is_alive(worker) or _state(worker) == "Z", 10,  # SIGKILL lands
-                   "the worker dead (a zombie until init reaps it)")
+        wait_until(
+            lambda: not is_alive(worker) or _state(worker) == "Z",
+            10,  # SIGKILL lands
+            "the worker dead (a zombie until init reaps it)",
+        )
 
 
 def _state(pid: int) -> str:

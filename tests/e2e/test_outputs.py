@@ -1,4 +1,5 @@
 """A replay's output files (--report, --requests, --plot, --series) and its interrupted runs, from the command line."""
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,14 @@ def _error_lines(output: str) -> list[str]:
 def _nothing_runs(monkeypatch) -> None:
     def never(*args, **kwargs):
         raise AssertionError("the replay ran")
+
     monkeypatch.setattr(commands, "prepare_replay", never)
 
 
 @pytest.mark.parametrize("flag", ["--report", "--requests", "--series", "--plot"])
-def test_an_output_in_a_missing_directory_is_exit_2_before_the_run(tmp_path: Path, monkeypatch, flag: str):
+def test_an_output_in_a_missing_directory_is_exit_2_before_the_run(
+    tmp_path: Path, monkeypatch, flag: str
+):
     _nothing_runs(monkeypatch)
     result = invoke("replay", str(EXAMPLE), *VIRTUAL, flag, str(tmp_path / "no" / "out.png"))
     assert result.exit_code == 2, result.output
@@ -35,20 +39,36 @@ def test_an_output_in_a_missing_directory_is_exit_2_before_the_run(tmp_path: Pat
 
 
 def test_a_plot_not_named_png_and_an_output_that_is_a_directory_are_exit_2_before_the_run(
-        tmp_path: Path, monkeypatch):
+    tmp_path: Path, monkeypatch
+):
     _nothing_runs(monkeypatch)
     plot = invoke("replay", str(EXAMPLE), *VIRTUAL, "--plot", str(tmp_path / "x.notpng"))
     assert plot.exit_code == 2 and "*.png" in _error_lines(plot.output)[0], plot.output
     folder = invoke("replay", str(EXAMPLE), *VIRTUAL, "--report", str(tmp_path))
-    assert folder.exit_code == 2 and "is a directory" in _error_lines(folder.output)[0], folder.output
+    assert folder.exit_code == 2 and "is a directory" in _error_lines(folder.output)[0], (
+        folder.output
+    )
 
 
-def test_a_write_that_fails_after_the_run_is_one_line_and_exit_2_and_the_rest_are_written(tmp_path: Path):
+def test_a_write_that_fails_after_the_run_is_one_line_and_exit_2_and_the_rest_are_written(
+    tmp_path: Path,
+):
     """/dev/full passes the check (it is writable) and fails the write: one line naming
     the flag, exit 2, and every other output still written and said."""
     requests, plot, series = tmp_path / "r.jsonl", tmp_path / "p.png", tmp_path / "s.csv"
-    result = invoke("replay", str(EXAMPLE), *VIRTUAL, "--report", "/dev/full", "--requests",
-                    str(requests), "--plot", str(plot), "--series", str(series))
+    result = invoke(
+        "replay",
+        str(EXAMPLE),
+        *VIRTUAL,
+        "--report",
+        "/dev/full",
+        "--requests",
+        str(requests),
+        "--plot",
+        str(plot),
+        "--series",
+        str(series),
+    )
     assert result.exit_code == 2, result.output
     [line] = _error_lines(result.output)
     assert line.startswith("error: --report /dev/full: not written: ") and "(exit 2)" in line
@@ -68,12 +88,22 @@ def test_a_plot_that_cannot_be_written_is_not_lost_silently(tmp_path: Path):
 
 
 def test_every_output_written_is_said(tmp_path: Path):
-    paths = {flag: tmp_path / name for flag, name in
-             (("--report", "r.json"), ("--requests", "q.jsonl"), ("--plot", "p.png"), ("--series", "s.csv"))}
-    result = invoke("replay", str(EXAMPLE), *VIRTUAL, *[a for f, p in paths.items() for a in (f, str(p))])
+    paths = {
+        flag: tmp_path / name
+        for flag, name in (
+            ("--report", "r.json"),
+            ("--requests", "q.jsonl"),
+            ("--plot", "p.png"),
+            ("--series", "s.csv"),
+        )
+    }
+    result = invoke(
+        "replay", str(EXAMPLE), *VIRTUAL, *[a for f, p in paths.items() for a in (f, str(p))]
+    )
     assert result.exit_code == 0, result.output
-    assert [line for line in result.output.splitlines() if line.startswith("wrote ")] == \
-        [f"wrote {p}" for p in paths.values()]
+    assert [line for line in result.output.splitlines() if line.startswith("wrote ")] == [
+        f"wrote {p}" for p in paths.values()
+    ]
 
 
 def _signal_at(owner: type, name: str, nth: int, signum: int, monkeypatch) -> None:
@@ -85,6 +115,7 @@ def _signal_at(owner: type, name: str, nth: int, signum: int, monkeypatch) -> No
         if len(calls) == nth:
             os.kill(os.getpid(), signum)
         return real(self, *args, **kwargs)
+
     monkeypatch.setattr(owner, name, hooked)
 
 
@@ -96,8 +127,11 @@ def _assert_partial(result, report: Path, code: int, name: str) -> dict:
     return data
 
 
-def test_sigterm_of_a_virtual_replay_gives_a_partial_verdict_and_the_report(tmp_path: Path, monkeypatch):
+def test_sigterm_of_a_virtual_replay_gives_a_partial_verdict_and_the_report(
+    tmp_path: Path, monkeypatch
+):
     from replay.sim.simulation import Simulation
+
     _signal_at(Simulation, "_on_record", 10, signal.SIGTERM, monkeypatch)
     report = tmp_path / "r.json"
     result = invoke("replay", str(EXAMPLE), *VIRTUAL, "--report", str(report))
@@ -107,15 +141,31 @@ def test_sigterm_of_a_virtual_replay_gives_a_partial_verdict_and_the_report(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_ctrl_c_of_an_http_replay_gives_a_partial_verdict_and_the_report(tmp_path: Path, monkeypatch):
+def test_ctrl_c_of_an_http_replay_gives_a_partial_verdict_and_the_report(
+    tmp_path: Path, monkeypatch
+):
     from replay.http.client import HttpReplay
+
     _signal_at(HttpReplay, "_start", 5, signal.SIGINT, monkeypatch)
     serve = Serve("--http", "0")
     try:
         url = serve.wait_for(r"HTTP on (http://\S+)", 30).group(1)
         report = tmp_path / "r.json"
-        result = invoke("replay", str(EXAMPLE), "--target", url, "--metrics", f"{url}/metrics",
-                        "--speedup", "4", "--no-live", "--tail", "0.5", "--report", str(report))
+        result = invoke(
+            "replay",
+            str(EXAMPLE),
+            "--target",
+            url,
+            "--metrics",
+            f"{url}/metrics",
+            "--speedup",
+            "4",
+            "--no-live",
+            "--tail",
+            "0.5",
+            "--report",
+            str(report),
+        )
         data = _assert_partial(result, report, 130, "SIGINT")
         assert 0 < data["requests"]["num_requests"] < 32
     finally:

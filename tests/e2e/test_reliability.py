@@ -1,4 +1,5 @@
 """Signals, bounded resources, credentials and errors before start."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,18 @@ from pathlib import Path
 import pytest
 
 from cli import EXAMPLE
-from engine.proc.run_dir import is_alive, make_run_dir, process_start_time, read_owner, sweep_dead_runs
+from engine.proc.run_dir import (
+    is_alive,
+    make_run_dir,
+    process_start_time,
+    read_owner,
+    sweep_dead_runs,
+)
 from replay.live.interrupt import Interrupted, interruptible
-from tests.proc_utils import descendants, wait_until
 from tests.paths import ROOT
-
-
+from tests.proc_utils import descendants, wait_until
 
 # ---- helpers -------------------------------------------------------------------------
-
 
 
 def dead_pid() -> int:
@@ -42,6 +46,7 @@ def run_root(monkeypatch):
 
 
 # ---- signals, the run dir, leftovers ------------------------------------------
+
 
 def test_interruptible_raises_once_then_only_counts():
     with interruptible() as handler:
@@ -98,16 +103,40 @@ def test_next_start_sweeps_leftovers_of_dead_runs(run_root):
 def _replay_process(run_root: str, *args: str) -> subprocess.Popen:
     env = dict(os.environ, KVDRAIN_RUN_ROOT=run_root)
     return subprocess.Popen(
-        [sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock", "--no-live",
-         "--num-blocks", "256", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            str(EXAMPLE),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _leftovers(run_root: str, children: list[tuple[int, str | None]]) -> dict:
-    segments = [p for pid, _ in children for d in ("/dev/shm", tempfile.gettempdir())
-                for p in Path(d).glob(f"kvdrain-kv-{pid}-*")]
-    return {"processes": [pid for pid, start in children if is_alive(pid, start)],
-            "run dirs": os.listdir(run_root), "segments": segments}
+    segments = [
+        p
+        for pid, _ in children
+        for d in ("/dev/shm", tempfile.gettempdir())
+        for p in Path(d).glob(f"kvdrain-kv-{pid}-*")
+    ]
+    return {
+        "processes": [pid for pid, start in children if is_alive(pid, start)],
+        "run dirs": os.listdir(run_root),
+        "segments": segments,
+    }
 
 
 def _kill_all(proc: subprocess.Popen, children: list[tuple[int, str | None]]) -> None:
@@ -122,8 +151,11 @@ def test_sigterm_stops_the_replay_shuts_engines_down_and_removes_the_run_dir(run
     proc = _replay_process(run_root)
     children: list[tuple[int, str | None]] = []
     try:  # two engines, each with its connector worker, and their ipc sockets
-        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
-                              90, "4 child processes")
+        children = wait_until(
+            lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
+            90,
+            "4 child processes",
+        )
         wait_until(lambda: any(Path(run_root).glob("kvdrain-*/D-kv")), 90, "the workers' sockets")
         children = sorted({*children, *descendants(proc.pid)})  # with any that settled since
         proc.send_signal(signal.SIGTERM)
@@ -142,8 +174,11 @@ def test_sigkill_leftovers_are_swept_by_the_next_start(run_root):
     proc = _replay_process(run_root)
     children: list[tuple[int, str | None]] = []
     try:
-        children = wait_until(lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
-                              90, "4 child processes")
+        children = wait_until(
+            lambda: (lambda d: d if len(d) >= 4 else None)(descendants(proc.pid)),
+            90,
+            "4 child processes",
+        )
         wait_until(lambda: any(Path(run_root).glob("kvdrain-*/D-kv")), 90, "the workers' sockets")
         children = sorted({*children, *descendants(proc.pid)})  # with any that settled since
         os.kill(proc.pid, signal.SIGKILL)
@@ -165,16 +200,30 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
 
     from cli import cli
     from replay.live.driver import WallClockReplay
+
     on_output = WallClockReplay._on_output
 
     def signal_on_first_output(self, output):
         on_output(self, output)
         if output.finished and not self.interrupted:
             os.kill(os.getpid(), signal.SIGTERM)
+
     monkeypatch.setattr(WallClockReplay, "_on_output", signal_on_first_output)
     report = tmp_path / "report.json"
-    result = CliRunner().invoke(cli, ["replay", str(EXAMPLE), "--runner", "mock", "--no-live",
-                                      "--num-blocks", "256", "--report", str(report)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            str(EXAMPLE),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+            "--report",
+            str(report),
+        ],
+    )
     assert result.exit_code == 143, result.output
     assert "TERMINATED: by SIGTERM after" in result.output and "of 32 requests" in result.output
     data = json.loads(report.read_text())
@@ -185,6 +234,7 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
 
 # ---- errors before start ----------------------------------------------------
 
+
 def _serve_without_engines(monkeypatch, *args: str):
     """`kvdrain serve ARGS`, failing the test if it gets as far as starting engines."""
     from click.testing import CliRunner
@@ -194,13 +244,16 @@ def _serve_without_engines(monkeypatch, *args: str):
 
     def no_engines(*a, **k):
         raise AssertionError("the engines were started before the check")
+
     monkeypatch.setattr(replay.commands, "start_topology", no_engines)
-    return CliRunner().invoke(cli, ["serve", "--runner", "mock", "--no-live", *args],
-                              catch_exceptions=False)
+    return CliRunner().invoke(
+        cli, ["serve", "--runner", "mock", "--no-live", *args], catch_exceptions=False
+    )
 
 
 def test_serve_on_an_address_in_use_fails_before_any_engine_starts(monkeypatch):
     import zmq
+
     taken = zmq.Context.instance().socket(zmq.ROUTER)
     taken.setsockopt(zmq.LINGER, 0)
     try:
@@ -224,6 +277,7 @@ def test_serve_with_an_unwritable_record_path_fails_before_any_engine_starts(mon
 
 # ---- bounded resources --------------------------------------------------------
 
+
 class _QuietRouter:
     """A router with no engines: the serve's client side alone."""
 
@@ -242,17 +296,25 @@ class _QuietRouter:
 
 def _counts(num_usable_blocks: int = 8, used: int = 0) -> dict[str, int]:
     from engine.proc.stats_check import REQUIRED_COUNTS
+
     counts = dict.fromkeys(REQUIRED_COUNTS, 0)
-    counts.update(num_usable_blocks=num_usable_blocks, num_used_blocks=used,
-                  num_free_blocks=num_usable_blocks - used)
+    counts.update(
+        num_usable_blocks=num_usable_blocks,
+        num_used_blocks=used,
+        num_free_blocks=num_usable_blocks - used,
+    )
     return counts
 
 
 def _serve(tmp_path, address: str | None = None, **options):
-    from replay.live.serve import Server, ServeOptions
+    from replay.live.serve import ServeOptions, Server
     from replay.live.serve_messages import ServeInfo
-    return Server(_QuietRouter(), ServeOptions(address or f"ipc://{tmp_path}/serve", **options),
-                  ServeInfo(["P", "D"], "pd", "event", 512, 4))
+
+    return Server(
+        _QuietRouter(),
+        ServeOptions(address or f"ipc://{tmp_path}/serve", **options),
+        ServeInfo(["P", "D"], "pd", "event", 512, 4),
+    )
 
 
 def _drive(server, until, timeout_s: float = 10.0) -> None:
@@ -264,6 +326,7 @@ def _drive(server, until, timeout_s: float = 10.0) -> None:
 
 def _dealer(address: str):
     import zmq
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
@@ -272,6 +335,7 @@ def _dealer(address: str):
 
 def test_serve_drops_stats_subscribers_that_left(tmp_path):
     from engine.proc.messages import GetStats, encode
+
     server = _serve(tmp_path)
     now = [1000.0]
     server.clock = lambda: now[0]
@@ -298,6 +362,7 @@ def test_serve_drops_stats_subscribers_that_left(tmp_path):
 
 def _fake_serve(tmp_path):
     import zmq
+
     fake = zmq.Context.instance().socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)
     fake.setsockopt(zmq.RCVTIMEO, 5000)  # every wait bounded
@@ -308,10 +373,13 @@ def _fake_serve(tmp_path):
 def test_serve_client_renews_its_subscription(tmp_path, monkeypatch):
     """ServeClient sends GetStats every SUBSCRIPTION_RENEW_S while it polls."""
     import replay.live.serve_client as serve_client
+
     fake = _fake_serve(tmp_path)
     client = None
     try:
-        client, identity = _dealer_answering(fake, lambda: serve_client.ServeClient(f"ipc://{tmp_path}/fake"))
+        client, identity = _dealer_answering(
+            fake, lambda: serve_client.ServeClient(f"ipc://{tmp_path}/fake")
+        )
         monkeypatch.setattr(serve_client, "SUBSCRIPTION_RENEW_S", 0.0)
         client.poll(0)
         assert fake.recv_multipart()[0] == identity
@@ -325,15 +393,19 @@ def test_forged_stats_are_dropped_and_counted_by_the_serve_client(tmp_path):
     """A StatsSnapshot of an unknown engine or with counts missing never reaches the replay."""
     from engine.proc.messages import StatsSnapshot, encode
     from replay.live.serve_client import ServeClient
+
     fake = _fake_serve(tmp_path)
     client = None
     good = StatsSnapshot("P", 3, 1.0, "blocked", 5, 1, _counts(used=2))
     try:
         client, identity = _dealer_answering(fake, lambda: ServeClient(f"ipc://{tmp_path}/fake"))
-        for snap in (StatsSnapshot("X", 1, 1.0, "blocked", 5, 1, _counts()),
-                     StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {}),
-                     StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {**_counts(), "num_used_blocks": -1}),
-                     StatsSnapshot("P", 2, 1.0, "dancing", 5, 1, _counts()), good):
+        for snap in (
+            StatsSnapshot("X", 1, 1.0, "blocked", 5, 1, _counts()),
+            StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {}),
+            StatsSnapshot("P", 2, 1.0, "blocked", 5, 1, {**_counts(), "num_used_blocks": -1}),
+            StatsSnapshot("P", 2, 1.0, "dancing", 5, 1, _counts()),
+            good,
+        ):
             fake.send_multipart([identity, encode(snap)])
         deadline = time.monotonic() + 10
         while "P" not in client.latest and time.monotonic() < deadline:
@@ -351,6 +423,7 @@ def _dealer_answering(fake, make_client):
     import threading
 
     from replay.live.serve_messages import ServeInfo, encode
+
     made: list = []
     thread = threading.Thread(target=lambda: made.append(make_client()))
     thread.start()
@@ -366,6 +439,7 @@ def test_a_frame_over_the_largest_request_drops_its_connection_unread(tmp_path):
 
     from engine.proc.messages import AddRequest, encode
     from engine.proc.socket_limits import request_bytes
+
     server = _serve(tmp_path, max_model_len=64)
     assert server.socket.getsockopt(zmq.MAXMSGSIZE) == request_bytes(64)
     monitor = server.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -394,12 +468,15 @@ def test_forged_stats_on_an_engine_output_socket_are_dropped_and_counted(run_roo
 
     from engine.proc.messages import StatsSnapshot, encode
     from tests.mp_utils import topology
+
     with topology() as h:
         client = h.clients["P"]
         forger = _dealer_like(zmq.PUSH, client.addrs.output)
         try:  # stamped in the future, so a harness waiting for fresh stats would take them
-            for snap in (StatsSnapshot("P", 99, time.monotonic() + 1e6, "blocked", 1, 1, {}),
-                         StatsSnapshot("X", 99, time.monotonic() + 1e6, "blocked", 1, 1, _counts())):
+            for snap in (
+                StatsSnapshot("P", 99, time.monotonic() + 1e6, "blocked", 1, 1, {}),
+                StatsSnapshot("X", 99, time.monotonic() + 1e6, "blocked", 1, 1, _counts()),
+            ):
                 forger.send(encode(snap))
             deadline = time.monotonic() + 20
             while client.num_bad_messages < 2 and time.monotonic() < deadline:
@@ -414,6 +491,7 @@ def test_forged_stats_on_an_engine_output_socket_are_dropped_and_counted(run_roo
 
 def _dealer_like(kind: int, address: str):
     import zmq
+
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
@@ -422,13 +500,25 @@ def _dealer_like(kind: int, address: str):
 
 # ---- credentials -------------------------------------------------------------
 
-@pytest.mark.parametrize("address,local", [
-    ("tcp://127.0.0.1:0", True), ("tcp://127.9.9.9:5555", True), ("tcp://[::1]:5555", True),
-    ("tcp://localhost:5555", True), ("ipc:///tmp/x/serve", True), ("tcp://0.0.0.0:0", False),
-    ("tcp://*:5555", False), ("tcp://10.1.2.3:5555", False), ("tcp://eth0:5555", False),
-    ("tcp://example.com:5555", False)])
+
+@pytest.mark.parametrize(
+    "address,local",
+    [
+        ("tcp://127.0.0.1:0", True),
+        ("tcp://127.9.9.9:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("ipc:///tmp/x/serve", True),
+        ("tcp://0.0.0.0:0", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://example.com:5555", False),
+    ],
+)
 def test_what_counts_as_loopback(address: str, local: bool):
     from replay.live.auth import is_loopback
+
     assert is_loopback(address) is local
 
 
@@ -442,6 +532,7 @@ def test_serve_beyond_loopback_without_keys_is_refused_before_any_engine_starts(
 def test_insecure_serve_beyond_loopback_warns(tmp_path):
     from replay.live.auth import AuthOptions
     from replay.live.serve import ServeOptions, open_front
+
     front = open_front(ServeOptions("tcp://0.0.0.0:0", auth=AuthOptions(insecure=True)), {})
     try:
         assert front.warnings and "WARNING: --insecure" in front.warnings[0]
@@ -453,6 +544,7 @@ def test_keys_command_makes_private_pairs_and_never_overwrites(tmp_path):
     from click.testing import CliRunner
 
     from cli import cli
+
     keys = tmp_path / "keys"
     result = CliRunner().invoke(cli, ["keys", str(keys)])
     assert result.exit_code == 0, result.output
@@ -469,6 +561,7 @@ class _Serving:
 
     def __init__(self, server) -> None:
         import threading
+
         self.server = server
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run)
@@ -489,6 +582,7 @@ class _Serving:
 
 def _try_client(address: str, auth) -> str:
     from replay.live.serve_client import ServeClient
+
     try:
         client = ServeClient(address, timeout_s=1.5, auth=auth)
     except ConnectionError as e:
@@ -500,6 +594,7 @@ def _try_client(address: str, auth) -> str:
 @pytest.mark.slow
 def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
     from replay.live.auth import AuthOptions, generate_keys
+
     generate_keys(tmp_path / "keys")
     generate_keys(tmp_path / "other")
     server = _serve(tmp_path, "tcp://0.0.0.0:0", auth=AuthOptions(curve_keys=tmp_path / "keys"))
@@ -507,7 +602,9 @@ def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
         address = f"tcp://127.0.0.1:{server.address.rpartition(':')[2]}"
         assert _try_client(address, AuthOptions(curve_keys=tmp_path / "keys")) == "served"
         assert _try_client(address, None).startswith("refused: no kvdrain serve answered")
-        assert _try_client(address, AuthOptions(curve_keys=tmp_path / "other")).startswith("refused")
+        assert _try_client(address, AuthOptions(curve_keys=tmp_path / "other")).startswith(
+            "refused"
+        )
         missing = _try_client(address, AuthOptions(curve_keys=tmp_path / "none"))
         assert "cannot read client.key_secret" in missing
 
@@ -515,6 +612,7 @@ def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
 @pytest.mark.slow
 def test_token_serve_answers_only_clients_with_the_token(tmp_path):
     from replay.live.auth import AuthOptions
+
     server = _serve(tmp_path, auth=AuthOptions(token="s3cret"))
     with _Serving(server):
         assert _try_client(server.address, AuthOptions(token="s3cret")) == "served"
@@ -525,8 +623,9 @@ def test_token_serve_answers_only_clients_with_the_token(tmp_path):
 
 def test_the_engines_sockets_are_reachable_by_this_uid_only(run_root):
     """GetKVHandle answers whoever can connect to a worker's ipc socket: the run dir is 0700."""
-    from replay.deploy.topology import engine_configs
     from engine.config import EngineConfig, KVTransferConfig
+    from replay.deploy.topology import engine_configs
+
     run_dir = make_run_dir()
     configs = engine_configs(EngineConfig(), KVTransferConfig(), "pd", run_dir)
     for config in configs:
@@ -539,6 +638,7 @@ def test_early_arrivals_of_unknown_ids_are_capped_and_counted():
     """300k ReadDones for ids P never registered grew its worker by 87 MB: now at most
     MAX_EARLY_HOLDS are held, the rest dropped and counted; reads are refused at once."""
     from connector.send_ledger import MAX_EARLY_HOLDS, UNKNOWN_REQUEST, SendLedger
+
     ledger = SendLedger(30 * 10**9)
     for i in range(MAX_EARLY_HOLDS + 1000):
         ledger.read_done(f"stranger-{i}", 0)
@@ -551,16 +651,25 @@ def test_early_arrivals_of_unknown_ids_are_capped_and_counted():
 
 
 def test_socket_caps_cover_the_largest_legitimate_messages():
-    from engine.proc.messages import AddRequest, RequestOutputs, encode, output_to_msg
     from engine.core.outputs import RequestOutput
+    from engine.proc.messages import AddRequest, RequestOutputs, encode, output_to_msg
     from engine.proc.socket_limits import engine_input_bytes, engine_output_bytes, request_bytes
+
     max_model_len, max_num_seqs, block_size = 32768, 256, 16
-    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r" * 256,
-              "remote_block_ids": list(range(2**20, 2**20 + max_model_len // block_size)),
-              "remote_addr": "ipc:///tmp/kvdrain-xxxxxxxx/P-kv"}
-    request = AddRequest("r" * 300, [2**31 - 1] * max_model_len, 2**31 - 1, params, [2**31 - 1] * 64)
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_request_id": "r" * 256,
+        "remote_block_ids": list(range(2**20, 2**20 + max_model_len // block_size)),
+        "remote_addr": "ipc:///tmp/kvdrain-xxxxxxxx/P-kv",
+    }
+    request = AddRequest(
+        "r" * 300, [2**31 - 1] * max_model_len, 2**31 - 1, params, [2**31 - 1] * 64
+    )
     assert len(encode(request)) < request_bytes(max_model_len) <= engine_input_bytes(max_model_len)
-    outputs = [RequestOutput(f"{'r' * 300}{i}", [2**31 - 1], "length", kv_transfer_params=params)
-               for i in range(max_num_seqs)]
+    outputs = [
+        RequestOutput(f"{'r' * 300}{i}", [2**31 - 1], "length", kv_transfer_params=params)
+        for i in range(max_num_seqs)
+    ]
     batch = RequestOutputs("P", [output_to_msg(o) for o in outputs])
     assert len(encode(batch)) < engine_output_bytes(max_model_len, max_num_seqs)

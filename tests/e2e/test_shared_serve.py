@@ -1,4 +1,5 @@
 """Two replays against one `kvdrain serve`: each says the serve is shared, neither blames the other's blocks."""
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,20 @@ from tests.paths import ROOT
 
 
 def _trace(path: Path, lines: list[tuple[float, str]]) -> Path:
-    path.write_text("".join(json.dumps({"t": t, "id": req_id, "prompt_len": 48, "max_tokens": 8}) + "\n"
-                            for t, req_id in lines))
+    path.write_text(
+        "".join(
+            json.dumps({"t": t, "id": req_id, "prompt_len": 48, "max_tokens": 8}) + "\n"
+            for t, req_id in lines
+        )
+    )
     return path
 
 
 def _every_3_s(path: Path) -> Path:
     """Five bursts of five requests, 3 s apart: idle windows of about 2.7 s."""
-    return _trace(path, [(round(3.0 * b + 0.05 * i, 3), f"a{b}-{i}") for b in range(5) for i in range(5)])
+    return _trace(
+        path, [(round(3.0 * b + 0.05 * i, 3), f"a{b}-{i}") for b in range(5) for i in range(5)]
+    )
 
 
 def _one_burst(path: Path) -> Path:
@@ -45,17 +52,49 @@ def _address(serve: subprocess.Popen, timeout_s: float = 90.0) -> str:
 
 
 def _replay(trace: Path, address: str, report: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli", "replay", str(trace), "--target", address,
-                             "--report", str(report), "--tail", "4"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            str(trace),
+            "--target",
+            address,
+            "--report",
+            str(report),
+            "--tail",
+            "4",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow
 def test_two_replays_against_one_serve_each_name_the_other_and_blame_no_leak(tmp_path):
-    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--runner", "mock", "--no-live",
-                              "--num-blocks", "256", "--pull-delay-ms", "100"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "serve",
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "256",
+            "--pull-delay-ms",
+            "100",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     replays: list[subprocess.Popen] = []
     try:
         address = _address(serve)
@@ -79,5 +118,7 @@ def test_two_replays_against_one_serve_each_name_the_other_and_blame_no_leak(tmp
         assert p.returncode == EXIT_FAULT, out
         assert "the serve is shared" in out, out
         report = json.loads((tmp_path / f"{name}.json").read_text())
-        assert [f["kind"] for f in report["faults"]] and {f["kind"] for f in report["faults"]} == {"shared"}
+        assert [f["kind"] for f in report["faults"]] and {f["kind"] for f in report["faults"]} == {
+            "shared"
+        }
         assert not [v for v in report["violations"] if v["kind"] == "leak"], out

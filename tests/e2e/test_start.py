@@ -5,6 +5,7 @@ said "expected window not reached: the tail: the replay stopped before it ended"
 while `--start 0` and the virtual clock verified. At this tree it verifies in both clocks;
 these tests hold it there.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,37 @@ from tests.paths import ROOT
 
 def _trace(tmp_path):
     path = tmp_path / "start.jsonl"
-    path.write_text("".join(json.dumps({"t": t, "id": f"r{t}-{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
-                            for t in (45, 50) for i in range(4)))
+    path.write_text(
+        "".join(
+            json.dumps({"t": t, "id": f"r{t}-{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
+            for t in (45, 50)
+            for i in range(4)
+        )
+    )
     return path
 
 
 @pytest.mark.parametrize("clock", ["virtual", pytest.param("wall", marks=pytest.mark.slow)])
 def test_a_replay_from_start_40_verifies_both_windows_of_a_trace_that_begins_at_45(tmp_path, clock):
-    done = subprocess.run([sys.executable, "-m", "cli", "replay", str(_trace(tmp_path)), "--clock", clock,
-                           "--runner", "mock", "--start", "40", "--no-live"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            str(_trace(tmp_path)),
+            "--clock",
+            clock,
+            "--runner",
+            "mock",
+            "--start",
+            "40",
+            "--no-live",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "2 of 2 expected observed" in done.stdout

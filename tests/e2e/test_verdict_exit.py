@@ -4,6 +4,7 @@
 usage and unreachable targets, 3 for ignored requests from the CLI, 4 for a dead engine
 or a serve that went silent, 130 for Ctrl-C.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,12 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from replay.pipeline import PreparedReplay
 import replay.live.serve_client as serve_client
 from cli import EXAMPLE, cli
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import GetStats
 from replay.live.serve_messages import ServeInfo, decode, encode
+from replay.pipeline import PreparedReplay
 
 FAST = ["--runner", "mock", "--no-live"]
 
@@ -30,16 +31,23 @@ def invoke(*args: str):
 
 def _one_error_line(output: str) -> None:
     assert "Traceback" not in output
-    assert sum(line.startswith("error:") or line.startswith("Error:")
-               for line in output.splitlines()) == 1, output
+    assert (
+        sum(line.startswith("error:") or line.startswith("Error:") for line in output.splitlines())
+        == 1
+    ), output
 
 
 def test_target_forms_and_options_that_do_not_apply_are_usage_errors():
     for bad in ("127.0.0.1", "localhost:port", "ftp://h:1", ":5"):
         result = invoke("replay", str(EXAMPLE), "--target", bad, *FAST)
         assert result.exit_code == 2 and "--target" in result.output, (bad, result.output)
-    for option in (["--liveness", "legacy"], ["--num-blocks", "64"], ["--runner", "torch"],
-                   ["--topology", "single"], ["--profile", "llama3-8b-h100"]):
+    for option in (
+        ["--liveness", "legacy"],
+        ["--num-blocks", "64"],
+        ["--runner", "torch"],
+        ["--topology", "single"],
+        ["--profile", "llama3-8b-h100"],
+    ):
         result = invoke("replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--no-live", *option)
         assert result.exit_code == 2, result.output
         assert "does not apply with --target" in result.output and option[0] in result.output
@@ -49,22 +57,36 @@ def test_target_forms_and_options_that_do_not_apply_are_usage_errors():
 
 @pytest.mark.slow  # waits out the 5 s connect timeout twice
 def test_unreachable_target_is_exit_2_for_replay_and_top():
-    for args in (["replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--no-live"],
-                 ["replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:1", "--no-live"],
-                 ["top", "--connect", "tcp://127.0.0.1:1", "--seconds", "1"]):
+    for args in (
+        ["replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--no-live"],
+        ["replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:1", "--no-live"],
+        ["top", "--connect", "tcp://127.0.0.1:1", "--seconds", "1"],
+    ):
         result = invoke(*args)
         assert result.exit_code == 2, result.output
         _one_error_line(result.output)
         assert "no kvdrain serve answered at tcp://127.0.0.1:1" in result.output
-        assert "replay --target http://127.0.0.1:1, top --metrics http://127.0.0.1:1/metrics" in result.output
+        assert (
+            "replay --target http://127.0.0.1:1, top --metrics http://127.0.0.1:1/metrics"
+            in result.output
+        )
 
 
 def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):
     # 4 of the example's 32 requests can never fit a 16-block pool (prompts of up to 294
     # tokens): exit 3, each cause counted; --allow-ignored gives the drain verdict back.
     report = tmp_path / "r.json"
-    args = ["replay", str(EXAMPLE), "--clock", "virtual", "--num-blocks", "17", "--report",
-            str(report), *FAST]
+    args = [
+        "replay",
+        str(EXAMPLE),
+        "--clock",
+        "virtual",
+        "--num-blocks",
+        "17",
+        "--report",
+        str(report),
+        *FAST,
+    ]
     result = invoke(*args)
     data = json.loads(report.read_text())
     assert result.exit_code == 3 and data["status"] == "inconclusive", result.output
@@ -78,6 +100,7 @@ def test_ignored_requests_make_the_cli_inconclusive(tmp_path: Path):
 def test_a_dead_engine_is_exit_4_and_ctrl_c_is_130(monkeypatch):
     def dead(*args, **kwargs):
         raise EngineDeadError("P", "engine P died (exit code -9)")
+
     monkeypatch.setattr(PreparedReplay, "run", dead)
     result = invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST)
     assert result.exit_code == 4 and "fault: engine P died" in result.output
@@ -85,6 +108,7 @@ def test_a_dead_engine_is_exit_4_and_ctrl_c_is_130(monkeypatch):
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(PreparedReplay, "run", interrupted)
     assert invoke("replay", str(EXAMPLE), "--clock", "virtual", *FAST).exit_code == 130
 
@@ -121,8 +145,9 @@ def test_a_serve_that_goes_silent_is_a_named_fault(monkeypatch):
     monkeypatch.setattr(serve_client, "LOST_AFTER_S", 0.5)
     serve = SilentServe()
     try:
-        result = invoke("replay", str(EXAMPLE), "--target", serve.address.removeprefix("tcp://"),
-                        "--no-live")
+        result = invoke(
+            "replay", str(EXAMPLE), "--target", serve.address.removeprefix("tcp://"), "--no-live"
+        )
         assert result.exit_code == 4, result.output
         assert "stopped answering" in result.output
         _one_error_line(result.output)
@@ -140,13 +165,28 @@ def test_wall_replay_beside_a_cpu_hog_is_never_falsely_verified(liveness, allowe
     # VERIFIED and event's drain is never a violation.
     import subprocess
     import sys
+
     spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
     hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     report = tmp_path / "r.json"
     try:
-        result = invoke("replay", str(EXAMPLE), "--liveness", liveness, "--speedup", "4",
-                        "--max-requests", "16", "--pull-delay-ms", "200", "--num-blocks", "256", "--report", str(report),
-                        *FAST)
+        result = invoke(
+            "replay",
+            str(EXAMPLE),
+            "--liveness",
+            liveness,
+            "--speedup",
+            "4",
+            "--max-requests",
+            "16",
+            "--pull-delay-ms",
+            "200",
+            "--num-blocks",
+            "256",
+            "--report",
+            str(report),
+            *FAST,
+        )
     finally:
         for hog in hogs:
             hog.kill()

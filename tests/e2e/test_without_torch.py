@@ -1,4 +1,5 @@
 """kvdrain installed without torch (no `model` extra): the HTTP paths work, the torch runner says what is missing."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 from tests.paths import EXAMPLE, ROOT
 from tests.replay.deploy.test_vllm_launch import make_fake_venv
 
-NO_TORCH = '''
+NO_TORCH = """
 import sys
 
 
@@ -21,7 +22,7 @@ class _NoTorch:
 
 
 sys.meta_path.insert(0, _NoTorch())
-'''
+"""
 
 
 def kvdrain_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -29,8 +30,14 @@ def kvdrain_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedPro
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(NO_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_torch_runner_without_torch_is_a_usage_error_saying_how_to_install_it(tmp_path):
@@ -42,13 +49,27 @@ def test_the_torch_runner_without_torch_is_a_usage_error_saying_how_to_install_i
 
 def test_a_replay_through_launched_vllm_needs_no_torch(tmp_path):
     venv = make_fake_venv(tmp_path / "venv")
-    result = kvdrain_without_torch(tmp_path, "replay", str(EXAMPLE), "--engine", "vllm", "--vllm-venv",
-                                   str(venv), "--topology", "single", "--no-live", "--speedup", "2",
-                                   "--drain-deadline", "0.5")  # the fake answers /metrics at once
+    result = kvdrain_without_torch(
+        tmp_path,
+        "replay",
+        str(EXAMPLE),
+        "--engine",
+        "vllm",
+        "--vllm-venv",
+        str(venv),
+        "--topology",
+        "single",
+        "--no-live",
+        "--speedup",
+        "2",
+        "--drain-deadline",
+        "0.5",
+    )  # the fake answers /metrics at once
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_mock_runner_needs_no_torch(tmp_path):
-    result = kvdrain_without_torch(tmp_path, "replay", str(EXAMPLE), "--runner", "mock", "--no-live",
-                                   "--clock", "virtual")
+    result = kvdrain_without_torch(
+        tmp_path, "replay", str(EXAMPLE), "--runner", "mock", "--no-live", "--clock", "virtual"
+    )
     assert result.returncode == 0, result.stdout + result.stderr

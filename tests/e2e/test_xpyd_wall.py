@@ -1,4 +1,5 @@
 """N prefill and M decode engine processes in real time (mock runner): each engine's own idle windows judged."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,16 @@ pytestmark = pytest.mark.slow
 
 def wall(path, topology: str, router: str, liveness: str, speedup: float = 1.0):
     engine = EngineConfig(liveness=liveness, runner="mock", num_blocks=512)
-    return run_replay(ReplayConfig(trace=path, clock="wall", topology=topology, router=router, engine=engine,
-                                   shaping=ShapingOptions(speedup=speedup)))
+    return run_replay(
+        ReplayConfig(
+            trace=path,
+            clock="wall",
+            topology=topology,
+            router=router,
+            engine=engine,
+            shaping=ShapingOptions(speedup=speedup),
+        )
+    )
 
 
 def test_a_starved_prefill_engine_leaks_in_its_own_window_under_legacy_in_real_time(tmp_path):

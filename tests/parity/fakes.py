@@ -5,6 +5,7 @@ position), never of the order in which a side asks, so two sides that agree get 
 same tokens and the same transfer reports, and two that disagree show it in their
 snapshots rather than in their inputs.
 """
+
 from __future__ import annotations
 
 import random

@@ -5,6 +5,7 @@ core needs the stdlib, plus msgpack through connector/messages.py), never instal
 EngineCore.step is what the engine loop calls (the sync step, or the batch queue's
 under async scheduling); the fakes play its model runner and its connector's agent and worker.
 """
+
 from __future__ import annotations
 
 from itertools import islice
@@ -17,7 +18,6 @@ from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorMetadata
 from engine.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-
 from tests.parity.fakes import FakeKVWorker, FakeModel
 from tests.parity.spec import RequestSpec, SchedConfig, Snapshot, StepOutput
 
@@ -28,14 +28,20 @@ def build_engine_config(config: SchedConfig) -> EngineConfig:
     kv_transfer = None
     if config.role is not None:
         kv_transfer = KVTransferConfig(kv_role=KV_ROLES[config.role], kv_addr="")
-    return EngineConfig(engine_id=config.role or "engine", num_blocks=config.num_blocks,
-                        block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                        max_num_batched_tokens=config.max_num_batched_tokens,
-                        max_model_len=config.max_model_len, eos_token_id=config.eos_token_id,
-                        liveness="legacy" if config.legacy else "poll", kv_transfer=kv_transfer,
-                        scheduler_reserve_full_isl=config.reserve_full_isl,
-                        kv_load_failure_policy=config.kv_load_failure_policy,
-                        async_scheduling=config.async_scheduling)
+    return EngineConfig(
+        engine_id=config.role or "engine",
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        eos_token_id=config.eos_token_id,
+        liveness="legacy" if config.legacy else "poll",
+        kv_transfer=kv_transfer,
+        scheduler_reserve_full_isl=config.reserve_full_isl,
+        kv_load_failure_policy=config.kv_load_failure_policy,
+        async_scheduling=config.async_scheduling,
+    )
 
 
 class EvictionCounter:
@@ -78,10 +84,14 @@ class FakeRunner:
             if sched_req.sample:
                 request = self.scheduler.requests[sched_req.req_id]
                 # The sampled token's place among the outputs (vllm_side.py's rule).
-                position = (sched_req.num_computed_tokens + len(sched_req.token_ids)
-                            - request.num_prompt_tokens)
-                sampled[sched_req.req_id] = self.model.token(sched_req.req_id, position,
-                                                             request.stop_token_ids)
+                position = (
+                    sched_req.num_computed_tokens
+                    + len(sched_req.token_ids)
+                    - request.num_prompt_tokens
+                )
+                sampled[sched_req.req_id] = self.model.token(
+                    sched_req.req_id, position, request.stop_token_ids
+                )
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
@@ -95,14 +105,20 @@ class FakeAgent(KVConnectorAgentBase):
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None:
             return
-        recvs = {req_id: list(spec.local_block_ids) for req_id, spec in metadata.reqs_to_recv.items()
-                 if spec.local_block_ids}  # an empty read only tells P to free
+        recvs = {
+            req_id: list(spec.local_block_ids)
+            for req_id, spec in metadata.reqs_to_recv.items()
+            if spec.local_block_ids
+        }  # an empty read only tells P to free
         self.worker.register(self.now, sorted(metadata.reqs_to_send), recvs)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         reports = self.worker.reports(self.now)
-        return KVConnectorOutput(set(reports.finished_sending), set(reports.finished_recving),
-                                 set(reports.invalid_block_ids))
+        return KVConnectorOutput(
+            set(reports.finished_sending),
+            set(reports.finished_recving),
+            set(reports.invalid_block_ids),
+        )
 
 
 class Coverage:
@@ -151,10 +167,15 @@ class KvdrainSide:
         self.coverage = Coverage(self.scheduler)
 
     def add(self, spec: RequestSpec) -> None:
-        request = Request(spec.req_id, list(spec.prompt), spec.max_tokens, self.config.block_size,
-                          eos_token_id=self.config.eos_token_id,
-                          stop_token_ids=spec.stop_token_ids,
-                          kv_transfer_params=spec.kv_transfer_params(self.config.block_size))
+        request = Request(
+            spec.req_id,
+            list(spec.prompt),
+            spec.max_tokens,
+            self.config.block_size,
+            eos_token_id=self.config.eos_token_id,
+            stop_token_ids=spec.stop_token_ids,
+            kv_transfer_params=spec.kv_transfer_params(self.config.block_size),
+        )
         self.core.add(request)
 
     def abort(self, req_id: str) -> None:
@@ -175,8 +196,10 @@ class KvdrainSide:
         snap = Snapshot(stepped=True)
         if sched_out is not None:
             snap.num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
-        snap.outputs = sorted((StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason)
-                               for o in result.outputs), key=lambda o: o.req_id)
+        snap.outputs = sorted(
+            (StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason) for o in result.outputs),
+            key=lambda o: o.req_id,
+        )
         return self.snapshot(snap)
 
     def snapshot(self, snap: Snapshot) -> Snapshot:
@@ -187,14 +210,17 @@ class KvdrainSide:
         snap.cached_free = pool.num_cached_free_blocks
         snap.running = len(sched.running)
         snap.waiting = len(sched.waiting) + len(sched.skipped_waiting)
-        snap.waiting_for_remote_kvs = sum(1 for r in sched.requests.values()
-                                          if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        snap.waiting_for_remote_kvs = sum(
+            1 for r in sched.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        )
         snap.held = len(sched.requests) - sched.get_num_unfinished_requests()
         snap.evictions = self.evictions.count
         snap.preemptions = sched.num_preemptions
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
         snap.in_flight = len(self.core.batch_queue or ())
-        snap.block_tables = {req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id))
-                             for req_id in sorted(sched.requests)}
+        snap.block_tables = {
+            req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id))
+            for req_id in sorted(sched.requests)
+        }
         return snap

@@ -11,6 +11,7 @@ synchronous scheduler and again with async scheduling. A run that agrees to its 
 also reports the requests still held then (finished, blocks not freed: the pre-#43433
 leak under legacy). Exit status: 0 no difference, 1 a difference, 2 bad usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ def apply_events(sides: tuple, events: list, tick: int) -> None:
                 side.abort(event.req_id)
 
 
-def run_one(workload: Workload, switches: VllmSwitches,
-            ignore: frozenset[str] = frozenset()) -> tuple[int, Divergence | None, Snapshot | None, dict]:
+def run_one(
+    workload: Workload, switches: VllmSwitches, ignore: frozenset[str] = frozenset()
+) -> tuple[int, Divergence | None, Snapshot | None, dict]:
     """Ticks run, the first divergence (None if the sides agreed throughout), the last
     snapshot (None after a divergence) and the in-flight cases reached."""
     vllm, kvdrain = make_sides(workload, switches)
@@ -86,9 +88,11 @@ def run_one(workload: Workload, switches: VllmSwitches,
 
 
 def format_divergence(d: Divergence) -> str:
-    lines = [f"FIRST DIFFERENCE: workload {d.workload} seed {d.seed} tick {d.tick}: "
-             f"{', '.join(d.fields)}",
-             f"  {'field':<24} {'vllm ' + vllm_version():<48} kvdrain"]
+    lines = [
+        f"FIRST DIFFERENCE: workload {d.workload} seed {d.seed} tick {d.tick}: "
+        f"{', '.join(d.fields)}",
+        f"  {'field':<24} {'vllm ' + vllm_version():<48} kvdrain",
+    ]
     for name in Snapshot.__slots__:
         mark = "*" if name in d.fields else " "
         theirs, ours = _short(getattr(d.vllm, name)), _short(getattr(d.kvdrain, name))
@@ -103,18 +107,26 @@ def _short(value: object) -> str:
 
 def vllm_version() -> str:
     import vllm
+
     return vllm.__version__
 
 
-def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namespace,
-                 switches: VllmSwitches, quiet: bool = False) -> Result:
+def run_workload(
+    name: str,
+    scheduling: str,
+    seeds: range,
+    args: argparse.Namespace,
+    switches: VllmSwitches,
+    quiet: bool = False,
+) -> Result:
     """Runs every seed; prints the summary line and the first divergence."""
     num_ticks, held, divergences = 0, 0, []
     coverage = dict.fromkeys(Coverage.NAMES, 0)
     for seed in seeds:
         workload = WORKLOADS[name](seed)
-        workload = replace(workload, config=replace(workload.config,
-                                                    async_scheduling=scheduling == "async"))
+        workload = replace(
+            workload, config=replace(workload.config, async_scheduling=scheduling == "async")
+        )
         if args.steps is not None:
             workload = replace(workload, num_ticks=args.steps)
         ran, divergence, last, reached = run_one(workload, switches, frozenset(args.ignore))
@@ -128,12 +140,17 @@ def run_workload(name: str, scheduling: str, seeds: range, args: argparse.Namesp
     result = Result(name, scheduling, len(seeds), num_ticks, len(divergences), held, coverage)
     if quiet:
         return result
-    print(f"workload {name} ({scheduling}): {len(seeds)} seeds, {num_ticks} steps, "
-          f"{len(divergences)} differences, {held} held at the end; reached: "
-          + ", ".join(f"{n} {k}" for k, n in coverage.items()), flush=True)
+    print(
+        f"workload {name} ({scheduling}): {len(seeds)} seeds, {num_ticks} steps, "
+        f"{len(divergences)} differences, {held} held at the end; reached: "
+        + ", ".join(f"{n} {k}" for k, n in coverage.items()),
+        flush=True,
+    )
     if divergences:
-        print("  seeds that differ (seed@tick): "
-              + " ".join(f"{d.seed}@{d.tick}" for d in divergences))
+        print(
+            "  seeds that differ (seed@tick): "
+            + " ".join(f"{d.seed}@{d.tick}" for d in divergences)
+        )
         for d in divergences if args.show_all else divergences[:1]:
             print(format_divergence(d))
     return result
@@ -144,69 +161,128 @@ def check_causes(args: argparse.Namespace) -> list[dict]:
     rows = []
     for cause in CAUSES:
         for mode in cause.modes:
-            found = sum(run_workload(name, mode, range(args.cause_seeds), args, cause.switches,
-                                     quiet=True).differences
-                        for name in cause.workloads)
+            found = sum(
+                run_workload(
+                    name, mode, range(args.cause_seeds), args, cause.switches, quiet=True
+                ).differences
+                for name in cause.workloads
+            )
             runs = args.cause_seeds * len(cause.workloads)
             rows.append({"cause": cause.name, "scheduling": mode, "runs": runs, "differ": found})
-            print(f"cause switched off: {cause.name} ({mode}): {found} of {runs} runs differ"
-                  + ("" if found else "  <- NOT SHOWN"), flush=True)
+            print(
+                f"cause switched off: {cause.name} ({mode}): {found} of {runs} runs differ"
+                + ("" if found else "  <- NOT SHOWN"),
+                flush=True,
+            )
     return rows
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tests.parity.run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.parity.run", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 per workload")
     parser.add_argument("--workload", default="all", choices=["all", *WORKLOADS])
-    parser.add_argument("--steps", type=int, default=None, help="ticks per run (default: per workload)")
-    parser.add_argument("--scheduling", default="both", choices=["both", "sync", "async"],
-                        help="sync: vLLM's Scheduler; async: its AsyncScheduler and batch queue")
-    parser.add_argument("--json", default=None, help="also write the results (one row per "
-                        "workload and mode) to this file")
-    parser.add_argument("--no-reserve-full-isl", action="store_true",
-                        help="vLLM side only: scheduler_reserve_full_isl=False (shows cause 1)")
-    parser.add_argument("--vllm-load-failure-policy", default=None, choices=["fail", "recompute"],
-                        help="vLLM side only: kv_load_failure_policy (default: the workload's, "
-                             "which both sides use)")
-    parser.add_argument("--append-all-frees", action="store_true",
-                        help="vLLM side: freed blocks all join the free queue's tail (shows cause 2)")
-    parser.add_argument("--one-block-per-hash", action="store_true",
-                        help="vLLM side: never cache a second block under a cached hash (shows cause 3)")
-    parser.add_argument("--length-before-stop", action="store_true",
-                        help="vLLM side: check_stop tests length before EOS/stop ids (shows cause 7)")
-    parser.add_argument("--no-defer-block-free", action="store_true",
-                        help="vLLM side, async: a consumer frees at once (shows defer_block_free)")
-    parser.add_argument("--deliver-stale-on-producer", action="store_true",
-                        help="vLLM side, async: a producer delivers stale output (shows "
-                             "requires_kv_delivery)")
-    parser.add_argument("--check-causes", action="store_true",
-                        help="then turn each known cause off on the vLLM side (switches.CAUSES), "
-                             "one at a time, and confirm the harness finds differences")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="ticks per run (default: per workload)"
+    )
+    parser.add_argument(
+        "--scheduling",
+        default="both",
+        choices=["both", "sync", "async"],
+        help="sync: vLLM's Scheduler; async: its AsyncScheduler and batch queue",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="also write the results (one row per workload and mode) to this file",
+    )
+    parser.add_argument(
+        "--no-reserve-full-isl",
+        action="store_true",
+        help="vLLM side only: scheduler_reserve_full_isl=False (shows cause 1)",
+    )
+    parser.add_argument(
+        "--vllm-load-failure-policy",
+        default=None,
+        choices=["fail", "recompute"],
+        help="vLLM side only: kv_load_failure_policy (default: the workload's, "
+        "which both sides use)",
+    )
+    parser.add_argument(
+        "--append-all-frees",
+        action="store_true",
+        help="vLLM side: freed blocks all join the free queue's tail (shows cause 2)",
+    )
+    parser.add_argument(
+        "--one-block-per-hash",
+        action="store_true",
+        help="vLLM side: never cache a second block under a cached hash (shows cause 3)",
+    )
+    parser.add_argument(
+        "--length-before-stop",
+        action="store_true",
+        help="vLLM side: check_stop tests length before EOS/stop ids (shows cause 7)",
+    )
+    parser.add_argument(
+        "--no-defer-block-free",
+        action="store_true",
+        help="vLLM side, async: a consumer frees at once (shows defer_block_free)",
+    )
+    parser.add_argument(
+        "--deliver-stale-on-producer",
+        action="store_true",
+        help="vLLM side, async: a producer delivers stale output (shows requires_kv_delivery)",
+    )
+    parser.add_argument(
+        "--check-causes",
+        action="store_true",
+        help="then turn each known cause off on the vLLM side (switches.CAUSES), "
+        "one at a time, and confirm the harness finds differences",
+    )
     parser.add_argument("--cause-seeds", type=int, default=3, help="seeds per cause and workload")
     parser.add_argument("--no-parity", action="store_true", help="skip the parity runs")
-    parser.add_argument("--ignore", nargs="*", default=[], choices=Snapshot.__slots__,
-                        help="snapshot fields not to compare (say, block_tables)")
-    parser.add_argument("--show-all", action="store_true", help="print every seed's first difference")
+    parser.add_argument(
+        "--ignore",
+        nargs="*",
+        default=[],
+        choices=Snapshot.__slots__,
+        help="snapshot fields not to compare (say, block_tables)",
+    )
+    parser.add_argument(
+        "--show-all", action="store_true", help="print every seed's first difference"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if os.environ.get("PYTHONHASHSEED") != "0":
-        print("warning: PYTHONHASHSEED is not 0; vLLM's set iteration order may vary", file=sys.stderr)
-    switches = VllmSwitches(reserve_full_isl=not args.no_reserve_full_isl,
-                            kv_load_failure_policy=args.vllm_load_failure_policy,
-                            append_all_frees=args.append_all_frees,
-                            one_block_per_hash=args.one_block_per_hash,
-                            length_before_stop=args.length_before_stop,
-                            no_defer_block_free=args.no_defer_block_free,
-                            deliver_stale_on_producer=args.deliver_stale_on_producer)
+        print(
+            "warning: PYTHONHASHSEED is not 0; vLLM's set iteration order may vary", file=sys.stderr
+        )
+    switches = VllmSwitches(
+        reserve_full_isl=not args.no_reserve_full_isl,
+        kv_load_failure_policy=args.vllm_load_failure_policy,
+        append_all_frees=args.append_all_frees,
+        one_block_per_hash=args.one_block_per_hash,
+        length_before_stop=args.length_before_stop,
+        no_defer_block_free=args.no_defer_block_free,
+        deliver_stale_on_producer=args.deliver_stale_on_producer,
+    )
 
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     modes = ["sync", "async"] if args.scheduling == "both" else [args.scheduling]
     start = time.monotonic()
-    results = [] if args.no_parity else [run_workload(name, mode, range(args.seeds), args, switches)
-                                         for mode in modes for name in names]
+    results = (
+        []
+        if args.no_parity
+        else [
+            run_workload(name, mode, range(args.seeds), args, switches)
+            for mode in modes
+            for name in names
+        ]
+    )
     elapsed = time.monotonic() - start
     total = sum(r.differences for r in results)
     print(f"total: {total} differences in {elapsed:.1f} s (vLLM {vllm_version()})")
@@ -216,8 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"causes: {missed} of {len(causes)} not shown (vLLM {vllm_version()})")
     if args.json is not None:
         with open(args.json, "w") as f:
-            json.dump({"vllm": vllm_version(), "seconds": round(elapsed, 1),
-                       "results": [asdict(r) for r in results], "causes": causes}, f)
+            json.dump(
+                {
+                    "vllm": vllm_version(),
+                    "seconds": round(elapsed, 1),
+                    "results": [asdict(r) for r in results],
+                    "causes": causes,
+                },
+                f,
+            )
     return 1 if total or missed else 0
 
 

@@ -2,6 +2,7 @@
 
 Runs in: the parity venv only (imports neither vLLM nor kvdrain).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

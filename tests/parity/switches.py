@@ -7,6 +7,7 @@ instance where vLLM allows it, module-level only for check_stop (set again by ev
 apply). CAUSES names each switch with the workloads and modes that show it;
 `python -m tests.parity.run --check-causes` confirms every one still does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,20 +46,43 @@ class Cause:
 
 
 CAUSES = (
-    Cause("admission reserves the whole sequence (scheduler_reserve_full_isl)",
-          VllmSwitches(reserve_full_isl=False), ("pressure",)),
-    Cause("unhashed freed blocks go to the free queue's head",
-          VllmSwitches(append_all_frees=True), ("pressure",)),
-    Cause("a second block may be cached under a cached hash",
-          VllmSwitches(one_block_per_hash=True), ("d_side", "d_pressure")),
-    Cause("EOS and stop ids before the length caps (check_stop)",
-          VllmSwitches(length_before_stop=True), ("stops",)),
-    Cause("kv_load_failure_policy fail, vLLM's default",
-          VllmSwitches(kv_load_failure_policy="recompute"), ("d_side",)),
-    Cause("a consumer defers frees past the step in flight",
-          VllmSwitches(no_defer_block_free=True), ("d_side", "d_decode_pressure"), ("async",)),
-    Cause("a producer drops a preempted request's stale output",
-          VllmSwitches(deliver_stale_on_producer=True), ("p_pressure",), ("async",)),
+    Cause(
+        "admission reserves the whole sequence (scheduler_reserve_full_isl)",
+        VllmSwitches(reserve_full_isl=False),
+        ("pressure",),
+    ),
+    Cause(
+        "unhashed freed blocks go to the free queue's head",
+        VllmSwitches(append_all_frees=True),
+        ("pressure",),
+    ),
+    Cause(
+        "a second block may be cached under a cached hash",
+        VllmSwitches(one_block_per_hash=True),
+        ("d_side", "d_pressure"),
+    ),
+    Cause(
+        "EOS and stop ids before the length caps (check_stop)",
+        VllmSwitches(length_before_stop=True),
+        ("stops",),
+    ),
+    Cause(
+        "kv_load_failure_policy fail, vLLM's default",
+        VllmSwitches(kv_load_failure_policy="recompute"),
+        ("d_side",),
+    ),
+    Cause(
+        "a consumer defers frees past the step in flight",
+        VllmSwitches(no_defer_block_free=True),
+        ("d_side", "d_decode_pressure"),
+        ("async",),
+    ),
+    Cause(
+        "a producer drops a preempted request's stale output",
+        VllmSwitches(deliver_stale_on_producer=True),
+        ("p_pressure",),
+        ("async",),
+    ),
 )
 
 
@@ -68,7 +92,9 @@ def apply(scheduler: Scheduler, switches: VllmSwitches) -> None:
         _append_all_frees(pool)
     if switches.one_block_per_hash:
         _one_block_per_hash(pool)
-    sched_module.check_stop = _length_first_check_stop if switches.length_before_stop else vllm_check_stop
+    sched_module.check_stop = (
+        _length_first_check_stop if switches.length_before_stop else vllm_check_stop
+    )
     if switches.no_defer_block_free:
         scheduler.defer_block_free = False
     if switches.deliver_stale_on_producer:
@@ -77,6 +103,7 @@ def apply(scheduler: Scheduler, switches: VllmSwitches) -> None:
 
 def _append_all_frees(pool: BlockPool) -> None:
     """kvdrain: every freed block joins the free queue's tail, in the given order."""
+
     def free_blocks(ordered_blocks) -> None:
         released = []
         for block in ordered_blocks:

@@ -6,6 +6,7 @@ says (False: the synchronous Scheduler; True: the AsyncScheduler, stepped as
 EngineCore.step_with_batch_queue steps it), a hand-made KVCacheConfig and, for P/D,
 the NIXL connector's scheduler half (no NIXL library needed).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,25 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 from collections import deque  # noqa: E402
 
 import torch  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig,  # noqa: E402
-                         ModelConfig, SchedulerConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,  # noqa: E402
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,  # noqa: E402
+    KVCacheGroupSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -41,10 +51,17 @@ from tests.parity.switches import VllmSwitches, apply  # noqa: E402
 logging.getLogger("vllm").setLevel(logging.CRITICAL)
 
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
 }
 KV_ROLES = {"P": "kv_producer", "D": "kv_consumer"}
 BATCH_QUEUE_SIZE = 2  # vllm_config.max_concurrent_batches with async scheduling, no PP
@@ -59,39 +76,61 @@ def _model_dir() -> str:
 
 
 def build_vllm_config(config: SchedConfig, switches: VllmSwitches) -> VllmConfig:
-    model = ModelConfig(model=_model_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
-                        max_model_len=config.max_model_len)
-    sched = SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=config.max_model_len, enable_chunked_prefill=True,
-                            is_encoder_decoder=False,
-                            async_scheduling=config.async_scheduling,
-                            scheduler_reserve_full_isl=(config.reserve_full_isl
-                                                        and switches.reserve_full_isl))
+    model = ModelConfig(
+        model=_model_dir(),
+        dtype="float32",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=config.max_model_len,
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=config.async_scheduling,
+        scheduler_reserve_full_isl=(config.reserve_full_isl and switches.reserve_full_isl),
+    )
     kv_transfer = None
     if config.role is not None:
-        kv_transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=KV_ROLES[config.role],
-                                       engine_id=config.role,
-                                       kv_load_failure_policy=(switches.kv_load_failure_policy
-                                                               or config.kv_load_failure_policy))
-    vllm_config = VllmConfig(model_config=model, scheduler_config=sched,
-                             cache_config=CacheConfig(block_size=config.block_size,
-                                                      enable_prefix_caching=True),
-                             device_config=DeviceConfig("cpu"), kv_transfer_config=kv_transfer)
+        kv_transfer = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role=KV_ROLES[config.role],
+            engine_id=config.role,
+            kv_load_failure_policy=(
+                switches.kv_load_failure_policy or config.kv_load_failure_policy
+            ),
+        )
+    vllm_config = VllmConfig(
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv_transfer,
+    )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     return vllm_config
 
 
 def build_scheduler(config: SchedConfig, switches: VllmSwitches) -> Scheduler:
     vllm_config = build_vllm_config(config, switches)
-    spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=1,
-                             dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    spec = FullAttentionSpec(
+        block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
     scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
-    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=config.block_size)
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=config.block_size,
+    )
 
 
 def patch_legacy_liveness(scheduler: Scheduler) -> None:
@@ -129,8 +168,13 @@ class EvictionCounter:
 class VllmSide:
     name = "vllm"
 
-    def __init__(self, config: SchedConfig, model: FakeModel, worker: FakeKVWorker,
-                 switches: VllmSwitches = VllmSwitches()) -> None:
+    def __init__(
+        self,
+        config: SchedConfig,
+        model: FakeModel,
+        worker: FakeKVWorker,
+        switches: VllmSwitches = VllmSwitches(),
+    ) -> None:
         init_none_hash(sha256)
         self.config = config
         self.model = model
@@ -146,11 +190,13 @@ class VllmSide:
         self.stop_ids: dict[str, tuple[int, ...]] = {}
 
     def add(self, spec: RequestSpec) -> None:
-        params = SamplingParams(max_tokens=spec.max_tokens,
-                                stop_token_ids=list(spec.stop_token_ids) or None)
+        params = SamplingParams(
+            max_tokens=spec.max_tokens, stop_token_ids=list(spec.stop_token_ids) or None
+        )
         params.update_from_generation_config({}, self.config.eos_token_id)
-        request = Request(spec.req_id, list(spec.prompt), params, None,
-                          block_hasher=self.block_hasher)
+        request = Request(
+            spec.req_id, list(spec.prompt), params, None, block_hasher=self.block_hasher
+        )
         request.kv_transfer_params = spec.kv_transfer_params(self.config.block_size)
         self.stop_ids[spec.req_id] = spec.stop_token_ids
         self.scheduler.add_request(request)
@@ -197,9 +243,14 @@ class VllmSide:
     def _update(self, snap: Snapshot, sched_out, runner_out) -> Snapshot:
         engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         for eco in engine_outputs.values():
-            snap.outputs.extend(StepOutput(o.request_id, tuple(o.new_token_ids),
-                                           str(o.finish_reason) if o.finish_reason is not None else None)
-                                for o in eco.outputs)
+            snap.outputs.extend(
+                StepOutput(
+                    o.request_id,
+                    tuple(o.new_token_ids),
+                    str(o.finish_reason) if o.finish_reason is not None else None,
+                )
+                for o in eco.outputs
+            )
         snap.outputs.sort(key=lambda o: o.req_id)
         return snap
 
@@ -209,8 +260,11 @@ class VllmSide:
         sends = sorted(meta.reqs_to_send)
         # Only loads the scheduler parked in WAITING_FOR_REMOTE_KVS are reported back;
         # a notify-only receive (an aborted request's empty read) is not (awaiting_kvs).
-        recvs = {req_id: list(m.local_block_ids[0]) for req_id, m in meta.reqs_to_recv.items()
-                 if m.awaiting_kvs}
+        recvs = {
+            req_id: list(m.local_block_ids[0])
+            for req_id, m in meta.reqs_to_recv.items()
+            if m.awaiting_kvs
+        }
         self.worker.register(now, sends, recvs)
 
     def _run_model(self, sched_out, now: int) -> ModelRunnerOutput:
@@ -223,14 +277,18 @@ class VllmSide:
             position = request.num_computed_tokens - request.num_prompt_tokens
             token = self.model.token(req_id, position, self.stop_ids[req_id])
             sampled.append([] if request.is_prefill_chunk else [token])
-        out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
         reports = self.worker.reports(now)
         if self.config.role is not None:
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=SortedSet(reports.finished_sending) or None,
                 finished_recving=SortedSet(reports.finished_recving) or None,
-                invalid_block_ids=set(reports.invalid_block_ids))
+                invalid_block_ids=set(reports.invalid_block_ids),
+            )
         return out
 
     def snapshot(self, snap: Snapshot) -> Snapshot:
@@ -242,16 +300,19 @@ class VllmSide:
         snap.cached_free = sum(1 for b in free_blocks if b.block_hash is not None)
         num_running, num_waiting = sched.get_request_counts()
         snap.running, snap.waiting = num_running, num_waiting
-        snap.waiting_for_remote_kvs = sum(1 for r in sched.requests.values()
-                                          if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        snap.waiting_for_remote_kvs = sum(
+            1 for r in sched.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        )
         snap.held = len(sched.requests) - num_running - num_waiting
         snap.evictions = self.evictions.count
         snap.preemptions = self.num_preemptions
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
         snap.in_flight = len(self.batch_queue)
-        snap.block_tables = {req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id)[0])
-                             for req_id in sorted(sched.requests)}
+        snap.block_tables = {
+            req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id)[0])
+            for req_id in sorted(sched.requests)
+        }
         return snap
 
 

@@ -4,6 +4,7 @@ Runs in: the parity harness process. Every request fits the pool on its own (kvd
 refuses one that never could; vLLM would wait for it forever), so any difference is a
 scheduling difference, not an admission-control one.
 """
+
 from __future__ import annotations
 
 import random
@@ -16,7 +17,9 @@ STOP_TOKEN_IDS = (7, 11)
 EOS_TOKEN_ID = 2
 
 
-def _prompt(rng: random.Random, lo: int, hi: int, prefixes: list[list[int]] | None = None) -> tuple[int, ...]:
+def _prompt(
+    rng: random.Random, lo: int, hi: int, prefixes: list[list[int]] | None = None
+) -> tuple[int, ...]:
     head = list(rng.choice(prefixes)) if prefixes and rng.random() < 0.7 else []
     return tuple(head + [rng.randrange(20, 500) for _ in range(rng.randint(lo, hi))])
 
@@ -27,7 +30,9 @@ def _prefixes(rng: random.Random, count: int, block_size: int) -> list[list[int]
     return [[rng.randrange(20, 500) for _ in range(n)] for n in lengths]
 
 
-def _arrivals(rng: random.Random, num: int, span: int, make: Callable[[int], RequestSpec]) -> list[Arrival]:
+def _arrivals(
+    rng: random.Random, num: int, span: int, make: Callable[[int], RequestSpec]
+) -> list[Arrival]:
     """`num` requests over `span` ticks; several often land on the same tick."""
     return [Arrival(rng.randrange(span), make(i)) for i in range(num)]
 
@@ -40,8 +45,9 @@ def _sorted(events: list) -> list:
 def unique(seed: int) -> Workload:
     rng = random.Random(seed)
     config = SchedConfig(num_blocks=128, max_num_batched_tokens=256)
-    events = _arrivals(rng, 24, 60, lambda i: RequestSpec(
-        f"u{i}", _prompt(rng, 5, 120), rng.randint(1, 24)))
+    events = _arrivals(
+        rng, 24, 60, lambda i: RequestSpec(f"u{i}", _prompt(rng, 5, 120), rng.randint(1, 24))
+    )
     return Workload("unique", seed, config, _sorted(events), num_ticks=160)
 
 
@@ -49,8 +55,12 @@ def shared_prefix(seed: int) -> Workload:
     rng = random.Random(seed)
     config = SchedConfig(num_blocks=128, max_num_batched_tokens=256)
     prefixes = _prefixes(rng, 3, config.block_size)
-    events = _arrivals(rng, 30, 50, lambda i: RequestSpec(
-        f"s{i}", _prompt(rng, 1, 40, prefixes), rng.randint(1, 20)))
+    events = _arrivals(
+        rng,
+        30,
+        50,
+        lambda i: RequestSpec(f"s{i}", _prompt(rng, 1, 40, prefixes), rng.randint(1, 20)),
+    )
     return Workload("shared_prefix", seed, config, _sorted(events), num_ticks=160)
 
 
@@ -59,8 +69,12 @@ def pressure(seed: int) -> Workload:
     rng = random.Random(seed)
     config = SchedConfig(num_blocks=40, max_num_batched_tokens=64, max_num_seqs=6)
     prefixes = _prefixes(rng, 2, config.block_size)
-    events = _arrivals(rng, 28, 60, lambda i: RequestSpec(
-        f"c{i}", _prompt(rng, 10, 150, prefixes), rng.randint(1, 40)))
+    events = _arrivals(
+        rng,
+        28,
+        60,
+        lambda i: RequestSpec(f"c{i}", _prompt(rng, 10, 150, prefixes), rng.randint(1, 40)),
+    )
     return Workload("pressure", seed, config, _sorted(events), num_ticks=400)
 
 
@@ -68,13 +82,15 @@ def aborts(seed: int) -> Workload:
     """Aborts while waiting, prefilling, decoding, preempted, finished, and of unknown ids."""
     rng = random.Random(seed)
     config = SchedConfig(num_blocks=40, max_num_batched_tokens=64, max_num_seqs=6)
-    arrivals = _arrivals(rng, 24, 50, lambda i: RequestSpec(
-        f"a{i}", _prompt(rng, 10, 150), rng.randint(1, 30)))
+    arrivals = _arrivals(
+        rng, 24, 50, lambda i: RequestSpec(f"a{i}", _prompt(rng, 10, 150), rng.randint(1, 30))
+    )
     events: list = list(arrivals)
     for arrival in arrivals:
         if rng.random() < 0.5:
-            events.append(Abort(arrival.tick + rng.choice((0, 0, 1, 2, 4, 8, 16, 40)),
-                                arrival.spec.req_id))
+            events.append(
+                Abort(arrival.tick + rng.choice((0, 0, 1, 2, 4, 8, 16, 40)), arrival.spec.req_id)
+            )
     events.append(Abort(rng.randrange(50), "no-such-request"))
     return Workload("aborts", seed, config, _sorted(events), num_ticks=400)
 
@@ -83,53 +99,92 @@ def stops(seed: int) -> Workload:
     """EOS and stop ids, also on a request's last allowed token (stop beats length)."""
     rng = random.Random(seed)
     config = SchedConfig(num_blocks=64, max_num_batched_tokens=128, eos_token_id=EOS_TOKEN_ID)
-    events = _arrivals(rng, 24, 40, lambda i: RequestSpec(
-        f"e{i}", _prompt(rng, 5, 80), rng.randint(1, 16), stop_token_ids=STOP_TOKEN_IDS))
-    return Workload("stops", seed, config, _sorted(events), eos_prob=0.1, stop_prob=0.1,
-                    num_ticks=200)
+    events = _arrivals(
+        rng,
+        24,
+        40,
+        lambda i: RequestSpec(
+            f"e{i}", _prompt(rng, 5, 80), rng.randint(1, 16), stop_token_ids=STOP_TOKEN_IDS
+        ),
+    )
+    return Workload(
+        "stops", seed, config, _sorted(events), eos_prob=0.1, stop_prob=0.1, num_ticks=200
+    )
 
 
-def _p_requests(rng: random.Random, num: int, span: int, prefixes: list[list[int]]) -> list[Arrival]:
+def _p_requests(
+    rng: random.Random, num: int, span: int, prefixes: list[list[int]]
+) -> list[Arrival]:
     def make(i: int) -> RequestSpec:
         if rng.random() < 0.8:  # the router sends P its share with max_tokens=1
             return RequestSpec(f"p{i}", _prompt(rng, 5, 100, prefixes), 1, remote="decode")
         return RequestSpec(f"q{i}", _prompt(rng, 5, 60, prefixes), rng.randint(1, 8))
+
     return _arrivals(rng, num, span, make)
 
 
 def p_side(seed: int, legacy: bool = False) -> Workload:
     """Prefill side: delayed frees released by finished_sending after random delays."""
     rng = random.Random(seed)
-    config = SchedConfig(num_blocks=48, max_num_batched_tokens=128, max_num_seqs=6, role="P",
-                         eos_token_id=EOS_TOKEN_ID, legacy=legacy)
+    config = SchedConfig(
+        num_blocks=48,
+        max_num_batched_tokens=128,
+        max_num_seqs=6,
+        role="P",
+        eos_token_id=EOS_TOKEN_ID,
+        legacy=legacy,
+    )
     prefixes = _prefixes(rng, 2, config.block_size)
     arrivals = _p_requests(rng, 26, 60 if not legacy else 120, prefixes)
     events: list = list(arrivals)
-    events += [Abort(a.tick + rng.randint(0, 3), a.spec.req_id) for a in arrivals if rng.random() < 0.15]
-    return Workload("legacy_p" if legacy else "p_side", seed, config, _sorted(events),
-                    eos_prob=0.2, max_report_delay=8 if not legacy else 30, num_ticks=300)
+    events += [
+        Abort(a.tick + rng.randint(0, 3), a.spec.req_id) for a in arrivals if rng.random() < 0.15
+    ]
+    return Workload(
+        "legacy_p" if legacy else "p_side",
+        seed,
+        config,
+        _sorted(events),
+        eos_prob=0.2,
+        max_report_delay=8 if not legacy else 30,
+        num_ticks=300,
+    )
 
 
-def _d_requests(rng: random.Random, num: int, span: int, prefixes: list[list[int]]) -> list[Arrival]:
+def _d_requests(
+    rng: random.Random, num: int, span: int, prefixes: list[list[int]]
+) -> list[Arrival]:
     def make(i: int) -> RequestSpec:
         if rng.random() < 0.75:  # shared heads: two loads of one head cache it twice
-            return RequestSpec(f"d{i}", _prompt(rng, 5, 100, prefixes), rng.randint(1, 12),
-                               remote="prefill")
+            return RequestSpec(
+                f"d{i}", _prompt(rng, 5, 100, prefixes), rng.randint(1, 12), remote="prefill"
+            )
         return RequestSpec(f"l{i}", _prompt(rng, 5, 60), rng.randint(1, 8))
+
     return _arrivals(rng, num, span, make)
 
 
 def d_side(seed: int, legacy: bool = False) -> Workload:
     """Decode side: remote loads (WAITING_FOR_REMOTE_KVS), finished_recving, failed loads."""
     rng = random.Random(seed)
-    config = SchedConfig(num_blocks=64, max_num_batched_tokens=128, max_num_seqs=4, role="D",
-                         legacy=legacy)
+    config = SchedConfig(
+        num_blocks=64, max_num_batched_tokens=128, max_num_seqs=4, role="D", legacy=legacy
+    )
     prefixes = _prefixes(rng, 2, config.block_size)
     arrivals = _d_requests(rng, 24, 50 if not legacy else 120, prefixes)
     events: list = list(arrivals)
-    events += [Abort(a.tick + rng.randint(0, 4), a.spec.req_id) for a in arrivals if rng.random() < 0.15]
-    return Workload("legacy_d" if legacy else "d_side", seed, config, _sorted(events),
-                    max_report_delay=6 if not legacy else 20, load_failure_prob=0.3, num_ticks=300)
+    events += [
+        Abort(a.tick + rng.randint(0, 4), a.spec.req_id) for a in arrivals if rng.random() < 0.15
+    ]
+    return Workload(
+        "legacy_d" if legacy else "d_side",
+        seed,
+        config,
+        _sorted(events),
+        max_report_delay=6 if not legacy else 20,
+        load_failure_prob=0.3,
+        num_ticks=300,
+    )
 
 
 def d_pressure(seed: int) -> Workload:
@@ -142,14 +197,25 @@ def d_pressure(seed: int) -> Workload:
 
     def make(i: int) -> RequestSpec:
         if rng.random() < 0.5:
-            return RequestSpec(f"d{i}", _prompt(rng, 5, 80, prefixes), rng.randint(1, 16),
-                               remote="prefill")
+            return RequestSpec(
+                f"d{i}", _prompt(rng, 5, 80, prefixes), rng.randint(1, 16), remote="prefill"
+            )
         return RequestSpec(f"l{i}", _prompt(rng, 40, 160), rng.randint(1, 16))
+
     arrivals = _arrivals(rng, 28, 60, make)
     events: list = list(arrivals)
-    events += [Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1]
-    return Workload("d_pressure", seed, config, _sorted(events), max_report_delay=10,
-                    load_failure_prob=0.2, num_ticks=400)
+    events += [
+        Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1
+    ]
+    return Workload(
+        "d_pressure",
+        seed,
+        config,
+        _sorted(events),
+        max_report_delay=10,
+        load_failure_prob=0.2,
+        num_ticks=400,
+    )
 
 
 def p_pressure(seed: int) -> Workload:
@@ -158,19 +224,34 @@ def p_pressure(seed: int) -> Workload:
     request preempted with output in flight drops that output (a producer's hand-off
     needs the KV the preemption freed: vLLM's requires_kv_delivery)."""
     rng = random.Random(seed)
-    config = SchedConfig(num_blocks=28, max_num_batched_tokens=64, max_num_seqs=6, role="P",
-                         eos_token_id=EOS_TOKEN_ID)
+    config = SchedConfig(
+        num_blocks=28,
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        role="P",
+        eos_token_id=EOS_TOKEN_ID,
+    )
     prefixes = _prefixes(rng, 2, config.block_size)
 
     def make(i: int) -> RequestSpec:
         if rng.random() < 0.4:
             return RequestSpec(f"p{i}", _prompt(rng, 5, 80, prefixes), 1, remote="decode")
         return RequestSpec(f"q{i}", _prompt(rng, 10, 80, prefixes), rng.randint(15, 60))
+
     arrivals = _arrivals(rng, 28, 60, make)
     events: list = list(arrivals)
-    events += [Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1]
-    return Workload("p_pressure", seed, config, _sorted(events), eos_prob=0.05, max_report_delay=8,
-                    num_ticks=400)
+    events += [
+        Abort(a.tick + rng.randint(0, 6), a.spec.req_id) for a in arrivals if rng.random() < 0.1
+    ]
+    return Workload(
+        "p_pressure",
+        seed,
+        config,
+        _sorted(events),
+        eos_prob=0.05,
+        max_report_delay=8,
+        num_ticks=400,
+    )
 
 
 def d_decode_pressure(seed: int) -> Workload:
@@ -184,14 +265,25 @@ def d_decode_pressure(seed: int) -> Workload:
 
     def make(i: int) -> RequestSpec:
         if rng.random() < 0.4:
-            return RequestSpec(f"d{i}", _prompt(rng, 5, 60, prefixes), rng.randint(8, 30),
-                               remote="prefill")
+            return RequestSpec(
+                f"d{i}", _prompt(rng, 5, 60, prefixes), rng.randint(8, 30), remote="prefill"
+            )
         return RequestSpec(f"l{i}", _prompt(rng, 10, 80), rng.randint(10, 40))
+
     arrivals = _arrivals(rng, 28, 60, make)
     events: list = list(arrivals)
-    events += [Abort(a.tick + rng.randint(0, 8), a.spec.req_id) for a in arrivals if rng.random() < 0.15]
-    return Workload("d_decode_pressure", seed, config, _sorted(events), max_report_delay=6,
-                    load_failure_prob=0.1, num_ticks=400)
+    events += [
+        Abort(a.tick + rng.randint(0, 8), a.spec.req_id) for a in arrivals if rng.random() < 0.15
+    ]
+    return Workload(
+        "d_decode_pressure",
+        seed,
+        config,
+        _sorted(events),
+        max_report_delay=6,
+        load_failure_prob=0.1,
+        num_ticks=400,
+    )
 
 
 def d_recompute(seed: int) -> Workload:

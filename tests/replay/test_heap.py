@@ -1,4 +1,5 @@
 """replay/heap.py: the collector's passes during a replay, and the state it is left in after."""
+
 import gc
 
 import pytest

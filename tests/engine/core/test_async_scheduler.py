@@ -1,4 +1,5 @@
 """Async scheduling (AsyncScheduler and the batch queue) against the synchronous scheduler as an oracle."""
+
 from __future__ import annotations
 
 import random
@@ -28,18 +29,28 @@ class RecordingRunner(MockModelRunner):
         return super().execute(sched_out)
 
 
-def make_core(async_scheduling: bool, role: str | None = None, send_after: int = 3,
-              eos_token_id: int | None = None, **overrides) -> EngineCore:
+def make_core(
+    async_scheduling: bool,
+    role: str | None = None,
+    send_after: int = 3,
+    eos_token_id: int | None = None,
+    **overrides,
+) -> EngineCore:
     kv_transfer = KVTransferConfig(kv_role=role, kv_addr="ipc://w") if role else None
-    config = make_config(async_scheduling=async_scheduling, kv_transfer=kv_transfer,
-                         eos_token_id=eos_token_id, **overrides)
+    config = make_config(
+        async_scheduling=async_scheduling,
+        kv_transfer=kv_transfer,
+        eos_token_id=eos_token_id,
+        **overrides,
+    )
     connector = PDConnector(config) if role else None
     worker = FakeKVAgent(send_after) if role else None
     return EngineCore(config, RecordingRunner(config), connector, worker)
 
 
-def run_to_idle(core: EngineCore, arrivals: dict[int, list[tuple]] | None = None,
-                max_steps: int = 5000) -> dict[str, tuple[list[int], str]]:
+def run_to_idle(
+    core: EngineCore, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 5000
+) -> dict[str, tuple[list[int], str]]:
     """Steps while there is work (and until the arrivals are in); each request's
     tokens and finish reason."""
     arrivals = arrivals or {}
@@ -130,8 +141,10 @@ def test_an_eos_costs_async_scheduling_one_decode_whose_token_is_dropped():
     for async_scheduling in (False, True):
         core = make_core(async_scheduling, eos_token_id=7)
         core.add_request("r", [3], 20)  # the mock runner samples 4, 5, 6, 7 = EOS
-        outcomes[async_scheduling] = (run_to_idle(core), sum(
-            b.total_num_scheduled_tokens for b in core.model_runner.batches))
+        outcomes[async_scheduling] = (
+            run_to_idle(core),
+            sum(b.total_num_scheduled_tokens for b in core.model_runner.batches),
+        )
     assert outcomes[True][0] == outcomes[False][0] == {"r": ([4, 5, 6, 7], "stop")}
     assert outcomes[True][1] == outcomes[False][1] + 1
 
@@ -173,7 +186,9 @@ def test_a_producer_frees_a_delayed_request_when_its_send_is_reported():
 
 def test_every_policy_steps_at_once_when_only_a_batch_in_flight_is_left():
     for liveness in ("legacy", "poll", "event"):
-        action = next_action(liveness, True, False, False, has_unfinished=False, only_in_flight=True)
+        action = next_action(
+            liveness, True, False, False, has_unfinished=False, only_in_flight=True
+        )
         assert action is LoopAction.STEP
     assert next_action("poll", True, False, has_unfinished=True) is LoopAction.SLEEP
 

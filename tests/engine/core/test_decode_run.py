@@ -1,4 +1,5 @@
 """engine/core/decode_run.py's count of plain decode steps, against the scheduler stepped one step at a time."""
+
 from engine.core.decode_run import num_plain_decode_steps
 from engine.runner.mock_runner import MockModelRunner
 from tests.utils import make_request, make_scheduler

@@ -1,4 +1,5 @@
 """EngineCore driven by the liveness rule, as the process shell drives it (no sockets)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,11 @@ from tests.utils import make_config
 
 
 def make_core(liveness: str, send_after: int = 3, connector: bool = True) -> EngineCore:
-    config = make_config(liveness=liveness,
-                         kv_transfer=KVTransferConfig() if connector else None)
+    config = make_config(liveness=liveness, kv_transfer=KVTransferConfig() if connector else None)
     agent = FakeKVAgent(send_after) if connector else None
-    return EngineCore(config, MockModelRunner(config),
-                      PDConnector(config) if connector else None, agent)
+    return EngineCore(
+        config, MockModelRunner(config), PDConnector(config) if connector else None, agent
+    )
 
 
 def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction]:
@@ -25,9 +26,14 @@ def run_until_blocked(core: EngineCore, max_steps: int = 100) -> list[LoopAction
     actions = []
     for _ in range(max_steps):
         result = core.step()
-        action = next_action(core.config.liveness, core.has_work(), result.model_executed,
-                             result.can_progress, core.must_poll(),
-                             has_unfinished=core.has_unfinished_requests())
+        action = next_action(
+            core.config.liveness,
+            core.has_work(),
+            result.model_executed,
+            result.can_progress,
+            core.must_poll(),
+            has_unfinished=core.has_unfinished_requests(),
+        )
         actions.append(action)
         if action in (LoopAction.WAIT_INPUT, LoopAction.WAIT_ANY):
             if action == LoopAction.WAIT_ANY and core.connector_agent.pending_send:
@@ -66,8 +72,9 @@ def test_zero_token_steps_still_carry_finished_ids_and_metadata():
     assert core.scheduler.finished_req_ids == {"r"}
     second = core.step()
     # The report only freed a finished request's blocks: nothing left for another step.
-    assert second == EngineStepResult([], model_executed=False, can_progress=False,
-                                      got_kv_reports=True)
+    assert second == EngineStepResult(
+        [], model_executed=False, can_progress=False, got_kv_reports=True
+    )
     assert core.connector_agent.num_polls == 2
     assert not core.scheduler.requests  # the report came back in the zero-token step
     assert core.step() == EngineStepResult([], False, False, False)  # no work: no step
@@ -97,6 +104,7 @@ def test_a_report_is_progress_only_while_unfinished_requests_remain():
     assert not extra.finished_req_ids and extra.kv_connector_metadata.is_empty()
     assert core.make_stats() == stats
 
+
 def test_no_connector_engine_blocks_when_done():
     core = make_core("event", connector=False)
     core.add_request("r", list(range(8)), 3)
@@ -111,9 +119,15 @@ def test_next_action_table():
     for unfinished in (True, False):
         assert next_action("poll", True, False, has_unfinished=unfinished) == LoopAction.SLEEP
         assert next_action("event", True, False, has_unfinished=unfinished) == LoopAction.WAIT_ANY
-    assert next_action("event", True, False, can_progress=True, has_unfinished=True) == LoopAction.STEP
-    assert next_action("event", True, False, must_poll=True, has_unfinished=True) == LoopAction.SLEEP
-    assert next_action("poll", True, False, can_progress=True, has_unfinished=True) == LoopAction.SLEEP
+    assert (
+        next_action("event", True, False, can_progress=True, has_unfinished=True) == LoopAction.STEP
+    )
+    assert (
+        next_action("event", True, False, must_poll=True, has_unfinished=True) == LoopAction.SLEEP
+    )
+    assert (
+        next_action("poll", True, False, can_progress=True, has_unfinished=True) == LoopAction.SLEEP
+    )
     for policy in ("legacy", "poll", "event"):
         assert next_action(policy, True, True, has_unfinished=True) == LoopAction.STEP
         assert next_action(policy, False, False, has_unfinished=False) == LoopAction.WAIT_INPUT
@@ -124,7 +138,10 @@ def test_next_action_table():
 def test_legacy_sleeps_while_unfinished_requests_wait_and_never_spins():
     """vLLM before #43433: `if not model_executed and has_unfinished_requests(): sleep(1 ms)`."""
     assert next_action("legacy", True, False, has_unfinished=True) == LoopAction.SLEEP
-    assert next_action("legacy", True, False, can_progress=True, has_unfinished=True) == LoopAction.SLEEP
+    assert (
+        next_action("legacy", True, False, can_progress=True, has_unfinished=True)
+        == LoopAction.SLEEP
+    )
     # Only finished ids to ship: step once more (it ships them), then park on the input.
     assert next_action("legacy", True, False, has_unfinished=False) == LoopAction.STEP
 
@@ -132,12 +149,25 @@ def test_legacy_sleeps_while_unfinished_requests_wait_and_never_spins():
 def test_legacy_decode_sleeps_between_steps_while_its_load_waits():
     core = make_core("legacy")
     core.connector_agent.recv_after = 10**9  # the load never lands
-    params = {"do_remote_prefill": True, "remote_request_id": "p0", "remote_engine_id": "P",
-              "remote_block_ids": [7, 8], "remote_addr": "ipc:///tmp/p-kv"}
+    params = {
+        "do_remote_prefill": True,
+        "remote_request_id": "p0",
+        "remote_engine_id": "P",
+        "remote_block_ids": [7, 8],
+        "remote_addr": "ipc:///tmp/p-kv",
+    }
     core.add_request("d", list(range(8)), 4, params)
-    actions = [next_action("legacy", core.has_work(), step.model_executed, step.can_progress,
-                           core.must_poll(), has_unfinished=core.has_unfinished_requests())
-               for step in (core.step() for _ in range(5))]
+    actions = [
+        next_action(
+            "legacy",
+            core.has_work(),
+            step.model_executed,
+            step.can_progress,
+            core.must_poll(),
+            has_unfinished=core.has_unfinished_requests(),
+        )
+        for step in (core.step() for _ in range(5))
+    ]
     assert core.make_stats().num_waiting_for_remote_kvs == 1
     assert actions == [LoopAction.SLEEP] * 5  # the pre-fix loop slept; it did not spin
 

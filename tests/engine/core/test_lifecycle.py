@@ -1,4 +1,5 @@
 """The KV-connector lifecycle: vLLM PR #43433, remote decode and remote prefill flows."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,16 +8,27 @@ from connector.messages import HeartbeatSpec
 from engine.config import EngineConfig, KVTransferConfig
 from engine.core.request import RequestStatus
 from engine.utils import cdiv
-from tests.utils import (BLOCK_SIZE, assert_scheduler_empty, make_request, make_scheduler,
-                         runner_output, step)
+from tests.utils import (
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    make_request,
+    make_scheduler,
+    runner_output,
+    step,
+)
 
 REMOTE_DECODE = {"do_remote_decode": True}
 
 
 def remote_prefill_params(num_tokens: int, first_block: int = 100) -> dict:
     n = cdiv(num_tokens, BLOCK_SIZE)
-    return {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "x",
-            "remote_block_ids": list(range(first_block, first_block + n)), "remote_addr": "ipc://p"}
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_request_id": "x",
+        "remote_block_ids": list(range(first_block, first_block + n)),
+        "remote_addr": "ipc://p",
+    }
 
 
 def finish_prefill_request(sched, req_id="id-0", num_tokens=10):
@@ -101,7 +113,9 @@ def test_remote_prefill_lifecycle():
     assert out.total_num_scheduled_tokens == 0
     step(sched, finished_recving={"d"})
     out, outputs = step(sched)  # promoted: recompute the last prompt token only
-    assert [(s.num_computed_tokens, s.token_ids, s.is_new) for s in out.scheduled] == [(9, [9], True)]
+    assert [(s.num_computed_tokens, s.token_ids, s.is_new) for s in out.scheduled] == [
+        (9, [9], True)
+    ]
     assert out.scheduled[0].new_block_ids == [1, 2, 3]
     assert outputs[0].new_token_ids == [10]
     while sched.has_requests():
@@ -148,8 +162,12 @@ def test_stale_and_duplicate_reports_are_counted_not_fatal():
     sched = make_scheduler(use_kv_connector=True)
     finish_prefill_request(sched)
     # vLLM #46240: one id in both sets in one step, plus unknown ids.
-    step(sched, finished_sending={"id-0", "nope"}, finished_recving={"id-0", "ghost"},
-         invalid_block_ids={63})
+    step(
+        sched,
+        finished_sending={"id-0", "nope"},
+        finished_recving={"id-0", "ghost"},
+        invalid_block_ids={63},
+    )
     assert_scheduler_empty(sched)
     step(sched, finished_sending={"id-0"})  # a duplicate after release
     assert sched.num_stale_kv_reports == 5
@@ -227,14 +245,18 @@ def test_abort_before_admission_tells_prefill_to_free():
     sched.finish_requests(["d"], RequestStatus.FINISHED_ABORTED)
     out, _ = step(sched)
     (release,) = out.kv_connector_metadata.reqs_to_recv.values()
-    assert release.req_id == "d" and release.local_block_ids == [] and release.remote_request_id == "x"
+    assert (
+        release.req_id == "d" and release.local_block_ids == [] and release.remote_request_id == "x"
+    )
     assert "d" not in sched.requests
 
 
 def test_decode_side_that_ignores_a_request_still_releases_prefill():
     """D cannot fit it: P holds its blocks for D all the same, so D must say "read done"."""
     sched = make_scheduler(use_kv_connector=True, num_blocks=5)
-    output = sched.add_request(make_request("d", 10, max_tokens=50, params=remote_prefill_params(10)))
+    output = sched.add_request(
+        make_request("d", 10, max_tokens=50, params=remote_prefill_params(10))
+    )
     assert output.finish_reason == "length"  # FINISHED_IGNORED, as vLLM reports it
     assert sched.has_requests()  # the id still has to reach the connector's agent
     out, _ = step(sched)
@@ -247,8 +269,9 @@ def test_prefill_stopped_by_eos_still_holds_its_blocks_for_decode():
     """vLLM 0.32's NIXL request_finished delays the free for FINISHED_STOPPED too (P's
     one token was EOS: stop order puts EOS before the length cap)."""
     sched = make_scheduler(use_kv_connector=True, eos_token_id=10)
-    sched.add_request(make_request("p", 10, max_tokens=1, eos_token_id=10,
-                                   params=dict(REMOTE_DECODE)))
+    sched.add_request(
+        make_request("p", 10, max_tokens=1, eos_token_id=10, params=dict(REMOTE_DECODE))
+    )
     _, (output,) = step(sched)  # prompt 0..9 samples 10 = EOS
     assert output.finish_reason == "stop"
     assert output.kv_transfer_params["remote_block_ids"] == [1, 2, 3]
@@ -264,8 +287,15 @@ def test_default_policies_are_vllm_0_32s():
 
 def _start_loads(sched, *req_ids, num_tokens=10):
     for i, req_id in enumerate(req_ids):
-        sched.add_request(make_request(req_id, num_tokens, max_tokens=2, start=50 * i,
-                                       params=remote_prefill_params(num_tokens)))
+        sched.add_request(
+            make_request(
+                req_id,
+                num_tokens,
+                max_tokens=2,
+                start=50 * i,
+                params=remote_prefill_params(num_tokens),
+            )
+        )
     out, _ = step(sched)
     assert set(out.kv_connector_metadata.reqs_to_recv) == set(req_ids)
     return [sched.requests[req_id] for req_id in req_ids]
@@ -347,7 +377,9 @@ def test_invalid_blocks_cut_back_running_requests_too(policy):
     out, outputs = step(sched, invalid_block_ids={2})
     assert out.scheduled[0].num_computed_tokens == 12  # this step's decode is thrown away
     if policy == "fail":
-        assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("r", [], "error")]
+        assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+            ("r", [], "error")
+        ]
         pool = sched.block_pool
         # Blocks 2 on (4 was this step's) lost their hashes: reused first; 1 stays cached.
         assert [b.block_id for b in pool.free_block_queue][:3] == [4, 3, 2]
@@ -389,11 +421,15 @@ def test_prefill_stamps_a_lease_for_length_capped_and_stopped_alike():
     sched = make_scheduler(use_kv_connector=True, eos_token_id=10)
     sched.connector.set_time(7 * S)
     sched.add_request(make_request("cap", 10, max_tokens=1, start=100, params=dict(REMOTE_DECODE)))
-    sched.add_request(make_request("eos", 10, max_tokens=1, eos_token_id=10, params=dict(REMOTE_DECODE)))
+    sched.add_request(
+        make_request("eos", 10, max_tokens=1, eos_token_id=10, params=dict(REMOTE_DECODE))
+    )
     sched.add_request(make_request("gone", 10, max_tokens=5, start=200, params=dict(REMOTE_DECODE)))
     _, outputs = step(sched)
-    assert sorted((o.req_id, o.finish_reason) for o in outputs if o.finished) == \
-        [("cap", "length"), ("eos", "stop")]
+    assert sorted((o.req_id, o.finish_reason) for o in outputs if o.finished) == [
+        ("cap", "length"),
+        ("eos", "stop"),
+    ]
     sched.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
     out, _ = step(sched)
     meta = out.kv_connector_metadata
@@ -405,8 +441,9 @@ def test_decode_heartbeats_while_it_waits_and_only_when_it_steps():
     """vLLM 0.32 NIXL build_connector_meta: every tracked remote id, per P engine, at
     most every lease // 6 (the first at once); tracked from add_request until
     finished_recving or request_finished."""
-    sched = make_scheduler(use_kv_connector=True,
-                           kv_transfer=KVTransferConfig(kv_addr="ipc://d", kv_lease_s=6.0))
+    sched = make_scheduler(
+        use_kv_connector=True, kv_transfer=KVTransferConfig(kv_addr="ipc://d", kv_lease_s=6.0)
+    )
     conn = sched.connector
     conn.set_time(10 * S)
     sched.add_request(make_request("d1", 10, params=remote_prefill_params(10)))
@@ -415,8 +452,11 @@ def test_decode_heartbeats_while_it_waits_and_only_when_it_steps():
     assert out.kv_connector_metadata.heartbeats == [HeartbeatSpec("P", "ipc://p", ["x"])]
     assert conn.next_deadline_ns() == 11 * S  # every 6 s // 6
     conn.set_time(10 * S + S // 2)
-    sched.add_request(make_request("d2", 10, start=50, params={**remote_prefill_params(10, 200),
-                                                                "remote_request_id": "y"}))
+    sched.add_request(
+        make_request(
+            "d2", 10, start=50, params={**remote_prefill_params(10, 200), "remote_request_id": "y"}
+        )
+    )
     out, _ = step(sched)
     assert out.kv_connector_metadata.heartbeats == []  # one throttle for all requests
     conn.set_time(111 * S)  # D did not step for 100 s: one heartbeat when it next does
@@ -438,4 +478,3 @@ def test_requests_without_remote_fields_send_no_heartbeats():
     sched.add_request(make_request("d", 10, start=50, params=params))
     out, _ = step(sched)
     assert out.kv_connector_metadata.heartbeats == [] and sched.connector.next_deadline_ns() is None
-

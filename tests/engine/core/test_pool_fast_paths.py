@@ -6,6 +6,7 @@ ReferencePool below is the pool written one block at a time, as vLLM's; a seeded
 random workload drives one of each through KVCacheManager, and after every operation
 their free queues, ref counts, hashes, hash maps and counters must be identical.
 """
+
 from __future__ import annotations
 
 import random
@@ -79,12 +80,23 @@ class ReferencePool(BlockPool):
 
 
 def pool_state(pool: BlockPool) -> tuple:
-    links = [(b.prev_free.block_id if b.prev_free else None,
-              b.next_free.block_id if b.next_free else None) for b in pool.blocks]
+    links = [
+        (
+            b.prev_free.block_id if b.prev_free else None,
+            b.next_free.block_id if b.next_free else None,
+        )
+        for b in pool.blocks
+    ]
     cached = sorted((h, b.block_id) for h, b in pool.cached_block_hash_to_block.items())
-    return ([b.block_id for b in pool.free_block_queue], pool.free_block_queue.num_free_blocks,
-            [(b.ref_cnt, b.block_hash) for b in pool.blocks], links, cached,
-            pool.num_cached_free_blocks, pool.num_used_blocks)
+    return (
+        [b.block_id for b in pool.free_block_queue],
+        pool.free_block_queue.num_free_blocks,
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        links,
+        cached,
+        pool.num_cached_free_blocks,
+        pool.num_used_blocks,
+    )
 
 
 def manager(pool_cls: type, num_blocks: int, block_size: int) -> KVCacheManager:
@@ -121,12 +133,12 @@ def test_batched_pool_equals_the_block_by_block_pool(seed):
                 request.num_computed_tokens = request.num_tokens
                 request.append_output_token_ids(token)
                 results.append(kv.allocate_slots(request, 1))
-            assert [None if r is None else [b.block_id for b in r] for r in results] == \
-                [None if r is None else [b.block_id for b in r] for r in reversed(results)]
+            assert [None if r is None else [b.block_id for b in r] for r in results] == [
+                None if r is None else [b.block_id for b in r] for r in reversed(results)
+            ]
         else:
             prompt = random_prompt(rng)
-            twins = [make_request(f"r{i}", prompt=list(prompt), block_size=block_size)
-                     for _ in kvs]
+            twins = [make_request(f"r{i}", prompt=list(prompt), block_size=block_size) for _ in kvs]
             admitted, look_up = [], rng.random() < 0.7  # else: a hash cached twice (no hit)
             for kv, request in zip(kvs, twins):
                 hits, num_hit = kv.get_computed_blocks(request) if look_up else ([], 0)
@@ -181,13 +193,30 @@ class _Int(int):
     pass
 
 
-@pytest.mark.parametrize("prompt", [
-    [1, 2, 3], (4, 5), [], [1, True], [1, 2.0], [_Int(3)], [1, "2"], [0, 511], [-1, 3],
-    [512], [3, None], "abc", None, [1] * 1000 + [False],
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1, 2, 3],
+        (4, 5),
+        [],
+        [1, True],
+        [1, 2.0],
+        [_Int(3)],
+        [1, "2"],
+        [0, 511],
+        [-1, 3],
+        [512],
+        [3, None],
+        "abc",
+        None,
+        [1] * 1000 + [False],
+    ],
+)
 def test_why_malformed_equals_the_per_token_check(prompt):
     for max_tokens in (1, 0, True, 2.0):
-        assert why_malformed(prompt, max_tokens, 512) == reference_why_malformed(prompt, max_tokens, 512)
+        assert why_malformed(prompt, max_tokens, 512) == reference_why_malformed(
+            prompt, max_tokens, 512
+        )
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -196,11 +225,11 @@ def test_request_hashes_equal_block_by_block_hashes(block_size):
     hash_block_tokens per block, from scratch and past known hashes."""
     rng = random.Random(block_size)
     for _ in range(50):
-        tokens = [rng.randrange(-2**40, 2**40) for _ in range(rng.randint(0, 70))]
+        tokens = [rng.randrange(-(2**40), 2**40) for _ in range(rng.randint(0, 70))]
         expected, parent = [], None
         for start in range(0, len(tokens) - block_size + 1, block_size):
-            parent = hash_block_tokens(parent, tokens[start:start + block_size])
+            parent = hash_block_tokens(parent, tokens[start : start + block_size])
             expected.append(parent)
         assert hash_request_blocks(tokens, block_size, []) == expected
-        known = expected[:rng.randint(0, len(expected))]
+        known = expected[: rng.randint(0, len(expected))]
         assert hash_request_blocks(tokens, block_size, list(known)) == expected

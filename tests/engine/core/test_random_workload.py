@@ -1,5 +1,6 @@
 """Seeded random workloads: arrivals, aborts, prefix sharing, pool pressure, delayed frees,
 remote loads whose reports arrive late, stale or twice, and load failures."""
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,9 @@ class FakeWorld:
         for req_id in meta.reqs_to_send:
             self.pending.append((self.now + self.rng.randint(0, 6), "send", req_id, []))
         for req_id, load in meta.reqs_to_recv.items():
-            self.pending.append((self.now + self.rng.randint(0, 6), "recv", req_id,
-                                 load.local_block_ids))
+            self.pending.append(
+                (self.now + self.rng.randint(0, 6), "recv", req_id, load.local_block_ids)
+            )
 
     def reports(self, flush: bool = False) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -57,8 +59,13 @@ def make_random_request(rng: random.Random, i: int):
         params, max_tokens = {"do_remote_decode": True}, 1
     elif kind < 0.55:
         n = cdiv(len(prompt), 4)
-        params = {"do_remote_prefill": True, "remote_request_id": f"p{i}", "remote_engine_id": "P",
-                  "remote_block_ids": list(range(1000, 1000 + n)), "remote_addr": ""}
+        params = {
+            "do_remote_prefill": True,
+            "remote_request_id": f"p{i}",
+            "remote_engine_id": "P",
+            "remote_block_ids": list(range(1000, 1000 + n)),
+            "remote_addr": "",
+        }
         max_tokens = rng.randint(1, 8)
     else:
         params, max_tokens = None, rng.randint(1, 12)
@@ -75,23 +82,39 @@ def one_step(sched, world: FakeWorld, flush: bool = False) -> LoopAction:
     sched.block_pool.check_invariants()
     world.now += 1
     can_progress = sched.can_progress(out, not reports.is_empty())  # the engine's own rule
-    return next_action(sched.config.liveness, sched.has_requests(),
-                       out.total_num_scheduled_tokens > 0, can_progress, sched.has_deferred_requests(),
-                       has_unfinished=sched.has_unfinished_requests())
+    return next_action(
+        sched.config.liveness,
+        sched.has_requests(),
+        out.total_num_scheduled_tokens > 0,
+        can_progress,
+        sched.has_deferred_requests(),
+        has_unfinished=sched.has_unfinished_requests(),
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), liveness=st.sampled_from(["legacy", "poll", "event"]),
-       policy=st.sampled_from(["recompute", "fail"]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    liveness=st.sampled_from(["legacy", "poll", "event"]),
+    policy=st.sampled_from(["recompute", "fail"]),
+)
 def test_random_workload_releases_everything(seed, liveness, policy):
     rng = random.Random(seed)
-    sched = make_scheduler(use_kv_connector=True, liveness=liveness, num_blocks=24,
-                           max_num_batched_tokens=32, max_num_seqs=6, kv_load_failure_policy=policy)
+    sched = make_scheduler(
+        use_kv_connector=True,
+        liveness=liveness,
+        num_blocks=24,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        kv_load_failure_policy=policy,
+    )
     world = FakeWorld(rng)
     for i in range(rng.randint(5, 40)):
         sched.add_request(make_random_request(rng, i))
         if rng.random() < 0.15 and sched.requests:
-            sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
+            sched.finish_requests(
+                [rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED
+            )
         for _ in range(rng.randint(0, 3)):
             one_step(sched, world)
     # Quiescence: no more arrivals. Follow the liveness rule exactly: a loop that may

@@ -119,11 +119,14 @@ def test_prefix_hits_skip_cached_blocks():
 
 def test_runner_failure_fails_only_that_request():
     from engine.core.outputs import ModelRunnerOutput
+
     sched = make_scheduler()
     sched.add_request(make_request("bad", num_tokens=4))
     sched.add_request(make_request("good", num_tokens=4, start=30))
     out = sched.schedule()
-    runner_out = ModelRunnerOutput(sampled_token_ids={"good": 7}, failed={"bad": "token id 999 out of range"})
+    runner_out = ModelRunnerOutput(
+        sampled_token_ids={"good": 7}, failed={"bad": "token id 999 out of range"}
+    )
     outputs = sched.update_from_output(out, runner_out)
     by_id = {o.req_id: o for o in outputs}
     assert by_id["bad"].finish_reason == "error" and "999" in by_id["bad"].error
@@ -156,8 +159,11 @@ def test_admission_needs_blocks_for_the_whole_sequence(reserve_full_isl):
     """vLLM 0.32 (scheduler_reserve_full_isl, its default): a waiting request is admitted
     only if blocks for its whole current sequence are free, even when its first chunk
     would fit; it waits at the head, and nothing is preempted for it."""
-    sched = make_scheduler(num_blocks=9, max_num_batched_tokens=8,  # 8 usable blocks
-                           scheduler_reserve_full_isl=reserve_full_isl)
+    sched = make_scheduler(
+        num_blocks=9,
+        max_num_batched_tokens=8,  # 8 usable blocks
+        scheduler_reserve_full_isl=reserve_full_isl,
+    )
     sched.add_request(make_request("r0", num_tokens=12, max_tokens=3))
     sched.add_request(make_request("r1", num_tokens=24, max_tokens=2, start=100))  # 6 blocks now
     out, _ = step(sched)

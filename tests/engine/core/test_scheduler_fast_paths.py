@@ -7,6 +7,7 @@ reports): one with `fast_path` on (the decode loop in _schedule_decodes, the sam
 token loop in _update_sampled), one with it off. After every step their scheduler
 outputs, request outputs, block tables, requests and pool state must be identical.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,10 +18,10 @@ from array import array
 import pytest
 
 from engine.core.block_hash import NONE_HASH, hash_block_tokens
-from engine.runner.mock_runner import MockModelRunner
 from engine.core.outputs import NO_REQ_IDS, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.runner.mock_runner import MockModelRunner
 from tests.engine.core.test_random_workload import FakeWorld, make_random_request
 from tests.utils import make_request, make_scheduler
 
@@ -29,28 +30,47 @@ PREFIXES = [[7] * 8, [9] * 12, list(range(40, 52))]
 
 def pool_state(sched: Scheduler) -> tuple:
     pool = sched.block_pool
-    return ([b.block_id for b in pool.free_block_queue],
-            [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-            sorted((h, b.block_id) for h, b in pool.cached_block_hash_to_block.items()),
-            pool.num_cached_free_blocks, pool.num_used_blocks)
+    return (
+        [b.block_id for b in pool.free_block_queue],
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        sorted((h, b.block_id) for h, b in pool.cached_block_hash_to_block.items()),
+        pool.num_cached_free_blocks,
+        pool.num_used_blocks,
+    )
 
 
 def request_state(request: Request) -> tuple:
-    return (request.req_id, request.status, request.num_computed_tokens, request.num_tokens,
-            list(request.all_token_ids), list(request.output_token_ids), list(request.block_hashes),
-            request.num_cached_tokens, request.num_preemptions)
+    return (
+        request.req_id,
+        request.status,
+        request.num_computed_tokens,
+        request.num_tokens,
+        list(request.all_token_ids),
+        list(request.output_token_ids),
+        list(request.block_hashes),
+        request.num_cached_tokens,
+        request.num_preemptions,
+    )
 
 
 def scheduler_state(sched: Scheduler) -> tuple:
     kv = sched.kv_cache_manager
-    return ([request_state(r) for r in sched.requests.values()],
-            [r.req_id for r in sched.waiting], [r.req_id for r in sched.skipped_waiting],
-            [r.req_id for r in sched.running],
-            {req_id: [b.block_id for b in blocks] for req_id, blocks in kv.req_to_blocks.items()},
-            dict(kv.num_cached_block), sorted(sched.held_for_send), sorted(sched.held_for_recv),
-            sorted(sched.finished_req_ids), sorted(sched.deferred_req_ids),
-            sorted(sched.finished_recving_kv_req_ids), sorted(sched.failed_recving_kv_req_ids),
-            sched.make_stats(), pool_state(sched))
+    return (
+        [request_state(r) for r in sched.requests.values()],
+        [r.req_id for r in sched.waiting],
+        [r.req_id for r in sched.skipped_waiting],
+        [r.req_id for r in sched.running],
+        {req_id: [b.block_id for b in blocks] for req_id, blocks in kv.req_to_blocks.items()},
+        dict(kv.num_cached_block),
+        sorted(sched.held_for_send),
+        sorted(sched.held_for_recv),
+        sorted(sched.finished_req_ids),
+        sorted(sched.deferred_req_ids),
+        sorted(sched.finished_recving_kv_req_ids),
+        sorted(sched.failed_recving_kv_req_ids),
+        sched.make_stats(),
+        pool_state(sched),
+    )
 
 
 class Twin:
@@ -69,6 +89,7 @@ class Twin:
                 num_decodes = decodes(out, req_index, budget)
                 self.num_fast_decodes += num_decodes
                 return num_decodes
+
             self.sched._schedule_decodes = counting
 
     def step(self, failures: random.Random) -> tuple:
@@ -95,9 +116,14 @@ class Twin:
 def plain_request(rng: random.Random, i: int, block_size: int) -> Request:
     prompt = list(rng.choice(PREFIXES)) if rng.random() < 0.6 else []
     prompt += [rng.randrange(500) for _ in range(rng.randint(1, 40))]
-    return Request(f"r{i}", prompt, rng.randint(1, 40), block_size,
-                   eos_token_id=rng.choice([None, None, rng.randrange(500)]),
-                   stop_token_ids=tuple(rng.randrange(500) for _ in range(rng.choice([0, 0, 2]))))
+    return Request(
+        f"r{i}",
+        prompt,
+        rng.randint(1, 40),
+        block_size,
+        eos_token_id=rng.choice([None, None, rng.randrange(500)]),
+        stop_token_ids=tuple(rng.randrange(500) for _ in range(rng.choice([0, 0, 2]))),
+    )
 
 
 def run_twins(seed: int, use_kv_connector: bool, **config) -> Twin:
@@ -107,13 +133,17 @@ def run_twins(seed: int, use_kv_connector: bool, **config) -> Twin:
     block_size = fast.sched.block_size
     num_requests = rng.randint(10, 40)
     for i in range(num_requests):
-        make = (lambda: make_random_request(random.Random(seed * 1000 + i), i)) if use_kv_connector \
-            else (lambda: plain_request(random.Random(seed * 1000 + i), i, block_size))
+        make = (
+            (lambda: make_random_request(random.Random(seed * 1000 + i), i))  # noqa: B023
+            if use_kv_connector
+            else (lambda: plain_request(random.Random(seed * 1000 + i), i, block_size))  # noqa: B023
+        )
         assert fast.sched.add_request(make()) == slow.sched.add_request(make())
         if rng.random() < 0.1 and fast.sched.requests:
             victim = rng.choice(sorted(fast.sched.requests))
-            assert (fast.sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
-                    == slow.sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED))
+            assert fast.sched.finish_requests(
+                [victim], RequestStatus.FINISHED_ABORTED
+            ) == slow.sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         for _ in range(rng.randint(0, 4)):
             compare_step(fast, slow, seed, i)
     for n in range(400):
@@ -131,17 +161,31 @@ def compare_step(fast: Twin, slow: Twin, seed: int, step: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("config", [
-    # roomy pool, decodes dominate
-    dict(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=16),
-    # small pool: preemption, decodes that need a block find none
-    dict(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=8),
-    # a tiny budget (the fast loop stops at it), max_model_len caps, no prefix caching
-    dict(num_blocks=64, max_num_batched_tokens=5, max_num_seqs=8, max_model_len=40,
-         enable_prefix_caching=False),
-    # vLLM's admission without the full-sequence reservation
-    dict(num_blocks=24, max_num_batched_tokens=16, max_num_seqs=6, scheduler_reserve_full_isl=False),
-], ids=["roomy", "pressure", "tiny_budget", "no_reserve"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # roomy pool, decodes dominate
+        dict(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=16),
+        # small pool: preemption, decodes that need a block find none
+        dict(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=8),
+        # a tiny budget (the fast loop stops at it), max_model_len caps, no prefix caching
+        dict(
+            num_blocks=64,
+            max_num_batched_tokens=5,
+            max_num_seqs=8,
+            max_model_len=40,
+            enable_prefix_caching=False,
+        ),
+        # vLLM's admission without the full-sequence reservation
+        dict(
+            num_blocks=24,
+            max_num_batched_tokens=16,
+            max_num_seqs=6,
+            scheduler_reserve_full_isl=False,
+        ),
+    ],
+    ids=["roomy", "pressure", "tiny_budget", "no_reserve"],
+)
 def test_fast_path_matches_slow_path(seed, config):
     twin = run_twins(seed, use_kv_connector=False, **config)
     assert twin.num_fast_decodes > 0
@@ -151,8 +195,14 @@ def test_fast_path_matches_slow_path(seed, config):
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_fast_path_matches_slow_path_with_connector(seed, policy):
     """P-side delayed frees and D-side loads: reports, invalid blocks, stale ids."""
-    twin = run_twins(seed, use_kv_connector=True, num_blocks=24, max_num_batched_tokens=32,
-                     max_num_seqs=6, kv_load_failure_policy=policy)
+    twin = run_twins(
+        seed,
+        use_kv_connector=True,
+        num_blocks=24,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        kv_load_failure_policy=policy,
+    )
     assert twin.num_fast_decodes > 0
 
 
@@ -172,30 +222,57 @@ def test_decode_fast_path_allocates_a_block_only_at_a_boundary():
 def test_a_decode_is_scheduled_from_the_first_cache_line_of_its_request():
     """_schedule_decodes reads four fields of a request: among its first six slots, which
     share the first 64-byte line of a 192-byte object with its header."""
-    assert {"req_id", "num_tokens", "num_computed_tokens", "all_token_ids"} <= set(Request.__slots__[:6])
+    assert {"req_id", "num_tokens", "num_computed_tokens", "all_token_ids"} <= set(
+        Request.__slots__[:6]
+    )
     assert sys.getsizeof(Request("r", [1], 1, 4)) == 192
 
 
 def test_scheduler_output_columns_round_trip_records():
-    records = [ScheduledRequest(req_id="p", token_ids=[1, 2, 3], num_computed_tokens=4, new_block_ids=[5],
-                                is_new=True, sample=False),
-               ScheduledRequest(req_id="d", token_ids=[9], num_computed_tokens=20, new_block_ids=[],
-                                is_new=False, sample=True),
-               ScheduledRequest(req_id="e", token_ids=[8], num_computed_tokens=31, new_block_ids=[6],
-                                is_new=False, sample=True)]
+    records = [
+        ScheduledRequest(
+            req_id="p",
+            token_ids=[1, 2, 3],
+            num_computed_tokens=4,
+            new_block_ids=[5],
+            is_new=True,
+            sample=False,
+        ),
+        ScheduledRequest(
+            req_id="d",
+            token_ids=[9],
+            num_computed_tokens=20,
+            new_block_ids=[],
+            is_new=False,
+            sample=True,
+        ),
+        ScheduledRequest(
+            req_id="e",
+            token_ids=[8],
+            num_computed_tokens=31,
+            new_block_ids=[6],
+            is_new=False,
+            sample=True,
+        ),
+    ]
     out = SchedulerOutput(records, 5)
     assert out.scheduled == tuple(records)
     assert (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.token_ids) == (
-        ["p", "d", "e"], [4, 20, 31], [3, 1, 1], [1, 2, 3, 9, 8])
+        ["p", "d", "e"],
+        [4, 20, 31],
+        [3, 1, 1],
+        [1, 2, 3, 9, 8],
+    )
     assert out.new_block_ids == {"p": [5], "e": [6]} and out.partial_req_ids == {"p"}
     assert SchedulerOutput(out.scheduled, 5) == out
-
 
 
 def test_an_empty_scheduler_output_is_the_constructor_s_with_its_own_containers():
     fast, slow = SchedulerOutput.empty(), SchedulerOutput()
     assert fast == slow and type(fast) is SchedulerOutput
-    for slot in SchedulerOutput.__slots__:  # every slot set; none mutable shared with another output
+    for (
+        slot
+    ) in SchedulerOutput.__slots__:  # every slot set; none mutable shared with another output
         value = getattr(fast, slot)
         assert value == getattr(slow, slot)
         if value is NO_REQ_IDS:  # an id set still empty: immutable, so adding to it fails
@@ -207,18 +284,29 @@ def test_an_empty_scheduler_output_is_the_constructor_s_with_its_own_containers(
 
 def test_ids_added_to_an_empty_scheduler_output_stay_in_it():
     out, other = SchedulerOutput.empty(), SchedulerOutput.empty()
-    out.add(ScheduledRequest(req_id="p", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[3],
-                             is_new=True, sample=False))
+    out.add(
+        ScheduledRequest(
+            req_id="p",
+            token_ids=[1, 2],
+            num_computed_tokens=0,
+            new_block_ids=[3],
+            is_new=True,
+            sample=False,
+        )
+    )
     out.add_preempted("q")
     assert (out.new_req_ids, out.partial_req_ids, out.preempted_req_ids) == ({"p"}, {"p"}, {"q"})
     assert other == SchedulerOutput() and NO_REQ_IDS == frozenset()
+
 
 def test_block_hash_is_sha256_of_parent_and_int64_tokens():
     rng = random.Random(0)
     parent = None
     for _ in range(200):
-        tokens = [rng.randrange(-2**40, 2**40) for _ in range(rng.choice([1, 4, 16]))]
-        expected = hashlib.sha256((parent or NONE_HASH) + array("q", tokens).tobytes()).digest()[:16]
+        tokens = [rng.randrange(-(2**40), 2**40) for _ in range(rng.choice([1, 4, 16]))]
+        expected = hashlib.sha256((parent or NONE_HASH) + array("q", tokens).tobytes()).digest()[
+            :16
+        ]
         assert hash_block_tokens(parent, tokens) == expected
         parent = expected
 
@@ -243,5 +331,7 @@ def test_fast_update_skipped_when_the_runner_failed_a_request():
     out = sched.schedule()
     outputs = sched.update_from_output(out, ModelRunnerOutput({"a": 7}, {"b": "bad"}))
     assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
-        ("a", [7], None), ("b", [], "error")]
+        ("a", [7], None),
+        ("b", [], "error"),
+    ]
     assert [r.req_id for r in sched.running] == ["a"]

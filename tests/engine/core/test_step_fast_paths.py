@@ -1,4 +1,5 @@
 """Per-step shortcuts against their definitions: the liveness predicates, the loop's next action and deadline, the cost model's step shape."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,11 @@ from tests.utils import make_request, make_scheduler, step
 def reference_has_requests(sched: Scheduler) -> bool:
     """has_unfinished_requests() or has_finished_requests(), as vLLM writes them."""
     num_unfinished = len(sched.waiting) + len(sched.skipped_waiting) + len(sched.running)
-    by_count = (sched.config.liveness != "legacy" and sched.connector is not None
-                and len(sched.requests) > num_unfinished)  # vLLM #43433
+    by_count = (
+        sched.config.liveness != "legacy"
+        and sched.connector is not None
+        and len(sched.requests) > num_unfinished
+    )  # vLLM #43433
     return num_unfinished > 0 or bool(sched.finished_req_ids) or by_count
 
 
@@ -36,14 +40,26 @@ def test_liveness_predicates_equal_their_definitions(monkeypatch, seed, liveness
         got = has_requests(self)
         assert got == reference_has_requests(self)
         assert self.has_unfinished_requests() == (self.get_num_unfinished_requests() > 0)
-        assert self.has_finished_requests() == (bool(self.finished_req_ids) or (
-            self.config.liveness != "legacy" and self.connector is not None
-            and len(self.requests) > self.get_num_unfinished_requests()))
+        assert self.has_finished_requests() == (
+            bool(self.finished_req_ids)
+            or (
+                self.config.liveness != "legacy"
+                and self.connector is not None
+                and len(self.requests) > self.get_num_unfinished_requests()
+            )
+        )
         seen["idle"] += not got
         return got
+
     monkeypatch.setattr(Scheduler, "has_requests", checking)
-    run_twins(seed, use_kv_connector, liveness=liveness, num_blocks=20,
-              max_num_batched_tokens=24, max_num_seqs=8)
+    run_twins(
+        seed,
+        use_kv_connector,
+        liveness=liveness,
+        num_blocks=20,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+    )
     assert seen["idle"]  # the workload drains
 
 
@@ -73,9 +89,17 @@ def reference_shape(sched_out: SchedulerOutput) -> StepShape:
 def test_step_shape_from_columns_equals_the_records():
     rng = random.Random(0)
     for _ in range(200):
-        records = [ScheduledRequest(req_id=f"r{i}", token_ids=[7] * rng.choice([1, 1, 2, 5, 64]),
-                                    num_computed_tokens=rng.randrange(500), new_block_ids=[],
-                                    is_new=rng.random() < 0.3, sample=True) for i in range(rng.randint(0, 8))]
+        records = [
+            ScheduledRequest(
+                req_id=f"r{i}",
+                token_ids=[7] * rng.choice([1, 1, 2, 5, 64]),
+                num_computed_tokens=rng.randrange(500),
+                new_block_ids=[],
+                is_new=rng.random() < 0.3,
+                sample=True,
+            )
+            for i in range(rng.randint(0, 8))
+        ]
         sched_out = SchedulerOutput(records, sum(len(r.token_ids) for r in records))
         assert StepShape.of(sched_out) == reference_shape(sched_out)
 
@@ -87,10 +111,19 @@ def test_next_action_ignores_what_the_loop_no_longer_computes():
     """The loop asks must_poll only under event and has_unfinished only under legacy:
     every action equals the one with both computed."""
     for policy, has_work, executed, progress, must_poll, unfinished in itertools.product(
-            POLICIES, *[(False, True)] * 5):
-        full = next_action(policy, has_work, executed, progress, must_poll, has_unfinished=unfinished)
-        lazy = next_action(policy, has_work, executed, progress, policy == "event" and must_poll,
-                           has_unfinished=policy == "legacy" and unfinished)
+        POLICIES, *[(False, True)] * 5
+    ):
+        full = next_action(
+            policy, has_work, executed, progress, must_poll, has_unfinished=unfinished
+        )
+        lazy = next_action(
+            policy,
+            has_work,
+            executed,
+            progress,
+            policy == "event" and must_poll,
+            has_unfinished=policy == "legacy" and unfinished,
+        )
         assert lazy == full, (policy, has_work, executed, progress, must_poll, unfinished)
 
 

@@ -1,4 +1,5 @@
 """The engine-core process shell's loop in this process: its snapshots and its waits, synchronous and with async scheduling (mock runner)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,9 +10,18 @@ import pytest
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
-from engine.proc.core_proc import EngineCoreProc, stats_counts
-from engine.proc.messages import AddRequest, GetStats, Ready, RequestOutputs, Shutdown, StatsSnapshot, decode, encode
 from engine.core.outputs import SchedulerStats
+from engine.proc.core_proc import EngineCoreProc, stats_counts
+from engine.proc.messages import (
+    AddRequest,
+    GetStats,
+    Ready,
+    RequestOutputs,
+    Shutdown,
+    StatsSnapshot,
+    decode,
+    encode,
+)
 
 TIMEOUT_MS = 10_000
 
@@ -30,8 +40,9 @@ def running_loop(tmp_path, **overrides):
     addrs = EngineAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     to_engine.bind(addrs.input)
     from_engine.bind(addrs.output)
-    config = EngineConfig(**{"engine_id": "E", "num_blocks": 64, "block_size": 4,
-                             "liveness": "event", **overrides})
+    config = EngineConfig(
+        **{"engine_id": "E", "num_blocks": 64, "block_size": 4, "liveness": "event", **overrides}
+    )
     proc = EngineCoreProc(config, addrs)
     thread = threading.Thread(target=proc.run_busy_loop)
     thread.start()
@@ -45,6 +56,7 @@ def running_loop(tmp_path, **overrides):
             received.append(decode(from_engine.recv()))
             if predicate(received[-1]):
                 return
+
     try:
         yield proc, lambda msg: to_engine.send(encode(msg)), received, recv_until
     finally:
@@ -74,9 +86,16 @@ def test_snapshots_only_when_something_a_reader_shows_changed(engine_loop):
         if isinstance(m, RequestOutputs):
             finished.update(o.req_id for o in m.outputs if o.finish_reason is not None)
         return len(finished) == 3
+
     recv_until(all_finished)
-    recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked"
-               and m.num_steps > 0 and m.counts["num_used_blocks"] == 0)
+    recv_until(
+        lambda m: (
+            isinstance(m, StatsSnapshot)
+            and m.loop_state == "blocked"
+            and m.num_steps > 0
+            and m.counts["num_used_blocks"] == 0
+        )
+    )
     snaps = [m for m in received if isinstance(m, StatsSnapshot)]
     # The loop publishes one at most per step, and never one a reader could not tell
     # from the one before it (same loop state, same counts).
@@ -96,8 +115,12 @@ def test_one_poller_per_kind_of_wait(engine_loop):
     recv_until(lambda m: isinstance(m, Ready))
     for round_ in range(3):
         send(AddRequest(f"r{round_}", [1, 2, 3, 4, 5], 2))
-        recv_until(lambda m: isinstance(m, RequestOutputs) and any(
-            o.req_id == f"r{round_}" and o.finish_reason for o in m.outputs))
+        recv_until(
+            lambda m: (
+                isinstance(m, RequestOutputs)
+                and any(o.req_id == f"r{round_}" and o.finish_reason for o in m.outputs)  # noqa: B023
+            )
+        )
         recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked")
     assert proc.num_wakeups >= 3
     assert len(proc._pollers) == 1  # every wait so far was on the input alone, one poller
@@ -119,16 +142,21 @@ def test_a_wait_says_whether_the_input_may_hold_messages(tmp_path):
     """The loop drains the frontend input after a wait only if the wait saw it readable
     (or did not watch it): a wake-up for a connector report skips that drain."""
     import os
+
     ctx = zmq.Context()
     to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     addrs = EngineAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     to_engine.bind(addrs.input)
     from_engine.bind(addrs.output)
-    proc = EngineCoreProc(EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event"), addrs)
+    proc = EngineCoreProc(
+        EngineConfig(engine_id="E", num_blocks=64, block_size=4, liveness="event"), addrs
+    )
     agent = proc.core.connector_agent = _PipeAgent()
     try:
         assert proc._wait(with_connector=True, timeout_ms=0) is False  # timeout, input watched
-        assert proc._wait(with_connector=False, timeout_ms=0, with_input=False) is True  # not watched
+        assert (
+            proc._wait(with_connector=False, timeout_ms=0, with_input=False) is True
+        )  # not watched
         os.write(agent.write_fd, b"x")  # a "report": the connector handle is readable
         assert proc._wait(with_connector=True, timeout_ms=TIMEOUT_MS) is False
         os.read(agent.read_fd, 1)
@@ -147,8 +175,15 @@ def test_a_wait_says_whether_the_input_may_hold_messages(tmp_path):
 
 
 @pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
-def test_an_async_scheduling_engine_serves_requests_and_goes_idle_with_nothing_held(tmp_path, liveness):
-    with running_loop(tmp_path, liveness=liveness, async_scheduling=True) as (proc, send, _, recv_until):
+def test_an_async_scheduling_engine_serves_requests_and_goes_idle_with_nothing_held(
+    tmp_path, liveness
+):
+    with running_loop(tmp_path, liveness=liveness, async_scheduling=True) as (
+        proc,
+        send,
+        _,
+        recv_until,
+    ):
         recv_until(lambda m: isinstance(m, Ready))
         prompts = {f"r{i}": list(range(10 * i, 10 * i + 9)) for i in range(3)}
         for req_id, prompt in prompts.items():
@@ -163,9 +198,16 @@ def test_an_async_scheduling_engine_serves_requests_and_goes_idle_with_nothing_h
                     if o.finish_reason is not None:
                         finished.add(o.req_id)
             return len(finished) == 3
+
         recv_until(all_finished)
-        recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked"
-                   and m.counts["num_used_blocks"] == 0 and m.counts["num_running"] == 0)
+        recv_until(
+            lambda m: (
+                isinstance(m, StatsSnapshot)
+                and m.loop_state == "blocked"
+                and m.counts["num_used_blocks"] == 0
+                and m.counts["num_running"] == 0
+            )
+        )
         # The mock runner samples last + 1: the same tokens the synchronous loop gives.
         assert tokens == {r: [p[-1] + 1 + k for k in range(4)] for r, p in prompts.items()}
         assert not proc.core.batch_queue
@@ -177,9 +219,11 @@ def test_stats_probes_that_wake_a_parked_engine_are_counted_apart(engine_loop):
     proc, send, received, recv_until = engine_loop
     recv_until(lambda m: isinstance(m, Ready))
     send(AddRequest("r", [1, 2, 3, 4, 5], 2))
-    recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked" and m.num_steps > 0)
+    recv_until(
+        lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked" and m.num_steps > 0
+    )
     parked = received[-1].num_wakeups
-    for i in range(5):
+    for _ in range(5):
         seq = max(m.seq for m in received if isinstance(m, StatsSnapshot))
         send(GetStats())
         recv_until(lambda m, seq=seq: isinstance(m, StatsSnapshot) and m.seq == seq + 1)

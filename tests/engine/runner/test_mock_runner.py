@@ -1,4 +1,5 @@
 """The mock runner: deterministic tokens, a request with a token outside the vocabulary fails alone."""
+
 from __future__ import annotations
 
 from engine.config import EngineConfig
@@ -11,8 +12,17 @@ VOCAB = CONFIG.model.vocab_size
 
 
 def step(tokens: dict[str, list[int]]) -> SchedulerOutput:
-    scheduled = [ScheduledRequest(req_id=req_id, token_ids=ids, num_computed_tokens=0, new_block_ids=[],
-                                  is_new=True, sample=True) for req_id, ids in tokens.items()]
+    scheduled = [
+        ScheduledRequest(
+            req_id=req_id,
+            token_ids=ids,
+            num_computed_tokens=0,
+            new_block_ids=[],
+            is_new=True,
+            sample=True,
+        )
+        for req_id, ids in tokens.items()
+    ]
     return SchedulerOutput(scheduled, sum(map(len, tokens.values())))
 
 

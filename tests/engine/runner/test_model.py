@@ -1,4 +1,5 @@
 """Tests of the torch model, paged attention, shareable KV cache and model runner."""
+
 from __future__ import annotations
 
 import functools
@@ -15,12 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.runner.attention import PagedAttentionBuilder
 from engine.config import MODEL_PRESETS, EngineConfig, ModelConfig, get_model_config
+from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.runner.attention import PagedAttentionBuilder
 from engine.runner.kv_cache import KVCache, KVCacheHandle, resolve_device
 from engine.runner.model import LlamaForCausalLM
 from engine.runner.model_runner import ModelRunner
-from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv
 
 # KVDRAIN_TEST_DEVICE=cuda runs the same tests on a GPU (bench/gpu_check.sh).
@@ -29,8 +30,13 @@ BLOCK_SIZE = 4
 
 
 def make_config(dtype: str = "float64", num_blocks: int = 64) -> EngineConfig:
-    return EngineConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, runner="torch",
-                        device=DEVICE, model=ModelConfig(dtype=dtype))
+    return EngineConfig(
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        runner="torch",
+        device=DEVICE,
+        model=ModelConfig(dtype=dtype),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +54,7 @@ def make_runner() -> Iterator[Callable[..., ModelRunner]]:
     def make(dtype: str = "float32", num_blocks: int = 64) -> ModelRunner:
         runners.append(ModelRunner(make_config(dtype, num_blocks)))
         return runners[-1]
+
     yield make
     for runner in runners:
         runner.close()
@@ -70,13 +77,19 @@ class ToyScheduler:
         self.finished: set[str] = set()
         self.scheduled_once: set[str] = set()
 
-    def add(self, req_id: str, tokens: list[int], block_ids: list[int] | None = None,
-            num_computed: int | None = None) -> None:
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        block_ids: list[int] | None = None,
+        num_computed: int | None = None,
+    ) -> None:
         """`block_ids` already hold the KV of the first `num_computed` tokens (a prefix hit)."""
         self.tokens[req_id] = list(tokens)
         self.block_ids[req_id] = list(block_ids or [])
-        self.num_computed[req_id] = (len(self.block_ids[req_id]) * BLOCK_SIZE
-                                     if num_computed is None else num_computed)
+        self.num_computed[req_id] = (
+            len(self.block_ids[req_id]) * BLOCK_SIZE if num_computed is None else num_computed
+        )
         self.outputs[req_id] = []
 
     def finish(self, req_id: str) -> None:
@@ -94,9 +107,16 @@ class ToyScheduler:
             self.scheduled_once.add(req_id)
             new = [self.free_block_ids.pop(0) for _ in range(cdiv(end, BLOCK_SIZE) - len(table))]
             table.extend(new)
-            out.add(ScheduledRequest(req_id=req_id, token_ids=tokens[start:end], num_computed_tokens=start,
-                                     new_block_ids=list(table) if is_new else new, is_new=is_new,
-                                     sample=end == len(tokens)))
+            out.add(
+                ScheduledRequest(
+                    req_id=req_id,
+                    token_ids=tokens[start:end],
+                    num_computed_tokens=start,
+                    new_block_ids=list(table) if is_new else new,
+                    is_new=is_new,
+                    sample=end == len(tokens),
+                )
+            )
         out.total_num_scheduled_tokens = sum(len(s.token_ids) for s in out.scheduled)
         return out
 
@@ -108,16 +128,18 @@ class ToyScheduler:
                 self.tokens[s.req_id].append(runner_out.sampled_token_ids[s.req_id])
                 self.outputs[s.req_id].append(runner_out.sampled_token_ids[s.req_id])
 
-    def run(self, runner: ModelRunner, req_ids: list[str], num_outputs: int,
-            chunk_size: int = 1 << 20) -> None:
+    def run(
+        self, runner: ModelRunner, req_ids: list[str], num_outputs: int, chunk_size: int = 1 << 20
+    ) -> None:
         """Step until each of req_ids has num_outputs tokens."""
         while min(len(self.outputs[r]) for r in req_ids) < num_outputs:
             sched_out = self.schedule(chunk_size)
             self.update(sched_out, runner.execute(sched_out))
 
 
-def generate(runner: ModelRunner, prompts: dict[str, list[int]], max_tokens: int,
-             chunk_size: int = 1 << 20) -> dict[str, list[int]]:
+def generate(
+    runner: ModelRunner, prompts: dict[str, list[int]], max_tokens: int, chunk_size: int = 1 << 20
+) -> dict[str, list[int]]:
     """Greedy tokens of each prompt, all requests batched in every step."""
     sched = ToyScheduler(list(range(1, runner.config.num_blocks)))
     for req_id, prompt in prompts.items():
@@ -134,7 +156,7 @@ def dense_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) ->
             ids = torch.tensor(tokens, device=model.embed_tokens.weight.device)
             hidden = model.dense_forward(ids)
             tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,6 +164,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --- model --------------------------------------------------------------------------
+
 
 def test_presets_and_unknown_preset() -> None:
     assert get_model_config("tiny") == ModelConfig()
@@ -165,8 +188,9 @@ def fp64_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(ModelConfig(dtype="float64"), DEVICE, torch.float64)
 
 
-def paged_hidden(model: LlamaForCausalLM, prompts: list[list[int]], chunks: list[int],
-                 seed: int) -> list[torch.Tensor]:
+def paged_hidden(
+    model: LlamaForCausalLM, prompts: list[list[int]], chunks: list[int], seed: int
+) -> list[torch.Tensor]:
     """Each prompt's hidden states computed through the paged cache, many requests a step.
 
     At step s prompt i computes its next chunks[(s + i) % len(chunks)] tokens, so prefill
@@ -184,15 +208,18 @@ def paged_hidden(model: LlamaForCausalLM, prompts: list[list[int]], chunks: list
             if not rows:
                 return [torch.cat(parts) for parts in hidden]
             rng.shuffle(rows)
-            new = [prompts[i][num_done[i]:num_done[i] + chunks[(step + i) % len(chunks)]]
-                   for i in rows]
-            md = builder.build([num_done[i] for i in rows], [len(n) for n in new],
-                               [tables[i] for i in rows])
+            new = [
+                prompts[i][num_done[i] : num_done[i] + chunks[(step + i) % len(chunks)]]
+                for i in rows
+            ]
+            md = builder.build(
+                [num_done[i] for i in rows], [len(n) for n in new], [tables[i] for i in rows]
+            )
             ids = torch.tensor([t for n in new for t in n], device=DEVICE)
             with torch.inference_mode():
                 out = model(ids, md.positions, md, cache.tensor)
             for row, i in enumerate(rows):
-                hidden[i].append(out[md.query_start_loc[row]:md.query_start_loc[row + 1]])
+                hidden[i].append(out[md.query_start_loc[row] : md.query_start_loc[row + 1]])
                 num_done[i] += len(new[row])
     finally:
         cache.close()
@@ -208,17 +235,23 @@ def check_paged_matches_dense(prompts: list[list[int]], chunks: list[int], seed:
 
 @pytest.mark.parametrize("chunks", [[1], [3], [8], [64], [5, 1, 2]])
 def test_paged_forward_matches_dense(chunks: list[int]) -> None:
-    check_paged_matches_dense([random_tokens(i, n) for i, n in enumerate([1, 9, 17, 30])],
-                              chunks, seed=0)
+    check_paged_matches_dense(
+        [random_tokens(i, n) for i, n in enumerate([1, 9, 17, 30])], chunks, seed=0
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-       chunks=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 99))
-def test_paged_forward_matches_dense_for_any_chunking(lens: list[int], chunks: list[int],
-                                                      seed: int) -> None:
-    check_paged_matches_dense([random_tokens(seed + i, n) for i, n in enumerate(lens)],
-                              chunks, seed)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    chunks=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    seed=st.integers(0, 99),
+)
+def test_paged_forward_matches_dense_for_any_chunking(
+    lens: list[int], chunks: list[int], seed: int
+) -> None:
+    check_paged_matches_dense(
+        [random_tokens(seed + i, n) for i, n in enumerate(lens)], chunks, seed
+    )
 
 
 def test_runner_greedy_tokens_match_dense_over_many_decode_steps(make_runner) -> None:
@@ -272,26 +305,99 @@ def test_moved_blocks_continue_decoding_identically(how: str, make_runner) -> No
 
 # --- runner: bad input, state ---------------------------------------------------------
 
-@pytest.mark.parametrize("bad, reason", [
-    (ScheduledRequest(req_id="bad", token_ids=[1, 512], num_computed_tokens=0, new_block_ids=[5], is_new=True,
-                      sample=True), "token id 512"),
-    (ScheduledRequest(req_id="bad", token_ids=[-1], num_computed_tokens=0, new_block_ids=[5], is_new=True,
-                      sample=True), "token id -1"),
-    (ScheduledRequest(req_id="bad", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[64], is_new=True,
-                      sample=True), "past the cache"),
-    (ScheduledRequest(req_id="bad", token_ids=[1, 2], num_computed_tokens=0, new_block_ids=[0], is_new=True,
-                      sample=True), "null block"),
-    (ScheduledRequest(req_id="bad", token_ids=[1] * 9, num_computed_tokens=0, new_block_ids=[5, 6],
-                      is_new=True, sample=True), "9 needed"),
-    (ScheduledRequest(req_id="bad", token_ids=[1], num_computed_tokens=3, new_block_ids=[5], is_new=False,
-                      sample=True), "no block table"),
-    (ScheduledRequest(req_id="bad", token_ids=[], num_computed_tokens=0, new_block_ids=[5], is_new=True,
-                      sample=True), "no tokens"),
-])
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[1, 512],
+                num_computed_tokens=0,
+                new_block_ids=[5],
+                is_new=True,
+                sample=True,
+            ),
+            "token id 512",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[-1],
+                num_computed_tokens=0,
+                new_block_ids=[5],
+                is_new=True,
+                sample=True,
+            ),
+            "token id -1",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[1, 2],
+                num_computed_tokens=0,
+                new_block_ids=[64],
+                is_new=True,
+                sample=True,
+            ),
+            "past the cache",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[1, 2],
+                num_computed_tokens=0,
+                new_block_ids=[0],
+                is_new=True,
+                sample=True,
+            ),
+            "null block",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[1] * 9,
+                num_computed_tokens=0,
+                new_block_ids=[5, 6],
+                is_new=True,
+                sample=True,
+            ),
+            "9 needed",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[1],
+                num_computed_tokens=3,
+                new_block_ids=[5],
+                is_new=False,
+                sample=True,
+            ),
+            "no block table",
+        ),
+        (
+            ScheduledRequest(
+                req_id="bad",
+                token_ids=[],
+                num_computed_tokens=0,
+                new_block_ids=[5],
+                is_new=True,
+                sample=True,
+            ),
+            "no tokens",
+        ),
+    ],
+)
 def test_bad_request_fails_alone(bad: ScheduledRequest, reason: str, make_runner) -> None:
     runner = make_runner()
-    good = ScheduledRequest(req_id="good", token_ids=random_tokens(40, 6), num_computed_tokens=0,
-                            new_block_ids=[1, 2], is_new=True, sample=True)
+    good = ScheduledRequest(
+        req_id="good",
+        token_ids=random_tokens(40, 6),
+        num_computed_tokens=0,
+        new_block_ids=[1, 2],
+        is_new=True,
+        sample=True,
+    )
     out = runner.execute(SchedulerOutput([good, bad], 6 + len(bad.token_ids)))
     assert set(out.failed) == {"bad"} and reason in out.failed["bad"]
     assert set(out.sampled_token_ids) == {"good"}
@@ -300,31 +406,59 @@ def test_bad_request_fails_alone(bad: ScheduledRequest, reason: str, make_runner
 
 def test_zero_token_step_dropped_state_and_resume_after_preemption(make_runner) -> None:
     runner = make_runner()
-    step = SchedulerOutput([ScheduledRequest(req_id="a", token_ids=[1, 2, 3], num_computed_tokens=0,
-                                             new_block_ids=[1], is_new=True, sample=False),
-                            ScheduledRequest(req_id="b", token_ids=[4, 5], num_computed_tokens=0,
-                                             new_block_ids=[2], is_new=True, sample=True)], 5)
+    step = SchedulerOutput(
+        [
+            ScheduledRequest(
+                req_id="a",
+                token_ids=[1, 2, 3],
+                num_computed_tokens=0,
+                new_block_ids=[1],
+                is_new=True,
+                sample=False,
+            ),
+            ScheduledRequest(
+                req_id="b",
+                token_ids=[4, 5],
+                num_computed_tokens=0,
+                new_block_ids=[2],
+                is_new=True,
+                sample=True,
+            ),
+        ],
+        5,
+    )
     out = runner.execute(step)
     assert set(out.sampled_token_ids) == {"b"} and not out.failed  # "a" is mid-prefill
     assert runner.execute(SchedulerOutput()) == ModelRunnerOutput()
     runner.execute(SchedulerOutput(finished_req_ids={"a"}, preempted_req_ids={"b"}))
     assert runner.block_tables == {}
     # Recompute after preemption: the table starts over on other blocks, same token.
-    resume = ScheduledRequest(req_id="b", token_ids=[4, 5], num_computed_tokens=0, new_block_ids=[7],
-                              is_new=True, sample=True)
+    resume = ScheduledRequest(
+        req_id="b",
+        token_ids=[4, 5],
+        num_computed_tokens=0,
+        new_block_ids=[7],
+        is_new=True,
+        sample=True,
+    )
     resumed = runner.execute(SchedulerOutput([resume], 2))
     assert resumed.sampled_token_ids == out.sampled_token_ids
 
 
 # --- KV cache: handles, bytes, other processes --------------------------------------
 
+
 def test_handle_round_trips_through_msgpack_and_rejects_garbage() -> None:
     cache = KVCache.allocate(ModelConfig(), 8, BLOCK_SIZE, "cpu")
     try:
         wire = msgpack.unpackb(msgpack.packb(cache.handle.to_dict()), raw=False)
         assert KVCacheHandle.from_dict(wire) == cache.handle
-        for broken in ({**wire, "shape": [1, 2]}, {**wire, "dtype": "int8"},
-                       {**wire, "owner_pid": "7"}, {k: v for k, v in wire.items() if k != "name"}):
+        for broken in (
+            {**wire, "shape": [1, 2]},
+            {**wire, "dtype": "int8"},
+            {**wire, "owner_pid": "7"},
+            {k: v for k, v in wire.items() if k != "name"},
+        ):
             with pytest.raises(ValueError):
                 KVCacheHandle.from_dict(broken)
         with pytest.raises(ValueError, match="not a kvdrain"):  # never map arbitrary files
@@ -345,7 +479,7 @@ def test_block_bytes_round_trip_and_validation() -> None:
         with pytest.raises(ValueError, match="null block"):
             cache.read_blocks([0])
         with pytest.raises(ValueError, match="outside"):
-            cache.write_blocks([8], data[:cache.num_bytes_per_block])
+            cache.write_blocks([8], data[: cache.num_bytes_per_block])
         with pytest.raises(ValueError, match="bytes"):
             cache.write_blocks([1], data)
         with pytest.raises(ValueError, match="duplicate"):
@@ -388,7 +522,9 @@ def run_child(target: Callable[..., None], num_results: int, *args: object) -> l
     child = ctx.Process(target=target, args=(*args, results))
     child.start()
     try:
-        got = [results.get(timeout=180) for _ in range(num_results)]  # a torch import at load 25 takes a while
+        got = [
+            results.get(timeout=180) for _ in range(num_results)
+        ]  # a torch import at load 25 takes a while
         child.join(timeout=30)
         return [*got, child.exitcode]
     finally:
@@ -400,8 +536,9 @@ def run_child(target: Callable[..., None], num_results: int, *args: object) -> l
 def check_peer_reads_and_writes(device: str) -> None:
     cache = KVCache.allocate(ModelConfig(), 8, BLOCK_SIZE, device, torch.float32)
     try:
-        cache.tensor[:, :, 2] = torch.arange(cache.tensor[:, :, 2].numel(), dtype=torch.float32,
-                                             device=device).view_as(cache.tensor[:, :, 2])
+        cache.tensor[:, :, 2] = torch.arange(
+            cache.tensor[:, :, 2].numel(), dtype=torch.float32, device=device
+        ).view_as(cache.tensor[:, :, 2])
         if device == "cuda":
             torch.cuda.synchronize()  # the write above must land before the peer reads
         handle = msgpack.unpackb(msgpack.packb(cache.handle.to_dict()), raw=False)

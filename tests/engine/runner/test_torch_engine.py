@@ -1,10 +1,11 @@
 """The real torch runner end to end: in one engine core, and across P and D processes."""
+
 from __future__ import annotations
 
 import pytest
 
-from engine.proc.client import InprocClient
 from engine.config import EngineConfig
+from engine.proc.client import InprocClient
 from tests.mp_utils import topology
 
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -30,8 +31,14 @@ def run_inproc(config: EngineConfig, prompts: dict[str, list[int]], max_tokens: 
 
 
 def test_torch_engine_core_end_to_end_frees_every_block():
-    config = EngineConfig(runner="torch", device="cpu", num_blocks=14, block_size=4,
-                          max_num_batched_tokens=32, max_num_seqs=8)
+    config = EngineConfig(
+        runner="torch",
+        device="cpu",
+        num_blocks=14,
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
     together = run_inproc(config, PROMPTS, 6)
     stats = together["stats"]
     assert stats.num_used_blocks == 0 and stats.num_running == 0
@@ -46,8 +53,9 @@ def test_torch_engine_core_end_to_end_frees_every_block():
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 def test_pd_transfer_is_bit_exact_with_the_torch_runner(transport):
-    single = run_inproc(EngineConfig(runner="torch", device="cpu", num_blocks=128, block_size=4),
-                        PROMPTS, 8)["tokens"]
+    single = run_inproc(
+        EngineConfig(runner="torch", device="cpu", num_blocks=128, block_size=4), PROMPTS, 8
+    )["tokens"]
     with topology(runner="torch", device="cpu", transport=transport) as h:
         for req_id, prompt in PROMPTS.items():
             h.add_request(req_id, prompt, 8)

@@ -10,6 +10,7 @@ exits at its third completion; `slow-metrics` answers every fourth /metrics afte
 it starts a child (its "engine core"), and it appends "PID CHILD_PID" to
 FAKE_VLLM_PIDFILE, so a test can check both are gone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,17 +37,30 @@ class Fake:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.served, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served,
+                        "object": "model",
+                        "owned_by": "vllm",
+                        "max_model_len": 4096,
+                    }
+                ],
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.num_scrapes += 1
         if os.environ.get("FAKE_VLLM_MODE") == "slow-metrics" and self.num_scrapes % 4 == 0:
             await asyncio.sleep(2.5)  # as a busy CPU vLLM's /metrics can be
-        lines = [f'vllm:kv_cache_usage_perc{{engine="0"}} {self.running * 8 / NUM_GPU_BLOCKS}',
-                 f'vllm:num_requests_running{{engine="0"}} {self.running}',
-                 'vllm:num_requests_waiting{engine="0"} 0',
-                 f'vllm:cache_config_info{{block_size="128",num_gpu_blocks="{NUM_GPU_BLOCKS}"}} 1.0']
+        lines = [
+            f'vllm:kv_cache_usage_perc{{engine="0"}} {self.running * 8 / NUM_GPU_BLOCKS}',
+            f'vllm:num_requests_running{{engine="0"}} {self.running}',
+            'vllm:num_requests_waiting{engine="0"} 0',
+            f'vllm:cache_config_info{{block_size="128",num_gpu_blocks="{NUM_GPU_BLOCKS}"}} 1.0',
+        ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -64,28 +78,48 @@ class Fake:
         if os.environ.get("FAKE_VLLM_MODE") == "crashes" and self.num_done == 3:
             print("fake engine core died mid-run", flush=True)
             os._exit(1)  # its child stays behind, as an engine core would
-        usage = {"prompt_tokens": num_prompt, "completion_tokens": max_tokens,
-                 "total_tokens": num_prompt + max_tokens}
-        base = {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion",
-                "created": int(time.time()), "model": self.served}
+        usage = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": max_tokens,
+            "total_tokens": num_prompt + max_tokens,
+        }
+        base = {
+            "id": f"cmpl-{time.monotonic_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served,
+        }
         if not body.get("stream"):
-            out = {**base, "choices": [{"index": 0, "text": " w1" * max_tokens, "finish_reason": "length"}],
-                   "usage": usage}
+            out = {
+                **base,
+                "choices": [{"index": 0, "text": " w1" * max_tokens, "finish_reason": "length"}],
+                "usage": usage,
+            }
             if params.get("do_remote_decode"):
-                out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                             "remote_block_ids": [1], "remote_engine_id": "fake-p",
-                                             "remote_host": "127.0.0.1", "remote_port": 1}
+                out["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_block_ids": [1],
+                    "remote_engine_id": "fake-p",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 1,
+                }
             return web.json_response(out)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(max_tokens):
             last = i == max_tokens - 1
-            chunk = {**base, "choices": [{"index": 0, "text": " w1",
-                                          "finish_reason": "length" if last else None}]}
+            chunk = {
+                **base,
+                "choices": [
+                    {"index": 0, "text": " w1", "finish_reason": "length" if last else None}
+                ],
+            }
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            await response.write(b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode()
-                                 + b"\n\n")
+            await response.write(
+                b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"
+            )
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -112,8 +146,14 @@ def main() -> None:
         time.sleep(3600)
     fake = Fake(args.served_model_name or args.model)
     app = web.Application()
-    app.add_routes([web.get("/health", fake.health), web.get("/v1/models", fake.models),
-                    web.get("/metrics", fake.metrics), web.post("/v1/completions", fake.completions)])
+    app.add_routes(
+        [
+            web.get("/health", fake.health),
+            web.get("/v1/models", fake.models),
+            web.get("/metrics", fake.metrics),
+            web.post("/v1/completions", fake.completions),
+        ]
+    )
     web.run_app(app, host=args.host, port=args.port, print=None)
 
 

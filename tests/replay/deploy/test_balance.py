@@ -1,4 +1,5 @@
 """The routing decision table's three policies against a brute-force reference, on seeded workloads."""
+
 from __future__ import annotations
 
 import random
@@ -74,7 +75,14 @@ def test_every_pick_equals_the_brute_force_reference(policy, shape, seed):
 def test_round_robin_is_the_toy_proxys_two_cycles():
     balancer = Balancer(["P0", "P1"], ["D0", "D1", "D2"], "round-robin")
     picks = [(balancer.pick_prefill(), balancer.pick_decode()) for _ in range(6)]
-    assert picks == [("P0", "D0"), ("P1", "D1"), ("P0", "D2"), ("P1", "D0"), ("P0", "D1"), ("P1", "D2")]
+    assert picks == [
+        ("P0", "D0"),
+        ("P1", "D1"),
+        ("P0", "D2"),
+        ("P1", "D0"),
+        ("P0", "D1"),
+        ("P1", "D2"),
+    ]
     assert balancer.num_requests == {"P0": 3, "P1": 3, "D0": 2, "D1": 2, "D2": 2}
 
 
@@ -101,4 +109,3 @@ def test_bad_use_is_a_clear_error():
         Balancer([], ["E"]).pick_prefill()
     with pytest.raises(ValueError, match="no request in flight"):
         Balancer(["P"], ["D"]).ended("D")
-

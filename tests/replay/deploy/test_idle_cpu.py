@@ -1,5 +1,6 @@
 """The idle CPU figure printed once a real vLLM deployment is ready, and the spinning threads
 lowered then (replay/deploy/idle_cpu.py)."""
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,12 @@ def test_a_process_that_is_gone_counts_nothing():
 
 
 def test_the_note_says_what_was_lowered_or_what_the_idle_load_means():
-    assert idle_note(IdleCpu(0.1, ()), 2) == "vllm: idle, its processes use 0.1 of this host's 2 cores"
+    assert (
+        idle_note(IdleCpu(0.1, ()), 2) == "vllm: idle, its processes use 0.1 of this host's 2 cores"
+    )
     lowered = idle_note(IdleCpu(2.0, (11, 12)), 2)
-    assert lowered.startswith("vllm: idle, its processes use 2.0 of this host's 2 cores; 2 threads that "
-                              "spin while idle (on P/D: NIXL's UCX progress thread)")
+    assert lowered.startswith(
+        "vllm: idle, its processes use 2.0 of this host's 2 cores; 2 threads that "
+        "spin while idle (on P/D: NIXL's UCX progress thread)"
+    )
     assert "--speedup" in idle_note(IdleCpu(1.8, ()), 2)

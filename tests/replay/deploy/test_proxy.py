@@ -1,6 +1,7 @@
 """kvdrain's P/D proxy: vLLM's protocol against in-process fakes of a vLLM P and D, its
 command line (ready line, signals, listening rules), and one replay through it in front of
 two `kvdrain serve --http`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
-from replay.http import pool
-from replay.http.route import ROUTE_HEADER, parse_route
 from replay.deploy.topology import TopologyLaunch
+from replay.http import pool
 from replay.http.client import HttpTargetOptions
+from replay.http.route import ROUTE_HEADER, parse_route
 from replay.pipeline import ReplayConfig, run_replay
 from replay.trace.shaping import ShapingOptions
 from replay.verify.rules import VerifyOptions
@@ -30,12 +31,27 @@ from tests.http_utils import running_front, running_proxy, served_model
 from tests.replay.sim.test_xpyd import two_prefix_groups, write
 
 pytestmark = pytest.mark.timeout(120)
-P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
-            "remote_block_ids": [3, 4], "remote_host": "127.0.0.1", "remote_port": 5601}
-STREAM_CHUNKS = [b'data: {"choices":[{"text":" w1"', b'}]}\n\n', b'data: {"choices":[{"text":" w2"}]}\n\n',
-                 b"data: [DONE]\n\n"]
-CLIENT_REQUEST = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "stream": False,
-                  "min_tokens": 2}
+P_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "engine-p",
+    "remote_block_ids": [3, 4],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+}
+STREAM_CHUNKS = [
+    b'data: {"choices":[{"text":" w1"',
+    b"}]}\n\n",
+    b'data: {"choices":[{"text":" w2"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+CLIENT_REQUEST = {
+    "model": "tiny",
+    "prompt": [1, 2, 3],
+    "max_tokens": 5,
+    "stream": False,
+    "min_tokens": 2,
+}
 
 
 def run(coro):
@@ -87,14 +103,18 @@ class FakeVllm:
         self.headers.append(request.headers.copy())
         self.peers.append(request.transport.get_extra_info("peername")[1])
         if self.fail is not None:
-            return web.Response(status=self.fail[0], body=self.fail[1], content_type="application/json")
+            return web.Response(
+                status=self.fail[0], body=self.fail[1], content_type="application/json"
+            )
         if body["kv_transfer_params"].get("do_remote_decode"):  # a P's work
-            return web.json_response({"id": "cmpl-p", "choices": [{"text": " w9"}],
-                                      "kv_transfer_params": P_PARAMS})
+            return web.json_response(
+                {"id": "cmpl-p", "choices": [{"text": " w9"}], "kv_transfer_params": P_PARAMS}
+            )
         assert body["kv_transfer_params"] == P_PARAMS  # a D's work: with what P answered
         if not body.get("stream"):
-            return web.json_response({"id": "cmpl-d", "served_by": self.name,
-                                      "choices": [{"text": " w1 w2"}]})
+            return web.json_response(
+                {"id": "cmpl-d", "served_by": self.name, "choices": [{"text": " w1 w2"}]}
+            )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, chunk in enumerate(STREAM_CHUNKS):
@@ -118,7 +138,9 @@ class FakeVllm:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
-        return web.json_response({"count": 1, "max_model_len": 512, "tokens": [int(body["prompt"][1:])]})
+        return web.json_response(
+            {"count": 1, "max_model_len": 512, "tokens": [int(body["prompt"][1:])]}
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -131,8 +153,11 @@ async def deployment(num_prefill: int = 1, num_decode: int = 1, **options):
     decode = [FakeVllm(f"D{i}") for i in range(num_decode)]
     for fake in prefill + decode:
         await fake.start()
-    proxy = Proxy(ProxyOptions(prefill=tuple(f.url for f in prefill),
-                               decode=tuple(f.url for f in decode), **options))
+    proxy = Proxy(
+        ProxyOptions(
+            prefill=tuple(f.url for f in prefill), decode=tuple(f.url for f in decode), **options
+        )
+    )
     await proxy.start()
     try:
         yield proxy, prefill, decode
@@ -154,10 +179,19 @@ def test_a_completion_is_prefilled_on_p_with_one_token_then_decoded_on_d_with_ps
         async with deployment() as (proxy, (p,), (d,)):
             status, body, content_type = await _post(proxy.url, CLIENT_REQUEST)
             assert status == 200 and content_type.startswith("application/json")
-            assert json.loads(body) == {"id": "cmpl-d", "served_by": "D0", "choices": [{"text": " w1 w2"}]}
+            assert json.loads(body) == {
+                "id": "cmpl-d",
+                "served_by": "D0",
+                "choices": [{"text": " w1 w2"}],
+            }
             (to_p,), (to_d,) = p.bodies, d.bodies
-            assert to_p == {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False,
-                            "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+            assert to_p == {
+                "model": "tiny",
+                "prompt": [1, 2, 3],
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS,
+            }
             assert to_d == {**CLIENT_REQUEST, "kv_transfer_params": P_PARAMS}
             assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"]
 
@@ -165,14 +199,31 @@ def test_a_completion_is_prefilled_on_p_with_one_token_then_decoded_on_d_with_ps
 
 
 def test_the_prefill_request_is_exactly_vllms_toy_proxys():
-    assert PREFILL_KV_TRANSFER_PARAMS == {"do_remote_decode": True, "do_remote_prefill": False,
-                                          "remote_engine_id": None, "remote_block_ids": None,
-                                          "remote_host": None, "remote_port": None}
+    assert PREFILL_KV_TRANSFER_PARAMS == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     from replay.deploy.proxy import prefill_request
-    body = {"prompt": "w1", "max_tokens": 9, "max_completion_tokens": 9, "stream": True,
-            "stream_options": {"include_usage": True}, "min_completion_tokens": 3}
-    assert prefill_request(body) == {"prompt": "w1", "max_tokens": 1, "max_completion_tokens": 1,
-                                     "stream": False, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+
+    body = {
+        "prompt": "w1",
+        "max_tokens": 9,
+        "max_completion_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_completion_tokens": 3,
+    }
+    assert prefill_request(body) == {
+        "prompt": "w1",
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS,
+    }
     assert body["max_tokens"] == 9 and "stream_options" in body  # the client's request is untouched
 
 
@@ -181,7 +232,11 @@ def test_ds_stream_passes_through_byte_for_byte_as_it_arrives():
         async with deployment() as (proxy, _, (d,)):
             d.release.set()
             async with aiohttp.ClientSession() as session:
-                request = {**CLIENT_REQUEST, "stream": True, "stream_options": {"include_usage": True}}
+                request = {
+                    **CLIENT_REQUEST,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 async with session.post(proxy.url + "/v1/completions", json=request) as response:
                     assert response.status == 200
                     assert response.headers["Content-Type"].startswith("text/event-stream")
@@ -196,7 +251,9 @@ def test_ds_stream_passes_through_byte_for_byte_as_it_arrives():
     run(go())
 
 
-def test_no_upstream_connection_is_reused_once_idle_as_long_as_a_servers_keep_alive_may_be(monkeypatch):
+def test_no_upstream_connection_is_reused_once_idle_as_long_as_a_servers_keep_alive_may_be(
+    monkeypatch,
+):
     """vLLM's uvicorn closes an idle keep-alive connection after 5 s; a request sent on one
     it is closing fails ("Server disconnected"), so the proxy reuses none idle for
     pool.IDLE_S (shortened here), and still reuses a connection between two requests."""
@@ -210,6 +267,7 @@ def test_no_upstream_connection_is_reused_once_idle_as_long_as_a_servers_keep_al
             assert (await _post(proxy.url, CLIENT_REQUEST))[0] == 200
             for fake in (p, d):
                 assert fake.peers[0] == fake.peers[1] != fake.peers[2], fake.peers
+
     run(go())
 
 
@@ -259,13 +317,22 @@ def test_a_decode_server_that_breaks_off_its_stream_breaks_the_clients_off_too(c
                     return _samples(await response.text())
 
     samples = run(go())
-    assert samples[("kvdrain_proxy_requests_total",
-                    (("stage", "decode"), ("status", "broken"), ("upstream", "D")))] == 1
+    assert (
+        samples[
+            (
+                "kvdrain_proxy_requests_total",
+                (("stage", "decode"), ("status", "broken"), ("upstream", "D")),
+            )
+        ]
+        == 1
+    )
     err = capfd.readouterr().err
     assert "decode server D broke off its answer" in err and "Traceback" not in err
 
 
-def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_breaking_off(capfd, monkeypatch):
+def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_breaking_off(
+    capfd, monkeypatch
+):
     """The client read [DONE] and closed its connection before the proxy's last write: the
     write fails as aiohttp fails it on a closing transport."""
     write_eof = web.StreamResponse.write_eof
@@ -280,8 +347,9 @@ def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_brea
             d.hold = False
             monkeypatch.setattr(web.StreamResponse, "write_eof", closing)
             async with aiohttp.ClientSession() as session:
-                async with session.post(proxy.url + "/v1/completions",
-                                        json={**CLIENT_REQUEST, "stream": True}) as response:
+                async with session.post(
+                    proxy.url + "/v1/completions", json={**CLIENT_REQUEST, "stream": True}
+                ) as response:
                     with pytest.raises(aiohttp.ClientError):  # the stream's end never came
                         await response.read()
             monkeypatch.undo()
@@ -290,8 +358,15 @@ def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_brea
                     return _samples(await response.text())
 
     samples = run(go())
-    assert samples[("kvdrain_proxy_requests_total",
-                    (("stage", "decode"), ("status", "200"), ("upstream", "D")))] == 1
+    assert (
+        samples[
+            (
+                "kvdrain_proxy_requests_total",
+                (("stage", "decode"), ("status", "200"), ("upstream", "D")),
+            )
+        ]
+        == 1
+    )
     err = capfd.readouterr().err
     assert "broke off" not in err and "Traceback" not in err, err
 
@@ -299,8 +374,10 @@ def test_a_client_that_leaves_before_the_streams_end_is_not_a_decode_server_brea
 def test_several_prefill_and_decode_servers_are_used_in_turn():
     async def go():
         async with deployment(num_prefill=2, num_decode=3) as (proxy, prefill, decode):
-            answers = [json.loads((await _post(proxy.url, CLIENT_REQUEST))[1])["served_by"]
-                       for _ in range(6)]
+            answers = [
+                json.loads((await _post(proxy.url, CLIENT_REQUEST))[1])["served_by"]
+                for _ in range(6)
+            ]
             assert answers == ["D0", "D1", "D2", "D0", "D1", "D2"]
             assert [len(p.bodies) for p in prefill] == [3, 3]
 
@@ -312,8 +389,11 @@ def test_every_completion_answer_names_its_way_streamed_or_not_errors_included()
         async with deployment(num_prefill=2, num_decode=2) as (proxy, (p0, p1), (d0, d1)):
             d0.hold = d1.hold = False
             async with aiohttp.ClientSession() as session:
+
                 async def route(request) -> tuple[int, str | None]:
-                    async with session.post(proxy.url + "/v1/completions", json=request) as response:
+                    async with session.post(
+                        proxy.url + "/v1/completions", json=request
+                    ) as response:
                         await response.read()
                         return response.status, response.headers.get(ROUTE_HEADER)
 
@@ -338,7 +418,9 @@ def test_every_completion_answer_names_its_way_streamed_or_not_errors_included()
 
 def test_a_route_header_is_read_back_as_the_names_it_lists_and_nothing_else():
     assert parse_route("P0,D1") == ("P0", "D1") and parse_route(" P ") == ("P",)
-    assert parse_route(None) == parse_route("") == parse_route("P0,,D") == parse_route("P0,\x00") == ()
+    assert (
+        parse_route(None) == parse_route("") == parse_route("P0,,D") == parse_route("P0,\x00") == ()
+    )
 
 
 def test_models_come_from_d_and_health_names_every_upstream():
@@ -350,8 +432,10 @@ def test_models_come_from_d_and_health_names_every_upstream():
                 async with session.get(proxy.url + "/health") as response:
                     health = await response.json()
                     assert response.status == 200 and health["status"] == "ok"
-                    assert health["upstreams"] == {"P": {"url": p.url, "status": "ok"},
-                                                   "D": {"url": d.url, "status": "ok"}}
+                    assert health["upstreams"] == {
+                        "P": {"url": p.url, "status": "ok"},
+                        "D": {"url": d.url, "status": "ok"},
+                    }
                 p.healthy = False
                 await d.stop()
                 async with session.get(proxy.url + "/health") as response:
@@ -370,7 +454,9 @@ def test_version_and_tokenize_are_ds_so_a_replay_learns_the_server_through_the_p
             async with aiohttp.ClientSession() as session:
                 async with session.get(proxy.url + "/version") as response:
                     version = await response.json()
-                async with session.post(proxy.url + "/tokenize", json={"prompt": "w41"}) as response:
+                async with session.post(
+                    proxy.url + "/tokenize", json={"prompt": "w41"}
+                ) as response:
                     tokens = await response.json()
             assert version == {"version": "0.32.0 (D0)"}
             assert tokens["tokens"] == [41] and d.bodies == [{"prompt": "w41"}] and p.bodies == []
@@ -379,8 +465,11 @@ def test_version_and_tokenize_are_ds_so_a_replay_learns_the_server_through_the_p
 
 
 def _samples(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_upstream_requests_by_stage_and_status_with_their_latency():
@@ -407,7 +496,9 @@ def test_the_api_key_guards_v1_and_the_upstream_key_goes_to_every_server():
         async with deployment(api_key="front", upstream_api_key="back") as (proxy, (p,), (d,)):
             status, body, _ = await _post(proxy.url, CLIENT_REQUEST)
             assert status == 401 and p.bodies == []
-            status, _, _ = await _post(proxy.url, CLIENT_REQUEST, headers={"Authorization": "Bearer front"})
+            status, _, _ = await _post(
+                proxy.url, CLIENT_REQUEST, headers={"Authorization": "Bearer front"}
+            )
             assert status == 200
             assert p.headers[0]["Authorization"] == d.headers[0]["Authorization"] == "Bearer back"
             async with aiohttp.ClientSession() as session:
@@ -422,9 +513,12 @@ def test_a_key_that_is_not_utf8_is_a_401_not_a_crash():
         async with deployment(api_key="front") as (proxy, (p,), _):
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             body = json.dumps(CLIENT_REQUEST).encode()
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                         b"Authorization: Bearer \xff\xfe\xc3\r\nContent-Length: %d\r\n\r\n" % len(body)
-                         + body)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Authorization: Bearer \xff\xfe\xc3\r\nContent-Length: %d\r\n\r\n"
+                % len(body)
+                + body
+            )
             answer = await asyncio.wait_for(reader.read(), 30)
             writer.close()
             assert answer.startswith(b"HTTP/1.1 401") and p.bodies == []
@@ -436,15 +530,33 @@ def test_bad_urls_and_listening_beyond_loopback_without_a_key_are_usage_errors()
     assert invoke("proxy", "--prefill", "http://127.0.0.1:1").exit_code == 2  # --decode missing
     result = invoke("proxy", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2")
     assert result.exit_code == 2 and "expected http://HOST:PORT" in result.output
-    result = invoke("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
-                    "--host", "0.0.0.0")
+    result = invoke(
+        "proxy",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--host",
+        "0.0.0.0",
+    )
     assert result.exit_code == 2 and "--api-key" in result.output and "--insecure" in result.output
     assert invoke("proxy", "--help").output.count("Example") == 1
 
 
 def _proxy_process(*args: str) -> Lines:
-    return Lines([sys.executable, "-m", "cli", "proxy", "--prefill", "http://127.0.0.1:9",
-                  "--decode", "http://127.0.0.1:9", *args])
+    return Lines(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "proxy",
+            "--prefill",
+            "http://127.0.0.1:9",
+            "--decode",
+            "http://127.0.0.1:9",
+            *args,
+        ]
+    )
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -470,8 +582,10 @@ def test_a_replay_through_a_proxy_whose_decode_server_is_down_says_so_not_to_nam
         for model in ((), ("--model", "m")):
             result = invoke("replay", str(EXAMPLE), "--target", url, "--no-live", *model)
             assert result.exit_code == 2, result.output
-            assert (f"{url}/v1/models: HTTP 502: decode server D (http://127.0.0.1:9) is unreachable: "
-                    f"ClientConnectorError: Cannot connect to host 127.0.0.1:9") in result.output
+            assert (
+                f"{url}/v1/models: HTTP 502: decode server D (http://127.0.0.1:9) is unreachable: "
+                f"ClientConnectorError: Cannot connect to host 127.0.0.1:9"
+            ) in result.output
             assert "check that it and its upstreams are up" in result.output
             assert "--model" not in result.output and "ConnectionKey(" not in result.output
     finally:
@@ -507,26 +621,58 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
         proxy = Lines([sys.executable, "-m", "cli", "proxy", "--prefill", p_url, "--decode", d_url])
         proxy_url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
         report = tmp_path / "report.json"
-        fast = ["--speedup", "4", "--no-live", "--idle-threshold", "0.5", "--drain-deadline", "0.3",
-                "--tail", "1", "--scrape-interval", "0.05", "--max-requests", "8"]
-        found = invoke("replay", str(EXAMPLE), "--target", proxy_url, "--report", str(report), *fast)
+        fast = [
+            "--speedup",
+            "4",
+            "--no-live",
+            "--idle-threshold",
+            "0.5",
+            "--drain-deadline",
+            "0.3",
+            "--tail",
+            "1",
+            "--scrape-interval",
+            "0.05",
+            "--max-requests",
+            "8",
+        ]
+        found = invoke(
+            "replay", str(EXAMPLE), "--target", proxy_url, "--report", str(report), *fast
+        )
         data = json.loads(report.read_text())  # no --metrics: the proxy's /health names P and D
         assert data["http"]["metrics_from"] == "the proxy's /health", found.output
-        assert [(m["url"], list(m["engines"].values())) for m in data["http"]["metrics"]] == \
-            [(f"{p_url}/metrics", ["P"]), (f"{d_url}/metrics", ["D"])]
+        assert [(m["url"], list(m["engines"].values())) for m in data["http"]["metrics"]] == [
+            (f"{p_url}/metrics", ["P"]),
+            (f"{d_url}/metrics", ["D"]),
+        ]
         # Speedup 2 for slack: P prefills, then D prefills again (a single engine has no
         # connector), behind a proxy, on a small shared machine.
-        result = invoke("replay", str(longer), "--target", proxy_url, "--metrics", f"D={d_url}/metrics",
-                        "--report", str(report), *fast[2:-2], "--speedup", "2",
-                        "--scrape-interval", "0.01")
+        result = invoke(
+            "replay",
+            str(longer),
+            "--target",
+            proxy_url,
+            "--metrics",
+            f"D={d_url}/metrics",
+            "--report",
+            str(report),
+            *fast[2:-2],
+            "--speedup",
+            "2",
+            "--scrape-interval",
+            "0.01",
+        )
         assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
         data = json.loads(report.read_text())
-        assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {"D"}
+        assert data["http"]["verdict"] == "verified" and {w["engine"] for w in data["windows"]} == {
+            "D"
+        }
         assert _scraped(f"{proxy_url}/metrics", "kvdrain_proxy_requests_total") == {
             (("stage", "prefill"), ("status", "200"), ("upstream", "P")): 8 + 32,
             (("stage", "decode"), ("status", "200"), ("upstream", "D")): 8 + 32,
             (("stage", "models"), ("status", "200"), ("upstream", "D")): 2,  # the replays' probes
-            (("stage", "version"), ("status", "200"), ("upstream", "D")): 2}
+            (("stage", "version"), ("status", "200"), ("upstream", "D")): 2,
+        }
     finally:
         if proxy is not None and proxy.proc.poll() is None:
             proxy.proc.send_signal(signal.SIGTERM)
@@ -538,7 +684,9 @@ def test_a_replay_through_the_proxy_in_front_of_two_kvdrain_serves_gives_a_verdi
 def _times_tokens(trace: Path, factor: int) -> list[dict]:
     """The records of a kvdrain trace with every request's max_tokens times `factor`."""
     records = [json.loads(line) for line in trace.read_text().splitlines()]
-    return [dict(r, max_tokens=r["max_tokens"] * factor) if "max_tokens" in r else r for r in records]
+    return [
+        dict(r, max_tokens=r["max_tokens"] * factor) if "max_tokens" in r else r for r in records
+    ]
 
 
 def _scraped(url: str, name: str) -> dict[tuple, float]:
@@ -552,15 +700,25 @@ def _scraped(url: str, name: str) -> dict[tuple, float]:
 
 def test_the_proxys_prefix_router_sends_a_shared_prompt_to_the_p_it_sent_it_to():
     from replay.deploy.proxy import Proxy, ProxyOptions
-    proxy = Proxy(ProxyOptions(prefill=("http://127.0.0.1:1", "http://127.0.0.1:2"),
-                               decode=("http://127.0.0.1:3",), router="prefix", block_size=2))
+
+    proxy = Proxy(
+        ProxyOptions(
+            prefill=("http://127.0.0.1:1", "http://127.0.0.1:2"),
+            decode=("http://127.0.0.1:3",),
+            router="prefix",
+            block_size=2,
+        )
+    )
     shared = {"prompt": "w1 w2 w3 w4 w9"}
     first = proxy.balancer.pick_prefill(proxy._prompt_blocks(shared))
     proxy.balancer.started(first)
     other = proxy.balancer.pick_prefill(proxy._prompt_blocks({"prompt": "w7 w7 w7 w7"}))
     assert other != first
     assert proxy.balancer.pick_prefill(proxy._prompt_blocks({"prompt": "w1 w2 w3 w4 w5"})) == first
-    assert proxy._prompt_blocks({"prompt": [1, 2, 3, 4, 5]}) and len(proxy._prompt_blocks({"prompt": [1, 2, 3]})) == 1
+    assert (
+        proxy._prompt_blocks({"prompt": [1, 2, 3, 4, 5]})
+        and len(proxy._prompt_blocks({"prompt": [1, 2, 3]})) == 1
+    )
 
 
 @contextmanager
@@ -571,12 +729,16 @@ def two_serves_and_a_decode_serve_behind_the_proxy(liveness: str):
     config = EngineConfig(runner="mock", num_blocks=256, liveness=liveness)
     with ExitStack() as stack:
         topologies = ("pd", "pd", "single")
-        launches = [stack.enter_context(TopologyLaunch(config, KVTransferConfig(), t)) for t in topologies]
+        launches = [
+            stack.enter_context(TopologyLaunch(config, KVTransferConfig(), t)) for t in topologies
+        ]
         urls = []
         for launch, topology in zip(launches, topologies):  # they start at once; each waited for
             router = launch.wait_ready()
             stack.callback(router.shutdown)
-            front = stack.enter_context(running_front(router, served_model(router, config, topology)))
+            front = stack.enter_context(
+                running_front(router, served_model(router, config, topology))
+            )
             urls.append(f"http://127.0.0.1:{front.port}")
         options = ProxyOptions(prefill=tuple(urls[:2]), decode=(urls[2],), router="prefix")
         yield stack.enter_context(running_proxy(options))
@@ -584,13 +746,21 @@ def two_serves_and_a_decode_serve_behind_the_proxy(liveness: str):
 
 def replay_through(url: str, trace: Path):
     http = HttpTargetOptions(url, scrape_interval_s=0.05, tail_s=1.0)
-    return run_replay(ReplayConfig(trace=trace, http=http, shaping=ShapingOptions(speedup=2.0),
-                                   verify=VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3)))
+    return run_replay(
+        ReplayConfig(
+            trace=trace,
+            http=http,
+            shaping=ShapingOptions(speedup=2.0),
+            verify=VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3),
+        )
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("liveness", ["legacy", "event"])
-def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(tmp_path: Path, liveness):
+def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(
+    tmp_path: Path, liveness
+):
     """Group A's prefix lives on one P, which idles from t=1 to t=4 while group B keeps the
     other P and D busy: no idle gap of the whole trace. The proxy names each request's way,
     so over HTTP that P's own window is judged from its metrics: legacy holds A's last
@@ -600,14 +770,21 @@ def test_through_the_proxy_a_starved_prefill_server_is_judged_in_its_own_window(
         result = replay_through(url, trace)
     ways = {r.req_id: [upstream for upstream, _ in r.stages] for r in result.timeline.requests}
     (starved,) = {way[0] for req_id, way in ways.items() if req_id.startswith("a")}
-    assert {way[0] for req_id, way in ways.items() if req_id.startswith("b")} == {"P1" if starved == "P0" else "P0"}
+    assert {way[0] for req_id, way in ways.items() if req_id.startswith("b")} == {
+        "P1" if starved == "P0" else "P0"
+    }
     assert all(way[1:] == ["D"] for way in ways.values()), ways
-    assert all(is_tail for _, _, is_tail in idle_windows(result.timeline, 0.5))  # the trace never idles
-    a = sorted((r for r in result.timeline.requests if r.req_id.startswith("a")), key=lambda r: r.arrival_t)
+    assert all(
+        is_tail for _, _, is_tail in idle_windows(result.timeline, 0.5)
+    )  # the trace never idles
+    a = sorted(
+        (r for r in result.timeline.requests if r.req_id.startswith("a")), key=lambda r: r.arrival_t
+    )
     before, after = [r for r in a if r.arrival_t < 0.5][-1], [r for r in a if r.arrival_t >= 2.0][0]
     own = [w for w in result.verdict.windows if w.engine == f"{starved}:P" and not w.is_tail]
-    assert len(own) == 1 and before.first_token_t <= own[0].start and own[0].end <= after.send_t, \
-        result.verdict.windows  # inside A's pause (t 1..4 at speedup 2)
+    assert len(own) == 1 and before.first_token_t <= own[0].start and own[0].end <= after.send_t, (
+        result.verdict.windows
+    )  # inside A's pause (t 1..4 at speedup 2)
     if liveness == "legacy":
         leaks = [w for w in result.verdict.windows if w.verdict == "leak" and not w.is_tail]
         assert {w.engine for w in leaks} == {f"{starved}:P"}, result.verdict.windows
@@ -625,7 +802,9 @@ def test_the_proxy_names_itself_and_what_is_behind_it_in_its_server_header():
                     behind = response.headers["Server"]
                 async with session.get(proxy.url + "/v1/models") as response:
                     assert response.headers["Server"] == f"kvdrain proxy, in front of {behind}"
-                async with session.post(proxy.url + "/v1/completions", json=CLIENT_REQUEST) as response:
+                async with session.post(
+                    proxy.url + "/v1/completions", json=CLIENT_REQUEST
+                ) as response:
                     await response.read()
                     assert response.headers["Server"] == f"kvdrain proxy, in front of {behind}"
                 async with session.get(proxy.url + "/health") as response:

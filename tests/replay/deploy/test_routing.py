@@ -1,4 +1,5 @@
 """P/D routing: the sans-IO stage machine shared by the live router and the simulator, and the live router over clients."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,17 +31,20 @@ PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1]}
 PROMPT = [1, 2, 3]
 
 
-@pytest.mark.parametrize("reason,params,aborted,expected", [
-    ("length", PARAMS, False, (DECODE, PARAMS)),
-    ("length", PARAMS, True, (RELEASE, PARAMS)),  # P finished anyway: D releases its blocks
-    ("length", None, False, (LOCAL, None)),  # P offered no KV: D prefills itself
-    ("length", None, True, (END, None)),
-    ("stop", PARAMS, False, (DECODE, PARAMS)),  # EOS at P: P holds its blocks all the same
-    ("stop", PARAMS, True, (RELEASE, PARAMS)),
-    ("stop", None, False, (END, None)),
-    ("abort", None, True, (END, None)),
-    ("error", None, False, (END, None)),
-])
+@pytest.mark.parametrize(
+    "reason,params,aborted,expected",
+    [
+        ("length", PARAMS, False, (DECODE, PARAMS)),
+        ("length", PARAMS, True, (RELEASE, PARAMS)),  # P finished anyway: D releases its blocks
+        ("length", None, False, (LOCAL, None)),  # P offered no KV: D prefills itself
+        ("length", None, True, (END, None)),
+        ("stop", PARAMS, False, (DECODE, PARAMS)),  # EOS at P: P holds its blocks all the same
+        ("stop", PARAMS, True, (RELEASE, PARAMS)),
+        ("stop", None, False, (END, None)),
+        ("abort", None, True, (END, None)),
+        ("error", None, False, (END, None)),
+    ],
+)
 def test_after_prefill(reason, params, aborted, expected):
     assert after_prefill(RequestOutput("r", [9], reason, params), aborted) == expected
 
@@ -51,7 +55,9 @@ def pd_routing() -> Routing:
 
 def test_request_goes_to_p_for_one_token_then_to_d_with_p_params():
     routing = pd_routing()
-    assert routing.add("r", PROMPT, 8) == [AddTo("P", "r", PROMPT, PREFILL_MAX_TOKENS, prefill_params())]
+    assert routing.add("r", PROMPT, 8) == [
+        AddTo("P", "r", PROMPT, PREFILL_MAX_TOKENS, prefill_params())
+    ]
     finished_at_p = RequestOutput("r", [9], "length", PARAMS)
     routed = routing.on_output("P", finished_at_p)
     assert routed.commands == (AddTo("D", "r", PROMPT, 8, PARAMS),)
@@ -85,8 +91,9 @@ def test_unfinished_prefill_output_waits():
     assert routing.routes["r"].engine == "P"
 
 
-@pytest.mark.parametrize("topology,pd,engine", [("pd", False, "D"), ("single", None, "E"),
-                                                ("single", True, "E")])
+@pytest.mark.parametrize(
+    "topology,pd,engine", [("pd", False, "D"), ("single", None, "E"), ("single", True, "E")]
+)
 def test_direct_requests_skip_prefill(topology, pd, engine):
     routing = Routing.for_topology(topology)
     assert routing.add("r", PROMPT, 8, pd) == [AddTo(engine, "r", PROMPT, 8, None)]
@@ -128,7 +135,9 @@ def test_a_router_refuses_clients_that_are_not_its_topologys():
 
 def finish_prefill(routing: Routing, engine: str, req_id: str) -> Routed:
     params = {"do_remote_prefill": True, "remote_engine_id": engine, "remote_request_id": req_id}
-    return routing.on_output(engine, RequestOutput(req_id, [7], "length", kv_transfer_params=params))
+    return routing.on_output(
+        engine, RequestOutput(req_id, [7], "length", kv_transfer_params=params)
+    )
 
 
 def test_xpyd_requests_go_round_robin_and_each_d_gets_its_own_ps_params():
@@ -136,11 +145,18 @@ def test_xpyd_requests_go_round_robin_and_each_d_gets_its_own_ps_params():
     firsts = [routing.add(f"r{i}", [1, 2, 3], 4)[0] for i in range(4)]
     assert [c.engine for c in firsts] == ["P0", "P1", "P0", "P1"]
     moved = [finish_prefill(routing, c.engine, c.req_id).commands[0] for c in reversed(firsts)]
-    assert [(c.req_id, c.engine) for c in moved] == [("r3", "D0"), ("r2", "D1"), ("r1", "D0"), ("r0", "D1")]
+    assert [(c.req_id, c.engine) for c in moved] == [
+        ("r3", "D0"),
+        ("r2", "D1"),
+        ("r1", "D0"),
+        ("r0", "D1"),
+    ]
     assert [c.kv_transfer_params["remote_engine_id"] for c in moved] == ["P1", "P0", "P1", "P0"]
     assert routing.balancer.num_in_flight == {"P0": 0, "P1": 0, "D0": 2, "D1": 2}
     for c in moved:
-        assert routing.on_output(c.engine, RequestOutput(c.req_id, [5], "length")).output is not None
+        assert (
+            routing.on_output(c.engine, RequestOutput(c.req_id, [5], "length")).output is not None
+        )
     assert not routing.routes and set(routing.balancer.num_in_flight.values()) == {0}
     assert routing.balancer.num_requests == {"P0": 2, "P1": 2, "D0": 2, "D1": 2}
 
@@ -256,14 +272,23 @@ def test_in_process_topology_routes_like_the_multiprocess_one():
         router.shutdown()
 
 
-@pytest.mark.parametrize("topology, names", [
-    ("single", ([], ["E"])), ("pd", (["P"], ["D"])), ("1p1d", (["P"], ["D"])),
-    ("2p2d", (["P0", "P1"], ["D0", "D1"])), ("1p3d", (["P0"], ["D0", "D1", "D2"]))])
+@pytest.mark.parametrize(
+    "topology, names",
+    [
+        ("single", ([], ["E"])),
+        ("pd", (["P"], ["D"])),
+        ("1p1d", (["P"], ["D"])),
+        ("2p2d", (["P0", "P1"], ["D0", "D1"])),
+        ("1p3d", (["P0"], ["D0", "D1", "D2"])),
+    ],
+)
 def test_topologies_name_their_engines(topology, names):
     assert engine_names(topology) == names
     roles = engine_roles(topology)
     assert [n for n, _ in roles] == names[0] + names[1]
-    assert {r for _, r in roles} == ({None} if topology == "single" else {"kv_producer", "kv_consumer"})
+    assert {r for _, r in roles} == (
+        {None} if topology == "single" else {"kv_producer", "kv_consumer"}
+    )
 
 
 @pytest.mark.parametrize("topology", ["", "0p1d", "2p", "p2d", "2p2", "pdd", "100p1d", "2P2D"])

@@ -1,4 +1,5 @@
 """The record of what an --engine vllm run started, and the sweep that stops what a killed run left."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,14 @@ from pathlib import Path
 import pytest
 
 from engine.proc.run_dir import process_start_time
-from replay.deploy.vllm_orphans import (RECORD_FILE, RUN_PREFIX, Recorded, read_record, sweep_orphans,
-                                        write_record)
+from replay.deploy.vllm_orphans import (
+    RECORD_FILE,
+    RUN_PREFIX,
+    Recorded,
+    read_record,
+    sweep_orphans,
+    write_record,
+)
 from tests.proc_utils import running
 
 
@@ -26,8 +33,10 @@ def sleeper() -> subprocess.Popen:
 
 
 def test_a_record_reads_back_with_this_process_as_its_owner(tmp_path):
-    processes = [Recorded(name="P", pid=12, start_time="34", leader=True), Recorded(name="P child", pid=13,
-                                                                                     start_time="35")]
+    processes = [
+        Recorded(name="P", pid=12, start_time="34", leader=True),
+        Recorded(name="P child", pid=13, start_time="35"),
+    ]
     write_record(tmp_path, processes)
     owner, back = read_record(tmp_path)
     assert owner == (os.getpid(), process_start_time(os.getpid())) and back == processes
@@ -36,9 +45,11 @@ def test_a_record_reads_back_with_this_process_as_its_owner(tmp_path):
 
 
 def test_a_dead_owners_processes_and_their_descendants_are_stopped_and_the_record_goes(run_root):
-    code = ("import subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            "print(p.pid, flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)
@@ -46,7 +57,9 @@ def test_a_dead_owners_processes_and_their_descendants_are_stopped_and_the_recor
     try:
         run_dir = run_root / (RUN_PREFIX + "killed")
         run_dir.mkdir(mode=0o700)
-        write_record(run_dir, [Recorded(name="E", pid=parent.pid, start_time=process_start_time(parent.pid))])
+        write_record(
+            run_dir, [Recorded(name="E", pid=parent.pid, start_time=process_start_time(parent.pid))]
+        )
         record = json.loads((run_dir / RECORD_FILE).read_text())
         record["owner"] = {"pid": gone.pid, "start_time": "1"}
         (run_dir / RECORD_FILE).write_text(json.dumps(record))
@@ -70,12 +83,17 @@ def test_the_sweep_leaves_a_live_runs_processes_and_a_reused_pid_alone(run_root)
         for run_dir in (live, dead):
             run_dir.mkdir(mode=0o700)
         write_record(live, [Recorded(name="E", pid=bystander.pid, start_time=start, leader=True)])
-        write_record(dead, [Recorded(name="E", pid=bystander.pid, start_time=str(int(start) - 1), leader=True)])
+        write_record(
+            dead,
+            [Recorded(name="E", pid=bystander.pid, start_time=str(int(start) - 1), leader=True)],
+        )
         record = json.loads((dead / RECORD_FILE).read_text())
         record["owner"] = {"pid": gone.pid, "start_time": "1"}  # an owner that is gone
         (dead / RECORD_FILE).write_text(json.dumps(record))
         assert sweep_orphans(timeout_s=1) == []
-        assert running(bystander.pid)  # this test owns the live run; the dead run's pid is another process now
+        assert running(
+            bystander.pid
+        )  # this test owns the live run; the dead run's pid is another process now
         assert (live / RECORD_FILE).exists() and not (dead / RECORD_FILE).exists()
     finally:
         bystander.kill()
@@ -90,9 +108,11 @@ def test_a_record_not_this_users_own_is_never_acted_on(run_root, tmp_path, forge
     try:
         run_dir = run_root / (RUN_PREFIX + "forged")
         run_dir.mkdir(mode=0o700)
-        write_record(run_dir, [Recorded(name="E", pid=victim.pid, start_time=process_start_time(victim.pid))])
+        write_record(
+            run_dir, [Recorded(name="E", pid=victim.pid, start_time=process_start_time(victim.pid))]
+        )
         record = json.loads((run_dir / RECORD_FILE).read_text())
-        record["owner"] = {"pid": 2 ** 22 + 1, "start_time": "1"}  # beyond pid_max: gone
+        record["owner"] = {"pid": 2**22 + 1, "start_time": "1"}  # beyond pid_max: gone
         if forgery == "a directory others can write":
             (run_dir / RECORD_FILE).write_text(json.dumps(record))
             run_dir.chmod(0o777)

@@ -2,6 +2,7 @@
 says: the report and summary describe that server (version, block size, pool, connector,
 vocabulary from /tokenize), never kvdrain's engine options; what it does not count
 (steps, wake-ups) is unknown, and prefix-cache hits come from its counters."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,14 @@ class FakeVllm:
         self.port = 0
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "tiny", "object": "model", "owned_by": "vllm", "max_model_len": 512}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": "tiny", "object": "model", "owned_by": "vllm", "max_model_len": 512}
+                ],
+            }
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "0.32.0"})
@@ -43,8 +50,14 @@ class FakeVllm:
     async def tokenize(self, request: web.Request) -> web.Response:
         words = (await request.json())["prompt"].split()
         known = [w if w[1:].isdigit() and int(w[1:]) < 512 else "<unk>" for w in words]
-        return web.json_response({"count": len(words), "max_model_len": 512, "token_strs": known,
-                                  "tokens": [int(w[1:]) if w != "<unk>" else 512 for w in known]})
+        return web.json_response(
+            {
+                "count": len(words),
+                "max_model_len": 512,
+                "token_strs": known,
+                "tokens": [int(w[1:]) if w != "<unk>" else 512 for w in known],
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -54,13 +67,24 @@ class FakeVllm:
         await response.prepare(request)
         for i in range(body["max_tokens"]):
             last = i == body["max_tokens"] - 1
-            choice = {"index": 0, "text": " w1", "token_ids": [1], "finish_reason": "length" if last else None}
+            choice = {
+                "index": 0,
+                "text": " w1",
+                "token_ids": [1],
+                "finish_reason": "length" if last else None,
+            }
             await response.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
             await asyncio.sleep(0.005)
         details = {"cached_tokens": HITS_PER_REQUEST} if self.cached_tokens else None
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-                 "total_tokens": 0, "prompt_tokens_details": details}
-        await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        usage = {
+            "prompt_tokens": len(body["prompt"]),
+            "completion_tokens": body["max_tokens"],
+            "total_tokens": 0,
+            "prompt_tokens_details": details,
+        }
+        await response.write(
+            b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+        )
         await response.write(b"data: [DONE]\n\n")
         self.running -= 1
         await response.write_eof()
@@ -68,7 +92,8 @@ class FakeVllm:
 
     async def metrics(self, request: web.Request) -> web.Response:
         labels = 'engine="0",model_name="tiny"'
-        return web.Response(text=f"""# TYPE vllm:kv_cache_usage_perc gauge
+        return web.Response(
+            text=f"""# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{{{labels}}} {self.running * 0.01}
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{{labels}}} {self.running}
@@ -82,7 +107,8 @@ vllm:prefix_cache_hits_total{{{labels}}} {1000 + HITS_PER_REQUEST * self.num_req
 vllm:prefix_cache_queries_total{{{labels}}} {5000 + 200 * self.num_requests}
 # TYPE vllm:nixl_num_kv_expired_reqs counter
 vllm:nixl_num_kv_expired_reqs_total{{{labels}}} 2
-""")
+"""
+        )
 
     def serve(self) -> None:
         async def main() -> None:
@@ -101,6 +127,7 @@ vllm:nixl_num_kv_expired_reqs_total{{{labels}}} 2
             while not self.stop.is_set():
                 await asyncio.sleep(0.02)
             await runner.cleanup()
+
         asyncio.run(main())
 
 
@@ -111,10 +138,30 @@ def _replay(tmp_path: Path, fake: FakeVllm, *extra: str):
         assert fake.ready.wait(20)
         url = f"http://127.0.0.1:{fake.port}"
         report = tmp_path / "report.json"
-        result = invoke("replay", str(EXAMPLE), "--target", url, "--metrics", f"P={url}/metrics",
-                        "--max-requests", "6", "--speedup", "8", "--no-live", "--tail", "0.3",
-                        "--idle-threshold", "0.3", "--drain-deadline", "0.2", "--scrape-interval", "0.05",
-                        "--report", str(report), *extra)
+        result = invoke(
+            "replay",
+            str(EXAMPLE),
+            "--target",
+            url,
+            "--metrics",
+            f"P={url}/metrics",
+            "--max-requests",
+            "6",
+            "--speedup",
+            "8",
+            "--no-live",
+            "--tail",
+            "0.3",
+            "--idle-threshold",
+            "0.3",
+            "--drain-deadline",
+            "0.2",
+            "--scrape-interval",
+            "0.05",
+            "--report",
+            str(report),
+            *extra,
+        )
     finally:
         fake.stop.set()
         thread.join(20)
@@ -125,31 +172,52 @@ def test_the_report_describes_the_vllm_server_and_not_kvdrains_engine_options(tm
     result, report = _replay(tmp_path, FakeVllm())
     engine = report["settings"]["engine"]
     assert engine["server"] == "vLLM" and engine["version"] == "0.32.0"
-    assert (engine["vocab_size"], engine["vocab_source"], engine["max_model_len"]) == (512, "/tokenize", 512)
+    assert (engine["vocab_size"], engine["vocab_source"], engine["max_model_len"]) == (
+        512,
+        "/tokenize",
+        512,
+    )
     assert engine["engines"]["P"] | {"cache_config": None} == {
-        "version": "0.32.0", "block_size": 128, "num_gpu_blocks": 4096, "connector": "NixlConnector",
-        "cache_config": None}
+        "version": "0.32.0",
+        "block_size": 128,
+        "num_gpu_blocks": 4096,
+        "connector": "NixlConnector",
+        "cache_config": None,
+    }
     assert report["settings"]["kv_transfer"] is None and report["settings"]["topology"] is None
     assert not {"liveness", "num_blocks", "max_num_seqs", "runner", "block_size"} & engine.keys()
-    assert "server: vLLM 0.32.0, model 'tiny', max_model_len 512, vocabulary 512 (from /tokenize)" \
+    assert (
+        "server: vLLM 0.32.0, model 'tiny', max_model_len 512, vocabulary 512 (from /tokenize)"
         in result.output
-    assert "  P: version 0.32.0, block size 128, num_gpu_blocks 4,096, connector NixlConnector" \
+    )
+    assert (
+        "  P: version 0.32.0, block size 128, num_gpu_blocks 4,096, connector NixlConnector"
         in result.output
+    )
 
 
-def test_steps_and_wakes_a_server_does_not_count_are_unknown_and_hits_come_from_its_counters(tmp_path):
+def test_steps_and_wakes_a_server_does_not_count_are_unknown_and_hits_come_from_its_counters(
+    tmp_path,
+):
     result, report = _replay(tmp_path, FakeVllm())
     (p,) = report["engines"]
     assert (p["num_steps"], p["num_wakeups"], p["num_expired"]) == (None, None, 0)
     row = next(line for line in result.output.splitlines() if line.startswith("P "))
     assert row.split()[-3:] == ["-", "-", "0"]
     requests = report["requests"]
-    assert (requests["num_prefix_hit_tokens"], requests["prefix_hits_source"]) == \
-        (6 * HITS_PER_REQUEST, "vllm:prefix_cache_hits_total")
-    assert f"prefix-cache hits {6 * HITS_PER_REQUEST:,} (vllm:prefix_cache_hits_total)" in result.output
+    assert (requests["num_prefix_hit_tokens"], requests["prefix_hits_source"]) == (
+        6 * HITS_PER_REQUEST,
+        "vllm:prefix_cache_hits_total",
+    )
+    assert (
+        f"prefix-cache hits {6 * HITS_PER_REQUEST:,} (vllm:prefix_cache_hits_total)"
+        in result.output
+    )
 
 
 def test_hits_the_server_states_per_request_are_the_requests_own(tmp_path: Path):
     _, report = _replay(tmp_path, FakeVllm(cached_tokens=True))
-    assert (report["requests"]["num_prefix_hit_tokens"], report["requests"]["prefix_hits_source"]) == \
-        (6 * HITS_PER_REQUEST, "requests")
+    assert (
+        report["requests"]["num_prefix_hit_tokens"],
+        report["requests"]["prefix_hits_source"],
+    ) == (6 * HITS_PER_REQUEST, "requests")

@@ -3,6 +3,7 @@
 null is the default where vLLM's field is Optional, the response id is "cmpl-<hex>", the
 401 body is vLLM's auth middleware's, an ignored request says its cause, and the loop
 states on /metrics are engine/core/liveness.py's."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.liveness import LOOP_STATE_NAMES
-from engine.proc.messages import StatsSnapshot
 from engine.core.outputs import RequestOutput
+from engine.proc.messages import StatsSnapshot
 from engine.proc.stats_check import KNOWN_LOOP_STATES
 from replay.http.protocol import ServedModel
 from replay.http.server import HttpOptions
@@ -58,10 +59,16 @@ class FakeRouter:
 
     def take_stats(self) -> list[StatsSnapshot]:
         self.seq += 1
-        counts = {"num_usable_blocks": 100, "num_used_blocks": 0, "num_free_blocks": 100,
-                  "num_cached_blocks": 0}
-        return [StatsSnapshot(e, self.seq, time.monotonic(), "blocked", self.seq, 0, counts)
-                for e in self.engines]
+        counts = {
+            "num_usable_blocks": 100,
+            "num_used_blocks": 0,
+            "num_free_blocks": 100,
+            "num_cached_blocks": 0,
+        }
+        return [
+            StatsSnapshot(e, self.seq, time.monotonic(), "blocked", self.seq, 0, counts)
+            for e in self.engines
+        ]
 
 
 def answers(req_id: str, prompt: list[int], max_tokens: int) -> list[RequestOutput]:
@@ -76,12 +83,17 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict, **kwargs) -> tuple[int, object]:
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict, **kwargs
+) -> tuple[int, object]:
     async with session.post(url + "/v1/completions", json=body, **kwargs) as response:
         raw = await response.read()
         if response.content_type == "text/event-stream":
-            return response.status, [json.loads(line[6:]) for line in raw.decode().splitlines()
-                                      if line.startswith("data: {")]
+            return response.status, [
+                json.loads(line[6:])
+                for line in raw.decode().splitlines()
+                if line.startswith("data: {")
+            ]
         return response.status, json.loads(raw)
 
 
@@ -101,8 +113,12 @@ def test_a_client_disconnect_counts_in_no_finished_request_metric():
         async def go() -> str:
             async with aiohttp.ClientSession() as session:
                 try:  # the request never gets an answer: the client gives up
-                    await _post(session, url, {"prompt": [0, 1], "stream": True},
-                                timeout=aiohttp.ClientTimeout(total=0.3))
+                    await _post(
+                        session,
+                        url,
+                        {"prompt": [0, 1], "stream": True},
+                        timeout=aiohttp.ClientTimeout(total=0.3),
+                    )
                 except asyncio.TimeoutError:
                     pass
                 deadline = time.monotonic() + 10
@@ -111,10 +127,14 @@ def test_a_client_disconnect_counts_in_no_finished_request_metric():
                 await _post(session, url, {"prompt": [5, 1]})  # one that finishes
                 async with session.get(url + "/metrics") as response:
                     return await response.text()
+
         samples = _samples(run(go()))
     assert len(router.aborted) == 1
-    success = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]
-               if s.labels["engine"] == "D"}
+    success = {
+        s.labels["finished_reason"]: s.value
+        for s in samples["vllm:request_success_total"]
+        if s.labels["engine"] == "D"
+    }
     assert success["abort"] == 0 and success["length"] == 1
     e2e = {s.labels["engine"]: s.value for s in samples["vllm:e2e_request_latency_seconds_count"]}
     assert e2e == {"P": 0, "D": 1}
@@ -126,15 +146,29 @@ def test_explicit_nulls_are_defaults_where_vllm_fields_are_optional():
 
         async def go():
             async with aiohttp.ClientSession() as session:
-                nulls = {"prompt": [5, 1], "max_tokens": None, "stream": None, "return_token_ids": None,
-                         "model": None, "kv_transfer_params": None, "stream_options": None,
-                         "echo": None, "logprobs": None, "stop": None, "stop_token_ids": None}
+                nulls = {
+                    "prompt": [5, 1],
+                    "max_tokens": None,
+                    "stream": None,
+                    "return_token_ids": None,
+                    "model": None,
+                    "kv_transfer_params": None,
+                    "stream_options": None,
+                    "echo": None,
+                    "logprobs": None,
+                    "stop": None,
+                    "stop_token_ids": None,
+                }
                 plain = await _post(session, url, nulls)
-                usage = await _post(session, url, {"prompt": [5, 1], "stream": True,
-                                                   "stream_options": {"include_usage": None}})
+                usage = await _post(
+                    session,
+                    url,
+                    {"prompt": [5, 1], "stream": True, "stream_options": {"include_usage": None}},
+                )
                 empty = await _post(session, url, {"prompt": [5, 1], "stream_options": {}})
                 eos = await _post(session, url, {"prompt": [5, 1], "ignore_eos": None})
                 return plain, usage, empty, eos
+
         plain, usage, empty, eos = run(go())
     assert plain[0] == 200 and plain[1]["choices"][0]["token_ids"] is None  # return_token_ids: off
     assert plain[1]["usage"]["completion_tokens"] == 2
@@ -149,10 +183,13 @@ def test_response_ids_are_cmpl_and_one_hex_or_the_given_id():
 
         async def go():
             async with aiohttp.ClientSession() as session:
-                return [await _post(session, url, {"prompt": [5, 1]}),
-                        await _post(session, url, {"prompt": [5, 1], "stream": True}),
-                        await _post(session, url, {"prompt": [5, 1], "request_id": "abc"}),
-                        await _post(session, url, {"prompt": [5, 1]}, headers={"X-Request-Id": "xyz"})]
+                return [
+                    await _post(session, url, {"prompt": [5, 1]}),
+                    await _post(session, url, {"prompt": [5, 1], "stream": True}),
+                    await _post(session, url, {"prompt": [5, 1], "request_id": "abc"}),
+                    await _post(session, url, {"prompt": [5, 1]}, headers={"X-Request-Id": "xyz"}),
+                ]
+
         plain, stream, given, header = run(go())
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", plain[1]["id"])
     assert {chunk["id"] for chunk in stream[1]} == {stream[1][0]["id"]}
@@ -166,9 +203,16 @@ def test_unauthorized_is_vllms_body():
 
         async def go():
             async with aiohttp.ClientSession() as session:
-                return (await _post(session, url, {"prompt": [5, 1]}),
-                        await _post(session, url, {"prompt": [5, 1]}, headers={"Authorization": "Bearer no"}),
-                        await _post(session, url, {"prompt": [5, 1]}, headers={"Authorization": "Bearer k"}))
+                return (
+                    await _post(session, url, {"prompt": [5, 1]}),
+                    await _post(
+                        session, url, {"prompt": [5, 1]}, headers={"Authorization": "Bearer no"}
+                    ),
+                    await _post(
+                        session, url, {"prompt": [5, 1]}, headers={"Authorization": "Bearer k"}
+                    ),
+                )
+
         missing, wrong, right = run(go())
     assert missing == (401, {"error": "Unauthorized"}) and wrong == missing
     assert right[0] == 200
@@ -180,9 +224,12 @@ def test_an_ignored_request_carries_the_engines_cause():
 
         async def go():
             async with aiohttp.ClientSession() as session:
-                return (await _post(session, url, {"prompt": [1, 1]}),
-                        await _post(session, url, {"prompt": [1, 1], "stream": True}),
-                        await _post(session, url, {"prompt": [5, 1]}))
+                return (
+                    await _post(session, url, {"prompt": [1, 1]}),
+                    await _post(session, url, {"prompt": [1, 1], "stream": True}),
+                    await _post(session, url, {"prompt": [5, 1]}),
+                )
+
         plain, stream, normal = run(go())
     choice = plain[1]["choices"][0]
     assert (choice["finish_reason"], choice["kvdrain_ignored_reason"]) == ("length", IGNORED_CAUSE)
@@ -193,10 +240,12 @@ def test_an_ignored_request_carries_the_engines_cause():
 
 def test_loop_states_have_one_source():
     with running_front(FakeRouter(answers), MODEL) as front:
+
         async def go() -> str:
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{front.port}/metrics") as response:
                     return await response.text()
+
         samples = _samples(run(go()))
     states = [s.labels["state"] for s in samples["kvdrain:loop_state"] if s.labels["engine"] == "P"]
     assert tuple(states) == LOOP_STATE_NAMES and KNOWN_LOOP_STATES == frozenset(LOOP_STATE_NAMES)

@@ -3,6 +3,7 @@ input is a 4xx with vLLM's error body (a lone surrogate, JSON nested 100,000 dee
 Content-Encoding, a non-UTF-8 Authorization header, duplicate keys), a huge text prompt is
 refused before it is tokenised, and half-open connections (slowloris) neither keep others
 out nor flood stderr."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +57,8 @@ BAD_BODIES = {
     "duplicate keys": b'{"prompt": [1, 2], "max_tokens": 2, "max_tokens": 400}',
     "not UTF-8": b'{"prompt": "\xff\xfe"}',
     "a lone surrogate in the request id": b'{"prompt": [1, 2], "request_id": "a\\udc80"}',
-    "a request id of 100,000 characters": b'{"prompt": [1, 2], "request_id": "%s"}' % (b"a" * 100_000),
+    "a request id of 100,000 characters": b'{"prompt": [1, 2], "request_id": "%s"}'
+    % (b"a" * 100_000),
 }
 
 
@@ -83,7 +85,9 @@ def test_a_bogus_content_encoding_is_a_400():
 
 def test_a_non_utf8_authorization_header_is_a_401():
     with running_front(FakeRouter(answers), MODEL, HttpOptions(api_key="sekrit")) as front:
-        status, body = post(front.port, b'{"prompt": [5, 1]}', b"Authorization: Bearer \xff\xfe\xc3")
+        status, body = post(
+            front.port, b'{"prompt": [5, 1]}', b"Authorization: Bearer \xff\xfe\xc3"
+        )
         assert status == 401 and body == {"error": "Unauthorized"}
         status, _ = post(front.port, b'{"prompt": [5, 1]}', b"Authorization: Bearer sekrit")
         assert status == 200
@@ -101,6 +105,7 @@ def test_a_huge_text_prompt_is_refused_before_it_is_tokenised(monkeypatch):
         ids = real(self, text, *args, **kwargs)
         seen.append(len(ids))
         return ids
+
     monkeypatch.setattr(tokenizer.WordTokenizer, "encode", counting)
     words = json.dumps({"prompt": "ab " * 2_500_000, "max_tokens": 2}).encode()
     ids = json.dumps({"prompt": list(range(1, 999)) * 1000, "max_tokens": 2}).encode()
@@ -151,8 +156,12 @@ def test_half_open_connections_at_the_fd_limit_keep_health_reachable_and_stderr_
     import sys
 
     code = FRONT_AT_AN_FD_LIMIT.format(limit=512, header_timeout=30)
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     sockets = []
     try:
         port = int(child.stdout.readline())
@@ -186,8 +195,10 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header
 def test_a_body_that_never_arrives_is_a_408_after_the_body_timeout():
     with running_front(FakeRouter(answers), MODEL, HttpOptions(body_timeout_s=0.5)) as front:
         with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
-                         b"Content-Type: application/json\r\n\r\n" + b'{"prompt": [1')
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                b"Content-Type: application/json\r\n\r\n" + b'{"prompt": [1'
+            )
             raw = sock.recv(65536)
         status_line, _, rest = raw.partition(b"\r\n")
         assert int(status_line.split()[1]) == 408
@@ -203,9 +214,14 @@ def test_beyond_the_connection_cap_busy_connections_are_kept_and_a_newcomer_gets
 
         async def go() -> list[int]:
             async with aiohttp.ClientSession() as session:
-                hung = [asyncio.create_task(session.post(url + "/v1/completions",
-                                                         json={"prompt": [0, 1], "stream": True}))
-                        for _ in range(2)]
+                hung = [
+                    asyncio.create_task(
+                        session.post(
+                            url + "/v1/completions", json={"prompt": [0, 1], "stream": True}
+                        )
+                    )
+                    for _ in range(2)
+                ]
                 deadline = time.monotonic() + 10
                 while len(front.open) < 2 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
@@ -216,6 +232,7 @@ def test_beyond_the_connection_cap_busy_connections_are_kept_and_a_newcomer_gets
                     task.cancel()
                 await asyncio.gather(*hung, return_exceptions=True)
                 return [status]
+
         assert run(go()) == [503]
 
 
@@ -241,11 +258,17 @@ def test_malformed_requests_print_one_line_each_kind_not_a_traceback_each():
     import subprocess
     import sys
 
-    junk = [b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
-            b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"]
+    junk = [
+        b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ]
     code = FRONT_AT_AN_FD_LIMIT.format(limit=4096, header_timeout=30)
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         port = int(child.stdout.readline())
         for request in junk * 20:

@@ -2,6 +2,7 @@
 fields of the wrong type, markup and escape codes, negative gauges, duplicate keys,
 redirects to another host. None of them may give a false verdict, unbounded memory or a
 traceback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,12 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _chunk(choices: object = None, **extra) -> bytes:
-    body = {"id": "cmpl-x", "object": "text_completion", "choices": [] if choices is None else choices,
-            **extra}
+    body = {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "choices": [] if choices is None else choices,
+        **extra,
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -44,8 +49,9 @@ class LeakyPD:
         self.has_run = False
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "m", "owned_by": "vllm", "max_model_len": 4096}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "m", "owned_by": "vllm", "max_model_len": 4096}]}
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -55,10 +61,12 @@ class LeakyPD:
         await response.prepare(request)
         await asyncio.sleep(self.busy_s)
         self.num_running -= 1
-        await response.write(_chunk([{"index": 0, "text": "w5", "token_ids": [5],
-                                      "finish_reason": "length"}]))
-        await response.write(_chunk(usage={"prompt_tokens": 2, "completion_tokens": 1,
-                                           "total_tokens": 3}))
+        await response.write(
+            _chunk([{"index": 0, "text": "w5", "token_ids": [5], "finish_reason": "length"}])
+        )
+        await response.write(
+            _chunk(usage={"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3})
+        )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -66,9 +74,11 @@ class LeakyPD:
     async def metrics(self, request: web.Request) -> web.Response:
         p_used = 8 if self.has_run else 0
         d_used = 4 if self.num_running else 0
-        text = "".join(f'vllm:kv_cache_usage_perc{{engine="{e}"}} {used / 100}\n'
-                       f'vllm:cache_config_info{{engine="{e}",num_gpu_blocks="101"}} 1\n'
-                       for e, used in (("P", p_used), ("D", d_used)))
+        text = "".join(
+            f'vllm:kv_cache_usage_perc{{engine="{e}"}} {used / 100}\n'
+            f'vllm:cache_config_info{{engine="{e}",num_gpu_blocks="101"}} 1\n'
+            for e, used in (("P", p_used), ("D", d_used))
+        )
         await asyncio.sleep(self.delay_s)
         return web.Response(text=text)
 
@@ -84,33 +94,63 @@ def invoke_replay(url: str, tmp_path: Path, *args: str):
     from click.testing import CliRunner
 
     from cli import cli
+
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"t": 0, "id": "a", "prompt_len": 4, "max_tokens": 2}\n')
-    return CliRunner().invoke(cli, ["replay", str(trace), "--target", url, "--no-live", "--tail",
-                                    "0.1", "--vocab-size", "512", *args], catch_exceptions=False)
+    return CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            str(trace),
+            "--target",
+            url,
+            "--no-live",
+            "--tail",
+            "0.1",
+            "--vocab-size",
+            "512",
+            *args,
+        ],
+        catch_exceptions=False,
+    )
 
 
 def models_app(card: dict) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [card]})
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
     return app
 
 
-@pytest.mark.parametrize("card,error", [
-    ({"id": "m", "kvdrain": {"vocab_size": [1]}}, "data[0].kvdrain.vocab_size: expected a positive "
-                                                  "integer, got list"),
-    ({"id": "m", "kvdrain": {"vocab_size": 0}}, "data[0].kvdrain.vocab_size: expected a positive "
-                                                "integer, got 0"),
-    ({"id": "m", "max_model_len": "4096"}, "data[0].max_model_len: expected a positive integer, got str"),
-    ({"id": "m", "max_model_len": True}, "data[0].max_model_len: expected a positive integer, got bool"),
-    ({"id": "m", "owned_by": {"x": 1}}, "data[0].owned_by: expected a str, got dict"),
-    ({"id": "m", "kvdrain": [1]}, "data[0].kvdrain: expected a dict, got list"),
-    ({"id": 7}, "data[0].id: expected a str, got int"),
-])
-def test_a_models_field_of_the_wrong_type_is_a_usage_error_naming_it(tmp_path: Path, card: dict,
-                                                                      error: str):
+@pytest.mark.parametrize(
+    "card,error",
+    [
+        (
+            {"id": "m", "kvdrain": {"vocab_size": [1]}},
+            "data[0].kvdrain.vocab_size: expected a positive integer, got list",
+        ),
+        (
+            {"id": "m", "kvdrain": {"vocab_size": 0}},
+            "data[0].kvdrain.vocab_size: expected a positive integer, got 0",
+        ),
+        (
+            {"id": "m", "max_model_len": "4096"},
+            "data[0].max_model_len: expected a positive integer, got str",
+        ),
+        (
+            {"id": "m", "max_model_len": True},
+            "data[0].max_model_len: expected a positive integer, got bool",
+        ),
+        ({"id": "m", "owned_by": {"x": 1}}, "data[0].owned_by: expected a str, got dict"),
+        ({"id": "m", "kvdrain": [1]}, "data[0].kvdrain: expected a dict, got list"),
+        ({"id": 7}, "data[0].id: expected a str, got int"),
+    ],
+)
+def test_a_models_field_of_the_wrong_type_is_a_usage_error_naming_it(
+    tmp_path: Path, card: dict, error: str
+):
     with serving_in_thread(models_app(card)) as url:
         result = invoke_replay(url, tmp_path)
     assert result.exit_code == 2, result.output
@@ -122,7 +162,10 @@ def replay_against(app: web.Application, trace, **options) -> Timeline:
         async with serving(app) as url:
             metrics = (MetricsSource.parse(url + "/metrics"),)
             options.setdefault("vocab_size", 512)  # a vLLM card does not say it
-            return await HttpReplay(HttpTargetOptions(url, metrics=metrics, **options)).run_async(trace)
+            return await HttpReplay(HttpTargetOptions(url, metrics=metrics, **options)).run_async(
+                trace
+            )
+
     return asyncio.run(asyncio.wait_for(go(), 60))
 
 
@@ -151,8 +194,9 @@ def test_late_scrapes_of_an_engine_that_leaks_are_never_judged_drained():
 
 
 def test_prompt_scrapes_of_the_same_server_see_the_leak_and_the_drain():
-    timeline = replay_against(LeakyPD(delay_s=0.0, busy_s=0.8).app(), LEAK_TRACE, tail_s=1.0,
-                              scrape_interval_s=0.05)
+    timeline = replay_against(
+        LeakyPD(delay_s=0.0, busy_s=0.8).app(), LEAK_TRACE, tail_s=1.0, scrape_interval_s=0.05
+    )
     verdict = verify(timeline, [], VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
     assert _verdicts(verdict, "P") == ["leak", "leak"]
     assert "drained" in _verdicts(verdict, "D") and "leak" not in _verdicts(verdict, "D")
@@ -194,8 +238,9 @@ def test_an_endless_stream_holds_no_more_than_its_max_tokens_allow():
     tracemalloc.start()
     try:
         started = time.monotonic()
-        timeline = replay_against(server.app(), [TraceRequest(0.0, "a", 8, 2)], tail_s=0.05,
-                                  request_timeout_s=4.0)
+        timeline = replay_against(
+            server.app(), [TraceRequest(0.0, "a", 8, 2)], tail_s=0.05, request_timeout_s=4.0
+        )
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -244,22 +289,29 @@ class Hostile(LeakyPD):
         self.metrics_text = metrics_text
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "m" + EVIL, "owned_by": EVIL, "max_model_len": 4096}]},
-            headers={"Server": "[blink]srv[/blink]"})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "m" + EVIL, "owned_by": EVIL, "max_model_len": 4096}],
+            },
+            headers={"Server": "[blink]srv[/blink]"},
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.metrics_text is not None:
             return web.Response(text=self.metrics_text)
         used = 8 if self.has_run else 0
-        return web.Response(text=f'kvdrain:kv_blocks_used{{engine="P{EVIL}"}} {used}\n'
-                                 f'kvdrain:kv_blocks_free{{engine="P{EVIL}"}} {100 - used}\n')
+        return web.Response(
+            text=f'kvdrain:kv_blocks_used{{engine="P{EVIL}"}} {used}\n'
+            f'kvdrain:kv_blocks_free{{engine="P{EVIL}"}} {100 - used}\n'
+        )
 
     async def completions(self, request: web.Request) -> web.Response:
         await request.read()
         self.has_run = True
-        return web.json_response({"error": {"message": "no" + EVIL, "type": "x", "code": 400}},
-                                 status=400)
+        return web.json_response(
+            {"error": {"message": "no" + EVIL, "type": "x", "code": 400}}, status=400
+        )
 
 
 def test_markup_and_escape_codes_from_a_server_never_reach_the_terminal(tmp_path: Path):
@@ -280,8 +332,9 @@ def test_a_negative_usage_gauge_is_a_failed_scrape_never_a_count(tmp_path: Path)
     assert status["num_failures"] == status["num_scrapes"]
     assert status["errors"][0] == "ValueError: kvdrain:kv_blocks_used: negative: -256"
     over = 'vllm:kv_cache_usage_perc{engine="0"} 1.5\n'
-    status = replay_against(Hostile(over).app(), [TraceRequest(0.0, "a", 1, 2)],
-                            tail_s=0.2).meta["http"]["metrics"][0]
+    status = replay_against(Hostile(over).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2).meta[
+        "http"
+    ]["metrics"][0]
     assert status["errors"][0] == "ValueError: vllm:kv_cache_usage_perc: a fraction above 1: 1.5"
 
 
@@ -291,12 +344,17 @@ def test_duplicate_keys_from_a_server_are_an_error_not_the_last_value():
             await request.read()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            await response.write(b'data: {"choices": [{"index": 0, "text": "w5", "token_ids": [5], '
-                                 b'"finish_reason": "length"}], "usage": {"completion_tokens": 1, '
-                                 b'"completion_tokens": 900}}\n\ndata: [DONE]\n\n')
+            await response.write(
+                b'data: {"choices": [{"index": 0, "text": "w5", "token_ids": [5], '
+                b'"finish_reason": "length"}], "usage": {"completion_tokens": 1, '
+                b'"completion_tokens": 900}}\n\ndata: [DONE]\n\n'
+            )
             await response.write_eof()
             return response
-    timeline = replay_against(Duplicates(0.0, 0.0).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)
+
+    timeline = replay_against(
+        Duplicates(0.0, 0.0).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2
+    )
     assert timeline.request("a").error == "DuplicateKeyError: duplicate key 'completion_tokens'"
 
 
@@ -306,11 +364,14 @@ def test_a_redirect_to_another_host_is_refused_and_one_on_the_same_host_followed
     async def elsewhere(request: web.Request) -> web.Response:
         hits.append(request.headers.get("Authorization"))
         return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
     other = web.Application()
     other.router.add_get("/{tail:.*}", elsewhere)
     with serving_in_thread(other) as other_url:
+
         async def moved(request: web.Request) -> web.Response:
             raise web.HTTPTemporaryRedirect(other_url + "/v1/models")
+
         app = web.Application()
         app.router.add_get("/v1/models", moved)
         with serving_in_thread(app) as url:
@@ -324,6 +385,7 @@ def test_a_redirect_to_another_host_is_refused_and_one_on_the_same_host_followed
 
     async def slash(request: web.Request) -> web.Response:
         raise web.HTTPTemporaryRedirect("/metrics/")
+
     app.router.add_get("/metrics/", server.metrics)
     app.router._resources = [r for r in app.router._resources if r.canonical != "/metrics"]
     app.router.add_get("/metrics", slash)  # as vLLM's mounted /metrics answers
@@ -337,11 +399,25 @@ def test_more_tokens_than_max_tokens_in_one_chunk_is_that_requests_error():
             await request.read()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            await response.write(_chunk([{"index": 0, "text": "", "token_ids": list(range(5000)),
-                                          "finish_reason": "length"}]) + b"data: [DONE]\n\n")
+            await response.write(
+                _chunk(
+                    [
+                        {
+                            "index": 0,
+                            "text": "",
+                            "token_ids": list(range(5000)),
+                            "finish_reason": "length",
+                        }
+                    ]
+                )
+                + b"data: [DONE]\n\n"
+            )
             await response.write_eof()
             return response
-    timeline = replay_against(Overflowing(0.0, 0.0).app(), [TraceRequest(0.0, "a", 2, 2)], tail_s=0.2)
+
+    timeline = replay_against(
+        Overflowing(0.0, 0.0).app(), [TraceRequest(0.0, "a", 2, 2)], tail_s=0.2
+    )
     assert timeline.request("a").error == "ValueError: stream: more tokens than max_tokens (2)"
 
 
@@ -366,6 +442,7 @@ def test_a_scrape_cancelled_unanswered_at_the_end_is_not_counted():
     """The run's last scrape, cancelled while the server still thinks, is no scrape: with
     it counted, '3 of 4 scrapes failed' was printed for a server that failed all 3 it answered."""
     from replay.http.scrape import Scraper
+
     answered, release = asyncio.Event(), asyncio.Event()
 
     async def metrics(request: web.Request) -> web.Response:

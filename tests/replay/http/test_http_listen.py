@@ -1,12 +1,13 @@
 """Who may reach `serve --http`: beyond loopback only with --api-key, or knowingly with
 --insecure (warned about); refused before any engine starts, as the zmq address is."""
+
 from __future__ import annotations
 
 import pytest
 
+from replay.http.bearer import CredentialError
 from replay.http.server import HttpOptions
 from replay.http.shared_serve import HttpServe
-from replay.http.bearer import CredentialError
 
 
 def _serve_without_engines(monkeypatch, *args: str):
@@ -18,14 +19,17 @@ def _serve_without_engines(monkeypatch, *args: str):
 
     def no_engines(*a, **k):
         raise AssertionError("the engines were started before the check")
+
     monkeypatch.setattr(replay.commands, "start_topology", no_engines)
-    return CliRunner().invoke(cli, ["serve", "--runner", "mock", "--no-live", *args],
-                              catch_exceptions=False)
+    return CliRunner().invoke(
+        cli, ["serve", "--runner", "mock", "--no-live", *args], catch_exceptions=False
+    )
 
 
 @pytest.mark.parametrize("http", ["0.0.0.0:0", "[::]:0", "10.1.2.3:0", "example.com:0"])
 def test_http_beyond_loopback_without_an_api_key_is_refused_before_any_engine_starts(
-        monkeypatch, http: str):
+    monkeypatch, http: str
+):
     result = _serve_without_engines(monkeypatch, "--http", http)
     assert result.exit_code == 2, result.output
     assert "listens beyond this machine with no credential: give --api-key KEY" in result.output

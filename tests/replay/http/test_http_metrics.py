@@ -1,4 +1,5 @@
 """/metrics of the HTTP front: vLLM's names, label sets and buckets, parsed by prometheus_client."""
+
 from __future__ import annotations
 
 import time
@@ -10,13 +11,27 @@ from prometheus_client.registry import CollectorRegistry
 from engine.proc.messages import StatsSnapshot
 from replay.http.metrics import E2E_BUCKETS, FAMILIES, TTFT_BUCKETS, EngineCollector, FrontStats
 
-COUNTS = {"num_waiting": 2, "num_skipped_waiting": 1, "num_waiting_for_remote_kvs": 1,
-          "num_running": 3, "num_finished_awaiting_free": 4, "num_usable_blocks": 100,
-          "num_used_blocks": 25, "num_cached_blocks": 10, "num_free_blocks": 75,
-          "num_preemptions": 5, "num_stale_kv_reports": 0, "num_prefix_hit_tokens": 32,
-          "num_prefix_query_tokens": 96, "num_kv_load_failures": 0, "num_sent": 7,
-          "num_expired": 1, "num_recvs_in_flight": 2, "connector_worker_pid": 1234,
-          "num_bad_messages": 0}
+COUNTS = {
+    "num_waiting": 2,
+    "num_skipped_waiting": 1,
+    "num_waiting_for_remote_kvs": 1,
+    "num_running": 3,
+    "num_finished_awaiting_free": 4,
+    "num_usable_blocks": 100,
+    "num_used_blocks": 25,
+    "num_cached_blocks": 10,
+    "num_free_blocks": 75,
+    "num_preemptions": 5,
+    "num_stale_kv_reports": 0,
+    "num_prefix_hit_tokens": 32,
+    "num_prefix_query_tokens": 96,
+    "num_kv_load_failures": 0,
+    "num_sent": 7,
+    "num_expired": 1,
+    "num_recvs_in_flight": 2,
+    "connector_worker_pid": 1234,
+    "num_bad_messages": 0,
+}
 
 # Pinned: what a dashboard built for vLLM 0.32 (or for kvdrain) reads.
 EXPECTED_LABELS = {
@@ -72,10 +87,16 @@ def _value(samples, name, **labels) -> float:
 def test_names_and_label_sets_are_pinned():
     latest = {"P": StatsSnapshot("P", 1, time.monotonic(), "blocked", 10, 3, dict(COUNTS))}
     samples = _scrape(latest, {})
-    assert {name: set().union(*(s.labels for s in group)) for name, group in samples.items()} \
-        == EXPECTED_LABELS
-    base = {name.removesuffix("_total").removesuffix("_bucket").removesuffix("_sum")
-            .removesuffix("_count") for name in EXPECTED_LABELS}
+    assert {
+        name: set().union(*(s.labels for s in group)) for name, group in samples.items()
+    } == EXPECTED_LABELS
+    base = {
+        name.removesuffix("_total")
+        .removesuffix("_bucket")
+        .removesuffix("_sum")
+        .removesuffix("_count")
+        for name in EXPECTED_LABELS
+    }
     assert base == set(FAMILIES)
 
 
@@ -105,11 +126,17 @@ def test_values_mean_what_vllm_means():
     assert _value(s, "vllm:time_to_first_token_seconds_bucket", engine="D", le="0.04") == 1
     assert _value(s, "vllm:time_to_first_token_seconds_bucket", engine="D", le="0.02") == 0
     assert _value(s, "vllm:e2e_request_latency_seconds_bucket", engine="D", le="+Inf") == 2
-    les = [x.labels["le"] for x in s["vllm:e2e_request_latency_seconds_bucket"]
-           if x.labels["engine"] == "D"]
+    les = [
+        x.labels["le"]
+        for x in s["vllm:e2e_request_latency_seconds_bucket"]
+        if x.labels["engine"] == "D"
+    ]
     assert [float(le) for le in les[:-1]] == list(E2E_BUCKETS)
-    les = [x.labels["le"] for x in s["vllm:time_to_first_token_seconds_bucket"]
-           if x.labels["engine"] == "D"]
+    les = [
+        x.labels["le"]
+        for x in s["vllm:time_to_first_token_seconds_bucket"]
+        if x.labels["engine"] == "D"
+    ]
     assert [float(le) for le in les[:-1]] == list(TTFT_BUCKETS)
     # An engine with no snapshot yet exports no gauges (nothing is known).
     assert not [x for x in s["vllm:kv_cache_usage_perc"] if x.labels["engine"] == "D"]
@@ -118,6 +145,7 @@ def test_values_mean_what_vllm_means():
 def test_prefix_cache_queries_count_each_request_once_like_vllm():
     from tests.engine.core.test_scheduler import run_to_completion
     from tests.utils import make_request, make_scheduler
+
     sched = make_scheduler()
     sched.add_request(make_request("a", num_tokens=13, max_tokens=1))
     run_to_completion(sched)
@@ -132,11 +160,24 @@ def test_an_engine_without_a_connector_exposes_no_connector_counter():
     failures) are the engine's: as connector events, a single engine read as having a
     kvdrain PDConnector."""
     from replay.http.server_facts import engine_facts
-    counts = {k: v for k, v in COUNTS.items() if k in (
-        "num_waiting", "num_running", "num_usable_blocks", "num_used_blocks", "num_free_blocks")}
-    latest = {"E": StatsSnapshot("E", 1, time.monotonic(), "blocked", 10, 3,
-                                 {**counts, "num_bad_messages": 2, "num_probe_wakeups": 5,
-                                  "num_kv_load_failures": 0})}
+
+    counts = {
+        k: v
+        for k, v in COUNTS.items()
+        if k
+        in ("num_waiting", "num_running", "num_usable_blocks", "num_used_blocks", "num_free_blocks")
+    }
+    latest = {
+        "E": StatsSnapshot(
+            "E",
+            1,
+            time.monotonic(),
+            "blocked",
+            10,
+            3,
+            {**counts, "num_bad_messages": 2, "num_probe_wakeups": 5, "num_kv_load_failures": 0},
+        )
+    }
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector("m", ["E"], 16, latest, {}))
     samples: dict[str, list] = {}

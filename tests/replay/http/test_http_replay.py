@@ -1,7 +1,7 @@
 """The HTTP replay's parts: one replay over HTTP (used by the server and CLI tests), and the
 scraper's reading of vLLM, older vLLM, SGLang and kvdrain expositions."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
@@ -17,11 +17,17 @@ pytestmark = pytest.mark.timeout(120)
 VERIFY = VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3)
 
 
-def replay_over_http(port: int, metrics_path: str | None = "/metrics", max_requests: int | None = None):
-    metrics = () if metrics_path is None else (
-        MetricsSource.parse(f"http://127.0.0.1:{port}{metrics_path}"),)
-    options = HttpTargetOptions(f"http://127.0.0.1:{port}", metrics, scrape_interval_s=0.05,
-                                tail_s=1.0)
+def replay_over_http(
+    port: int, metrics_path: str | None = "/metrics", max_requests: int | None = None
+):
+    metrics = (
+        ()
+        if metrics_path is None
+        else (MetricsSource.parse(f"http://127.0.0.1:{port}{metrics_path}"),)
+    )
+    options = HttpTargetOptions(
+        f"http://127.0.0.1:{port}", metrics, scrape_interval_s=0.05, tail_s=1.0
+    )
     shaping = ShapingOptions(speedup=4.0, max_requests=max_requests)
     timeline = HttpReplay(options).run(shape(read_trace(EXAMPLE), shaping))
     verdict = verify(timeline, [], VERIFY)
@@ -49,14 +55,18 @@ def test_scraper_reads_vllm_older_vllm_sglang_and_kvdrain():
     assert (reading.used, reading.unit) == (500000, "ppm")
     tiny = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 1e-9\n')
     assert read_engines(tiny, "vllm:gpu_cache_usage_perc")[0].used == 1  # never rounds to 0
-    sglang = parse_metrics('sglang:token_usage{tp_rank="0"} 0.25\nsglang:max_total_num_tokens 4000\n')
+    sglang = parse_metrics(
+        'sglang:token_usage{tp_rank="0"} 0.25\nsglang:max_total_num_tokens 4000\n'
+    )
     assert choose_metric(sglang) == "sglang:token_usage"
     assert read_engines(sglang, "sglang:token_usage")[0].used == 1000
     assert choose_metric(parse_metrics("process_cpu_seconds_total 3\n")) is None
 
 
 def test_metrics_source_names():
-    assert MetricsSource.parse("P=http://h:8100/metrics") == MetricsSource("http://h:8100/metrics", "P")
+    assert MetricsSource.parse("P=http://h:8100/metrics") == MetricsSource(
+        "http://h:8100/metrics", "P"
+    )
     assert MetricsSource.parse("http://h:8100/metrics").name is None
     with pytest.raises(ValueError):
         MetricsSource.parse("h:8100/metrics")

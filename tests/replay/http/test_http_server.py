@@ -4,6 +4,7 @@ SSE as vLLM streams it, token ids and text round-trips, usage, /v1/models, /heal
 /metrics parsed by prometheus_client, every bad input's status code, the API key, and
 a client that goes away; after all of it the engines still serve.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import KVTransferConfig
 from replay.http.server import HttpOptions
-from replay.trace.reader import read_trace
 from replay.http.tokenizer import WordTokenizer
+from replay.trace.reader import read_trace
 from tests.http_utils import MODEL_NAME, engines, running_front
-from tests.replay.http.test_http_replay import EXAMPLE, replay_over_http
 from tests.mp_utils import mock_tokens
+from tests.replay.http.test_http_replay import EXAMPLE, replay_over_http
 
 pytestmark = pytest.mark.timeout(120)
 MAX_BODY = 64 << 10
@@ -48,7 +49,7 @@ def _sse_events(raw: bytes) -> list[str]:
     lines = raw.decode().split("\n\n")
     assert lines[-1] == ""
     assert all(line.startswith("data: ") for line in lines[:-1])
-    return [line[len("data: "):] for line in lines[:-1]]
+    return [line[len("data: ") :] for line in lines[:-1]]
 
 
 def test_streaming_is_vllms_sse_with_token_ids_and_usage(pd):
@@ -57,8 +58,14 @@ def test_streaming_is_vllms_sse_with_token_ids_and_usage(pd):
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "stream": True,
-                    "stream_options": {"include_usage": True}, "return_token_ids": True}
+            body = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
+            }
             async with session.post(url + "/v1/completions", json=body) as response:
                 assert response.status == 200
                 assert response.headers["Content-Type"].startswith("text/event-stream")
@@ -86,24 +93,32 @@ def test_text_prompt_and_usage_without_streaming(pd):
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
-            return await _post(session, url, {"prompt": "w7 w300 w511 hi", "max_tokens": 3,
-                                              "request_id": "text-1"})
+            return await _post(
+                session, url, {"prompt": "w7 w300 w511 hi", "max_tokens": 3, "request_id": "text-1"}
+            )
 
     with running_front(router, model) as front:
         status, raw, headers = run(go(f"http://127.0.0.1:{front.port}"))
     assert status == 200 and "kvdrain" in headers["Server"]
     body = json.loads(raw)
     assert body["id"] == "cmpl-text-1"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert WordTokenizer(512).encode(body["choices"][0]["text"]) == mock_tokens(prompt_ids, 3)
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["token_ids"] is None  # only with return_token_ids, as vLLM
 
 
 def _metrics(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_models_health_and_metrics(pd):
@@ -117,8 +132,9 @@ def test_models_health_and_metrics(pd):
                 health = r.status
             async with session.get(url + "/metrics") as r:
                 before = _metrics(await r.text())
-            await asyncio.gather(*(_post(session, url, {"prompt": [1, 2, 3], "max_tokens": 2})
-                                   for _ in range(3)))
+            await asyncio.gather(
+                *(_post(session, url, {"prompt": [1, 2, 3], "max_tokens": 2}) for _ in range(3))
+            )
             async with session.get(url + "/metrics") as r:
                 return models, health, before, _metrics(await r.text())
 
@@ -128,13 +144,18 @@ def test_models_health_and_metrics(pd):
     assert models["object"] == "list" and card["id"] == MODEL_NAME and card["object"] == "model"
     assert card["max_model_len"] == model.max_model_len and card["kvdrain"]["engines"] == ["P", "D"]
     assert health == 200
-    key = ("vllm:request_success_total",
-           (("engine", "D"), ("finished_reason", "length"), ("model_name", MODEL_NAME)))
+    key = (
+        "vllm:request_success_total",
+        (("engine", "D"), ("finished_reason", "length"), ("model_name", MODEL_NAME)),
+    )
     assert after[key] == before[key] + 3
     ttft = ("vllm:time_to_first_token_seconds_count", (("engine", "D"), ("model_name", MODEL_NAME)))
     assert after[ttft] == before[ttft] + 3
     for engine in ("P", "D"):
-        assert ("vllm:kv_cache_usage_perc", (("engine", engine), ("model_name", MODEL_NAME))) in after
+        assert (
+            "vllm:kv_cache_usage_perc",
+            (("engine", engine), ("model_name", MODEL_NAME)),
+        ) in after
 
 
 BAD = [
@@ -159,13 +180,17 @@ def test_every_bad_input_gets_its_status_and_the_engines_keep_serving(pd):
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
-            results = [(name, status, await _post(session, url, body)) for name, body, status in BAD]
+            results = [
+                (name, status, await _post(session, url, body)) for name, body, status in BAD
+            ]
             async with session.get(url + "/v1/nope") as r:
                 results.append(("unknown path", 404, (r.status, await r.read(), r.headers)))
             async with session.get(url + "/v1/completions") as r:
                 results.append(("wrong method", 405, (r.status, await r.read(), r.headers)))
             results.append(("duplicate id", 400, await _duplicate(session, url)))
-            good = await _post(session, url, {"prompt": [5, 6], "max_tokens": 4, "return_token_ids": True})
+            good = await _post(
+                session, url, {"prompt": [5, 6], "max_tokens": 4, "return_token_ids": True}
+            )
             return results, good
 
     with running_front(router, model, HttpOptions(max_body_bytes=MAX_BODY)) as front:
@@ -194,7 +219,11 @@ def test_api_key_guards_v1_only(pd):
     async def go(url):
         async with aiohttp.ClientSession() as session:
             out = []
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "Bearer s3cret"},
+            ):
                 async with session.get(url + "/v1/models", headers=headers) as r:
                     out.append(r.status)
             async with session.get(url + "/health") as r:
@@ -219,10 +248,16 @@ def test_a_client_that_goes_away_aborts_its_request_and_frees_its_blocks(pd):
             while time.monotonic() < deadline:  # bounded: the abort reaches both engines
                 async with session.get(url + "/metrics") as r:
                     m = _metrics(await r.text())
-                used = [m[("kvdrain:kv_blocks_used", (("engine", e), ("model_name", MODEL_NAME)))]
-                        for e in ("P", "D")]
-                aborts = m[("vllm:request_success_total", (("engine", "D"), ("finished_reason", "abort"),
-                                                           ("model_name", MODEL_NAME)))]
+                used = [
+                    m[("kvdrain:kv_blocks_used", (("engine", e), ("model_name", MODEL_NAME)))]
+                    for e in ("P", "D")
+                ]
+                aborts = m[
+                    (
+                        "vllm:request_success_total",
+                        (("engine", "D"), ("finished_reason", "abort"), ("model_name", MODEL_NAME)),
+                    )
+                ]
                 if used == [0, 0]:  # like vLLM's abort path, a disconnect counts as no finish
                     return aborts == 0
                 await asyncio.sleep(0.05)
@@ -249,6 +284,7 @@ def test_after_all_that_a_replay_over_http_verifies(pd):
     assert http["latency"]["completed"] == 32 and http["latency"]["median_ttft_ms"] > 0
     # ignore_eos and max_tokens: every request got all its tokens.
     assert sum(r.num_output_tokens for r in timeline.requests) == sum(
-        r.max_tokens for r in read_trace(EXAMPLE) if hasattr(r, "max_tokens"))
+        r.max_tokens for r in read_trace(EXAMPLE) if hasattr(r, "max_tokens")
+    )
     assert no_metrics == "inconclusive" and "HTTP 404" in " ".join(why)
     assert no_url == "inconclusive" and "no --metrics" in why_not[0]

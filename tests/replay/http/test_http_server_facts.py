@@ -1,13 +1,14 @@
 """What kvdrain's HTTP front says about itself as vLLM's server does: /tokenize, /version,
 and a P that counts its prefill-only requests in vllm:request_success_total."""
+
 from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import tomllib
 
 import aiohttp
 import pytest
+import tomllib
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_utils import MODEL_NAME, engines, running_front
@@ -42,9 +43,15 @@ def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd,
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
-            plain = await _post(session, url, "/tokenize", {"model": MODEL_NAME, "prompt": "w7 w511 w512"})
-            strs = await _post(session, url, "/tokenize", {"prompt": "w3 hi", "return_token_strs": True,
-                                                           "add_special_tokens": False})
+            plain = await _post(
+                session, url, "/tokenize", {"model": MODEL_NAME, "prompt": "w7 w511 w512"}
+            )
+            strs = await _post(
+                session,
+                url,
+                "/tokenize",
+                {"prompt": "w3 hi", "return_token_strs": True, "add_special_tokens": False},
+            )
             other = await _post(session, url, "/tokenize", {"model": "gpt-4", "prompt": "w1"})
             ids = await _post(session, url, "/tokenize", {"prompt": [1, 2]})
             async with session.get(url + "/version") as response:
@@ -53,10 +60,24 @@ def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd,
 
     with running_front(router, model) as front:
         plain, strs, other, ids, version = run(go(f"http://127.0.0.1:{front.port}"))
-    assert plain == (200, {"count": 6, "max_model_len": model.max_model_len,  # w512: beyond 512 words
-                           "tokens": [7, 511, *b"w512"], "token_strs": None})
-    assert strs == (200, {"count": 3, "max_model_len": model.max_model_len, "tokens": [3, 104, 105],
-                          "token_strs": ["w3", "w104", "w105"]})
+    assert plain == (
+        200,
+        {
+            "count": 6,
+            "max_model_len": model.max_model_len,  # w512: beyond 512 words
+            "tokens": [7, 511, *b"w512"],
+            "token_strs": None,
+        },
+    )
+    assert strs == (
+        200,
+        {
+            "count": 3,
+            "max_model_len": model.max_model_len,
+            "tokens": [3, 104, 105],
+            "token_strs": ["w3", "w104", "w105"],
+        },
+    )
     assert other[0] == 404 and ids[0] == 400  # vLLM's /tokenize takes text, not ids
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert version == {"version": pyproject["project"]["version"]}
@@ -64,16 +85,25 @@ def test_tokenize_answers_as_vllms_count_max_model_len_tokens_and_token_strs(pd,
 
 def test_p_counts_each_prefill_only_request_as_finished_by_length_as_a_vllm_p_does(pd):
     router, model = pd
-    key = {e: ("vllm:request_success_total",
-               (("engine", e), ("finished_reason", "length"), ("model_name", MODEL_NAME)))
-           for e in ("P", "D")}
+    key = {
+        e: (
+            "vllm:request_success_total",
+            (("engine", e), ("finished_reason", "length"), ("model_name", MODEL_NAME)),
+        )
+        for e in ("P", "D")
+    }
 
     async def go(url):
         async with aiohttp.ClientSession() as session:
             before = await _metrics(session, url)
-            answers = await asyncio.gather(*(_post(session, url, "/v1/completions",
-                                                   {"prompt": [1, 2, 3, 4], "max_tokens": 3})
-                                             for _ in range(4)))
+            answers = await asyncio.gather(
+                *(
+                    _post(
+                        session, url, "/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 3}
+                    )
+                    for _ in range(4)
+                )
+            )
             return before, answers, await _metrics(session, url)
 
     with running_front(router, model) as front:
@@ -86,5 +116,8 @@ def test_p_counts_each_prefill_only_request_as_finished_by_length_as_a_vllm_p_do
 async def _metrics(session, url: str) -> dict[tuple, float]:
     async with session.get(url + "/metrics") as response:
         text = await response.text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

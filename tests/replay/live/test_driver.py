@@ -1,4 +1,5 @@
 """The wall-clock driver against a scripted target: no engine processes."""
+
 from __future__ import annotations
 
 from engine.proc.client import EngineDeadError
@@ -35,5 +36,6 @@ def test_a_dead_engine_is_the_fault_of_the_engine_the_error_carries_not_one_its_
     message = "engine D failed to start:\nengine P refused its connector's handshake"
     target = _DyingTarget(["P", "D"], dead="D", message=message)
     timeline = WallClockReplay(target, WallOptions(tail_s=0.01)).run(
-        [TraceRequest(t=0.0, req_id="r0", max_tokens=1, prompt_len=4)])
+        [TraceRequest(t=0.0, req_id="r0", max_tokens=1, prompt_len=4)]
+    )
     assert [(f["engine"], f["kind"]) for f in timeline.meta["faults"]] == [("D", "died")]

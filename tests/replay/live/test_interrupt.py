@@ -2,6 +2,7 @@
 sends, SIGTERM while its engines start, `q` in the live view. Each run is a real
 `python -m cli replay` process: one exit code (130, 143), one verdict line for the part
 that ran, the report written, "stopping" shown before the engines are shut down."""
+
 from __future__ import annotations
 
 import json
@@ -20,23 +21,50 @@ from tests.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 # Bursts of 4 every 2 s for 40 s: still sending whenever the signal lands.
-TRACE = "".join(json.dumps({"t": 2.0 * (i // 4), "id": f"r{i}", "prompt_len": 32, "max_tokens": 4}) + "\n"
-                for i in range(80))
+TRACE = "".join(
+    json.dumps({"t": 2.0 * (i // 4), "id": f"r{i}", "prompt_len": 32, "max_tokens": 4}) + "\n"
+    for i in range(80)
+)
 
 
 class Replay:
     """`python -m cli replay TRACE --runner mock ...` with its output in a file."""
 
     def __init__(self, tmp_path: Path, *args: str, stdin: int | None = None) -> None:
-        trace, self.report, self.log = tmp_path / "trace.jsonl", tmp_path / "report.json", tmp_path / "out.txt"
+        trace, self.report, self.log = (
+            tmp_path / "trace.jsonl",
+            tmp_path / "report.json",
+            tmp_path / "out.txt",
+        )
         trace.write_text(TRACE)
         env = dict(os.environ, PYTHONUNBUFFERED="1", KVDRAIN_RUN_ROOT=str(tmp_path))
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cli", "replay", str(trace), "--runner", "mock", "--num-blocks", "256",
-                 "--idle-threshold", "1", "--drain-deadline", "0.5", "--report", str(self.report), *args],
-                cwd=ROOT, stdin=stdin if stdin is not None else subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "cli",
+                    "replay",
+                    str(trace),
+                    "--runner",
+                    "mock",
+                    "--num-blocks",
+                    "256",
+                    "--idle-threshold",
+                    "1",
+                    "--drain-deadline",
+                    "0.5",
+                    "--report",
+                    str(self.report),
+                    *args,
+                ],
+                cwd=ROOT,
+                stdin=stdin if stdin is not None else subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log.read_text()
@@ -44,7 +72,9 @@ class Replay:
     def wait_for(self, pattern: str, timeout_s: float = 90) -> None:
         deadline = time.monotonic() + timeout_s
         while not re.search(pattern, self.output(), re.MULTILINE):
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} first:\n{self.output()}"
+            assert self.proc.poll() is None, (
+                f"exited {self.proc.returncode} first:\n{self.output()}"
+            )
             assert time.monotonic() < deadline, f"no {pattern!r} in {timeout_s} s:\n{self.output()}"
             time.sleep(0.05)
 
@@ -76,9 +106,12 @@ def assert_report(replay: Replay, status: str, code: int, by: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("sig,status,code", [(signal.SIGINT, "INTERRUPTED", 130),
-                                             (signal.SIGTERM, "TERMINATED", 143)])
-def test_a_signal_while_sending_is_one_exit_code_and_one_line_for_the_part_that_ran(tmp_path, sig, status, code):
+@pytest.mark.parametrize(
+    "sig,status,code", [(signal.SIGINT, "INTERRUPTED", 130), (signal.SIGTERM, "TERMINATED", 143)]
+)
+def test_a_signal_while_sending_is_one_exit_code_and_one_line_for_the_part_that_ran(
+    tmp_path, sig, status, code
+):
     replay = Replay(tmp_path)  # stdout not a terminal: the live view prints plain lines
     try:
         replay.wait_for(r"^t=\S+ sent [1-9]")
@@ -88,8 +121,11 @@ def test_a_signal_while_sending_is_one_exit_code_and_one_line_for_the_part_that_
         replay.kill()
     assert returncode == code, output
     line = assert_one_verdict(output, status, code)
-    assert re.search(rf"by {sig.name} after \d+\.\d{{3}} s and \d+ of 80 requests: \d+ of \d+ reached "
-                     r"windows drained; \d+ not reached", line), line
+    assert re.search(
+        rf"by {sig.name} after \d+\.\d{{3}} s and \d+ of 80 requests: \d+ of \d+ reached "
+        r"windows drained; \d+ not reached",
+        line,
+    ), line
     assert "stopped early" not in output and "not reached (first" not in output, output
     report = assert_report(replay, status.lower(), code, sig.name)
     assert 0 < report["stop"]["num_sent"] < 80
@@ -131,15 +167,27 @@ def test_a_signal_while_the_trace_is_checked_still_writes_the_report(tmp_path, m
 
     import replay.pipeline
     from cli import cli
+
     real = replay.pipeline.validate_trace
 
     def signalled(*args, **kwargs):  # a real signal, as a user's, before anything started
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
+
     monkeypatch.setattr(replay.pipeline, "validate_trace", signalled)
     report, handler = tmp_path / "report.json", signal.getsignal(signal.SIGTERM)
-    result = CliRunner().invoke(cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--runner", "mock",
-                                      "--no-live", "--report", str(report)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "replay",
+            str(ROOT / "examples" / "pd_idle.jsonl"),
+            "--runner",
+            "mock",
+            "--no-live",
+            "--report",
+            str(report),
+        ],
+    )
     assert result.exit_code == 143, result.output
     assert result.output.startswith("stopping (SIGTERM)"), result.output
     assert "TERMINATED: by SIGTERM during start-up, before any request was sent" in result.output
@@ -155,7 +203,10 @@ def test_ctrl_c_before_the_verb_takes_over_its_signals_is_130_not_click_s_1(monk
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(replay.commands, "replay_main", interrupted)
-    result = CliRunner().invoke(cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--no-live"])
+    result = CliRunner().invoke(
+        cli, ["replay", str(ROOT / "examples" / "pd_idle.jsonl"), "--no-live"]
+    )
     assert result.exit_code == 130, result.output
     assert "Aborted" not in result.output

@@ -1,6 +1,7 @@
 """`kvdrain top --metrics`: a vLLM-like server's metrics on the live dashboard, its idle
 windows judged as replay judges them, what vLLM does not expose shown as unknown, and
 `--connect` given an HTTP URL pointed at --metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -87,15 +88,21 @@ def test_a_vllm_servers_leak_is_seen_live_from_its_metrics():
     console.print(render(state))
     text = console.export_text()
     # the last, open idle spell may have grown past the idle threshold (a drained window)
-    assert "steps unknown" in text and "0/100" in text and re.search(r"P: (1 drained )?1 leak", text), text
+    assert (
+        "steps unknown" in text and "0/100" in text and re.search(r"P: (1 drained )?1 leak", text)
+    ), text
     assert not re.search(r"fin-await-free +(\d|unknown)", text)  # a row vLLM lacks is left out
 
 
 def test_top_connect_given_an_http_url_says_what_it_takes_and_suggests_metrics():
     from cli import cli
+
     result = CliRunner().invoke(cli, ["top", "--connect", "http://127.0.0.1:8100/metrics"])
     assert result.exit_code == 2
-    assert "tcp://HOST:PORT" in result.output and "--metrics http://127.0.0.1:8100/metrics" in result.output
+    assert (
+        "tcp://HOST:PORT" in result.output
+        and "--metrics http://127.0.0.1:8100/metrics" in result.output
+    )
     assert "Protocol not supported" not in result.output
     bare = CliRunner().invoke(cli, ["top", "--connect", "http://127.0.0.1:8100"])
     assert "--metrics http://127.0.0.1:8100/metrics" in bare.output  # advice that works as given
@@ -103,25 +110,44 @@ def test_top_connect_given_an_http_url_says_what_it_takes_and_suggests_metrics()
 
 def test_top_metrics_at_a_url_that_never_answers_is_a_usage_error_naming_it():
     from cli import cli
-    result = CliRunner().invoke(cli, ["top", "--metrics", "http://127.0.0.1:9/metrics",
-                                      "--seconds", "0.3", "--interval", "0.1"])
+
+    result = CliRunner().invoke(
+        cli,
+        ["top", "--metrics", "http://127.0.0.1:9/metrics", "--seconds", "0.3", "--interval", "0.1"],
+    )
     assert result.exit_code == 2, result.output  # as replay's pre-flight and top --connect
     assert "http://127.0.0.1:9/metrics: no KV reading in" in result.output
 
 
-def _reading(t: float, used: int, running: int) -> "EngineSample":
+def _reading(t: float, used: int, running: int) -> EngineSample:  # noqa: F821
     from replay.verify.timeline import EngineSample
-    return EngineSample(t=t, engine="P", num_used_blocks=used, num_cached_blocks=0,
-                        num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
-                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=running,
-                        num_finished_awaiting_free=0, loop_state="unknown", num_steps=0,
-                        num_wakeups=0, send_t=t - 0.01)
+
+    return EngineSample(
+        t=t,
+        engine="P",
+        num_used_blocks=used,
+        num_cached_blocks=0,
+        num_free_blocks=100 - used,
+        num_usable_blocks=100,
+        num_waiting=0,
+        num_skipped_waiting=0,
+        num_waiting_for_remote_kvs=0,
+        num_running=running,
+        num_finished_awaiting_free=0,
+        loop_state="unknown",
+        num_steps=0,
+        num_wakeups=0,
+        send_t=t - 0.01,
+    )
 
 
 def _watch_readings(readings) -> MetricsWatch:
     """A watch fed scrape readings of (t, used blocks, running) as its scraper took them."""
-    watch = MetricsWatch([MetricsSource.parse("P=http://127.0.0.1:1/metrics")],
-                         DashboardState(title="kvdrain top"), OPTIONS)
+    watch = MetricsWatch(
+        [MetricsSource.parse("P=http://127.0.0.1:1/metrics")],
+        DashboardState(title="kvdrain top"),
+        OPTIONS,
+    )
     scraper = watch.scrapers[0]
     scraper.metric, scraper.unit = "vllm:kv_cache_usage_perc", "blocks"
     for t, used, running in readings:
@@ -132,11 +158,13 @@ def _watch_readings(readings) -> MetricsWatch:
 
 def test_top_metrics_says_every_leak_past_a_thousand_windows_and_forgets_what_it_took():
     """Past MAX_WINDOWS kept verdicts no new leak was said, and the scraper kept every sample."""
+
     def windows(num):  # each: one busy reading, then 0.3 s idle holding 10 blocks
         for k in range(num):
             yield k, 10, 1
             for i in range(1, 7):
                 yield k + 0.05 * i, 10, 0
+
     watch = _watch_readings(windows(1200))
     said = [m for m in watch.state.messages if "held 10 blocks through" in m]
     assert len(said) == 1199  # every window closed by the next busy spell: the last is open
@@ -146,6 +174,7 @@ def test_top_metrics_says_every_leak_past_a_thousand_windows_and_forgets_what_it
 
 def test_top_metrics_holds_bounded_samples_over_a_long_quiet_or_busy_spell():
     from replay.live.monitor import MAX_SAMPLES
+
     n = 3 * MAX_SAMPLES
     busy = _watch_readings((0.05 * i, 5 + i % 2, 1) for i in range(n))
     assert len(busy.windows.samples) <= MAX_SAMPLES

@@ -8,6 +8,7 @@ header carries the engines' config (written with the first record, once the pool
 known), t = 0 is the first request, and a replay adopts the header's config unless an
 option says otherwise (a conflicting explicit option is exit 2 naming both).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,38 @@ from engine.proc.messages import StatsSnapshot
 from replay.live.recorder import SETTLE_S, TraceRecorder, adopt_recorded
 from tests.paths import ROOT
 
-HEADER = {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "topology": "pd", "liveness": "event",
-          "block_size": 16, "num_blocks": 512, "max_model_len": 4096}
+HEADER = {
+    "kvdrain_trace": 1,
+    "recorded_by": "kvdrain serve",
+    "topology": "pd",
+    "liveness": "event",
+    "block_size": 16,
+    "num_blocks": 512,
+    "max_model_len": 4096,
+}
 
 
 def _idle(engine: str) -> StatsSnapshot:
-    counts = dict.fromkeys(("num_waiting", "num_skipped_waiting", "num_waiting_for_remote_kvs",
-                            "num_running", "num_finished_awaiting_free"), 0)
+    counts = dict.fromkeys(
+        (
+            "num_waiting",
+            "num_skipped_waiting",
+            "num_waiting_for_remote_kvs",
+            "num_running",
+            "num_finished_awaiting_free",
+        ),
+        0,
+    )
     counts.update(num_used_blocks=0, num_free_blocks=511)
-    return StatsSnapshot(engine_id=engine, seq=0, monotonic=time.monotonic(), loop_state="blocked",
-                         num_steps=0, num_wakeups=0, counts=counts)
+    return StatsSnapshot(
+        engine_id=engine,
+        seq=0,
+        monotonic=time.monotonic(),
+        loop_state="blocked",
+        num_steps=0,
+        num_wakeups=0,
+        counts=counts,
+    )
 
 
 class _Clock:
@@ -56,8 +79,16 @@ def test_the_header_has_the_pool_the_engines_allocated_and_t_starts_at_the_first
         clock.now += SETTLE_S
     recorder.close()
     header, request, snapshot = (json.loads(line) for line in path.read_text().splitlines())
-    assert header == {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "snapshot_settle_s": SETTLE_S, "topology": "pd",
-                      "liveness": "legacy", "block_size": 16, "num_blocks": 512, "max_model_len": 4096}
+    assert header == {
+        "kvdrain_trace": 1,
+        "recorded_by": "kvdrain serve",
+        "snapshot_settle_s": SETTLE_S,
+        "topology": "pd",
+        "liveness": "legacy",
+        "block_size": 16,
+        "num_blocks": 512,
+        "max_model_len": 4096,
+    }
     assert request["t"] == 0.0 and snapshot["t"] == SETTLE_S
 
 
@@ -67,15 +98,23 @@ def _busy(engine: str, used: int) -> StatsSnapshot:
     return snap
 
 
-def test_a_snapshot_is_written_only_once_the_counts_held_still_for_the_settle_time_with_nothing_in_flight(tmp_path):
+def test_a_snapshot_is_written_only_once_the_counts_held_still_for_the_settle_time_with_nothing_in_flight(
+    tmp_path,
+):
     path = tmp_path / "rec.jsonl"
     recorder = TraceRecorder(path, {"topology": "pd"})
     recorder.clock = clock = _Clock()
     recorder.request("r1", [1, 2, 3], 4)
-    steps = [({"P": _busy("P", 9)}, True),  # in flight
-             ({"P": _busy("P", 9)}, False), ({"P": _busy("P", 3)}, False),  # a drain under way
-             ({"P": _idle("P")}, False), ({"P": _idle("P")}, True),  # a lull inside a burst
-             ({"P": _idle("P")}, False), ({"P": _idle("P")}, False), ({"P": _idle("P")}, False)]
+    steps = [
+        ({"P": _busy("P", 9)}, True),  # in flight
+        ({"P": _busy("P", 9)}, False),
+        ({"P": _busy("P", 3)}, False),  # a drain under way
+        ({"P": _idle("P")}, False),
+        ({"P": _idle("P")}, True),  # a lull inside a burst
+        ({"P": _idle("P")}, False),
+        ({"P": _idle("P")}, False),
+        ({"P": _idle("P")}, False),
+    ]
     for latest, in_flight in steps:
         recorder.snapshot(latest, in_flight=in_flight)
         clock.now += SETTLE_S / 2
@@ -91,35 +130,63 @@ def test_a_recording_with_no_traffic_is_its_header_alone(tmp_path):
     recorder = TraceRecorder(path, {"topology": "pd"})
     recorder.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"kvdrain_trace": 1, "recorded_by": "kvdrain serve", "snapshot_settle_s": SETTLE_S, "topology": "pd"}]
+        {
+            "kvdrain_trace": 1,
+            "recorded_by": "kvdrain serve",
+            "snapshot_settle_s": SETTLE_S,
+            "topology": "pd",
+        }
+    ]
 
 
 def test_a_replay_adopts_the_recorded_config_that_no_option_set():
-    given = {"num_blocks": None, "block_size": 16, "liveness": "event", "topology": "pd", "max_model_len": 2048}
+    given = {
+        "num_blocks": None,
+        "block_size": 16,
+        "liveness": "event",
+        "topology": "pd",
+        "max_model_len": 2048,
+    }
     assert adopt_recorded(HEADER | {"liveness": "legacy"}, given, explicit=set()) == {
-        "num_blocks": 512, "block_size": 16, "liveness": "legacy", "topology": "pd", "max_model_len": 4096}
-    assert "liveness" not in adopt_recorded(HEADER, given | {"liveness": "event"}, explicit={"liveness"})
+        "num_blocks": 512,
+        "block_size": 16,
+        "liveness": "legacy",
+        "topology": "pd",
+        "max_model_len": 4096,
+    }
+    assert "liveness" not in adopt_recorded(
+        HEADER, given | {"liveness": "event"}, explicit={"liveness"}
+    )
 
 
 def test_an_explicit_option_that_conflicts_with_the_recording_names_both():
-    with pytest.raises(ValueError, match="--liveness legacy conflicts with the recording's liveness event"):
+    with pytest.raises(
+        ValueError, match="--liveness legacy conflicts with the recording's liveness event"
+    ):
         adopt_recorded(HEADER, {"liveness": "legacy"}, explicit={"liveness"})
 
 
 def _recording(tmp_path, header: dict):
-    lines = [header,
-             {"t": 0.0, "id": "r1", "prompt_len": 64, "max_tokens": 4},
-             {"t": 0.0, "id": "r2", "prompt_len": 64, "max_tokens": 4},
-             {"t": 5.0, "kv": {"P": {"used": 0, "free": 511}, "D": {"used": 0, "free": 511}}},
-             {"t": 6.0, "id": "r3", "prompt_len": 64, "max_tokens": 4}]
+    lines = [
+        header,
+        {"t": 0.0, "id": "r1", "prompt_len": 64, "max_tokens": 4},
+        {"t": 0.0, "id": "r2", "prompt_len": 64, "max_tokens": 4},
+        {"t": 5.0, "kv": {"P": {"used": 0, "free": 511}, "D": {"used": 0, "free": 511}}},
+        {"t": 6.0, "id": "r3", "prompt_len": 64, "max_tokens": 4},
+    ]
     path = tmp_path / "rec.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
 
 def _replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", "replay", *args, "--no-live"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", "replay", *args, "--no-live"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_virtual_replay_of_a_recording_runs_the_recorded_pool_and_matches_its_snapshots(tmp_path):
@@ -136,9 +203,19 @@ def test_a_replay_of_a_recording_with_a_conflicting_pool_size_is_refused_naming_
 
 def test_a_recording_read_through_a_pipe_is_adopted_as_from_a_file(tmp_path):
     recording = _recording(tmp_path, HEADER)
-    done = subprocess.run(["bash", "-c", f'"$0" -m cli replay <(cat "$1") --clock virtual --no-live',
-                           sys.executable, str(recording)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            '"$0" -m cli replay <(cat "$1") --clock virtual --no-live',
+            sys.executable,
+            str(recording),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "28671" not in done.stdout
 
@@ -188,21 +265,27 @@ LATE_S = 0.4
 
 def test_a_replay_client_that_sends_late_is_recorded_at_its_traces_times(tmp_path):
     from replay.live.driver import WallClockReplay, WallOptions
-    from replay.live.serve import Server, ServeOptions
+    from replay.live.serve import ServeOptions, Server
     from replay.live.serve_client import ServeClient
     from replay.live.serve_messages import ServeInfo
     from replay.trace.reader import TraceRequest
+
     path = tmp_path / "rec.jsonl"
-    server = Server(_AnsweringRouter(), ServeOptions(f"ipc://{tmp_path}/serve", record=path),
-                    ServeInfo(["P", "D"], "pd", "event", 512, 16))
+    server = Server(
+        _AnsweringRouter(),
+        ServeOptions(f"ipc://{tmp_path}/serve", record=path),
+        ServeInfo(["P", "D"], "pd", "event", 512, 16),
+    )
     stop = threading.Event()
     thread = threading.Thread(target=server.serve_forever, kwargs={"should_stop": stop.is_set})
     thread.start()
     client = None
     try:
         client = ServeClient(server.address)
-        trace = [TraceRequest(t=t, req_id=f"r{i}", max_tokens=1, prompt_len=8)
-                 for i, t in enumerate((0.0, 0.2, 1.0))]
+        trace = [
+            TraceRequest(t=t, req_id=f"r{i}", max_tokens=1, prompt_len=8)
+            for i, t in enumerate((0.0, 0.2, 1.0))
+        ]
         timeline = WallClockReplay(_LateClient(client, "r1"), WallOptions(tail_s=0.05)).run(trace)
     finally:
         if client is not None:
@@ -224,9 +307,14 @@ def test_a_live_recording_replays_as_itself_its_snapshots_matched_exactly_on_bot
     """What a live recording promises (replay/live/recorder.py): its settled snapshots are
     matched at tolerance 0, the default for such a recording, by a replay that keeps up."""
     from tests.e2e.test_cli import Serve, invoke
+
     trace, recording = tmp_path / "two_bursts.jsonl", tmp_path / "recorded.jsonl"
-    trace.write_text("".join(json.dumps({"t": t, "id": f"r{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
-                             for i, t in enumerate((0.0, 0.05, 0.1, 0.15, 2.5, 2.55))))
+    trace.write_text(
+        "".join(
+            json.dumps({"t": t, "id": f"r{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
+            for i, t in enumerate((0.0, 0.05, 0.1, 0.15, 2.5, 2.55))
+        )
+    )
     serve = Serve("--liveness", "event", "--record", str(recording))
     try:
         sent = invoke("replay", str(trace), "--target", serve.address, "--no-live", "--tail", "1.5")
@@ -237,12 +325,24 @@ def test_a_live_recording_replays_as_itself_its_snapshots_matched_exactly_on_bot
     assert snapshots and all(s["kv"]["P"]["used"] == s["kv"]["D"]["used"] == 0 for s in snapshots)
     for clock in ("virtual", "wall"):
         report = tmp_path / f"{clock}.json"
-        replayed = invoke("replay", str(recording), "--clock", clock, "--runner", "mock", "--no-live",
-                          "--report", str(report))
+        replayed = invoke(
+            "replay",
+            str(recording),
+            "--clock",
+            clock,
+            "--runner",
+            "mock",
+            "--no-live",
+            "--report",
+            str(report),
+        )
         data = json.loads(report.read_text())
         assert data["settings"]["verify"]["snapshot_tolerance_blocks"] == 0
-        lagged = [r for r in data.get("reasons", []) if r.startswith(("recorded snapshot not reached",
-                                                                        "starved"))]
+        lagged = [
+            r
+            for r in data.get("reasons", [])
+            if r.startswith(("recorded snapshot not reached", "starved"))
+        ]
         if clock == "wall" and replayed.exit_code == 3 and lagged:
             pytest.skip(f"the wall replay lagged the recording on this loaded machine: {lagged[0]}")
         assert replayed.exit_code == 0, (clock, replayed.output)

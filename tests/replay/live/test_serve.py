@@ -1,4 +1,5 @@
 """`kvdrain serve`'s client side (replay/live/serve.py): clients that do not read, or have left."""
+
 from __future__ import annotations
 
 import time
@@ -9,9 +10,9 @@ import zmq
 import replay.live.serve as serve
 from engine.core.outputs import RequestOutput
 from engine.proc.messages import AddRequest, GetStats, StatsSnapshot
-from replay.live.serve_messages import ServeInfo, encode
 from engine.proc.stats_check import REQUIRED_COUNTS
-from replay.live.serve import Server, ServeOptions
+from replay.live.serve import ServeOptions, Server
+from replay.live.serve_messages import ServeInfo, encode
 
 
 class _ScriptedRouter:
@@ -45,7 +46,9 @@ class _ScriptedRouter:
 
 
 def _snapshot(seq: int) -> StatsSnapshot:
-    return StatsSnapshot("P", seq, time.monotonic(), "stepping", seq, 0, dict.fromkeys(REQUIRED_COUNTS, 0))
+    return StatsSnapshot(
+        "P", seq, time.monotonic(), "stepping", seq, 0, dict.fromkeys(REQUIRED_COUNTS, 0)
+    )
 
 
 def _client(address: str, rcvhwm: int = 0) -> zmq.Socket:
@@ -68,7 +71,11 @@ def _run_until(server: Server, until, timeout_s: float = 20.0) -> None:
 def server(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "MAX_QUEUED_PER_CLIENT", 200)
     router = _ScriptedRouter()
-    server = Server(router, ServeOptions(f"ipc://{tmp_path}/serve"), ServeInfo(["P", "D"], "pd", "event", 512, 4))
+    server = Server(
+        router,
+        ServeOptions(f"ipc://{tmp_path}/serve"),
+        ServeInfo(["P", "D"], "pd", "event", 512, 4),
+    )
     yield server
     server.close()
 
@@ -118,8 +125,11 @@ def test_a_client_that_left_has_its_requests_aborted_at_their_next_output(server
 
 
 def test_every_serve_start_has_its_own_id(server, tmp_path):
-    other = Server(_ScriptedRouter(), ServeOptions(f"ipc://{tmp_path}/other"),
-                   ServeInfo(["P", "D"], "pd", "event", 512, 4))
+    other = Server(
+        _ScriptedRouter(),
+        ServeOptions(f"ipc://{tmp_path}/other"),
+        ServeInfo(["P", "D"], "pd", "event", 512, 4),
+    )
     try:
         assert len(server.info.serve_id) == 16 and other.info.serve_id != server.info.serve_id
     finally:
@@ -139,6 +149,7 @@ def _answered_client(fake: zmq.Socket, address: str, info: ServeInfo):
     import threading
 
     from replay.live.serve_client import ServeClient
+
     made: list = []
     thread = threading.Thread(target=lambda: made.append(ServeClient(address)))
     thread.start()
@@ -153,13 +164,16 @@ def test_a_serve_restarted_at_the_same_address_is_noticed_not_spliced(tmp_path):
 
     from replay.live.monitor import ServeMonitor
     from replay.ui.dashboard import DashboardState
+
     address = f"ipc://{tmp_path}/fake"
     info = ServeInfo(["P", "D"], "pd", "event", 512, 4, serve_id="first")
     fake = _fake_serve(address)
     client = None
     try:
         client, identity = _answered_client(fake, address, info)
-        old = StatsSnapshot("P", 900, time.monotonic(), "blocked", 900, 1, dict.fromkeys(REQUIRED_COUNTS, 0))
+        old = StatsSnapshot(
+            "P", 900, time.monotonic(), "blocked", 900, 1, dict.fromkeys(REQUIRED_COUNTS, 0)
+        )
         fake.send_multipart([identity, encode(old)])
         fake.send_multipart([identity, encode(info)])  # a renewal's answer: the same serve
         new = _snapshot(1)
@@ -187,13 +201,18 @@ class _DyingRouter(_ScriptedRouter):
 
     def poll(self, timeout_s):
         from engine.proc.client import EngineDeadError
+
         raise EngineDeadError("P", "engine core P (pid 1) died with exit code 0")
 
 
 def test_engines_that_die_once_a_stop_was_asked_for_end_the_serve_quietly(tmp_path):
     from engine.proc.client import EngineDeadError
-    server = Server(_DyingRouter(), ServeOptions(f"ipc://{tmp_path}/serve"),
-                    ServeInfo(["P", "D"], "pd", "event", 512, 4))
+
+    server = Server(
+        _DyingRouter(),
+        ServeOptions(f"ipc://{tmp_path}/serve"),
+        ServeInfo(["P", "D"], "pd", "event", 512, 4),
+    )
     try:
         asked = iter([False, True])  # the stop comes while the round runs
         server.serve_forever(should_stop=lambda: next(asked, True))
@@ -213,9 +232,25 @@ def test_a_group_sigterm_stops_the_serve_with_exit_143_and_no_traceback():
 
     from replay.verify.verdict import EXIT_TERMINATED
     from tests.paths import ROOT
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--runner", "mock", "--no-live",
-                             "--num-blocks", "64"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "serve",
+            "--runner",
+            "mock",
+            "--no-live",
+            "--num-blocks",
+            "64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not re.search("listening on", proc.stdout.readline() or ""):
@@ -234,6 +269,7 @@ def test_a_traced_request_at_no_time_a_trace_can_hold_is_dropped_and_the_serve_g
     """trace_t NaN, infinite, negative or past the trace format's bound would be written into
     a recording the reader then refuses; the message is dropped as bad, the next one runs."""
     from replay.live.serve_messages import TracedRequest
+
     client = _client(server.address)
     try:
         for i, t in enumerate([float("nan"), float("inf"), -1.0, 1e8, 2.5]):

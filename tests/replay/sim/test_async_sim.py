@@ -1,4 +1,5 @@
 """The virtual-clock replay with async scheduling: the liveness policies keep their meaning under the batch queue."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -38,8 +39,14 @@ def test_async_scheduling_gives_every_request_the_tokens_sync_gives(tmp_path, li
 @pytest.mark.parametrize("liveness", ["legacy", "poll", "event"])
 def test_fast_forward_equals_stepping_one_by_one_under_async_scheduling(tmp_path, liveness):
     records = load(tmp_path, bursts(spacing=0.3, shared_prefix=True))
-    options = sim_options(liveness=liveness, sample_interval_s=0.0371, tail_s=2.0,
-                          pull_delay_s=1.3, kv_lease_s=0.9, async_scheduling=True)
+    options = sim_options(
+        liveness=liveness,
+        sample_interval_s=0.0371,
+        tail_s=2.0,
+        pull_delay_s=1.3,
+        kv_lease_s=0.9,
+        async_scheduling=True,
+    )
     fast, slow = simulate(records, options), simulate(records, replace(options, fast_forward=False))
     fast.meta.pop("fast_forward"), slow.meta.pop("fast_forward")
     assert dump(fast) == dump(slow)

@@ -5,6 +5,7 @@ action due (P never decodes; D heartbeats only while it waits for KV), so the cu
 (DecodeRun.plan's deadline) is never reached there. A D connector that heartbeats for
 its requests as long as they live makes it reached.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ def cut_runs(monkeypatch):
         if whole is not None and (run is None or len(run.starts) < len(whole.starts)):
             cuts.append(now)
         return run
+
     monkeypatch.setattr(decode_run.DecodeRun, "plan", classmethod(counting_plan))
     return cuts
 
@@ -55,15 +57,23 @@ def cut_runs(monkeypatch):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("lease_s", [0.03, 0.0731])
 def test_a_run_cut_at_a_heartbeat_gives_the_timeline_of_every_step_taken(seed, lease_s, cut_runs):
-    kv = KVTransferConfig(kv_connector=f"{__name__}:make_heartbeating_connector", kv_lease_s=lease_s)
-    options = SimOptions(engine=replace(SimOptions().engine, num_blocks=96), kv=kv, topology="pd",
-                         tail_s=1.0, sample_interval_s=0.0171)
+    kv = KVTransferConfig(
+        kv_connector=f"{__name__}:make_heartbeating_connector", kv_lease_s=lease_s
+    )
+    options = SimOptions(
+        engine=replace(SimOptions().engine, num_blocks=96),
+        kv=kv,
+        topology="pd",
+        tail_s=1.0,
+        sample_interval_s=0.0171,
+    )
     records = [r for r in decode_heavy_workload(seed) if getattr(r, "pd", None) is not False]
 
     def timeline(options: SimOptions) -> str:
         result = Simulation(records, options).run()
         result.meta.pop("fast_forward")
         return json.dumps(result.to_dict(), sort_keys=True)
+
     skipped = timeline(options)
     assert len(cut_runs) > 5  # the deadline cut runs short
     assert skipped == timeline(replace(options, fast_forward=False))

@@ -1,4 +1,5 @@
 """The virtual-clock replay (replay/sim/simulation.py) and its verification (replay/verify/rules.py)."""
+
 from __future__ import annotations
 
 import json
@@ -14,17 +15,23 @@ from engine.config import EngineConfig, KVTransferConfig
 from replay.sim.clock import EventLoop, to_ns
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
-from replay.trace.shaping import ShapingOptions, shape
 from replay.sim.simulation import simulate
-from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.trace.reader import TraceRecord, TraceSnapshot, read_trace
+from replay.trace.shaping import ShapingOptions, shape
 from replay.verify.rules import VerifyOptions, idle_windows, verify
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from tests.paths import MOONCAKE, TRACES
+
 NUM_BLOCKS = 512
 
 
-def bursts(num_bursts: int = 3, per_burst: int = 3, spacing: float = 0.3,
-           shared_prefix: bool = False, pd: bool = True) -> list[dict]:
+def bursts(
+    num_bursts: int = 3,
+    per_burst: int = 3,
+    spacing: float = 0.3,
+    shared_prefix: bool = False,
+    pd: bool = True,
+) -> list[dict]:
     """Bursts of requests `spacing` apart, 3 s of idle between bursts."""
     lines: list[dict] = [{"kvdrain_trace": 1, "name": "bursts"}]
     t = 0.0
@@ -32,8 +39,16 @@ def bursts(num_bursts: int = 3, per_burst: int = 3, spacing: float = 0.3,
         for i in range(per_burst):
             own = [1000 + 100 * b + 10 * i + j for j in range(8)]
             hash_ids = [1, 2, 3, 4] + own[4:] if shared_prefix else own
-            lines.append({"t": round(t, 6), "id": f"b{b}-r{i}", "hash_ids": hash_ids,
-                          "prompt_len": 120, "max_tokens": 4 + i, "pd": pd})
+            lines.append(
+                {
+                    "t": round(t, 6),
+                    "id": f"b{b}-r{i}",
+                    "hash_ids": hash_ids,
+                    "prompt_len": 120,
+                    "max_tokens": 4 + i,
+                    "pd": pd,
+                }
+            )
             t += spacing
         t += 3.0
     return lines
@@ -50,7 +65,9 @@ def sim_options(**overrides) -> SimOptions:
     config, the KV-transfer config, or the simulator's own latency model."""
     engine_keys = {f.name for f in fields(EngineConfig)}
     kv_keys = {f.name for f in fields(KVTransferConfig)}
-    engine = replace(SimOptions().engine, **{k: v for k, v in overrides.items() if k in engine_keys})
+    engine = replace(
+        SimOptions().engine, **{k: v for k, v in overrides.items() if k in engine_keys}
+    )
     kv = replace(KVTransferConfig(), **{k: v for k, v in overrides.items() if k in kv_keys})
     own = {k: v for k, v in overrides.items() if k not in engine_keys | kv_keys}
     return SimOptions(engine=engine, kv=kv, **own)
@@ -132,8 +149,10 @@ def test_shared_hash_ids_hit_the_prefix_cache(tmp_path):
     assert hits == [0, 64]  # hash ids 1-4: four 16-token engine blocks
     assert shared.counters["P"]["num_prefix_hit_tokens"] == 64
     unique = run(load(tmp_path, bursts(num_bursts=1, per_burst=2, spacing=0.0)), "poll")
-    peak = {name: max(s.num_used_blocks for s in tl.samples_for("P"))
-            for name, tl in (("shared", shared), ("unique", unique))}
+    peak = {
+        name: max(s.num_used_blocks for s in tl.samples_for("P"))
+        for name, tl in (("shared", shared), ("unique", unique))
+    }
     assert peak == {"shared": 12, "unique": 16}
 
 
@@ -153,7 +172,9 @@ def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     # The lease runs from the prefill step, whose decisions the virtual clock makes at
     # its start: seen from outside, P holds for the lease less that step's cost (6.4 ms),
     # plus the reaping step (a zero-token step, and under poll at most one sleep).
-    assert all(0.5 - 0.0064 < span <= 0.5 - 0.0064 + 0.0012 for span in hold_intervals(timeline, "P"))
+    assert all(
+        0.5 - 0.0064 < span <= 0.5 - 0.0064 + 0.0012 for span in hold_intervals(timeline, "P")
+    )
     strict = verify(timeline, [], VerifyOptions(drain_deadline_s=0.2))
     assert strict.exit_code == 1
 
@@ -177,17 +198,20 @@ def test_single_topology_drains_under_every_policy(tmp_path, liveness):
     assert all(r.finish_reason == "length" for r in timeline.requests)
 
 
-@pytest.mark.parametrize("liveness,spacing,overrides", [
-    ("poll", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),  # ~600 idle polls a request
-    ("poll", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P waits for blocks too
-    ("legacy", 0.3, {"pull_delay_s": 0.0231}),  # D sleeps on pending loads
-    ("legacy", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P sleeps waiting for blocks
-    ("event", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),
-    # D waits longer than the lease: heartbeats every 1/6 of it, reaps of extended leases.
-    ("legacy", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
-    ("poll", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
-    ("event", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
-])
+@pytest.mark.parametrize(
+    "liveness,spacing,overrides",
+    [
+        ("poll", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),  # ~600 idle polls a request
+        ("poll", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P waits for blocks too
+        ("legacy", 0.3, {"pull_delay_s": 0.0231}),  # D sleeps on pending loads
+        ("legacy", 0.0, {"pull_delay_s": 0.0173, "num_blocks": 14}),  # P sleeps waiting for blocks
+        ("event", 0.3, {"drop_read_done": True, "kv_lease_s": 0.7}),
+        # D waits longer than the lease: heartbeats every 1/6 of it, reaps of extended leases.
+        ("legacy", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
+        ("poll", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
+        ("event", 0.3, {"pull_delay_s": 1.3, "kv_lease_s": 0.9}),
+    ],
+)
 def test_fast_forward_equals_stepping_one_by_one(tmp_path, liveness, spacing, overrides):
     records = load(tmp_path, bursts(spacing=spacing, shared_prefix=True))
     options = sim_options(liveness=liveness, sample_interval_s=0.0371, tail_s=2.0, **overrides)
@@ -243,8 +267,9 @@ def test_event_prefill_wakes_at_the_lease_and_reaps_at_once(tmp_path):
     """Blocked on reports with a held send, event P wakes when the lease falls due
     (its poll timeout), steps, and frees: one wake-up per lease, no polling."""
     records = load(tmp_path, bursts(num_bursts=1, per_burst=1))
-    timeline = run(records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0,
-                   transport="zmq")  # no pin: its read lease would defer the expiry
+    timeline = run(
+        records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0, transport="zmq"
+    )  # no pin: its read lease would defer the expiry
     (span,) = hold_intervals(timeline, "P")
     # From the prefill step's end (6.4 ms after the stamp) to the reaping step's end.
     assert span == pytest.approx(2.0 - 0.0064 + 0.0001, abs=1e-9)
@@ -255,8 +280,9 @@ def test_decode_tokens_equal_a_single_engine(tmp_path):
     records = load(tmp_path, bursts(shared_prefix=True))
     pd = run(records, "poll")
     single = run(records, "poll", topology="single")
-    assert [(r.req_id, r.num_output_tokens, r.output_digest) for r in pd.requests] == \
-        [(r.req_id, r.num_output_tokens, r.output_digest) for r in single.requests]
+    assert [(r.req_id, r.num_output_tokens, r.output_digest) for r in pd.requests] == [
+        (r.req_id, r.num_output_tokens, r.output_digest) for r in single.requests
+    ]
     assert all(r.num_output_tokens == 4 + int(r.req_id[-1]) for r in pd.requests)
 
 
@@ -266,17 +292,24 @@ def test_event_decode_starts_right_after_its_pull(tmp_path):
     assert max(r.first_token_t - r.arrival_t for r in timeline.requests) < 0.05
 
 
-@pytest.mark.parametrize("at,chunked,num_expired", [
-    (0.002, True, 0),  # on P between two prefill chunks: P frees at once
-    (0.012, False, 0),  # on D: D's pull still completes and tells P
-    # Lands while P's last step runs, so P finishes and holds the blocks anyway: the
-    # router sends it on to D to be aborted at once, and D's connector tells P to free.
-    (0.002, False, 0),
-])
+@pytest.mark.parametrize(
+    "at,chunked,num_expired",
+    [
+        (0.002, True, 0),  # on P between two prefill chunks: P frees at once
+        (0.012, False, 0),  # on D: D's pull still completes and tells P
+        # Lands while P's last step runs, so P finishes and holds the blocks anyway: the
+        # router sends it on to D to be aborted at once, and D's connector tells P to free.
+        (0.002, False, 0),
+    ],
+)
 def test_abort_reaches_the_engine_holding_the_request(tmp_path, at, chunked, num_expired):
     lines = bursts(num_bursts=1, per_burst=1) + [{"t": at, "abort": "b0-r0"}]
-    timeline = run(load(tmp_path, lines), "poll", kv_lease_s=1.0,
-                   max_num_batched_tokens=64 if chunked else 2048)
+    timeline = run(
+        load(tmp_path, lines),
+        "poll",
+        kv_lease_s=1.0,
+        max_num_batched_tokens=64 if chunked else 2048,
+    )
     (record,) = timeline.requests
     assert record.finish_reason == "abort" and record.end_t == at
     assert [(a.t, a.req_id) for a in timeline.aborts] == [(at, "b0-r0")]
@@ -293,8 +326,10 @@ def test_snapshots_match_exactly_or_within_tolerance(tmp_path):
     ok = verify(timeline, [good], VerifyOptions())
     assert not [v for v in ok.violations if v.kind == "snapshot"]
     bad = verify(timeline, [off, TraceSnapshot(2.0, {"X": {"used": 0, "free": 0}})])
-    assert [(v.kind, v.engine) for v in bad.violations if v.kind == "snapshot"] == \
-        [("snapshot", "P"), ("snapshot", "X")]
+    assert [(v.kind, v.engine) for v in bad.violations if v.kind == "snapshot"] == [
+        ("snapshot", "P"),
+        ("snapshot", "X"),
+    ]
     loose = verify(timeline, [off], VerifyOptions(snapshot_tolerance_blocks=1))
     assert not [v for v in loose.violations if v.kind == "snapshot"]
 
@@ -312,10 +347,21 @@ def test_conservation_and_unfinished_requests_are_violations(tmp_path):
 
 
 def test_idle_windows_follow_the_clients_view():
-    timeline = Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=[], requests=[], arrivals=[],
-                        aborts=[], end_t=20.0)
-    timeline.requests = [_record("a", 0.0, 5.0), _record("b", 1.0, 2.0), _record("c", 6.0, 7.0),
-                         _record("d", 6.5, 9.0)]
+    timeline = Timeline(
+        engines=["E"],
+        num_usable_blocks={"E": 10},
+        samples=[],
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=20.0,
+    )
+    timeline.requests = [
+        _record("a", 0.0, 5.0),
+        _record("b", 1.0, 2.0),
+        _record("c", 6.0, 7.0),
+        _record("d", 6.5, 9.0),
+    ]
     assert idle_windows(timeline, 1.0) == [(5.0, 6.0, False), (9.0, 20.0, True)]
     assert idle_windows(timeline, 1.5) == [(9.0, 20.0, True)]
     timeline.requests[2].end_t = None  # never ends: no window after it, and a violation
@@ -323,9 +369,18 @@ def test_idle_windows_follow_the_clients_view():
 
 
 def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
-    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
-                         first_token_t=None, end_t=end, num_prompt_tokens=1, num_output_tokens=1,
-                         num_prefix_hit_tokens=0, finish_reason="length")
+    return RequestRecord(
+        req_id=req_id,
+        arrival_t=arrival,
+        send_t=arrival,
+        send_lateness_s=0.0,
+        first_token_t=None,
+        end_t=end,
+        num_prompt_tokens=1,
+        num_output_tokens=1,
+        num_prefix_hit_tokens=0,
+        finish_reason="length",
+    )
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"public traces not at {TRACES}")
@@ -386,8 +441,11 @@ def test_sim_worker_reaps_only_when_its_engine_asks_and_heartbeats_extend():
     loop, peers = EventLoop(), {}
     options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0)
     p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
-    p.start_load_kv(PDConnectorMetadata({"r1": [1], "r2": [2]},
-                                        send_deadlines={"r1": to_ns(1.0), "r2": to_ns(1.0)}))
+    p.start_load_kv(
+        PDConnectorMetadata(
+            {"r1": [1], "r2": [2]}, send_deadlines={"r1": to_ns(1.0), "r2": to_ns(1.0)}
+        )
+    )
     assert p.next_deadline_ns() == to_ns(1.0)
     _run_until(loop, to_ns(0.5))
     d.start_load_kv(PDConnectorMetadata(heartbeats=[HeartbeatSpec("P", "sim://P", ["r1"])]))
@@ -441,16 +499,25 @@ def test_sim_decode_reads_through_p_and_a_refused_read_fails_the_load(transport)
     an expired send is refused, so the load fails (its blocks invalid) and P is released
     unread, never told "read done" (which would be a read after expiry)."""
     loop, peers = EventLoop(), {}
-    options = sim_options(kv_lease_s=1.0, read_done_latency_s=0.0, pull_delay_s=0.0,
-                          transport=transport)
+    options = sim_options(
+        kv_lease_s=1.0, read_done_latency_s=0.0, pull_delay_s=0.0, transport=transport
+    )
     p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
-    p.start_load_kv(PDConnectorMetadata({"ok": [1, 2], "old": [3]},
-                                        send_deadlines={"ok": to_ns(9.0), "old": to_ns(1.0)}))
+    p.start_load_kv(
+        PDConnectorMetadata(
+            {"ok": [1, 2], "old": [3]}, send_deadlines={"ok": to_ns(9.0), "old": to_ns(1.0)}
+        )
+    )
     _run_until(loop, to_ns(1.0))
     assert p.get_finished(set()).finished_sending == {"old"}  # reaped: expired
-    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={
-        "a": RecvSpec("a", [7, 8], [1, 2], "P", "ok", "sim://P"),
-        "b": RecvSpec("b", [9], [3], "P", "old", "sim://P")}))
+    d.start_load_kv(
+        PDConnectorMetadata(
+            reqs_to_recv={
+                "a": RecvSpec("a", [7, 8], [1, 2], "P", "ok", "sim://P"),
+                "b": RecvSpec("b", [9], [3], "P", "old", "sim://P"),
+            }
+        )
+    )
     _run_until(loop, to_ns(1.5))
     out = d.get_finished(set())
     assert out.finished_recving == {"a", "b"} and out.invalid_block_ids == {9}
@@ -462,11 +529,14 @@ def test_sim_decode_reads_through_p_and_a_refused_read_fails_the_load(transport)
 
 def test_sim_pin_copy_that_outlasts_its_read_lease_fails_the_load():
     loop, peers = EventLoop(), {}
-    options = sim_options(read_done_latency_s=0.0, pull_delay_s=0.0, per_block_s=1.5,
-                          kv_lease_s=30.0, transport="shm")
+    options = sim_options(
+        read_done_latency_s=0.0, pull_delay_s=0.0, per_block_s=1.5, kv_lease_s=30.0, transport="shm"
+    )
     p, d = SimKVWorker("P", loop, options, peers), SimKVWorker("D", loop, options, peers)
     p.start_load_kv(PDConnectorMetadata({"r1": [1, 2]}))
-    d.start_load_kv(PDConnectorMetadata(reqs_to_recv={"a": RecvSpec("a", [5, 6], [1, 2], "P", "r1", "")}))
+    d.start_load_kv(
+        PDConnectorMetadata(reqs_to_recv={"a": RecvSpec("a", [5, 6], [1, 2], "P", "r1", "")})
+    )
     _run_until(loop, to_ns(4.0))  # the copy took 3 s, the pin lasts 2 s
     out = d.get_finished(set())
     assert out.finished_recving == {"a"} and out.invalid_block_ids == {5, 6}
@@ -479,10 +549,13 @@ def test_virtual_replay_reports_no_read_after_expiry_the_process_cannot_produce(
     the read is refused, as in the process, so the verdict has no read_after_expiry."""
     from replay.trace.records import TraceAbort, TraceRequest
     from replay.verify.rules import _check_kv_integrity
+
     for transport in ("zmq", "shm"):
-        opts = SimOptions(engine=EngineConfig(num_blocks=64, max_model_len=512, block_size=16),
-                          kv=KVTransferConfig(kv_lease_s=0.05, pull_delay_ms=300, transport=transport),
-                          tail_s=1.0)
+        opts = SimOptions(
+            engine=EngineConfig(num_blocks=64, max_model_len=512, block_size=16),
+            kv=KVTransferConfig(kv_lease_s=0.05, pull_delay_ms=300, transport=transport),
+            tail_s=1.0,
+        )
         timeline = simulate([TraceRequest(0.0, "r0", 4, 100), TraceAbort(0.1, "r0")], opts)
         assert timeline.counters["P"]["num_expired"] == 1
         assert timeline.counters["P"]["num_reads_after_expiry"] == 0
@@ -491,8 +564,10 @@ def test_virtual_replay_reports_no_read_after_expiry_the_process_cannot_produce(
 
 def spaced(gap_s: float, num_requests: int = 5) -> list[dict]:
     """`num_requests` P/D requests, `gap_s` apart."""
-    return [{"t": i * gap_s, "id": f"r{i}", "prompt_len": 100, "max_tokens": 4, "pd": True}
-            for i in range(num_requests)]
+    return [
+        {"t": i * gap_s, "id": f"r{i}", "prompt_len": 100, "max_tokens": 4, "pd": True}
+        for i in range(num_requests)
+    ]
 
 
 @pytest.mark.parametrize("liveness", ["legacy", "event"])
@@ -501,8 +576,13 @@ def test_a_gap_of_hours_costs_what_a_ten_second_gap_costs(tmp_path, liveness):
     long = run(load(tmp_path, spaced(1e4)), liveness)
     assert long.end_t > 4e4 and len(long.samples) == len(short.samples) < 200
     options = VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5)
-    judged = [[(w.engine, w.verdict, w.num_used_at_start, w.time_to_drain, w.num_blocks_held)
-               for w in verify(t, [], options).windows] for t in (short, long)]
+    judged = [
+        [
+            (w.engine, w.verdict, w.num_used_at_start, w.time_to_drain, w.num_blocks_held)
+            for w in verify(t, [], options).windows
+        ]
+        for t in (short, long)
+    ]
     assert judged[0] == judged[1] and len(judged[0]) == 10
 
 
@@ -521,11 +601,19 @@ def test_samples_skip_only_stretches_in_which_every_engine_is_blocked(tmp_path):
 def _poisson(num_requests: int, seed: int = 1) -> list[dict]:
     """P/D requests arriving at 50/s, with a 2 s pause every 100."""
     import random
+
     rnd, t, lines = random.Random(seed), 0.0, []
     for i in range(num_requests):
         t += rnd.expovariate(50.0) + (2.0 if i % 100 == 99 else 0.0)
-        lines.append({"t": round(t, 6), "id": f"r{i}", "prompt_len": rnd.randint(50, 400),
-                      "max_tokens": rnd.randint(2, 16), "pd": True})
+        lines.append(
+            {
+                "t": round(t, 6),
+                "id": f"r{i}",
+                "prompt_len": rnd.randint(50, 400),
+                "max_tokens": rnd.randint(2, 16),
+                "pd": True,
+            }
+        )
     return lines
 
 
@@ -548,6 +636,7 @@ def test_a_replay_holds_under_three_kilobytes_per_request(tmp_path):
             return tracemalloc.get_traced_memory()[0]
         finally:
             tracemalloc.stop()
+
     small, large = retained(300), retained(1200)
     per_request = (large - small) / 900
     assert 1000 < per_request < 3000, per_request

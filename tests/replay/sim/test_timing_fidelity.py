@@ -19,6 +19,7 @@ MAX_WAKEUP_DELAY_S the machine is too loaded to judge timing and the test says s
 usual load, the worst wake-up was 38 and 42 ms and the worst end-time miss beyond 20%
 9 and 72 ms.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,10 +65,18 @@ class WakeupProbe:
 
 
 def replay(clock: str, **extra) -> ReplayResult:
-    return run_replay(ReplayConfig(
-        trace=EXAMPLE, clock=clock, topology="pd", engine=EngineConfig(runner="mock", num_blocks=512),
-        shaping=ShapingOptions(speedup=SPEEDUP), tail_s=1.0,
-        verify=VerifyOptions(IDLE_THRESHOLD_S, 0.25, 0 if clock == "virtual" else 2), **extra))
+    return run_replay(
+        ReplayConfig(
+            trace=EXAMPLE,
+            clock=clock,
+            topology="pd",
+            engine=EngineConfig(runner="mock", num_blocks=512),
+            shaping=ShapingOptions(speedup=SPEEDUP),
+            tail_s=1.0,
+            verify=VerifyOptions(IDLE_THRESHOLD_S, 0.25, 0 if clock == "virtual" else 2),
+            **extra,
+        )
+    )
 
 
 def windows(result: ReplayResult) -> list[tuple]:
@@ -84,28 +93,41 @@ def test_virtual_clock_with_a_measured_mock_profile_matches_the_wall_clock():
     with WakeupProbe() as probe:
         wall = replay("wall")
     if probe.worst_s > MAX_WAKEUP_DELAY_S:
-        pytest.skip(f"a wake-up was {probe.worst_s * 1e3:.0f} ms late during the wall-clock run: "
-                    f"this machine is too loaded to judge timing fidelity")
+        pytest.skip(
+            f"a wake-up was {probe.worst_s * 1e3:.0f} ms late during the wall-clock run: "
+            f"this machine is too loaded to judge timing fidelity"
+        )
     virtual = replay("virtual", cost_profile=profile)
     slack = max(MIN_SLACK_S, 3 * probe.worst_s)
 
-    assert (wall.verdict.ok, wall.verdict.exit_code) == (virtual.verdict.ok, virtual.verdict.exit_code)
+    assert (wall.verdict.ok, wall.verdict.exit_code) == (
+        virtual.verdict.ok,
+        virtual.verdict.exit_code,
+    )
     assert [v.kind for v in wall.verdict.violations] == [v.kind for v in virtual.verdict.violations]
     w_windows, v_windows = windows(wall), windows(virtual)
     assert [w[:3] for w in w_windows] == [v[:3] for v in v_windows], (w_windows, v_windows)
     assert len(v_windows) == 2 * 4  # P and D: three gaps and the tail
     for w, v in zip(w_windows, v_windows):
-        assert close(w[3], v[3], slack), (w, v)  # a window starts when its burst's last request ends
+        assert close(w[3], v[3], slack), (
+            w,
+            v,
+        )  # a window starts when its burst's last request ends
         # and ends when the engine's next request reaches it (the wall's send, a little after
         # the arrival the virtual clock sends at; the tail: when observing stops)
         assert close(w[4], v[4], slack) or w[1]
 
     v_requests = {r.req_id: r for r in virtual.timeline.requests}
     assert sorted(v_requests) == sorted(r.req_id for r in wall.timeline.requests)
-    table = [(r.req_id, round(r.end_t, 4), round(v_requests[r.req_id].end_t, 4))
-             for r in wall.timeline.requests]
+    table = [
+        (r.req_id, round(r.end_t, 4), round(v_requests[r.req_id].end_t, 4))
+        for r in wall.timeline.requests
+    ]
     for r in wall.timeline.requests:
         v = v_requests[r.req_id]
-        assert (r.finish_reason, r.num_output_tokens, r.output_digest) == \
-            (v.finish_reason, v.num_output_tokens, v.output_digest)
+        assert (r.finish_reason, r.num_output_tokens, r.output_digest) == (
+            v.finish_reason,
+            v.num_output_tokens,
+            v.output_digest,
+        )
         assert close(r.end_t, v.end_t, slack), (r.req_id, r.end_t, v.end_t, slack, table)

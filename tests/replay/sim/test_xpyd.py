@@ -1,4 +1,5 @@
 """N prefill and M decode engines on the virtual clock: routing policies and each engine's own idle windows."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from tests.paths import EXAMPLE
 from tests.replay.sim.test_simulate import run
 
 
-def two_prefix_groups(pause: tuple[float, float] = (4.0, 12.0), end: float = 16.0,
-                      spacing: float = 0.5) -> list[dict]:
+def two_prefix_groups(
+    pause: tuple[float, float] = (4.0, 12.0), end: float = 16.0, spacing: float = 0.5
+) -> list[dict]:
     """Group A (one shared prefix) and group B (another) every `spacing` s until end, A
     pausing through `pause`: the trace never idles, but the engine A's prefix lives on does."""
     lines: list[dict] = [{"kvdrain_trace": 1, "name": "two prefix groups"}]
@@ -25,8 +27,15 @@ def two_prefix_groups(pause: tuple[float, float] = (4.0, 12.0), end: float = 16.
         for group, base in (("a", 100), ("b", 200)):
             if group == "a" and pause[0] <= t < pause[1]:
                 continue
-            lines.append({"t": t, "id": f"{group}{i}", "hash_ids": [base, base + 1, base + 2, 1000 + i],
-                          "prompt_len": 64, "max_tokens": 4})
+            lines.append(
+                {
+                    "t": t,
+                    "id": f"{group}{i}",
+                    "hash_ids": [base, base + 1, base + 2, 1000 + i],
+                    "prompt_len": 64,
+                    "max_tokens": 4,
+                }
+            )
     return lines
 
 
@@ -38,7 +47,9 @@ def write(tmp_path: Path, lines: list[dict]) -> Path:
 
 def replay(path: Path, liveness: str, clock: str = "virtual", **overrides) -> object:
     engine = EngineConfig(liveness=liveness, runner="mock", **overrides)
-    return run_replay(ReplayConfig(trace=path, clock=clock, topology="2p1d", router="prefix", engine=engine))
+    return run_replay(
+        ReplayConfig(trace=path, clock=clock, topology="2p1d", router="prefix", engine=engine)
+    )
 
 
 @pytest.mark.parametrize("topology", ["2p2d", "1p3d", "4p4d"])
@@ -48,9 +59,14 @@ def test_round_robin_xpyd_holds_the_blocks_one_p_and_one_d_hold(topology):
     records = list(read_trace(EXAMPLE))
     one = run(records, "event")
     many = run(records, "event", topology=topology)
-    assert [r.num_output_tokens for r in many.requests] == [r.num_output_tokens for r in one.requests]
-    assert sum(c["num_routed_requests"] for c in many.counters.values()) == \
-        sum(c["num_routed_requests"] for c in one.counters.values()) == 2 * len(one.requests)
+    assert [r.num_output_tokens for r in many.requests] == [
+        r.num_output_tokens for r in one.requests
+    ]
+    assert (
+        sum(c["num_routed_requests"] for c in many.counters.values())
+        == sum(c["num_routed_requests"] for c in one.counters.values())
+        == 2 * len(one.requests)
+    )
     verdict = verify(many, [])
     assert verdict.status == "verified" and {w.engine for w in verdict.windows} == set(many.engines)
 
@@ -82,7 +98,11 @@ def test_poll_and_event_drain_the_starved_prefill_engines_window(tmp_path, liven
 def test_engine_windows_come_from_each_requests_own_way(tmp_path):
     result = replay(write(tmp_path, two_prefix_groups()), "event")
     by_engine = idle_windows_by_engine(result.timeline, 1.0)
-    assert [(round(s), e, tail) for s, e, tail in by_engine["P0"]][0] == (4, 12.0, False)  # A's pause
+    assert [(round(s), e, tail) for s, e, tail in by_engine["P0"]][0] == (
+        4,
+        12.0,
+        False,
+    )  # A's pause
     assert [is_tail for _, _, is_tail in by_engine["P1"]] == [True]  # B never stops until the end
     first_a = result.timeline.request("a0")
     assert [engine for engine, _ in first_a.stages] == ["P0", "D0"]

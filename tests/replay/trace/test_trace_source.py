@@ -1,4 +1,5 @@
 """Trace paths that are not plain files, and files that change under a replay (replay/trace/source.py)."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +19,13 @@ EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
 
 
 def _lines(n: int, prefix: str = "r") -> str:
-    return "".join(json.dumps({"t": round(0.01 * i, 3), "id": f"{prefix}{i}", "prompt_len": 16,
-                               "max_tokens": 2}) + "\n" for i in range(n))
+    return "".join(
+        json.dumps(
+            {"t": round(0.01 * i, 3), "id": f"{prefix}{i}", "prompt_len": 16, "max_tokens": 2}
+        )
+        + "\n"
+        for i in range(n)
+    )
 
 
 def _pipe_path(data: bytes) -> tuple[str, threading.Thread]:
@@ -30,6 +35,7 @@ def _pipe_path(data: bytes) -> tuple[str, threading.Thread]:
     def write() -> None:
         with os.fdopen(write_fd, "wb") as f:
             f.write(data)
+
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     return f"/proc/self/fd/{read_fd}", writer
@@ -48,7 +54,9 @@ def test_a_fifo_without_a_writer_is_an_error_not_a_hang(tmp_path, monkeypatch):
     monkeypatch.setattr(source, "WRITER_WAIT_S", 0.2)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(TraceError, match=r"fifo: file: a FIFO that sent nothing at all \(no writer\?\)"):
+    with pytest.raises(
+        TraceError, match=r"fifo: file: a FIFO that sent nothing at all \(no writer\?\)"
+    ):
         validate_trace(fifo)
 
 
@@ -59,6 +67,7 @@ def test_a_fifo_with_a_writer_is_copied_once(tmp_path):
     def write() -> None:
         with open(fifo, "wb") as f:
             f.write(_lines(5).encode())
+
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     watch_trace(fifo)
@@ -67,7 +76,9 @@ def test_a_fifo_with_a_writer_is_copied_once(tmp_path):
 
 
 def test_a_device_is_refused_at_once():
-    with pytest.raises(TraceError, match="/dev/zero: file: a character device, not a trace file or a pipe"):
+    with pytest.raises(
+        TraceError, match="/dev/zero: file: a character device, not a trace file or a pipe"
+    ):
         validate_trace("/dev/zero")
 
 
@@ -77,8 +88,11 @@ def test_a_trace_rewritten_between_passes_is_named_as_changed(tmp_path):
     watch_trace(path)
     assert validate_trace(path).num_requests == 20
     path.write_text(_lines(3, "x"))
-    with pytest.raises(TraceError, match=r"trace.jsonl: file: changed from 1,[0-9]{3} to [0-9]+ bytes "
-                                         r"while the replay was reading it"):
+    with pytest.raises(
+        TraceError,
+        match=r"trace.jsonl: file: changed from 1,[0-9]{3} to [0-9]+ bytes "
+        r"while the replay was reading it",
+    ):
         list(read_trace(path))
 
 
@@ -117,9 +131,23 @@ def test_an_unwatched_file_may_change_between_reads(tmp_path):
 def test_a_replay_of_a_process_substitution_verifies():
     """`kvdrain replay <(cat trace)`: the trace arrives on an inherited pipe."""
     read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "replay", f"/dev/fd/{read_fd}",
-                             "--clock", "virtual", "--no-live"], cwd=ROOT, pass_fds=(read_fd,),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "replay",
+            f"/dev/fd/{read_fd}",
+            "--clock",
+            "virtual",
+            "--no-live",
+        ],
+        cwd=ROOT,
+        pass_fds=(read_fd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     os.close(read_fd)
     try:
         with os.fdopen(write_fd, "wb") as f:

@@ -1,5 +1,6 @@
 """A replay against --target http:// shows itself live: plain progress lines while it
 runs, the server's own identity and liveness in the header, windows as they close."""
+
 from __future__ import annotations
 
 import io
@@ -24,12 +25,22 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_an_http_replay_prints_progress_and_the_servers_liveness_while_it_runs():
     state = DashboardState(title="kvdrain replay pd_idle.jsonl")
-    state.progress = ReplayProgress(trace_name="pd_idle.jsonl", num_total=32, duration_s=5.0, clock="wall",
-                                    liveness="", speedup=4.0)
+    state.progress = ReplayProgress(
+        trace_name="pd_idle.jsonl",
+        num_total=32,
+        duration_s=5.0,
+        clock="wall",
+        liveness="",
+        speedup=4.0,
+    )
     state.startup = StartupState(phase="modelling idle windows")  # where the model left it
     out = io.StringIO()
-    view = LiveView(state, Console(file=out, force_terminal=False, width=200), plain_interval_s=0.5,
-                    read_keys=False)
+    view = LiveView(
+        state,
+        Console(file=out, force_terminal=False, width=200),
+        plain_interval_s=0.5,
+        read_keys=False,
+    )
     monitor = ReplayMonitor(state, view, VerifyOptions(idle_threshold_s=0.5, drain_deadline_s=0.3))
     seen_windows_during_run = []
 
@@ -39,10 +50,13 @@ def test_an_http_replay_prints_progress_and_the_servers_liveness_while_it_runs()
 
     with engines(liveness="legacy") as (router, model), running_front(router, model) as front:
         url = f"http://127.0.0.1:{front.port}"
-        options = HttpTargetOptions(url, (MetricsSource.parse(f"{url}/metrics"),),
-                                    scrape_interval_s=0.05, tail_s=0.5)
+        options = HttpTargetOptions(
+            url, (MetricsSource.parse(f"{url}/metrics"),), scrape_interval_s=0.05, tail_s=0.5
+        )
         with view:
-            HttpReplay(options, on_tick=on_tick).run(shape(read_trace(EXAMPLE), ShapingOptions(speedup=4.0)))
+            HttpReplay(options, on_tick=on_tick).run(
+                shape(read_trace(EXAMPLE), ShapingOptions(speedup=4.0))
+            )
     lines = out.getvalue().splitlines()
     progress = [line for line in lines if line.startswith("t=") and " sent " in line]
     assert len(progress) >= 3, lines  # a line every half second of a 5 s run
@@ -57,6 +71,7 @@ def test_q_in_the_live_view_of_an_http_replay_stops_it_there():
     """The live view's `q` raises Interrupted inside a scrape tick: it stops the sending
     too (it was swallowed with the scrape loop, and the replay ran to its end)."""
     from replay.live.interrupt import QUIT_KEY, Interrupted
+
     ticks = []
 
     def on_tick(replay: HttpReplay) -> None:
@@ -66,10 +81,12 @@ def test_q_in_the_live_view_of_an_http_replay_stops_it_there():
 
     with engines() as (router, model), running_front(router, model) as front:
         url = f"http://127.0.0.1:{front.port}"
-        options = HttpTargetOptions(url, (MetricsSource.parse(f"{url}/metrics"),),
-                                    scrape_interval_s=0.05, tail_s=0.5)
+        options = HttpTargetOptions(
+            url, (MetricsSource.parse(f"{url}/metrics"),), scrape_interval_s=0.05, tail_s=0.5
+        )
         timeline = HttpReplay(options, on_tick=on_tick).run(
-            shape(read_trace(EXAMPLE), ShapingOptions(speedup=4.0)))
+            shape(read_trace(EXAMPLE), ShapingOptions(speedup=4.0))
+        )
     assert timeline.meta["interrupted"] == QUIT_KEY
     assert len(ticks) == 10  # no scrape after it
     assert len(timeline.requests) < 32 and timeline.end_t < 4.0  # the 4.3 s trace was cut

@@ -1,4 +1,5 @@
 """The live dashboard: pure render at 80 and 160 columns, plain lines, rates, LiveView without a terminal, its feeds."""
+
 from __future__ import annotations
 
 import io
@@ -19,22 +20,49 @@ from replay.live.faults import FaultWatch
 from replay.live.interrupt import Interrupted
 from replay.live.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
 from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
-from replay.ui.dashboard import DashboardState, EngineView, ReplayProgress, StartupState, WindowVerdict
-from replay.verify.timeline import EngineSample, RequestRecord
+from replay.ui.dashboard import (
+    DashboardState,
+    EngineView,
+    ReplayProgress,
+    StartupState,
+    WindowVerdict,
+)
 from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
 from replay.verify.rules import IdleWindow, VerifyOptions
+from replay.verify.timeline import EngineSample, RequestRecord
 from tests.paths import EXAMPLE, ROOT
 
-CONNECTOR = dict(num_sent=17, num_expired=1, num_recved=0, num_failed_recvs=0, num_recvs_in_flight=0,
-                 num_sends_pending=3, oldest_send_age_ms=120, num_read_done_dropped=0,
-                 num_bytes_pulled=0, connector_worker_pid=4242)
+CONNECTOR = dict(
+    num_sent=17,
+    num_expired=1,
+    num_recved=0,
+    num_failed_recvs=0,
+    num_recvs_in_flight=0,
+    num_sends_pending=3,
+    oldest_send_age_ms=120,
+    num_read_done_dropped=0,
+    num_bytes_pulled=0,
+    connector_worker_pid=4242,
+)
 
 
 def make_counts(**overrides: int) -> dict[str, int]:
-    counts = dict(num_waiting=3, num_skipped_waiting=1, num_waiting_for_remote_kvs=0, num_running=4,
-                  num_finished_awaiting_free=2, num_usable_blocks=127, num_used_blocks=40,
-                  num_cached_blocks=12, num_free_blocks=87, num_preemptions=0,
-                  num_stale_kv_reports=0, num_prefix_hit_tokens=64, num_bad_messages=0, **CONNECTOR)
+    counts = dict(
+        num_waiting=3,
+        num_skipped_waiting=1,
+        num_waiting_for_remote_kvs=0,
+        num_running=4,
+        num_finished_awaiting_free=2,
+        num_usable_blocks=127,
+        num_used_blocks=40,
+        num_cached_blocks=12,
+        num_free_blocks=87,
+        num_preemptions=0,
+        num_stale_kv_reports=0,
+        num_prefix_hit_tokens=64,
+        num_bad_messages=0,
+        **CONNECTOR,
+    )
     counts.update(overrides)
     return counts
 
@@ -43,21 +71,54 @@ def make_state() -> DashboardState:
     state = DashboardState(title="kvdrain replay pd_idle.jsonl", elapsed_s=12.3)
     for t, steps, wakeups in ((1.0, 10, 1), (3.0, 50, 5)):
         state.view("P").update("P", t, "blocked", steps, wakeups, make_counts())
-    d_counts = make_counts(num_waiting=0, num_skipped_waiting=2, num_waiting_for_remote_kvs=5,
-                           num_running=6, num_finished_awaiting_free=0, num_used_blocks=12,
-                           num_cached_blocks=30, num_free_blocks=115, num_sends_pending=0,
-                           num_recvs_in_flight=7, num_failed_recvs=1, connector_worker_pid=4243)
+    d_counts = make_counts(
+        num_waiting=0,
+        num_skipped_waiting=2,
+        num_waiting_for_remote_kvs=5,
+        num_running=6,
+        num_finished_awaiting_free=0,
+        num_used_blocks=12,
+        num_cached_blocks=30,
+        num_free_blocks=115,
+        num_sends_pending=0,
+        num_recvs_in_flight=7,
+        num_failed_recvs=1,
+        connector_worker_pid=4243,
+    )
     state.apply_snapshot(StatsSnapshot("D", 1, 3.0, "stepping", 100, 2, d_counts))
-    state.progress = ReplayProgress(trace_name="pd_idle.jsonl", num_total=32, duration_s=40.0, clock="wall",
-                                    liveness="event", speedup=2.0)
+    state.progress = ReplayProgress(
+        trace_name="pd_idle.jsonl",
+        num_total=32,
+        duration_s=40.0,
+        clock="wall",
+        liveness="event",
+        speedup=2.0,
+    )
     for lateness in (0.001, 0.002, 0.008):
         state.progress.record_send(lateness)
     state.progress.trace_t = 12.3
-    state.windows = [WindowVerdict.of(IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
-                                                 num_used_at_start=12, time_to_drain=0.12, verdict="drained",
-                                                 num_blocks_held=0)),
-                     WindowVerdict(engine="D", start=6.0, length=2.5, num_used_at_start=8, time_to_drain=None,
-                                   verdict="leak")]
+    state.windows = [
+        WindowVerdict.of(
+            IdleWindow(
+                engine="P",
+                start=3.0,
+                end=5.0,
+                is_tail=False,
+                num_used_at_start=12,
+                time_to_drain=0.12,
+                verdict="drained",
+                num_blocks_held=0,
+            )
+        ),
+        WindowVerdict(
+            engine="D",
+            start=6.0,
+            length=2.5,
+            num_used_at_start=8,
+            time_to_drain=None,
+            verdict="leak",
+        ),
+    ]
     state.messages = ["connector worker of D (pid 4243) died"]
     return state
 
@@ -73,12 +134,33 @@ def test_render_shows_engines_progress_and_verdicts(width):
     text = render_text(make_state(), width)
     lines = text.splitlines()
     assert len(lines) == 24 and all(len(line) <= width for line in lines)
-    for needle in ("engine P", "engine D", "idle windows", "kvdrain replay", "clock wall",
-                   "liveness event", "speed ×2", "elapsed 12.3s",
-                   "blocked", "stepping", "drained", "leak", "never", "120ms",  # P's oldest send, the window's drain
-                   "40/127", "12/127", "worker pid 4242", "worker pid 4243",
-                   "sent 3/32", "trace 12.3/40.0s", "p50 2ms", "p99 8ms",
-                   "connector worker of D (pid 4243) died", "recvs in flight", "sends pending"):
+    for needle in (
+        "engine P",
+        "engine D",
+        "idle windows",
+        "kvdrain replay",
+        "clock wall",
+        "liveness event",
+        "speed ×2",
+        "elapsed 12.3s",
+        "blocked",
+        "stepping",
+        "drained",
+        "leak",
+        "never",
+        "120ms",  # P's oldest send, the window's drain
+        "40/127",
+        "12/127",
+        "worker pid 4242",
+        "worker pid 4243",
+        "sent 3/32",
+        "trace 12.3/40.0s",
+        "p50 2ms",
+        "p99 8ms",
+        "connector worker of D (pid 4243) died",
+        "recvs in flight",
+        "sends pending",
+    ):
         assert needle in text, needle
     # P and D side by side: one line holds both engines' WAITING_FOR_REMOTE_KVS and running.
     assert re.findall(r"remote KVs\s+(\d+)\s+running\s+(\d+)", text) == [("0", "4"), ("5", "6")]
@@ -112,11 +194,24 @@ def test_engine_view_rates_and_history_from_two_updates():
 def test_apply_sample_feeds_a_virtual_clock_engine():
     state = DashboardState()
     for t, steps in ((1.0, 10), (1.5, 30)):
-        state.apply_sample(EngineSample(t=t, engine="E", num_used_blocks=5, num_cached_blocks=2,
-                                        num_free_blocks=100, num_usable_blocks=105, num_waiting=1,
-                                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=2,
-                                        num_finished_awaiting_free=0, loop_state="stepping", num_steps=steps,
-                                        num_wakeups=1))
+        state.apply_sample(
+            EngineSample(
+                t=t,
+                engine="E",
+                num_used_blocks=5,
+                num_cached_blocks=2,
+                num_free_blocks=100,
+                num_usable_blocks=105,
+                num_waiting=1,
+                num_skipped_waiting=0,
+                num_waiting_for_remote_kvs=0,
+                num_running=2,
+                num_finished_awaiting_free=0,
+                loop_state="stepping",
+                num_steps=steps,
+                num_wakeups=1,
+            )
+        )
     view = state.engines["E"]
     assert view.steps_per_s == pytest.approx(40.0) and not view.has_connector
     assert view.counts["num_free_blocks"] == 100 and view.counts["num_usable_blocks"] == 105
@@ -133,8 +228,10 @@ def test_sparkline():
 
 def test_plain_line_and_summary():
     state = make_state()
-    assert plain_line(state) == ("t=12.3s sent 3/32 | P used 40/127 blocked | D used 12/127 stepping"
-                                 " | idle windows 2: P 1 drained, D 1 leak")
+    assert plain_line(state) == (
+        "t=12.3s sent 3/32 | P used 40/127 blocked | D used 12/127 stepping"
+        " | idle windows 2: P 1 drained, D 1 leak"
+    )
     summary = summary_text(state)
     assert summary.startswith("final t=12.3s")
     assert "window D 6.00s +2.50s: 8 used at start, never drained: leak" in summary
@@ -143,16 +240,25 @@ def test_plain_line_and_summary():
 
 def test_the_progress_line_counts_idle_windows_as_the_verdict_does_not_engine_windows():
     state = make_state()
-    state.windows = [WindowVerdict(engine=e, start=start, length=4.0, num_used_at_start=9,
-                                   time_to_drain=None if e == "P" else 0.01,
-                                   verdict="leak" if e == "P" else "drained", num_blocks_held=9)
-                     for start in (1.0, 6.0) for e in ("P", "D")]
+    state.windows = [
+        WindowVerdict(
+            engine=e,
+            start=start,
+            length=4.0,
+            num_used_at_start=9,
+            time_to_drain=None if e == "P" else 0.01,
+            verdict="leak" if e == "P" else "drained",
+            num_blocks_held=9,
+        )
+        for start in (1.0, 6.0)
+        for e in ("P", "D")
+    ]
     assert plain_line(state).endswith(" | idle windows 2: P 2 leak, D 2 drained")
     assert "idle windows 2  P: 2 leak  D: 2 drained" in render_text(state, 80)
 
 
 def test_the_final_line_of_a_shaped_replay_has_no_eta_and_counts_what_shaping_kept():
-    from replay.pipeline import ReplayResult
+
     state = make_state()
     state.progress.rate_per_s, state.progress.eta_s, state.progress.num_total = 70.0, 11.2, 8819
     timeline = SimpleNamespace(samples=[], requests=[object()] * 781, end_t=300.0, meta={})
@@ -184,8 +290,16 @@ def test_live_view_on_a_terminal_keeps_the_last_frame():
     console = Console(file=out, force_terminal=True, width=80, height=24)
     with LiveView(state, console, clock=lambda: now[0]) as view:
         assert view.is_live
-        state.windows.append(WindowVerdict(engine="P", start=9.0, length=1.0, num_used_at_start=0,
-                                           time_to_drain=0.0, verdict="drained"))
+        state.windows.append(
+            WindowVerdict(
+                engine="P",
+                start=9.0,
+                length=1.0,
+                num_used_at_start=0,
+                time_to_drain=0.0,
+                verdict="drained",
+            )
+        )
     assert "idle windows 3" in out.getvalue()  # the exit refresh drew the final state
 
 
@@ -203,12 +317,16 @@ class CountingView:
 def test_serve_feed_applies_each_engines_newest_snapshot_once():
     state, view = DashboardState(), CountingView()
     monitor = ServeMonitor(state, view)
-    server = SimpleNamespace(latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())},
-                             take_stats=lambda: [])
+    server = SimpleNamespace(
+        latest={"P": StatsSnapshot("P", 1, 1.0, "blocked", 10, 1, make_counts())},
+        take_stats=lambda: [],
+    )
     monitor.on_tick(server)
     monitor.on_tick(server)  # the same snapshot again: no second update, so no zero-time rate
     assert state.engines["P"].num_steps == 10 and len(state.engines["P"].used_history) == 1
-    server.latest["P"] = StatsSnapshot("P", 2, 3.0, "polling", 50, 5, make_counts(num_used_blocks=7))
+    server.latest["P"] = StatsSnapshot(
+        "P", 2, 3.0, "polling", 50, 5, make_counts(num_used_blocks=7)
+    )
     monitor.on_tick(server)
     p = state.engines["P"]
     assert p.steps_per_s == pytest.approx(20.0) and list(p.used_history) == [40, 7]
@@ -217,40 +335,93 @@ def test_serve_feed_applies_each_engines_newest_snapshot_once():
 
 def test_top_feed_applies_every_snapshot_in_order():
     state, view = DashboardState(), CountingView()
-    ServeMonitor(state, view).on_snapshots([StatsSnapshot("D", 1, 1.0, "stepping", 0, 0, make_counts()),
-                                            StatsSnapshot("D", 2, 2.0, "blocked", 30, 4, make_counts())])
+    ServeMonitor(state, view).on_snapshots(
+        [
+            StatsSnapshot("D", 1, 1.0, "stepping", 0, 0, make_counts()),
+            StatsSnapshot("D", 2, 2.0, "blocked", 30, 4, make_counts()),
+        ]
+    )
     assert state.engines["D"].steps_per_s == pytest.approx(30.0) and view.num_ticks == 1
 
 
 def test_replay_feed_copies_progress_errors_and_the_final_picture():
-    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=2, duration_s=4.0,
-                                                   clock="wall"))
+    state = DashboardState(
+        progress=ReplayProgress(trace_name="t.jsonl", num_total=2, duration_s=4.0, clock="wall")
+    )
     view = CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
-    records = {r: RequestRecord(req_id=r, arrival_t=t, send_t=t + 0.003, send_lateness_s=0.003,
-                                first_token_t=None, end_t=None, num_prompt_tokens=8, num_output_tokens=0,
-                                num_prefix_hit_tokens=0, finish_reason=None)
-               for r, t in (("r0", 0.0), ("r1", 0.5))}
+    records = {
+        r: RequestRecord(
+            req_id=r,
+            arrival_t=t,
+            send_t=t + 0.003,
+            send_lateness_s=0.003,
+            first_token_t=None,
+            end_t=None,
+            num_prompt_tokens=8,
+            num_output_tokens=0,
+            num_prefix_hit_tokens=0,
+            finish_reason=None,
+        )
+        for r, t in (("r0", 0.0), ("r1", 0.5))
+    }
     faults = FaultWatch(["P", "D"])  # the driver's: what died or stalled, named
     faults.on_error(1.0, "D", "Traceback (most recent call last):\nRuntimeError: engine D died")
-    replay = SimpleNamespace(latest={}, requests=records, samples=[], arrivals=[0.0, 0.5], aborts=[],
-                             faults=faults, now=lambda: 1.5)
+    replay = SimpleNamespace(
+        latest={},
+        requests=records,
+        samples=[],
+        arrivals=[0.0, 0.5],
+        aborts=[],
+        faults=faults,
+        now=lambda: 1.5,
+    )
     monitor.on_tick(replay)
     monitor.on_tick(replay)  # nothing new: no second send, no repeated message
     assert state.progress.num_sent == 2 and state.progress.lateness_s == [0.003, 0.003]
-    assert state.progress.trace_t == 1.5 and state.messages == ["fault: D: RuntimeError: engine D died"]
+    assert state.progress.trace_t == 1.5 and state.messages == [
+        "fault: D: RuntimeError: engine D died"
+    ]
     final = SimpleNamespace(
-        timeline=SimpleNamespace(samples=[EngineSample(t=t, engine="P", num_used_blocks=used,
-                                                       num_cached_blocks=0, num_free_blocks=127 - used,
-                                                       num_usable_blocks=127, num_waiting=0,
-                                                       num_skipped_waiting=0, num_waiting_for_remote_kvs=0,
-                                                       num_running=0, num_finished_awaiting_free=0,
-                                                       loop_state="blocked", num_steps=9,
-                                                       num_wakeups=2) for t, used in ((1.0, 5), (2.0, 0))],
-                                 requests=list(records.values()), end_t=6.0, meta={}),
-        verdict=SimpleNamespace(windows=[IdleWindow(engine="P", start=3.0, end=5.0, is_tail=False,
-                                                    num_used_at_start=12, time_to_drain=0.12,
-                                                    verdict="drained", num_blocks_held=0)]))
+        timeline=SimpleNamespace(
+            samples=[
+                EngineSample(
+                    t=t,
+                    engine="P",
+                    num_used_blocks=used,
+                    num_cached_blocks=0,
+                    num_free_blocks=127 - used,
+                    num_usable_blocks=127,
+                    num_waiting=0,
+                    num_skipped_waiting=0,
+                    num_waiting_for_remote_kvs=0,
+                    num_running=0,
+                    num_finished_awaiting_free=0,
+                    loop_state="blocked",
+                    num_steps=9,
+                    num_wakeups=2,
+                )
+                for t, used in ((1.0, 5), (2.0, 0))
+            ],
+            requests=list(records.values()),
+            end_t=6.0,
+            meta={},
+        ),
+        verdict=SimpleNamespace(
+            windows=[
+                IdleWindow(
+                    engine="P",
+                    start=3.0,
+                    end=5.0,
+                    is_tail=False,
+                    num_used_at_start=12,
+                    time_to_drain=0.12,
+                    verdict="drained",
+                    num_blocks_held=0,
+                )
+            ]
+        ),
+    )
     monitor.show_final(final)
     assert state.engines["P"].counts["num_used_blocks"] == 0 and state.progress.trace_t == 6.0
     assert [w.verdict for w in state.windows] == ["drained"] and view.num_ticks == 2
@@ -259,13 +430,14 @@ def test_replay_feed_copies_progress_errors_and_the_final_picture():
 # ---- start-up phases, virtual progress, q, the serve's idle windows ----------------------
 
 
-
 def test_startup_phases_tick_and_end_in_ready():
     """The start-up panel shows the phase with its own clock and each engine's state;
     RUNNING ends it with "ready in N s"; plain output gets one line per event."""
-    state = DashboardState(title="kvdrain replay t.jsonl", startup=StartupState(engines=["P", "D"]),
-                           progress=ReplayProgress(trace_name="t.jsonl", num_total=4, duration_s=2.0,
-                                                   clock="wall"))
+    state = DashboardState(
+        title="kvdrain replay t.jsonl",
+        startup=StartupState(engines=["P", "D"]),
+        progress=ReplayProgress(trace_name="t.jsonl", num_total=4, duration_s=2.0, clock="wall"),
+    )
     out, view = io.StringIO(), CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
     monitor.start -= 10.0  # ten seconds in
@@ -277,13 +449,19 @@ def test_startup_phases_tick_and_end_in_ready():
     monitor.on_phase(STARTING, ["P"])
     text = render_text(state, 80)
     assert re.search(r"starting engines\s+1\.5s", text), text
-    assert re.search(r"engine P\s+ready in 11\.5\ds", text) and re.search(r"engine D\s+starting", text)
+    assert re.search(r"engine P\s+ready in 11\.5\ds", text) and re.search(
+        r"engine D\s+starting", text
+    )
     assert plain_line(state).startswith("starting engines 1.5s | P ready")
     monitor.on_phase(RUNNING, ["P", "D"])
     assert state.startup.ready_s == pytest.approx(11.5, abs=0.1) and view.num_ticks == 5
     assert [re.sub(r"[\d.]+ s", "N s", line) for line in state.startup.lines] == [
-        "modelling idle windows (at N s)", "starting engines (at N s)", "engine P ready in N s",
-        "engine D ready in N s", "ready in N s: sending the trace"]
+        "modelling idle windows (at N s)",
+        "starting engines (at N s)",
+        "engine P ready in N s",
+        "engine D ready in N s",
+        "ready in N s: sending the trace",
+    ]
     console = Console(file=out, force_terminal=False, width=200)
     with LiveView(state, console, read_keys=False) as live:
         live.tick()
@@ -292,7 +470,9 @@ def test_startup_phases_tick_and_end_in_ready():
 
 
 def test_virtual_progress_has_rate_and_eta():
-    state = DashboardState(progress=ReplayProgress(trace_name="t.jsonl", num_total=1000, duration_s=60.0))
+    state = DashboardState(
+        progress=ReplayProgress(trace_name="t.jsonl", num_total=1000, duration_s=60.0)
+    )
     monitor = ReplayMonitor(state, CountingView(), VerifyOptions())
     monitor.start -= 2.0
     monitor.on_progress(250, 30.0)
@@ -333,8 +513,12 @@ class FakeKeys:
 
 def test_q_sets_quit_and_a_replay_monitor_stops_like_ctrl_c():
     state, now = DashboardState(), [0.0]
-    view = LiveView(state, Console(file=io.StringIO(), force_terminal=False), clock=lambda: now[0],
-                    read_keys=False)
+    view = LiveView(
+        state,
+        Console(file=io.StringIO(), force_terminal=False),
+        clock=lambda: now[0],
+        read_keys=False,
+    )
     view.keys = keys = FakeKeys("xq")
     monitor = ReplayMonitor(state, view, VerifyOptions())
     with pytest.raises(Interrupted) as stopped:
@@ -346,17 +530,35 @@ def test_q_sets_quit_and_a_replay_monitor_stops_like_ctrl_c():
 
 
 def snap(engine: str, t: float, used: int, running: int) -> StatsSnapshot:
-    return StatsSnapshot(engine, 1, t, "blocked", 0, 0,
-                         make_counts(num_used_blocks=used, num_running=running, num_waiting=0,
-                                     num_skipped_waiting=0, num_waiting_for_remote_kvs=0))
+    return StatsSnapshot(
+        engine,
+        1,
+        t,
+        "blocked",
+        0,
+        0,
+        make_counts(
+            num_used_blocks=used,
+            num_running=running,
+            num_waiting=0,
+            num_skipped_waiting=0,
+            num_waiting_for_remote_kvs=0,
+        ),
+    )
 
 
 def test_serve_windows_are_judged_like_a_replays():
     """Busy, 2 s quiet (P drains at +0.1 s, D holds blocks throughout), busy again:
     one closed window per engine, P drained, D leaked; then an open window shown as it drains."""
     windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
-    for s in (snap("P", 100.0, 8, 2), snap("D", 100.0, 4, 1), snap("P", 101.0, 8, 0),
-              snap("D", 101.0, 4, 0), snap("P", 101.1, 0, 0), snap("P", 103.0, 8, 1)):
+    for s in (
+        snap("P", 100.0, 8, 2),
+        snap("D", 100.0, 4, 1),
+        snap("P", 101.0, 8, 0),
+        snap("D", 101.0, 4, 0),
+        snap("P", 101.1, 0, 0),
+        snap("P", 103.0, 8, 1),
+    ):
         windows.add(s)
     got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(103.0)}
     assert got == {("P", "drained", 1.0, 2.0), ("D", "leak", 1.0, 2.0)}
@@ -364,14 +566,19 @@ def test_serve_windows_are_judged_like_a_replays():
     assert len(windows.verdicts(104.5)) == 2  # quiet for 0.5 s: not a window yet
     windows.add(snap("P", 104.2, 0, 0))
     tail = windows.verdicts(105.5)[2:]
-    assert {(w.engine, w.verdict, w.start) for w in tail} == {("P", "drained", 4.0), ("D", "leak", 4.0)}
+    assert {(w.engine, w.verdict, w.start) for w in tail} == {
+        ("P", "drained", 4.0),
+        ("D", "leak", 4.0),
+    }
 
 
 def test_top_feed_fills_the_idle_window_panel():
     state, view = DashboardState(), CountingView()
     monitor = ServeMonitor(state, view, VerifyOptions(idle_threshold_s=1.0))
     now = time.monotonic()
-    monitor.on_snapshots([snap("P", now - 5, 8, 1), snap("P", now - 4, 0, 0), snap("P", now - 1, 2, 1)])
+    monitor.on_snapshots(
+        [snap("P", now - 5, 8, 1), snap("P", now - 4, 0, 0), snap("P", now - 1, 2, 1)]
+    )
     assert [(w.engine, w.verdict) for w in state.windows] == [("P", "drained")]
     assert "idle windows 1" in render_text(state, 80)
 
@@ -380,18 +587,28 @@ def test_the_live_view_on_a_pty_shows_phases_and_quits_on_q():
     """kvdrain replay on a pseudo-terminal: the start-up panel, then q: the run stops
     with its summary (exit 130) and the terminal's settings are as before."""
     import termios
+
     master, slave = os.openpty()
     before = termios.tcgetattr(slave)
     env = dict(os.environ, COLUMNS="120", LINES="40", TERM="xterm-256color")
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock"],
-                            stdin=slave, stdout=slave, stderr=slave, env=env,
-                            cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "replay", str(EXAMPLE), "--runner", "mock"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=ROOT,
+    )
     screen, sent_q, deadline = "", False, time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None or _readable(master):
             if _readable(master, 0.2):
-                screen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", os.read(master, 65536).decode(errors="replace"))
-            if not sent_q and "ready in" in screen and re.search(r"remote KVs +\d", screen):  # running
+                screen += re.sub(
+                    r"\x1b\[[0-9;?]*[A-Za-z]", "", os.read(master, 65536).decode(errors="replace")
+                )
+            if (
+                not sent_q and "ready in" in screen and re.search(r"remote KVs +\d", screen)
+            ):  # running
                 os.write(master, b"q")
                 sent_q = True
             if time.monotonic() > deadline:
@@ -417,8 +634,13 @@ def test_serve_windows_end_where_an_engine_takes_blocks_for_new_work():
     """P takes a request and finishes it within one step (no snapshot shows it queued):
     its blocks rising ends the quiet spell there, so P's new blocks are not a leak."""
     windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5))
-    for s in (snap("D", 10.0, 4, 1), snap("D", 11.0, 0, 0), snap("P", 11.0, 0, 0),
-              snap("P", 14.0, 6, 0), snap("D", 14.01, 2, 1)):
+    for s in (
+        snap("D", 10.0, 4, 1),
+        snap("D", 11.0, 0, 0),
+        snap("P", 11.0, 0, 0),
+        snap("P", 14.0, 6, 0),
+        snap("D", 14.01, 2, 1),
+    ):
         windows.add(s)
     got = {(w.engine, w.verdict, w.start, round(w.length, 3)) for w in windows.verdicts(15.0)}
     assert got == {("P", "drained", 1.0, 3.0), ("D", "drained", 1.0, 3.0)}
@@ -429,11 +651,14 @@ def test_at_80_columns_the_title_keeps_the_trace_name_and_the_facts_give_way():
     state.title = "kvdrain replay AzureLLMInferenceTrace_code.csv"
     state.server = "kvdrain (aiohttp) kvdrain/tiny pd"
     first = render_text(state, 80).splitlines()[0]
-    assert first.startswith("kvdrain replay AzureLLMInferenceTrace_code.csv ") and first.endswith("…")
+    assert first.startswith("kvdrain replay AzureLLMInferenceTrace_code.csv ") and first.endswith(
+        "…"
+    )
 
 
 def test_scraped_engines_of_one_source_sort_prefill_first():
     from replay.ui.tui import engine_order
+
     assert sorted(["x:D", "x:P", "D", "P", "E"], key=engine_order) == ["P", "D", "E", "x:P", "x:D"]
 
 
@@ -458,7 +683,10 @@ def test_a_virtual_replay_says_where_its_engines_are_instead_of_waiting_for_stat
     state = DashboardState(title="kvdrain replay x")
     state.progress = ReplayProgress(trace_name="x", num_total=10, duration_s=5.0, clock="virtual")
     text = render_text(state, 80)
-    assert "waiting for the first stats" not in text and "virtual clock: engines run in-process; blocks and windows show at the end" in text
+    assert (
+        "waiting for the first stats" not in text
+        and "virtual clock: engines run in-process; blocks and windows show at the end" in text
+    )
 
 
 def test_a_wide_footer_adds_requests_in_flight_and_ttft_so_far():
@@ -473,8 +701,9 @@ def test_a_wide_footer_adds_requests_in_flight_and_ttft_so_far():
 
 def test_a_serves_header_names_its_topology_liveness_and_http_url():
     state = DashboardState(title="kvdrain serve tcp://127.0.0.1:5555", server="pd  liveness legacy")
-    monitor = ServeMonitor(state, SimpleNamespace(tick=lambda: None),
-                           http_url=lambda: "http://127.0.0.1:8000")
+    monitor = ServeMonitor(
+        state, SimpleNamespace(tick=lambda: None), http_url=lambda: "http://127.0.0.1:8000"
+    )
     monitor.on_tick(SimpleNamespace(take_stats=lambda: [], latest={}))
     first = render_text(state, 120).splitlines()[0]
     assert "pd  liveness legacy  http://127.0.0.1:8000" in first
@@ -491,10 +720,17 @@ def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():
     assert all("15/127" in row for row in rows)  # each engine's used blocks, whole at 80 columns
     assert all(len(line) <= 80 for line in text.splitlines())
     assert "1 leak" in text  # the windows panel still has room below
-    state.windows = [WindowVerdict(engine=name, start=1.0, length=2.0, num_used_at_start=15,
-                                   time_to_drain=None if name.startswith("P") else 0.0,
-                                   verdict="leak" if name.startswith("P") else "drained")
-                     for name in state.engines]
+    state.windows = [
+        WindowVerdict(
+            engine=name,
+            start=1.0,
+            length=2.0,
+            num_used_at_start=15,
+            time_to_drain=None if name.startswith("P") else 0.0,
+            verdict="leak" if name.startswith("P") else "drained",
+        )
+        for name in state.engines
+    ]
     assert "idle windows 1  P (4): 4 leak  D (4): 4 drained" in render_text(state, 80)
 
 
@@ -506,17 +742,51 @@ def test_scraped_windows_are_judged_live_as_the_final_verdict_judges_scrapes():
     from replay.verify.timeline import SAMPLING_SCRAPED, Timeline
 
     def reading(t: float, used: int, running: int = 0) -> EngineSample:
-        return EngineSample(t=t + 0.05, engine="P", num_used_blocks=used, num_cached_blocks=0,
-                            num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
-                            num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=running,
-                            num_finished_awaiting_free=0, loop_state="", num_steps=0, num_wakeups=0, send_t=t)
-    samples = [reading(-1.0, 8, 1), reading(0.0, 8), reading(1.0, 0), reading(2.0, 0), reading(3.0, 0)]
-    windows = SnapshotWindows(VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5), scraped=True)
+        return EngineSample(
+            t=t + 0.05,
+            engine="P",
+            num_used_blocks=used,
+            num_cached_blocks=0,
+            num_free_blocks=100 - used,
+            num_usable_blocks=100,
+            num_waiting=0,
+            num_skipped_waiting=0,
+            num_waiting_for_remote_kvs=0,
+            num_running=running,
+            num_finished_awaiting_free=0,
+            loop_state="",
+            num_steps=0,
+            num_wakeups=0,
+            send_t=t,
+        )
+
+    samples = [
+        reading(-1.0, 8, 1),
+        reading(0.0, 8),
+        reading(1.0, 0),
+        reading(2.0, 0),
+        reading(3.0, 0),
+    ]
+    windows = SnapshotWindows(
+        VerifyOptions(idle_threshold_s=1.0, drain_deadline_s=0.5), scraped=True
+    )
     for sample in [*samples, reading(4.0, 9, 1)]:
         windows.add_sample(sample)
     (live,) = windows.verdicts(4.05)
-    timeline = Timeline(engines=["P"], num_usable_blocks={"P": 100}, samples=samples, requests=[], arrivals=[],
-                        aborts=[], end_t=4.05, meta={"sampling": SAMPLING_SCRAPED})
-    final = check_window(EngineSeries.of(timeline, "P"), (live.start, live.start + live.length, False), 0.5,
-                         scraped=True)
+    timeline = Timeline(
+        engines=["P"],
+        num_usable_blocks={"P": 100},
+        samples=samples,
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=4.05,
+        meta={"sampling": SAMPLING_SCRAPED},
+    )
+    final = check_window(
+        EngineSeries.of(timeline, "P"),
+        (live.start, live.start + live.length, False),
+        0.5,
+        scraped=True,
+    )
     assert live.verdict == final.verdict == "undecided"

@@ -1,6 +1,7 @@
 """The usage plot scales: a thousand idle windows draw as a strip and points in a bounded
 number of artists, labels of a few windows stay inside their axes and apart, and no mark
 reaches the legends right of the axes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,22 @@ PERIOD_S = 3.0  # one burst every 3 s, idle between, as the Mooncake trace
 
 
 def _sample(t: float, engine: str, used: int) -> EngineSample:
-    return EngineSample(t=t, engine=engine, num_used_blocks=used, num_cached_blocks=0,
-                        num_free_blocks=100 - used, num_usable_blocks=100, num_waiting=0,
-                        num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
-                        num_finished_awaiting_free=0, loop_state="blocked", num_steps=0,
-                        num_wakeups=0)
+    return EngineSample(
+        t=t,
+        engine=engine,
+        num_used_blocks=used,
+        num_cached_blocks=0,
+        num_free_blocks=100 - used,
+        num_usable_blocks=100,
+        num_waiting=0,
+        num_skipped_waiting=0,
+        num_waiting_for_remote_kvs=0,
+        num_running=0,
+        num_finished_awaiting_free=0,
+        loop_state="blocked",
+        num_steps=0,
+        num_wakeups=0,
+    )
 
 
 def _leaky_run(num_windows: int) -> tuple[Timeline, Verdict]:
@@ -31,15 +43,40 @@ def _leaky_run(num_windows: int) -> tuple[Timeline, Verdict]:
         t = i * PERIOD_S
         samples += [_sample(t, "P", 10 + i % 50), _sample(t, "D", 30), _sample(t + 0.2, "D", 0)]
         start, end = t + 0.2, t + PERIOD_S
-        windows.append(IdleWindow(engine="P", start=start, end=end, is_tail=False,
-                                  num_used_at_start=10 + i % 50, time_to_drain=None, verdict="leak",
-                                  num_blocks_held=10 + i % 50))
-        windows.append(IdleWindow(engine="D", start=start, end=end, is_tail=False,
-                                  num_used_at_start=0, time_to_drain=0.0, verdict="drained",
-                                  num_blocks_held=0))
+        windows.append(
+            IdleWindow(
+                engine="P",
+                start=start,
+                end=end,
+                is_tail=False,
+                num_used_at_start=10 + i % 50,
+                time_to_drain=None,
+                verdict="leak",
+                num_blocks_held=10 + i % 50,
+            )
+        )
+        windows.append(
+            IdleWindow(
+                engine="D",
+                start=start,
+                end=end,
+                is_tail=False,
+                num_used_at_start=0,
+                time_to_drain=0.0,
+                verdict="drained",
+                num_blocks_held=0,
+            )
+        )
     end_t = num_windows * PERIOD_S
-    timeline = Timeline(engines=["P", "D"], num_usable_blocks={"P": 100, "D": 100}, samples=samples,
-                        requests=[], arrivals=[], aborts=[], end_t=end_t)
+    timeline = Timeline(
+        engines=["P", "D"],
+        num_usable_blocks={"P": 100, "D": 100},
+        samples=samples,
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=end_t,
+    )
     return timeline, Verdict(windows=tuple(windows), violations=())
 
 
@@ -68,8 +105,9 @@ def test_a_few_leak_windows_keep_labels_and_deadline_marks():
     fig = build_figure(*_leaky_run(3), deadline_s=0.5)
     p_axes = fig.axes[0]
     assert _texts(p_axes) == ["leak: 10 held", "leak: 11 held", "leak: 12 held"]
-    assert [line.get_label() for line in p_axes.lines if "deadline" in line.get_label()] == \
-        ["drain deadline 0.5 s"]
+    assert [line.get_label() for line in p_axes.lines if "deadline" in line.get_label()] == [
+        "drain deadline 0.5 s"
+    ]
 
 
 def test_labels_that_would_overlap_or_leave_the_axes_are_left_out():
@@ -101,7 +139,6 @@ def test_write_plot_writes_a_png(tmp_path: Path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-
 def _eight_engines() -> tuple[Timeline, Verdict]:
     """4p4d: each P holds blocks through both windows, each D drains."""
     names = [f"P{i}" for i in range(4)] + [f"D{i}" for i in range(4)]
@@ -111,11 +148,27 @@ def _eight_engines() -> tuple[Timeline, Verdict]:
         for name in names:
             held = 10 + k if name.startswith("P") else 0
             samples += [_sample(t, name, 30), _sample(t + 0.2, name, held)]
-            windows.append(IdleWindow(engine=name, start=t + 0.2, end=t + PERIOD_S, is_tail=False,
-                                      num_used_at_start=held, time_to_drain=None if held else 0.0,
-                                      verdict="leak" if held else "drained", num_blocks_held=held))
-    timeline = Timeline(engines=names, num_usable_blocks={n: 100 for n in names}, samples=samples,
-                        requests=[], arrivals=[], aborts=[], end_t=2 * PERIOD_S)
+            windows.append(
+                IdleWindow(
+                    engine=name,
+                    start=t + 0.2,
+                    end=t + PERIOD_S,
+                    is_tail=False,
+                    num_used_at_start=held,
+                    time_to_drain=None if held else 0.0,
+                    verdict="leak" if held else "drained",
+                    num_blocks_held=held,
+                )
+            )
+    timeline = Timeline(
+        engines=names,
+        num_usable_blocks={n: 100 for n in names},
+        samples=samples,
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=2 * PERIOD_S,
+    )
     return timeline, Verdict(windows=tuple(windows), violations=())
 
 
@@ -123,9 +176,15 @@ def test_eight_engines_draw_one_panel_per_role_with_a_line_per_engine():
     fig = build_figure(*_eight_engines(), deadline_s=0.5)
     fig.canvas.draw()
     p_axes, d_axes = fig.axes  # no cached blocks: no cached panel
-    assert p_axes.get_ylabel() == "P (4): used blocks" and d_axes.get_ylabel() == "D (4): used blocks"
-    assert [line.get_label() for line in p_axes.lines if line.get_label().startswith("P")] == \
-        ["P0", "P1", "P2", "P3"]
+    assert (
+        p_axes.get_ylabel() == "P (4): used blocks" and d_axes.get_ylabel() == "D (4): used blocks"
+    )
+    assert [line.get_label() for line in p_axes.lines if line.get_label().startswith("P")] == [
+        "P0",
+        "P1",
+        "P2",
+        "P3",
+    ]
     assert not p_axes.texts  # no per-window labels
     legend = [t.get_text() for t in p_axes.get_legend().get_texts()]
     assert "8 windows leak\n(held: median 10, max 11)" in legend
@@ -136,6 +195,7 @@ def test_eight_engines_draw_one_panel_per_role_with_a_line_per_engine():
 
 def test_the_title_stays_above_the_first_panel_at_any_height(monkeypatch):
     import replay.verify.plot as plot
+
     monkeypatch.setattr(plot, "MAX_ENGINE_PANELS", 8)  # eight panels: a 20 in tall figure
     fig = build_figure(*_eight_engines(), title="a title", deadline_s=0.5)
     assert len(fig.axes) == 8

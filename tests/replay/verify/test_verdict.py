@@ -4,47 +4,90 @@ The oracle for coverage is hand-made timelines (requests and samples placed by h
 and the virtual clock, which is the model of the engines and so observes every
 window it expects.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
+from engine.config import EngineConfig
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate
 from replay.trace.reader import read_trace
 from replay.trace.shaping import ShapingOptions, shape
-from replay.verify.coverage import (candidate_gaps, expected_windows, ignored_by_cause,
-                                    ignored_cause, quiet_from)
+from replay.verify.coverage import (
+    candidate_gaps,
+    expected_windows,
+    ignored_by_cause,
+    ignored_cause,
+    quiet_from,
+)
 from replay.verify.rules import VerifyOptions, idle_windows, verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
-from engine.config import EngineConfig
 from tests.paths import AZURE, EXAMPLE, TRACES
 
 
-
-def _record(req_id: str, arrival: float, end: float | None, *, tokens: int = 1,
-            reason: str | None = "length", error: str | None = None) -> RequestRecord:
-    return RequestRecord(req_id=req_id, arrival_t=arrival, send_t=arrival, send_lateness_s=0.0,
-                         first_token_t=None if end is None else arrival, end_t=end, num_prompt_tokens=8,
-                         num_output_tokens=tokens, num_prefix_hit_tokens=0, finish_reason=reason, error=error)
+def _record(
+    req_id: str,
+    arrival: float,
+    end: float | None,
+    *,
+    tokens: int = 1,
+    reason: str | None = "length",
+    error: str | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        req_id=req_id,
+        arrival_t=arrival,
+        send_t=arrival,
+        send_lateness_s=0.0,
+        first_token_t=None if end is None else arrival,
+        end_t=end,
+        num_prompt_tokens=8,
+        num_output_tokens=tokens,
+        num_prefix_hit_tokens=0,
+        finish_reason=reason,
+        error=error,
+    )
 
 
 def _sample(t: float, used: int) -> EngineSample:
-    return EngineSample(t=t, engine="E", num_used_blocks=used, num_cached_blocks=0, num_free_blocks=10 - used,
-                        num_usable_blocks=10, num_waiting=0, num_skipped_waiting=0,
-                        num_waiting_for_remote_kvs=0, num_running=0, num_finished_awaiting_free=0,
-                        loop_state="blocked", num_steps=0, num_wakeups=0)
+    return EngineSample(
+        t=t,
+        engine="E",
+        num_used_blocks=used,
+        num_cached_blocks=0,
+        num_free_blocks=10 - used,
+        num_usable_blocks=10,
+        num_waiting=0,
+        num_skipped_waiting=0,
+        num_waiting_for_remote_kvs=0,
+        num_running=0,
+        num_finished_awaiting_free=0,
+        loop_state="blocked",
+        num_steps=0,
+        num_wakeups=0,
+    )
 
 
 def _timeline(records: list[RequestRecord], samples: list[EngineSample], end_t: float) -> Timeline:
-    return Timeline(engines=["E"], num_usable_blocks={"E": 10}, samples=samples, requests=records,
-                    arrivals=[r.arrival_t for r in records], aborts=[], end_t=end_t)
+    return Timeline(
+        engines=["E"],
+        num_usable_blocks={"E": 10},
+        samples=samples,
+        requests=records,
+        arrivals=[r.arrival_t for r in records],
+        aborts=[],
+        end_t=end_t,
+    )
 
 
 # Two bursts with a 4 s gap: a at 0 (ends 0.5), b at 4 (ends 4.5), tail to 8.
 def _two_bursts(b_end: float = 4.5, a_end: float = 0.5) -> Timeline:
-    return _timeline([_record("a", 0.0, a_end), _record("b", 4.0, b_end)],
-                     [_sample(0.0, 3), _sample(a_end, 0), _sample(4.0, 3), _sample(b_end, 0)], 8.0)
+    return _timeline(
+        [_record("a", 0.0, a_end), _record("b", 4.0, b_end)],
+        [_sample(0.0, 3), _sample(a_end, 0), _sample(4.0, 3), _sample(b_end, 0)],
+        8.0,
+    )
 
 
 def test_candidate_gaps_and_quiet_times():
@@ -131,17 +174,25 @@ def test_ignored_requests_are_counted_by_cause_and_make_it_inconclusive():
     too_long = "prompt has 9000 tokens; max_model_len is 8192"
     no_room = "up to 900 tokens need 57 KV blocks; the pool has 31"
     records = [_record(f"r{i}", 0.1 * i, 0.1 * i + 0.05) for i in range(96)]
-    records += [_record("x1", 0.2, 0.2, tokens=0, error=too_long),
-                _record("x2", 0.3, 0.3, tokens=0, error=too_long),
-                _record("x3", 0.4, 0.4, tokens=0, reason="ignored", error=no_room),
-                _record("x4", 0.5, 0.5, tokens=0, error=None)]  # length with no error: not ignored
-    assert [ignored_cause(r) for r in records[-4:]] == \
-        ["prompt longer than max_model_len", "prompt longer than max_model_len",
-         "can never fit the KV pool", None]
+    records += [
+        _record("x1", 0.2, 0.2, tokens=0, error=too_long),
+        _record("x2", 0.3, 0.3, tokens=0, error=too_long),
+        _record("x3", 0.4, 0.4, tokens=0, reason="ignored", error=no_room),
+        _record("x4", 0.5, 0.5, tokens=0, error=None),
+    ]  # length with no error: not ignored
+    assert [ignored_cause(r) for r in records[-4:]] == [
+        "prompt longer than max_model_len",
+        "prompt longer than max_model_len",
+        "can never fit the KV pool",
+        None,
+    ]
     timeline = _timeline(records, [_sample(0.0, 0)], 20.0)
     timeline.arrivals.sort()
     verdict = verify(timeline, [], VerifyOptions())
-    assert verdict.ignored == {"prompt longer than max_model_len": 2, "can never fit the KV pool": 1}
+    assert verdict.ignored == {
+        "prompt longer than max_model_len": 2,
+        "can never fit the KV pool": 1,
+    }
     assert verdict.status == "inconclusive" and "3 of 100 requests ignored" in verdict.reasons[0]
     assert verify(timeline, [], VerifyOptions(allow_ignored=True)).status == "verified"
     assert verify(timeline, [], VerifyOptions(max_ignored_share=0.05)).status == "verified"
@@ -170,8 +221,9 @@ def test_the_virtual_clock_observes_every_window_it_expects(liveness):
 def test_the_virtual_clock_covers_a_dense_public_trace():
     # 400 requests of the Azure code trace: some gaps over the threshold are filled by the
     # trace's own work (busy); every one the model expects is observed.
-    engine = EngineConfig(num_blocks=40000, max_model_len=32768, max_num_batched_tokens=8192,
-                          max_num_seqs=256)
+    engine = EngineConfig(
+        num_blocks=40000, max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256
+    )
     records = shape(read_trace(AZURE), ShapingOptions(max_requests=400))
     timeline = simulate(records, SimOptions(engine=engine))
     expected = expected_windows(timeline.arrivals, 1.0, timeline)
@@ -182,23 +234,32 @@ def test_the_virtual_clock_covers_a_dense_public_trace():
 
 
 def test_a_late_drain_is_told_apart_from_a_window_that_never_drained_in_one_precision():
-    late = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
-                     [_sample(0.0, 3), _sample(0.5, 2), _sample(3.2345678, 0), _sample(4.0, 3),
-                      _sample(4.5, 0)], 8.0)
+    late = _timeline(
+        [_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+        [_sample(0.0, 3), _sample(0.5, 2), _sample(3.2345678, 0), _sample(4.0, 3), _sample(4.5, 0)],
+        8.0,
+    )
     (violation,) = verify(late, [], VerifyOptions(drain_deadline_s=1.0)).violations
-    assert violation.detail == ("late drain: idle window: 2 blocks held until 2.735 s after its "
-                                "start, past the drain deadline")
+    assert violation.detail == (
+        "late drain: idle window: 2 blocks held until 2.735 s after its "
+        "start, past the drain deadline"
+    )
     never = _two_bursts()
     never.samples[1] = _sample(0.5, 2)
     never.samples.insert(2, _sample(2.0, 5))  # a later sample (a scrape's lag) saw more
     (violation,) = verify(never, [], VerifyOptions()).violations
-    assert violation.detail == ("never drained: idle window of 3.500 s: 2 blocks used at its "
-                                "start, 5 at its last sample that had any")
+    assert violation.detail == (
+        "never drained: idle window of 3.500 s: 2 blocks used at its "
+        "start, 5 at its last sample that had any"
+    )
 
 
 def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_window_it_cut():
-    timeline = _timeline([_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
-                         [_sample(0.0, 3), _sample(0.5, 0), _sample(4.0, 3), _sample(6.0, 3)], 6.0)
+    timeline = _timeline(
+        [_record("a", 0.0, 0.5), _record("b", 4.0, 4.5)],
+        [_sample(0.0, 3), _sample(0.5, 0), _sample(4.0, 3), _sample(6.0, 3)],
+        6.0,
+    )
     timeline.requests[1].end_t = 4.5
     timeline.meta["interrupted"] = "SIGINT"  # cut at 6 s, b's blocks not yet freed
     arrivals = [0.0, 4.0] + [10.0 + 2 * i for i in range(1171)]  # the trace it did not reach
@@ -206,7 +267,8 @@ def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_
     assert verdict.violations == ()  # the cut tail is not a leak
     assert list(verdict.reasons) == [
         "stopped early: 1 of 1 reached windows drained; 1,172 not reached "
-        "(first: the idle gap 4.000-10.000 s: the replay stopped before it ended)"]
+        "(first: the idle gap 4.000-10.000 s: the replay stopped before it ended)"
+    ]
 
 
 def _lagged_run() -> tuple[Timeline, tuple]:
@@ -219,9 +281,11 @@ def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
     lagged, expected = _lagged_run()
     verdict = verify(lagged, [], VerifyOptions(), expected)
     assert verdict.status == "inconclusive" and not verdict.partial
-    assert verdict.reasons[-1].startswith("to cover the windows the engines' lag swallowed: model this "
-                                          "machine's step costs (`kvdrain calibrate -o FILE`, then "
-                                          "--cost-profile FILE)")
+    assert verdict.reasons[-1].startswith(
+        "to cover the windows the engines' lag swallowed: model this "
+        "machine's step costs (`kvdrain calibrate -o FILE`, then "
+        "--cost-profile FILE)"
+    )
     assert "(--clock virtual)" in verdict.reasons[-1] and "--min-coverage F" in verdict.reasons[-1]
 
 
@@ -229,9 +293,11 @@ def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
     lagged, expected = _lagged_run()
     verdict = verify(lagged, [], VerifyOptions(min_coverage=0.5), expected)
     assert (verdict.status, verdict.exit_code, verdict.reasons) == ("verified", 0, ())
-    assert verdict.partial == ("every engine drained in all 1 observed windows; 1 of 2 expected not "
-                               "observed because the engines lagged the model by up to 3.000 s "
-                               "(coverage 50% >= --min-coverage 50%)")
+    assert verdict.partial == (
+        "every engine drained in all 1 observed windows; 1 of 2 expected not "
+        "observed because the engines lagged the model by up to 3.000 s "
+        "(coverage 50% >= --min-coverage 50%)"
+    )
     assert verdict.to_dict()["partial_coverage"] == verdict.partial
 
 
@@ -251,28 +317,46 @@ def test_a_run_that_saw_no_kv_usage_observed_no_window_however_its_requests_gapp
 
 def test_a_snapshot_violation_states_its_sample_time_to_the_millisecond_as_every_time_is():
     from replay.trace.records import TraceSnapshot
+
     timeline = _timeline([_record("a", 0.0, 0.5)], [_sample(0.0, 0), _sample(1.9712104, 3)], 3.0)
     snapshot = TraceSnapshot(4.349, {"E": {"used": 0}}, line=7)
-    (violation,) = [v for v in verify(timeline, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"]
-    assert violation.detail.startswith("sample at 1.971 s (line 7): used 3 != recorded 0"), violation.detail
+    (violation,) = [
+        v for v in verify(timeline, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"
+    ]
+    assert violation.detail.startswith("sample at 1.971 s (line 7): used 3 != recorded 0"), (
+        violation.detail
+    )
 
 
-IDLE_QUEUES = {"E": {"waiting": 0, "skipped_waiting": 0, "waiting_for_remote_kvs": 0, "running": 0,
-                     "finished_awaiting_free": 0}}
+IDLE_QUEUES = {
+    "E": {
+        "waiting": 0,
+        "skipped_waiting": 0,
+        "waiting_for_remote_kvs": 0,
+        "running": 0,
+        "finished_awaiting_free": 0,
+    }
+}
 
 
 def test_a_recorded_idle_snapshot_the_replay_reached_still_busy_is_not_reached_not_violated():
     from replay.trace.records import TraceSnapshot
+
     # The recording was idle at 1.5 s (every queue empty); this replay lagged: request a ran to 2.0 s.
     lagged = _two_bursts(a_end=2.0)
     snapshot = TraceSnapshot(1.5, {"E": {"used": 0}}, IDLE_QUEUES, line=4)
     verdict = verify(lagged, [snapshot], VerifyOptions())
-    assert not [v for v in verdict.violations if v.kind == "snapshot"] and verdict.status == "inconclusive"
+    assert (
+        not [v for v in verdict.violations if v.kind == "snapshot"]
+        and verdict.status == "inconclusive"
+    )
     assert "recorded snapshot not reached: t=1.500 s (line 4)" in verdict.reasons[-1]
     # Reached (the replay idle there too), it is compared: a held block is a violation.
     on_time = _two_bursts()
     on_time.samples[1] = _sample(0.5, 1)
-    (violation,) = [v for v in verify(on_time, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"]
+    (violation,) = [
+        v for v in verify(on_time, [snapshot], VerifyOptions()).violations if v.kind == "snapshot"
+    ]
     assert "used 1 != recorded 0" in violation.detail
     # A snapshot that recorded work in flight is compared wherever the replay is.
     busy = TraceSnapshot(1.5, {"E": {"used": 0}}, {"E": {**IDLE_QUEUES["E"], "running": 1}}, line=4)
@@ -281,6 +365,7 @@ def test_a_recorded_idle_snapshot_the_replay_reached_still_busy_is_not_reached_n
 
 def test_a_recorded_idle_snapshot_the_replay_was_quiet_at_for_less_than_a_drain_deadline_is_not_reached():
     from replay.trace.records import TraceSnapshot
+
     # request a ended at 1.2 s, 0.3 s before the snapshot: its engine may still hold a block it
     # has not been told to free (a lagging replay), which the 0-tolerance compare called a violation
     just_quiet = _two_bursts(a_end=1.2)

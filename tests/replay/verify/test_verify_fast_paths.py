@@ -1,4 +1,5 @@
 """The verifier's fast paths against their definitions: each window's client lateness, the engine windows that hold a trace window, the spans of every request on each engine, every engine's samples."""
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,26 @@ def seeded_requests(rng: random.Random, n: int) -> list[RequestRecord]:
     out = []
     for i in range(n):
         arrival = round(rng.uniform(0, 100), rng.choice([0, 1, 3]))  # ties on purpose
-        end = None if rng.random() < 0.1 else arrival + round(rng.expovariate(0.3), rng.choice([0, 2]))
+        end = (
+            None
+            if rng.random() < 0.1
+            else arrival + round(rng.expovariate(0.3), rng.choice([0, 2]))
+        )
         late = rng.choice([0.0, -0.001, rng.expovariate(100)])
-        out.append(RequestRecord(req_id=f"r{i}", arrival_t=arrival, send_t=arrival + late, send_lateness_s=late,
-                                 first_token_t=None, end_t=end, num_prompt_tokens=8, num_output_tokens=4,
-                                 num_prefix_hit_tokens=None, finish_reason="stop"))
+        out.append(
+            RequestRecord(
+                req_id=f"r{i}",
+                arrival_t=arrival,
+                send_t=arrival + late,
+                send_lateness_s=late,
+                first_token_t=None,
+                end_t=end,
+                num_prompt_tokens=8,
+                num_output_tokens=4,
+                num_prefix_hit_tokens=None,
+                finish_reason="stop",
+            )
+        )
     return out
 
 
@@ -87,7 +103,9 @@ def seeded_routed_requests(rng: random.Random, n: int) -> list[RequestRecord]:
         for _ in range(rng.choice([0, 1, 2, 2, 3])):
             t = rng.choice([t, int(t), t + rng.uniform(0, 3)])
             r.stages.append([rng.choice(["P", "P1", "D", "D0"]), t])
-        r.first_token_t = rng.choice([None, r.arrival_t, int(r.arrival_t), r.arrival_t + rng.uniform(0, 9)])
+        r.first_token_t = rng.choice(
+            [None, r.arrival_t, int(r.arrival_t), r.arrival_t + rng.uniform(0, 9)]
+        )
         out.append(r)
     return out
 
@@ -102,19 +120,41 @@ def test_every_engines_spans_equal_the_requests_intervals(seed):
             by_definition.setdefault(engine, []).append((since, until))
     spans = windows.spans_by_engine(requests)
     assert spans == by_definition
-    assert {e: [tuple(map(type, s)) for s in v] for e, v in spans.items()} == \
-        {e: [tuple(map(type, s)) for s in v] for e, v in by_definition.items()}
+    assert {e: [tuple(map(type, s)) for s in v] for e, v in spans.items()} == {
+        e: [tuple(map(type, s)) for s in v] for e, v in by_definition.items()
+    }
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_every_engines_series_in_one_pass_equals_each_engines_own(seed):
     rng = random.Random(seed)
-    samples = [EngineSample(t=float(i), engine=rng.choice(["P", "D", "X"]), num_used_blocks=0,
-                            num_cached_blocks=0, num_free_blocks=4, num_usable_blocks=4, num_waiting=0,
-                            num_skipped_waiting=0, num_waiting_for_remote_kvs=0, num_running=0,
-                            num_finished_awaiting_free=0, loop_state="idle", num_steps=i, num_wakeups=0)
-               for i in range(rng.choice([0, 1, 50]))]
-    timeline = Timeline(engines=["D", "P"], num_usable_blocks={"P": 4, "D": 4}, samples=samples,
-                        requests=[], arrivals=[], aborts=[], end_t=60.0)  # X: a sample of no engine
+    samples = [
+        EngineSample(
+            t=float(i),
+            engine=rng.choice(["P", "D", "X"]),
+            num_used_blocks=0,
+            num_cached_blocks=0,
+            num_free_blocks=4,
+            num_usable_blocks=4,
+            num_waiting=0,
+            num_skipped_waiting=0,
+            num_waiting_for_remote_kvs=0,
+            num_running=0,
+            num_finished_awaiting_free=0,
+            loop_state="idle",
+            num_steps=i,
+            num_wakeups=0,
+        )
+        for i in range(rng.choice([0, 1, 50]))
+    ]
+    timeline = Timeline(
+        engines=["D", "P"],
+        num_usable_blocks={"P": 4, "D": 4},
+        samples=samples,
+        requests=[],
+        arrivals=[],
+        aborts=[],
+        end_t=60.0,
+    )  # X: a sample of no engine
     assert EngineSeries.of_all(timeline) == {e: EngineSeries.of(timeline, e) for e in ("D", "P")}
     assert list(EngineSeries.of_all(timeline)) == ["D", "P"]
