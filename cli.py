@@ -30,21 +30,26 @@ from engine.config import (
     KVTransferConfig,
 )
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
-from replay.deploy.balance import ROUTER_POLICIES
-from replay.deploy.routing import TOPOLOGY_FORMS, engine_roles, parse_topology
-from replay.deploy.vllm_options import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
+from replay.deploy.pd_flow import TOPOLOGY_FORMS, engine_roles, parse_topology
+from replay.deploy.placement import ROUTER_POLICIES
 from replay.trace.reader import FORMATS
+from replay.vllm.options import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
-# replay/pipeline.py's CLOCKS (tests/e2e/test_startup.py checks they agree), named here so that
+# replay/pipeline.py's CLOCKS (tests/e2e/test_process_startup.py checks they agree), named here so that
 # importing cli imports no replay machinery: every engine and connector-worker process
 # re-runs the `kvdrain` script (multiprocessing's spawn imports the parent's main file).
 CLOCKS = ("wall", "virtual")
 CPU_NUM_BLOCKS = 512  # --num-blocks unless the pool is sized from GPU memory
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, for all of a topology's engines together
 DEFAULT_MODEL = "tiny"
-OUTPUT_FILES = ("report", "requests", "plot", "series")  # replay/commands.py OutputFiles' fields
+OUTPUT_FILES = (
+    "report",
+    "requests",
+    "plot",
+    "series",
+)  # replay/commands/replay.py OutputFiles' fields
 IDLE_THRESHOLD = click.FloatRange(
     min=0, min_open=True
 )  # replay's and inspect's: a gap of 0 s is no gap
@@ -147,7 +152,7 @@ class Engines:
     the KV transfer between P and D, and --model as given."""
 
     topology: str
-    router: str  # which P and D take each request (replay/deploy/balance.py)
+    router: str  # which P and D take each request (replay/deploy/placement.py)
     config: EngineConfig
     kv: KVTransferConfig
     model: str  # a preset; with replay --target http:// a served model's name
@@ -444,7 +449,7 @@ class Verification:
     idle_threshold_s: float
     drain_deadline_s: float
     # None: 0 on the virtual clock and for a recording by kvdrain serve (settled snapshots:
-    # replay/live/recorder.py), 2 on the wall clock otherwise
+    # replay/serve/recorder.py), 2 on the wall clock otherwise
     snapshot_tolerance_blocks: int | None
     tail_s: float | None
     allow_ignored: bool
@@ -556,8 +561,8 @@ class Target:
             if given:
                 raise click.UsageError(f"{given[0]}: only with --target http://")
             return None
-        from replay.http.client import HttpTargetOptions
-        from replay.http.scrape import MetricsSource
+        from replay.metrics.scrape import MetricsSource
+        from replay.target.client import HttpTargetOptions
 
         try:
             return HttpTargetOptions(
@@ -647,7 +652,7 @@ def normalize_target(target: str | None) -> str | None:
 
 
 def _output_files(**values):
-    from replay.commands import OutputFiles
+    from replay.commands.replay import OutputFiles
 
     return OutputFiles(**values)
 
@@ -672,7 +677,7 @@ OUTPUTS = OptionGroup(
 
 
 def _display(live: bool, all_windows: bool, latency_block: bool, metric_percentiles: str):
-    from replay.commands import Display
+    from replay.commands.replay import Display
     from replay.verify.latency import parse_percentiles
 
     try:
@@ -723,7 +728,7 @@ def _auth_options(**values):
     """AuthOptions from --curve-keys / --token (/ --insecure); None if none is given."""
     if not any(values.values()):
         return None
-    from replay.live.auth import AuthError, AuthOptions
+    from replay.serve.auth import AuthError, AuthOptions
 
     try:
         return AuthOptions(**values)
@@ -1090,7 +1095,7 @@ def replay_cmd(
     Example: kvdrain replay examples/pd_idle.jsonl --liveness legacy --report out.json
              kvdrain replay TRACE --target http://HOST:8000 --metrics P=http://P:8100/metrics
     """
-    from replay.commands import replay_main
+    from replay.commands.replay import replay_main
     from replay.pipeline import ReplayConfig
 
     vllm = engine_choice.options(engines.topology)
@@ -1140,7 +1145,7 @@ def replay_cmd(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if vllm is not None:
-        from replay.deploy.vllm_replay import vllm_replay_main
+        from replay.commands.replay_vllm import vllm_replay_main
 
         sys.exit(
             vllm_replay_main(
@@ -1212,10 +1217,10 @@ def _check_target(target: Target, clock: str, engines: Engines) -> None:
 def _adopt_recording(
     trace: Path, fmt: str | None, engines: Engines
 ) -> tuple[Engines, set[str], bool]:
-    """A recording's engine config (its header: replay/live/recorder.py) where none was
+    """A recording's engine config (its header: replay/serve/recorder.py) where none was
     given on the command line; the names adopted; whether `serve --record` wrote it. A
     conflicting explicit option: usage error."""
-    from replay.live.recorder import SETTLED_KEY, adopt_recorded
+    from replay.serve.recorder import SETTLED_KEY, adopt_recorded
     from replay.trace.reader import TraceError, read_trace
     from replay.trace.records import TraceHeader
 
@@ -1318,14 +1323,14 @@ def serve_cmd(
              kvdrain top --connect tcp://127.0.0.1:PORT
              kvdrain serve --http 8000   (then --target http://127.0.0.1:8000)
     """
-    from replay.commands import serve_main
+    from replay.commands.replay import serve_main
 
     engines.check_preset()
     _require_torch(engines.config.runner)
     http = None
     if http_address is not None:
-        from replay.http.server import HttpOptions
-        from replay.http.shared_serve import HttpServe, parse_http_address
+        from replay.serve.fronts import HttpServe, parse_http_address
+        from replay.serve.http_front import HttpOptions
 
         try:
             host, port = parse_http_address(http_address)
@@ -1365,7 +1370,7 @@ def keys_cmd(directory: Path) -> None:
              kvdrain top --connect tcp://HOST:5555 --curve-keys ~/.kvdrain-keys
     A client machine needs only client.key_secret and server.key.
     """
-    from replay.live.auth import AuthError, generate_keys
+    from replay.serve.auth import AuthError, generate_keys
 
     try:
         for path in generate_keys(directory):
@@ -1439,7 +1444,7 @@ def calibrate_cmd(
              kvdrain replay examples/pd_idle.jsonl --cost-profile tiny-cpu.json  # the wall clock's model
     """
     _require_torch(runner)
-    from replay.live.calibrate import CalibrateOptions, calibrate_main
+    from replay.commands.calibrate import CalibrateOptions, calibrate_main
 
     _require_torch(runner)
     try:
@@ -1490,14 +1495,14 @@ def top_cmd(
       kvdrain top --connect tcp://127.0.0.1:5555
       kvdrain top --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
-    from replay.live.metrics_top import connect_problem, metrics_top_main
+    from replay.ui.metrics_top import connect_problem, metrics_top_main
 
     problem = connect_problem(address, metrics)
     if problem is not None:
         raise click.UsageError(problem)
     if metrics:
         sys.exit(metrics_top_main(list(metrics), seconds, interval, Console()))
-    from replay.commands import top_main
+    from replay.commands.replay import top_main
 
     sys.exit(top_main(address, seconds, Console(), auth))
 
@@ -1565,8 +1570,8 @@ def proxy_cmd(
              kvdrain replay examples/pd_idle.jsonl --target http://127.0.0.1:8000 \\
                  --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
-    from replay.deploy.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
-    from replay.http.bearer import CredentialError
+    from replay.openai.bearer import CredentialError
+    from replay.vllm.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
 
     try:
         options = ProxyOptions(

@@ -4,14 +4,14 @@ Usage: .venv/bin/python bench/http_client.py [--rates 10,50,100,200] [--duration
        [--vllm-venv .venv-vllm] [--prompt-len 32] [--max-tokens 16] [--code DIR]
 One `kvdrain serve --http 0 --runner mock` child (started here, stopped on every path)
 takes both clients in turn, rate by rate (kvdrain first, then vLLM's):
-- kvdrain: the HTTP replay client (`replay --target http://`, replay/http/client.py) sends
+- kvdrain: the HTTP replay client (`replay --target http://`, replay/target/client.py) sends
   an in-memory trace of rate * duration requests (prompt_len tokens, max_tokens, a fresh
   request id each so nothing hits the prefix cache), arrivals Poisson at the rate with the
   gaps scaled so the last arrival is at num_requests / rate, as vllm bench scales its own;
 - vLLM: `vllm bench serve --backend openai --dataset-name random` with the same input and
   output lengths (range ratio 0, --ignore-eos), --request-rate R --num-prompts N, read from
   its --save-result json. Its tokenizer is the word-level one kvdrain's vLLM launcher
-  writes (replay/deploy/vllm_model.py): `w<N>` is token N, the ids kvdrain's serve reads
+  writes (replay/vllm/tiny_model.py): `w<N>` is token N, the ids kvdrain's serve reads
   from a text prompt.
 Per rate: kvdrain's send lateness p50/p99 (the moment its request task stamped the send
 minus the trace's intended time), its CPU per request (this process's, the whole replay
@@ -49,11 +49,11 @@ sys.path.insert(0, str(CODE))
 
 from common import OtherLoad, start_serve  # noqa: E402  (bench/common.py)
 
-from replay.deploy.vllm_model import SERVED_NAME, write_tiny_model  # noqa: E402
-from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
-from replay.http.scrape import MetricsSource  # noqa: E402
-from replay.live.interrupt import interruptible  # noqa: E402
+from replay.metrics.scrape import MetricsSource  # noqa: E402
+from replay.runtime.interrupt import interruptible  # noqa: E402
+from replay.target.client import HttpReplay, HttpTargetOptions  # noqa: E402
 from replay.trace.records import TraceRequest  # noqa: E402
+from replay.vllm.tiny_model import SERVED_NAME, write_tiny_model  # noqa: E402
 
 LATENESS_AIM_S = 0.005
 NUM_SCRAPES = 4

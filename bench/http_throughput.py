@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from common import OtherLoad, start_serve  # noqa: E402  (bench/common.py)
 
-from replay.http.client import HttpReplay, HttpTargetOptions  # noqa: E402
-from replay.live.driver import WallClockReplay, WallOptions  # noqa: E402
-from replay.live.serve_client import ServeClient  # noqa: E402
+from replay.serve.client import ServeClient  # noqa: E402
+from replay.target.client import HttpReplay, HttpTargetOptions  # noqa: E402
 from replay.trace.reader import read_trace  # noqa: E402
+from replay.wall.driver import WallClockReplay, WallOptions  # noqa: E402
 
 NUM_REQUESTS = 1000
 PROMPT_LEN = 32

@@ -65,7 +65,7 @@ def note(name):
 sys.modules["__main__"].__file__ = sys.argv[2]
 import cli
 note("cli imported")
-import replay.pipeline as pipeline, replay.deploy.topology as topology, replay.deploy.router as router
+import replay.pipeline as pipeline, replay.deploy.topology as topology, replay.deploy.pd_router as router
 def wrap(owner, attr, name):
     inner = getattr(owner, attr)
     def hooked(*a, **k):

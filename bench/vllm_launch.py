@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replay.deploy.vllm_launch import VllmDeployment, check_venv  # noqa: E402
-from replay.deploy.vllm_options import VllmOptions  # noqa: E402
+from replay.vllm.launch import VllmDeployment, check_venv  # noqa: E402
+from replay.vllm.options import VllmOptions  # noqa: E402
 
 AIM = 1.2
 

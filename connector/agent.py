@@ -110,7 +110,7 @@ class PendingTransfers:
     def note_wait(self, kind: Literal["recv", "reap"], waited_ns: int) -> None:
         """A wait over SLOW_NS (a load, a reap): counted in num_slow_{kind}s, the latest
         and the longest in ms in last_/max_{kind}_wait_ms. Counts only grow, so a replay
-        tells the stalls it saw from older ones by their change (replay/live/faults.py)."""
+        tells the stalls it saw from older ones by their change (replay/wall/faults.py)."""
         if waited_ns > SLOW_NS:
             waited_ms, counters = waited_ns // 1_000_000, self.counters
             counters[f"max_{kind}_wait_ms"] = max(counters.get(f"max_{kind}_wait_ms", 0), waited_ms)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_to_dict
-from replay.deploy.balance import RouterPolicy
-from replay.live.interrupt import Interrupted
+from replay.deploy.placement import RouterPolicy
+from replay.runtime.interrupt import Interrupted
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
 from replay.trace.inspect import no_request_left
@@ -49,10 +49,10 @@ from replay.verify.windows import expected_engine_windows
 
 if TYPE_CHECKING:  # imported where used: a wall replay's engines start before they load
     from replay.deploy.topology import TopologyLaunch
-    from replay.live.driver import ReplayTarget, WallClockReplay, WallOptions
     from replay.sim.simulation import ProgressCallback
+    from replay.wall.driver import ReplayTarget, WallClockReplay, WallOptions
 
-CLOCKS = ("wall", "virtual")  # wall: real processes (replay/live/), virtual: replay/sim/
+CLOCKS = ("wall", "virtual")  # wall: real processes (replay/wall/), virtual: replay/sim/
 # A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
 MODELLING, CONNECTING, STARTING, RUNNING = (
     "modelling idle windows",
@@ -86,7 +86,7 @@ class ReplayConfig:
     clock: str = "wall"
     topology: str = "pd"
     router: RouterPolicy = (
-        "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+        "round-robin"  # which P and D take each request (replay/deploy/placement.py)
     )
     engine: EngineConfig = field(default_factory=EngineConfig)  # liveness, sizes, runner
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -94,8 +94,8 @@ class ReplayConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     tail_s: float | None = None  # None: long enough to cover the drain deadline
     target: str | None = None  # replay against a running `kvdrain serve`
-    target_auth: object | None = None  # its credentials: replay/live/auth.py AuthOptions
-    http: object | None = None  # --target http://: replay/http/client.py HttpTargetOptions
+    target_auth: object | None = None  # its credentials: replay/serve/auth.py AuthOptions
+    http: object | None = None  # --target http://: replay/target/client.py HttpTargetOptions
     # Step costs measured by `kvdrain calibrate`: the virtual clock's, and under the wall
     # clock its model's (the expected idle windows); None: the default cost model.
     cost_profile: CostProfile | None = None
@@ -347,7 +347,9 @@ class PreparedReplay:
         config = self.config
         if config.http is not None:  # any OpenAI-compatible server, judged from its /metrics
             hooks.phase(CONNECTING)
-            from replay.http.preflight import preflight  # every URL checked once: nothing sent yet
+            from replay.target.preflight import (
+                preflight,  # every URL checked once: nothing sent yet
+            )
 
             checked = preflight(config.http)
             config = replace(config, http=checked.options)
@@ -363,7 +365,7 @@ class PreparedReplay:
                 config = _sized(config, target)
                 expected = self._expect(config, hooks, lambda: list(target.engines))
             hooks.phase(RUNNING, list(target.engines))
-            from replay.live.driver import WallClockReplay
+            from replay.wall.driver import WallClockReplay
 
             replay = WallClockReplay(target, _wall_options(config), hooks.on_tick)
             timeline = replay.run(_keep_snapshots(self.records(config, log), snapshots))
@@ -401,7 +403,7 @@ class PreparedReplay:
         """A running serve's client (--target), else the local engines once all are ready."""
         if config.target is not None:
             hooks.phase(CONNECTING)
-            from replay.live.serve_client import ServeClient
+            from replay.serve.client import ServeClient
 
             return ServeClient(config.target, auth=config.target_auth)
         engines = self.engines
@@ -418,7 +420,7 @@ class PreparedReplay:
         snapshots: list[TraceSnapshot],
         identity: object,
     ) -> Timeline:
-        from replay.http.client import HttpReplay
+        from replay.target.client import HttpReplay
 
         options = replace(
             config.http,
@@ -496,7 +498,7 @@ def _target_meta(config: ReplayConfig, target: ReplayTarget) -> dict:
 
 
 def _wall_options(config: ReplayConfig) -> WallOptions:
-    from replay.live.driver import WallOptions
+    from replay.wall.driver import WallOptions
 
     expected = (
         partial(mock_output_tokens, engine=config.engine)

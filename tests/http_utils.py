@@ -10,8 +10,8 @@ from aiohttp import web
 
 from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.topology import start_topology
-from replay.http.protocol import ServedModel
-from replay.http.server import HttpFront, HttpOptions
+from replay.openai.protocol import ServedModel
+from replay.serve.http_front import HttpFront, HttpOptions
 
 MODEL_NAME = "kvdrain-mock"
 
@@ -114,9 +114,9 @@ def serving_in_thread(app: web.Application):
 
 @contextlib.contextmanager
 def running_proxy(options):
-    """kvdrain's proxy (replay/deploy/proxy.py ProxyOptions) from a thread with its own event
+    """kvdrain's proxy (replay/vllm/proxy.py ProxyOptions) from a thread with its own event
     loop; yields its URL."""
-    from replay.deploy.proxy import Proxy
+    from replay.vllm.proxy import Proxy
 
     @contextlib.asynccontextmanager
     async def serve():

@@ -18,7 +18,7 @@ from engine.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine.core.outputs import RequestOutput
 from engine.proc.messages import StatsSnapshot
 from engine.runner.kv_cache import KVCache
-from replay.deploy.router import PDRouter
+from replay.deploy.pd_router import PDRouter
 from replay.deploy.topology import start_topology
 
 

@@ -118,7 +118,7 @@ def shortest_circle(start: str) -> list[str] | None:
 
 
 def test_the_scan_sees_the_project():
-    assert {"cli", "engine.core.engine_core", "replay.deploy.router", "replay.pipeline"} <= set(
+    assert {"cli", "engine.core.engine_core", "replay.deploy.pd_router", "replay.pipeline"} <= set(
         MODULES
     )
     assert (
@@ -145,6 +145,48 @@ def test_layer_imports_point_down(name):
         if layer(t) not in LAYERS[name]
     )
     assert not upward, f"{name} imports upward:\n" + "\n".join(upward)
+
+
+# replay/'s rooms, bottom to top: a room imports only rooms below it (imports inside
+# functions counted), so no two rooms import each other.
+REPLAY_ROOMS = (
+    "trace",
+    "verify",
+    "runtime",
+    "openai",
+    "metrics",
+    "deploy",
+    "sim",
+    "target",
+    "wall",
+    "serve",
+    "vllm",
+    "pipeline",
+    "ui",
+    "commands",
+)
+
+
+def replay_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "replay" and len(parts) > 1 else None
+
+
+def test_every_replay_module_lives_in_a_layered_room():
+    rooms = {replay_room(m) for m in MODULES} - {None}
+    assert rooms == set(REPLAY_ROOMS), sorted(rooms ^ set(REPLAY_ROOMS))
+
+
+def test_replay_rooms_import_only_rooms_below_them():
+    rank = {room: i for i, room in enumerate(REPLAY_ROOMS)}
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in GRAPH.items()
+        if replay_room(m)
+        for t in targets
+        if replay_room(t) and rank[replay_room(t)] > rank[replay_room(m)]
+    )
+    assert not upward, "replay rooms importing upward:\n" + "\n".join(upward)
 
 
 def test_replay_is_subpackages_with_few_flat_modules():

@@ -4,7 +4,7 @@ Properties, each with bounded examples, sizes and time:
 - The trace reader, on arbitrary bytes and on JSON / CSV lines of hostile shapes, in every
   format (sniffed or named), raises nothing but TraceError and allocates little; a trace
   that validates against the engines' limits synthesises only prompts that fit them.
-- CODEC.decode (engine/proc/messages.py), SERVE_CODEC.decode (replay/live/serve_messages.py)
+- CODEC.decode (engine/proc/messages.py), SERVE_CODEC.decode (replay/serve/messages.py)
   and CONNECTOR_CODEC.decode (connector/messages.py),
   on arbitrary bytes and on well-formed msgpack of random shapes (registered tags and
   arities included), raise nothing but DecodeError and return only registered types.
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from connector.messages import CONNECTOR_CODEC
 from engine.proc.messages import CODEC, DecodeError
-from replay.live.serve_messages import SERVE_CODEC
+from replay.serve.messages import SERVE_CODEC
 from replay.trace.inspect import inspect_trace
 from replay.trace.reader import (
     FORMATS,

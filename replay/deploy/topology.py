@@ -1,6 +1,6 @@
 """Launching a topology: one engine core per role, each with its connector config. Runs in: frontend process.
 
-engine_roles (replay/deploy/routing.py) names the engines and their kv roles; here each gets
+engine_roles (replay/deploy/pd_flow.py) names the engines and their kv roles; here each gets
 an EngineConfig with its addresses in one private run directory, the engines start in
 parallel, and the P/D router is handed their clients. A launch spawns them and returns
 at once, so the frontend can prepare (import, model) while they start; waiting for them
@@ -21,9 +21,9 @@ from dataclasses import replace
 
 from engine.config import EngineConfig, KVTransferConfig
 from engine.proc.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
-from replay.deploy.balance import RouterPolicy
-from replay.deploy.router import PDRouter
-from replay.deploy.routing import engine_roles
+from replay.deploy.pd_flow import engine_roles
+from replay.deploy.pd_router import PDRouter
+from replay.deploy.placement import RouterPolicy
 
 
 def engine_configs(

@@ -7,7 +7,7 @@ A step's cost is linear in its shape, what the scheduler handed the runner:
 
 A chunk of one token is a decode (the runner batches them first); num_context_tokens
 counts the tokens already in the KV cache that the step's chunks attend to. `kvdrain
-calibrate` (replay/live/calibrate.py) times real steps on a device, fits this model
+calibrate` (replay/commands/calibrate.py) times real steps on a device, fits this model
 (least squares on relative error, every coefficient >= 0) and writes a CostProfile as
 JSON; `replay --cost-profile FILE` loads it: the virtual clock's step costs, and the
 wall clock's model of the expected idle windows (replay/verify/coverage.py), so a slow

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, KVTransferConfig
-from replay.deploy.balance import RouterPolicy
-from replay.deploy.routing import parse_topology
+from replay.deploy.pd_flow import parse_topology
+from replay.deploy.placement import RouterPolicy
 from replay.sim.cost import CostModel
 
 
@@ -27,7 +27,7 @@ class SimOptions:
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)  # the connector factory too
     topology: str = "pd"
     router: RouterPolicy = (
-        "round-robin"  # which P and D take each request (replay/deploy/balance.py)
+        "round-robin"  # which P and D take each request (replay/deploy/placement.py)
     )
     pull_delay_s: float = 0.002  # D waits before reading (kv.pull_delay_ms > 0 replaces it)
     per_block_s: float = 0.00005  # D's read time per block

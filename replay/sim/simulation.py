@@ -5,7 +5,7 @@ nanoseconds, ties resolved the same way every run); replay/sim/kv_worker.py the 
 connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
 engine/proc/core_proc.py does, with a step cost model and the fast-forward over provably
 idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (its
-request records; the P/D proxy is replay/deploy/routing.py's Routing, the live router's
+request records; the P/D proxy is replay/deploy/pd_flow.py's Routing, the live router's
 too), and the run that feeds the trace one record at a time.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from engine.core.block_hash import BlockHash, hash_request_blocks
 from engine.core.outputs import RequestOutput, StepOutputs
 from engine.core.request_check import why_malformed
-from replay.deploy.routing import END, AddTo, Command, Routing, engine_roles
-from replay.heap import no_full_collections
+from replay.deploy.pd_flow import END, AddTo, Command, Routing, engine_roles
+from replay.runtime.heap import no_full_collections
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker
@@ -47,7 +47,7 @@ class _Flight:
 
 
 class _Frontend:
-    """The client side: trace records in, routed by replay/deploy/routing.py, request records out."""
+    """The client side: trace records in, routed by replay/deploy/pd_flow.py, request records out."""
 
     def __init__(self, sim: Simulation, vocab_size: int) -> None:
         self.sim = sim

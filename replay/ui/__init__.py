@@ -1,5 +1,5 @@
-"""The live dashboard: its state as plain data and its rich rendering. Runs in: frontend process.
+"""The live view. Runs in: frontend process.
 
-- dashboard: the state (plain data, no rich);
-- tui: the pure rich render and the LiveView around it.
+dashboard (its state as plain data), tui (the rich render and LiveView), monitor (feeds
+it from a replay, a serve or its stats), metrics_top (`kvdrain top --metrics`).
 """

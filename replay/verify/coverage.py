@@ -23,7 +23,7 @@ Under the virtual clock the run is the model, so every expected window is observ
 
 Ignored requests: the scheduler finishes a request it can never run at once
 (FINISHED_IGNORED, reported as finish reason "length" with no tokens and the cause in
-its error, as vLLM does; over HTTP, replay/http/client.py records the cause kvdrain's
+its error, as vLLM does; over HTTP, replay/target/client.py records the cause kvdrain's
 front sends, else "ignored by the server"); a share of them above max_ignored_share
 makes the run inconclusive (the trace was not replayed as written) unless allowed.
 """

@@ -6,7 +6,7 @@ status and exit code of replay/verify/verdict.py's table. The plot is replay/ver
 A figure that was not observed (a server that does not count steps, a usage without
 cached tokens and no prefix-cache counter) is None in the report and `-` or "unknown"
 in the summary, never 0. Over HTTP the first line describes the server (settings.engine,
-as replay/http/client.py read it), not kvdrain's engine options.
+as replay/target/client.py read it), not kvdrain's engine options.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def verdict_line(report: dict) -> str:
 
 
 def fault_lines(faults: list[dict]) -> list[str]:
-    """One line per fault: when, who, what (replay/live/faults.py)."""
+    """One line per fault: when, who, what (replay/wall/faults.py)."""
     lines = []
     for f in faults:
         until = f" until {f['end_t']:.3f} s" if f.get("end_t") is not None else ""

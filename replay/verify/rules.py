@@ -23,7 +23,7 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks. A recorded
   idle state (queues all empty, as `serve --record` writes them: settled, see
-  replay/live/recorder.py) that this replay reached with requests still in flight was not
+  replay/serve/recorder.py) that this replay reached with requests still in flight was not
   reached (it lagged the recording): not compared, and the run is inconclusive.
 - a request that never ended is a violation too ("unfinished").
 - corrupt KV: a read after expiry (a decode side copied blocks its prefill engine had
@@ -131,7 +131,7 @@ class Verdict:
     coverage: tuple[WindowCoverage, ...] = ()  # every candidate gap; empty: not computed
     reasons: tuple[str, ...] = ()  # why inconclusive (empty: it is not)
     ignored: dict[str, int] | None = None  # ignored requests by cause
-    # Engines or connector workers that died or stalled (replay/live/faults.py Fault as
+    # Engines or connector workers that died or stalled (replay/wall/faults.py Fault as
     # dicts: t, engine, kind, cause, end_t), first seen first.
     faults: tuple[dict, ...] = ()
     partial: str = ""  # a pass on partial coverage (--min-coverage): what was and was not observed
@@ -600,7 +600,7 @@ def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
 
 
 def starved_reasons(starved: Sequence[dict]) -> list[str]:
-    """An engine alive but starved of CPU (replay/live/faults.py Starved as dicts): its
+    """An engine alive but starved of CPU (replay/wall/faults.py Starved as dicts): its
     windows say nothing either way, so the run is inconclusive, with the figures."""
     out = []
     for s in starved:

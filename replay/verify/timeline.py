@@ -1,7 +1,7 @@
 """Replay timeline: per-engine samples and per-request records over time. Runs in: frontend process.
 
 Both replay drivers produce one: the virtual clock (replay/sim/simulation.py) from in-process
-engines, the wall clock (replay/live/driver.py) from the real processes. Times are seconds
+engines, the wall clock (replay/wall/driver.py) from the real processes. Times are seconds
 from the replay's origin. `to_dict`/`from_dict` give plain JSON-ready data and back.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 # Timeline.meta["sampling"]: how the samples were taken. Absent: engine stats, which an
 # engine publishes on every change (a parked engine publishes nothing), so a value holds
 # until the next sample. SAMPLING_SCRAPED: readings of a server's /metrics at their
-# instants (replay/http/), which say nothing of the time between them.
+# instants (replay/metrics/scrape.py), which say nothing of the time between them.
 SAMPLING_SCRAPED = "scraped"
 
 

@@ -154,7 +154,7 @@ def _idle_runs(timeline: Timeline, engine: str) -> list[Window]:
 
 def on_upstream(engine: str, upstream: str) -> bool:
     """The scraped engine is one of the upstream's: its only series (named after it) or one
-    of several (NAME:label, replay/http/scrape.py engine_name)."""
+    of several (NAME:label, replay/metrics/scrape.py engine_name)."""
     return engine == upstream or engine.startswith(upstream + ":")
 
 

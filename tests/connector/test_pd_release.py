@@ -23,7 +23,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.request import Request
 from engine.core.request_check import RequestLimits, why_invalid
 from engine.core.scheduler import Scheduler
-from replay.deploy.router import PDRouter
+from replay.deploy.pd_router import PDRouter
 from replay.sim.clock import DELIVER, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
 from replay.sim.kv_worker import SimKVWorker

@@ -332,7 +332,7 @@ def test_no_verb_takes_more_than_a_dozen_or_so_parameters():
 
 
 def test_explain_prints_the_glossary_at_once_without_a_trace(monkeypatch):
-    import replay.commands as commands
+    import replay.commands.replay as commands
 
     def never(*args, **kwargs):
         raise AssertionError("the replay ran")
@@ -376,8 +376,8 @@ def test_every_engine_option_set_with_target_is_refused(option):
 
 
 def test_serve_help_names_every_route_of_its_http_front():
-    from replay.http.server import HttpFront
-    from tests.replay.http.test_http_front_fidelity import MODEL, FakeRouter, answers
+    from replay.serve.http_front import HttpFront
+    from tests.replay.serve.test_http_front_fidelity import MODEL, FakeRouter, answers
 
     paths = {
         r.resource.canonical for r in HttpFront(FakeRouter(answers), MODEL).app().router.routes()

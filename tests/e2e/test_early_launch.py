@@ -107,8 +107,8 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(
     from engine.config import EngineConfig, KVTransferConfig
     from replay import pipeline
     from replay.deploy.topology import start_topology
-    from replay.live.serve import ServeOptions, Server
-    from replay.live.serve_messages import ServeInfo
+    from replay.serve.messages import ServeInfo
+    from replay.serve.server import ServeOptions, Server
     from replay.trace.shaping import ShapingOptions
 
     modelled: list[int] = []
@@ -236,7 +236,7 @@ def test_a_signal_during_a_spawn_leaves_no_traceback(capfd, monkeypatch):
 
     from engine.config import EngineConfig, KVTransferConfig
     from replay.deploy.topology import TopologyLaunch
-    from replay.live.interrupt import Interrupted, interruptible
+    from replay.runtime.interrupt import Interrupted, interruptible
 
     real, pids = util.spawnv_passfds, []
 

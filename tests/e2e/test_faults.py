@@ -4,7 +4,7 @@ The finding: SIGKILL of P's connector worker mid-run gave exit 0, VERIFIED, no m
 while D silently re-prefilled; SIGKILL of D's worker, or SIGSTOP of P's worker, gave
 "leak on P" with no cause, P's blocks pinned until the lease ended; router.errors was
 filled but never shown. Now every engine or connector worker that dies or stalls is a
-named fault (replay/live/faults.py) in the live view, the summary and the report, the
+named fault (replay/wall/faults.py) in the live view, the summary and the report, the
 run's status is `fault` (exit 4), a leak after a fault is the fault's (fault_leak), and
 D releases P on every failed or abandoned pull, its agent doing it when its worker is
 gone.
@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 
 from engine.proc.run_dir import is_alive
-from replay.live.faults import FaultWatch, since_start
 from replay.verify.rules import verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.verdict import EXIT_FAULT
+from replay.wall.faults import FaultWatch, since_start
 from tests.paths import ROOT
 from tests.proc_utils import descendants, wait_until
 

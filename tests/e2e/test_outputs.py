@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import replay.commands as commands
+import replay.commands.replay as commands
 from tests.e2e.test_cli import EXAMPLE, Serve, invoke
 
 VIRTUAL = ["--clock", "virtual", "--no-live"]
@@ -144,7 +144,7 @@ def test_sigterm_of_a_virtual_replay_gives_a_partial_verdict_and_the_report(
 def test_ctrl_c_of_an_http_replay_gives_a_partial_verdict_and_the_report(
     tmp_path: Path, monkeypatch
 ):
-    from replay.http.client import HttpReplay
+    from replay.target.client import HttpReplay
 
     _signal_at(HttpReplay, "_start", 5, signal.SIGINT, monkeypatch)
     serve = Serve("--http", "0")

@@ -22,7 +22,7 @@ from engine.proc.run_dir import (
     read_owner,
     sweep_dead_runs,
 )
-from replay.live.interrupt import Interrupted, interruptible
+from replay.runtime.interrupt import Interrupted, interruptible
 from tests.paths import ROOT
 from tests.proc_utils import descendants, wait_until
 
@@ -199,7 +199,7 @@ def test_an_interrupted_replay_prints_its_partial_verdict(run_root, tmp_path, mo
     from click.testing import CliRunner
 
     from cli import cli
-    from replay.live.driver import WallClockReplay
+    from replay.wall.driver import WallClockReplay
 
     on_output = WallClockReplay._on_output
 
@@ -239,13 +239,13 @@ def _serve_without_engines(monkeypatch, *args: str):
     """`kvdrain serve ARGS`, failing the test if it gets as far as starting engines."""
     from click.testing import CliRunner
 
-    import replay.commands
+    import replay.commands.replay
     from cli import cli
 
     def no_engines(*a, **k):
         raise AssertionError("the engines were started before the check")
 
-    monkeypatch.setattr(replay.commands, "start_topology", no_engines)
+    monkeypatch.setattr(replay.commands.replay, "start_topology", no_engines)
     return CliRunner().invoke(
         cli, ["serve", "--runner", "mock", "--no-live", *args], catch_exceptions=False
     )
@@ -307,8 +307,8 @@ def _counts(num_usable_blocks: int = 8, used: int = 0) -> dict[str, int]:
 
 
 def _serve(tmp_path, address: str | None = None, **options):
-    from replay.live.serve import ServeOptions, Server
-    from replay.live.serve_messages import ServeInfo
+    from replay.serve.messages import ServeInfo
+    from replay.serve.server import ServeOptions, Server
 
     return Server(
         _QuietRouter(),
@@ -372,7 +372,7 @@ def _fake_serve(tmp_path):
 
 def test_serve_client_renews_its_subscription(tmp_path, monkeypatch):
     """ServeClient sends GetStats every SUBSCRIPTION_RENEW_S while it polls."""
-    import replay.live.serve_client as serve_client
+    import replay.serve.client as serve_client
 
     fake = _fake_serve(tmp_path)
     client = None
@@ -392,7 +392,7 @@ def test_serve_client_renews_its_subscription(tmp_path, monkeypatch):
 def test_forged_stats_are_dropped_and_counted_by_the_serve_client(tmp_path):
     """A StatsSnapshot of an unknown engine or with counts missing never reaches the replay."""
     from engine.proc.messages import StatsSnapshot, encode
-    from replay.live.serve_client import ServeClient
+    from replay.serve.client import ServeClient
 
     fake = _fake_serve(tmp_path)
     client = None
@@ -422,7 +422,7 @@ def _dealer_answering(fake, make_client):
     returns the client and its identity at the fake serve."""
     import threading
 
-    from replay.live.serve_messages import ServeInfo, encode
+    from replay.serve.messages import ServeInfo, encode
 
     made: list = []
     thread = threading.Thread(target=lambda: made.append(make_client()))
@@ -517,7 +517,7 @@ def _dealer_like(kind: int, address: str):
     ],
 )
 def test_what_counts_as_loopback(address: str, local: bool):
-    from replay.live.auth import is_loopback
+    from replay.serve.auth import is_loopback
 
     assert is_loopback(address) is local
 
@@ -530,8 +530,8 @@ def test_serve_beyond_loopback_without_keys_is_refused_before_any_engine_starts(
 
 
 def test_insecure_serve_beyond_loopback_warns(tmp_path):
-    from replay.live.auth import AuthOptions
-    from replay.live.serve import ServeOptions, open_front
+    from replay.serve.auth import AuthOptions
+    from replay.serve.server import ServeOptions, open_front
 
     front = open_front(ServeOptions("tcp://0.0.0.0:0", auth=AuthOptions(insecure=True)), {})
     try:
@@ -581,7 +581,7 @@ class _Serving:
 
 
 def _try_client(address: str, auth) -> str:
-    from replay.live.serve_client import ServeClient
+    from replay.serve.client import ServeClient
 
     try:
         client = ServeClient(address, timeout_s=1.5, auth=auth)
@@ -593,7 +593,7 @@ def _try_client(address: str, auth) -> str:
 
 @pytest.mark.slow
 def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
-    from replay.live.auth import AuthOptions, generate_keys
+    from replay.serve.auth import AuthOptions, generate_keys
 
     generate_keys(tmp_path / "keys")
     generate_keys(tmp_path / "other")
@@ -611,7 +611,7 @@ def test_curve_serve_answers_only_clients_with_its_keys(tmp_path):
 
 @pytest.mark.slow
 def test_token_serve_answers_only_clients_with_the_token(tmp_path):
-    from replay.live.auth import AuthOptions
+    from replay.serve.auth import AuthOptions
 
     server = _serve(tmp_path, auth=AuthOptions(token="s3cret"))
     with _Serving(server):

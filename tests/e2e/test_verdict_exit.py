@@ -15,12 +15,12 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-import replay.live.serve_client as serve_client
+import replay.serve.client as serve_client
 from cli import EXAMPLE, cli
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import GetStats
-from replay.live.serve_messages import ServeInfo, decode, encode
 from replay.pipeline import PreparedReplay
+from replay.serve.messages import ServeInfo, decode, encode
 
 FAST = ["--runner", "mock", "--no-live"]
 

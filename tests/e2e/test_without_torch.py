@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.paths import EXAMPLE, ROOT
-from tests.replay.deploy.test_vllm_launch import make_fake_venv
+from tests.replay.vllm.test_launch import make_fake_venv
 
 NO_TORCH = """
 import sys

@@ -49,7 +49,7 @@ from engine.proc.messages import (
     output_from_msg,
     output_to_msg,
 )
-from replay.live.serve_messages import SERVE_CODEC, SERVE_MESSAGES, ServeInfo, TracedRequest
+from replay.serve.messages import SERVE_CODEC, SERVE_MESSAGES, ServeInfo, TracedRequest
 
 SAMPLES = {
     AddRequest: AddRequest("r1", [1, 2, 3], 16, {"do_remote_decode": True}, [7]),
@@ -222,8 +222,8 @@ def test_garbage_is_a_clear_decode_error(frame: bytes, why: str):
 def test_serve_socket_drops_garbage_and_keeps_serving(tmp_path):
     from engine.config import EngineConfig
     from engine.proc.client import InprocClient
-    from replay.deploy.router import PDRouter
-    from replay.live.serve import ServeOptions, Server
+    from replay.deploy.pd_router import PDRouter
+    from replay.serve.server import ServeOptions, Server
 
     router = PDRouter([InprocClient(EngineConfig(engine_id="E", num_blocks=64, block_size=4))])
     server = Server(

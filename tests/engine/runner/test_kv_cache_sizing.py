@@ -161,7 +161,7 @@ def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeyp
     CPU default the frontend started with). The GPU's sizing is stood in for by the router's
     answer, on the mock runner."""
     from replay import pipeline
-    from replay.deploy.router import PDRouter
+    from replay.deploy.pd_router import PDRouter
     from replay.trace.shaping import ShapingOptions
 
     modelled: list[int] = []

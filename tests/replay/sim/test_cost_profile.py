@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from cli import EXAMPLE, cli
 from engine.config import EngineConfig, get_model_config
 from engine.core.outputs import ScheduledRequest, SchedulerOutput
-from replay.live.calibrate import CalibrateOptions, calibrate
+from replay.commands.calibrate import CalibrateOptions, calibrate
 from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate

@@ -29,7 +29,7 @@ import pytest
 
 from cli import EXAMPLE
 from engine.config import EngineConfig
-from replay.live.calibrate import CalibrateOptions, calibrate
+from replay.commands.calibrate import CalibrateOptions, calibrate
 from replay.pipeline import ReplayConfig, ReplayResult, run_replay
 from replay.trace.shaping import ShapingOptions
 from replay.verify.rules import VerifyOptions

@@ -9,12 +9,12 @@ import signal
 import pytest
 from rich.console import Console
 
-from replay.http.client import HttpReplay, HttpTargetOptions
-from replay.http.scrape import MetricsSource
-from replay.live.monitor import ReplayMonitor
+from replay.metrics.scrape import MetricsSource
+from replay.target.client import HttpReplay, HttpTargetOptions
 from replay.trace.reader import read_trace
 from replay.trace.shaping import ShapingOptions, shape
 from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState
+from replay.ui.monitor import ReplayMonitor
 from replay.ui.tui import LiveView
 from replay.verify.rules import VerifyOptions
 from tests.http_utils import engines, running_front
@@ -70,7 +70,7 @@ def test_an_http_replay_prints_progress_and_the_servers_liveness_while_it_runs()
 def test_q_in_the_live_view_of_an_http_replay_stops_it_there():
     """The live view's `q` raises Interrupted inside a scrape tick: it stops the sending
     too (it was swallowed with the scrape loop, and the replay ran to its end)."""
-    from replay.live.interrupt import QUIT_KEY, Interrupted
+    from replay.runtime.interrupt import QUIT_KEY, Interrupted
 
     ticks = []
 

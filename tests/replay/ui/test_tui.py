@@ -16,10 +16,8 @@ import pytest
 from rich.console import Console
 
 from engine.proc.messages import StatsSnapshot
-from replay.live.faults import FaultWatch
-from replay.live.interrupt import Interrupted
-from replay.live.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
 from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
+from replay.runtime.interrupt import Interrupted
 from replay.ui.dashboard import (
     DashboardState,
     EngineView,
@@ -27,9 +25,11 @@ from replay.ui.dashboard import (
     StartupState,
     WindowVerdict,
 )
+from replay.ui.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
 from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
 from replay.verify.rules import IdleWindow, VerifyOptions
 from replay.verify.timeline import EngineSample, RequestRecord
+from replay.wall.faults import FaultWatch
 from tests.paths import EXAMPLE, ROOT
 
 CONNECTOR = dict(

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from replay.http import outcome
-from replay.http.outcome import http_outcome, http_verdict, outcome_lines
+from replay.verify import outcome
 from replay.verify.coverage import WindowCoverage, credit_engine_windows, expected_windows
+from replay.verify.outcome import http_outcome, http_verdict, outcome_lines
 from replay.verify.report import verdict_line
 from replay.verify.rules import VerifyOptions, verify
 from replay.verify.timeline import SAMPLING_SCRAPED, EngineSample, RequestRecord, Timeline

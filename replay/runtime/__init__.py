@@ -1,0 +1,4 @@
+"""What every run shares while it runs. Runs in: frontend process.
+
+interrupt (Ctrl-C, SIGTERM and `q`, one way), heap (the garbage collector's policy).
+"""

@@ -1,0 +1,96 @@
+"""The checks before an HTTP replay's first request: the target answers, every metrics URL reads. Runs in: frontend process.
+
+`replay --target http://...` calls preflight() before it models the idle windows or
+sends anything:
+- one GET /v1/models (replay/target/client.py probe): no answer, a refusal (401, 403) or a
+  failure (a 5xx: a proxy whose decode server is down), or no model list and no --model,
+  is a PreflightError naming the URL, the HTTP status or connection error and what to do;
+- one scrape of every --metrics URL (replay/metrics/scrape.py Scraper): any failure (no
+  answer, not 200, no KV-usage metric) is a PreflightError naming the URL and why;
+- without --metrics, a kvdrain proxy's upstreams (its /health names them) are scraped
+  the same way, else the target's own /metrics when it exposes a KV-usage metric; when
+  neither, the replay runs without metrics and says so.
+The CLI turns a PreflightError into exit 2 with no request sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+from yarl import URL
+
+from replay.metrics.scrape import MetricsSource, Scraper
+from replay.target.client import (
+    HttpTargetOptions,
+    ServerIdentity,
+    api_root,
+    probe,
+    same_origin_only,
+)
+from replay.target.server_facts import discover_metrics
+
+FROM_GIVEN, FROM_PROXY, FROM_TARGET = "--metrics", "the proxy's /health", "the target's /metrics"
+
+
+class PreflightError(ConnectionError):
+    """A URL the replay needs that failed its one check (the CLI's exit 2)."""
+
+    def __init__(self, url: str, why: str, named_by: str = FROM_GIVEN) -> None:
+        super().__init__(f"{url}: {why} (before any request was sent; from {named_by})")
+        self.url = url
+        self.why = why
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckedTarget:
+    """What the checks found: the options with the metrics URLs the replay will scrape,
+    and the server's /v1/models answer (HttpReplay takes it rather than asking again)."""
+
+    options: HttpTargetOptions
+    identity: ServerIdentity
+
+
+def preflight(options: HttpTargetOptions) -> CheckedTarget:
+    """The target and its metrics URLs checked (see the module docstring), or a
+    PreflightError (a ConnectionError from /v1/models) with nothing sent."""
+    return asyncio.run(_preflight(options))
+
+
+async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    origins = {URL(u).origin() for u in (options.base_url, *(m.url for m in options.metrics))}
+    async with aiohttp.ClientSession(
+        headers=headers, middlewares=(same_origin_only(origins),)
+    ) as session:
+        identity = await probe(
+            session, options
+        )  # a ConnectionError naming the URL and what answered
+        metrics, named_by = options.metrics, FROM_GIVEN
+        if not metrics:
+            metrics, named_by = (
+                await discover_metrics(session, api_root(options.base_url)),
+                FROM_PROXY,
+            )
+            origins.update(URL(m.url).origin() for m in metrics)
+        for source in metrics:
+            why = await _scrape_once(session, source)
+            if why is not None:
+                raise PreflightError(source.url, why, named_by)
+        if not metrics:
+            own = MetricsSource(api_root(options.base_url) + "/metrics")
+            if await _scrape_once(session, own) is None:
+                metrics, named_by = (own,), FROM_TARGET
+    checked = replace(options, metrics=metrics, metrics_from=named_by if metrics else None)
+    return CheckedTarget(options=checked, identity=identity)
+
+
+async def _scrape_once(session: aiohttp.ClientSession, source: MetricsSource) -> str | None:
+    """Why one scrape of `source` gave no KV reading, or None when it gave one."""
+    scraper = Scraper(source, time.monotonic())
+    if await scraper.scrape(session):
+        return None
+    why = scraper.errors[0] if scraper.errors else "no KV-usage reading"
+    return why.removeprefix("ValueError: ")  # "HTTP 404", not the exception's type

@@ -1,0 +1,203 @@
+"""What an HTTP server says about itself: version, vocabulary, cache config and counters. Runs in: frontend process.
+
+Read once before a replay and once after it, so that the report describes the server
+that answered (never kvdrain's own engine options) and counts what happened between:
+- the metrics URLs, when none were given: a `kvdrain proxy`'s GET /health names its
+  upstreams (`{"upstreams": {NAME: {"url": ...}}}`), each one's /metrics is scraped as NAME;
+- the version: GET /version (vLLM's `{"version": ...}`), from the target and from the
+  root of every metrics URL (a P/D proxy has none of its own);
+- the vocabulary: vLLM's POST /tokenize, for a model whose tokenizer is kvdrain's word
+  tokenizer (`w<id>` words, as the model kvdrain launches): the vocabulary covers id k
+  when "w<k>" tokenizes to [k] (and to the token string "w<k>", not an unknown token's);
+  the size is found by doubling, then bisecting. Any other tokenizer: unknown;
+- per engine of a metrics URL: `vllm:cache_config_info`'s labels (block_size,
+  num_gpu_blocks, ...), the families it exposes (a NIXL server's `vllm:nixl_*` names its
+  connector), and the counters in COUNTERS, whose differences between the two readings
+  are the replay's prefix-cache hits, steps, wake-ups and lease expiries. A counter
+  the server does not expose is unknown (None), never 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from replay.metrics.scrape import MetricsSource, family_names, parse_metrics
+
+TIMEOUT_S = 5.0
+MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
+# What the report counts -> the counter samples that say it (the first one exposed wins).
+COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
+    "num_prefix_hit_tokens": (("vllm:prefix_cache_hits_total", {}),),
+    "num_prefix_query_tokens": (("vllm:prefix_cache_queries_total", {}),),
+    "num_steps": (("kvdrain:engine_steps_total", {}),),
+    "num_wakeups": (("kvdrain:engine_wakeups_total", {}),),
+    "num_expired": (
+        ("vllm:nixl_num_kv_expired_reqs_total", {}),
+        ("vllm:nixl_num_kv_expired_reqs", {}),
+        ("kvdrain:connector_events_total", {"event": "expired"}),
+    ),
+}
+CONNECTOR_FAMILIES = (
+    ("vllm:nixl_", "NixlConnector"),
+    ("kvdrain:connector_", "kvdrain PDConnector"),
+)
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineFacts:
+    """One engine of one metrics URL at one reading."""
+
+    label: str  # its `engine` label ("" when it has none)
+    cache_config: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, float | None] = field(default_factory=dict)
+    families: list[str] = field(default_factory=list)
+
+    @property
+    def connector(self) -> str | None:
+        """The KV connector its metrics name (None: none seen)."""
+        for prefix, name in CONNECTOR_FAMILIES:
+            if any(f.startswith(prefix) for f in self.families):
+                return name
+        return None
+
+
+def root_of(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[MetricsSource, ...]:
+    """NAME=URL/metrics of every upstream a proxy's /health names (none: not a kvdrain proxy)."""
+    try:
+        async with session.get(
+            root + "/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
+            body = await r.json(content_type=None) if r.content_type == "application/json" else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return ()
+    upstreams = body.get("upstreams") if isinstance(body, dict) else None
+    if not isinstance(upstreams, dict):
+        return ()
+    sources = []
+    for name, upstream in upstreams.items():
+        url = upstream.get("url") if isinstance(upstream, dict) else None
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            sources.append(MetricsSource(url.rstrip("/") + "/metrics", str(name)))
+    return tuple(sources)
+
+
+async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None:
+    """GET ROOT/version's "version" (vLLM's); None when there is none."""
+    try:
+        async with session.get(
+            root + "/version", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
+            body = await r.json(content_type=None) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    version = body.get("version") if isinstance(body, dict) else None
+    return str(version) if isinstance(version, (str, int, float)) else None
+
+
+async def _tokenize(
+    session: aiohttp.ClientSession, root: str, model: str, text: str
+) -> dict | None:
+    body = {"model": model, "prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    try:
+        async with session.post(
+            root + "/tokenize", json=body, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as r:
+            answer = await r.json(content_type=None) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+async def _is_word(session: aiohttp.ClientSession, root: str, model: str, token_id: int) -> bool:
+    answer = await _tokenize(session, root, model, f"w{token_id}")
+    if answer is None or answer.get("tokens") != [token_id]:
+        return False
+    strs = answer.get("token_strs")
+    return strs is None or strs == [f"w{token_id}"]
+
+
+async def probe_vocab_size(session: aiohttp.ClientSession, root: str, model: str) -> int | None:
+    """The size of a word-tokenizer vocabulary through /tokenize; None if it is not one."""
+    if not await _is_word(session, root, model, 0):
+        return None
+    inside, outside = 0, 1
+    while await _is_word(session, root, model, outside):
+        inside, outside = outside, outside * 2
+        if outside > MAX_VOCAB_SIZE:
+            return None
+    while outside - inside > 1:  # inside is a word, outside is not
+        middle = (inside + outside) // 2
+        inside, outside = (
+            (middle, outside) if await _is_word(session, root, model, middle) else (inside, middle)
+        )
+    return outside
+
+
+def _labels_match(sample, label: str, extra: dict[str, str]) -> bool:
+    labels = sample.labels
+    return labels.get("engine", "") in (label, "") and all(
+        labels.get(k) == v for k, v in extra.items()
+    )
+
+
+def _counter(samples: dict[str, list], label: str, names) -> float | None:
+    for name, extra in names:
+        values = [s.value for s in samples.get(name, []) if _labels_match(s, label, extra)]
+        if values:
+            return sum(values)
+    return None
+
+
+def engine_facts(samples: dict[str, list], label: str) -> EngineFacts:
+    """One engine's facts from one parsed exposition."""
+    config = next(
+        (
+            dict(s.labels)
+            for s in samples.get("vllm:cache_config_info", [])
+            if s.labels.get("engine", "") in (label, "")
+        ),
+        {},
+    )
+    config.pop("engine", None)
+    return EngineFacts(
+        label=label,
+        cache_config=config,
+        families=family_names(samples),
+        counters={k: _counter(samples, label, names) for k, names in COUNTERS.items()},
+    )
+
+
+async def read_facts(
+    session: aiohttp.ClientSession, url: str, labels: list[str]
+) -> dict[str, EngineFacts]:
+    """Engine label -> its facts, from one GET of a metrics URL (empty if it fails)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
+            text = await r.text() if r.status == 200 else None
+        samples = parse_metrics(text) if text is not None else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return {}
+    if samples is None:
+        return {}
+    return {label: engine_facts(samples, label) for label in labels}
+
+
+def counter_deltas(
+    before: EngineFacts | None, after: EngineFacts | None
+) -> dict[str, float | None]:
+    """What each counter counted between two readings (None: not read both times)."""
+    out: dict[str, float | None] = {}
+    for name in COUNTERS:
+        a = before.counters.get(name) if before else None
+        b = after.counters.get(name) if after else None
+        out[name] = None if a is None or b is None else max(b - a, 0.0)
+    return out

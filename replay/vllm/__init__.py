@@ -1,0 +1,6 @@
+"""Real vLLM launched by kvdrain, and the P/D proxy in front. Runs in: frontend process.
+
+options, launch (instances started, watched, stopped), tiny_model (the default model's
+files), cpu (what a CPU host needs), orphans (what a killed run left), idle_cpu (spinning
+threads lowered), proxy (`kvdrain proxy`).
+"""

@@ -1,0 +1,33 @@
+"""What `replay --engine vllm` launches, as options (cli.py's vLLM option group builds them). Runs in: frontend process.
+
+Kept apart from replay/vllm/launch.py so that cli.py, which every engine process
+imports again, loads only this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from replay.deploy.pd_flow import engine_roles
+
+ENGINES = ("kvdrain", "vllm")  # --engine: kvdrain's own engines, or real vLLM
+DEFAULT_VENV = Path(".venv-vllm")
+START_TIMEOUT_S = 600.0  # P and D together on 2 busy cores: up to about 410 s measured
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmOptions:
+    """What --engine vllm launches (cli.py's vLLM option group builds it)."""
+
+    venv: Path = DEFAULT_VENV
+    topology: str = "pd"
+    model: str | None = None  # a local dir or a model name; None: the tiny model, written
+    args: tuple[str, ...] = ()  # passed to every `vllm serve`
+    env: tuple[tuple[str, str], ...] = ()  # set in every instance's environment
+    start_timeout_s: float = START_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        engine_roles(self.topology)  # ValueError on an unknown topology
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start timeout: must be > 0, got {self.start_timeout_s}")

@@ -1,0 +1,234 @@
+"""Faults a wall replay sees, named: an engine or connector worker that died, stopped answering, or stalled a transfer. Runs in: frontend process.
+
+Sans-IO: the driver (replay/wall/driver.py) hands over what it observed, with its own
+clock, and asks when to probe. Sources:
+- an engine's EngineError (its connector worker died or stopped answering a reap;
+  engine/proc/core_proc.py sends it once) or the engine's own death (EngineDeadError);
+- an engine silent for `stall_s` that left a stats request unanswered (stopped or
+  stuck): the driver asks every engine that has been silent for `probe_interval_s`, so an idle engine
+  costs a wake-up a second (a legacy engine parked on its input wakes, answers and does
+  not step: a probe never frees its blocks);
+- connector counters in the stats that only a stall moves: reads of P's blocks that
+  timed out (num_pull_timeouts, D's worker), a KV load or a lease reap that waited over a
+  second (num_slow_recvs on D, num_slow_reaps on P: connector/agent.py).
+These counts live as long as the engines, and a serve's outlive many replays, so each
+replay judges them from its own start: an engine's first snapshot is its baseline and
+only what grew since is a fault (since_start does the same for the Timeline's counters).
+- another client's work: an engine snapshot taken while this replay had no request in
+  flight that shows requests waiting or running (a serve shared with another replay,
+  whose blocks cannot be told from this one's; kind "shared").
+With a judge (replay/wall/starvation.py: the engines' pids known), a silent engine that is
+alive and runnable but starved of CPU is no fault: it is kept in `starved` (the run is
+inconclusive) until it answers or the judge finds it stopped, dead or stuck.
+Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
+numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
+leak that follows a fault from a liveness leak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from replay.verify.units import seconds
+from replay.wall.starvation import StarvationJudge
+
+STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
+PROBE_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class Fault:
+    t: float  # first seen (replay seconds)
+    engine: str  # "" when no one engine is to blame
+    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap" | "shared"
+    cause: str
+    end_t: float | None = None  # a stall that ended (the engine answered again)
+
+
+@dataclass(slots=True, kw_only=True)
+class Starved:
+    t: float  # last heard before the silence (replay seconds)
+    engine: str
+    cause: str  # the figures (starvation.py classify)
+    end_t: float | None = None  # when it answered again
+
+
+# Count -> (kind, how to say it from the growth n and the counts); each count only grows,
+# and only when something stalls.
+_COUNTER_CAUSES: dict[str, tuple[str, Callable[[int, dict[str, int]], str]]] = {
+    "num_pull_timeouts": (
+        "transfer_timeout",
+        lambda n, c: (
+            f"{n} read{'s' if n != 1 else ''} of the prefill engine's KV timed out: its connector "
+            f"worker did not answer (stopped, stuck or dead)"
+        ),
+    ),
+    "num_slow_recvs": (
+        "slow_load",
+        lambda n, c: (
+            f"{_waits(n, 'a KV load', 'KV loads', c.get('last_recv_wait_ms', 0))} past "
+            f"{'its' if n == 1 else 'their'} pull delay: a connector worker was stopped or stuck"
+        ),
+    ),
+    "num_slow_reaps": (
+        "slow_reap",
+        lambda n, c: (
+            f"{_waits(n, 'a lease reap', 'lease reaps', c.get('last_reap_wait_ms', 0))} for its "
+            f"connector worker's answer (stopped or stuck)"
+        ),
+    ),
+}
+# The Timeline's counters that are counts (replay/sim/engine.py SimEngine.counters has
+# the same names): per replay, like the fault counts.
+TIMELINE_COUNTS = (
+    "num_steps",
+    "num_wakeups",
+    "num_model_steps",
+    "num_expired",
+    "num_reads_after_expiry",
+    "num_read_done_dropped",
+    "num_bad_params",
+    "num_stale_kv_reports",
+    "num_preemptions",
+    "num_prefix_hit_tokens",
+)
+
+
+_ACTIVE = ("num_waiting", "num_skipped_waiting", "num_running")  # an engine's requests in flight
+
+
+def _waits(n: int, one: str, many: str, latest_ms: int) -> str:
+    """'a KV load waited 2.400 s' or '3 KV loads waited over a second (the latest 1.200 s)'."""
+    if n == 1:
+        return f"{one} waited {seconds(latest_ms / 1000)}"
+    return f"{n} {many} waited over a second (the latest {seconds(latest_ms / 1000)})"
+
+
+def since_start(
+    first: dict[str, int], latest: dict[str, int], counts: tuple[str, ...] = TIMELINE_COUNTS
+) -> dict[str, int]:
+    """`latest` with each of `counts` as its growth since `first` (an engine's first
+    snapshot of this replay); the rest (gauges) as they are."""
+    return {
+        name: value - first.get(name, 0) if name in counts else value
+        for name, value in latest.items()
+    }
+
+
+class FaultWatch:
+    def __init__(
+        self,
+        engines: list[str],
+        stall_s: float = STALL_S,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        judge: StarvationJudge | None = None,
+    ) -> None:
+        self.stall_s, self.probe_interval_s, self.judge = stall_s, probe_interval_s, judge
+        self.starved: list[Starved] = []  # silences of engines alive but starved, first first
+        self.heard: dict[str, float] = dict.fromkeys(engines, 0.0)  # last snapshot (replay s)
+        self.asked: dict[str, float | None] = dict.fromkeys(engines)  # first unanswered probe
+        self.last_probe = float("-inf")
+        self.by_key: dict[tuple[str, str], Fault] = {}
+        self.first: dict[str, dict[str, int]] = {}  # each engine's first counts: the baseline
+
+    @property
+    def faults(self) -> list[Fault]:
+        return sorted(self.by_key.values(), key=lambda f: f.t)
+
+    def on_error(self, t: float, engine: str, message: str, kind: str = "error") -> None:
+        """An engine reported a fatal error, or died (kind "died")."""
+        lines = message.strip().splitlines()
+        self._note(t, engine, kind, lines[-1] if lines else kind)  # a traceback's last line
+
+    def on_snapshot(self, t: float, engine: str, counts: dict[str, int]) -> None:
+        self.heard[engine] = t
+        self.asked[engine] = None
+        stall = self.by_key.get((engine, "stalled"))
+        if stall is not None and stall.end_t is None:
+            stall.end_t = t
+        first = self.first.setdefault(engine, dict(counts))
+        for s in self.starved:
+            if s.engine == engine and s.end_t is None:
+                s.end_t = t
+        if self.judge is not None:
+            self.judge.on_answer(engine)
+        for name, (kind, say) in _COUNTER_CAUSES.items():
+            grown = counts.get(name, 0) - first.get(name, 0)
+            if grown > 0:
+                self._note(t, engine, kind, say(grown, counts))
+
+    def on_activity(
+        self, t: float, engine: str, counts: dict[str, int], quiet_since: float | None
+    ) -> None:
+        """A snapshot taken at t; quiet_since: since when this replay has had no request in
+        flight (None: it has some). Requests on the engine then are another client's."""
+        if quiet_since is None or t <= quiet_since:
+            return
+        num_active = sum(counts.get(name, 0) for name in _ACTIVE)
+        if num_active > 0:
+            self._note(
+                t,
+                engine,
+                "shared",
+                (
+                    f"{num_active} request{'s' if num_active != 1 else ''} of another client "
+                    f"waiting or running while this replay had none in flight: the serve is shared, "
+                    f"and its blocks cannot be told from this replay's (replay against a serve of "
+                    f"your own)"
+                ),
+            )
+
+    def should_probe(self, t: float) -> bool:
+        """Ask for stats now? (some engine has been silent a while; at most once per interval)"""
+        if t - self.last_probe < self.probe_interval_s:
+            return False
+        silent = [e for e, heard in self.heard.items() if t - heard >= self.probe_interval_s]
+        if not silent:
+            return False
+        self.last_probe = t
+        for engine in silent:
+            if self.asked[engine] is None:
+                self.asked[engine] = t
+                if self.judge is not None:
+                    self.judge.on_probe(engine)
+        return True
+
+    def check(self, t: float) -> None:
+        """Name every engine silent for stall_s that left a probe unanswered a while."""
+        for engine, asked in self.asked.items():
+            silent_s = t - self.heard[engine]
+            if (
+                asked is not None
+                and t - asked >= self.probe_interval_s
+                and silent_s >= self.stall_s
+            ):
+                cause = f"engine {engine} answered no stats request for {seconds(silent_s)} (stopped or stuck)"
+                judged = self.judge.judge(engine, silent_s) if self.judge is not None else None
+                if (
+                    judged is not None
+                    and judged.kind == "starved"
+                    and (engine, "stalled") not in self.by_key
+                ):
+                    self._note_starved(engine, judged.cause)
+                    continue
+                cause = cause if judged is None else judged.cause
+                key = (engine, "stalled")
+                fault = self.by_key.setdefault(
+                    key, Fault(self.heard[engine], engine, "stalled", cause)
+                )
+                fault.cause, fault.end_t = cause, None
+
+    def _note_starved(self, engine: str, cause: str) -> None:
+        open_ = next((s for s in self.starved if s.engine == engine and s.end_t is None), None)
+        if open_ is None:
+            self.starved.append(Starved(t=self.heard[engine], engine=engine, cause=cause))
+        else:
+            open_.cause = cause
+
+    def _note(self, t: float, engine: str, kind: str, cause: str) -> None:
+        fault = self.by_key.get((engine, kind))
+        if fault is None:
+            self.by_key[(engine, kind)] = Fault(t, engine, kind, cause)
+        else:
+            fault.cause = cause
