@@ -32,8 +32,9 @@ from engine.config import (
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
 from replay.deploy.pd_flow import TOPOLOGY_FORMS, engine_roles, parse_topology
 from replay.deploy.placement import ROUTER_POLICIES
+from replay.runtime.startup import START_LIMIT_S
 from replay.trace.reader import FORMATS
-from replay.vllm.options import DEFAULT_VENV, ENGINES, START_TIMEOUT_S, VllmOptions
+from replay.vllm.options import DEFAULT_VENV, ENGINES, VllmOptions
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
@@ -343,6 +344,16 @@ def engine_group(model_help: str) -> OptionGroup:
                 "--drop-read-done",
                 is_flag=True,
                 help="P never hears 'read done'; only the lease frees (a fault knob).",
+            ),
+            click.option(
+                "--start-limit",
+                "start_limit_s",
+                type=click.FloatRange(min=0, min_open=True),
+                default=START_LIMIT_S,
+                show_default=True,
+                help="Seconds any engine (kvdrain's, or a vLLM instance with --engine vllm) "
+                "may take to start: one starved of CPU past it makes the run inconclusive; "
+                "one stopped, dead, or with no progress for 120 s is a fault at once.",
             ),
         ),
         build=Engines.of,
@@ -937,9 +948,9 @@ class EngineChoice:
     vllm_model: str | None
     vllm_args: tuple[str, ...]
     vllm_env: tuple[str, ...]
-    vllm_start_timeout: float
+    vllm_start_timeout: float | None  # deprecated: --start-limit
 
-    def options(self, topology: str) -> VllmOptions | None:
+    def options(self, topology: str, start_limit_s: float = START_LIMIT_S) -> VllmOptions | None:
         """VllmOptions for --engine vllm; None for --engine kvdrain (vLLM options refused)."""
         names = ("vllm_venv", "vllm_model", "vllm_args", "vllm_env", "vllm_start_timeout")
         if self.engine == "kvdrain":
@@ -962,10 +973,16 @@ class EngineChoice:
                 model=self.vllm_model,
                 args=tuple(self.vllm_args),
                 env=tuple(pairs),
-                start_timeout_s=self.vllm_start_timeout,
+                start_limit_s=self._start_limit(start_limit_s),
             )
         except ValueError as e:
             raise click.UsageError(str(e)) from None
+
+    def _start_limit(self, start_limit_s: float) -> float:
+        if self.vllm_start_timeout is None:
+            return start_limit_s
+        click.echo("--vllm-start-timeout is deprecated: use --start-limit", err=True)
+        return start_limit_s if _given("start_limit_s") else self.vllm_start_timeout
 
 
 VLLM = OptionGroup(
@@ -1013,9 +1030,8 @@ VLLM = OptionGroup(
         click.option(
             "--vllm-start-timeout",
             type=click.FloatRange(min=0, min_open=True),
-            default=START_TIMEOUT_S,
-            show_default=True,
-            help="With --engine vllm: seconds each instance has to become healthy.",
+            default=None,
+            help="Deprecated: --start-limit.",
         ),
     ),
     build=lambda **values: EngineChoice(**values),
@@ -1098,7 +1114,7 @@ def replay_cmd(
     from replay.commands.replay import replay_main
     from replay.pipeline import ReplayConfig
 
-    vllm = engine_choice.options(engines.topology)
+    vllm = engine_choice.options(engines.topology, engines.config.start_limit_s)
     if vllm is not None:
         _check_vllm(target, clock)
         target = replace(target, address=VLLM_TARGET)

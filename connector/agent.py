@@ -42,7 +42,7 @@ from engine.core.outputs import KVConnectorOutput
 from engine.proc.messages import DecodeError
 from engine.proc.socket_limits import connector_control_bytes, set_max_message_size
 
-READY_TIMEOUT_S = 60.0
+READY_GRACE_S = 15.0  # past the engine's start limit (the frontend judges first)
 SLOW_NS = 1_000_000_000  # a load or a reap that waits longer: a worker stopped or stuck
 REAP_TIMEOUT_S = 10.0  # a live worker answers a reap at once; only a hung one takes this
 
@@ -147,6 +147,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
         kv = config.kv_transfer
         assert kv is not None
         self.engine_id = config.engine_id
+        self.ready_timeout_s = config.start_limit_s + READY_GRACE_S
         self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -187,7 +188,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
 
     def _wait_for(self, kind: type) -> object:
         """The worker's next `kind` message (start-up: WorkerReady, KVCacheRegistered)."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.socket.poll(100, zmq.POLLIN):
                 msg = CONNECTOR_CODEC.decode(self.socket.recv())
@@ -201,7 +202,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
         self.process.kill()
         raise RuntimeError(
             f"connector worker of engine {self.engine_id}: no {kind.__name__} in "
-            f"{READY_TIMEOUT_S} s"
+            f"{self.ready_timeout_s:g} s"
         )
 
     def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:

@@ -61,6 +61,7 @@ from connector.transfer import (
     keep_freed_buffers,
     send_blocks,
 )
+from engine.proc.lifetime import die_with_parent
 from engine.proc.messages import DecodeError
 from engine.proc.socket_limits import block_payload_bytes, set_max_message_size
 from engine.runner.kv_cache import KVCache, KVCacheHandle
@@ -407,6 +408,8 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def run_connector_worker(config: ConnectorWorkerConfig) -> None:
     """Process entry point (spawned by the engine core's connector agent)."""
+    parent = multiprocessing.parent_process()
+    die_with_parent(None if parent is None else parent.pid)
     # Block copies are memory-bound; idle OpenMP spinners would steal the CPU from the
     # engines on a small machine. Only CUDA memory imports torch here (engine/runner/kv_cache.py).
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -160,6 +160,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     kv_transfer: KVTransferConfig | None = None  # None: no connector
+    # How long a start-up may take before the waits inside the engine (its connector
+    # worker's) give up; the frontend judges starved or stuck engines before that.
+    start_limit_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "engine_id", "must not be empty")
@@ -171,6 +174,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_model_len",
             "poll_interval_s",
+            "start_limit_s",
         )
         _require(
             self.liveness in LIVENESS_POLICIES,

@@ -72,6 +72,7 @@ class ReplayHooks:
     on_http_tick: Callable[[object], None] | None = (
         None  # --target http://: HttpReplay, every scrape
     )
+    on_note: Callable[[str], None] | None = None  # start-up: an engine found starved
 
     def phase(self, name: str, ready: list[str] | None = None) -> None:
         if self.on_phase is not None:
@@ -410,7 +411,9 @@ class PreparedReplay:
         ready = engines.ready_engines()
         if len(ready) < len(engines.clients):  # a phase only if there is still a wait
             hooks.phase(STARTING, ready)
-        return engines.wait_ready(on_wait=lambda ready: hooks.phase(STARTING, ready))
+        return engines.wait_ready(
+            on_wait=lambda ready: hooks.phase(STARTING, ready), on_note=hooks.on_note
+        )
 
     def _run_http(
         self,

@@ -5,5 +5,6 @@
 - socket_limits: message size caps for every socket;
 - client: EngineClient, in-process or multiprocess;
 - run_dir: private run directories for ipc sockets;
-- stats_check: checking a decoded StatsSnapshot.
+- stats_check: checking a decoded StatsSnapshot;
+- lifetime: a child's life bound to its parent's (killed mid start-up).
 """

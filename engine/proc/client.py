@@ -25,6 +25,7 @@ import zmq
 from engine.config import EngineAddresses, EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.proc.core_proc import build_engine_core, kv_device, run_engine_core
+from engine.proc.lifetime import descendants, parent_of
 from engine.proc.messages import (
     Abort,
     AddRequest,
@@ -43,7 +44,8 @@ from engine.proc.run_dir import is_alive, make_run_dir, process_start_time
 from engine.proc.socket_limits import engine_output_bytes, set_max_message_size
 from engine.proc.stats_check import snapshot_problem
 
-READY_TIMEOUT_S = 120.0
+# Past the engine's start limit: the frontend judges a starved or stuck start-up first.
+READY_GRACE_S = 30.0
 WORKER_EXIT_S = 5.0  # an orphaned connector worker sees its engine gone well before this
 SEND_TIMEOUT_S = 60.0  # a live engine in a long step drains its input well before this
 
@@ -141,14 +143,6 @@ class InprocClient:
             self.kv_cache.close()
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().decode(errors="replace").rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class MPClient:
     """The engine core in a spawned child process, over ZMQ + msgpack."""
 
@@ -173,7 +167,8 @@ class MPClient:
             name=f"kvdrain-engine-{self.engine_id}",
         )
         self.process.start()
-        self.ready_deadline = time.monotonic() + READY_TIMEOUT_S
+        self.ready_timeout_s = config.start_limit_s + READY_GRACE_S
+        self.ready_deadline = time.monotonic() + self.ready_timeout_s
         self.latest_stats: StatsSnapshot | None = None
         self.new_stats: list[StatsSnapshot] = []  # since the last take_stats()
         self.errors: list[str] = []
@@ -184,6 +179,11 @@ class MPClient:
         )
         if wait:
             self.wait_ready()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's pid (its start-up is judged from /proc by it)."""
+        return self.process.pid
 
     def _bind(self, kind: int, addr: str, max_message_bytes: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -200,7 +200,7 @@ class MPClient:
 
     def poll_ready(self, timeout_s: float) -> Ready | None:
         """The child's Ready if it came within timeout_s, else None; EngineDeadError if it
-        died, failed, or is not ready READY_TIMEOUT_S after its start."""
+        died, failed, or is not ready ready_timeout_s after its start."""
         if self.ready is not None:
             return self.ready
         msg = self._recv(timeout_s)
@@ -216,7 +216,8 @@ class MPClient:
         if time.monotonic() > self.ready_deadline:
             self.kill()
             raise EngineDeadError(
-                self.engine_id, f"engine {self.engine_id} not ready within {READY_TIMEOUT_S} s"
+                self.engine_id,
+                f"engine {self.engine_id} not ready within {self.ready_timeout_s:g} s",
             )
         return None
 
@@ -297,9 +298,10 @@ class MPClient:
         return []
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Graceful: Shutdown message, bounded join, then kill; removes the ipc dir."""
+        """Graceful: Shutdown message, bounded join, then kill; removes the ipc dir. An
+        engine still starting (no Ready yet) has nothing to drain: it is killed at once."""
         try:
-            if self.process.is_alive():
+            if self.process.is_alive() and self._has_started():
                 self.input.send(encode(Shutdown(timeout_s)), zmq.NOBLOCK)
                 deadline = time.monotonic() + timeout_s + 5
                 while self.process.is_alive() and time.monotonic() < deadline:
@@ -310,6 +312,12 @@ class MPClient:
         finally:
             self.kill()
 
+    def _has_started(self) -> bool:
+        """Ready came (read now if it is waiting unread): never raises."""
+        with contextlib.suppress(EngineDeadError):
+            self.poll_ready(0)
+        return self.ready is not None
+
     def drain(self) -> list[RequestOutput]:
         """Whatever has arrived, without waiting and without raising for a dead child."""
         outputs: list[RequestOutput] = []
@@ -319,9 +327,14 @@ class MPClient:
             msg = self._recv(0)
         return outputs
 
+    def _tree(self) -> list[tuple[int, str | None]]:
+        if self.process.pid is None or not self.process.is_alive():
+            return []
+        return [(pid, process_start_time(pid)) for pid in descendants(self.process.pid)]
+
     def _note_worker(self, pid: object) -> None:
         """Remember the connector worker the engine reported, if it is the engine's child."""
-        if type(pid) is int and pid > 0 and _parent_of(pid) == self.process.pid:
+        if type(pid) is int and pid > 0 and parent_of(pid) == self.process.pid:
             self.worker = (pid, process_start_time(pid))
 
     def _stop_worker(self) -> None:
@@ -338,17 +351,33 @@ class MPClient:
                 os.kill(pid, signal.SIGKILL)
 
     def kill(self) -> None:
+        """SIGKILL the engine, then every descendant of it seen just before (a connector
+        worker still starting has no parent watch yet), by pid and start time."""
         try:
+            tree = self._tree()
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(5)
             self._stop_worker()
+            _kill_tree(tree)
         finally:  # even if a signal cut the join short
             _remove_kv_segments(self.process.pid)
             self.input.close(linger=0)
             self.output.close(linger=0)
             if self._own_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _kill_tree(tree: list[tuple[int, str | None]]) -> None:
+    """SIGKILL what is still alive of processes seen below a killed engine, and wait
+    (bounded) until they are gone and reaped."""
+    alive = [(pid, start) for pid, start in tree if start is not None and is_alive(pid, start)]
+    for pid, _ in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + WORKER_EXIT_S
+    while any(is_alive(*p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def wait_for_output(clients: list[EngineClient], timeout_s: float) -> None:

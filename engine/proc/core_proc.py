@@ -28,6 +28,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.kv_connector import KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
 from engine.core.outputs import RequestOutput, SchedulerStats
+from engine.proc.lifetime import die_with_parent
 from engine.proc.messages import (
     Abort,
     AddRequest,
@@ -362,6 +363,8 @@ class EngineCoreProc:
 
 def run_engine_core(config: EngineConfig, addrs: EngineAddresses) -> None:
     """Process entry point: build the core, send Ready, loop until Shutdown."""
+    parent = multiprocessing.parent_process()
+    die_with_parent(None if parent is None else parent.pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
     wakeup = SignalWakeup()
     proc = None

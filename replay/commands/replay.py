@@ -20,10 +20,12 @@ from engine.proc.client import EngineDeadError
 from replay.deploy.topology import start_topology
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_replay
 from replay.runtime.interrupt import Interrupted, interruptible, stopping_line
+from replay.runtime.startup import StartupStarved
 from replay.serve.messages import ServeInfo
 from replay.trace.reader import TraceError, TraceSummary
 from replay.verify.verdict import (
     EXIT_FAULT,
+    EXIT_INCONCLUSIVE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TERMINATED,
@@ -102,7 +104,10 @@ def _error(console, error: object) -> None:
 
 
 class _NoView:
-    """--no-live: no dashboard at all, only the final summary."""
+    """--no-live: no dashboard at all, only the final summary (and notes on the way)."""
+
+    def __init__(self, console) -> None:
+        self.console = console
 
     def __enter__(self) -> _NoView:
         return self
@@ -188,7 +193,7 @@ def _run_and_report(
     view = (
         LiveView(state, console, max_window_lines=display.max_window_lines)
         if display.live
-        else _NoView()
+        else _NoView(console)
     )
     monitor = ReplayMonitor(state, view, config.verify, start=prepared.launched_at)
     try:
@@ -199,6 +204,9 @@ def _run_and_report(
     except EngineDeadError as e:  # an engine or its connector worker died: a fault
         _error(console, f"fault: {e}")
         return EXIT_FAULT
+    except StartupStarved as e:  # alive and starting, but starved of CPU: no verdict
+        _error(console, f"inconclusive: {e}")
+        return EXIT_INCONCLUSIVE
     except TargetLostError as e:  # the serve answered, then went silent mid-run
         _error(console, f"fault: {e}")
         return EXIT_FAULT
@@ -279,15 +287,15 @@ def _report(result: ReplayResult, outputs: OutputFiles, display: Display, consol
     )
     if note is not None:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    written = _write_outputs(outputs, result, report, console)
+    _write_outputs(outputs, result, report, console)
     if interrupted is not None:
         return interrupted.exit_code
-    return report["exit_code"] if written else EXIT_USAGE
+    return report["exit_code"]  # the verdict's: a file not written is said beside it
 
 
 def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, console) -> bool:
-    """Every file asked for, each said when written; a failure is one line and the rest
-    are still written. False if any failed."""
+    """Every file asked for, each said when written; a failure is one line (the verdict
+    and its exit status stand) and the rest are still written. False if any failed."""
     from replay.verify.plot import write_plot, write_series
     from replay.verify.report import write_report, write_requests
 
@@ -308,10 +316,10 @@ def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, con
         try:
             writers[flag[2:]](path)
         except OSError as e:
-            _error(console, f"{flag} {path}: not written: {e.strerror or e} (exit {EXIT_USAGE})")
+            _error(console, f"{flag} {path}: not written: {e.strerror or e}; the verdict stands")
             ok = False
         except RuntimeError as e:  # --plot without matplotlib
-            _error(console, f"{flag} {path}: not written: {e} (exit {EXIT_USAGE})")
+            _error(console, f"{flag} {path}: not written: {e}; the verdict stands")
             ok = False
         else:
             console.print(f"wrote {path}", highlight=False, soft_wrap=True)
@@ -408,9 +416,18 @@ def serve_main(
     for warning in front.warnings:
         console.print(f"[bold red]{warning}[/]", highlight=False, soft_wrap=True)
     try:
+        if http is not None:
+            http.bind()
+    except OSError as e:
+        front.close()
+        why = os.strerror(e.errno) if e.errno else str(e)
+        _error(console, f"--http {http.options.host}:{http.options.port}: {why}")
+        return EXIT_USAGE
+    try:
         router = start_topology(engine, kv, topology, router=policy)
     except BaseException:
         front.close()
+        http is None or http.close()
         raise
     try:
         info = ServeInfo(
@@ -438,7 +455,7 @@ def serve_main(
     state = DashboardState(
         title=f"kvdrain serve {server.address}", server=f"{topology}  liveness {engine.liveness}"
     )
-    view = LiveView(state, console) if live else _NoView()
+    view = LiveView(state, console) if live else _NoView(console)
     monitor = ServeMonitor(state, view, http_url=lambda: getattr(http, "url", None))
     try:
         with view:

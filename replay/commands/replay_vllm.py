@@ -27,8 +27,9 @@ from engine.proc.run_dir import run_root
 from replay.commands.replay import Display, OutputFiles, replay_main
 from replay.pipeline import ReplayConfig, trace_limits
 from replay.runtime.interrupt import SIGNALS, Interrupted, interruptible
+from replay.runtime.startup import StartupStarved
 from replay.trace.reader import TraceError, validate_trace
-from replay.verify.verdict import EXIT_FAULT, EXIT_USAGE
+from replay.verify.verdict import EXIT_FAULT, EXIT_INCONCLUSIVE, EXIT_USAGE
 from replay.vllm.idle_cpu import idle_note, lower_spinners
 from replay.vllm.launch import (
     InstanceStatus,
@@ -98,6 +99,9 @@ def vllm_replay_main(
         except VllmFault as e:
             _fault(console, e)
             return EXIT_FAULT
+        except StartupStarved as e:
+            console.print(f"inconclusive: {e}", highlight=False, markup=False, soft_wrap=True)
+            return EXIT_INCONCLUSIVE
         except Interrupted as e:
             _say(console, f"[red]error:[/] interrupted by {e.name} during start-up")
             return e.exit_code
@@ -158,7 +162,12 @@ def _launch_and_replay(
         spec = instance.spec
         side = f" (NIXL side channel {spec.side_channel_port})" if spec.kv_role else ""
         _say(console, f"  {spec.name}: starting... {spec.url}{side}, log {spec.log_path}")
-    deployment.wait_ready(_StartupView(console, [i.spec.name for i in deployment.instances]))
+    deployment.wait_ready(
+        _StartupView(console, [i.spec.name for i in deployment.instances]),
+        on_note=lambda note: console.print(
+            f"note: {note}", highlight=False, markup=False, soft_wrap=True
+        ),
+    )
     ready_s = max(s.ready_s or 0.0 for s in deployment.statuses())
     if on_cpu:
         idle = lower_spinners(deployment.instance_pids())  # before the first request: idle
@@ -252,7 +261,7 @@ class _StartupView:
 def describe(status: InstanceStatus) -> str:
     if status.state == "ready":
         return f"ready in {status.ready_s:.1f} s"
-    if status.state in ("exited", "timed out"):
+    if status.state == "exited":
         return f"{status.state} after {status.since_s:.0f} s: {status.last_line}"
     return f"{status.state}{'...' if status.state == 'starting' else ''} ({status.since_s:.0f} s)"
 

@@ -20,10 +20,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from engine.config import EngineConfig, KVTransferConfig
-from engine.proc.client import EngineClient, InprocClient, MPClient, make_run_dir, wait_for_output
+from engine.proc.client import (
+    EngineClient,
+    EngineDeadError,
+    InprocClient,
+    MPClient,
+    make_run_dir,
+    wait_for_output,
+)
 from replay.deploy.pd_flow import engine_roles
 from replay.deploy.pd_router import PDRouter
 from replay.deploy.placement import RouterPolicy
+from replay.runtime.startup import StartupStarved, StartWatch
 
 
 def engine_configs(
@@ -123,12 +131,22 @@ class TopologyLaunch:
             self.close()
             raise
 
-    def wait_ready(self, on_wait: Callable[[list[str]], None] | None = None) -> PDRouter:
-        """Every engine's Ready, then a router that owns them (and the run dir)."""
+    def wait_ready(
+        self,
+        on_wait: Callable[[list[str]], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> PDRouter:
+        """Every engine's Ready, then a router that owns them (and the run dir). An engine
+        slow to start is judged (replay/runtime/startup.py): EngineDeadError for a fault,
+        StartupStarved at the start limit; on_note hears an engine found starved."""
         if self.run_dir is None:
             raise RuntimeError("this launch was closed or already handed to a router")
+        watch = StartWatch(self.base.start_limit_s, note=on_note)
+        for client in self.clients:
+            if getattr(client, "pid", None) is not None:
+                watch.watch(f"engine {client.engine_id}", client.pid, self.launched_at)
         try:
-            wait_all_ready(self.clients, on_wait)
+            wait_all_ready(self.clients, on_wait, watch)
         except BaseException:
             self.close()
             raise
@@ -170,14 +188,28 @@ def start_topology(
 
 
 def wait_all_ready(
-    clients: list[EngineClient], on_wait: Callable[[list[str]], None] | None = None
+    clients: list[EngineClient],
+    on_wait: Callable[[list[str]], None] | None = None,
+    watch: StartWatch | None = None,
 ) -> None:
     """Every engine's Ready (they start in parallel; each client bounds its own wait);
     while any is starting, on_wait(the engines ready so far) about ten times a second,
-    the last time once all are."""
+    the last time once all are, and the watch judges those still starting."""
     pending = [c for c in clients if c.poll_ready(0) is None]
     while pending:
         wait_for_output(pending, 0.1)
         pending = [c for c in pending if c.poll_ready(0) is None]
         if on_wait is not None:
             on_wait([c.engine_id for c in clients if c not in pending])
+        for client in pending if watch is not None else ():
+            judge_start(client, watch)
+
+
+def judge_start(client: EngineClient, watch: StartWatch) -> None:
+    """Raise for an engine whose start-up the watch judged: a fault, or starved."""
+    judgement = watch.check(f"engine {client.engine_id}")
+    if judgement is None:
+        return
+    if judgement.is_fault:
+        raise EngineDeadError(client.engine_id, judgement.cause)
+    raise StartupStarved(client.engine_id, judgement.cause)

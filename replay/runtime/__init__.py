@@ -1,4 +1,5 @@
 """What every run shares while it runs. Runs in: frontend process.
 
-interrupt (Ctrl-C, SIGTERM and `q`, one way), heap (the garbage collector's policy).
+interrupt (Ctrl-C, SIGTERM and `q`, one way), heap (the garbage collector's policy),
+starvation (what /proc says of a silent process), startup (judging processes that start).
 """

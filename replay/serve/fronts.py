@@ -11,6 +11,7 @@ of the asyncio loop: the router is never touched from two threads.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from collections.abc import Callable
 
@@ -104,12 +105,26 @@ class HttpServe:
         self.model_name = model_name
         self.shared: SharedRouter | None = None
         self.front: HttpFront | None = None
+        self.listening: socket.socket | None = None
         self.url: str | None = None  # http://HOST:PORT once the front listens
 
     @property
     def num_requests(self) -> int:
         """Requests the HTTP front took (0 before it ran)."""
         return self.front.num_requests if self.front is not None else 0
+
+    def bind(self) -> None:
+        """Take the HTTP address now, before any engine starts: OSError (an address in use,
+        a host not here) is the caller's one-line error."""
+        host, port = self.options.host, self.options.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listening = socket.create_server((host, port), family=family)
+
+    def close(self) -> None:
+        """Release the address if the front never took it over."""
+        if self.listening is not None:
+            self.listening.close()
+            self.listening = None
 
     def share(self, router) -> SharedRouter:
         """The router the zmq serve gets (call first)."""
@@ -133,6 +148,7 @@ class HttpServe:
             self.options,
             shared=self.shared,
         )
+        self.front.listening, self.listening = self.listening, None
         asyncio.run(self._serve(self.front, server, on_round, should_stop))
 
     async def _serve(self, front: HttpFront, server, on_round, should_stop) -> None:

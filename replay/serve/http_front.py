@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import itertools
 import json
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class HttpFront:
         self.model = model
         self.options = options
         self.on_tick = on_tick
+        self.listening: socket.socket | None = None  # bound before the engines: see listen()
         self.open: dict[str, _Open] = {}  # internal id -> request
         self.client_ids: dict[str, str] = {}  # client's request id -> internal id
         self.latest: dict[str, StatsSnapshot] = {}
@@ -156,7 +158,9 @@ class HttpFront:
             logger=quiet_logger(),
         )
         await self._runner.setup()
-        site = _GuardedSite(self._runner, self.options.host, self.options.port, self.guard)
+        site = _GuardedSite(
+            self._runner, self.options.host, self.options.port, self.guard, self.listening
+        )
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.router.request_stats()
@@ -430,13 +434,24 @@ class _GuardedSite(web.TCPSite):
     """aiohttp's TCP site with every connection admitted by a ConnectionGuard first
     (TCPSite.start as aiohttp 3.12-3.14 writes it, with the guard's protocol factory)."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        guard: ConnectionGuard,
+        sock: socket.socket | None = None,
+    ) -> None:
         super().__init__(runner, host, port)
-        self.guard = guard
+        self.guard, self.sock = guard, sock
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            self.guard.factory(self._runner.server), self._host, self._port, backlog=BACKLOG
-        )
+        factory = self.guard.factory(self._runner.server)
+        if self.sock is not None:  # bound earlier (listen()): an address in use failed then
+            self._server = await loop.create_server(factory, sock=self.sock, backlog=BACKLOG)
+        else:
+            self._server = await loop.create_server(
+                factory, self._host, self._port, backlog=BACKLOG
+            )

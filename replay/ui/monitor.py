@@ -94,7 +94,13 @@ class ReplayMonitor:
         self._feed: ScrapeFeed | None = None
 
     def hooks(self) -> ReplayHooks:
-        return ReplayHooks(self.on_tick, self.on_phase, self.on_progress, self.on_http_tick)
+        return ReplayHooks(
+            self.on_tick, self.on_phase, self.on_progress, self.on_http_tick, self.on_note
+        )
+
+    def on_note(self, note: str) -> None:
+        """A line the run says as it goes (an engine starting starved of CPU)."""
+        self.view.console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
 
     def on_phase(self, phase: str, ready: list[str]) -> None:
         """Start-up: the phase, the engines ready so far; RUNNING ends it."""

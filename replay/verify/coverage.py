@@ -270,8 +270,11 @@ def client_latenesses(
 
 
 def _unreached(w: ExpectedWindow, timeline: Timeline, last_sent: float) -> bool:
-    """The replay stopped (interrupted) before this window could happen."""
-    return w.start > last_sent if w.is_tail else w.end > timeline.end_t
+    """The replay stopped (interrupted) before this window could happen. Times compare at
+    the nanosecond, as the model's windows come off the virtual clock's integer clock."""
+    if w.is_tail:
+        return round(w.start, 9) > round(last_sent, 9)
+    return round(w.end, 9) > round(timeline.end_t, 9)
 
 
 def missed_reason(w: WindowCoverage, idle_threshold_s: float) -> str:

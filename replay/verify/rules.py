@@ -55,7 +55,7 @@ from replay.verify.coverage import (
     missed_reason,
     quiet_from,
 )
-from replay.verify.timeline import EngineSample, Timeline
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.units import seconds
 from replay.verify.verdict import exit_code_for
 from replay.verify.windows import (
@@ -455,21 +455,25 @@ def verify(
     ]
     if timeline.is_scraped():  # a server's own routing: its engines' metrics say when each idled
         judged += [(by_engine[w.engine], w.window) for w in run_own if w.engine in by_engine]
+    shared = list(timeline.meta.get("shared", ()))
+    shared_from = min((s["t"] for s in shared), default=math.inf)  # a serve is shared whole
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
         w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
         windows.append(w)
-        if w.verdict == "leak":
+        if w.verdict == "leak" and w.end < shared_from:
             violations.append(_window_violation(w, faults))
     snapshots = list(trace_snapshots)
     unreached = _snapshots_not_reached(snapshots, timeline, options.drain_deadline_s)
     for snap in snapshots:
         if snap not in unreached:
             violations += _check_snapshot(snap, by_engine, options.snapshot_tolerance_blocks)
-    violations += [
-        Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
-        for r in timeline.requests
-        if r.end_t is None
-    ]
+    unfinished = [r for r in timeline.requests if r.end_t is None]
+    starved = timeline.meta.get("starved", ())
+    if not (cut or starved):  # else it is no evidence: the run stopped, or the engine starved
+        violations += [
+            Violation("unfinished", "", r.arrival_t, f"request {r.req_id!r} never ended")
+            for r in unfinished
+        ]
     violations += _check_kv_integrity(timeline)
     decided = [(w.engine, (w.start, w.end, w.is_tail)) for w in windows if w.verdict != "undecided"]
     coverage = (
@@ -490,7 +494,10 @@ def verify(
     ]
     counted = [w for w, is_spare in zip(windows, spare) if not is_spare]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
-    reasons += starved_reasons(timeline.meta.get("starved", ()))
+    reasons += starved_reasons(starved)
+    reasons += shared_reasons(shared)
+    if unfinished and (cut or starved):
+        reasons.append(unfinished_reason(unfinished, cut))
     reasons += [
         f"recorded snapshot not reached: t={s.t:.3f} s (line {s.line}): nothing was in flight "
         f"in the recording there, requests still were in this replay (it lagged the "
@@ -597,6 +604,34 @@ def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
         and r.output_digest != r.expected_digest
     ]
     return out
+
+
+def shared_reasons(shared: Iterable[dict]) -> list[str]:
+    """Another client seen on the serve: no window that ends after it is judged a leak
+    (its blocks are not this replay's alone), on any engine of it."""
+    return [
+        f"shared: {s['engine']} from {s['t']:.3f} s: {s['cause']}; no window ending after "
+        "that is judged a leak"
+        for s in shared
+    ]
+
+
+def unfinished_reason(unfinished: Sequence[RequestRecord], cut: bool) -> str:
+    """Requests still running when the run was stopped, or while an engine was starved:
+    not judged (a request that never ends is a violation only when nothing else explains it)."""
+    why = (
+        "when the run was stopped"
+        if cut
+        else "when the run ended, its engines starved of CPU (above)"
+    )
+    first = ", ".join(repr(r.req_id) for r in unfinished[:3])
+    more = f" and {len(unfinished) - 3:,} more" if len(unfinished) > 3 else ""
+    prefix = "stopped early: " if cut else ""
+    return (
+        f"{prefix}{len(unfinished):,} request{'s' if len(unfinished) != 1 else ''} still "
+        f"running {why} ({first}{more}): "
+        f"not judged, neither finished nor stuck"
+    )
 
 
 def starved_reasons(starved: Sequence[dict]) -> list[str]:

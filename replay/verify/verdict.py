@@ -6,9 +6,9 @@
 | `violation`    | 1    | a leak, a conservation or snapshot mismatch, an unfinished request       |
 | `error`        | 2    | bad usage or input (options, trace), or a target that cannot be reached  |
 | `inconclusive` | 3    | the run proves nothing either way: an expected window not observed (the  |
-|                |      | engines lagged), too many requests ignored, KV usage not observable      |
-| `fault`        | 4    | an engine or connector worker died or stopped answering mid-run, or      |
-|                |      | another client's requests shared the engines                             |
+|                |      | engines lagged or starved), too many requests ignored, KV usage not      |
+|                |      | observable, another client's requests on the engines                     |
+| `fault`        | 4    | an engine or connector worker died, stopped answering or restarted       |
 | `interrupted`  | 130  | Ctrl-C (SIGINT, 128 + 2)                                                 |
 | `terminated`   | 143  | SIGTERM (128 + 15)                                                       |
 

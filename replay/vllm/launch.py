@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from engine.proc.lifetime import descendants
 from engine.proc.run_dir import process_start_time
 from replay.deploy.pd_flow import engine_roles
+from replay.runtime.startup import StartupStarved, StartWatch
 from replay.vllm.cpu import cpu_flags, sigill_hint, tiny_dtype
 from replay.vllm.options import VllmOptions
 from replay.vllm.orphans import Recorded, Swept, clear_record, sweep_orphans, write_record
@@ -67,7 +69,7 @@ TINY_SERVE_ARGS = (
     "16",
     "--enforce-eager",
 )
-State = Literal["starting", "engine core", "loading", "ready", "exited", "timed out"]
+State = Literal["starting", "engine core", "loading", "ready", "exited"]
 
 
 class VllmVenvError(ValueError):
@@ -281,26 +283,6 @@ def last_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-n:]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of pid, from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().decode(errors="replace").rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 class ManagedProcess:
     """A child in its own session (so its group is its whole tree), logging to a file."""
 
@@ -441,21 +423,19 @@ class Instance:
     def __post_init__(self) -> None:
         self.status = InstanceStatus(name=self.spec.name, log_path=self.spec.log_path)
 
-    def refresh(self, launched_at: float, timeout_s: float) -> None:
+    def refresh(self, launched_at: float) -> None:
         """Update the status from the process, its /health and its log."""
         now = time.monotonic() - launched_at
         self.status.since_s = now
         tail = last_lines(self.spec.log_path, 1)
         self.status.last_line = tail[-1] if tail else ""
-        if self.status.state in ("ready", "exited", "timed out"):
+        if self.status.state in ("ready", "exited"):
             return
         if self.process.exit_code() is not None:
             self.status.state = "exited"
         elif probe_health(self.spec.url):
             self.status.state, self.status.ready_s = "ready", now
             self.process.note_descendants()
-        elif now > timeout_s:
-            self.status.state = "timed out"
         else:
             self.status.state = _phase(self.spec.log_path, self.status.state)
 
@@ -465,8 +445,6 @@ class Instance:
                 f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
                 f"{sigill_hint(self.spec.log_path)}"
             )
-        elif self.status.state == "timed out":
-            reason = f"vllm serve was not healthy within {self.status.since_s:.0f} s"
         else:
             return None
         return VllmFault(self.spec.name, reason, self.spec.log_path, last_lines(self.spec.log_path))
@@ -574,13 +552,23 @@ class VllmDeployment:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def wait_ready(self, on_tick: Callable[[list[InstanceStatus]], None] | None = None) -> None:
+    def wait_ready(
+        self,
+        on_tick: Callable[[list[InstanceStatus]], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
         """Until every instance is healthy and the proxy printed its address; VllmFault
-        for the first that exits or outlives the start timeout."""
+        for the first that exits, stops or hangs (replay/runtime/startup.py), StartupStarved
+        for one still starving at the start limit."""
         looked = time.monotonic()
+        watch = StartWatch(self.options.start_limit_s, note=on_note)
+        for instance in self.instances:
+            watch.watch(instance.spec.name, instance.process.pid, self.launched_at, "vllm serve")
         while True:
             for instance in self.instances:
-                instance.refresh(self.launched_at, self.options.start_timeout_s)
+                instance.refresh(self.launched_at)
+                if instance.status.state != "ready":
+                    self._judge_start(instance, watch)
             if time.monotonic() - looked >= RECORD_EVERY_S:
                 self.record(look=True)
                 looked = time.monotonic()
@@ -598,6 +586,15 @@ class VllmDeployment:
                 return
             time.sleep(POLL_S)
 
+    def _judge_start(self, instance: Instance, watch: StartWatch) -> None:
+        judgement = watch.check(instance.spec.name)
+        if judgement is None or instance.fault() is not None:  # an exit says more
+            return
+        if not judgement.is_fault:
+            raise StartupStarved(instance.spec.name, judgement.cause)
+        log = instance.spec.log_path
+        raise VllmFault(instance.spec.name, judgement.cause, log, last_lines(log))
+
     def _check_proxy(self) -> None:
         if self.proxy is None or self.proxy_url is not None:
             return
@@ -607,7 +604,7 @@ class VllmDeployment:
                 return
         code = self.proxy.exit_code()
         elapsed = time.monotonic() - self.launched_at
-        if code is not None or elapsed > self.options.start_timeout_s:
+        if code is not None or elapsed > self.options.start_limit_s:
             reason = (
                 f"exited with status {code}"
                 if code is not None

@@ -1,5 +1,4 @@
 """The wall-clock replay over real engine processes. Runs in: frontend process.
 
-driver (sends on the clock, samples the engines), faults (dead, hung or stalled), starvation
-(starved of CPU or stuck).
+driver (sends on the clock, samples the engines), faults (dead, hung, stalled or starved).
 """

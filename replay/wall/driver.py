@@ -20,11 +20,11 @@ from engine.core.outputs import RequestOutput
 from engine.proc.client import EngineDeadError
 from engine.proc.messages import StatsSnapshot
 from replay.runtime.interrupt import Interrupted
+from replay.runtime.starvation import StarvationJudge
 from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
 from replay.trace.synth import synth_prompt
 from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
 from replay.wall.faults import FaultWatch, since_start
-from replay.wall.starvation import StarvationJudge
 
 LEAD_IN_S = 0.1  # at most, between start-up and the trace's t = 0: see _lead_in
 
@@ -297,6 +297,7 @@ class WallClockReplay:
                 **({"interrupted": self.interrupted} if self.interrupted else {}),
                 "faults": [asdict(f) for f in self.faults.faults],
                 "starved": [asdict(s) for s in self.faults.starved],
+                "shared": [asdict(s) for s in self.faults.shared.values()],
             },
         )
 

@@ -14,10 +14,10 @@ clock, and asks when to probe. Sources:
 These counts live as long as the engines, and a serve's outlive many replays, so each
 replay judges them from its own start: an engine's first snapshot is its baseline and
 only what grew since is a fault (since_start does the same for the Timeline's counters).
-- another client's work: an engine snapshot taken while this replay had no request in
-  flight that shows requests waiting or running (a serve shared with another replay,
-  whose blocks cannot be told from this one's; kind "shared").
-With a judge (replay/wall/starvation.py: the engines' pids known), a silent engine that is
+Another client's work (an engine snapshot taken while this replay had no request in
+flight that shows requests waiting or running: a serve shared with another replay) is no
+fault either: it is kept in `shared`, and the run is inconclusive from then on.
+With a judge (replay/runtime/starvation.py: the engines' pids known), a silent engine that is
 alive and runnable but starved of CPU is no fault: it is kept in `starved` (the run is
 inconclusive) until it answers or the judge finds it stopped, dead or stuck.
 Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from replay.runtime.starvation import StarvationJudge
 from replay.verify.units import seconds
-from replay.wall.starvation import StarvationJudge
 
 STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
 PROBE_INTERVAL_S = 1.0
@@ -41,9 +41,19 @@ PROBE_INTERVAL_S = 1.0
 class Fault:
     t: float  # first seen (replay seconds)
     engine: str  # "" when no one engine is to blame
-    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap" | "shared"
+    kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap"
     cause: str
     end_t: float | None = None  # a stall that ended (the engine answered again)
+
+
+@dataclass(slots=True, kw_only=True)
+class Shared:
+    """Another client's requests on an engine while this replay had none there: no fault,
+    but its blocks cannot be told from this replay's, so nothing after it is judged."""
+
+    t: float  # first seen (replay seconds)
+    engine: str
+    cause: str
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,6 +136,7 @@ class FaultWatch:
     ) -> None:
         self.stall_s, self.probe_interval_s, self.judge = stall_s, probe_interval_s, judge
         self.starved: list[Starved] = []  # silences of engines alive but starved, first first
+        self.shared: dict[str, Shared] = {}  # engine -> the first sign of another client
         self.heard: dict[str, float] = dict.fromkeys(engines, 0.0)  # last snapshot (replay s)
         self.asked: dict[str, float | None] = dict.fromkeys(engines)  # first unanswered probe
         self.last_probe = float("-inf")
@@ -166,16 +177,15 @@ class FaultWatch:
         if quiet_since is None or t <= quiet_since:
             return
         num_active = sum(counts.get(name, 0) for name in _ACTIVE)
-        if num_active > 0:
-            self._note(
-                t,
-                engine,
-                "shared",
-                (
+        if num_active > 0 and engine not in self.shared:
+            self.shared[engine] = Shared(
+                t=t,
+                engine=engine,
+                cause=(
                     f"{num_active} request{'s' if num_active != 1 else ''} of another client "
-                    f"waiting or running while this replay had none in flight: the serve is shared, "
-                    f"and its blocks cannot be told from this replay's (replay against a serve of "
-                    f"your own)"
+                    f"waiting or running while this replay had none in flight: the serve is "
+                    f"shared, and its blocks cannot be told from this replay's (replay against "
+                    f"a serve of your own)"
                 ),
             )
 

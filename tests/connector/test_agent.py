@@ -14,11 +14,11 @@ from engine.runner.kv_cache import KVCache
 def test_a_kv_cache_the_worker_cannot_map_fails_the_start_at_once(tmp_path, monkeypatch) -> None:
     """A RegisterKVCache whose memory the worker cannot map (here: the segment is gone)
     ends the worker, so the agent says so at once; it used to count a bad message and
-    stay silent, and the engine start hung READY_TIMEOUT_S (60 s) for KVCacheRegistered."""
-    monkeypatch.setattr(agent_mod, "READY_TIMEOUT_S", 20.0)
+    stay silent, and the engine start hung its whole start limit for KVCacheRegistered."""
     config = EngineConfig(
         engine_id="P",
         num_blocks=8,
+        start_limit_s=5.0,
         kv_transfer=KVTransferConfig(
             kv_role="kv_producer",
             agent_addr=f"ipc://{tmp_path}/agent",

@@ -267,6 +267,20 @@ def test_serve_on_an_address_in_use_fails_before_any_engine_starts(monkeypatch):
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_serve_http_on_a_port_in_use_fails_before_any_engine_starts(monkeypatch):
+    """It printed "listening", then a 55-line traceback and exit 1 (read as a violation)."""
+    import socket
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        result = _serve_without_engines(monkeypatch, "--http", str(port))
+    finally:
+        taken.close()
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: --http 127.0.0.1:{port}: Address already in use"
+
+
 def test_serve_with_an_unwritable_record_path_fails_before_any_engine_starts(monkeypatch, tmp_path):
     path = tmp_path / "no-such-dir" / "traffic.jsonl"
     result = _serve_without_engines(monkeypatch, "--record", str(path))

@@ -1,9 +1,9 @@
 """`--start` keeps a clean run clean, in both clocks.
 
-Reported: four requests at t=45 and four at t=50, `replay FILE --runner mock --start 40`
-said "expected window not reached: the tail: the replay stopped before it ended", exit 3,
-while `--start 0` and the virtual clock verified. At this tree it verifies in both clocks;
-these tests hold it there.
+Reported: eight requests at t=45.0-50.3, `replay FILE --start 40` said "1 not reached
+(the tail: the replay stopped before it ended)", exit 3, three runs of three, while
+`--start 0` and the virtual clock verified: the run's last arrival (50.3 - 40 =
+10.299999999999997 s) was compared with the model's tail (10.3 s, off its integer clock).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ def _trace(tmp_path):
     path = tmp_path / "start.jsonl"
     path.write_text(
         "".join(
-            json.dumps({"t": t, "id": f"r{t}-{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
-            for t in (45, 50)
-            for i in range(4)
+            json.dumps({"t": t, "id": f"r{i}", "prompt_len": 64, "max_tokens": 4}) + "\n"
+            for i, t in enumerate((45.0, 45.2, 45.5, 45.9, 50.0, 50.1, 50.2, 50.3))
         )
     )
     return path

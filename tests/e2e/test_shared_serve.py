@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.verify.verdict import EXIT_FAULT
+from replay.verify.verdict import EXIT_INCONCLUSIVE
 from tests.paths import ROOT
 
 
@@ -115,10 +115,9 @@ def test_two_replays_against_one_serve_each_name_the_other_and_blame_no_leak(tmp
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(10)
     for p, out, name in zip(replays, outs, ("a", "b")):
-        assert p.returncode == EXIT_FAULT, out
+        assert p.returncode == EXIT_INCONCLUSIVE, out  # another client is not a dead engine
         assert "the serve is shared" in out, out
         report = json.loads((tmp_path / f"{name}.json").read_text())
-        assert [f["kind"] for f in report["faults"]] and {f["kind"] for f in report["faults"]} == {
-            "shared"
-        }
+        assert report["faults"] == [] and report["status"] == "inconclusive"
+        assert any(r.startswith("shared: ") for r in report["reasons"]), report["reasons"]
         assert not [v for v in report["violations"] if v["kind"] == "leak"], out

@@ -23,7 +23,7 @@ from replay.verify.coverage import (
 )
 from replay.verify.rules import VerifyOptions, idle_windows, verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
-from tests.paths import AZURE, EXAMPLE, TRACES
+from tests.paths import AZURE, EXAMPLE, public_trace
 
 
 def _record(
@@ -217,7 +217,7 @@ def test_the_virtual_clock_observes_every_window_it_expects(liveness):
     assert len(idle_windows(timeline, 1.0)) == 4 and not verdict.reasons
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason=f"public traces not at {TRACES}")
+@public_trace(AZURE)
 def test_the_virtual_clock_covers_a_dense_public_trace():
     # 400 requests of the Azure code trace: some gaps over the threshold are filled by the
     # trace's own work (busy); every one the model expects is observed.
@@ -377,3 +377,73 @@ def test_a_recorded_idle_snapshot_the_replay_was_quiet_at_for_less_than_a_drain_
     # quiet for longer than the deadline, the held block is a violation
     held = verify(just_quiet, [snapshot], VerifyOptions(drain_deadline_s=0.2))
     assert "snapshot" in [v.kind for v in held.violations]  # (and the window's leak)
+
+
+def test_the_tail_is_reached_when_the_models_last_arrival_rounds_to_the_runs():
+    """`replay TRACE --start 40`, the last request at 50.3 s: the run sent it at
+    50.3 - 40 = 10.299999999999997 s, the model (the virtual clock's integer nanoseconds)
+    put the tail at 10.3 s, and the tail read "not reached" in three runs of three."""
+    late = 50.3 - 40
+    run = _timeline(
+        [_record("a", 0.0, 0.5), _record("b", late, late + 0.5)],
+        [_sample(0.0, 3), _sample(0.5, 0), _sample(late, 3), _sample(late + 0.5, 0)],
+        late + 3.0,
+    )
+    model = _timeline(
+        [_record("a", 0.0, 0.5), _record("b", 10.3, 10.8)],
+        [_sample(0.0, 3), _sample(0.5, 0), _sample(10.3, 3), _sample(10.8, 0)],
+        13.3,
+    )
+    verdict = verify(run, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    assert [c.state for c in verdict.coverage] == ["observed", "observed"]
+    assert verdict.status == "verified", verdict.reasons
+
+
+def _unfinished(meta: dict) -> Timeline:
+    """Two bursts; the second's request still running when the run ended."""
+    timeline = _two_bursts()
+    timeline.requests[1].end_t = None
+    timeline.samples[-1] = _sample(4.5, 3)
+    timeline.meta.update(meta)
+    return timeline
+
+
+def test_a_request_that_never_ended_on_a_healthy_run_is_a_violation():
+    verdict = verify(_unfinished({}), [], VerifyOptions())
+    assert verdict.status == "violation"
+    assert [v.kind for v in verdict.violations] == ["unfinished"]
+
+
+def test_a_request_still_running_when_its_engine_starved_is_inconclusive_not_a_violation():
+    """Beside four CPU hogs at nice -15 the README's main replay ended VIOLATION: 11 requests
+    "never ended", still running when the replay stopped, the engines given 2-4% of a core."""
+    starved = {"t": 1.0, "end_t": None, "engine": "E", "cause": "2% of a core"}
+    verdict = verify(_unfinished({"starved": [starved]}), [], VerifyOptions())
+    assert verdict.status == "inconclusive" and not verdict.violations
+    assert any(
+        r.startswith("1 request still running when the run ended, its engines starved of CPU")
+        and "'b'" in r
+        for r in verdict.reasons
+    ), verdict.reasons
+
+
+def test_a_request_still_running_when_the_run_was_stopped_is_not_judged():
+    """`q` in the live view: "request 'b2-r8' never ended ... 1 violation" before."""
+    verdict = verify(_unfinished({"interrupted": "q"}), [], VerifyOptions())
+    assert not verdict.violations
+    assert any(r.startswith("stopped early: 1 request still running") for r in verdict.reasons)
+
+
+def test_another_clients_requests_on_a_shared_serve_are_inconclusive_never_a_fault():
+    """A second replay on a serve another replay was using ended FAULT (exit 4), which is
+    for dead engines; and the leak its requests made in the first replay's window is not
+    this replay's to judge."""
+    timeline = _two_bursts()
+    timeline.samples[1] = _sample(0.5, 2)  # blocks held through the gap: the other client's
+    seen = {"t": 2.0, "engine": "E", "cause": "1 request of another client"}
+    timeline.meta["shared"] = [seen]
+    verdict = verify(timeline, [], VerifyOptions())
+    assert verdict.status == "inconclusive" and not verdict.faults and not verdict.violations
+    assert any(r.startswith("shared: E from 2.000 s: 1 request") for r in verdict.reasons)
+    timeline.meta["shared"] = []
+    assert verify(timeline, [], VerifyOptions()).status == "violation"  # without: a leak

@@ -199,9 +199,13 @@ def test_the_fake_venv_reports_its_vllm_version(fake_venv):
 
 
 @pytest.mark.parametrize("topology", ["single", "pd"])
-def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_running(
+def test_a_replay_through_launched_instances_is_judged_and_leaves_nothing_running(
     fake_venv, pidfile, tmp_path, topology
 ):
+    """What the launcher guarantees: a verdict on what it launched (a fake that drains,
+    so never a violation or a fault) and nothing left running. On a loaded machine (load
+    6-9) the engines' lag can shrink the example's gaps below the idle threshold: that is
+    inconclusive, and not the launcher's to prevent."""
     report = tmp_path / "report.json"
     result = kvdrain(
         "replay",
@@ -221,7 +225,7 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
         "0.5",
     )  # the fake answers at once; its gaps are 2 s
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    assert result.returncode in (0, 3), out  # verified, or inconclusive on a busy machine
     names = {"single": ["E"], "pd": ["P", "D"]}[topology]
     assert "ready in" in out and "launch to ready" in out and f"{names[0]}.log" in out
     written = json.loads(report.read_text())
@@ -229,6 +233,7 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
     assert written["deployment"]["vllm_version"] == "0.32.0+fake"
     assert [i["name"] for i in written["deployment"]["instances"]] == names
     assert "make_pd_connector" not in json.dumps(written["settings"])
+    assert written["status"] in ("verified", "inconclusive") and not written["violations"]
     pids = started_pids(pidfile)
     assert len(pids) == 2 * len(names)
     assert not any(running(p) for p in pids)
@@ -237,7 +242,7 @@ def test_a_replay_through_launched_instances_is_verified_and_leaves_nothing_runn
 def deployment(
     venv: Path, tmp_path: Path, topology: str = "single", timeout_s: float = 60
 ) -> VllmDeployment:
-    options = VllmOptions(venv=venv, topology=topology, start_timeout_s=timeout_s)
+    options = VllmOptions(venv=venv, topology=topology, start_limit_s=timeout_s)
     return VllmDeployment(options, check_venv(venv), tmp_path / "run")
 
 
@@ -261,7 +266,7 @@ def test_an_instance_never_healthy_is_a_fault_after_the_start_timeout(
     monkeypatch.setenv("FAKE_VLLM_MODE", "hangs")
     with deployment(fake_venv, tmp_path, timeout_s=3) as d:
         d.start()
-        with pytest.raises(VllmFault, match="not healthy within"):
+        with pytest.raises(VllmFault, match="vllm serve was not ready within 3.000 s"):
             d.wait_ready()
     pids = started_pids(pidfile)
     assert pids and not any(running(p) for p in pids)

@@ -17,10 +17,7 @@ import time
 
 import pytest
 
-from replay.verify.rules import verify
-from replay.verify.timeline import EngineSample, RequestRecord, Timeline
-from replay.wall.faults import FaultWatch
-from replay.wall.starvation import (
+from replay.runtime.starvation import (
     Machine,
     ProcSample,
     StarvationJudge,
@@ -28,6 +25,9 @@ from replay.wall.starvation import (
     read_machine,
     read_proc,
 )
+from replay.verify.rules import verify
+from replay.verify.timeline import EngineSample, RequestRecord, Timeline
+from replay.wall.faults import FaultWatch
 from tests.proc_utils import wait_until
 
 LOADED = Machine(load_per_core=5.0, pressure_pct=99.0)  # as read beside the hogs
