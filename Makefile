@@ -88,12 +88,14 @@ AZURE_URL := https://raw.githubusercontent.com/Azure/AzurePublicDataset/b469a113
 traces:
 	@if [ -e traces ]; then echo "traces/ is there"; \
 	elif [ -d ../shared/traces ]; then ln -s ../shared/traces traces && echo "traces -> ../shared/traces"; \
-	else mkdir -p traces && curl -fsSL -o traces/conversation_trace.jsonl $(MOONCAKE_URL) \
-		&& curl -fsSL -o traces/AzureLLMInferenceTrace_code.csv $(AZURE_URL) \
-		&& (cd traces && printf '%s\n' \
+	else rm -rf traces.part && mkdir traces.part \
+		&& curl -fsSL -o traces.part/conversation_trace.jsonl $(MOONCAKE_URL) \
+		&& curl -fsSL -o traces.part/AzureLLMInferenceTrace_code.csv $(AZURE_URL) \
+		&& (cd traces.part && printf '%s\n' \
 		'b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df  conversation_trace.jsonl' \
 		'54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6  AzureLLMInferenceTrace_code.csv' \
-		| sha256sum -c); fi
+		| sha256sum -c) && mv traces.part traces \
+		|| { rm -rf traces.part; echo "make traces: download failed; nothing kept"; exit 1; }; fi
 
 # Every supported version, sync and async, one table at the end.
 parity-all: $(foreach v,$(PARITY_VERSIONS),.venv-parity-$(v)/.installed)

@@ -10,3 +10,14 @@ EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
 TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT / "traces"))
 MOONCAKE = TRACES / "conversation_trace.jsonl"
 AZURE = TRACES / "AzureLLMInferenceTrace_code.csv"
+
+
+def public_trace(path: Path):
+    """Skip, saying why, unless `path` is there and not empty (a failed download leaves an
+    empty traces/ behind)."""
+    import pytest
+
+    there = path.is_file() and path.stat().st_size > 0
+    return pytest.mark.skipif(
+        not there, reason=f"public trace {path.name} not at {TRACES} (`make traces` fetches it)"
+    )

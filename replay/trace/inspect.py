@@ -11,6 +11,7 @@ how long a wall replay takes. Bad lines are all counted, the first few reported.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,11 @@ from replay.trace.reader import (
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 
 TOP_GAPS = 5
+BURST_S = 1.0  # the busiest stretch of this length is reported
+BURST_NOTE = 10_000  # said when at least this many requests arrive within it
+# The virtual clock's memory per request waiting at once, and per prompt token of it.
+WAITING_REQUEST_BYTES = 1_600
+TOKEN_BYTES = 40
 DEFAULT_IDLE_THRESHOLD_S = 1.0  # replay's (replay/verify/rules.py VerifyOptions)
 DEFAULT_TAIL_S = 2.0  # replay's tail at its default drain deadline (max(2, 3 x 0.5 s))
 
@@ -71,6 +77,20 @@ class LengthCheck:
             self.num_capped += 1
 
 
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """The busiest BURST_S of the trace: when it starts, its requests and prompt tokens."""
+
+    t: float
+    num_requests: int
+    num_prompt_tokens: int
+
+    def virtual_bytes(self) -> int:
+        """What the virtual clock holds for these requests waiting at once (the engines'
+        Request objects, token ids and block hashes), as bench/README.md measured it."""
+        return self.num_requests * WAITING_REQUEST_BYTES + self.num_prompt_tokens * TOKEN_BYTES
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TraceInspection:
     """What `inspect_trace` measured; times are replay seconds (the shaped trace's)."""
@@ -96,6 +116,7 @@ class TraceInspection:
     bad_line_messages: tuple[str, ...] = ()
     num_skipped: int = 0  # rows the format itself skips (zero tokens: a failed request)
     tail_s: float = DEFAULT_TAIL_S
+    burst: Burst | None = None  # the busiest second
 
     @property
     def mean_rate(self) -> float:
@@ -136,6 +157,9 @@ class _Pass:
     num_reused: int = 0
     top: list = field(default_factory=list)  # min-heap of (length, start, line)
     seen: set = field(default_factory=set)
+    second: deque = field(default_factory=deque)  # (t, prompt_len) of the last BURST_S
+    second_tokens: int = 0
+    burst: Burst | None = None
 
     def add(self, rec) -> None:
         self.counts[type(rec)] = self.counts.get(type(rec), 0) + 1
@@ -155,6 +179,17 @@ class _Pass:
         self.num_refs += len(rec.hash_ids or ())
         for check in self.checks:
             check.add(rec)
+        self._note_burst(rec)
+
+    def _note_burst(self, rec: TraceRequest) -> None:
+        """The most requests to arrive within BURST_S of each other, and their prompt tokens."""
+        second = self.second
+        second.append((rec.t, rec.prompt_len))
+        self.second_tokens += rec.prompt_len
+        while rec.t - second[0][0] >= BURST_S:
+            self.second_tokens -= second.popleft()[1]
+        if self.burst is None or len(second) > self.burst.num_requests:
+            self.burst = Burst(second[0][0], len(second), self.second_tokens)
 
 
 def _length_checks(max_model_len: int | None) -> tuple[LengthCheck, ...]:
@@ -209,6 +244,7 @@ def inspect_trace(
         bad_line_messages=summary.bad_line_messages,
         num_skipped=summary.num_skipped,
         tail_s=tail_s,
+        burst=scan.burst,
     )
 
 
@@ -266,6 +302,13 @@ def dry_run_lines(insp: TraceInspection) -> list[str]:
             f"{insp.last_arrival:,.1f} s + {insp.tail_s:g} s tail; start-up aside)",
         ]
     lines += [f"  shaping: {line}" for line in insp.shaping]
+    burst = insp.burst
+    if burst is not None and burst.num_requests >= BURST_NOTE:
+        lines.append(
+            f"  busiest second: {burst.num_requests:,} requests from t={burst.t:,.3f} s wait "
+            f"in the engines at once: a virtual replay holds them in memory together, about "
+            f"{burst.virtual_bytes() / 2**20:,.0f} MiB (--max-requests, --start and --end cut it)"
+        )
     for check in insp.length_checks:
         lines.append(
             f"  max_model_len {check.max_model_len:,} ({check.source}): "

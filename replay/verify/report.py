@@ -296,6 +296,8 @@ def stopped_what(report: dict) -> str:
     )
     if report["violations"]:
         what += f"; {plural(len(report['violations']), 'violation')} in that part (above)"
+    if report.get("settings", {}).get("target") is not None:
+        return what + "; the target's engines were left as they were (this run owns none)"
     return what + "; the engines were shut down"
 
 

@@ -20,7 +20,7 @@ from replay.trace.reader import TraceRecord, TraceSnapshot, read_trace
 from replay.trace.shaping import ShapingOptions, shape
 from replay.verify.rules import VerifyOptions, idle_windows, verify
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
-from tests.paths import MOONCAKE, TRACES
+from tests.paths import MOONCAKE, public_trace
 
 NUM_BLOCKS = 512
 
@@ -383,7 +383,7 @@ def _record(req_id: str, arrival: float, end: float) -> RequestRecord:
     )
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"public traces not at {TRACES}")
+@public_trace(MOONCAKE)
 @pytest.mark.parametrize("liveness,exit_code", [("legacy", 1), ("poll", 0), ("event", 0)])
 def test_mooncake_slice(liveness, exit_code):
     shaping = ShapingOptions(scale_tokens=0.03125, max_requests=300)

@@ -30,9 +30,8 @@ from replay.trace.reader import (
 from replay.trace.records import MAX_LINE_BYTES
 from replay.trace.shaping import ShapingLog, ShapingOptions, scale_request, shape
 from replay.trace.synth import synth_prompt
-from tests.paths import AZURE, EXAMPLE, MOONCAKE, ROOT, TRACES
+from tests.paths import AZURE, EXAMPLE, MOONCAKE, ROOT, public_trace
 
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"public traces not at {TRACES}")
 AZ_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
 
 
@@ -199,7 +198,7 @@ def test_mooncake_small_and_ceil_rule(tmp_path):
     assert (s.num_requests, s.num_skipped) == (1, 1)
 
 
-@needs_traces
+@public_trace(MOONCAKE)
 def test_mooncake_real_trace():
     s = validate_trace(MOONCAKE)
     assert (s.format, s.num_requests, s.num_skipped) == ("mooncake", 12031, 0)
@@ -270,7 +269,7 @@ def test_azure_columns_by_name_and_bad_rows(tmp_path):
         assert str(e.value) == f"{bad}:2: {message}"
 
 
-@needs_traces
+@public_trace(AZURE)
 def test_azure_real_trace():
     recs = requests(read_trace(AZURE))
     assert (recs[0].t, recs[0].prompt_len, recs[0].max_tokens, len(recs)) == (0, 4808, 10, 8819)

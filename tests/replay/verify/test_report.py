@@ -166,6 +166,11 @@ def test_an_interrupted_runs_verdict_line_says_what_ran_with_its_time_to_the_mil
         "INTERRUPTED: by q after 6.028 s and 24 of 32 requests: 4 of 4 reached "
         "windows drained; 2 not reached; the engines were shut down (exit 130)"
     )
+    report["settings"] = {"target": "http://127.0.0.1:8000"}  # another's server: left running
+    assert verdict_line(report).endswith(
+        "; the target's engines were left as they were (this run owns none) (exit 130)"
+    )
+    del report["settings"]
     report["stop"]["num_sent"] = 0
     assert summary_lines(report) == [
         "INTERRUPTED: by q during start-up, before any request was sent; "
