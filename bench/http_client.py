@@ -1,31 +1,10 @@
-"""kvdrain's HTTP replay client beside `vllm bench serve`, Poisson arrivals into one mock serve. Runs in: a bench process.
+"""kvdrain's HTTP replay client beside `vllm bench serve`, on one serve. Runs in: a bench process.
 
 Usage: .venv/bin/python bench/http_client.py [--rates 10,50,100,200] [--duration 30]
        [--vllm-venv .venv-vllm] [--prompt-len 32] [--max-tokens 16] [--code DIR]
-One `kvdrain serve --http 0 --runner mock` child (started here, stopped on every path)
-takes both clients in turn, rate by rate (kvdrain first, then vLLM's):
-- kvdrain: the HTTP replay client (`replay --target http://`, replay/target/client.py) sends
-  an in-memory trace of rate * duration requests (prompt_len tokens, max_tokens, a fresh
-  request id each so nothing hits the prefix cache), arrivals Poisson at the rate with the
-  gaps scaled so the last arrival is at num_requests / rate, as vllm bench scales its own;
-- vLLM: `vllm bench serve --backend openai --dataset-name random` with the same input and
-  output lengths (range ratio 0, --ignore-eos), --request-rate R --num-prompts N, read from
-  its --save-result json. Its tokenizer is the word-level one kvdrain's vLLM launcher
-  writes (replay/vllm/tiny_model.py): `w<N>` is token N, the ids kvdrain's serve reads
-  from a text prompt.
-Per rate: kvdrain's send lateness p50/p99 (the moment its request task stamped the send
-minus the trace's intended time), its CPU per request (this process's, the whole replay
-over the requests: less disturbed by other load than the latencies), achieved rate (completed / from t = 0 to the last
-request's end, vllm bench's request_throughput), and TTFT p50 for both. Both clients put
-the last arrival at N / rate, so their achieved rates differ only by when the last
-request ended (its lateness and latency, a few ms in 30 s): the ratio is printed to 4
-decimals, and the rates where kvdrain's is below vllm bench's are named. Then the highest
-rate at which kvdrain's p99 lateness stays under 5 ms, and one more kvdrain run at
---scrape-rate while it scrapes the serve's /metrics under 4 names at 10 Hz.
-Aims: kvdrain's achieved rate >= vllm bench's at every rate; p99 lateness < 5 ms at 100
-req/s with the 4 scrapes.
---code DIR runs another checkout's HTTP client (say, a baseline) under this script, against
-this checkout's serve: before/after numbers in one sitting.
+One `kvdrain serve --http 0 --runner mock` child takes both clients in turn, rate by rate, on
+Poisson arrivals, then one more kvdrain run that scrapes its /metrics. Aims: kvdrain's achieved
+rate >= vllm bench's at every rate; p99 lateness < LATENESS_AIM_S at 100 req/s with the scrapes.
 """
 
 from __future__ import annotations
@@ -43,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-# --code DIR: measure another checkout's client with this script (read before the imports).
+# --code DIR: measure another checkout's client with this script, against this checkout's
+# serve: before and after in one sitting (read before the imports).
 CODE = Path(sys.argv[sys.argv.index("--code") + 1]).resolve() if "--code" in sys.argv[:-1] else ROOT
 sys.path.insert(0, str(CODE))
 
@@ -58,7 +38,7 @@ from replay.vllm.tiny_model import SERVED_NAME, write_tiny_model  # noqa: E402
 LATENESS_AIM_S = 0.005
 NUM_SCRAPES = 4
 SCRAPE_INTERVAL_S = 0.1
-VLLM_STARTUP_S = 300.0  # its CLI imports torch and transformers: a minute on a loaded machine
+VLLM_STARTUP_S = 300.0  # its CLI imports torch and transformers: slow on a loaded machine
 
 
 @dataclass(slots=True, kw_only=True)
@@ -98,6 +78,13 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 def run_kvdrain(url: str, rate: float, seed: int, args, scrapes: int = 0) -> Row:
+    """The HTTP replay client (`replay --target http://`) on rate * duration requests, each a
+    fresh request id so nothing hits the prefix cache; `scrapes` /metrics names at 10 Hz.
+
+    Lateness: when its request task stamped the send minus the trace's time. CPU per request:
+    this process's over the whole replay (less disturbed by other load than the latencies).
+    Achieved rate: completed / from t = 0 to the last end (vllm bench's request_throughput).
+    """
     num_requests = round(rate * args.duration)
     metrics = tuple(MetricsSource(f"{url}/metrics", f"m{k}") for k in range(scrapes))
     options = HttpTargetOptions(
@@ -165,6 +152,9 @@ def vllm_command(
 
 
 def run_vllm(venv: Path, url: str, rate: float, seed: int, args, tokenizer: Path, tmp: Path) -> Row:
+    """`vllm bench serve` on the same lengths, read from its --save-result json. Its tokenizer is
+    the word-level one of kvdrain's vLLM launcher (replay/vllm/tiny_model.py): `w<N>` is token N,
+    the ids kvdrain's serve reads from a text prompt."""
     out = tmp / f"vllm-{rate:g}.json"
     command = vllm_command(venv, url, rate, seed, args, tokenizer, out)
     try:
@@ -198,7 +188,8 @@ def print_table(
 ) -> None:
     print(f"{'rate':>6} | {'kvdrain':^55} | {'vllm bench serve':^27} | {'rate':>7}")
     print(
-        f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} {'CPU us':>7} {'ok/fail':>9} | "
+        f"{'req/s':>6} | {'late p50':>9} {'p99 ms':>7} {'req/s':>8} {'TTFT p50':>9} "
+        f"{'CPU us':>7} {'ok/fail':>9} | "
         f"{'req/s':>8} {'TTFT p50':>9} {'ok/fail':>8} | {'kv/vllm':>7}"
     )
     for rate in rates:
@@ -207,7 +198,8 @@ def print_table(
             f"{rate:>6g} | {_f(k.lateness_p50_ms, '.2f'):>9} {_f(k.lateness_p99_ms, '.2f'):>7} "
             f"{_f(k.achieved, '.2f'):>8} {_f(k.ttft_p50_ms, '.1f'):>9} {_f(k.cpu_us, '.0f'):>7} "
             f"{f'{k.num_completed}/{k.num_failed}':>9} | "
-            f"{_f(v.achieved, '.2f'):>8} {_f(v.ttft_p50_ms, '.1f'):>9} {f'{v.num_completed}/{v.num_failed}':>8} | "
+            f"{_f(v.achieved, '.2f'):>8} {_f(v.ttft_p50_ms, '.1f'):>9} "
+            f"{f'{v.num_completed}/{v.num_failed}':>8} | "
             f"{_f(_ratio(k, v), '.4f'):>7}"
         )
     for rate in rates:
@@ -218,6 +210,8 @@ def print_table(
 
 
 def _ratio(k: Row, v: Row) -> float | None:
+    """Both clients put the last arrival at N / rate, so their achieved rates differ only by
+    when the last request ended: printed to 4 decimals."""
     return k.achieved / v.achieved if k.achieved and v.achieved else None
 
 
@@ -249,10 +243,12 @@ def print_aims(
         f"{'none of these' if best is None else f'{best:g} req/s'}"
     )
     print(
-        f"at {scrape_rate:g} req/s scraping {NUM_SCRAPES} /metrics URLs at {1 / SCRAPE_INTERVAL_S:g} Hz: "
-        f"lateness p50 {_f(scraped.lateness_p50_ms, '.2f')} ms, p99 {_f(scraped.lateness_p99_ms, '.2f')} ms, "
+        f"at {scrape_rate:g} req/s scraping {NUM_SCRAPES} /metrics URLs at "
+        f"{1 / SCRAPE_INTERVAL_S:g} Hz: lateness p50 {_f(scraped.lateness_p50_ms, '.2f')} ms, "
+        f"p99 {_f(scraped.lateness_p99_ms, '.2f')} ms, "
         f"{_f(scraped.achieved, '.1f')} req/s, TTFT p50 {_f(scraped.ttft_p50_ms, '.1f')} ms "
-        f"(aim p99 < {LATENESS_AIM_S * 1000:g} ms: {_met(scraped.lateness_p99_ms, lambda p: p < LATENESS_AIM_S * 1000)})"
+        f"(aim p99 < {LATENESS_AIM_S * 1000:g} ms: "
+        f"{_met(scraped.lateness_p99_ms, lambda p: p < LATENESS_AIM_S * 1000)})"
     )
     print(
         f"  scrapes per URL (of ~{slots} slots): "
@@ -267,7 +263,8 @@ def print_aims(
         )
     else:
         print(
-            "aim kvdrain req/s >= vllm bench's at every rate: unknown (vllm bench did not run at every rate)"
+            "aim kvdrain req/s >= vllm bench's at every rate: "
+            "unknown (vllm bench did not run at every rate)"
         )
 
 
@@ -349,8 +346,9 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print(
-        f"mock runner, P/D; Poisson arrivals, {args.duration:g} s per rate, {args.prompt_len}-token "
-        f"prompts, max_tokens {args.max_tokens}; one serve, the clients in turn; kvdrain's client: {CODE}"
+        f"mock runner, P/D; Poisson arrivals, {args.duration:g} s per rate, "
+        f"{args.prompt_len}-token prompts, max_tokens {args.max_tokens}; one serve, "
+        f"the clients in turn; kvdrain's client: {CODE}"
     )
     print_table(args.rates, kv, vl, vllm_note)
     print_aims(args.rates, kv, vl, scraped, args.scrape_rate, args.duration)

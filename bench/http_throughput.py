@@ -1,15 +1,9 @@
-"""Requests/s of one trace through `serve --http` (OpenAI HTTP, streaming) vs the zmq serve protocol. Runs in: a bench process.
+"""Requests/s through `serve --http` against the zmq serve protocol. Runs in: a bench process.
 
-Usage: .venv/bin/python bench/http_throughput.py  (not bench/http.py: that name would shadow
-the standard library's http package for every script in bench/)
-One `kvdrain serve --http 0` child (mock runner, P/D topology, event policy) serves both
-protocols on the same engines. The same synthetic trace (NUM_REQUESTS requests of
-PROMPT_LEN-token prompts, max_tokens MAX_TOKENS, all at t = 0: a saturating burst) is
-replayed through each: the zmq protocol with the wall-clock driver and a ServeClient
-(`replay --target tcp://`), HTTP with the HTTP replay client (`replay --target http://`:
-one streaming POST per request, aiohttp, usage in the last chunk). Requests/s = requests
-/ (last end - first send); REPEATS runs each, alternating, the median kept. Every request
-must finish with all its tokens. Prints both rows and the ratio HTTP / zmq.
+Usage: .venv/bin/python bench/http_throughput.py  (not http.py: it would shadow the stdlib's http)
+One `kvdrain serve --http 0` child (mock runner, P/D, event) serves both protocols on the same
+engines; a saturating burst of NUM_REQUESTS at t = 0 goes through each, REPEATS times, alternating,
+the median kept. Prints both rows and the ratio HTTP / zmq.
 """
 
 from __future__ import annotations
@@ -54,6 +48,7 @@ def write_trace(path: Path, run: int) -> None:
 
 
 def rate(timeline) -> float:
+    """Requests / (last end - first send); every request must finish with all its tokens."""
     records = timeline.requests
     bad = [r for r in records if r.end_t is None or r.num_output_tokens != MAX_TOKENS or r.error]
     if len(records) != NUM_REQUESTS or bad:
@@ -62,6 +57,7 @@ def rate(timeline) -> float:
 
 
 def run_zmq(address: str, trace: Path) -> float:
+    """The wall-clock driver over a ServeClient (`replay --target tcp://`)."""
     client = ServeClient(address)
     try:
         return rate(WallClockReplay(client, WallOptions(tail_s=0.01)).run(read_trace(trace)))
@@ -70,6 +66,8 @@ def run_zmq(address: str, trace: Path) -> float:
 
 
 def run_http(url: str, trace: Path) -> float:
+    """The HTTP replay client (`replay --target http://`): one streaming POST per request,
+    aiohttp, usage in the last chunk."""
     options = HttpTargetOptions(url, tail_s=0.01)
     return rate(HttpReplay(options).run(read_trace(trace)))
 
@@ -97,10 +95,12 @@ def main() -> None:
     )
     print(f"{'protocol':<44} {'req/s':>8} {'out tok/s':>10}")
     print(
-        f"{'zmq serve protocol (replay --target tcp://)':<44} {zmq_rate:>8.0f} {zmq_rate * MAX_TOKENS:>10.0f}"
+        f"{'zmq serve protocol (replay --target tcp://)':<44} {zmq_rate:>8.0f} "
+        f"{zmq_rate * MAX_TOKENS:>10.0f}"
     )
     print(
-        f"{'HTTP, streaming (replay --target http://)':<44} {http_rate:>8.0f} {http_rate * MAX_TOKENS:>10.0f}"
+        f"{'HTTP, streaming (replay --target http://)':<44} {http_rate:>8.0f} "
+        f"{http_rate * MAX_TOKENS:>10.0f}"
     )
     print(f"ratio HTTP / zmq: {http_rate / zmq_rate:.2f}x (aim >= 0.5x)")
     print(load.report())

@@ -1,16 +1,9 @@
-"""Frontend -> engine core -> frontend throughput over ZMQ + msgpack, against in-process. Runs in: a bench process.
+"""Frontend <-> engine core throughput over ZMQ + msgpack vs in-process. Runs in: a bench process.
 
 Usage: .venv/bin/python bench/ipc.py
-Mock runner (no model cost), so this is the price of the process boundary: the
-frontend's encode/send, the engine loop's receive/decode/step/encode, and the
-frontend's receive/decode. NUM_REQUESTS requests of PROMPT_LEN-token prompts,
-max_tokens MAX_TOKENS, sent in bursts of BURST (a burst is sent at once, then
-collected to its last token before the next); timed REPEATS times, the median kept. Rows: InprocClient (the reference:
-the same EngineCore stepped in this process), MPClient (one engine core process, no
-connector), and the P/D topology through the router (two engines, each with its
-connector worker; shm transport, event policy). Prints requests/s, output tokens/s
-and each row's ratio to InprocClient. Every request's tokens are checked against the
-mock runner's rule; a wrong token or a missing request raises.
+The mock runner has no model cost, so this is the price of the process boundary (encode, send,
+receive, decode, both ways). Rows: InprocClient (the reference), MPClient (one engine core
+process) and the P/D topology through the router. Method and columns: bench/README.md.
 """
 
 from __future__ import annotations
@@ -56,7 +49,8 @@ def expected(i: int) -> list[int]:
 def run_burst(
     add: Callable[[str, list[int], int], None], poll: Callable[[], list[RequestOutput]], ids: range
 ) -> int:
-    """Send one burst, collect it; returns the number of output tokens (all checked)."""
+    """Send one burst at once, collect it to its last token; returns the number of output
+    tokens, each checked against the mock runner's rule (a wrong or missing one raises)."""
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     for i in ids:
         add(f"r{i}", prompt(i), MAX_TOKENS)
@@ -119,8 +113,9 @@ def measure_pd() -> tuple[float, int]:
 def main() -> None:
     load = OtherLoad()
     print(
-        f"mock runner; {NUM_REQUESTS} requests, {PROMPT_LEN}-token prompts, max_tokens {MAX_TOKENS}, "
-        f"bursts of {BURST}; median of {REPEATS} runs; ratio = row / InprocClient"
+        f"mock runner; {NUM_REQUESTS} requests, {PROMPT_LEN}-token prompts, "
+        f"max_tokens {MAX_TOKENS}, bursts of {BURST}; median of {REPEATS} runs; "
+        f"ratio = row / InprocClient"
     )
     print(f"{'system':<34} {'seconds':>8} {'req/s':>9} {'out tok/s':>10} {'ratio':>6}")
     rows = (
@@ -134,7 +129,8 @@ def main() -> None:
         rps = NUM_REQUESTS / seconds
         reference = reference or rps
         print(
-            f"{name:<34} {seconds:>8.2f} {rps:>9.0f} {num_tokens / seconds:>10.0f} {rps / reference:>6.2f}"
+            f"{name:<34} {seconds:>8.2f} {rps:>9.0f} {num_tokens / seconds:>10.0f} "
+            f"{rps / reference:>6.2f}"
         )
     print(load.report())
 

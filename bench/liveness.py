@@ -1,32 +1,10 @@
-"""What the prefill engine pays while it holds delayed frees, per liveness policy. Runs in: a bench process.
+"""What P pays while it holds delayed frees, per liveness policy. Runs in: a bench process.
 
-Usage: .venv/bin/python bench/liveness.py [--runs N]   (columns: bench/README.md)
-Every policy (legacy, poll, event) in one run. Requests of 4 blocks are read 1 s after
-P finished them, then WINDOW_S passes without traffic; over it, for P: CPU of its
-engine-core process and connector worker (/proc/<pid>/task/*/schedstat, all threads;
-/proc/<pid>/stat ticks as a cross-check), loop wake-ups per second (num_wakeups), blocks
-held at the end. A: the P/D topology, both engines on the policy, 32 requests in one
-burst, KVTransferConfig(pull_delay_ms=1000); also D's steps per second while its 32
-loads wait (legacy and poll sleep 1 ms per zero-token step, event blocks until a report
-or a heartbeat is due). B: P alone and this process in the role of
-D's connector worker (the same Puller over shm, the same ReadDone), requests 20 ms apart;
-free latency = P's snapshot with the k-th free minus when the k-th ReadDone was sent.
-(D's own stats cannot stand in for the report time: on two cores D's engine and P's
-worker race for a CPU, and D reports a batch of pulls once, after the last one.)
-Aims: event's P CPU <= 5% of poll's in A; in B (one report per free, where the zmq
-floor below bounds the ratio from under) event's P CPU per free <= 1.25x the floor; in
-both, event's free latency p99 <= poll's p50; legacy holds (its D sleeps, under 1,000 steps/s, while loads wait:
-vLLM before #43433 did not spin). --runs N (default 3) repeats every policy N times,
-interleaved: the tables show each policy's median run (CPU, wake-ups), free latency
-percentiles pool every run's frees, and the event/poll ratios are given per run too,
-so one outlier does not decide. Poll's CPU scales with the wake-ups it gets: on a busy
-machine it sleeps longer than 1 ms, wakes less and its share shrinks, so its wake-ups/s
-are printed beside the ratio. After B, a zmq floor (measured in each of B's rounds):
-the CPU per report of a bare Python process that only wakes on a PAIR, decodes a
-KVReport and sends a StatsSnapshot (the least any Python engine on zmq pays per free),
-beside event's P CPU per free, and NUM_REQUESTS x floor / poll's P CPU: the lowest
-event/poll B allows on this machine; and the part of event's P CPU that libzmq's I/O
-thread takes (each report in and snapshot out passes through it), as a share of poll's.
+Usage: .venv/bin/python bench/liveness.py [--runs N]   (method and columns: bench/README.md)
+Every policy (legacy, poll, event), --runs times interleaved. A: the P/D topology; B: P alone,
+this process as D's connector worker; then the zmq floor, the least a Python engine on zmq pays
+per free. Aims: event's P CPU <= 5% of poll's in A and per free <= 1.25x the floor in B; event's
+free p99 <= poll's p50; legacy holds, its D under 1,000 steps/s while loads wait.
 """
 
 from __future__ import annotations
@@ -132,7 +110,7 @@ class Observer:
             self.poll(max(0.0, min(left, 0.1, due - time.monotonic())))
 
     def stats_of(self, engine: str = "P", timeout_s: float = 5.0) -> StatsSnapshot:
-        """A snapshot of P (or D) taken after this call (by its clock, the same as ours); bounded."""
+        """A snapshot of P (or D) taken after this call (by its clock, ours too); bounded."""
         history = self.history[engine]
         asked = time.monotonic()
         (self.request_stats if engine == "P" else self.request_stats_d)()
@@ -376,15 +354,17 @@ def print_floor(runs: dict[str, list[Result]], floors: list[tuple[float, float]]
     poll = statistics.median(r.cpu_s["P"] for r in runs["poll"])
     print(
         f"zmq floor (a bare Python process: wake, receive and decode a report, send a snapshot): "
-        f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: {1e6 * event:.0f} us per "
-        f"free; {NUM_REQUESTS} x floor / poll's P cpu = {NUM_REQUESTS * floor / poll:.3f} "
+        f"{1e6 * floor:.0f} us per report over {len(floors)} runs; event's P: "
+        f"{1e6 * event:.0f} us per free; {NUM_REQUESTS} x floor / poll's P cpu = "
+        f"{NUM_REQUESTS * floor / poll:.3f} "
         "(the least event/poll could be here with one report per free)"
     )
     print(
-        f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; {NUM_REQUESTS} x that / "
-        f"poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} (the I/O thread alone, before any Python); "
-        f"left for the main thread within the aim (1.25 x floor): {1e6 * (1.25 * floor - event_io):.0f} us "
-        f"per free, where the floor's other threads (the main one, mostly) take {1e6 * floor_main:.0f} us"
+        f"of event's P, libzmq's I/O thread: {1e6 * event_io:.0f} us per free; "
+        f"{NUM_REQUESTS} x that / poll's P cpu = {NUM_REQUESTS * event_io / poll:.3f} "
+        f"(the I/O thread alone, before any Python); left for the main thread within the aim "
+        f"(1.25 x floor): {1e6 * (1.25 * floor - event_io):.0f} us per free, where the floor's "
+        f"other threads (the main one, mostly) take {1e6 * floor_main:.0f} us"
     )
     print(f"event's P per free / zmq floor: {event / floor:.2f}x (aim <= 1.25)")
 
@@ -419,6 +399,9 @@ def measure_runs(
 
 
 def print_runs(title: str, runs: dict[str, list[Result]], done_name: str, aim: str) -> None:
+    """The median runs' table, then event/poll per run beside poll's wake-ups/s: poll's CPU
+    scales with its wake-ups, and on a busy machine it sleeps longer than 1 ms, wakes less
+    and its share shrinks. Free latencies pool every run's frees."""
     print_table(title, [median_run(r) for r in runs.values()], done_name)
     per_run = [e.cpu_s["P"] / p.cpu_s["P"] for e, p in zip(runs["event"], runs["poll"])]
     print(
@@ -429,10 +412,13 @@ def print_runs(title: str, runs: dict[str, list[Result]], done_name: str, aim: s
     event, poll = median_run(runs["event"]), median_run(runs["poll"])
     if event.latencies_ms and poll.latencies_ms:
         print(
-            f"free latency over {len(runs['event'])} runs: event p50 {percentile(event.latencies_ms, 50):.3f} "
-            f"p99 {percentile(event.latencies_ms, 99):.3f} ms, poll p50 {percentile(poll.latencies_ms, 50):.3f} "
+            f"free latency over {len(runs['event'])} runs: "
+            f"event p50 {percentile(event.latencies_ms, 50):.3f} "
+            f"p99 {percentile(event.latencies_ms, 99):.3f} ms, "
+            f"poll p50 {percentile(poll.latencies_ms, 50):.3f} "
             f"p99 {percentile(poll.latencies_ms, 99):.3f} ms; event p99 / poll p50 "
-            f"{percentile(event.latencies_ms, 99) / percentile(poll.latencies_ms, 50):.2f} (aim <= 1)"
+            f"{percentile(event.latencies_ms, 99) / percentile(poll.latencies_ms, 50):.2f} "
+            "(aim <= 1)"
         )
 
 
@@ -442,7 +428,8 @@ def print_table(title: str, results: list[Result], done_name: str) -> None:
     print(
         f"{'policy':<8} {'P cpu ms':>9} {'worker ms':>10}"
         + (f" {'D cpu ms':>9} {'D wait st/s':>11}" if has_d else "")
-        + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10} {'free p50 ms':>12} {'free p99 ms':>12}"
+        + f" {'wakeups/s':>10} {'held s':>7} {'held wk/s':>10}"
+        f" {'free p50 ms':>12} {'free p99 ms':>12}"
         f" {'freed':>6} {done_name:>7} {'P blocks held':>14}"
     )
     for r in results:
@@ -494,9 +481,10 @@ def main() -> None:
     num_runs = max(1, parser.parse_args().runs)
     load = OtherLoad()
     print(
-        f"mock runner, shm transport; {NUM_REQUESTS} requests of {PROMPT_LEN // BLOCK_SIZE} blocks; "
-        f"each read {PULL_DELAY_S:g} s after P finished it; then {WINDOW_S:g} s of no traffic, "
-        f"measured on P; {num_runs} runs per policy, the median run shown"
+        f"mock runner, shm transport; {NUM_REQUESTS} requests of "
+        f"{PROMPT_LEN // BLOCK_SIZE} blocks; each read {PULL_DELAY_S:g} s after P finished it; "
+        f"then {WINDOW_S:g} s of no traffic, measured on P; {num_runs} runs per policy, "
+        "the median run shown"
     )
     print_runs(
         "A. P/D topology, 32 requests in one burst, D pulls with pull_delay_ms=1000 "

@@ -1,12 +1,10 @@
 """Model step benchmark: paged runner vs dense contiguous cache. Runs in: a bench process.
 
 Usage: python bench/model_step.py [--device auto|cpu|cuda] [--preset tiny|small|medium]
-Prints decode-step time at a fixed context for several batch sizes, and prefill tokens/s,
-for the paged ModelRunner (block tables, scattered blocks, the runner's own input
-preparation and sampling) and for the same model over a contiguous [B, ctx] KV cache
-attended with torch's scaled_dot_product_attention; ratio = paged / dense throughput.
-Times are medians, paged and dense calls interleaved. On a shared CPU, --threads 1 keeps
-torch's thread pool from stalling whenever another process takes a core.
+Decode-step time at a fixed context for several batch sizes, and prefill tokens/s, of the paged
+ModelRunner (its own input preparation and sampling included) and of the same model over a
+contiguous KV cache with torch's SDPA; ratio = paged / dense throughput, medians of interleaved
+calls. On a shared CPU, --threads 1 keeps torch's pool from stalling when a core is taken.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
-"""Replay speed: the virtual clock over a whole public trace, the wall clock's send lateness. Runs in: a bench process.
+"""Replay speed: public traces on the virtual clock, lateness on the wall. Runs in: a bench process.
 
-Usage: .venv/bin/python bench/replay_speed.py [--traces DIR_OR_FILE] [--scale-tokens F]
-1. Virtual clock (run_replay, clock="virtual"): the whole Mooncake conversation trace
-   (12,031 requests over about 1 h), then the Azure code trace (8,819 requests over 1 h,
-   no prefix hashes, idle gaps up to 217 s), from --traces (a directory holding them, or
-   one trace file), else $KVDRAIN_TRACES, else traces/ (`make traces`); a missing one is
-   skipped with a message. P/D topology, once per liveness policy, tokens
-   scaled by --scale-tokens (default 1/32: the 512-token hash blocks become 16 tokens).
-   Per policy: wall seconds (read + shape + simulate + verify; the validating pass is
-   done once up front and timed on its own) and this process's CPU seconds over them
-   (what a busy machine cannot inflate much), simulated seconds, simulated steps (P + D,
-   from timeline.counters), requests and steps per wall second, speed-up over real time
-   (simulated seconds / wall seconds), the verdict's exit code and its leak windows
-   (engine x window). --runs N repeats each policy N times (interleaved) and prints the
-   median run. A last row replays the event policy with the engine sizes `kvdrain replay
-   --clock virtual` uses by default (--profile llama3-8b-h100: 28,672 blocks, 256 seqs), and
-   one more the event policy on 4p4d (four prefill and four decode engines, round-robin), with
-   its requests per second beside 1p1d's (aim: at least half).
-2. Wall clock (run_replay, clock="wall"): examples/pd_idle.jsonl with real processes,
-   the mock runner and the event policy, at --speedup 10 and 1: send lateness (the time
-   a request was sent minus the time the trace says; request_summary's p50 and p99) and
-   the verdict, WALL_RUNS runs each.
-Aim: the whole Mooncake trace at 1,000x real time or more for every policy on two
-CPU cores (under 3.54 s), and no slower than before on the Azure trace. The rows' requests and steps per wall (and CPU)
-second compare across revisions: run this script against another checkout's code with
-`.venv/bin/python bench/replay_speed.py --code <checkout>`.
+Usage: .venv/bin/python bench/replay_speed.py [--traces DIR_OR_FILE] [--scale-tokens F] [--runs N]
+1. The Mooncake and Azure traces on the virtual clock, per liveness policy; 2. the example on the
+wall clock, with send lateness. Aims: the whole Mooncake trace at AIM_SPEEDUP x real time or more
+per policy on two cores; 4p4d at least half 1p1d's requests per wall second. Columns:
+bench/README.md. `--code <checkout>` runs another checkout's code under this script.
 """
 
 from __future__ import annotations
@@ -129,6 +109,11 @@ def find_traces(traces: Path) -> list[Path]:
 
 
 def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
+    """The whole trace, P/D, once per liveness policy, then event at the sizes `kvdrain replay
+    --clock virtual` uses by default (its profile) and event on 4p4d (round-robin); tokens
+    scaled (the default turns 512-token hash blocks into 16 tokens). Wall s: read + shape +
+    simulate + verify (validation runs once, up front, timed apart); CPU s: this process's
+    over the same span (what a busy machine cannot inflate much)."""
     print(f"== 1. virtual clock: {trace}")
     if not trace.is_file():
         print(f"skipped: no trace at {trace} (pass --traces DIR_OR_FILE or set $KVDRAIN_TRACES)")
@@ -191,8 +176,8 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
     rate = _rates(results)
     ratio = rate[f"event, {XPYD}"] / rate["event"]
     print(
-        f"{XPYD} vs 1p1d (event): {rate[f'event, {XPYD}']:,.0f} vs {rate['event']:,.0f} requests per "
-        f"wall s, {ratio:.2f}x (aim >= 0.5: {'met' if ratio >= 0.5 else 'MISSED'})"
+        f"{XPYD} vs 1p1d (event): {rate[f'event, {XPYD}']:,.0f} vs {rate['event']:,.0f} "
+        f"requests per wall s, {ratio:.2f}x (aim >= 0.5: {'met' if ratio >= 0.5 else 'MISSED'})"
     )
     if trace.name == MOONCAKE_NAME and scale_tokens == SCALE_TOKENS:  # the aim's own workload
         verdict = "met" if slowest >= AIM_SPEEDUP else "MISSED"
@@ -227,6 +212,8 @@ def wall_row(speedup: float, run: int, result: ReplayResult) -> list[str]:
 
 
 def bench_wall() -> None:
+    """examples/pd_idle.jsonl with real processes at each of SPEEDUPS, WALL_RUNS runs each:
+    send lateness (send time minus the trace's; request_summary's p50, p99) and verdict."""
     print(f"== 2. wall clock: {EXAMPLE.relative_to(ROOT)}, P/D, mock runner, event policy")
     engine = replace(BASE, liveness="event")
     header = [

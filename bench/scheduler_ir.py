@@ -1,11 +1,8 @@
-"""Instructions per scheduler step, for callgrind: the workload of bench/scheduler_step.py.
+"""Instructions per scheduler step under callgrind. Runs in: a bench process.
 
-Runs STEPS steps inside itertools.starmap, so that callgrind collects the steps alone
-(their garbage collections included; set-up, import and exit left out); the returned
-outputs are kept and released after the steps (their disposal is the consumer's, as in
-scheduler_step.py). The "model" is one C call: a token 7 per sampled request for
-kvdrain, `[7] * n` for nano-vllm. Instruction counts do not change with the machine's
-load, so they compare revisions on a busy machine. Per step = Collected / STEPS:
+scheduler_step.py's workload; counts do not change with the machine's load, so they compare
+revisions on a busy machine. STEPS steps run inside itertools.starmap, so callgrind collects them
+alone (their garbage collections included); the "model" is one C call. Per step = Collected / STEPS:
 
     PYTHONHASHSEED=0 valgrind --tool=callgrind --collect-atstart=no \\
         --toggle-collect=starmap_next --callgrind-out-file=/dev/null \\
@@ -33,7 +30,7 @@ def main() -> None:
         "--nano-vllm", type=Path, help="a nano-vllm checkout: step its scheduler instead"
     )
     args = parser.parse_args()
-    kept: list = []
+    kept: list = []  # the steps' outputs, released after them: their disposal is the consumer's
     if args.nano_vllm is not None:
         bench.NanoBench.nano = bench.load_nano_vllm(args.nano_vllm)
         sched = bench.NanoBench(args.running, args.prefill).sched

@@ -1,30 +1,10 @@
-"""Cost of one schedule() + update_from_output() with the mock runner, beside nano-vllm's.
+"""Cost of one schedule() + update_from_output(), beside nano-vllm's. Runs in: a bench process.
 
-Workload (issue 14): N running decode requests (prompt 128 tokens, block 16, token
-budget 8192), optionally with an 8k-token prefill chunked into the mix; the runner is
-not timed, nor is releasing the step's returned outputs (their consumer's work). Two
-tables, one per workload (`--workload` picks one): `step`, both sides' requests decode
-in step, at the same place in their blocks: every 16th step starts a block for all of
-them and one fills it for all, and the median step does neither; `spread`, request i
-has a prompt of 128 + i % 16 tokens, so that every step 1/16 of them start a block and
-1/16 fill one (hashing it), on both sides: the median step holds that work.
-Both sides sample the mock runner's tokens ((last + 1) % vocab_size).
-With `--nano-vllm DIR` (a checkout of GeeeekExplorer/nano-vllm) the same
-workload runs through nano-vllm's Scheduler + BlockManager (imported without its model
-stack: its Config is replaced by a plain record) in interleaved rounds, and the table
-prints both medians and the ratio kvdrain / nano-vllm. nano-vllm lacks most of what
-kvdrain models (connector hooks, skipped_waiting, stop ids, vLLM's preemption order and
-prefix-cache semantics), so the ratio is the price of fidelity. Needs `xxhash` for
-nano-vllm (`make bench` installs it).
-
-    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7] [--clock cpu|wall] [--workload step|spread|both]
+    python bench/scheduler_step.py [--nano-vllm DIR] [--sizes 1,64,256,1024] [--rounds 7]
+        [--clock cpu|wall] [--workload step|spread|both]
     python bench/scheduler_step.py --opcodes [--nano-vllm DIR] [--sizes 1,64,1024]
-
-A step's cost is this thread's CPU time (time.thread_time) unless --clock wall: on a
-shared machine the wall time of a step mostly says how often another process ran.
---opcodes counts instead the bytecodes a step executes per function (sys.settrace),
-which no other load changes: a census of where the Python work is, not a time (a C
-call counts one, whatever it costs; allocations and garbage collection are not seen).
+N running decodes (prompt 128 tokens, block 16, token budget 8192), with or without an 8k-token
+prefill chunked in; the mock runner is not timed. --nano-vllm needs `xxhash` (`make bench`).
 """
 
 from __future__ import annotations
@@ -143,7 +123,10 @@ def load_nano_vllm(root: Path) -> types.SimpleNamespace:
 
 
 class NanoBench:
-    """nano-vllm's Scheduler on the same workload; token ids are made outside the timing."""
+    """nano-vllm's Scheduler + BlockManager on the same workload; token ids are made outside
+    the timing. nano-vllm lacks most of what kvdrain models (connector hooks,
+    skipped_waiting, stop ids, vLLM's preemption order and prefix-cache semantics), so the
+    ratio is the price of fidelity."""
 
     name = "nano-vllm"
     nano: types.SimpleNamespace
@@ -185,7 +168,9 @@ NOT_COUNTED = (f"{Path(__file__).name}:", "mock_runner.py:")
 
 
 def count_opcodes(step: Callable[[], object], num_steps: int) -> Counter:
-    """Bytecodes per function over num_steps calls of `step` (its own frame left out)."""
+    """Bytecodes per function over num_steps calls of `step` (its own frame left out), via
+    sys.settrace: no other load changes them, but a C call counts one whatever it costs,
+    and allocations and garbage collection are not seen."""
     counts: Counter = Counter()
 
     def on_opcode(frame, event, _):
@@ -218,7 +203,8 @@ def census(sizes: list[int], num_steps: int, with_nano: bool) -> None:
                 del counts[name]  # the clock's calls and the "model" are not the scheduler's
             top = ", ".join(f"{name} {n / num_steps:,.0f}" for name, n in counts.most_common(4))
             print(
-                f"{num_running:>6} {cls.name:>10} {sum(counts.values()) / num_steps:>9,.0f} opcodes/step  ({top})",
+                f"{num_running:>6} {cls.name:>10} "
+                f"{sum(counts.values()) / num_steps:>9,.0f} opcodes/step  ({top})",
                 flush=True,
             )
 
@@ -229,6 +215,11 @@ def median_us(make: Callable[[], object], num_steps: int) -> float:
 
 
 def run(sizes: list[int], rounds: int, num_steps: int, with_nano: bool) -> None:
+    """One table of median step costs: in the `step` workload every request is at the same
+    place in its blocks (every 16th step starts a block for all and one fills it, so the
+    median step does neither); in `spread` every step 1/16 of them start a block and 1/16
+    fill one (hashing it), so the median step holds that work. Both sides sample the mock
+    runner's tokens ((last + 1) % vocab_size)."""
     benches = [KvdrainBench] + ([NanoBench] if with_nano else [])
     header = f"{'running':>8} {'+8k prefill':>12} {'kvdrain us':>11}"
     print(

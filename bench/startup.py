@@ -1,26 +1,10 @@
-"""Start-up: from launching `kvdrain replay` to its first request, mock vs torch runner. Runs in: a bench process.
+"""Start-up: from `kvdrain replay`'s launch to its first request. Runs in: a bench process.
 
 Usage: .venv/bin/python bench/startup.py [--runs N] [--importtime] [--baseline DIR]
-Each run launches the real CLI in a fresh interpreter (`kvdrain replay
-examples/pd_idle.jsonl --clock wall --topology pd --no-live`, --speedup 100 so the
-run is short), once with --runner mock and once with --runner torch (--device cpu),
-alternating. A probe wrapped around the CLI (PROBE below; it changes nothing the CLI
-does) writes the monotonic time at which each phase ended: the CLI imported, the trace
-validated, the engines launched (spawned; they start while the frontend goes on), the
-idle-window model simulated, every engine Ready, the first request sent
-(time.monotonic() is one clock for every process on a host). It hooks only modules the
-CLI imports before the engines start, so it moves no import ahead of their launch. At
-the first request it also sums the CPU time every process of the run has used so far
-(the frontend, engine cores, connector workers: /proc/<pid>/task/*/schedstat), which a
-busy machine disturbs less than the wall-clock times.
---baseline DIR runs the same probe on another checkout (say, of the previous commit)
-in the same sitting, interleaved, and prints its column beside each runner's; a phase
-that checkout lacks shows as -. The bench prints each
-phase's end after launch (medians over the runs), beside the aims of issue 14 (first
-request within 1 s with the mock runner, 2.5 s with torch), and which of the spawned
-processes imported torch (from /proc/<pid>/maps while the replay runs).
---importtime also prints the 15 slowest imports of an engine-core child and a
-connector-worker child for each runner (python -X importtime of the child's imports).
+Each run launches the real CLI in a fresh interpreter (P/D, wall clock, examples/pd_idle.jsonl at
+--speedup 100), mock and torch runner alternating, under PROBE, which notes when each phase ended.
+Prints the medians beside AIMS_S and which child processes mapped torch; --baseline DIR runs
+another checkout in the same sitting, interleaved (a phase it lacks shows as -).
 """
 
 from __future__ import annotations
@@ -41,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import OtherLoad  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
-AIMS_S = {"mock": 1.0, "torch": 2.5}
+AIMS_S = {"mock": 1.0, "torch": 2.5}  # the first request at most this long after launch
 PHASES = (
     "cli imported",
     "trace validated",
@@ -52,6 +36,10 @@ PHASES = (
     "cpu s before it",
 )
 # Runs the CLI with hooks that only note times: the same code paths, one extra import order.
+# It hooks only modules the CLI imports before the engines start, so it moves no import ahead
+# of their launch; time.monotonic() is one clock for every process on a host. At the first
+# request it also sums every process's CPU time so far (/proc/<pid>/task/*/schedstat), which a
+# busy machine disturbs less than the wall-clock times.
 PROBE = r"""
 import json, os, sys, time
 marks = {}
@@ -65,7 +53,9 @@ def note(name):
 sys.modules["__main__"].__file__ = sys.argv[2]
 import cli
 note("cli imported")
-import replay.pipeline as pipeline, replay.deploy.topology as topology, replay.deploy.pd_router as router
+import replay.pipeline as pipeline
+import replay.deploy.topology as topology
+import replay.deploy.pd_router as router
 def wrap(owner, attr, name):
     inner = getattr(owner, attr)
     def hooked(*a, **k):
@@ -73,7 +63,8 @@ def wrap(owner, attr, name):
         note(name)
         return result
     setattr(owner, attr, hooked)
-wrap(pipeline, "validate_replay_trace" if hasattr(pipeline, "validate_replay_trace") else "validate_trace",
+wrap(pipeline,
+     "validate_replay_trace" if hasattr(pipeline, "validate_replay_trace") else "validate_trace",
      "trace validated")
 if hasattr(pipeline, "launch_engines"):  # a checkout that starts the engines early
     wrap(pipeline, "launch_engines", "engines launched")
@@ -167,7 +158,8 @@ def one_run(runner: str, root: Path = ROOT) -> tuple[dict[str, float], list[str]
 
 
 def _torch_children(proc: subprocess.Popen, pids_path: str) -> list[str]:
-    """Names of the replay's child processes (engine cores, connector workers) with torch loaded."""
+    """Names of the replay's child processes (engine cores, connector workers) with torch
+    loaded (from /proc/<pid>/maps while the replay runs)."""
     deadline = time.monotonic() + 120
     while not os.path.exists(pids_path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

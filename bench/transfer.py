@@ -1,28 +1,10 @@
-"""KV block pull throughput of the connector transports, against an in-process block copy. Runs in: a bench process.
+"""KV block pull throughput of the transports vs an in-process copy. Runs in: a bench process.
 
 Usage: .venv/bin/python bench/transfer.py [--rounds N]
-A real connector worker process (connector.worker_proc.run_connector_worker) plays the
-prefill side: this process registers a KV cache with it (RegisterKVCache) and a held
-send of every block (StepMeta.reqs_to_send), as P's engine core would. This process
-then pulls NUM_BLOCKS scattered blocks into scattered blocks of its own cache with
-connector.transfer.Puller:
-- shm: the Puller asks the worker for a read lease (PinSend -> ReadGranted), then
-  copies from the worker's registered memory, mapped once (KVCache.copy_blocks_from);
-- zmq: the worker gathers the blocks and sends them in chunks of whole blocks, each a
-  zero-copy frame (connector.transfer.send_blocks); the Puller writes each chunk in
-  (KVCache.write_blocks) while the next one is on its way.
-References, in this process, on the same byte count: the in-process block copy
-(copy_blocks_from between two local caches: the same scattered blocks, no process
-boundary; the ratio the goals name) and a plain contiguous copy of the bytes (what
-memory bandwidth allows). The machine is shared: every path runs in each of --rounds
-interleaved rounds (a round: each path repeated for ROUND_S), a path's time in a round
-is the median of its calls, and a ratio is the median over rounds of that round's
-ratio, so a burst of other load hits both sides of a ratio alike. Prints GB/s (1e9
-payload bytes/s), both ratios (median, with the rounds' range) and CPU ms per pull of
-this process plus the worker's. Every transport is checked once for bit-exact contents.
-
-No torch here (nor in the worker, for CPU memory): numpy copies run on one thread, and
-no idle OpenMP thread spins on a core the peer process needs.
+A real connector worker process plays P (a KV cache and a held send of every block, registered as
+P's engine core would); this process pulls NUM_BLOCKS scattered blocks with Puller over shm and
+zmq, in interleaved rounds. Method and columns: bench/README.md. No torch, here or in the worker:
+numpy copies run on one thread, and no idle OpenMP thread spins on a core the peer needs.
 """
 
 from __future__ import annotations
@@ -77,7 +59,7 @@ LAYOUTS = (
     ),
 )
 PLAIN, BLOCKS = "plain copy of the bytes", "in-process block copy"
-GOALS = {"shm": 0.8, "zmq": 0.4}  # issue 14, goal 5: of the in-process block copy, 16 MiB pulls
+GOALS = {"shm": 0.8, "zmq": 0.4}  # of the in-process block copy's GB/s, on 16 MiB pulls
 
 
 class PrefillWorker:
@@ -233,7 +215,8 @@ def print_layout(name: str, block_bytes: int, paths: list[Path]) -> None:
     num_bytes = NUM_BLOCKS * block_bytes
     print(f"\n{name}: {block_bytes // 1024} KiB per block, {num_bytes / 2**20:g} MiB per pull")
     print(
-        f"{'path':<26} {'GB/s':>6} {'vs plain':>9} {'vs in-process blocks (range)':>29} {'CPU ms/pull':>12}"
+        f"{'path':<26} {'GB/s':>6} {'vs plain':>9} {'vs in-process blocks (range)':>29} "
+        f"{'CPU ms/pull':>12}"
     )
     plain, blocks = paths[0], paths[1]
     for path in paths:
@@ -253,7 +236,8 @@ def main() -> None:
     keep_freed_buffers()  # this process plays D's connector worker, which does this at start
     load = OtherLoad()
     print(
-        f"{NUM_BLOCKS} scattered blocks per pull, block_size {BLOCK_SIZE}, CPU, numpy (one thread); "
+        f"{NUM_BLOCKS} scattered blocks per pull, block_size {BLOCK_SIZE}, CPU, "
+        "numpy (one thread); "
         f"{args.rounds} interleaved rounds of {ROUND_S:g} s per path; GB/s = 1e9 payload bytes/s "
         "(median over rounds of each round's median call); ratio = median over rounds; "
         "CPU = this process + the worker"

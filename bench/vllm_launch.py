@@ -1,11 +1,9 @@
-"""Launch to ready of a real vLLM P/D pair beside each of its instances started alone, side by side. Runs in: a script process.
+"""Launch to ready of a real vLLM P/D pair beside its instances alone. Runs in: a script process.
 
-`python bench/vllm_launch.py [--venv .venv-vllm] [--runs N]`: per run, P alone, D alone
-(each exactly as `replay --engine vllm` launches it: the same command line, cores and
-environment), then P and D together, each until healthy, then torn down. Printed: each
-instance's launch to ready alone and in the pair, the pair's (its slower instance's)
-over the slower instance alone (the aim: at most 1.2), and the load average when each
-launch began (other processes' CPU use lengthens a start-up on a small machine).
+`python bench/vllm_launch.py [--venv .venv-vllm] [--runs N]`: per run, P alone, D alone (each as
+`replay --engine vllm` launches it: command line, cores, environment), then the pair, each until
+healthy. Prints each launch to ready, the pair's (its slower instance's) over the slower instance
+alone (AIM), and the load average at each launch (others' CPU use lengthens a start-up).
 """
 
 from __future__ import annotations

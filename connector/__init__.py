@@ -1,11 +1,7 @@
-"""The P/D KV connector, plugged into engine/'s interfaces. Runs in: engine-core and connector-worker processes.
+"""The P/D KV connector, plugged into engine/'s interfaces. Runs in: engine core, connector worker.
 
-- engine-core side: pd (the pull-mode scheduler-side policy, NIXL-like), heartbeats (D's
-  lease heartbeats), factory (builds the connector named in the engine config), agent (the
-  in-engine agent that spawns and talks to the connector worker process);
-- connector-worker side: worker_proc (the process), send_ledger (the prefill side's
-  protocol, sans IO), pull_outcome (what D's worker does once a pull ends, sans IO),
-  transfer (block copies);
-- messages: the wire types of both, on the engine's codec.
-Imports engine/ only.
+Engine-core side: pd (the scheduler side, pull mode, NIXL-like), heartbeats (D's lease
+heartbeats), factory (builds it from the engine config), agent (spawns and talks to the worker).
+Worker side: worker_proc (the process), send_ledger (P's sends, sans IO), pull_outcome (the end
+of D's pull, sans IO), transfer (block copies). messages: both sides' wire types. Imports engine/.
 """

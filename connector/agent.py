@@ -1,13 +1,9 @@
-"""The connector's agent in the engine core (vLLM's worker role): spawns and talks to its connector worker process. Runs in: engine-core process.
+"""The connector's agent in the engine core (vLLM's worker role). Runs in: engine-core process.
 
-start_load_kv ships each step's metadata; get_finished drains the reports the worker
-has sent since (never blocking). Reports wait in the socket until then, so an engine
-that stops stepping never sees them. Leases too: once one may have passed (or
-heartbeats wait to be applied), get_finished asks the worker to reap and waits for its
-answer, so what expired comes back in the same get_finished, as in vLLM; an engine
-that stops stepping reaps nothing. If the worker process dies, every transfer it
-owned is resolved here: held sends are released, pending loads fail (their blocks
-become invalid and kv_load_failure_policy decides), and `error` says what died.
+It spawns the connector worker process and talks to it: start_load_kv ships each step's metadata,
+get_finished takes the worker's reports (never blocking), so an engine that stops stepping sees
+none and reaps no lease. If the worker dies, every transfer it owned is resolved here: held sends
+released, pending loads failed (kv_load_failure_policy decides), and `error` says what died.
 """
 
 from __future__ import annotations
@@ -173,7 +169,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
         self.socket.connect(kv.agent_addr)
         worker_pid = self._wait_for(WorkerReady).pid
         # Mapped before the engine says Ready: on CUDA the worker's context and the IPC
-        # open take seconds, which the first KV loads would otherwise wait for.
+        # open are slow, and the first KV loads would otherwise wait for them.
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
         self._wait_for(KVCacheRegistered)
         # Transfers the worker owns, so a dead worker's can be resolved here.
@@ -222,6 +218,9 @@ class PDConnectorAgent(KVConnectorAgentBase):
             self._release_at_peers([s for s in specs if not s.local_block_ids])
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """The reports the worker sent since the last step. Once a lease may have passed (or
+        heartbeats wait to be applied), it also asks the worker to reap and waits for the
+        answer, so what expired comes back in this same call, as in vLLM."""
         out = KVConnectorOutput()
         while self.error is None and self._poller.poll(0):  # every step: a poller made once
             self.pending.merge(self.socket.recv(), out)

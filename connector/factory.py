@@ -1,7 +1,8 @@
-"""The P/D connector's factory, named in the engine config. Runs in: engine-core process (and the simulator, scheduler role only).
+"""The P/D connector's factory, named in the engine config. Runs in: engine core, simulator.
 
-KVTransferConfig.kv_connector names it ("connector.factory:make_pd_connector"); the
-engine core imports it by name, so the engine never imports connector/ itself.
+KVTransferConfig.kv_connector names it ("connector.factory:make_pd_connector"); the engine core
+imports it by name, so engine/ never imports connector/. The simulator builds only its scheduler
+role.
 """
 
 from __future__ import annotations

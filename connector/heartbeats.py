@@ -1,20 +1,9 @@
-"""D's lease heartbeats: which remote sends D still waits for, and when to say so. Runs in: engine-core process (the scheduler side; pure).
+"""D's lease heartbeats: which remote sends D still waits for, and when. Runs in: engine core.
 
-vLLM 0.32's NIXL scheduler side (nixl/base_scheduler.py on_new_request, _stop_heartbeat,
-build_connector_meta): a request with do_remote_prefill and the remote fields is
-tracked from add_request until its finished_recving or its request_finished (an abort
-before the load). build_connector_meta packages every tracked id, grouped by remote
-engine, once at least kv_lease_duration // 6 has passed since the last package (the
-first goes out at once), so D heartbeats only while it steps. One throttle for all
-requests, as in vLLM: a request added just after a package waits for the next.
-Time is the scheduler side's (engine/core/kv_connector.py), in ns: the interval is
-lease_ns // 6 and P's extension lease_ns * 2 // 3 (connector/send_ledger.py): vLLM's
-5 s and 20 s for its default 30 s lease. A deliberate difference: vLLM's
-kv_lease_duration is whole seconds and it floors both in seconds (a 10 s lease: a 1 s
-interval and a 6 s extension; here 1.67 s and 6.67 s). kvdrain keeps them proportional
-so that the sub-second leases its tests and fault reproductions use still heartbeat
-(vLLM's arithmetic gives a 1 s lease a 0 s interval and a 0 s extension); the two
-agree whenever the lease is a multiple of 6 s, the default included.
+As vLLM 0.32's NIXL scheduler side (nixl/base_scheduler.py), pure: a request with do_remote_prefill
+and the remote fields is tracked from add_request until its finished_recving or request_finished;
+all tracked ids go out, by remote engine, at most every lease // 6 (the first at once), so D
+heartbeats only while it steps. One throttle, as in vLLM: a request added just after one waits.
 """
 
 from __future__ import annotations
@@ -33,6 +22,15 @@ class _Remote:
 
 @dataclass(slots=True)
 class HeartbeatTracker:
+    """Tracked requests and the one throttle, on the scheduler side's clock (ns).
+
+    interval_ns is lease_ns // 6 and P's extension lease_ns * 2 // 3 (send_ledger.py), vLLM's
+    5 s and 20 s for its default 30 s lease. A deliberate difference: vLLM floors both in whole
+    seconds, which gives a 1 s lease a 0 s interval; kvdrain keeps them proportional, so the
+    sub-second leases of tests and fault reproductions still heartbeat. The two agree whenever
+    the lease is a multiple of 6 s, the default included.
+    """
+
     interval_ns: int
     tracked: dict[str, _Remote] = field(default_factory=dict)  # by D's request id
     last_sent_ns: int | None = None

@@ -1,9 +1,9 @@
-"""Wire types engine core <-> connector worker and worker <-> worker, on the engine's codec. Runs in: engine-core and connector-worker processes.
+"""Connector wire types: engine core <-> worker, worker <-> worker. Runs in: engine core, worker.
 
-KV block bytes never travel inside a message: each BlockData is followed by one raw,
-zero-copy ZMQ frame holding `num_chunk_blocks` of the blocks asked for, from `first_block`
-on, in the order they were asked for. A read is answered in chunks (several such
-messages, in order), so the reader writes one chunk while the next is on the wire.
+On the engine's codec. KV block bytes never travel inside a message: each BlockData is followed
+by one raw, zero-copy ZMQ frame holding `num_chunk_blocks` of the blocks asked for, from
+`first_block` on, in order; a read is answered in chunks, so the reader writes one while the next
+is on the wire.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class WorkerReady:
 @dataclass(frozen=True, slots=True)
 class KVCacheRegistered:
     """Worker -> its engine core: the KV cache is mapped (on CUDA: the worker's context
-    made and the IPC memory opened, seconds on a big GPU), so the engine may say Ready;
+    made and the IPC memory opened, slow on a big GPU), so the engine may say Ready;
     vLLM registers its KV caches with NIXL before the engine serves, too."""
 
     engine_id: str

@@ -1,16 +1,8 @@
 """Pull-mode prefill/decode connector, scheduler side (NIXL-like). Runs in: engine-core process.
 
-Prefill (P): a `do_remote_decode` request runs with max_tokens=1; when it finishes
-length-capped its blocks are kept (delayed free) until the decode side has read them,
-and the frontend gets the params the decode side needs. Decode (D): a
-`do_remote_prefill` request gets its prompt's KV as an async load, waits in
-WAITING_FOR_REMOTE_KVS, and is promoted once the worker reports finished_recving.
-
-Leases (vLLM 0.32's NIXL): P stamps each held send with a deadline, now +
-kv_lease_s, in request_finished; it travels in the metadata to P's worker, which
-reaps it when P steps past it. While D waits for the blocks it heartbeats
-(connector/heartbeats.py), and P's worker extends the leases it names. Time is the
-agent's clock, given by the engine core (set_time; engine/core/kv_connector.py).
+P runs a `do_remote_decode` request for one token and holds its blocks (delayed free) until D has
+read them or their lease is reaped; D loads a `do_remote_prefill` request's prompt KV
+asynchronously (WAITING_FOR_REMOTE_KVS) and heartbeats P while it waits.
 """
 
 from __future__ import annotations
@@ -48,6 +40,18 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 
 class PDConnector(KVConnectorBase):
+    """One engine's scheduler side, P's or D's.
+
+    P: a `do_remote_decode` request runs with max_tokens=1; finished length-capped, its blocks
+    are kept until the decode side has read them, and the frontend gets the params D needs.
+    Leases (vLLM 0.32's NIXL): request_finished stamps each held send with now + kv_lease_s;
+    the deadline travels in the metadata to P's worker, which reaps it when P steps past it,
+    and extends the leases D's heartbeats (connector/heartbeats.py) name.
+    D: a `do_remote_prefill` request's prompt KV is an async load; it waits in
+    WAITING_FOR_REMOTE_KVS until the worker reports finished_recving.
+    Time is the agent's clock, given by the engine core (set_time).
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.engine_id = config.engine_id
         self.block_size = config.block_size

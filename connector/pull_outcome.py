@@ -1,13 +1,10 @@
-"""What D's worker does once a pull ends: its engine's report and P's release. Runs in: connector-worker process (and the simulator, on virtual time).
+"""What D's worker does once a pull ends: report, release P. Runs in: connector worker, simulator.
 
-Sans-IO, shared by connector/worker_proc.py's pull and replay/sim/kv_worker.py, so the
-simulator's decode side cannot drift from the process's. A pull reads through P's
-SendLedger.read (a pin for shm, the bytes for zmq). Granted and done in time: D
-reports finished_recving and tells P "read done" (ReadDone). Refused (the send expired
-or was never registered), a copy that outlasted its pin's read lease, or any other
-failure: the load failed, so its local blocks are reported invalid with
-finished_recving (kv_load_failure_policy decides), and P is told to free the send
-unread (ReadAbandoned).
+Sans-IO, shared by worker_proc.py and replay/sim/kv_worker.py, so the two decode sides cannot
+drift. A pull reads through P's SendLedger.read (a pin for shm, the bytes for zmq). Done in time:
+finished_recving, and "read done" to P (ReadDone). Refused, a copy past its pin's read lease, or
+any failure: its blocks are reported invalid with finished_recving (kv_load_failure_policy
+decides) and P frees the send unread (ReadAbandoned).
 """
 
 from __future__ import annotations

@@ -1,49 +1,10 @@
-"""The prefill side's send ledger: held sends, their leases, heartbeats, "read done" and early arrivals, with time passed in. Runs in: connector-worker process (and the simulator, on virtual time).
+"""The prefill side's send ledger: held sends, leases, reads. Runs in: connector worker, simulator.
 
-Sans-IO: no sockets, no clock. Each call takes `now`, integer nanoseconds of a monotonic
-clock (time.monotonic_ns() in connector/worker_proc.py, virtual time in
-replay/sim/kv_worker.py), and returns a LedgerOutput saying what to do: sends that
-finished (to report as finished_sending), read replies to send, hold deadlines it set.
-
-The rules (vLLM 0.32's NIXL connector, prefill side; nixl/base_worker.py):
-- `register`: P's engine says these blocks wait for a remote read, leased until the
-  deadline P's scheduler side stamped in request_finished (now + kv_lease_duration).
-  They are held until D says "read done" or the lease is reaped. A lease belongs to
-  one registration: a re-used id never inherits an old one.
-- Heartbeats: D's worker names the sends D still waits for. They queue here
-  (`receive_heartbeat`) and are applied when P's engine steps, as vLLM handles its
-  "HB:" notifications inside get_finished: each named send still held gets
-  max(lease, now + lease_ns * 2 // 3) (vLLM's kv_lease_duration * 2 // 3, here in ns
-  so that short test leases work; equal for whole seconds divisible by 3). `extend`
-  is the primitive that moves one lease.
-- Reaping (`reap`): only when P's engine steps and asks (vLLM's
-  _reap_expired_send_leases in get_finished): queued heartbeats first, then every
-  held send whose lease has passed (now >= lease) ends, counted as expired. So a
-  parked engine reaps nothing, and its worker keeps serving reads of blocks its engine
-  still holds.
-- D can get there first: P's final output reaches the frontend at the end of the step
-  in which the request finished, but P registers the send only in its next step. Early
-  reads are held for `early_hold_ns`, an early "read done" for a lease, both counted
-  from the first early arrival of that id; a hold that is never claimed is forgotten
-  and its reads are refused. A read of a send the ledger knows has expired is refused
-  at once, not held: D's load fails (and its blocks are freed) without waiting. A
-  "read done" for a send that already finished (one of the last MAX_RECENTLY_FINISHED)
-  is a duplicate: counted (num_read_done_duplicates, from the first) and dropped, so it
-  never finishes a later registration of the id unread. These holds are the worker's own business: its driver
-  calls `expire_holds(now)` once `next_hold_deadline()` has come, steps or not.
-- Reads of shm (pins): D copies straight out of P's memory, so before copying it asks
-  (`read(pin=True)`). A held send is granted a read lease of READ_LEASE_NS, and a reap
-  that finds its lease passed while a read lease runs defers the expiry to the read
-  lease's end (num_expiries_deferred): D's "read done" normally comes first. A read of
-  a send that expired or was never registered (after the early hold) is refused
-  (num_reads_refused): D then fails the load (kv_load_failure_policy) instead of
-  copying freed blocks. D drops a copy that ended after its read lease.
-- A "read done" for a send that expired without a served read or pin is counted
-  (num_reads_after_expiry): D read memory P had freed (it never asked). D also frees
-  a send it will never read (ReadAbandoned: its request ended or was refused first,
-  or its pull failed): `read_done(read=False)`, counted in num_released_unread, never
-  as a read after expiry. With `drop_read_done`, every "read done" is dropped and
-  counted (num_read_done_dropped): only the lease frees.
+Sans-IO, vLLM 0.32's NIXL prefill side (nixl/base_worker.py): each call takes `now` (integer ns
+of a monotonic clock: worker_proc.py's, or the simulator's virtual time) and returns a
+LedgerOutput: sends finished (finished_sending), read replies, hold deadlines set. A send ends by
+D's "read done" or a reap P's step asks for: a parked engine reaps nothing, and its worker
+keeps serving reads of the blocks it still holds.
 """
 
 from __future__ import annotations
@@ -127,7 +88,7 @@ class _EarlyHold:
 
 
 class SendLedger:
-    """The prefill side's protocol state; see the module docstring for the rules."""
+    """The prefill side's protocol state; each method's docstring gives its rule."""
 
     max_early_holds = MAX_EARLY_HOLDS
 
@@ -168,8 +129,10 @@ class SendLedger:
     def register(
         self, req_id: str, block_ids: list[int], now: int, deadline: int | None = None
     ) -> LedgerOutput:
-        """These blocks wait for a remote read, leased until `deadline` (default: a
-        lease from now): hold them, or settle what came early."""
+        """These blocks wait for a remote read, leased until `deadline` (P's scheduler side
+        stamped now + kv_lease_duration in request_finished; default: a lease from now): hold
+        them until "read done" or a reap, or settle what came early. A lease belongs to one
+        registration: a re-used id never inherits an old one."""
         out = LedgerOutput()
         self.sends[req_id] = _Send(list(block_ids), self._next_seq(), now, 0)
         self.expired.pop(req_id, None)
@@ -184,8 +147,12 @@ class SendLedger:
         return out
 
     def reap(self, now: int) -> LedgerOutput:
-        """P's engine steps and asks: apply the queued heartbeats, then end every held
-        send whose lease has passed."""
+        """P's engine steps and asks (vLLM's _reap_expired_send_leases in get_finished).
+
+        The queued heartbeats first: each named send still held gets max(lease, now +
+        lease_ns * 2 // 3), vLLM's kv_lease_duration * 2 // 3 in ns so that short test leases
+        work. Then every held send whose lease has passed (now >= lease) ends, counted as
+        expired, unless a read lease runs: its expiry waits for it (num_expiries_deferred)."""
         for req_id in self.heartbeats:
             send = self.sends.get(req_id)
             if send is not None and now + self.lease_extension_ns > send.deadline:
@@ -219,8 +186,9 @@ class SendLedger:
     # ---- what D's worker says -------------------------------------------------------
 
     def receive_heartbeat(self, req_ids: list[str]) -> bool:
-        """D still waits for these sends: queued for the next reap. True when the queue
-        was empty, so the driver tells the engine there is something to reap."""
+        """D still waits for these sends: queued for the next reap, as vLLM handles its "HB:"
+        notifications inside get_finished. True when the queue was empty, so the driver tells
+        the engine there is something to reap."""
         first = not self.heartbeats
         self.heartbeats.extend(req_ids)
         self.counters["num_heartbeats"] += 1
@@ -231,8 +199,14 @@ class SendLedger:
     ) -> LedgerOutput:
         """A read of a send's blocks: answered now, or held until the send is registered.
 
-        pin: an shm read, granted with a read lease (READ_LEASE_NS) during which no
-        expiry frees the send; a send that expired or was never held is refused."""
+        D can get there first: P's final output reaches the frontend at the end of the step
+        in which the request finished, but P registers the send in its next step; so an early
+        read is held for early_hold_ns from its id's first early arrival. A read of a send
+        known to have expired is refused at once: D's load fails without waiting.
+        pin: an shm read (D copies straight out of P's memory), granted a read lease
+        (READ_LEASE_NS) during which no expiry frees the send; a send that expired or was
+        never held is refused (num_reads_refused), so D fails the load instead of copying
+        freed blocks. D drops a copy that ended after its read lease."""
         out = LedgerOutput()
         read = ReadReply(reply_to, req_id, list(block_ids), pin=pin)
         if req_id in self.sends:
@@ -250,8 +224,16 @@ class SendLedger:
         return out
 
     def read_done(self, req_id: str, now: int, read: bool = True) -> LedgerOutput:
-        """D has the blocks (read=False: D will never read them, ReadAbandoned): free
-        the send, or remember it until the send comes."""
+        """D has the blocks: free the send, or hold the news for a lease until the send comes.
+
+        read=False: D will never read them (ReadAbandoned: its request ended or was refused
+        first, or its pull failed), counted in num_released_unread, never as a read after
+        expiry. A "read done" for a send that expired with no read served or pin granted counts
+        num_reads_after_expiry (D read memory P had freed without asking). One for a send that
+        already finished (one of the last MAX_RECENTLY_FINISHED) is a duplicate, counted
+        (num_read_done_duplicates) and dropped, so it never finishes a later registration of
+        the id unread. With drop_read_done every one is dropped
+        (num_read_done_dropped): only the lease frees."""
         out = LedgerOutput()
         if not read:
             self.counters["num_released_unread"] += 1
@@ -283,7 +265,9 @@ class SendLedger:
         return self._peek(self._holds, self.early)
 
     def expire_holds(self, now: int) -> LedgerOutput:
-        """Early holds whose time is up and that no registration claimed: forgotten."""
+        """Early holds whose time is up and that no registration claimed: forgotten, their
+        reads refused. The worker's own business: its driver calls this once
+        next_hold_deadline() has come, whether its engine steps or not."""
         out = LedgerOutput()
         while self._holds and self._holds[0][0] <= now:
             deadline, seq, req_id = heapq.heappop(self._holds)

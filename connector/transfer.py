@@ -1,12 +1,10 @@
-"""Block transports between connector workers: shared-memory copies and bytes over ZMQ. Runs in: connector-worker process.
+"""Block transports between connector workers: shm copies, ZMQ bytes. Runs in: connector worker.
 
-A decode worker pulls (NIXL-like one-sided reads): `shm` maps the prefill engine's
-registered KV memory once (a handshake over the peer socket) and copies blocks
-directly; `zmq` asks the prefill worker for the blocks' bytes, which arrive in chunks
-of whole blocks, each a zero-copy frame (send_blocks): the prefill worker gathers the
-next chunk while libzmq sends the last, and the decode worker writes one chunk into
-its cache while the next arrives; a chunk of about CHUNK_BYTES also stays in the CPU's
-cache between the copies. Either way the prefill engine core is not involved.
+A decode worker pulls (NIXL-like one-sided reads); the prefill engine core is never involved.
+`shm` maps the prefill engine's registered KV memory once (a handshake over the peer socket) and
+copies blocks directly; `zmq` asks the prefill worker for the blocks' bytes, which arrive in
+chunks of whole blocks, each a zero-copy frame, so both sides work on one chunk while the next is
+on the wire.
 """
 
 from __future__ import annotations
@@ -129,7 +127,7 @@ class Puller:
         return self.links[addr]
 
     def pull(self, local: KVCache, spec: RecvSpec) -> None:
-        """Fill spec.local_block_ids from the peer's spec.remote_block_ids, or raise TransferError."""
+        """Fill spec.local_block_ids from the peer's remote_block_ids, or raise TransferError."""
         if len(spec.local_block_ids) != len(spec.remote_block_ids):
             raise TransferError(
                 f"{spec.req_id}: {len(spec.local_block_ids)} local blocks for "
@@ -154,8 +152,8 @@ class Puller:
     def _pull_shm(self, local: KVCache, spec: RecvSpec) -> None:
         # Every pull first asks the prefill worker to pin the send (a read lease): a send
         # that expired, or whose worker died, has released its blocks, and a copy from the
-        # still-mapped memory would read blocks that may be reused. One round trip on
-        # ipc (~0.1 ms); the copy must end before the lease does.
+        # still-mapped memory would read blocks that may be reused. The copy must end
+        # before the lease does.
         reply, _ = self.link(spec.remote_addr).request(
             PinSend(spec.remote_engine_id, spec.remote_request_id, spec.remote_block_ids)
         )
@@ -189,7 +187,8 @@ class Puller:
             raise TransferError(f"{spec.req_id}: copy failed: {e}") from None
 
     def _pull_zmq(self, local: KVCache, spec: RecvSpec) -> None:
-        """Write each chunk of send_blocks' answer as it comes (the next is on its way)."""
+        """Write each chunk of send_blocks' answer as it comes (the next is on its way); a
+        chunk of about CHUNK_BYTES also stays in the CPU's cache between the two copies."""
         link = self.link(spec.remote_addr)
         reply, frames = link.request(ReadBlocks(spec.remote_request_id, spec.remote_block_ids))
         num_done = self._write_chunk(local, spec, reply, frames, 0)
@@ -245,8 +244,9 @@ def send_blocks(
 ) -> None:
     """Answer a ReadBlocks on a ROUTER: the blocks' bytes in chunks of whole blocks, each
     [BlockData, bytes] with the bytes gathered into a fresh array that libzmq sends
-    without a copy (it keeps the array alive until sent). The chunks are gathered now,
-    while the blocks are held; a read of no blocks is answered by one empty chunk."""
+    without a copy (it keeps the array alive until sent), so the next chunk is gathered
+    while libzmq sends the last. The chunks are gathered now, while the blocks are held; a
+    read of no blocks is answered by one empty chunk."""
     per_chunk = max(1, chunk_bytes // cache.num_bytes_per_block, -(-len(block_ids) // MAX_CHUNKS))
     for first in range(0, max(len(block_ids), 1), per_chunk):
         ids = block_ids[first : first + per_chunk]

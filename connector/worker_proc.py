@@ -1,19 +1,10 @@
-"""The connector worker process: one per engine; moves KV blocks and reports completions. Runs in: connector-worker process.
+"""The connector worker process, one per engine: moves KV blocks. Runs in: connector-worker process.
 
-Prefill side: the sockets and the monotonic clock around connector/send_ledger.py,
-which decides what is held, until when, and how a read is answered; here reads are
-served (zmq transport), shm reads are granted a read lease (PinSend: ReadGranted with
-the memory's handle, or refused if the send is not held), and finished_sending is
-reported when the ledger ends a send ("read done", or a lease reaped). Leases are
-reaped only when the engine's step asks (ReapLeases, from the agent's get_finished),
-as vLLM 0.32 reaps them in get_finished: this process never expires a send on its own
-clock, so behind a parked engine a lease never lapses. Heartbeats from D queue for
-that reap; the first one queued tells the engine (LeaseDue) so its next step reaps.
-Decode side: pulls remote blocks into its engine's blocks, tells the prefill worker
-(for the pulls due together, once they are read: see _fire_timers), reports
-finished_recving (with invalid_block_ids when a pull fails), and sends the
-heartbeats its engine's scheduler side packaged. Reports go to the engine core at
-once; whether the engine reads them is the engine loop's liveness policy.
+P's side: the sockets and the monotonic clock around send_ledger.py (reads served, shm reads
+pinned, finished_sending reported). Leases are reaped only when the engine's step asks
+(ReapLeases), as vLLM 0.32 reaps in get_finished, so behind a parked engine none lapses. D's side:
+pulls, finished_recving (invalid_block_ids when a pull fails) and heartbeats. Reports go to the
+engine core at once; whether it reads them is its loop's liveness policy.
 """
 
 from __future__ import annotations
@@ -68,7 +59,7 @@ from engine.runner.kv_cache import KVCache, KVCacheHandle
 
 # A pull's ReadDone is held back for the pulls due with it at most about this long
 # (then sent, even while a reply is awaited: transfer.SLOW_REPLY_MS), a small part of
-# any lease (a read lease is 2 s).
+# any lease (a read lease is send_ledger.READ_LEASE_NS).
 NOTIFY_BATCH_NS = SLOW_REPLY_MS * 1_000_000
 
 
@@ -87,7 +78,13 @@ class ConnectorWorkerConfig:
 
 
 class ConnectorWorkerProc:
-    """The connector worker process's loop and sockets (vLLM's EngineCoreProc, for the connector)."""
+    """The connector worker's loop and sockets (vLLM's EngineCoreProc, for the connector).
+
+    This process never expires a send on its own clock. Heartbeats from D queue in the ledger
+    for the next reap; the first one queued tells the engine (LeaseDue), so its next step
+    reaps. An shm read asks first (PinSend) and gets ReadGranted with the memory's handle,
+    or a refusal if the send is not held.
+    """
 
     def __init__(self, config: ConnectorWorkerConfig) -> None:
         self.config = config
@@ -183,7 +180,7 @@ class ConnectorWorkerProc:
         # every NIXL notification that came since the last). Nothing is held longer than
         # about NOTIFY_BATCH_NS past its pull, nor past an error: the loop's exit sends it.
         # (Slow work that is no wait for a reply, a long copy, still delays the news
-        # before it until the pull returns, as it did when each pull told P itself.)
+        # before it until the pull returns.)
         started = now
         try:
             while self.pulls and self.pulls[0][0] <= now:

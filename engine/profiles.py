@@ -1,14 +1,8 @@
-"""Deployment profiles: engine sizes as a real model on a real GPU would get them. Runs in: frontend process.
+"""Deployment profiles: the engine sizes of a real model on a real GPU. Runs in: frontend process.
 
-vLLM sizes its KV cache from memory (engine/runner/kv_cache_sizing.py; the torch runner on CUDA
-measures it): usable = total * gpu_memory_utilization - weights (and activations); each
-block holds block_size tokens of K and V for every layer:
-    bytes per token = 2 * num_layers * num_kv_heads * head_dim * dtype bytes
-    num_gpu_blocks  = usable // (block_size * bytes per token)
-A profile gives the model's shape and the GPU, and the scheduler limits a deployment
-would run with (max_model_len, max_num_batched_tokens, max_num_seqs); `num_blocks`
-comes out of the formula. The virtual clock runs one by default, so public traces
-replay unscaled with nothing ignored for lack of room (the mock runner needs no memory).
+A profile gives a model's shape, its GPU and a deployment's scheduler limits; its num_blocks comes
+from vLLM's memory arithmetic (engine/runner/kv_cache_sizing.py). The virtual clock runs one by
+default, so public traces replay unscaled with nothing ignored for lack of room.
 """
 
 from __future__ import annotations
@@ -26,6 +20,11 @@ from engine.runner.kv_cache_sizing import (
 
 @dataclass(frozen=True, slots=True)
 class DeploymentProfile:
+    """A model on a GPU. Each block holds block_size tokens of K and V for every layer:
+    bytes per token = 2 * num_layers * num_kv_heads * head_dim * dtype bytes, and
+    num_gpu_blocks = (total * gpu_memory_utilization - weights) // (block_size * bytes per token).
+    """
+
     name: str
     description: str
     num_layers: int
@@ -69,7 +68,7 @@ class DeploymentProfile:
         }
 
     def apply(self, config: EngineConfig, keep: frozenset[str] = frozenset()) -> EngineConfig:
-        """`config` with this profile's sizes, except the fields named in `keep` (set explicitly)."""
+        """`config` with this profile's sizes, except the fields in `keep` (set explicitly)."""
         sized = replace(config, **{k: v for k, v in self.sizes().items() if k not in keep})
         # The profile's num_blocks, not the runner's own from device memory.
         return sized if "num_blocks" in keep else replace(sized, gpu_memory_utilization=None)

@@ -1,4 +1,4 @@
-"""Small pure arithmetic helpers shared by every package (vLLM's vllm.utils). Runs in: every process."""
+"""Pure arithmetic helpers shared by every package (vLLM's vllm.utils). Runs in: every process."""
 
 from __future__ import annotations
 

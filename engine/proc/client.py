@@ -1,11 +1,8 @@
-"""EngineClient: the frontend's handle on one engine core, in-process or in its own process. Runs in: frontend process.
+"""EngineClient: the frontend's handle on one engine core. Runs in: frontend process.
 
-Both implement the EngineClient protocol (start-up info, the four verbs, stats, what
-to wait on), so no caller branches on the kind. The multiprocess one
-spawns run_engine_core, binds the two sockets (ipc in a private directory by
-default), waits for Ready with a timeout, and notices a dead child through its
-process sentinel: every wait is bounded and a death is an EngineDeadError, never a
-hang.
+In-process (InprocClient) or in its own process (MPClient); both implement the EngineClient
+protocol (start-up info, the four verbs, stats, what to wait on), so no caller branches on the
+kind. Every wait is bounded, and an engine's death is an EngineDeadError, never a hang.
 """
 
 from __future__ import annotations
@@ -144,7 +141,11 @@ class InprocClient:
 
 
 class MPClient:
-    """The engine core in a spawned child process, over ZMQ + msgpack."""
+    """The engine core in a spawned child process, over ZMQ + msgpack.
+
+    Spawns run_engine_core, binds the two sockets (ipc in a private run directory by default),
+    waits for Ready with a timeout, and notices a dead child through its process sentinel.
+    """
 
     def __init__(self, config: EngineConfig, run_dir: str | None = None, wait: bool = True) -> None:
         self.engine_id = config.engine_id

@@ -1,12 +1,7 @@
-"""The engine-core process: the busy loop, its sockets and the liveness policy. Runs in: engine-core process.
+"""The engine-core process: the busy loop, its sockets, its liveness. Runs in: engine-core process.
 
-Each iteration: drain the frontend input without blocking; step if there is work;
-then ask engine/core/liveness.py whether to step again, sleep (poll_interval: poll, and
-legacy while unfinished requests wait) or block, and on what. Blocking means a zmq
-poll: on the frontend input only with no timeout (legacy with only delayed frees left,
-and every policy when idle), or also on the connector worker's socket and process
-sentinel until the connector's next timed action (event, while a connector transfer is
-pending: a lease to reap, a heartbeat due). The frontend's death (its process
+The loop's policy (step, sleep or block, and on what) is engine/core/liveness.py's next_action,
+shared with the simulator; this module does the I/O around it. The frontend's death (its process
 sentinel) always wakes the loop, which then exits.
 """
 
@@ -162,6 +157,14 @@ class EngineCoreProc:
     # ---- the busy loop -------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
+        """Drain the input without blocking, step if there is work, then step, sleep or block.
+
+        Sleeping is poll_interval (poll, and legacy while unfinished requests wait). Blocking
+        watches the frontend input only, with no timeout (legacy with only delayed frees left,
+        every policy when idle), or also the connector worker's socket and process sentinel
+        until the connector's next timed action (event, while a transfer is pending: a lease
+        to reap, a heartbeat due).
+        """
         liveness = self.config.liveness
         input_ready = True  # the frontend input may hold messages: drain it
         while self.shutdown_timeout_s is None:

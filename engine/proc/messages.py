@@ -1,12 +1,9 @@
-"""Wire types between frontend and engine core, and the msgpack codec every socket uses. Runs in: every process.
+"""Wire types frontend <-> engine core and the codec every socket uses. Runs in: every process.
 
-Each message is a frozen dataclass under a fixed numeric tag (MESSAGES), encoded as
-msgpack([tag, field, ...]). Decoding checks the tag, the arity and every field's type
-against the dataclass annotations and raises DecodeError saying what is wrong. No
-pickle: a peer can only ever make us build one of the registered types. The codec
-builds a message from its fields in order, so wire types are not kw_only as other wide
-records are; their callers pass keywords all the same.
-stdlib, msgpack and the pure engine/core/outputs.py only, so anything can import this cheaply.
+Each message is a frozen dataclass under a fixed numeric tag (MESSAGES), sent as msgpack([tag,
+field, ...]); no pickle, so a peer can only make us build a registered type. The codec builds a
+message from its fields in order, so wire types are not kw_only (callers pass keywords all the
+same). Imports only stdlib, msgpack and the pure engine/core/outputs.py, so it is cheap to import.
 """
 
 from __future__ import annotations
@@ -117,6 +114,8 @@ def _carries_message(tp: Any) -> bool:
 class Codec:
     """Encodes and strictly decodes the messages of one protocol, each under its fixed tag.
 
+    Decoding checks the tag, the arity and every field's type against the dataclass
+    annotations, and raises DecodeError saying what is wrong.
     fast=False runs the reference field checks only (tests compare the two paths).
     """
 

@@ -1,12 +1,8 @@
-"""Private run directories (ipc sockets) with an owner record, and sweeping what dead runs left. Runs in: frontend process.
+"""Private run directories for ipc sockets, and sweeping dead runs'. Runs in: frontend process.
 
-A run directory is /tmp/kvdrain-XXXXXXXX (mode 0700: only this uid can reach the ipc
-sockets inside; KVDRAIN_RUN_ROOT moves it, for tests). Its `owner` file holds the
-creating process's pid and start time. Every exit path of a run removes the directory
-and its engines' KV segments (/dev/shm/kvdrain-kv-<engine pid>-*), except one: a SIGKILL
-of the frontend, which runs no code. So each new run first sweeps: a run directory
-whose owner is gone, and a KV segment whose engine pid is gone, are removed. Directories
-without an owner record (older kvdrain, other tools) are left alone.
+A run directory is /tmp/kvdrain-XXXXXXXX, mode 0700 (KVDRAIN_RUN_ROOT moves it, for tests), with
+an `owner` file: its creator's pid and start time. Every exit of a run removes it and its engines'
+KV segments but a SIGKILL of the frontend, which runs no code; so each new run first sweeps.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ def run_root() -> str:
 
 
 def process_start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22); None: no such process."""
+    """The process's start time (ticks since boot, /proc/PID/stat field 22); None: no process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
@@ -89,7 +85,11 @@ def is_ours(path: str | os.PathLike, directory: bool = True) -> bool:
 
 
 def sweep_dead_runs() -> list[str]:
-    """Remove run directories and KV segments whose owner process is gone; returns their paths."""
+    """Remove run directories and KV segments whose owner process is gone; returns their paths.
+
+    A KV segment (/dev/shm/kvdrain-kv-<engine pid>-*) is its engine's. Directories without an
+    owner record (older kvdrain, other tools) are left alone.
+    """
     removed = []
     for path in glob.glob(os.path.join(run_root(), RUN_PREFIX + "*")):
         owner = read_owner(path) if is_ours(path) else None

@@ -1,16 +1,8 @@
-"""Message size caps (ZMQ_MAXMSGSIZE) for every socket, sized from the config. Runs in: every process.
+"""Message size caps (ZMQ_MAXMSGSIZE) for every socket, from the config. Runs in: every process.
 
-A frame over its socket's cap makes libzmq drop the connection that sent it before
-the frame is held whole, so a 200 MB frame on the serve's port costs nothing. Each cap
-is the largest legitimate message on that socket, with room to spare:
-- a request (frontend -> engine, client -> serve): max_model_len token ids, msgpack's
-  worst case 9 bytes each, plus ids and transfer params;
-- an engine's outputs (engine -> frontend): a step's outputs, or the batch of aborts
-  for every request it holds at shutdown (64 MiB at least), stats and error text;
-- connector control (engine <-> its connector worker, worker <- peers): block ids and
-  request ids per step, at most every block and request at once;
-- block payloads (prefill worker -> decode worker): at most every block of the KV cache.
-A cap of -1 is libzmq's "no limit".
+A frame over its socket's cap makes libzmq drop the sending connection before the frame is held
+whole, so an oversized frame costs nothing. Each cap is the largest legitimate message on its
+socket, with room to spare; -1 is libzmq's "no limit".
 """
 
 from __future__ import annotations

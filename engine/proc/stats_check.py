@@ -1,10 +1,8 @@
 """Checking a decoded StatsSnapshot before anything uses it. Runs in: frontend process.
 
-The codec checks a snapshot's field types; this checks what readers index: the engine
-id is one of the run's, every SchedulerStats count is there as a non-negative int, the
-loop state is one the TUI knows, and the block counts add up. A snapshot that fails is
-dropped and counted (num_bad_messages) by whoever received it: MPClient for an engine's
-output socket, ServeClient for a serve's.
+The codec checks field types; this checks what readers index: a known engine id and loop state,
+every SchedulerStats count a non-negative int, block counts that add up. Whoever received a
+snapshot that fails drops and counts it (num_bad_messages): MPClient, or ServeClient for a serve.
 """
 
 from __future__ import annotations

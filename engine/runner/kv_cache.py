@@ -1,12 +1,9 @@
 """Paged KV cache memory other processes map by handle. Runs in: engine core, connector worker.
 
-Shared memory on the CPU is a file under /dev/shm mapped with numpy: copying blocks
-(the connector worker's whole job) moves bytes and needs no torch, so the mock
-runner's engine core and every CPU connector worker start without importing it (the
-owner maps the file on first use: the mock runner's engine core, which only shares
-it, imports neither numpy nor torch). torch comes in only for what needs it: the
-tensor view a torch model runs on (the same pages, made on first use), and CUDA
-memory with its IPC handles.
+On the CPU it is a file under /dev/shm, mapped with numpy on first use: copying blocks (the
+connector worker's whole job) needs no torch, and the mock runner's engine core, which only shares
+it, imports neither. torch comes in only for a torch model's view of the same pages (made on first
+use) and for CUDA memory with its IPC handles.
 """
 
 from __future__ import annotations

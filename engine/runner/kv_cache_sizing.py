@@ -1,12 +1,8 @@
 """How many KV blocks fit in device memory, by vLLM 0.32's arithmetic. Runs in: any process (pure).
 
-vLLM (vllm/v1/worker/utils.py request_memory, gpu_worker.py determine_available_memory,
-vllm/v1/core/kv_cache_utils.py get_num_blocks and check_enough_kv_cache_memory):
-    requested  = ceil(total * gpu_memory_utilization)   # must not exceed free at start
-    available  = requested - non_kv                      # weights + activation peak + other
-    num_blocks = available // bytes per block            # all layers, K and V
-The measuring (a profile run of the model) lives in engine/runner/model_runner.py; this module
-is the arithmetic and vLLM's errors, shared with engine/profiles.py's presets.
+num_blocks = (ceil(total * gpu_memory_utilization) - weights - activation peak) // bytes per block
+(all layers, K and V), with vLLM's errors. The measuring (a profile run of the model) is
+engine/runner/model_runner.py's; engine/profiles.py's presets share the arithmetic.
 """
 
 from __future__ import annotations
@@ -15,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 GiB = 1 << 30
-# kvdrain's block pool is Python objects, about 1.8 us and 140 B a block to build; a
-# tiny model on a big GPU would get tens of millions. Above this, the pool is capped
-# (a documented difference: vLLM has no cap, and its pool is built the same way).
+# kvdrain's block pool is Python objects, built one by one; a tiny model on a big GPU would
+# get tens of millions. Above this, the pool is capped (a documented difference: vLLM has no
+# cap, and its pool is built the same way).
 MAX_NUM_GPU_BLOCKS = 1 << 20
 
 
@@ -36,7 +32,8 @@ def format_gib(num_bytes: int) -> str:
 
 
 def request_memory(init_free: int, total: int, gpu_memory_utilization: float) -> int:
-    """vLLM's budget for one instance: a fraction of the whole device, which must be free."""
+    """vLLM's budget for one instance: a fraction of the whole device, which must be free
+    (vllm/v1/worker/utils.py request_memory)."""
     requested = math.ceil(total * gpu_memory_utilization)
     if init_free < requested:
         raise ValueError(
@@ -49,7 +46,8 @@ def request_memory(init_free: int, total: int, gpu_memory_utilization: float) ->
 
 
 def available_kv_cache_memory(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """The budget left for the KV cache once weights and the activation peak are paid."""
+    """The budget left for the KV cache once weights and the activation peak are paid
+    (vLLM's gpu_worker.py determine_available_memory)."""
     requested = request_memory(profile.init_free, profile.total, gpu_memory_utilization)
     return requested - profile.weights - profile.peak_activation
 
@@ -61,8 +59,9 @@ def num_gpu_blocks(
     max_model_len: int,
     cap: int = MAX_NUM_GPU_BLOCKS,
 ) -> int:
-    """Blocks for `available` bytes (the null block among them), with vLLM's two checks;
-    like vLLM 0.32 (get_kv_cache_configs) they plan against the memory less the null block."""
+    """Blocks for `available` bytes (the null block among them), with vLLM's two checks
+    (vllm/v1/core/kv_cache_utils.py get_num_blocks, check_enough_kv_cache_memory); like
+    vLLM 0.32 (get_kv_cache_configs) they plan against the memory less the null block."""
     usable = available - bytes_per_block  # vLLM's check_memory: BlockPool holds one back
     if usable <= 0:
         raise ValueError(

@@ -1,14 +1,9 @@
-"""The mock runner's marks in real KV memory: each computed token's id in its slot, checked where a prefix was computed elsewhere. Runs in: engine-core process.
+"""The mock runner's marks in KV memory, so a wrong transfer shows. Runs in: engine-core process.
 
-The mock runner needs no KV to pick its tokens, so a transfer that delivered the wrong
-bytes would go unseen. With a KV cache (a P/D engine) it writes every token it computes
-into that token's slot (the first 4 bytes of layer 0's K, as an int32), keeps each
-request's block table as a model runner does, and when a request is first scheduled with
-a prefix it did not compute in this life (loaded from P, or a prefix-cache hit), it reads
-the prefix's slots back and compares them with the prompt. A mismatch (blocks freed and
-reused before the copy, say) marks the request corrupt: the runner then samples other
-tokens for it, so its output differs from a single engine's and the replay's output
-check (replay/verify/outputs.py) sees it, as it would with a real model.
+With a KV cache (a P/D engine), every token computed is stamped into its slot (layer 0's K, first
+4 bytes, int32); a request first scheduled with a prefix it did not compute (loaded from P, or a
+prefix-cache hit) has that prefix read back against its prompt. A mismatch marks it corrupt: the
+runner samples other tokens, so the replay's output check sees it, as it would a real model's.
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ from engine.runner.kv_cache import KVCache
 
 
 class KVStamps:
+    """Each request's block table, kept as a model runner keeps it, and its stamped slots."""
+
     def __init__(self, kv_cache: KVCache, block_size: int) -> None:
         if kv_cache.pages is None:
             raise ValueError("KV stamps need host memory (a CPU KV cache)")

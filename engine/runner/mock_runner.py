@@ -1,10 +1,8 @@
-"""A torch-free deterministic model runner for fast tests and big replays. Runs in: engine-core process.
+"""A torch-free deterministic model runner for tests and big replays. Runs in: engine-core process.
 
-The next token is (last token + 1) % vocab_size, so outputs are a pure function of
-the prompt, whatever the batching, chunking, preemption or KV transfer. Given a KV
-cache (a P/D engine's), it also stamps the tokens into it and checks prefixes computed
-elsewhere (engine/runner/kv_stamps.py): a request whose KV arrived corrupt samples
-(last token + 2) instead, as a real model's output would change.
+The next token is (last token + 1) % vocab_size: outputs are a pure function of the prompt,
+whatever the batching, chunking, preemption or KV transfer. With a KV cache it stamps and checks
+it (engine/runner/kv_stamps.py); a request whose KV arrived corrupt samples last token + 2.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         with torch.device("meta"):
             # _weight: no reset_parameters. normal_ on a meta tensor would import
-            # torch._dynamo (seconds of start-up); _init_weights draws every weight anyway.
+            # torch._dynamo (a slow import); _init_weights draws every weight anyway.
             self.embed_tokens = nn.Embedding(
                 config.vocab_size,
                 config.hidden_size,
