@@ -1,6 +1,7 @@
-"""README's "Where things live", made from each module's first docstring line: `python -m tests.module_map`.
+"""docs/architecture.md's module map, from each module's first docstring line. Runs in: a shell.
 
-tests/test_architecture.py holds README to it, so the map cannot drift from the tree.
+`python -m tests.module_map` rewrites the map between its two markers;
+tests/test_architecture.py fails when the map differs from the tree.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from tests.paths import ROOT
 
 PACKAGES = ("engine", "connector", "replay")
+MAP_DOC = ROOT / "docs" / "architecture.md"
 BEGIN = "<!-- module map: python -m tests.module_map -->"
 END = "<!-- end of module map -->"
 
@@ -30,7 +32,7 @@ def folders() -> list[Path]:
 
 
 def module_map() -> str:
-    """The map as README shows it: a line per package, then a line per module."""
+    """The map as the tree has it: a line per package, then a line per module."""
     lines = [
         BEGIN,
         "",
@@ -46,19 +48,19 @@ def module_map() -> str:
     return "\n".join(lines + ["", END])
 
 
-def readme_map() -> str:
-    text = (ROOT / "README.md").read_text()
+def documented_map() -> str:
+    """The map as docs/architecture.md has it, markers included ("" without them)."""
+    text = MAP_DOC.read_text()
     start, end = text.find(BEGIN), text.find(END)
     return text[start : end + len(END)] if start >= 0 and end >= 0 else ""
 
 
-def write_readme_map() -> None:
-    text = (ROOT / "README.md").read_text()
-    old = readme_map()
+def write_map() -> None:
+    old = documented_map()
     if not old:
-        raise SystemExit(f"README.md has no {BEGIN!r} ... {END!r} section")
-    (ROOT / "README.md").write_text(text.replace(old, module_map()))
+        raise SystemExit(f"{MAP_DOC} has no {BEGIN!r} ... {END!r} section")
+    MAP_DOC.write_text(MAP_DOC.read_text().replace(old, module_map()))
 
 
 if __name__ == "__main__":
-    write_readme_map()
+    write_map()

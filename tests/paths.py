@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pd_idle.jsonl"
-# The public traces (README, "Public traces"): `make traces` links them at traces/, or
+# The public traces (docs/traces.md, "Public traces"): `make traces` links them at traces/, or
 # $KVDRAIN_TRACES names their folder. Tests that need them skip, saying where they looked.
 TRACES = Path(os.environ.get("KVDRAIN_TRACES", ROOT / "traces"))
 MOONCAKE = TRACES / "conversation_trace.jsonl"

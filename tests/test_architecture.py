@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.module_map import module_map, readme_map
+from tests.module_map import MAP_DOC, documented_map, module_map
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "connector", "replay")
@@ -231,11 +231,18 @@ def test_packages_say_what_they_are_for():
             assert len(doc.split()) > 4, f"{module}: {doc!r}"
 
 
-def test_readme_maps_every_module_as_the_tree_has_it():
-    """README's "Where things live" is the generated map (python -m tests.module_map rewrites it)."""
-    assert readme_map() == module_map(), (
-        "README's module map is stale: run python -m tests.module_map"
+def test_docs_map_every_module_as_the_tree_has_it():
+    """docs/architecture.md's map is the generated one (python -m tests.module_map rewrites it)."""
+    assert documented_map() == module_map(), (
+        "docs/architecture.md's module map is stale: run python -m tests.module_map"
     )
+
+
+def test_docs_name_replays_rooms_bottom_to_top_as_the_layering_test_has_them():
+    """docs/architecture.md lists the rooms as REPLAY_ROOMS has them, in order."""
+    text = MAP_DOC.read_text()
+    paragraph = text[text.index("Rooms, bottom to top:") :].split("\n\n")[0]
+    assert re.findall(r"`(\w+)`", paragraph) == list(REPLAY_ROOMS), paragraph
 
 
 def test_every_module_says_what_it_is_and_where_it_runs():
@@ -258,10 +265,10 @@ def test_each_package_docstring_names_all_its_modules():
         assert not unnamed, f"{module}'s docstring does not name {unnamed}"
 
 
-def test_readme_indexes_every_fast_path_test():
-    """Each fast/slow pair's test file is in README's "Fast paths and the tests that pin them"."""
-    text = (ROOT / "README.md").read_text()
-    index = text[text.index("### Fast paths and the tests that pin them") :]
+def test_docs_index_every_fast_path_test():
+    """Each fast/slow pair's test file is in docs/architecture.md's index of fast paths."""
+    text = MAP_DOC.read_text()
+    index = text[text.index("## Fast paths and the tests that pin them") :]
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fast_paths.py"))
     assert files and all(f"`{f}`" in index for f in files), files
 
