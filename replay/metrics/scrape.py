@@ -11,8 +11,10 @@ The KV-usage metric is the first of KV_METRICS the server exposes:
 - `kvdrain:kv_blocks_used` with `kvdrain:kv_blocks_free`: blocks.
 A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a leak).
 Series are told apart by their `engine` label; a URL given as NAME=URL names its
-engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
-loop state and step counts are read where the server has them (kvdrain), else 0.
+engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed
+frees, loop state and step counts are read where the server has them (kvdrain), else 0.
+Each reading also goes to a RestartWatch (replay/metrics/restarts.py): a restart is a
+fault, never a drain.
 Each sample is stamped with its scrape's sending (EngineSample.send_t) and its answer
 (t): the server took the reading somewhere between (replay/verify/rules.py judges by both).
 A scrape that fails in any way (no answer, not 200, not parseable, a value read that is
@@ -33,6 +35,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from replay.metrics.restarts import (
+    PROCESS_START,
+    RESTART_COUNTERS,
+    RestartWatch,
+    restart_faults,
+)
 from replay.verify.outcome import printable
 from replay.verify.timeline import EngineSample
 
@@ -49,7 +57,11 @@ MAX_FAILURE_SPANS = 1000  # failed scrapes placed in time; past it, every failur
 PREFIXES = ("vllm:", "sglang:", "kvdrain:")
 _SAFE_LABEL = re.compile(r"[^\w.:@/-]", re.ASCII)
 _SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_OURS = tuple(f"{head}{prefix}" for prefix in PREFIXES for head in ("", "# HELP ", "# TYPE "))
+_OURS = tuple(
+    f"{head}{prefix}"
+    for prefix in (*PREFIXES, PROCESS_START)
+    for head in ("", "# HELP ", "# TYPE ")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +153,8 @@ def parse_plain_samples(lines: str) -> dict[str, list] | None:
 
 def parse_metrics(text: str) -> dict[str, list]:
     """Sample name -> its samples (prometheus_client Sample: name, labels, value), of the
-    vllm:, sglang: and kvdrain: families only: the others' lines are dropped unparsed
-    (prometheus_client's parser takes seconds per megabyte)."""
+    vllm:, sglang: and kvdrain: families and the process start time only: the others' lines
+    are dropped unparsed (prometheus_client's parser takes seconds per megabyte)."""
     ours = "\n".join(line for line in text.splitlines() if line.startswith(_OURS))
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(ours + "\n"):
@@ -221,6 +233,8 @@ READ_NAMES = frozenset(
         "kvdrain:loop_state",
         "vllm:cache_config_info",
         "sglang:max_total_num_tokens",
+        *RESTART_COUNTERS,
+        PROCESS_START,
     )
 )
 
@@ -336,6 +350,7 @@ class Scraper:
     # (sent, failed) of each failed scrape, the first MAX_FAILURE_SPANS: where a reading is
     # missing (replay/verify/outcome.py: a failure matters only inside a judged window)
     failure_spans: list[tuple[float, float]] = field(default_factory=list)
+    restart_watch: RestartWatch = field(default_factory=RestartWatch)
 
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
         """One scrape; False (and a counted failure) if it gave no usable KV reading. A scrape
@@ -372,6 +387,7 @@ class Scraper:
             sample.t += shift
             sample.send_t += shift
         self.failure_spans = [(sent + shift, failed + shift) for sent, failed in self.failure_spans]
+        self.restart_watch.rebase(shift)
         self.origin = origin
 
     def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
@@ -392,7 +408,13 @@ class Scraper:
             sample = to_sample(t, name, scraped, loop_state(samples, scraped.engine_label))
             sample.send_t = send_t
             self.samples.append(sample)
+        read = {r.engine_label: self.engines[r.engine_label] for r in readings}
+        self.restart_watch.observe(samples, send_t, t, read)
         return True
+
+    def faults(self) -> list[dict]:
+        """Each restarted engine as a fault (replay/metrics/restarts.py restart_faults)."""
+        return restart_faults(self.source.url, self.restart_watch)
 
     def status(self) -> dict:
         """For the report: which metric, in what unit, what was found, what failed."""
@@ -408,4 +430,5 @@ class Scraper:
             "max_parse_s": self.max_parse_s,
             "errors": list(self.errors),
             "failure_spans": [list(s) for s in self.failure_spans],
+            "num_restarts": self.restart_watch.num_restarts,
         }

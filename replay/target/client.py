@@ -623,6 +623,9 @@ class HttpReplay:
         counters = {
             e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e)) for e in engines
         }
+        faults = sorted((f for s in self.scrapers for f in s.faults()), key=lambda f: f["t"])
+        if faults:  # restarts (replay/metrics/restarts.py): the run's faults
+            meta["faults"] = faults
         return Timeline(
             engines=engines,
             num_usable_blocks=num_usable_blocks,

@@ -128,11 +128,12 @@ def outcome_lines(outcome: dict) -> list[str]:
             if "max_parse_s" in m
             else ""
         )
+        restarts = m.get("num_restarts", 0)
         lines.append(
             f"metrics {p(m['url'])}: {m['metric'] or 'no KV-usage metric'}"
             f" ({m['unit'] or '-'}), engines {engines}; {m['num_scrapes']} scrapes, "
             f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names "
-            f"found{cost}"
+            f"found{cost}" + (f"; {restarts} engine restarts seen (faults)" if restarts else "")
         )
     if outcome["reasons"]:
         lines.append(
