@@ -373,6 +373,7 @@ class HttpReplay:
                 ]
                 self.metrics_from = "the proxy's /health" if found else None
             for scraper in self.scrapers:  # picks the metric and names the engines
+                scraper.model = self.identity.model
                 scraper.origin = time.monotonic()
                 await scraper.scrape(session)
             self.facts_before = await self._read_facts(session)
@@ -394,7 +395,9 @@ class HttpReplay:
     async def _read_facts(self, session: aiohttp.ClientSession) -> dict[str, EngineFacts]:
         out: dict[str, EngineFacts] = {}
         for scraper in self.scrapers:
-            facts = await read_facts(session, scraper.source.url, list(scraper.engines))
+            facts = await read_facts(
+                session, scraper.source.url, list(scraper.engines), scraper.model
+            )
             out.update({scraper.engines[label]: f for label, f in facts.items()})
         return out
 

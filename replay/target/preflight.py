@@ -6,7 +6,8 @@ sends anything:
   failure (a 5xx: a proxy whose decode server is down), or no model list and no --model,
   is a PreflightError naming the URL, the HTTP status or connection error and what to do;
 - one scrape of every --metrics URL (replay/metrics/scrape.py Scraper): any failure (no
-  answer, not 200, no KV-usage metric) is a PreflightError naming the URL and why;
+  answer, not 200, no KV-usage metric, none of the model under test's series) is a
+  PreflightError naming the URL and why;
 - without --metrics, a kvdrain proxy's upstreams (its /health names them) are scraped
   the same way, else the target's own /metrics when it exposes a KV-usage metric; when
   neither, the replay runs without metrics and says so.
@@ -76,20 +77,22 @@ async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
             )
             origins.update(URL(m.url).origin() for m in metrics)
         for source in metrics:
-            why = await _scrape_once(session, source)
+            why = await _scrape_once(session, source, identity.model)
             if why is not None:
                 raise PreflightError(source.url, why, named_by)
         if not metrics:
             own = MetricsSource(api_root(options.base_url) + "/metrics")
-            if await _scrape_once(session, own) is None:
+            if await _scrape_once(session, own, identity.model) is None:
                 metrics, named_by = (own,), FROM_TARGET
     checked = replace(options, metrics=metrics, metrics_from=named_by if metrics else None)
     return CheckedTarget(options=checked, identity=identity)
 
 
-async def _scrape_once(session: aiohttp.ClientSession, source: MetricsSource) -> str | None:
-    """Why one scrape of `source` gave no KV reading, or None when it gave one."""
-    scraper = Scraper(source, time.monotonic())
+async def _scrape_once(
+    session: aiohttp.ClientSession, source: MetricsSource, model: str
+) -> str | None:
+    """Why one scrape of `source` gave no KV reading of `model`, or None when it gave one."""
+    scraper = Scraper(source, time.monotonic(), model=model)
     if await scraper.scrape(session):
         return None
     why = scraper.errors[0] if scraper.errors else "no KV-usage reading"

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from replay.metrics.scrape import MetricsSource, family_names, parse_metrics
+from replay.metrics.scrape import MetricsSource, family_names, of_model, parse_metrics
 
 TIMEOUT_S = 5.0
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
@@ -177,9 +177,10 @@ def engine_facts(samples: dict[str, list], label: str) -> EngineFacts:
 
 
 async def read_facts(
-    session: aiohttp.ClientSession, url: str, labels: list[str]
+    session: aiohttp.ClientSession, url: str, labels: list[str], model: str | None = None
 ) -> dict[str, EngineFacts]:
-    """Engine label -> its facts, from one GET of a metrics URL (empty if it fails)."""
+    """Engine label -> its facts, from one GET of a metrics URL (empty if it fails); with
+    `model`, another model's series are not read (scrape.py of_model)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
             text = await r.text() if r.status == 200 else None
@@ -188,6 +189,7 @@ async def read_facts(
         return {}
     if samples is None:
         return {}
+    samples = of_model(samples, model)
     return {label: engine_facts(samples, label) for label in labels}
 
 
