@@ -47,6 +47,8 @@ status, the latency summary (replay/verify/latency.py) and `settings`, the serve
 described itself (version, block size, pool, max_model_len, connector, per engine);
 `meta["sampling"]` is
 SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
+Only the model under test's series are read (replay/metrics/scrape.py of_model); an
+engine that restarted (replay/metrics/restarts.py) is in `meta["faults"]`, the run's fault.
 replay/verify/outcome.py adds what the HTTP observation lacked to the Verdict's status.
 """
 
