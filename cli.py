@@ -611,8 +611,8 @@ TARGET = OptionGroup(
             metavar="[NAME=]URL",
             help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
             "P's and D's; NAME names the engine; no path: its /metrics); each is scraped once before the first "
-            "request (a failure: exit 2). Default: a proxy's upstreams, else the "
-            "target's own /metrics when it has a KV-usage metric.",
+            "request (a failure: exit 2). Default: a proxy's upstreams on the target's host, "
+            "else the target's own /metrics when it has a KV-usage metric.",
         ),
         click.option(
             "--prompt-format",
@@ -631,7 +631,9 @@ TARGET = OptionGroup(
             help="With --target http://: seconds between scrapes.",
         ),
         click.option(
-            "--api-key", default=None, help="With --target http://: sent as a Bearer token."
+            "--api-key",
+            default=None,
+            help="With --target http://: sent as a Bearer token to the target's origin only.",
         ),
         click.option(
             "--vocab-size",

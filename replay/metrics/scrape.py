@@ -11,8 +11,12 @@ The KV-usage metric is the first of KV_METRICS the server exposes:
 - `kvdrain:kv_blocks_used` with `kvdrain:kv_blocks_free`: blocks.
 A nonzero fraction never rounds to 0 (a one-block leak in a big pool stays a leak).
 Series are told apart by their `engine` label; a URL given as NAME=URL names its
-engine NAME (NAME:<engine> when the URL exposes several). Queue gauges, delayed frees,
-loop state and step counts are read where the server has them (kvdrain), else 0.
+engine NAME (NAME:<engine> when the URL exposes several). With the model under test known
+(Scraper.model), a series whose `model_name` names another model is another engine's and
+is dropped (of_model); every model_name seen is in the status. Queue gauges, delayed
+frees, loop state and step counts are read where the server has them (kvdrain), else 0.
+Each reading also goes to a RestartWatch (replay/metrics/restarts.py): a restart is a
+fault, never a drain.
 Each sample is stamped with its scrape's sending (EngineSample.send_t) and its answer
 (t): the server took the reading somewhere between (replay/verify/rules.py judges by both).
 A scrape that fails in any way (no answer, not 200, not parseable, a value read that is
@@ -33,6 +37,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from replay.metrics.restarts import (
+    PROCESS_START,
+    RESTART_COUNTERS,
+    RestartWatch,
+    restart_faults,
+)
 from replay.verify.outcome import printable
 from replay.verify.timeline import EngineSample
 
@@ -49,7 +59,12 @@ MAX_FAILURE_SPANS = 1000  # failed scrapes placed in time; past it, every failur
 PREFIXES = ("vllm:", "sglang:", "kvdrain:")
 _SAFE_LABEL = re.compile(r"[^\w.:@/-]", re.ASCII)
 _SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_OURS = tuple(f"{head}{prefix}" for prefix in PREFIXES for head in ("", "# HELP ", "# TYPE "))
+_OURS = tuple(
+    f"{head}{prefix}"
+    for prefix in (*PREFIXES, PROCESS_START)
+    for head in ("", "# HELP ", "# TYPE ")
+)
+MAX_MODELS_NAMED = 20  # model_name labels kept for the report; past it, only counted
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +156,8 @@ def parse_plain_samples(lines: str) -> dict[str, list] | None:
 
 def parse_metrics(text: str) -> dict[str, list]:
     """Sample name -> its samples (prometheus_client Sample: name, labels, value), of the
-    vllm:, sglang: and kvdrain: families only: the others' lines are dropped unparsed
-    (prometheus_client's parser takes seconds per megabyte)."""
+    vllm:, sglang: and kvdrain: families and the process start time only: the others' lines
+    are dropped unparsed (prometheus_client's parser takes seconds per megabyte)."""
     ours = "\n".join(line for line in text.splitlines() if line.startswith(_OURS))
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(ours + "\n"):
@@ -171,6 +186,30 @@ def family_names(samples: dict[str, list]) -> list[str]:
         if name.startswith(PREFIXES):
             names.add(name)
     return sorted(names)
+
+
+def of_model(samples: dict[str, list], model: str | None) -> dict[str, list]:
+    """`samples` without the series of another model than `model` (a `model_name` label
+    that is not it); a series without the label is kept, and so is every one when model is
+    None (not known)."""
+    if model is None:
+        return samples
+    out = {}
+    for name, series in samples.items():
+        kept = [s for s in series if s.labels.get("model_name", model) == model]
+        if kept:
+            out[name] = kept
+    return out
+
+
+def model_names(samples: dict[str, list]) -> set[str]:
+    """Every `model_name` label among `samples`."""
+    return {
+        s.labels["model_name"]
+        for series in samples.values()
+        for s in series
+        if "model_name" in s.labels
+    }
 
 
 def choose_metric(samples: dict[str, list]) -> str | None:
@@ -221,6 +260,8 @@ READ_NAMES = frozenset(
         "kvdrain:loop_state",
         "vllm:cache_config_info",
         "sglang:max_total_num_tokens",
+        *RESTART_COUNTERS,
+        PROCESS_START,
     )
 )
 
@@ -323,6 +364,7 @@ class Scraper:
     source: MetricsSource
     origin: float  # time.monotonic() of the replay's t = 0
     timeout_s: float = 2.0
+    model: str | None = None  # the model under test; None: every series is read
     metric: str | None = None
     unit: str | None = None
     names_found: list[str] = field(default_factory=list)  # vllm:/sglang:/kvdrain: families
@@ -336,6 +378,8 @@ class Scraper:
     # (sent, failed) of each failed scrape, the first MAX_FAILURE_SPANS: where a reading is
     # missing (replay/verify/outcome.py: a failure matters only inside a judged window)
     failure_spans: list[tuple[float, float]] = field(default_factory=list)
+    models_found: list[str] = field(default_factory=list)  # model_name labels, first seen first
+    restart_watch: RestartWatch = field(default_factory=RestartWatch)
 
     async def scrape(self, session: aiohttp.ClientSession) -> bool:
         """One scrape; False (and a counted failure) if it gave no usable KV reading. A scrape
@@ -372,6 +416,7 @@ class Scraper:
             sample.t += shift
             sample.send_t += shift
         self.failure_spans = [(sent + shift, failed + shift) for sent, failed in self.failure_spans]
+        self.restart_watch.rebase(shift)
         self.origin = origin
 
     def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
@@ -380,19 +425,43 @@ class Scraper:
             self.names_found = family_names(samples)
             if self.metric is None:
                 return self._fail(f"none of {', '.join(KV_METRICS)} is exposed")
-        readings = read_engines(samples, self.metric)
+        self._note_models(samples)
+        mine = of_model(samples, self.model)
+        readings = read_engines(mine, self.metric)
         if not readings:
-            return self._fail(f"{self.metric} is gone")
+            return self._fail(self._no_reading(samples))
         for scraped in readings:
             name = self.engines.get(scraped.engine_label)
             if name is None:
                 name = engine_name(self.source, scraped.engine_label, len(readings))
                 self.engines[scraped.engine_label] = name
             self.unit = scraped.unit
-            sample = to_sample(t, name, scraped, loop_state(samples, scraped.engine_label))
+            sample = to_sample(t, name, scraped, loop_state(mine, scraped.engine_label))
             sample.send_t = send_t
             self.samples.append(sample)
+        read = {r.engine_label: self.engines[r.engine_label] for r in readings}
+        self.restart_watch.observe(mine, send_t, t, read)
         return True
+
+    def _note_models(self, samples: dict[str, list]) -> None:
+        if len(self.models_found) < MAX_MODELS_NAMED:
+            new = sorted(model_names(samples) - set(self.models_found))
+            self.models_found += new[: MAX_MODELS_NAMED - len(self.models_found)]
+
+    def _no_reading(self, samples: dict[str, list]) -> str:
+        """Why a scrape gave no reading once the metric was chosen."""
+        others = sorted(model_names({self.metric: samples.get(self.metric, [])}))
+        if not others:
+            return f"{self.metric} is gone"
+        named = ", ".join(repr(m) for m in others[:MAX_MODELS_NAMED])
+        return (
+            f"{self.metric}: no series of model {self.model!r} (the server's are of {named}); "
+            f"--model names the model under test"
+        )
+
+    def faults(self) -> list[dict]:
+        """Each restarted engine as a fault (replay/metrics/restarts.py restart_faults)."""
+        return restart_faults(self.source.url, self.restart_watch)
 
     def status(self) -> dict:
         """For the report: which metric, in what unit, what was found, what failed."""
@@ -408,4 +477,7 @@ class Scraper:
             "max_parse_s": self.max_parse_s,
             "errors": list(self.errors),
             "failure_spans": [list(s) for s in self.failure_spans],
+            "model": self.model,
+            "models_found": list(self.models_found),
+            "num_restarts": self.restart_watch.num_restarts,
         }

@@ -24,7 +24,11 @@
 - the trace's largest prompt token id is checked against that vocabulary before t = 0
   (a TraceError, the CLI's exit 2, never a failure mid-run);
 - without --metrics, a `kvdrain proxy` target's upstreams are scraped (its /health names
-  them; meta["http"]["metrics_from"] says so);
+  them; meta["http"]["metrics_from"] says so), when on the target's own host (or loopback,
+  the target's being too: server_facts.is_followable); one elsewhere is refused;
+- --api-key goes to the target's origin only (key_for_target), never to a --metrics URL
+  elsewhere nor to an upstream the target names; no request leaves the origins given or
+  followed (same_origin_only);
 - the way `kvdrain proxy` says it sent each request (its X-Kvdrain-Route header: P, then
   D, by the names /health gives them) goes into the request record's stages, so each
   engine behind it is judged in its own idle windows (replay/verify/windows.py); an answer
@@ -43,6 +47,8 @@ status, the latency summary (replay/verify/latency.py) and `settings`, the serve
 described itself (version, block size, pool, max_model_len, connector, per engine);
 `meta["sampling"]` is
 SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
+Only the model under test's series are read (replay/metrics/scrape.py of_model); an
+engine that restarted (replay/metrics/restarts.py) is in `meta["faults"]`, the run's fault.
 replay/verify/outcome.py adds what the HTTP observation lacked to the Verdict's status.
 """
 
@@ -173,6 +179,36 @@ def same_origin_only(allowed: set[URL]):
         return await handler(request)
 
     return middleware
+
+
+def key_for_target(api_key: str | None, target: URL):
+    """A client middleware that sends `Authorization: Bearer <api_key>` to the target's
+    origin (scheme, host, port: URL(...).origin()) and to no other: a credential given for
+    one origin goes to that origin alone, so a --metrics URL elsewhere, or an upstream the
+    target names, is read without it."""
+
+    async def middleware(request: aiohttp.ClientRequest, handler):
+        if api_key and request.url.origin() == target:
+            request.headers["Authorization"] = f"Bearer {api_key}"
+        else:
+            request.headers.popall("Authorization", None)
+        return await handler(request)
+
+    return middleware
+
+
+def target_session(
+    options: HttpTargetOptions,
+    allowed: set[URL],
+    connector: aiohttp.BaseConnector | None = None,
+) -> aiohttp.ClientSession:
+    """The session every request of a replay over HTTP goes through: to the origins in
+    `allowed` only (same_origin_only), the API key to the target's alone (key_for_target)."""
+    target = URL(api_root(options.base_url)).origin()
+    return aiohttp.ClientSession(
+        connector=connector,
+        middlewares=(same_origin_only(allowed), key_for_target(options.api_key, target)),
+    )
 
 
 def api_root(base_url: str) -> str:
@@ -350,16 +386,11 @@ class HttpReplay:
             return timeline
 
     async def run_async(self, records: Iterable[TraceRecord]) -> Timeline:
-        headers = (
-            {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
-        )
         connector = pool.connector()
         origins = {
             URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))
         }
-        async with aiohttp.ClientSession(
-            headers=headers, connector=connector, middlewares=(same_origin_only(origins),)
-        ) as session:
+        async with target_session(self.options, origins, connector) as session:
             if self.identity is None:
                 self.identity = await probe(session, self.options)
             await learn_vocabulary(session, self.identity)
@@ -373,6 +404,7 @@ class HttpReplay:
                 ]
                 self.metrics_from = "the proxy's /health" if found else None
             for scraper in self.scrapers:  # picks the metric and names the engines
+                scraper.model = self.identity.model
                 scraper.origin = time.monotonic()
                 await scraper.scrape(session)
             self.facts_before = await self._read_facts(session)
@@ -394,7 +426,9 @@ class HttpReplay:
     async def _read_facts(self, session: aiohttp.ClientSession) -> dict[str, EngineFacts]:
         out: dict[str, EngineFacts] = {}
         for scraper in self.scrapers:
-            facts = await read_facts(session, scraper.source.url, list(scraper.engines))
+            facts = await read_facts(
+                session, scraper.source.url, list(scraper.engines), scraper.model
+            )
             out.update({scraper.engines[label]: f for label, f in facts.items()})
         return out
 
@@ -623,6 +657,9 @@ class HttpReplay:
         counters = {
             e: counter_deltas(self.facts_before.get(e), self.facts_after.get(e)) for e in engines
         }
+        faults = sorted((f for s in self.scrapers for f in s.faults()), key=lambda f: f["t"])
+        if faults:  # restarts (replay/metrics/restarts.py): the run's faults
+            meta["faults"] = faults
         return Timeline(
             engines=engines,
             num_usable_blocks=num_usable_blocks,

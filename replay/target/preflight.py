@@ -6,10 +6,13 @@ sends anything:
   failure (a 5xx: a proxy whose decode server is down), or no model list and no --model,
   is a PreflightError naming the URL, the HTTP status or connection error and what to do;
 - one scrape of every --metrics URL (replay/metrics/scrape.py Scraper): any failure (no
-  answer, not 200, no KV-usage metric) is a PreflightError naming the URL and why;
+  answer, not 200, no KV-usage metric, none of the model under test's series) is a
+  PreflightError naming the URL and why;
 - without --metrics, a kvdrain proxy's upstreams (its /health names them) are scraped
-  the same way, else the target's own /metrics when it exposes a KV-usage metric; when
-  neither, the replay runs without metrics and says so.
+  the same way, without the API key (one on another host than the target's is a
+  PreflightError naming the --metrics NAME=URL that gives it: server_facts.is_followable),
+  else the target's own /metrics when it exposes a KV-usage metric; when neither, the
+  replay runs without metrics and says so.
 The CLI turns a PreflightError into exit 2 with no request sent.
 """
 
@@ -28,9 +31,9 @@ from replay.target.client import (
     ServerIdentity,
     api_root,
     probe,
-    same_origin_only,
+    target_session,
 )
-from replay.target.server_facts import discover_metrics
+from replay.target.server_facts import UpstreamRefused, discover_metrics
 
 FROM_GIVEN, FROM_PROXY, FROM_TARGET = "--metrics", "the proxy's /health", "the target's /metrics"
 
@@ -60,36 +63,38 @@ def preflight(options: HttpTargetOptions) -> CheckedTarget:
 
 
 async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
-    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     origins = {URL(u).origin() for u in (options.base_url, *(m.url for m in options.metrics))}
-    async with aiohttp.ClientSession(
-        headers=headers, middlewares=(same_origin_only(origins),)
-    ) as session:
+    async with target_session(options, origins) as session:
         identity = await probe(
             session, options
         )  # a ConnectionError naming the URL and what answered
         metrics, named_by = options.metrics, FROM_GIVEN
         if not metrics:
-            metrics, named_by = (
-                await discover_metrics(session, api_root(options.base_url)),
-                FROM_PROXY,
-            )
+            try:
+                metrics, named_by = (
+                    await discover_metrics(session, api_root(options.base_url)),
+                    FROM_PROXY,
+                )
+            except UpstreamRefused as e:
+                raise PreflightError(e.url, e.why, FROM_PROXY) from None
             origins.update(URL(m.url).origin() for m in metrics)
         for source in metrics:
-            why = await _scrape_once(session, source)
+            why = await _scrape_once(session, source, identity.model)
             if why is not None:
                 raise PreflightError(source.url, why, named_by)
         if not metrics:
             own = MetricsSource(api_root(options.base_url) + "/metrics")
-            if await _scrape_once(session, own) is None:
+            if await _scrape_once(session, own, identity.model) is None:
                 metrics, named_by = (own,), FROM_TARGET
     checked = replace(options, metrics=metrics, metrics_from=named_by if metrics else None)
     return CheckedTarget(options=checked, identity=identity)
 
 
-async def _scrape_once(session: aiohttp.ClientSession, source: MetricsSource) -> str | None:
-    """Why one scrape of `source` gave no KV reading, or None when it gave one."""
-    scraper = Scraper(source, time.monotonic())
+async def _scrape_once(
+    session: aiohttp.ClientSession, source: MetricsSource, model: str
+) -> str | None:
+    """Why one scrape of `source` gave no KV reading of `model`, or None when it gave one."""
+    scraper = Scraper(source, time.monotonic(), model=model)
     if await scraper.scrape(session):
         return None
     why = scraper.errors[0] if scraper.errors else "no KV-usage reading"

@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from replay.metrics.scrape import MetricsSource, family_names, parse_metrics
+from replay.metrics.scrape import MetricsSource, family_names, of_model, parse_metrics
+from replay.openai.bearer import is_loopback_host
+from replay.verify.outcome import printable
 
 TIMEOUT_S = 5.0
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
@@ -70,8 +72,41 @@ def root_of(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+class UpstreamRefused(ConnectionError):
+    """An upstream the target names on another host than its own: never fetched."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(f"{url}: {why}")
+        self.url = url
+        self.why = why
+
+
+def is_followable(url: str, root: str) -> bool:
+    """Whether the replay fetches a URL the target at `root` named: only on the target's own
+    host (any port), or on loopback when the target is on loopback too. A target cannot
+    make the replay fetch anything else; the user gives such a URL with --metrics."""
+    host, target = urlsplit(url).hostname, urlsplit(root).hostname
+    if host is None or target is None:
+        return False
+    return host == target or (is_loopback_host(host) and is_loopback_host(target))
+
+
+def refuse_foreign(sources: tuple[MetricsSource, ...], root: str) -> None:
+    """UpstreamRefused for the first of `sources` that is not is_followable from `root`."""
+    for source in sources:
+        if not is_followable(source.url, root):
+            raise UpstreamRefused(
+                printable(source.url),
+                f"upstream {printable(repr(source.name))} is on another host than the "
+                f"target's ({printable(urlsplit(root).hostname)}), so it was not fetched; "
+                f"to scrape it, give it: --metrics {printable(source.name)}="
+                f"{printable(source.url)}",
+            )
+
+
 async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[MetricsSource, ...]:
-    """NAME=URL/metrics of every upstream a proxy's /health names (none: not a kvdrain proxy)."""
+    """NAME=URL/metrics of every upstream a proxy's /health names (none: not a kvdrain proxy);
+    UpstreamRefused, before any is fetched, if one is not is_followable."""
     try:
         async with session.get(
             root + "/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
@@ -87,6 +122,7 @@ async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[M
         url = upstream.get("url") if isinstance(upstream, dict) else None
         if isinstance(url, str) and url.startswith(("http://", "https://")):
             sources.append(MetricsSource(url.rstrip("/") + "/metrics", str(name)))
+    refuse_foreign(tuple(sources), root)
     return tuple(sources)
 
 
@@ -177,9 +213,10 @@ def engine_facts(samples: dict[str, list], label: str) -> EngineFacts:
 
 
 async def read_facts(
-    session: aiohttp.ClientSession, url: str, labels: list[str]
+    session: aiohttp.ClientSession, url: str, labels: list[str], model: str | None = None
 ) -> dict[str, EngineFacts]:
-    """Engine label -> its facts, from one GET of a metrics URL (empty if it fails)."""
+    """Engine label -> its facts, from one GET of a metrics URL (empty if it fails); with
+    `model`, another model's series are not read (scrape.py of_model)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:
             text = await r.text() if r.status == 200 else None
@@ -188,6 +225,7 @@ async def read_facts(
         return {}
     if samples is None:
         return {}
+    samples = of_model(samples, model)
     return {label: engine_facts(samples, label) for label in labels}
 
 

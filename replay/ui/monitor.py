@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.proc.messages import StatsSnapshot
 from replay.deploy.pd_flow import engine_roles
+from replay.metrics.restarts import restart_sentence
 from replay.pipeline import MODELLING, RUNNING, ReplayConfig, ReplayHooks, ReplayResult
 from replay.runtime.interrupt import QUIT_KEY, Interrupted, stopping_line
 from replay.serve.server import Server
@@ -483,8 +484,8 @@ def observed_counts(family_names: list[str]) -> frozenset[str]:
 
 
 class ScrapeFeed:
-    """Scrapers' new readings and errors -> the dashboard (each engine's panel says what
-    the server does not expose as unknown); the samples also go to `on_sample`."""
+    """Scrapers' new readings, errors and restarts -> the dashboard (each engine's panel
+    says what the server does not expose as unknown); the samples also go to `on_sample`."""
 
     def __init__(
         self,
@@ -502,6 +503,7 @@ class ScrapeFeed:
         )  # each scraper's samples taken so far, forgotten or not
         self._num_kept = [0] * len(scrapers)  # of them, still in scraper.samples
         self._num_errors = [0] * len(scrapers)
+        self._num_restarts = [0] * len(scrapers)
 
     def take(self) -> None:
         for i, scraper in enumerate(self.scrapers):
@@ -520,3 +522,7 @@ class ScrapeFeed:
             for error in scraper.errors[self._num_errors[i] :]:
                 self.state.messages.append(f"{scraper.source.url}: {error}")
             self._num_errors[i] = len(scraper.errors)
+            restarts = scraper.restart_watch.restarts  # a restart is no drain: each said once
+            for restart in restarts[self._num_restarts[i] :]:
+                self.state.messages.append(restart_sentence(scraper.source.url, restart))
+            self._num_restarts[i] = len(restarts)

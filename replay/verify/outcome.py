@@ -107,6 +107,17 @@ def http_outcome(timeline: Timeline, verdict) -> dict | None:
     }
 
 
+def models_note(status: dict) -> list[str]:
+    """A line when a metrics URL exposed the series of several models: whose were read."""
+    found = status.get("models_found") or []
+    if len(found) < 2:
+        return []
+    named = ", ".join(printable(repr(m)) for m in found)
+    model = status.get("model")
+    read = "all were read" if model is None else f"only model {printable(repr(model))}'s were read"
+    return [f"  series of {len(found)} models at this URL ({named}): {read}"]
+
+
 def outcome_lines(outcome: dict) -> list[str]:
     """Plain lines for the terminal (print them without markup): who answered, what was
     scraped and at what cost, what it lacked. Every text from the server is printable().
@@ -128,12 +139,14 @@ def outcome_lines(outcome: dict) -> list[str]:
             if "max_parse_s" in m
             else ""
         )
+        restarts = m.get("num_restarts", 0)
         lines.append(
             f"metrics {p(m['url'])}: {m['metric'] or 'no KV-usage metric'}"
             f" ({m['unit'] or '-'}), engines {engines}; {m['num_scrapes']} scrapes, "
             f"{m['num_failures']} failed; {len(m['metric_names_found'])} metric names "
-            f"found{cost}"
+            f"found{cost}" + (f"; {restarts} engine restarts seen (faults)" if restarts else "")
         )
+        lines += models_note(m)
     if outcome["reasons"]:
         lines.append(
             "KV usage not fully observed over HTTP:"

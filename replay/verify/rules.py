@@ -30,8 +30,9 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   freed) or an output that differs from a single engine's ("output_mismatch", when the
   replay computed the expected outputs: replay/verify/outputs.py).
 The status (replay/verify/verdict.py's table): "fault" when an engine or connector
-worker died or stalled (the driver's faults, in the timeline's meta; a leak in a window
-that ends after one is a "fault_leak", named by it); else "violation" when any of the above
+worker died or stalled, or a server restarted (the driver's faults, in the timeline's meta;
+a leak in a window that ends after one is a "fault_leak", named by it; a window that held
+an engine's restart is never drained: undecided, said apart); else "violation" when any of the above
 failed; else "inconclusive" when the run does not cover what it should
 (replay/verify/coverage.py: an expected idle window not observed, too many requests
 ignored; an undecided window), with the reasons; else "verified".
@@ -42,7 +43,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from replay.trace.reader import TraceSnapshot
 from replay.verify.coverage import (
@@ -459,6 +460,8 @@ def verify(
     shared_from = min((s["t"] for s in shared), default=math.inf)  # a serve is shared whole
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
         w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
+        if w.verdict == "drained" and restart_inside(w, faults) is not None:
+            w = replace(w, verdict="undecided", time_to_drain=None)  # freed, not drained
         windows.append(w)
         if w.verdict == "leak" and w.end < shared_from:
             violations.append(_window_violation(w, faults))
@@ -492,8 +495,12 @@ def verify(
         expected is not None and is_too_short(w, options.drain_deadline_s, coverage)
         for w in windows
     ]
-    counted = [w for w, is_spare in zip(windows, spare) if not is_spare]
+    restarted = [
+        w for w in windows if w.verdict == "undecided" and restart_inside(w, faults) is not None
+    ]
+    counted = [w for w, is_spare in zip(windows, spare) if not is_spare and w not in restarted]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
+    reasons += restart_reasons(restarted, faults)
     reasons += starved_reasons(starved)
     reasons += shared_reasons(shared)
     if unfinished and (cut or starved):
@@ -519,6 +526,31 @@ def verify(
         partial=partial,
         too_short=tuple(spare),
     )
+
+
+def restart_inside(w: IdleWindow, faults: Sequence[dict]) -> tuple[float, float] | None:
+    """The (since, t) of a restart of w's engine that may lie inside w (replay/metrics/
+    restarts.py: it came after `since` and before `t`); None: none did."""
+    for f in faults:
+        if f.get("kind") == "restarted" and f["engine"] == w.engine:
+            for since, t in f.get("spans", ((f["t"], f["t"]),)):
+                if since < w.end and t > w.start:
+                    return since, t
+    return None
+
+
+def restart_reasons(restarted: Sequence[IdleWindow], faults: Sequence[dict]) -> list[str]:
+    """The windows a restart fell in, in one line (none: no line)."""
+    if not restarted:
+        return []
+    w = restarted[0]
+    since, t = restart_inside(w, faults)
+    n = len(restarted)
+    return [
+        f"{n} idle window{'s' if n != 1 else ''} not judged drained: the engine restarted "
+        f"inside (first: {w.engine} at {w.start:.3f} s, restarted between {since:.3f} s and "
+        f"{t:.3f} s); a restart frees blocks without draining them"
+    ]
 
 
 def is_too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[WindowCoverage]) -> bool:

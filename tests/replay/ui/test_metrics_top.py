@@ -197,3 +197,27 @@ def test_a_metrics_url_without_a_path_is_the_servers_metrics():
     assert MetricsSource.parse("http://127.0.0.1:8200/").url == "http://127.0.0.1:8200/metrics"
     assert MetricsSource.parse("http://h:1/custom/path").url == "http://h:1/custom/path"
     assert MetricsSource.parse("http://h:1/?x=1").url == "http://h:1/?x=1"
+
+
+def test_top_metrics_says_a_restart_of_the_server_once():
+    """A new process_start_time_seconds (the server restarted) between two scrapes: top says
+    so once, naming the engine, however long the restarted server keeps answering."""
+    from replay.metrics.scrape import parse_plain_samples
+
+    watch = MetricsWatch(
+        [MetricsSource.parse("P=http://127.0.0.1:1/metrics")], DashboardState(title="t"), OPTIONS
+    )
+    scraper = watch.scrapers[0]
+    scraper.metric = "vllm:kv_cache_usage_perc"
+    for k, start in enumerate((100.0, 100.0, 160.0, 160.0)):
+        exposition = vllm_exposition(0.0, 0) + f"process_start_time_seconds {start}\n"
+        samples = parse_plain_samples(
+            "".join(line + "\n" for line in exposition.splitlines() if not line.startswith("#"))
+        )
+        assert scraper._read(samples, 0.1 * k, 0.1 * k + 0.01)
+        watch.take(0.1 * k + 0.02)
+    said = [m for m in watch.state.messages if "restarted" in m]
+    assert said == [
+        "P at http://127.0.0.1:1/metrics restarted between 0.100 s and 0.210 s "
+        "(process_start_time_seconds 100 -> 160): blocks freed by a restart are not a drain"
+    ]

@@ -816,3 +816,42 @@ def test_over_http_an_engine_that_is_not_scraped_is_expected_in_no_window_of_its
         expected_own,
     )  # scraped, but no queue gauges
     assert unscraped.coverage == () and unscraped.exit_code == 0, unscraped.reasons
+
+
+def restart(engine: str, since: float, t: float) -> dict:
+    """A restart fault as replay/metrics/restarts.py restart_faults writes it."""
+    return {
+        "t": t,
+        "engine": engine,
+        "kind": "restarted",
+        "cause": f"restarted between {since:.3f} s and {t:.3f} s",
+        "end_t": None,
+        "spans": [[since, t]],
+    }
+
+
+def test_a_window_an_engine_restarted_in_is_never_drained_and_the_run_is_a_fault():
+    """The readings after a restart are of another process: they show no drain."""
+    options = VerifyOptions(drain_deadline_s=0.5)
+    zeros = [sample(t, 0) for t in (1.2, 1.3, 1.6, 3.0, 9.0, 10.8, 11.5)]
+    run = timeline([sample(0.0, 0), sample(0.5, 5), *zeros], scraped=True)
+    assert verify(run, [], options).status == "verified"  # the control: no restart known
+    run.meta["faults"] = [restart("P", 1.2, 1.3)]
+    verdict = verify(run, [], options)
+    assert [w.verdict for w in verdict.windows] == ["undecided", "drained"]
+    assert verdict.status == "fault" and verdict.exit_code == 4
+    assert verdict.reasons == (
+        "1 idle window not judged drained: the engine restarted inside (first: P at 1.000 s, "
+        "restarted between 1.200 s and 1.300 s); a restart frees blocks without draining them",
+    )
+
+
+def test_blocks_held_before_a_restart_are_still_a_leak_caused_by_it():
+    options = VerifyOptions(drain_deadline_s=0.5)
+    held = [sample(0.0, 0), sample(0.5, 5), sample(1.6, 5), sample(1.8, 0), sample(3.0, 0)]
+    run = timeline(held + [sample(10.8, 0), sample(11.5, 0)], scraped=True)
+    run.meta["faults"] = [restart("P", 1.6, 1.8)]
+    verdict = verify(run, [], options)
+    assert verdict.windows[0].verdict == "leak" and verdict.status == "fault"
+    assert verdict.violations[0].kind == "fault_leak"
+    assert "restarted between 1.600 s and 1.800 s" in verdict.violations[0].detail
