@@ -33,7 +33,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 from replay.verify.timeline import EngineSample
 
 KV_METRICS = (

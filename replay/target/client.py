@@ -76,7 +76,7 @@ from replay.target.stream import Stream, drain, error_message, read_stream
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 from replay.verify.timeline import SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline
 from replay.verify.windows import QUEUE_GAUGE, QUEUE_GAUGES
 
