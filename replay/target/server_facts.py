@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from replay.metrics.scrape import MetricsSource, family_names, parse_metrics
+from replay.verify.text import printable
 
 TIMEOUT_S = 5.0
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
@@ -85,8 +86,8 @@ async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[M
     sources = []
     for name, upstream in upstreams.items():
         url = upstream.get("url") if isinstance(upstream, dict) else None
-        if isinstance(url, str) and url.startswith(("http://", "https://")):
-            sources.append(MetricsSource(url.rstrip("/") + "/metrics", str(name)))
+        if isinstance(url, str) and url.startswith(("http://", "https://")) and url.isprintable():
+            sources.append(MetricsSource(url.rstrip("/") + "/metrics", printable(name, 64)))
     return tuple(sources)
 
 
@@ -100,7 +101,7 @@ async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
     version = body.get("version") if isinstance(body, dict) else None
-    return str(version) if isinstance(version, (str, int, float)) else None
+    return printable(version, 64) if isinstance(version, (str, int, float)) else None
 
 
 async def _tokenize(
