@@ -35,6 +35,7 @@ from replay.deploy.placement import ROUTER_POLICIES
 from replay.runtime.startup import START_LIMIT_S
 from replay.trace.reader import FORMATS
 from replay.vllm.options import DEFAULT_VENV, ENGINES, VllmOptions
+from replay.vllm.proxy_options import MAX_BODY_BYTES, MAX_IN_FLIGHT, MIB, UpstreamTimeouts
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "pd_idle.jsonl"
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
@@ -1525,6 +1526,52 @@ def top_cmd(
     sys.exit(top_main(address, seconds, Console(), auth))
 
 
+def _proxy_limits(
+    connect_timeout: float,
+    first_byte_timeout: float,
+    idle_timeout: float,
+    total_timeout: float,
+    max_in_flight: int,
+    max_body_mib: float,
+) -> dict:
+    """ProxyOptions' bounds from the Limits group's flags."""
+    timeouts = UpstreamTimeouts(
+        connect_s=connect_timeout,
+        first_byte_s=first_byte_timeout,
+        idle_s=idle_timeout,
+        total_s=total_timeout,
+    )
+    body = int(max_body_mib * MIB)
+    return {"timeouts": timeouts, "max_in_flight": max_in_flight, "max_body_bytes": body}
+
+
+def _limit(flag: str, default: float, help: str, metavar: str = "S") -> Callable:
+    kind = click.IntRange(min=1) if metavar == "N" else click.FloatRange(min=0, min_open=True)
+    return click.option(
+        flag, type=kind, default=default, show_default=True, metavar=metavar, help=help
+    )
+
+
+_TIMEOUTS = UpstreamTimeouts()
+PROXY_LIMITS = OptionGroup(
+    "Limits",
+    "limits",
+    (
+        _limit("--connect-timeout", _TIMEOUTS.connect_s, "Connecting to a server."),
+        _limit(
+            "--first-byte-timeout",
+            _TIMEOUTS.first_byte_s,
+            "From sending to a server's first byte (a non-streamed answer's: its end).",
+        ),
+        _limit("--idle-timeout", _TIMEOUTS.idle_s, "Between two reads of an answer."),
+        _limit("--total-timeout", _TIMEOUTS.total_s, "One whole exchange with a server."),
+        _limit("--max-in-flight", MAX_IN_FLIGHT, "Requests at one server; beyond: 503.", "N"),
+        _limit("--max-body-mib", MAX_BODY_BYTES / MIB, "A request body; beyond: 413.", "MIB"),
+    ),
+    build=_proxy_limits,
+)
+
+
 @cli.command(name="proxy")
 @click.option(
     "--prefill",
@@ -1571,6 +1618,7 @@ def top_cmd(
     help="Which P and D take each request: in turn, the fewest in flight, or the P "
     "the proxy sent the longest prefix of the prompt to (its own table).",
 )
+@PROXY_LIMITS
 def proxy_cmd(
     prefill_urls: tuple[str, ...],
     decode_urls: tuple[str, ...],
@@ -1580,6 +1628,7 @@ def proxy_cmd(
     upstream_api_key: str | None,
     insecure: bool,
     router: str,
+    limits: dict,
 ) -> None:
     """A P/D proxy in front of vLLM servers: prefill on a P, decode on a D (vLLM's protocol).
 
@@ -1589,7 +1638,8 @@ def proxy_cmd(
                  --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
     """
     from replay.openai.bearer import CredentialError
-    from replay.vllm.proxy import ProxyError, ProxyOptions, check_listen, proxy_main
+    from replay.vllm.proxy import check_listen, proxy_main
+    from replay.vllm.proxy_options import ProxyError, ProxyOptions
 
     try:
         options = ProxyOptions(
@@ -1601,6 +1651,7 @@ def proxy_cmd(
             upstream_api_key=upstream_api_key,
             insecure=insecure,
             router=router,
+            **limits,
         )
         check_listen(options)
     except (ProxyError, CredentialError) as e:

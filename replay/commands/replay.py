@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
+
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
 from engine.proc.client import EngineDeadError
 from replay.deploy.topology import start_topology
@@ -99,8 +101,9 @@ class Display:
 
 
 def _error(console, error: object) -> None:
-    """One unwrapped line, so a file:line stays whole for editors and grep."""
-    console.print(f"[red]error:[/] {error}", highlight=False, soft_wrap=True)
+    """One unwrapped line, so a file:line stays whole for editors and grep; the error's
+    text is never markup (it may quote a server)."""
+    console.print(f"[red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
 
 
 class _NoView:

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from rich.markup import escape
+
 from engine.proc.run_dir import run_root
 from replay.commands.replay import Display, OutputFiles, replay_main
 from replay.pipeline import ReplayConfig, trace_limits
@@ -60,9 +62,9 @@ def _say(console, text: str) -> None:
 
 
 def _fault(console, fault: VllmFault) -> None:
-    _say(console, f"[red]fault:[/] {fault}")
-    for line in fault.last_lines:
-        _say(console, f"  {fault.name} | {line}")
+    _say(console, f"[red]fault:[/] {escape(str(fault))}")
+    for line in fault.last_lines:  # a log's text: "[rank0]:" is not markup
+        _say(console, f"  {fault.name} | {escape(line)}")
 
 
 def vllm_replay_main(
@@ -82,7 +84,7 @@ def vllm_replay_main(
         install = check_venv(options.venv)
         validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
     except (VllmVenvError, TraceError) as e:
-        _say(console, f"[red]error:[/] {e}")
+        _say(console, f"[red]error:[/] {escape(str(e))}")
         return EXIT_USAGE
     on_cpu = gpu_count() == 0
     if on_cpu:
@@ -252,7 +254,7 @@ class _StartupView:
         if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:  # and those still starting
             changed += [s for s in statuses if s.state != "ready" and s not in changed]
         for s in changed:
-            _say(self.console, f"  {s.name}: {describe(s)}")
+            _say(self.console, f"  {s.name}: {escape(describe(s))}")
             self.shown[s.name] = s.state
         if changed:
             self.last_heartbeat = time.monotonic()

@@ -43,7 +43,7 @@ from replay.metrics.restarts import (
     RestartWatch,
     restart_faults,
 )
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 from replay.verify.timeline import EngineSample
 
 KV_METRICS = (

@@ -45,7 +45,9 @@ ERROR_TYPES = {
     413: "RequestEntityTooLarge",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 # Accepted: cannot change what a greedy engine answers (a seed only matters when sampling).
 _IGNORED = frozenset(

@@ -24,11 +24,14 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 
+from replay.verify.text import printable
+
 RESERVED_FDS = 128  # the engines' sockets and pipes, the run dir, logs
 BACKLOG = 128  # listen backlog: asyncio accepts up to this many before any is admitted
 MAX_CONNECTIONS = 4096
 QUIET_PERIOD_S = 10.0  # one line per kind of loop error per period
 REFUSED_LINGER_S = 1.0  # a refused connection is read from this long, then closed
+SERVE = "kvdrain serve --http"  # how the lines on stderr begin
 
 
 def connection_cap() -> int:
@@ -133,9 +136,9 @@ class _Tracked(asyncio.Protocol):
 class _QuietHandler(logging.Handler):
     """One line per kind of record per QUIET_PERIOD_S on stderr, never a traceback."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str) -> None:
         super().__init__()
-        self.quiet = _Quiet()
+        self.quiet = _Quiet(who)
 
     def emit(self, record: logging.LogRecord) -> None:
         error = record.exc_info[1] if record.exc_info else None
@@ -143,12 +146,12 @@ class _QuietHandler(logging.Handler):
         self.quiet.say(f"{record.getMessage()}: {type(error).__name__ if error else ''}", detail)
 
 
-def quiet_logger() -> logging.Logger:
+def quiet_logger(who: str = SERVE) -> logging.Logger:
     """The logger aiohttp's server gets: a malformed request from a client is one line
-    per kind per period (aiohttp logs each with its traceback)."""
-    logger = logging.getLogger("kvdrain.http.server")
+    per kind per period (aiohttp logs each with its traceback), begun with `who`."""
+    logger = logging.getLogger(f"kvdrain.http.server.{who}")
     if not logger.handlers:
-        logger.addHandler(_QuietHandler())
+        logger.addHandler(_QuietHandler(who))
         logger.propagate = False
     return logger
 
@@ -156,7 +159,8 @@ def quiet_logger() -> logging.Logger:
 class _Quiet:
     """Prints one line per kind per QUIET_PERIOD_S, with how many it held back."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str) -> None:
+        self.who = who
         self.last: dict[str, tuple[float, int]] = {}  # kind -> (printed at, held back since)
 
     def say(self, kind: str, detail: str) -> None:
@@ -166,7 +170,8 @@ class _Quiet:
             self.last[kind] = (printed_at, held + 1)
             return
         more = f" ({held} more like it held back)" if held else ""
-        print(f"kvdrain serve --http: {kind} {detail}{more}", file=sys.stderr, flush=True)
+        said = printable(f"{kind} {detail}", 400)
+        print(f"{self.who}: {said}{more}", file=sys.stderr, flush=True)
         self.last[kind] = (now, 0)
 
 
@@ -174,8 +179,8 @@ class QuietLoopErrors:
     """An event-loop exception handler that prints one line per kind of error per
     QUIET_PERIOD_S (with how many it held back), never a traceback per failed accept."""
 
-    def __init__(self) -> None:
-        self.quiet = _Quiet()
+    def __init__(self, who: str = SERVE) -> None:
+        self.quiet = _Quiet(who)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         error = context.get("exception")

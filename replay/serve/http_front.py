@@ -48,6 +48,7 @@ from replay.serve.connections import (
 from replay.serve.tokenize_endpoint import tokenize_answer
 from replay.serve.vllm_metrics import EngineCollector, FrontStats
 from replay.verify.stamp import kvdrain_version
+from replay.verify.text import printable
 
 POLL_BUSY_S = 0.001
 POLL_IDLE_S = 0.010
@@ -233,7 +234,8 @@ class HttpFront:
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away; its request was aborted
         except Exception as e:  # a bug: say so here (not to the client), keep serving
-            print(f"kvdrain serve --http: {request.path}: {e!r}", file=sys.stderr, flush=True)
+            said = printable(f"{request.path}: {e!r}", 400)
+            print(f"kvdrain serve --http: {said}", file=sys.stderr, flush=True)
             response = _error_response(ApiError(500, f"internal error ({type(e).__name__})"))
         finally:
             self.guard.set_busy(request.transport, False)

@@ -82,7 +82,7 @@ from replay.target.stream import Stream, drain, error_message, read_stream
 from replay.trace.reader import TraceAbort, TraceError, TraceRecord, TraceRequest
 from replay.trace.synth import synth_prompt
 from replay.verify.latency import latency_summary
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 from replay.verify.timeline import SAMPLING_SCRAPED, AbortRecord, RequestRecord, Timeline
 from replay.verify.windows import QUEUE_GAUGE, QUEUE_GAUGES
 
@@ -228,12 +228,13 @@ async def probe(session: aiohttp.ClientSession, options: HttpTargetOptions) -> S
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
             server, status = response.headers.get("Server"), response.status
+            server = printable(server) if server is not None else None
             raw = await response.read()
         body = loads_strict(raw)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from None
+        raise ConnectionError(f"{url}: {type(e).__name__}: {printable(e)}") from None
     except DuplicateKeyError as e:
-        raise ConnectionError(f"{url}: {e}") from None
+        raise ConnectionError(f"{url}: {printable(e)}") from None
     except ValueError:  # not JSON: as if there were no list
         pass
     if status not in (200, 404, 405):

@@ -27,7 +27,7 @@ import aiohttp
 
 from replay.metrics.scrape import MetricsSource, family_names, of_model, parse_metrics
 from replay.openai.bearer import is_loopback_host
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 
 TIMEOUT_S = 5.0
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
@@ -120,8 +120,8 @@ async def discover_metrics(session: aiohttp.ClientSession, root: str) -> tuple[M
     sources = []
     for name, upstream in upstreams.items():
         url = upstream.get("url") if isinstance(upstream, dict) else None
-        if isinstance(url, str) and url.startswith(("http://", "https://")):
-            sources.append(MetricsSource(url.rstrip("/") + "/metrics", str(name)))
+        if isinstance(url, str) and url.startswith(("http://", "https://")) and url.isprintable():
+            sources.append(MetricsSource(url.rstrip("/") + "/metrics", printable(name, 64)))
     refuse_foreign(tuple(sources), root)
     return tuple(sources)
 
@@ -136,7 +136,7 @@ async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
     version = body.get("version") if isinstance(body, dict) else None
-    return str(version) if isinstance(version, (str, int, float)) else None
+    return printable(version, 64) if isinstance(version, (str, int, float)) else None
 
 
 async def _tokenize(

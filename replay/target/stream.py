@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from replay.openai.protocol import loads_strict
-from replay.verify.outcome import printable
+from replay.verify.text import printable
 
 MAX_LINE_BYTES = 128 << 10  # a longer stream line is that request's error (aiohttp's readline cap)
 DRAIN_S = 1.0  # after [DONE], how long the body's end is waited for before its connection is closed

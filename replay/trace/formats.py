@@ -361,7 +361,8 @@ class AzureRows:
         names = [c.strip() for c in header]
         missing = [c for c in AZURE_COLUMNS if c not in names]
         if missing:
-            raise FieldError("header", f"no column {missing[0]!r} (found {', '.join(names)})")
+            found = ", ".join(show(name) for name in names)
+            raise FieldError("header", f"no column {missing[0]!r} (found {found})")
         self.columns, self.width = [names.index(c) for c in AZURE_COLUMNS], len(names)
         self.t0_ns: int | None = None  # the first row's time
 

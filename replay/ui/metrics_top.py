@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+from rich.markup import escape
 
 from replay.metrics.scrape import MetricsSource, Scraper
 from replay.ui.dashboard import DashboardState
@@ -123,8 +124,8 @@ def metrics_top_main(
             asyncio.run(watch_metrics(watch, view, seconds, interval_s))
     except KeyboardInterrupt:  # Ctrl-C is how top is left
         pass
-    for line in watch.failures():
-        console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+    for line in watch.failures():  # a server's error text: never markup
+        console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     # A URL that never gave a reading is a wrong or unreachable target (exit 2, as replay's
     # pre-flight and top --connect say it), not an engine fault.
     return EXIT_USAGE if watch.failures() else EXIT_OK

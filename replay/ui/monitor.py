@@ -21,6 +21,7 @@ from replay.serve.server import Server
 from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState, WindowVerdict
 from replay.ui.tui import LiveView
 from replay.verify.rules import EngineSeries, VerifyOptions, check_window, idle_windows
+from replay.verify.text import printable
 from replay.verify.timeline import SAMPLING_SCRAPED, EngineSample, Timeline
 from replay.wall.driver import WallClockReplay, sample_from_snapshot
 
@@ -472,6 +473,7 @@ def server_line(server: dict) -> str:
     parts = [server.get("server") or "no Server header", str(server.get("model"))]
     if kvdrain.get("topology"):
         parts.append(str(kvdrain["topology"]))
+    parts = [printable(part) for part in parts]
     return " ".join(parts)
 
 

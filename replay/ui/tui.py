@@ -418,7 +418,8 @@ def _render_header(state: DashboardState) -> Table:
     # The title (the trace's name) keeps its width; the facts on the right give way.
     grid.add_column(no_wrap=True, min_width=len(state.title))
     grid.add_column(no_wrap=True, justify="right", overflow="ellipsis", ratio=1)
-    grid.add_row(Text(state.title, "bold"), "  ".join(info + [f"elapsed {state.elapsed_s:.1f}s"]))
+    facts = Text("  ".join(info + [f"elapsed {state.elapsed_s:.1f}s"]))  # a server's: not markup
+    grid.add_row(Text(state.title, "bold"), facts)
     grid.style = "on grey23"
     return grid
 

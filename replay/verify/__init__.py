@@ -1,5 +1,6 @@
 """Verification: the timeline, the verdict rules and the reports. Runs in: frontend process.
 
 timeline, windows, rules, coverage, outcome (what an HTTP run could not observe), outputs,
-latency, verdict (the exit codes), units, report, plot, stamp.
+latency, verdict (the exit codes), units, text (what a peer wrote, escaped), report,
+plot, stamp.
 """

@@ -12,9 +12,9 @@ replay/verify/latency.py's (the report's "latency").
 from __future__ import annotations
 
 import math
-import unicodedata
 
 from replay.verify.coverage import ignored_cause
+from replay.verify.text import printable
 from replay.verify.timeline import Timeline
 from replay.verify.verdict import exit_code_for, worst
 
@@ -22,18 +22,6 @@ NO_METRICS = (
     "no --metrics URL, and no KV-usage metric at the target's own /metrics: KV usage "
     "was not observed"
 )
-
-
-def printable(text: object, limit: int = 200) -> str:
-    """A peer's text made safe for a terminal: control and format characters (escape
-    codes, bidi overrides) written as Python escapes, at most `limit` characters."""
-    text = str(text)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return "".join(
-        c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") or c == " " else ascii(c)[1:-1]
-        for c in text
-    )
 
 
 def observation_reasons(timeline: Timeline, verdict) -> list[str]:

@@ -2,5 +2,6 @@
 
 options, launch (instances started, watched, stopped), tiny_model (the default model's
 files), cpu (what a CPU host needs), orphans (what a killed run left), idle_cpu (spinning
-threads lowered), proxy (`kvdrain proxy`).
+threads lowered), proxy (`kvdrain proxy`), with proxy_options, upstream (each exchange
+bounded) and pd_request (P's and D's requests).
 """

@@ -42,6 +42,7 @@ from engine.proc.lifetime import descendants
 from engine.proc.run_dir import process_start_time
 from replay.deploy.pd_flow import engine_roles
 from replay.runtime.startup import StartupStarved, StartWatch
+from replay.verify.text import printable
 from replay.vllm.cpu import cpu_flags, sigill_hint, tiny_dtype
 from replay.vllm.options import VllmOptions
 from replay.vllm.orphans import Recorded, Swept, clear_record, sweep_orphans, write_record
@@ -53,6 +54,7 @@ POLL_S = 0.25
 RECORD_EVERY_S = 1.0  # how often start-up looks for new descendants to record
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 4,096 blocks of 128 for the tiny model
 LOG_TAIL_LINES = 12
+LOG_LINE_CHARS = 400  # a longer log line is shown cut
 # A real vLLM's start-up, as its log shows it: the API server imports vLLM, then its engine
 # core, then the worker, which loads the weights, sizes the KV cache and warms up.
 PHASE_MARKS = (
@@ -273,6 +275,8 @@ def plan_instances(
 
 
 def last_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    """The log's last n lines that are not blank, as text to show: escape sequences written
+    out (a vLLM log may end in clear-screen or set-title ones), each at most LOG_LINE_CHARS."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -280,7 +284,8 @@ def last_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    return [line for line in text.splitlines() if line.strip()][-n:]
+    lines = [line for line in text.splitlines() if line.strip()][-n:]
+    return [printable(line, LOG_LINE_CHARS) for line in lines]
 
 
 class ManagedProcess:

@@ -1,42 +1,43 @@
 """kvdrain's P/D proxy in front of vLLM servers (`kvdrain proxy`). Runs in: proxy process.
 
-vLLM's disaggregated-serving protocol, as its NixlConnector expects it (vLLM ships only a
-toy proxy, in its tests): a completion goes to a prefill server (P) with `max_tokens: 1`,
-`stream: false` and `kv_transfer_params` asking it to hold the prompt's KV for a remote
-decode; P answers with the `kv_transfer_params` that say where the blocks are; then the
-original request goes to a decode server (D) with those params, and D's answer is the
-client's. D's body, streamed or not, is passed through unchanged, chunk by chunk as it
-arrives, so latencies measured through the proxy are D's and not the proxy's.
+A completion is prefilled on a P, then decoded on a D (pd_request.py: vLLM's protocol, as
+its NixlConnector expects it; vLLM ships only a toy proxy, in its tests). D's body,
+streamed or not, is passed through unchanged, chunk by chunk as it arrives, so latencies
+measured through the proxy are D's and not the proxy's.
 
 An upstream's error (any status other than 200) is forwarded with its status and body;
-an upstream that cannot be reached is a 502 with an OpenAI-style error body naming it.
+one that cannot be reached is a 502, one too slow a 504 (upstream.py's timeouts), each
+with an OpenAI-style error body naming it; an answer already begun is cut off instead,
+said in one line on stderr. Bounded: a client's body (413), the requests at each upstream
+(503), P's answer (502); nothing a client or an upstream does prints a traceback.
+
 Which P and which D serve a request: balance.py's Balancer under `--router` (round-robin,
 as vLLM's toy proxy; least-loaded, by the requests the proxy has in flight at each; prefix,
 by the proxy's own table of the prompt blocks it sent to each P: it cannot see a server's
 real cache, so a prefix a P has evicted still counts there). /v1/models, /version and
 /tokenize are the first D's (a replay learns the server's version and vocabulary through them),
-/health is 200 only when every upstream's /health is, and /metrics is the proxy's own.
+/health is 200 only while every upstream's /health is and none timed out in the last
+minute, and /metrics is the proxy's own.
 Its Server header is "kvdrain proxy", and on an upstream's answer "kvdrain proxy, in front
 of <the upstream's Server>", so a replay's first line names both.
 
-Every completion's answer, streamed or not, errors included, names its way in ROUTE_HEADER (replay/openai/route_header.py):
-the upstreams it went to, P then D, by the names /health gives them (the names a replay's
-scrape gives their engines), so an HTTP replay judges each engine in its own idle windows
-(replay/verify/windows.py); a proxy that does not say is judged by role, as any server.
+Every completion's answer, streamed or not, errors included, names its way in
+ROUTE_HEADER (replay/openai/route_header.py): the upstreams it went to, P then D, by the
+names /health gives them (the names a replay's scrape gives their engines), so an HTTP
+replay judges each engine in its own idle windows (replay/verify/windows.py); a proxy
+that does not say is judged by role, as any server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import hashlib
 import json
 import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -45,30 +46,35 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from engine.core.block_hash import hash_request_blocks
-from replay.deploy.placement import ROUTER_POLICIES, Balancer
+from replay.deploy.placement import Balancer
 from replay.openai import pool
 from replay.openai.bearer import bearer_middleware, check_http_listen
+from replay.openai.protocol import ApiError
 from replay.openai.route_header import route_headers
+from replay.serve.connections import QuietLoopErrors, quiet_logger
+from replay.verify.text import printable
+from replay.vllm.pd_request import (
+    decode_request,
+    encode,
+    kv_transfer_params,
+    off_loop,
+    prepare,
+)
+from replay.vllm.proxy_options import ProxyOptions, base_url
+from replay.vllm.upstream import (
+    Exchange,
+    TimeoutLog,
+    Upstream,
+    UpstreamError,
+    UpstreamTimedOut,
+)
 
-# What P is asked to do: hold the prompt's KV for a decode elsewhere (vLLM's toy proxy's dict).
-PREFILL_KV_TRANSFER_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-NOT_FOR_PREFILL = (
-    "stream_options",
-    "min_tokens",
-    "min_completion_tokens",
-)  # P refuses or ignores them
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Request-Id")
 SERVER = (
     "kvdrain proxy"  # its Server header; an upstream's answer adds ", in front of <its Server>"
 )
+WHO = "kvdrain proxy"  # how its lines on stderr begin
 LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -89,64 +95,6 @@ LATENCY_BUCKETS = (
 EXIT_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-class ProxyError(ValueError):
-    """Options the proxy cannot run with (the CLI's usage error)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Upstream:
-    """One vLLM server behind the proxy: its name (P, D, or P0, P1, ... when several) and base URL."""
-
-    name: str
-    url: str  # scheme://host:port, no trailing slash
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProxyOptions:
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port, printed in the ready line
-    api_key: str | None = None  # clients must send 'Authorization: Bearer KEY' on /v1
-    upstream_api_key: str | None = None  # sent to every upstream as 'Authorization: Bearer KEY'
-    insecure: bool = False  # listen beyond loopback without --api-key
-    connect_timeout_s: float = 10.0
-    health_timeout_s: float = 5.0
-    router: str = "round-robin"  # balance.py's policy
-    block_size: int = 16  # the prefix table's block, in prompt tokens (ids) or words (text)
-
-    def __post_init__(self) -> None:
-        if self.router not in ROUTER_POLICIES:
-            raise ProxyError(f"--router: must be one of {ROUTER_POLICIES}, got {self.router!r}")
-        if not self.prefill or not self.decode:
-            raise ProxyError("--prefill and --decode: give at least one URL of each")
-        for url in self.prefill + self.decode:
-            base_url(url)
-        if not 0 <= self.port <= 65535:
-            raise ProxyError(f"--port: {self.port} is not a port")
-        if self.api_key == "":
-            raise ProxyError("--api-key: must not be empty")
-
-
-def base_url(url: str) -> str:
-    """http(s)://HOST:PORT from a server URL (a trailing / or /v1 is dropped); ProxyError if not one."""
-    parts = urlsplit(url)
-    path = parts.path.rstrip("/")
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or path not in ("", "/v1")
-        or parts.query
-        or parts.fragment
-    ):
-        raise ProxyError(f"{url!r}: expected http://HOST:PORT (a vLLM server's address)")
-    try:
-        _ = parts.port
-    except ValueError:
-        raise ProxyError(f"{url!r}: the port is not a number") from None
-    return f"{parts.scheme}://{parts.netloc}"
-
-
 def name_upstreams(role: str, urls: tuple[str, ...]) -> list[Upstream]:
     """role 'P' or 'D': one URL is named after the role, several are role0, role1, ..."""
     if len(urls) == 1:
@@ -155,57 +103,14 @@ def name_upstreams(role: str, urls: tuple[str, ...]) -> list[Upstream]:
 
 
 def check_listen(options: ProxyOptions) -> list[str]:
-    """Refuse (CredentialError) to listen beyond loopback without --api-key or --insecure; warnings."""
+    """Refuse (CredentialError) beyond loopback without --api-key or --insecure; warnings."""
     return check_http_listen(options.host, options.api_key, options.insecure, flag="--host")
 
 
-def prefill_request(body: dict) -> dict:
-    """What P gets: the request cut to one token, not streamed, holding its KV for a remote decode."""
-    request = {k: v for k, v in copy.deepcopy(body).items() if k not in NOT_FOR_PREFILL}
-    request["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    request["stream"] = False
-    request["max_tokens"] = 1
-    if "max_completion_tokens" in request:
-        request["max_completion_tokens"] = 1
-    return request
-
-
-def decode_request(body: dict, prefill_answer: dict) -> dict:
-    """What D gets: the client's request with the kv_transfer_params P answered (if any)."""
-    request = dict(body)
-    params = prefill_answer.get("kv_transfer_params")
-    if params:
-        request["kv_transfer_params"] = params
-    return request
-
-
-def error_body(status: int, message: str) -> dict:
-    """An OpenAI-style error body, as vLLM answers."""
-    kinds = {
-        400: "BadRequestError",
-        401: "Unauthorized",
-        502: "BadGatewayError",
-        503: "ServiceUnavailableError",
-    }
-    return {
-        "error": {
-            "message": message,
-            "type": kinds.get(status, "Error"),
-            "param": None,
-            "code": status,
-        }
-    }
-
-
-class Unreachable(Exception):
-    """An upstream that could not be reached or broke its answer off."""
-
-    def __init__(
-        self, upstream: Upstream, stage: str, cause: BaseException, route: tuple[str, ...] = ()
-    ) -> None:
-        said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-        super().__init__(f"{stage} server {upstream.name} ({upstream.url}) is unreachable: {said}")
-        self.route = route  # the completion's way so far (empty: not a completion)
+def error_response(status: int, message: str, route: tuple[str, ...] = ()) -> web.Response:
+    """An OpenAI-style error answer, as vLLM gives them."""
+    body = ApiError(status, message).body()
+    return web.json_response(body, status=status, headers=route_headers(route))
 
 
 class ProxyMetrics:
@@ -215,8 +120,8 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvdrain_proxy_requests",
-            "Requests sent upstream, by stage "
-            "(prefill, decode, models, version, tokenize) and answer status ('unreachable': none).",
+            "Requests sent upstream, by stage (prefill, decode, models, version, tokenize) and "
+            "answer status ('unreachable': none; 'timeout': too slow; 'broken': cut off).",
             ["stage", "upstream", "status"],
             registry=self.registry,
         )
@@ -228,9 +133,10 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
-    def observe(self, stage: str, upstream: Upstream, status: str, start: float) -> None:
-        self.requests.labels(stage, upstream.name, status).inc()
-        self.latency.labels(stage, upstream.name).observe(time.monotonic() - start)
+    def observe(self, exchange: Exchange) -> None:
+        stage, name = exchange.stage, exchange.upstream.name
+        self.requests.labels(stage, name, exchange.outcome).inc()
+        self.latency.labels(stage, name).observe(time.monotonic() - exchange.started)
 
 
 class Proxy:
@@ -245,6 +151,7 @@ class Proxy:
             [u.name for u in self.prefill], [u.name for u in self.decode], options.router
         )
         self.upstreams = {u.name: u for u in self.prefill + self.decode}
+        self.timeouts = TimeoutLog()
         self.session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -256,8 +163,8 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[bearer_middleware(self.options.api_key), self._unreachable],
-            client_max_size=64 << 20,
+            middlewares=[bearer_middleware(self.options.api_key), self._errors],
+            client_max_size=self.options.max_body_bytes,
         )
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completions)
@@ -270,9 +177,12 @@ class Proxy:
         return app
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s)
+        asyncio.get_running_loop().set_exception_handler(QuietLoopErrors(WHO))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.timeouts.connect_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=pool.connector())
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, logger=quiet_logger(WHO)
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.options.host, self.options.port)
         await site.start()
@@ -311,123 +221,193 @@ class Proxy:
     # ---- middleware ------------------------------------------------------------------
 
     @web.middleware
-    async def _unreachable(self, request: web.Request, handler):
+    async def _errors(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except Unreachable as e:
-            return web.json_response(
-                error_body(502, str(e)), status=502, headers=route_headers(e.route)
-            )
+        except ApiError as e:
+            return error_response(e.status, e.message)
+        except UpstreamError as e:
+            return error_response(e.status, str(e), e.route)
+        except web.HTTPException as e:  # unknown path (404), wrong method (405)
+            if e.status < 400:
+                raise
+            return error_response(e.status, e.text or e.reason)
 
     # ---- handlers --------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            return web.json_response(error_body(400, f"malformed JSON body: {e}"), status=400)
-        if not isinstance(body, dict):
-            return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
+        raw = await self._read(request)
+        body, to_prefill = await off_loop(len(raw), prepare, raw)
+        blocks = await off_loop(len(raw), self._prompt_blocks, body)
+        prefill = self.upstreams[self.balancer.pick_prefill(blocks)]
+        self._admit("prefill", [prefill])
+        self._admit("decode", self.decode)
         request_id = request.headers.get("X-Request-Id") or f"proxy-{uuid.uuid4().hex}"
-        prefill = self.upstreams[self.balancer.pick_prefill(self._prompt_blocks(body))]
         self.balancer.started(prefill.name)
         try:
-            answer = await self._prefill(prefill, request.path, prefill_request(body), request_id)
+            answer = await self._prefill(prefill, request.path, to_prefill, request_id)
         finally:
             self.balancer.ended(prefill.name)
         if isinstance(answer, web.Response):
             return answer
+        to_decode = await off_loop(len(raw), _decode_bytes, body, answer)
         decode = self.upstreams[self.balancer.pick_decode()]
         self.balancer.started(decode.name)
         try:
-            return await self._decode(
-                request, (prefill, decode), decode_request(body, answer), request_id
-            )
+            return await self._decode(request, (prefill, decode), to_decode, request_id)
         finally:
             self.balancer.ended(decode.name)
 
-    async def _prefill(
-        self, upstream: Upstream, path: str, body: dict, request_id: str
-    ) -> dict | web.Response:
-        """P's JSON answer, or the response that ends the request (P's error, forwarded)."""
-        start, route = time.monotonic(), (upstream.name,)
+    async def _read(self, request: web.Request) -> bytes:
+        """The client's body: at most max_body_bytes (413), whole within body_timeout_s (408)."""
+        limit, said = self.options.max_body_bytes, request.content_length
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes")
+        if said is not None and said > limit:
+            raise too_large
         try:
-            async with self.session.post(
-                upstream.url + path, json=body, headers=self._headers(request_id)
-            ) as answer:
-                data = await answer.read()
-        except aiohttp.ClientError as e:
-            self.metrics.observe("prefill", upstream, "unreachable", start)
-            raise Unreachable(upstream, "prefill", e, route) from None
-        self.metrics.observe("prefill", upstream, str(answer.status), start)
-        if answer.status != 200:
-            return _forwarded(answer, data, route)
+            async with asyncio.timeout(self.options.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {self.options.body_timeout_s:g} s"
+            ) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except web.RequestPayloadError as e:  # a bogus Content-Encoding, a cut body
+            raise ApiError(400, f"the request body cannot be read: {printable(e)}") from None
+
+    def _admit(self, role: str, upstreams: list[Upstream]) -> None:
+        """503 if every one of the upstreams holds max_in_flight requests already. D's are
+        asked before P is: a request admitted is decoded even if its D filled up while P
+        prefilled (refused then, it would leave P holding its KV for a decode that never
+        comes)."""
+        cap = self.options.max_in_flight
+        if any(self.balancer.num_in_flight[u.name] < cap for u in upstreams):
+            return
+        names = ", ".join(f"{u.name} ({u.url})" for u in upstreams)
+        held = f"{cap} request{'s' * (cap != 1)} in flight"
+        raise ApiError(
+            503,
+            f"{role} server {names} has {held}, its cap (--max-in-flight {cap}): try again later"
+            if len(upstreams) == 1
+            else f"{role} servers {names} have {held} each, their cap (--max-in-flight {cap}): "
+            f"try again later",
+        )
+
+    @contextlib.asynccontextmanager
+    async def _exchange(self, exchange: Exchange, method: str, path: str, data: bytes, headers):
+        """The upstream's answer, its head read within first_byte_s; on leaving, the
+        exchange is counted in /metrics, a timeout noted for /health, and a failed
+        answer's connection closed (vLLM aborts a request whose client is gone)."""
         try:
-            parsed = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            return web.json_response(
-                error_body(
-                    502,
-                    f"prefill server {upstream.name} "
-                    f"({upstream.url}) answered 200 without a "
-                    f"JSON object",
+            answer = await exchange.step(
+                self.session.request(
+                    method, exchange.upstream.url + path, data=data, headers=headers
                 ),
-                status=502,
-                headers=route_headers(route),
+                self.options.timeouts.first_byte_s,
+                "sent no answer",
             )
-        return parsed
+            exchange.status = answer.status
+            try:
+                yield answer
+            except BaseException:
+                answer.close()
+                raise
+            finally:
+                answer.release()
+        except UpstreamTimedOut as e:
+            self.timeouts.note(e)
+            raise
+        finally:
+            self.metrics.observe(exchange)
+
+    async def _read_answer(self, exchange: Exchange, answer, limit: int) -> bytes:
+        """An answer's whole body, each read within idle_s; UpstreamError past `limit` bytes."""
+        data = bytearray()
+        while chunk := await exchange.step(
+            answer.content.readany(), self.options.timeouts.idle_s, "sent nothing more"
+        ):
+            data += chunk
+            if len(data) > limit:
+                raise UpstreamError(
+                    exchange.upstream,
+                    exchange.role,
+                    f"answered more than {limit} bytes",
+                    exchange.route,
+                )
+        return bytes(data)
+
+    async def _prefill(
+        self, upstream: Upstream, path: str, data: bytes, request_id: str
+    ) -> dict | None | web.Response:
+        """P's kv_transfer_params, or the response that ends the request (P's error, forwarded)."""
+        exchange = Exchange(upstream, "prefill", self.options.timeouts, (upstream.name,))
+        headers = {**self._headers(request_id), "Content-Type": "application/json"}
+        async with self._exchange(exchange, "POST", path, data, headers) as answer:
+            raw = await self._read_answer(exchange, answer, self.options.max_prefill_answer_bytes)
+            if answer.status != 200:
+                return _forwarded(answer, raw, exchange.route)
+        return _params(exchange, raw)
 
     async def _decode(
-        self, request: web.Request, way: tuple[Upstream, Upstream], body: dict, request_id: str
+        self, request: web.Request, way: tuple[Upstream, Upstream], data: bytes, request_id: str
     ) -> web.StreamResponse:
         """D's answer passed through as it arrives: status, content type and bytes unchanged
         (way: the P that prefilled it and this D)."""
-        upstream, route = way[1], tuple(u.name for u in way)
-        start = time.monotonic()
-        status = "unreachable"
-        try:
-            async with self.session.post(
-                upstream.url + request.path, json=body, headers=self._headers(request_id)
-            ) as answer:
-                status = str(answer.status)
-                return await _pass_through(request, answer, route)
-        except aiohttp.ClientError as e:
-            if status != "unreachable":  # D broke off an answer already begun: cut the client off
-                status = "broken"
-                print(
-                    f"kvdrain proxy: decode server {upstream.name} broke off its answer: {e!r}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise
-            raise Unreachable(upstream, "decode", e, route) from None
-        finally:
-            self.metrics.observe("decode", upstream, status, start)
+        route = tuple(u.name for u in way)
+        exchange = Exchange(way[1], "decode", self.options.timeouts, route)
+        headers = {**self._headers(request_id), "Content-Type": "application/json"}
+        async with self._exchange(exchange, "POST", request.path, data, headers) as answer:
+            return await self._pass_through(request, exchange, answer)
 
-    async def forward(self, request: web.Request) -> web.Response:
+    async def forward(self, request: web.Request) -> web.StreamResponse:
         """A D's answer to the same request (/v1/models, /version, /tokenize)."""
-        upstream, stage = self.decode[0], request.path.strip("/").removeprefix("v1/")
-        start = time.monotonic()
+        stage = request.path.strip("/").removeprefix("v1/")
+        exchange = Exchange(self.decode[0], stage, self.options.timeouts, role="decode")
         headers = self._headers()
         if request.content_type == "application/json":
             headers["Content-Type"] = "application/json"
+        data = await self._read(request)
+        async with self._exchange(exchange, request.method, request.path, data, headers) as answer:
+            return await self._pass_through(request, exchange, answer)
+
+    async def _pass_through(
+        self, request: web.Request, exchange: Exchange, answer: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """An answer to the client as it arrives, each read within idle_s. A client that
+        left (its connection closing under a write) ends it there, and is not the
+        upstream's failure; an upstream that breaks it off or stalls cuts it off."""
+        response = web.StreamResponse(status=answer.status, headers=_passed(answer, exchange.route))
+        await response.prepare(request)
         try:
-            async with self.session.request(
-                request.method,
-                upstream.url + request.path,
-                data=await request.read(),
-                headers=headers,
-            ) as answer:
-                data = await answer.read()
-        except aiohttp.ClientError as e:
-            self.metrics.observe(stage, upstream, "unreachable", start)
-            raise Unreachable(upstream, "decode", e) from None
-        self.metrics.observe(stage, upstream, str(answer.status), start)
-        return _forwarded(answer, data)
+            while chunk := await exchange.step(
+                answer.content.readany(), self.options.timeouts.idle_s, "sent nothing more"
+            ):
+                if not await _to_client(response.write(chunk)):
+                    return response
+        except UpstreamError as e:
+            self._cut_off(request, answer, e)
+            return response
+        await _to_client(response.write_eof())
+        return response
+
+    def _cut_off(self, request: web.Request, answer, error: UpstreamError) -> None:
+        """An answer begun that its upstream broke off or let stall: no error can be sent
+        any more, so the client's connection is closed (it sees the answer cut, never a
+        clean end), the upstream's too, and one line says why."""
+        if isinstance(error, UpstreamTimedOut):
+            self.timeouts.note(error)
+            said = f"{error}; its answer to the client is cut off"
+        else:
+            said = f"{error.role} server {error.upstream.name} broke off its answer: {error.cause}"
+        print(f"{WHO}: {printable(said, 400)}", file=sys.stderr, flush=True)
+        answer.close()
+        if request.transport is not None:
+            request.transport.close()
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 and status ok while every upstream's /health is and none timed out in the
+        last minute; 503 otherwise, each upstream's status beside."""
         upstreams = self.prefill + self.decode
         states = await asyncio.gather(*(self._health_of(u) for u in upstreams))
         healthy = all(state == "ok" for state in states)
@@ -444,9 +424,10 @@ class Proxy:
                 upstream.url + "/health", headers=self._headers(), timeout=timeout
             ) as answer:
                 await answer.read()
-                return "ok" if answer.status == 200 else f"status {answer.status}"
+                state = "ok" if answer.status == 200 else f"status {answer.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return f"unreachable: {e!r}"
+            state = f"unreachable: {printable(repr(e))}"
+        return self.timeouts.recent(upstream.name) or state
 
     async def serve_metrics(self, request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
@@ -455,10 +436,31 @@ class Proxy:
         return response
 
 
+def _decode_bytes(body: dict, kv_transfer_params: dict | None) -> bytes:
+    return encode(decode_request(body, kv_transfer_params))
+
+
+def _params(exchange: Exchange, raw: bytes) -> dict | None:
+    """The kv_transfer_params of P's answer; UpstreamError if it is no JSON object or they
+    are not one."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        answer = None
+    if not isinstance(answer, dict):
+        said = "answered 200 without a JSON object"
+        raise UpstreamError(exchange.upstream, exchange.role, said, exchange.route)
+    try:
+        return kv_transfer_params(answer)
+    except ValueError as e:
+        said = f"answered {e}"
+        raise UpstreamError(exchange.upstream, exchange.role, said, exchange.route) from None
+
+
 def _passed(answer: aiohttp.ClientResponse, route: tuple[str, ...] = ()) -> dict[str, str]:
-    passed = {h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}
+    passed = {h: printable(answer.headers[h]) for h in PASSED_HEADERS if h in answer.headers}
     if answer.headers.get("Server"):
-        passed["Server"] = f"{SERVER}, in front of {answer.headers['Server']}"
+        passed["Server"] = f"{SERVER}, in front of {printable(answer.headers['Server'])}"
     return {**passed, **route_headers(route)}
 
 
@@ -474,20 +476,6 @@ def _forwarded(
 ) -> web.Response:
     """An upstream's whole answer, status and body as it gave them."""
     return web.Response(status=answer.status, body=data, headers=_passed(answer, route))
-
-
-async def _pass_through(
-    request: web.Request, answer: aiohttp.ClientResponse, route: tuple[str, ...]
-) -> web.StreamResponse:
-    """D's answer to the client as it arrives; a client that left (its connection closing
-    under a write) ends it there, and is not D breaking off."""
-    response = web.StreamResponse(status=answer.status, headers=_passed(answer, route))
-    await response.prepare(request)
-    async for chunk in answer.content.iter_any():
-        if not await _to_client(response.write(chunk)):
-            return response
-    await _to_client(response.write_eof())
-    return response
 
 
 async def _to_client(write) -> bool:

@@ -324,6 +324,52 @@ def test_markup_and_escape_codes_from_a_server_never_reach_the_terminal(tmp_path
     assert "[blink]srv[/blink]" in result.output
 
 
+class HostileProxy(Hostile):
+    """Hostile, and a kvdrain proxy's /health naming an upstream (itself) and a /version,
+    both with markup and escape codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.url = ""
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "upstreams": {"P" + EVIL: {"url": self.url}}})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32" + EVIL})
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        return app
+
+
+def test_a_servers_version_and_upstream_names_reach_the_terminal_escaped(tmp_path: Path):
+    hostile = HostileProxy()
+    with serving_in_thread(hostile.app()) as url:
+        hostile.url = url
+        result = invoke_replay(url, tmp_path)  # no --metrics: /health names the upstream
+    assert result.exit_code in (1, 3), result.output
+    for bad in ("\x1b", "\x07", "\u202e"):
+        assert bad not in result.output, result.output
+    escaped = "\\x1b[2J\\x1b]0;owned\\x07[bold red]X[/]\\u202e"
+    assert f"version 0.32{escaped}" in result.output, result.output
+    assert f"  P{escaped}: version" in result.output, result.output
+
+
+def test_a_refusal_whose_message_is_markup_is_printed_as_text(tmp_path: Path):
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": f"down{EVIL} [/]"}}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    with serving_in_thread(app) as url:
+        result = invoke_replay(url, tmp_path)
+    assert result.exit_code == 2, result.output
+    assert "HTTP 503: down\\x1b[2J\\x1b]0;owned\\x07[bold red]X[/]\\u202e [/]" in result.output
+
+
 def test_a_negative_usage_gauge_is_a_failed_scrape_never_a_count(tmp_path: Path):
     negative = 'kvdrain:kv_blocks_used{engine="P"} -256\nkvdrain:kv_blocks_free{engine="P"} 356\n'
     timeline = replay_against(Hostile(negative).app(), [TraceRequest(0.0, "a", 1, 2)], tail_s=0.2)

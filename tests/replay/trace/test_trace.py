@@ -171,6 +171,10 @@ def test_empty_unknown_and_headerless_files(tmp_path):
             fmt="azure",
             skip_bad_lines=True,
         )  # a bad header is fatal even when skipping
+    with pytest.raises(TraceError) as bad:  # a header's text is shown escaped, as JSON
+        validate_trace(write(tmp_path, "e.csv", ["TIMESTAMP,\x1b[2JX"]), fmt="azure")
+    assert '(found "TIMESTAMP", "\\u001b[2JX")' in str(bad.value)
+    assert "\x1b" not in str(bad.value)
 
 
 def test_reading_streams_records_before_a_bad_last_line(tmp_path):

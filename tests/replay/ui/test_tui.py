@@ -25,7 +25,7 @@ from replay.ui.dashboard import (
     StartupState,
     WindowVerdict,
 )
-from replay.ui.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows
+from replay.ui.monitor import ReplayMonitor, ServeMonitor, SnapshotWindows, server_line
 from replay.ui.tui import LiveView, plain_line, render, sparkline, summary_text
 from replay.verify.rules import IdleWindow, VerifyOptions
 from replay.verify.timeline import EngineSample, RequestRecord
@@ -707,6 +707,13 @@ def test_a_serves_header_names_its_topology_liveness_and_http_url():
     monitor.on_tick(SimpleNamespace(take_stats=lambda: [], latest={}))
     first = render_text(state, 120).splitlines()[0]
     assert "pd  liveness legacy  http://127.0.0.1:8000" in first
+
+
+def test_a_servers_name_in_the_header_is_text_never_markup_nor_escapes():
+    server = server_line({"server": "[blink]srv[/blink]\x1b[2J", "model": "m[/]\u202e"})
+    assert server == "[blink]srv[/blink]\\x1b[2J m[/]\\u202e"
+    state = DashboardState(title="t", server=server)
+    assert server in render_text(state, 120).splitlines()[0]
 
 
 def test_eight_engines_are_one_row_each_p_before_d_readable_at_80_columns():

@@ -5,7 +5,7 @@ FAKE_VLLM_MODE picks its behaviour: `works` (default) serves /health, /v1/models
 /v1/completions (streamed or not; a request with kv_transfer_params.do_remote_decode
 answers with the params D needs, as a NixlConnector P does) and /metrics
 (vllm:kv_cache_usage_perc as a fraction, num_requests_running/waiting,
-cache_config_info); `dies` exits 1 at start; `hangs` never answers /health; `crashes`
+cache_config_info); `dies` exits 1 at start, its log ending in escape sequences; `hangs` never answers /health; `crashes`
 exits at its third completion; `slow-metrics` answers every fourth /metrics after 2.5 s. Like vLLM,
 it starts a child (its "engine core"), and it appends "PID CHILD_PID" to
 FAKE_VLLM_PIDFILE, so a test can check both are gone.
@@ -24,6 +24,7 @@ import time
 from aiohttp import web
 
 NUM_GPU_BLOCKS = 4096
+DIES_WITH = "\x1b[2J\x1b]0;fake title\x07\u202eboom"  # clear screen, set title, bidi override
 
 
 class Fake:
@@ -140,7 +141,8 @@ def main() -> None:
     mode = os.environ.get("FAKE_VLLM_MODE", "works")
     print(f"fake vllm {mode}: Starting to load model {args.model}", flush=True)
     if mode == "dies":
-        print("RuntimeError: fake engine core failed to start", flush=True)
+        print("[rank0]: RuntimeError: fake engine core failed to start [/]", flush=True)
+        print(DIES_WITH, flush=True)
         sys.exit(1)
     if mode == "hangs":
         time.sleep(3600)

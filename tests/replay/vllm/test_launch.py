@@ -14,6 +14,7 @@ import pytest
 
 from replay.vllm.cpu import cpu_flags, sigill_hint
 from replay.vllm.launch import (
+    LOG_LINE_CHARS,
     VllmDeployment,
     VllmFault,
     VllmInstall,
@@ -21,6 +22,7 @@ from replay.vllm.launch import (
     check_venv,
     core_sets,
     instance_env,
+    last_lines,
     plan_instances,
     stop_all,
 )
@@ -158,6 +160,18 @@ def test_an_instance_whose_worker_died_of_sigill_is_a_fault_suggesting_float16(t
     assert sigill_hint(log) == "" == sigill_hint(tmp_path / "missing.log")
 
 
+def test_a_logs_last_lines_are_text_its_escape_sequences_written_out(tmp_path):
+    log = tmp_path / "P.log"
+    log.write_bytes(
+        b"loading\n\n[rank0]: boom\n\x1b[2J\x1b]0;title\x07\xe2\x80\xaeend\n" + b"x" * 500
+    )
+    assert last_lines(log, 3) == [
+        "[rank0]: boom",
+        "\\x1b[2J\\x1b]0;title\\x07\\u202eend",
+        "x" * LOG_LINE_CHARS + "...",
+    ]
+
+
 def test_a_venv_without_vllm_is_refused_with_how_to_make_one(tmp_path):
     with pytest.raises(VllmVenvError, match="make vllm"):
         check_venv(tmp_path / "missing")
@@ -289,8 +303,11 @@ def test_the_cli_names_a_failed_start_as_a_fault_with_exit_4(fake_venv, pidfile)
     assert (
         "fault:" in result.stdout
         and "E.log" in result.stdout
-        and "fake engine core failed" in result.stdout
+        and "E | [rank0]: RuntimeError: fake engine core failed to start [/]" in result.stdout
     )
+    # The log's last line is shown as text, its escape sequences written out, not obeyed.
+    assert "E | \\x1b[2J\\x1b]0;fake title\\x07\\u202eboom" in result.stdout, result.stdout
+    assert not any(c in result.stdout + result.stderr for c in "\x1b\x07\u202e")
     assert not any(running(p) for p in started_pids(pidfile))
 
 

@@ -25,7 +25,8 @@ from replay.target.client import HttpTargetOptions
 from replay.trace.shaping import ShapingOptions
 from replay.verify.rules import VerifyOptions
 from replay.verify.windows import idle_windows
-from replay.vllm.proxy import PREFILL_KV_TRANSFER_PARAMS, Proxy, ProxyOptions
+from replay.vllm.pd_request import PREFILL_KV_TRANSFER_PARAMS
+from replay.vllm.proxy import Proxy, ProxyOptions
 from tests.e2e.test_cli import EXAMPLE, Lines, Serve, invoke
 from tests.http_utils import running_front, running_proxy, served_model
 from tests.replay.sim.test_xpyd import two_prefix_groups, write
@@ -74,6 +75,10 @@ class FakeVllm:
         self.release = asyncio.Event()
         self.release.set()
         self.first_chunk_sent = asyncio.Event()
+        self.hang = False  # a completion is answered only once `unhang` is set (by stop)
+        self.unhang = asyncio.Event()
+        self.received = asyncio.Event()  # a completion arrived
+        self.trickle_s: float | None = None  # a stream that sends a chunk this often, forever
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -82,7 +87,7 @@ class FakeVllm:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=1 << 30)  # the proxy's cap is the one tested
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -95,6 +100,8 @@ class FakeVllm:
         self.port = site._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        self.unhang.set()
+        self.release.set()
         await self._runner.cleanup()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -102,6 +109,9 @@ class FakeVllm:
         self.bodies.append(body)
         self.headers.append(request.headers.copy())
         self.peers.append(request.transport.get_extra_info("peername")[1])
+        self.received.set()
+        if self.hang:
+            await self.unhang.wait()
         if self.fail is not None:
             return web.Response(
                 status=self.fail[0], body=self.fail[1], content_type="application/json"
@@ -117,6 +127,9 @@ class FakeVllm:
             )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        while self.trickle_s is not None and not self.unhang.is_set():
+            await response.write(STREAM_CHUNKS[2])
+            await asyncio.sleep(self.trickle_s)
         for i, chunk in enumerate(STREAM_CHUNKS):
             await self.release.wait()
             await response.write(chunk)
@@ -168,7 +181,7 @@ async def deployment(num_prefill: int = 1, num_decode: int = 1, **options):
 
 
 async def _post(url: str, body, **kwargs) -> tuple[int, bytes, str]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/completions", data=data, **kwargs) as response:
             return response.status, await response.read(), response.headers.get("Content-Type", "")
@@ -207,7 +220,7 @@ def test_the_prefill_request_is_exactly_vllms_toy_proxys():
         "remote_host": None,
         "remote_port": None,
     }
-    from replay.vllm.proxy import prefill_request
+    from replay.vllm.pd_request import prefill_request
 
     body = {
         "prompt": "w1",
