@@ -338,7 +338,10 @@ def test_a_mock_wall_replay_checks_every_output_by_default(tmp_path):
             str(requests),
         ],
     )
-    assert result.exit_code == 0, result.output
-    assert json.loads(report.read_text())["settings"]["check_outputs"] is True
+    # What is under test is the output check; a loaded machine may shrink a gap (exit 3).
+    assert result.exit_code in (0, 3), result.output
+    written = json.loads(report.read_text())
+    assert written["settings"]["check_outputs"] is True
+    assert not [v for v in written["violations"] if v["kind"] == "output_mismatch"]
     records = [json.loads(line) for line in requests.read_text().splitlines()]
     assert records and all(r["expected_digest"] == r["output_digest"] for r in records)
