@@ -196,6 +196,7 @@ class KvdrainSide:
         snap = Snapshot(stepped=True)
         if sched_out is not None:
             snap.num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
+            snap.new_req_ids = tuple(sorted(sched_out.new_req_ids))
         snap.outputs = sorted(
             (StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason) for o in result.outputs),
             key=lambda o: o.req_id,

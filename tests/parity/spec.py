@@ -96,6 +96,10 @@ class Snapshot:
 
     stepped: bool = False
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    # Scheduled requests sent to the runner in full: first scheduled, or resumed after a
+    # preemption (vLLM 0.34's scheduled_new_reqs; 0.32 and 0.33 send a resumed one as a
+    # cached request named in resumed_req_ids).
+    new_req_ids: tuple[str, ...] = ()
     outputs: list[StepOutput] = field(default_factory=list)
     free: int = 0
     used: int = 0

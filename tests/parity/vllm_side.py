@@ -217,7 +217,11 @@ class VllmSide:
             return self._step_with_batch_queue(now)
         sched_out = self._schedule(now)
         runner_out = self._run_model(sched_out, now)
-        snap = Snapshot(stepped=True, num_scheduled=dict(sched_out.num_scheduled_tokens))
+        snap = Snapshot(
+            stepped=True,
+            num_scheduled=dict(sched_out.num_scheduled_tokens),
+            new_req_ids=_new_req_ids(sched_out),
+        )
         return self.snapshot(self._update(snap, sched_out, runner_out))
 
     def _step_with_batch_queue(self, now: int) -> Snapshot:
@@ -228,6 +232,7 @@ class VllmSide:
             sched_out = self._schedule(now)
             queue.appendleft((sched_out, self._run_model(sched_out, now)))
             snap.num_scheduled = dict(sched_out.num_scheduled_tokens)
+            snap.new_req_ids = _new_req_ids(sched_out)
             model_executed = sched_out.total_num_scheduled_tokens > 0
             if len(queue) < BATCH_QUEUE_SIZE and (model_executed or self.scheduler.has_requests()):
                 return self.snapshot(snap)
@@ -277,11 +282,7 @@ class VllmSide:
             position = request.num_computed_tokens - request.num_prompt_tokens
             token = self.model.token(req_id, position, self.stop_ids[req_id])
             sampled.append([] if request.is_prefill_chunk else [token])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **_index_field(req_ids))
         reports = self.worker.reports(now)
         if self.config.role is not None:
             out.kv_connector_output = KVConnectorOutput(
@@ -314,6 +315,20 @@ class VllmSide:
             for req_id in sorted(sched.requests)
         }
         return snap
+
+
+def _new_req_ids(sched_out) -> tuple[str, ...]:
+    new = {req.req_id for req in sched_out.scheduled_new_reqs}
+    resumed = getattr(sched_out.scheduled_cached_reqs, "resumed_req_ids", ())  # before 0.34
+    return tuple(sorted(new.union(resumed)))
+
+
+def _index_field(req_ids: list[str]) -> dict:
+    """0.32 and 0.33 also take the outputs' order as a dict (req_id_to_index); 0.34
+    reads it from req_ids alone."""
+    if "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__:
+        return {}
+    return {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}}
 
 
 def _iter_free(pool: BlockPool):
