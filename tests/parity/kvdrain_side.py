@@ -130,9 +130,9 @@ class Coverage:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.counts = dict.fromkeys(self.NAMES, 0)
-        preempt, release = scheduler._preempt, scheduler._release_blocks
+        preempt, release = scheduler._preempt, scheduler._free_request_blocks
         on_reports = scheduler._update_from_kv_xfer_finished
-        can_free = getattr(scheduler, "_blocks_can_be_freed", lambda request: True)
+        can_free = scheduler._request_blocks_can_be_freed
 
         def counting_preempt(request, out):
             self.counts["preempted_in_flight"] += request.num_in_flight_tokens > 0
@@ -147,7 +147,7 @@ class Coverage:
             on_reports(kv_out)
 
         scheduler._preempt = counting_preempt
-        scheduler._release_blocks = counting_release
+        scheduler._free_request_blocks = counting_release
         scheduler._update_from_kv_xfer_finished = counting_reports
 
 

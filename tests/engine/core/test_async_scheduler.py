@@ -8,10 +8,10 @@ import pytest
 
 from connector.pd import PDConnector
 from engine.config import KVTransferConfig
-from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID, AsyncScheduler
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.engine_core import EngineCore
 from engine.core.liveness import LoopAction, next_action
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.runner.mock_runner import MockModelRunner
 from tests.fake_kv_agent import FakeKVAgent
 from tests.utils import make_config
@@ -202,3 +202,10 @@ def test_engine_has_work_while_a_batch_is_in_flight_without_requests():
         core.step()
     # The last step had no request to schedule, only a batch to process.
     assert seen[-1] == (False, 1) and not core.batch_queue
+
+
+def test_the_async_scheduler_overrides_only_what_vllms_overrides():
+    """vLLM 0.32's AsyncScheduler: _update_after_schedule (placeholders) and
+    _update_request_with_output; the rest of what a step in flight needs is Scheduler's."""
+    overrides = {name for name in vars(AsyncScheduler) if not name.startswith("__")}
+    assert overrides == {"_update_after_schedule", "_update_request_with_output"}
