@@ -27,10 +27,10 @@ class AsyncScheduler(Scheduler):
 
     def _update_request_with_output(self, request: Request, token: int, is_stale: bool) -> bool:
         """vLLM 0.32's: a running request's blocks the token completes are cached when it
-        lands (before a stop frees them)."""
+        lands. From 0.33 update_from_output caches them (engine/core/release.py)."""
         status_before = request.status
         stopped = super()._update_request_with_output(request, token, is_stale)
-        if status_before == RequestStatus.RUNNING:
+        if not self.caches_blocks_early and status_before == RequestStatus.RUNNING:
             self.kv_cache_manager.cache_blocks(
                 request, request.num_computed_tokens - request.num_output_placeholders
             )

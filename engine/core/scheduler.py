@@ -26,6 +26,7 @@ from engine.core.outputs import (
     SchedulerStats,
     StepOutputs,
 )
+from engine.core.release import VllmRelease, caches_blocks_early
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
@@ -75,6 +76,7 @@ class Scheduler:
         self.held_for_recv: set[str] = set()
         self.num_stale_kv_reports = 0
         self.num_kv_load_failures = 0
+        self.release = VllmRelease.parse(config.vllm_release)
         self._init_steps_in_flight(config, connector)
         # Decode and sampled-token fast paths; tests turn them off to compare with the
         # straightforward paths (tests/engine/core/test_scheduler_fast_paths.py). Not a
@@ -101,6 +103,7 @@ class Scheduler:
         self.sched_step_seq = 0  # steps with tokens scheduled
         self.processed_step_seq = 0  # of those, steps whose output was processed
         self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        self.caches_blocks_early = caches_blocks_early(self.release)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -654,7 +657,18 @@ class Scheduler:
         token = runner_out.sampled_token_ids.get(request.req_id)
         if token is None:
             return None  # a prefill chunk that did not reach the end
+        status_before = request.status
+        has_placeholders = request.num_output_placeholders > 0
         stopped = self._update_request_with_output(request, token, is_stale)
+        if (
+            self.caches_blocks_early
+            and has_placeholders
+            and not is_stale
+            and status_before == _RUNNING
+        ):  # before a stop frees them
+            self.kv_cache_manager.cache_blocks(
+                request, request.num_computed_tokens - request.num_in_flight_tokens
+            )
         return self._token_output(request, token, stopped)
 
     def _update_request_with_output(self, request: Request, token: int, is_stale: bool) -> bool:
