@@ -10,18 +10,19 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH ?= $(if $(HAS_GPU),torch>=2.1,torch==2.13.0)
 
 # `make parity` (never part of `make test`): vLLM's real v1 Scheduler (and its
-# AsyncScheduler) beside kvdrain's, step by step, one venv per vLLM version (about
-# 2 GB each; see ../shared/reference/vllm-parity.md). `make parity VLLM=0.33.0` picks
-# the version; `make parity-all` runs every supported one and prints one table.
-# kvdrain is imported from the repo root, not installed. PYTHONHASHSEED=0: vLLM
-# iterates some sets, so fix their order. vLLM 0.33 pins torch 2.14, but its
-# scheduler imports and runs on 2.13 (every vLLM install here is --no-deps).
+# AsyncScheduler, with NIXL's scheduler half for P/D) beside kvdrain's, step by step,
+# one venv per vLLM version (about 2 GB each; tests/parity/).
+# `make parity VLLM=0.33.0` picks the version; `make parity-all` runs every supported
+# one and prints one table. kvdrain is imported from the repo root, not installed.
+# PYTHONHASHSEED=0: vLLM iterates some sets, so fix their order. vLLM 0.33 and 0.34
+# pin torch 2.14, but their schedulers import and run on 2.13 (every vLLM install here
+# is --no-deps, its other requirements pinned in tests/parity/requirements.txt).
 VLLM ?= 0.32.0
-PARITY_VERSIONS := 0.32.0 0.33.0
+PARITY_VERSIONS := 0.32.0 0.33.0 0.34.0
 PARITY_VENV = .venv-parity-$(VLLM)
 PARITY_PY = $(PARITY_VENV)/bin/python
 PARITY_STAMP = $(PARITY_VENV)/.installed
-PARITY_REQS ?= ../shared/reference/vllm-parity-requirements.txt
+PARITY_REQS := tests/parity/requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
 .PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces vllm vllm-prefix e2e-vllm demo

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from engine.core.release import DEFAULT_RELEASE, VllmRelease
+
 LIVENESS_POLICIES = ("legacy", "poll", "event")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -151,6 +153,9 @@ class EngineConfig:
     # vLLM's SchedulerConfig.async_scheduling: schedule step N+1 before step N's output
     # is processed (engine/core/async_scheduler.py, engine/core/batch_queue.py).
     async_scheduling: bool = False
+    # The vLLM release whose behaviour the engine follows where releases differ
+    # (engine/core/release.py): "X.Y" or "X.Y.Z".
+    vllm_release: str = str(DEFAULT_RELEASE)
     eos_token_id: int | None = None
     runner: str = "mock"
     device: str = "auto"
@@ -186,6 +191,11 @@ class EngineConfig:
             "kv_load_failure_policy",
             f"must be one of {KV_LOAD_FAILURE_POLICIES}",
         )
+        _require(
+            _is_release(self.vllm_release),
+            "vllm_release",
+            f"must be X.Y or X.Y.Z, got {self.vllm_release!r}",
+        )
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         _require(
@@ -199,6 +209,14 @@ class EngineConfig:
                 "eos_token_id",
                 f"must be a token id below vocab_size={self.model.vocab_size}",
             )
+
+
+def _is_release(text: object) -> bool:
+    try:
+        VllmRelease.parse(text)
+    except (AttributeError, ValueError):
+        return False
+    return True
 
 
 def config_to_dict(config: object) -> dict:

@@ -7,6 +7,7 @@
 - invalid_blocks: what a failed KV load leaves a request;
 - scheduler: queues, token budget, preemption and the connector lifecycle;
 - async_scheduler: the same with step N+1 scheduled before step N's output (vLLM's AsyncScheduler);
+- release: which vLLM release the miniature follows, and what each release does;
 - batch_queue: the engine core's batch queue for async scheduling (step_with_batch_queue);
 - stop: stop conditions;
 - decode_run: runs of plain decode steps taken at once (the simulator's);

@@ -24,8 +24,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, StepOutputs
+from engine.core.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    RequestOutput,
+    SchedulerOutput,
+    StepOutputs,
+)
 from engine.core.scheduler import Scheduler
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling, no PP

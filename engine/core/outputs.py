@@ -11,6 +11,9 @@ _new_object = object.__new__  # an instance without __init__ (SchedulerOutput.em
 # every output (most steps add none to most of them; a set costs ~600 instructions to
 # make and free), so a consumer that tries to add to it fails instead of reaching others.
 NO_REQ_IDS: frozenset[str] = frozenset()
+# The id of a token sampled in a step still in flight (async scheduling), in a
+# SchedulerOutput's token_ids until the batch queue fills it in.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass(slots=True, kw_only=True)

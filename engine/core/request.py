@@ -70,7 +70,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list, kw_only=True)
     kv_transfer_params: dict | None = field(default=None, kw_only=True)
     num_preemptions: int = field(default=0, kw_only=True)
-    # Async scheduling only (engine/core/async_scheduler.py; vLLM's names): tokens the
+    # Async scheduling only (scheduler.py, "steps in flight"; vLLM's names): tokens the
     # model samples in steps not yet processed; tokens scheduled in such steps; of those,
     # the ones scheduled before a preemption (their output is stale); whether stale
     # output is dropped rather than delivered; the last step that scheduled it.

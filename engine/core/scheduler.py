@@ -1,7 +1,9 @@
 """The scheduler: queues, token budget, preemption and the connector lifecycle. Runs in: engine-core process.
 
 No prefill/decode phases: every step spends one token budget until each request's
-num_computed_tokens reaches num_tokens, so chunked prefill needs no special case.
+num_computed_tokens reaches num_tokens, so chunked prefill needs no special case. What
+async scheduling needs of a step in flight is kept here too, as in vLLM's Scheduler
+(the "steps in flight" section); AsyncScheduler adds only the placeholders.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_request_blocks
+from engine.core.block_pool import KVCacheBlock
 from engine.core.invalid_blocks import cut_back_to_valid_prefix
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_connector import KVConnectorBase
 from engine.core.outputs import (
+    PLACEHOLDER_TOKEN_ID,
     KVConnectorOutput,
     ModelRunnerOutput,
     RequestOutput,
@@ -22,6 +26,7 @@ from engine.core.outputs import (
     SchedulerStats,
     StepOutputs,
 )
+from engine.core.release import VllmRelease, caches_blocks_early
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
@@ -32,6 +37,9 @@ _NO_IDS: frozenset[str] = frozenset()
 # Statuses above it are finished. A plain name: on Python 3.11 each read of an Enum
 # class attribute goes through its metaclass's __getattr__ hook (~850 instructions).
 _PREEMPTED = RequestStatus.PREEMPTED
+_RUNNING = RequestStatus.RUNNING
+_CONSUMER_ROLES = ("kv_consumer", "kv_both")
+_PRODUCER_ROLES = ("kv_producer", "kv_both")
 
 
 class Scheduler:
@@ -68,9 +76,34 @@ class Scheduler:
         self.held_for_recv: set[str] = set()
         self.num_stale_kv_reports = 0
         self.num_kv_load_failures = 0
+        self.release = VllmRelease.parse(config.vllm_release)
+        self._init_steps_in_flight(config, connector)
         # Decode and sampled-token fast paths; tests turn them off to compare with the
-        # straightforward paths (tests/engine/core/test_scheduler_fast_paths.py). Not a configuration knob.
-        self.fast_path = True
+        # straightforward paths (tests/engine/core/test_scheduler_fast_paths.py). Not a
+        # configuration knob. They assume no step in flight.
+        self.fast_path = not self.multiple_inflight_batches
+
+    def _init_steps_in_flight(
+        self, config: EngineConfig, connector: KVConnectorBase | None
+    ) -> None:
+        """vLLM's Scheduler state for steps whose output is not processed yet (the
+        "steps in flight" section below)."""
+        # vLLM: vllm_config.max_concurrent_batches > 1, async scheduling here (no
+        # pipeline parallelism). With one batch in flight at most, every step's output is
+        # processed before the next schedule(), so nothing is in flight between calls and
+        # the in-flight counts are not kept.
+        self.multiple_inflight_batches = config.async_scheduling
+        role = config.kv_transfer.kv_role if config.kv_transfer is not None and connector else None
+        # A step in flight may still write a consumer's freed blocks while a load refills
+        # them: their free waits for that step's output (sched_step_seq fences).
+        self.defer_block_free = self.multiple_inflight_batches and role in _CONSUMER_ROLES
+        # vLLM's KVConnectorBase_V1.requires_kv_delivery (the producer role): a preempted
+        # request's output in flight is dropped, its hand-off needs the KV just freed.
+        self.requires_kv_delivery = role in _PRODUCER_ROLES
+        self.sched_step_seq = 0  # steps with tokens scheduled
+        self.processed_step_seq = 0  # of those, steps whose output was processed
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        self.caches_blocks_early = caches_blocks_early(self.release)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -183,13 +216,8 @@ class Scheduler:
         return params
 
     def _free_blocks(self, request: Request) -> None:
-        self._release_blocks(request)
+        self._free_request_blocks(request)
         del self.requests[request.req_id]
-
-    def _release_blocks(self, request: Request) -> None:
-        """Return a finished or preempted request's blocks to the pool (the async
-        scheduler may defer it while a step in flight can still write them)."""
-        self.kv_cache_manager.free(request)
 
     # ---- schedule ------------------------------------------------------------
 
@@ -213,6 +241,9 @@ class Scheduler:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.defer_block_free and out.total_num_scheduled_tokens > 0:
+            self.sched_step_seq += 1
+        self._update_after_schedule(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, req_index: int = 0) -> int:
@@ -220,11 +251,7 @@ class Scheduler:
         running, fast_path = self.running, self.fast_path
         while req_index < len(running) and budget > 0:
             request = running[req_index]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.config.max_model_len - 1 - request.num_computed_tokens,
-            )
+            num_new = self._num_new_tokens(request, budget)
             if num_new > 0:
                 new_blocks = self._allocate_or_preempt(request, num_new, out)
                 if new_blocks is None:
@@ -237,6 +264,22 @@ class Scheduler:
                 req_index += num_decodes
                 budget -= num_decodes
         return budget
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """A running request's tokens this step: those not computed yet, with the
+        placeholders of tokens sampled in steps in flight; none once those steps reach
+        max_tokens (vLLM: no extra step when the previous one is sure to finish it)."""
+        computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
+        if (
+            placeholders
+            and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+        ):
+            return 0
+        return min(
+            request.num_tokens + placeholders - computed,
+            budget,
+            self.config.max_model_len - 1 - computed,
+        )
 
     def _schedule_decodes(self, out: SchedulerOutput, req_index: int, budget: int) -> int:
         """The decode fast path: running[req_index:] while each needs exactly one token.
@@ -288,15 +331,25 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
             # Recompute preemption, FCFS: the last admitted request goes first.
-            victim = self.running.pop()
+            victim = self.running[-1]
+            if not self._request_blocks_can_be_freed(victim):
+                return None  # a deferred free would not help now
+            self.running.pop()
             self._preempt(victim, out)
             if victim is request:
                 return None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self._release_blocks(request)
+        self._free_request_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Its output in flight is stale: still delivered on return (unless a producer's
+        # hand-off needs it recomputed), but it must not move the counters just reset.
+        request.drop_stale_output = self.requires_kv_delivery or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0
+        )
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -342,8 +395,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _must_wait_for_output(self, request: Request) -> bool:
-        """A waiting request whose earlier output is still in flight (async only)."""
-        return False
+        """A preempted request whose stale output is still to be delivered: resuming
+        now could resample a position that output later fills."""
+        return bool(request.num_stale_output_tokens) and not request.drop_stale_output
 
     def _try_admit(self, request: Request, budget: int) -> int | None:
         """Tokens to schedule for a waiting request; -1 if it was skipped; None if no room."""
@@ -398,10 +452,13 @@ class Scheduler:
         is_new: bool,
     ) -> None:
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start : start + num_new]
+        if len(token_ids) < num_new:  # the positions of tokens sampled in steps in flight
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
         out.add(
             ScheduledRequest(
                 req_id=request.req_id,
-                token_ids=request.all_token_ids[start : start + num_new],
+                token_ids=token_ids,
                 num_computed_tokens=start,
                 new_block_ids=new_block_ids,
                 is_new=is_new,
@@ -412,11 +469,28 @@ class Scheduler:
         # Like vLLM's _update_after_schedule: computed as soon as it is scheduled.
         request.num_computed_tokens += num_new
 
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """vLLM's: the step's tokens are in flight until its output is processed.
+        (num_computed_tokens moved as each request was scheduled: the fast paths need it
+        there.)"""
+        if not self.multiple_inflight_batches:
+            return
+        requests, seq = self.requests, self.sched_step_seq
+        for req_id, num_new in zip(out.req_ids, out.num_scheduled_tokens):
+            request = requests[req_id]
+            request.num_in_flight_tokens += num_new
+            if self.defer_block_free:
+                request.last_sched_seq = seq
+
     # ---- update --------------------------------------------------------------
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> StepOutputs:
+        if self.defer_block_free and sched_out.total_num_scheduled_tokens > 0:
+            # Every write of this and earlier steps is done: deferred blocks may go back.
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
         outputs = StepOutputs()
         kv_out = runner_out.kv_connector_output  # None: no reports (no connector, say)
         if self.connector is not None:  # first: it may say the worker process is gone
@@ -456,15 +530,47 @@ class Scheduler:
         failed_ids: set[str],
         outputs: StepOutputs,
     ) -> bool:
-        """Each scheduled request's result, into `outputs`; True if one finished."""
-        for req_id in sched_out.req_ids:
+        """Each scheduled request's result, into `outputs` (vLLM's update loop); True if
+        a running one finished."""
+        any_finished = False
+        stopped_waiting: list[Request] = []
+        for req_id, num_new in zip(sched_out.req_ids, sched_out.num_scheduled_tokens):
             request = self.requests.get(req_id)
+            is_stale = request is not None and self._land_in_flight_tokens(request, num_new)
             if request is None or request.is_finished() or req_id in failed_ids:
                 continue  # aborted while the step ran, or its KV turned out bad
-            output = self._update_request(request, runner_out)
-            if output is not None:
-                outputs.append(output)
-        return any(r.is_finished() for r in self.running)
+            if is_stale and request.drop_stale_output:
+                continue  # its positions are computed again since the preemption
+            status_before = request.status
+            output = self._update_request(request, runner_out, is_stale)
+            if output is None:
+                continue
+            outputs.append(output)
+            if request.is_finished():
+                if status_before == _RUNNING:
+                    any_finished = True
+                else:  # stale output stopped a preempted request
+                    stopped_waiting.append(request)
+        for request in stopped_waiting:
+            self._remove_from_waiting(request)
+        return any_finished
+
+    def _land_in_flight_tokens(self, request: Request, num_new: int) -> bool:
+        """The step's tokens leave the in-flight count; True if they are stale (scheduled
+        before a preemption)."""
+        if not self.multiple_inflight_batches:
+            return False
+        request.num_in_flight_tokens -= num_new
+        if request.num_stale_output_tokens > 0:
+            request.num_stale_output_tokens -= num_new
+            return True
+        return False
+
+    def _remove_from_waiting(self, request: Request) -> None:
+        if request in self.skipped_waiting:
+            self.skipped_waiting.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def _update_sampled(
         self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, int], outputs: StepOutputs
@@ -528,9 +634,10 @@ class Scheduler:
 
     def _stop_request(self, request: Request, token: int) -> RequestOutput:
         """The output of a request that just sampled `token` and may have to stop."""
-        params = None
-        if check_stop(request, self.config.max_model_len):
-            params = self._free_request(request)
+        return self._token_output(request, token, check_stop(request, self.config.max_model_len))
+
+    def _token_output(self, request: Request, token: int, stopped: bool) -> RequestOutput:
+        params = self._free_request(request) if stopped else None
         return RequestOutput(
             request.req_id,
             [token],
@@ -540,7 +647,7 @@ class Scheduler:
         )
 
     def _update_request(
-        self, request: Request, runner_out: ModelRunnerOutput
+        self, request: Request, runner_out: ModelRunnerOutput, is_stale: bool
     ) -> RequestOutput | None:
         error = runner_out.failed.get(request.req_id)
         if error is not None:
@@ -550,14 +657,68 @@ class Scheduler:
         token = runner_out.sampled_token_ids.get(request.req_id)
         if token is None:
             return None  # a prefill chunk that did not reach the end
+        status_before = request.status
+        has_placeholders = request.num_output_placeholders > 0
+        stopped = self._update_request_with_output(request, token, is_stale)
+        if (
+            self.caches_blocks_early
+            and has_placeholders
+            and not is_stale
+            and status_before == _RUNNING
+        ):  # before a stop frees them
+            self.kv_cache_manager.cache_blocks(
+                request, request.num_computed_tokens - request.num_in_flight_tokens
+            )
+        return self._token_output(request, token, stopped)
+
+    def _update_request_with_output(self, request: Request, token: int, is_stale: bool) -> bool:
+        """Append a sampled token; True if the request stops. A token that was a
+        placeholder is one no more (stale output predates the preemption's reset)."""
         request.append_output_token_ids(token)
-        return self._stop_request(request, token)
+        stopped = check_stop(request, self.config.max_model_len)
+        if not is_stale and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= 1
+        return stopped
 
     def _fail_requests(self, req_ids: list[str], why: str) -> list[RequestOutput]:
         outputs = self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
         for output in outputs:
             output.error = why
         return outputs
+
+    # ---- steps in flight (async scheduling) ----------------------------------------
+    # Step N+1 is scheduled before step N's output is processed (engine/core/batch_queue.py).
+    # A decode scheduled while its previous token is in flight computes a placeholder
+    # (AsyncScheduler counts them, num_output_placeholders); its token id is
+    # PLACEHOLDER_TOKEN_ID until the batch queue fills it from the step in flight, as
+    # vLLM's model runner does. num_in_flight_tokens counts the tokens of unprocessed
+    # steps; a preemption makes them stale (num_stale_output_tokens): still delivered
+    # unless drop_stale_output, and a request with deliverable stale output is not
+    # resumed until it lands. A consumer (D) defers the free of a request scheduled in
+    # an unprocessed step until that step's output is processed, and does not preempt
+    # such a request to make room.
+
+    def _request_blocks_can_be_freed(self, request: Request) -> bool:
+        return not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq
+
+    def _free_request_blocks(self, request: Request) -> None:
+        """Return a finished or preempted request's blocks to the pool, or set them aside
+        while a step in flight may still write them."""
+        if self._request_blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def _drain_deferred_frees(self) -> None:
+        pool = self.kv_cache_manager.block_pool
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            pool.free_blocks(blocks[::-1])  # tail first: tail blocks are evicted first
+
+    def has_deferred_frees(self) -> bool:
+        return bool(self.deferred_frees)
 
     # ---- KV transfer: remote loads, delayed frees, reports ----------------------
     # Reports come from the connector's agent through the runner output. Each finished

@@ -3,7 +3,8 @@
 Runs in: any Python (it imports neither vLLM nor kvdrain); each version runs in its own
 venv, from the repo root:
 
-    python -m tests.parity.all --venv 0.32.0=.venv-parity-0.32.0 --venv 0.33.0=.venv-parity-0.33.0 --seeds 10
+    python -m tests.parity.all --venv 0.32.0=.venv-parity-0.32.0 \
+        --venv 0.34.0=.venv-parity-0.34.0 --seeds 10
 
 Every other argument goes to tests.parity.run unchanged; --check-causes is added, so
 each version also confirms that every known cause still shows when switched off.

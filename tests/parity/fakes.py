@@ -52,7 +52,8 @@ class KVReports:
 
 
 class FakeKVWorker:
-    """Plays the connector's worker side: reports each transfer after a seeded delay.
+    """Plays the connector's worker side: reports each transfer after a seeded delay
+    (a send's leg fault sets its own: the lease, or D's quick refusal).
 
     A load may lose one block (reported in invalid_block_ids with its finished_recving,
     as NIXL does). Reports come out sorted: vLLM iterates finished_sending as a set
@@ -64,6 +65,8 @@ class FakeKVWorker:
         self.seed = workload.seed
         self.max_delay = workload.max_report_delay
         self.load_failure_prob = workload.load_failure_prob
+        self.leg_faults = workload.leg_faults
+        self.lease_ticks = workload.lease_ticks
         self.pending: dict[tuple[str, str], tuple[int, list[int]]] = {}
 
     def register(self, now: int, sends: list[str], recvs: dict[str, list[int]]) -> None:
@@ -87,4 +90,8 @@ class FakeKVWorker:
         return out
 
     def _delay(self, kind: str, req_id: str) -> int:
-        return _rng(self.seed, "delay", kind, req_id).randint(0, self.max_delay)
+        fault = self.leg_faults.get(req_id) if kind == "send" else None
+        if fault == "dropped":  # never read: P's worker reaps it when its lease runs out
+            return self.lease_ticks
+        max_delay = 2 if fault == "rejected" else self.max_delay  # D's worker notifies P
+        return _rng(self.seed, "delay", kind, req_id).randint(0, max_delay)

@@ -8,6 +8,7 @@ under async scheduling); the fakes play its model runner and its connector's age
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice
 
 from connector.pd import PDConnector
@@ -41,6 +42,7 @@ def build_engine_config(config: SchedConfig) -> EngineConfig:
         scheduler_reserve_full_isl=config.reserve_full_isl,
         kv_load_failure_policy=config.kv_load_failure_policy,
         async_scheduling=config.async_scheduling,
+        vllm_release=config.vllm_release,
     )
 
 
@@ -70,11 +72,14 @@ class EvictionCounter:
 
 
 class FakeRunner:
-    """The model runner: one token per chunk that reaches the end, from the fake model."""
+    """The model runner: one token per chunk that reaches the end, from the fake model.
+    Aborts that arrive while it runs a request's last prefill chunk go to `abort`."""
 
-    def __init__(self, model: FakeModel) -> None:
+    def __init__(self, model: FakeModel, aborts_in_last_prefill: frozenset[str]) -> None:
         self.model = model
+        self.aborts_in_last_prefill = aborts_in_last_prefill
         self.scheduler: Scheduler | None = None
+        self.abort: Callable[[str], None] | None = None
         self.last: SchedulerOutput | None = None  # the batch it ran last
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -92,6 +97,9 @@ class FakeRunner:
                 sampled[sched_req.req_id] = self.model.token(
                     sched_req.req_id, position, request.stop_token_ids
                 )
+        for req_id in sampled.keys() & self.aborts_in_last_prefill:
+            if not self.scheduler.requests[req_id].output_token_ids:
+                self.abort(req_id)  # arrived during the forward (vllm_side.py's rule)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
@@ -101,10 +109,17 @@ class FakeAgent(KVConnectorAgentBase):
     def __init__(self, worker: FakeKVWorker) -> None:
         self.worker = worker
         self.now = 0
+        self.released: tuple[str, ...] = ()  # by the last metadata
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None:
             return
+        self.released = tuple(
+            sorted(
+                [r for r, spec in metadata.reqs_to_recv.items() if not spec.local_block_ids]
+                + [spec.req_id for spec in metadata.reqs_to_release]
+            )
+        )
         recvs = {
             req_id: list(spec.local_block_ids)
             for req_id, spec in metadata.reqs_to_recv.items()
@@ -124,15 +139,26 @@ class FakeAgent(KVConnectorAgentBase):
 class Coverage:
     """Counts the in-flight cases a run reached (kvdrain's side; the sides agree on them):
     a preemption or an abort while the request's output is in flight, a free deferred
-    for a step in flight, and the connector reports consumed (delayed frees, loads)."""
+    for a step in flight, the connector reports consumed (delayed frees, loads), and the
+    faults: sends freed after a dropped or refused D leg, aborts during a last prefill
+    step, legs D refused before admission."""
 
-    NAMES = ("preempted_in_flight", "aborted_in_flight", "deferred_frees", "kv_reports")
+    NAMES = (
+        "preempted_in_flight",
+        "aborted_in_flight",
+        "deferred_frees",
+        "kv_reports",
+        "dropped_legs",
+        "refused_legs",
+        "aborted_in_last_prefill",
+        "refused_at_d",
+    )
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, leg_faults: dict[str, str]) -> None:
         self.counts = dict.fromkeys(self.NAMES, 0)
-        preempt, release = scheduler._preempt, scheduler._release_blocks
+        preempt, release = scheduler._preempt, scheduler._free_request_blocks
         on_reports = scheduler._update_from_kv_xfer_finished
-        can_free = getattr(scheduler, "_blocks_can_be_freed", lambda request: True)
+        can_free = scheduler._request_blocks_can_be_freed
 
         def counting_preempt(request, out):
             self.counts["preempted_in_flight"] += request.num_in_flight_tokens > 0
@@ -144,27 +170,38 @@ class Coverage:
 
         def counting_reports(kv_out):
             self.counts["kv_reports"] += len(kv_out.finished_sending) + len(kv_out.finished_recving)
+            for req_id in kv_out.finished_sending:
+                fault = leg_faults.get(req_id)
+                if fault is not None:
+                    self.counts["dropped_legs" if fault == "dropped" else "refused_legs"] += 1
             on_reports(kv_out)
 
         scheduler._preempt = counting_preempt
-        scheduler._release_blocks = counting_release
+        scheduler._free_request_blocks = counting_release
         scheduler._update_from_kv_xfer_finished = counting_reports
 
 
 class KvdrainSide:
     name = "kvdrain"
 
-    def __init__(self, config: SchedConfig, model: FakeModel, worker: FakeKVWorker) -> None:
+    def __init__(
+        self,
+        config: SchedConfig,
+        model: FakeModel,
+        worker: FakeKVWorker,
+        aborts_in_last_prefill: frozenset[str] = frozenset(),
+    ) -> None:
         self.config = config
         engine_config = build_engine_config(config)
         connector = PDConnector(engine_config) if config.role is not None else None
-        self.runner = FakeRunner(model)
+        self.runner = FakeRunner(model, aborts_in_last_prefill)
         self.agent = FakeAgent(worker) if config.role is not None else None
         self.core = EngineCore(engine_config, self.runner, connector, self.agent)
         self.scheduler = self.core.scheduler
         self.runner.scheduler = self.scheduler
+        self.runner.abort = self._abort_in_step
         self.evictions = EvictionCounter(self.scheduler.block_pool)
-        self.coverage = Coverage(self.scheduler)
+        self.coverage = Coverage(self.scheduler, worker.leg_faults)
 
     def add(self, spec: RequestSpec) -> None:
         request = Request(
@@ -184,18 +221,31 @@ class KvdrainSide:
             self.coverage.counts["aborted_in_flight"] += request.num_in_flight_tokens > 0
         self.core.abort_requests([req_id])
 
+    def _abort_in_step(self, req_id: str) -> None:
+        self.coverage.counts["aborted_in_last_prefill"] += 1
+        self.core.abort_requests([req_id])
+
+    def reject(self, spec: RequestSpec) -> None:
+        """D refuses the request before admission (an error output; its params' send on P
+        is released)."""
+        self.coverage.counts["refused_at_d"] += 1
+        params = spec.kv_transfer_params(self.config.block_size)
+        self.scheduler.reject_request(spec.req_id, params, "refused before admission")
+
     def step(self, now: int) -> Snapshot:
         """EngineCore.step: nothing when has_work() is false (the loop would block)."""
-        if not self.core.has_work():
-            return self.snapshot(Snapshot())
         if self.agent is not None:
             self.agent.now = now
+            self.agent.released = ()
+        if not self.core.has_work():
+            return self.snapshot(Snapshot())
         self.runner.last = None
         result = self.core.step()
         sched_out = self.runner.last  # None: this step only processed a batch in flight
         snap = Snapshot(stepped=True)
         if sched_out is not None:
             snap.num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
+            snap.new_req_ids = tuple(sorted(sched_out.new_req_ids))
         snap.outputs = sorted(
             (StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason) for o in result.outputs),
             key=lambda o: o.req_id,
@@ -219,6 +269,7 @@ class KvdrainSide:
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
         snap.in_flight = len(self.core.batch_queue or ())
+        snap.released = self.agent.released if self.agent is not None else ()
         snap.block_tables = {
             req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id))
             for req_id in sorted(sched.requests)

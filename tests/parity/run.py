@@ -4,12 +4,14 @@ Runs in: a parity venv (`make parity VLLM=0.32.0`), from the repo root:
 
     PYTHONHASHSEED=0 .venv-parity-0.32.0/bin/python -m tests.parity.run --seeds 10 --workload all
 
-Each tick applies the workload's arrivals and aborts to both sides, steps each (a side
-whose engine has no work does not step, as its engine loop would block), and compares
-the two snapshots; with --scheduling both (the default) every workload runs with the
-synchronous scheduler and again with async scheduling. A run that agrees to its end
-also reports the requests still held then (finished, blocks not freed: the pre-#43433
-leak under legacy). Exit status: 0 no difference, 1 a difference, 2 bad usage.
+Each tick applies the workload's arrivals, aborts and refusals (D refuses a request
+before admission) to both sides, steps each (a side whose engine has no work does not
+step, as its engine loop would block), and compares the two snapshots; with
+--scheduling both (the default) every workload runs with the synchronous scheduler and
+again with async scheduling. kvdrain follows the release it is compared against. A
+run that agrees to its end also reports the requests still held then (finished,
+blocks not freed: the pre-#43433 leak under legacy). Exit status: 0 no difference, 1
+a difference, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 from tests.parity.fakes import FakeKVWorker, FakeModel
 from tests.parity.kvdrain_side import Coverage, KvdrainSide
-from tests.parity.spec import Abort, Arrival, Snapshot, Workload
+from tests.parity.spec import Abort, Arrival, Reject, Snapshot, Workload
 from tests.parity.switches import CAUSES, VllmSwitches
 from tests.parity.vllm_side import VllmSide
 from tests.parity.workloads import WORKLOADS
@@ -54,8 +56,9 @@ class Divergence:
 
 def make_sides(workload: Workload, switches: VllmSwitches) -> tuple[VllmSide, KvdrainSide]:
     """Each side gets its own fake model and worker: same seed, same answers."""
-    vllm = VllmSide(workload.config, FakeModel(workload), FakeKVWorker(workload), switches)
-    kvdrain = KvdrainSide(workload.config, FakeModel(workload), FakeKVWorker(workload))
+    aborts = workload.aborts_in_last_prefill
+    vllm = VllmSide(workload.config, FakeModel(workload), FakeKVWorker(workload), switches, aborts)
+    kvdrain = KvdrainSide(workload.config, FakeModel(workload), FakeKVWorker(workload), aborts)
     return vllm, kvdrain
 
 
@@ -68,6 +71,8 @@ def apply_events(sides: tuple, events: list, tick: int) -> None:
                 side.add(event.spec)
             elif isinstance(event, Abort):
                 side.abort(event.req_id)
+            elif isinstance(event, Reject):
+                side.reject(event.spec)
 
 
 def run_one(
@@ -124,9 +129,12 @@ def run_workload(
     coverage = dict.fromkeys(Coverage.NAMES, 0)
     for seed in seeds:
         workload = WORKLOADS[name](seed)
-        workload = replace(
-            workload, config=replace(workload.config, async_scheduling=scheduling == "async")
+        config = replace(
+            workload.config,
+            async_scheduling=scheduling == "async",
+            vllm_release=args.kvdrain_release or vllm_version(),
         )
+        workload = replace(workload, config=config)
         if args.steps is not None:
             workload = replace(workload, num_ticks=args.steps)
         ran, divergence, last, reached = run_one(workload, switches, frozenset(args.ignore))
@@ -235,6 +243,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="vLLM side, async: a producer delivers stale output (shows requires_kv_delivery)",
     )
     parser.add_argument(
+        "--abort-after-output",
+        action="store_true",
+        help="vLLM side: an abort during a step is taken after its output (before #29987)",
+    )
+    parser.add_argument(
+        "--no-rejection-notice",
+        action="store_true",
+        help="vLLM side: D's refusal before admission never reaches its engine (before #41269)",
+    )
+    parser.add_argument(
+        "--kvdrain-release",
+        default=None,
+        help="kvdrain follows this vLLM release (default: the installed vLLM's), to see "
+        "which of engine/core/release.py's facts the workloads can tell apart",
+    )
+    parser.add_argument(
         "--check-causes",
         action="store_true",
         help="then turn each known cause off on the vLLM side (switches.CAUSES), "
@@ -269,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         length_before_stop=args.length_before_stop,
         no_defer_block_free=args.no_defer_block_free,
         deliver_stale_on_producer=args.deliver_stale_on_producer,
+        abort_after_output=args.abort_after_output,
+        no_rejection_notice=args.no_rejection_notice,
     )
 
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]

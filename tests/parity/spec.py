@@ -6,6 +6,7 @@ Runs in: the parity venv only (imports neither vLLM nor kvdrain).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 VOCAB_SIZE = 512  # kvdrain's default model vocabulary; tokens stay below it
 
@@ -27,6 +28,9 @@ class SchedConfig:
     # vLLM's AsyncScheduler and the engine core's batch queue (step_with_batch_queue),
     # against kvdrain's (engine/core/async_scheduler.py, engine/core/batch_queue.py).
     async_scheduling: bool = False
+    # The release kvdrain follows (engine/core/release.py); the harness sets it to the
+    # vLLM it compares against.
+    vllm_release: str = "0.34"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,7 @@ class RequestSpec:
             "remote_host": "localhost",  # vLLM's NIXL needs host, port and tp_size
             "remote_port": 5600,
             "tp_size": 1,
-            "remote_addr": "",  # kvdrain's name for the host
+            "remote_addr": "tcp://localhost:5600",  # kvdrain's host and port
         }
 
 
@@ -68,17 +72,38 @@ class Abort:
     req_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """D refuses the request before admission (vLLM: notify_kv_transfer_request_rejected,
+    a request aborted as it is added; kvdrain: Scheduler.reject_request): what its params
+    hold on P must be released."""
+
+    tick: int
+    spec: RequestSpec
+
+
+LegFault = Literal["dropped", "rejected"]
+
+
 @dataclass(slots=True)
 class Workload:
     name: str
     seed: int
     config: SchedConfig
-    events: list[Arrival | Abort]
+    events: list[Arrival | Abort | Reject]
     eos_prob: float = 0.0  # chance that a sampled token is EOS
     stop_prob: float = 0.0  # chance that a sampled token is one of the request's stop ids
     max_report_delay: int = 0  # ticks before the fake connector worker reports a transfer
     load_failure_prob: float = 0.0  # chance that a remote load loses one block
     num_ticks: int = 200
+    # P side: sends whose D leg never reads them ("dropped": P's worker frees them when
+    # their lease runs out, lease_ticks after the send) or was refused by D ("rejected":
+    # D's worker tells P to free them at once).
+    leg_faults: dict[str, LegFault] = field(default_factory=dict)
+    lease_ticks: int = 40
+    # Requests aborted while the step carrying their last prefill chunk runs: handled
+    # before that step's output is processed (vLLM's _process_aborts_queue).
+    aborts_in_last_prefill: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +121,10 @@ class Snapshot:
 
     stepped: bool = False
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    # Scheduled requests sent to the runner in full: first scheduled, or resumed after a
+    # preemption (vLLM 0.34's scheduled_new_reqs; 0.32 and 0.33 send a resumed one as a
+    # cached request named in resumed_req_ids).
+    new_req_ids: tuple[str, ...] = ()
     outputs: list[StepOutput] = field(default_factory=list)
     free: int = 0
     used: int = 0
@@ -109,6 +138,10 @@ class Snapshot:
     has_requests: bool = False
     in_flight: int = 0  # batches scheduled, output not yet processed (async only)
     has_unfinished_requests: bool = False
+    # Remote sends the step's connector metadata asks P to free without a read (vLLM
+    # NIXL's receives that only notify P: a request finished or refused before its load,
+    # or a full local prefix hit).
+    released: tuple[str, ...] = ()
     block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def diff(self, other: Snapshot) -> list[str]:

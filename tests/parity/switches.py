@@ -32,6 +32,12 @@ class VllmSwitches:
     # Async scheduling: a producer delivers a preempted request's stale output (vLLM:
     # requires_kv_delivery drops it, sched/scheduler.py _preempt_request).
     deliver_stale_on_producer: bool = False
+    # An abort that arrives during a step is handled after its output, as before vLLM
+    # #29987 (engine/core.py _process_aborts_queue, 0.13.0).
+    abort_after_output: bool = False
+    # D's refusal before admission does not reach the engine, as before vLLM #41269
+    # (AsyncLLM.notify_kv_transfer_request_rejected, 0.21.0).
+    no_rejection_notice: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,16 @@ CAUSES = (
         VllmSwitches(deliver_stale_on_producer=True),
         ("p_pressure",),
         ("async",),
+    ),
+    Cause(
+        "an abort during the last prefill step is taken before its output",
+        VllmSwitches(abort_after_output=True),
+        ("p_faults",),
+    ),
+    Cause(
+        "D's refusal before admission tells P to free the send",
+        VllmSwitches(no_rejection_notice=True),
+        ("d_faults",),
     ),
 )
 

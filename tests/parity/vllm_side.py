@@ -174,11 +174,16 @@ class VllmSide:
         model: FakeModel,
         worker: FakeKVWorker,
         switches: VllmSwitches = VllmSwitches(),
+        aborts_in_last_prefill: frozenset[str] = frozenset(),
     ) -> None:
         init_none_hash(sha256)
         self.config = config
         self.model = model
         self.worker = worker
+        self.aborts_in_last_prefill = aborts_in_last_prefill
+        self.switches = switches
+        self.aborts_after_output: list[str] = []  # switches.abort_after_output
+        self.released: tuple[str, ...] = ()  # by the metadata of the batch just scheduled
         self.scheduler = build_scheduler(config, switches)
         apply(self.scheduler, switches)
         if config.legacy:
@@ -204,6 +209,17 @@ class VllmSide:
     def abort(self, req_id: str) -> None:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
+    def reject(self, spec: RequestSpec) -> None:
+        """AsyncLLM.notify_kv_transfer_request_rejected: a one-token request carrying the
+        params, which EngineCore.add_request aborts as it adds it (abort_immediately)."""
+        if self.switches.no_rejection_notice:
+            return
+        params = SamplingParams(max_tokens=1)
+        request = Request(spec.req_id, [0], params, None, block_hasher=self.block_hasher)
+        request.kv_transfer_params = spec.kv_transfer_params(self.config.block_size)
+        self.scheduler.add_request(request)
+        self.abort(spec.req_id)
+
     def has_work(self) -> bool:
         """EngineCore.has_work: requests, or a batch in flight."""
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -211,13 +227,18 @@ class VllmSide:
     def step(self, now: int) -> Snapshot:
         """EngineCore.step (or step_with_batch_queue): nothing when has_work() is false
         (the loop would block on its input)."""
+        self.released = ()
         if not self.has_work():
             return self.snapshot(Snapshot())
         if self.config.async_scheduling:
             return self._step_with_batch_queue(now)
         sched_out = self._schedule(now)
         runner_out = self._run_model(sched_out, now)
-        snap = Snapshot(stepped=True, num_scheduled=dict(sched_out.num_scheduled_tokens))
+        snap = Snapshot(
+            stepped=True,
+            num_scheduled=dict(sched_out.num_scheduled_tokens),
+            new_req_ids=_new_req_ids(sched_out),
+        )
         return self.snapshot(self._update(snap, sched_out, runner_out))
 
     def _step_with_batch_queue(self, now: int) -> Snapshot:
@@ -228,6 +249,7 @@ class VllmSide:
             sched_out = self._schedule(now)
             queue.appendleft((sched_out, self._run_model(sched_out, now)))
             snap.num_scheduled = dict(sched_out.num_scheduled_tokens)
+            snap.new_req_ids = _new_req_ids(sched_out)
             model_executed = sched_out.total_num_scheduled_tokens > 0
             if len(queue) < BATCH_QUEUE_SIZE and (model_executed or self.scheduler.has_requests()):
                 return self.snapshot(snap)
@@ -242,6 +264,9 @@ class VllmSide:
 
     def _update(self, snap: Snapshot, sched_out, runner_out) -> Snapshot:
         engine_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        for req_id in self.aborts_after_output:
+            self.abort(req_id)
+        self.aborts_after_output.clear()
         for eco in engine_outputs.values():
             snap.outputs.extend(
                 StepOutput(
@@ -257,6 +282,13 @@ class VllmSide:
     def _register_transfers(self, now: int, meta) -> None:
         if meta is None:
             return
+        self.released = tuple(
+            sorted(
+                req_id
+                for req_id, m in meta.reqs_to_recv.items()
+                if not (m.awaiting_kvs or any(m.local_block_ids))
+            )
+        )
         sends = sorted(meta.reqs_to_send)
         # Only loads the scheduler parked in WAITING_FOR_REMOTE_KVS are reported back;
         # a notify-only receive (an aborted request's empty read) is not (awaiting_kvs).
@@ -277,11 +309,7 @@ class VllmSide:
             position = request.num_computed_tokens - request.num_prompt_tokens
             token = self.model.token(req_id, position, self.stop_ids[req_id])
             sampled.append([] if request.is_prefill_chunk else [token])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **_index_field(req_ids))
         reports = self.worker.reports(now)
         if self.config.role is not None:
             out.kv_connector_output = KVConnectorOutput(
@@ -289,7 +317,20 @@ class VllmSide:
                 finished_recving=SortedSet(reports.finished_recving) or None,
                 invalid_block_ids=set(reports.invalid_block_ids),
             )
+        self._abort_in_last_prefill(req_ids, sampled)
         return out
+
+    def _abort_in_last_prefill(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Aborts that arrive while the forward runs the request's last prefill chunk
+        (it samples its first token): EngineCore handles them before the step's output
+        (_process_aborts_queue)."""
+        for req_id, tokens in zip(req_ids, sampled):
+            request = self.scheduler.requests[req_id]
+            if req_id in self.aborts_in_last_prefill and tokens and not request.output_token_ids:
+                if self.switches.abort_after_output:
+                    self.aborts_after_output.append(req_id)
+                else:
+                    self.abort(req_id)
 
     def snapshot(self, snap: Snapshot) -> Snapshot:
         sched = self.scheduler
@@ -309,11 +350,26 @@ class VllmSide:
         snap.has_requests = sched.has_requests()
         snap.has_unfinished_requests = sched.has_unfinished_requests()
         snap.in_flight = len(self.batch_queue)
+        snap.released = self.released
         snap.block_tables = {
             req_id: tuple(sched.kv_cache_manager.get_block_ids(req_id)[0])
             for req_id in sorted(sched.requests)
         }
         return snap
+
+
+def _new_req_ids(sched_out) -> tuple[str, ...]:
+    new = {req.req_id for req in sched_out.scheduled_new_reqs}
+    resumed = getattr(sched_out.scheduled_cached_reqs, "resumed_req_ids", ())  # before 0.34
+    return tuple(sorted(new.union(resumed)))
+
+
+def _index_field(req_ids: list[str]) -> dict:
+    """0.32 and 0.33 also take the outputs' order as a dict (req_id_to_index); 0.34
+    reads it from req_ids alone."""
+    if "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__:
+        return {}
+    return {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}}
 
 
 def _iter_free(pool: BlockPool):

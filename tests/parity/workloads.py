@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from tests.parity.spec import Abort, Arrival, RequestSpec, SchedConfig, Workload
+from tests.parity.spec import Abort, Arrival, LegFault, Reject, RequestSpec, SchedConfig, Workload
 
 STOP_TOKEN_IDS = (7, 11)
 EOS_TOKEN_ID = 2
@@ -302,6 +302,71 @@ def pressure_no_reserve(seed: int) -> Workload:
     return replace(workload, name="pressure_no_reserve", config=config)
 
 
+def p_faults(seed: int) -> Workload:
+    """Prefill side under a P/D deployment's faults: a D leg that never reads the send
+    (dropped: P's worker frees it when the lease runs out), a D that refuses the leg (its
+    worker tells P to free the send), and an abort while the step carrying the request's
+    last prefill chunk runs (taken before that step's output: freed at once, never
+    held). Long prompts prefill in chunks, so that step is often not the first."""
+    rng = random.Random(seed)
+    config = SchedConfig(
+        num_blocks=48,
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        role="P",
+        eos_token_id=EOS_TOKEN_ID,
+    )
+    prefixes = _prefixes(rng, 2, config.block_size)
+    arrivals = _p_requests(rng, 26, 80, prefixes)
+    leg_faults: dict[str, LegFault] = {}
+    aborts_in_last_prefill = set()
+    for arrival in arrivals:
+        req_id, roll = arrival.spec.req_id, rng.random()
+        if arrival.spec.remote != "decode":
+            continue
+        if roll < 0.2:
+            leg_faults[req_id] = "dropped"
+        elif roll < 0.35:
+            leg_faults[req_id] = "rejected"
+        elif roll < 0.6:
+            aborts_in_last_prefill.add(req_id)
+    return Workload(
+        "p_faults",
+        seed,
+        config,
+        _sorted(list(arrivals)),
+        eos_prob=0.1,
+        max_report_delay=8,
+        num_ticks=300,
+        leg_faults=leg_faults,
+        lease_ticks=40,
+        aborts_in_last_prefill=frozenset(aborts_in_last_prefill),
+    )
+
+
+def d_faults(seed: int) -> Workload:
+    """Decode side with legs D refuses before admission (a bad request, say): D steps to
+    tell P to free each one's send while its other loads go on."""
+    rng = random.Random(seed)
+    config = SchedConfig(num_blocks=64, max_num_batched_tokens=128, max_num_seqs=4, role="D")
+    prefixes = _prefixes(rng, 2, config.block_size)
+    events: list = []
+    for arrival in _d_requests(rng, 24, 50, prefixes):
+        refused = arrival.spec.remote == "prefill" and rng.random() < 0.3
+        events.append(Reject(arrival.tick, arrival.spec) if refused else arrival)
+        if rng.random() < 0.15:
+            events.append(Abort(arrival.tick + rng.randint(0, 4), arrival.spec.req_id))
+    return Workload(
+        "d_faults",
+        seed,
+        config,
+        _sorted(events),
+        max_report_delay=6,
+        load_failure_prob=0.1,
+        num_ticks=300,
+    )
+
+
 def legacy_p(seed: int) -> Workload:
     """Pre-#43433 vLLM (has_finished_requests patched back) against kvdrain's legacy."""
     return p_side(seed, legacy=True)
@@ -324,6 +389,8 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "p_pressure": p_pressure,
     "d_decode_pressure": d_decode_pressure,
     "pressure_no_reserve": pressure_no_reserve,
+    "p_faults": p_faults,
+    "d_faults": d_faults,
     "legacy_p": legacy_p,
     "legacy_d": legacy_d,
 }

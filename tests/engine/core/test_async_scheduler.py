@@ -8,10 +8,10 @@ import pytest
 
 from connector.pd import PDConnector
 from engine.config import KVTransferConfig
-from engine.core.async_scheduler import PLACEHOLDER_TOKEN_ID, AsyncScheduler
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.engine_core import EngineCore
 from engine.core.liveness import LoopAction, next_action
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.runner.mock_runner import MockModelRunner
 from tests.fake_kv_agent import FakeKVAgent
 from tests.utils import make_config
@@ -202,3 +202,55 @@ def test_engine_has_work_while_a_batch_is_in_flight_without_requests():
         core.step()
     # The last step had no request to schedule, only a batch to process.
     assert seen[-1] == (False, 1) and not core.batch_queue
+
+
+def test_the_async_scheduler_overrides_only_what_vllms_overrides():
+    """vLLM 0.32's AsyncScheduler: _update_after_schedule (placeholders) and
+    _update_request_with_output; the rest of what a step in flight needs is Scheduler's."""
+    overrides = {name for name in vars(AsyncScheduler) if not name.startswith("__")}
+    assert overrides == {"_update_after_schedule", "_update_request_with_output"}
+
+
+def pool_state(core: EngineCore) -> tuple:
+    """Every block's hash and references, and the free queue's order."""
+    pool = core.scheduler.block_pool
+    blocks = [(b.block_id, b.block_hash, b.ref_cnt) for b in pool.blocks]
+    return blocks, [b.block_id for b in pool.free_block_queue]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("role", [None, "kv_consumer", "kv_producer"])
+def test_early_caching_caches_what_vllm_0_32_cached_at_every_step(seed, role):
+    """0.33+ caches a landed token's blocks in update_from_output up to num_computed_tokens
+    - num_in_flight_tokens, 0.32 in the AsyncScheduler up to num_computed_tokens -
+    num_output_placeholders. With one token sampled per step the two are the same prefix:
+    same pool, block for block, every step (a small pool: preemptions, evictions)."""
+    cores = [
+        make_core(True, role=role, num_blocks=14, vllm_release=release)
+        for release in ("0.32", "0.34")
+    ]
+    assert [c.scheduler.caches_blocks_early for c in cores] == [False, True]
+    arrivals = random_arrivals(seed)
+    for step in range(400):
+        for core in cores:
+            for req_id, prompt, max_tokens in arrivals.get(step, ()):
+                params = {"do_remote_decode": True} if role == "kv_producer" else None
+                core.add_request(req_id, prompt, max_tokens, params)
+            if core.has_work():
+                core.step()
+        assert pool_state(cores[0]) == pool_state(cores[1]), step
+    assert not any(core.has_work() for core in cores)
+
+
+def test_a_block_the_sampled_token_fills_is_cached_once_its_kv_lands():
+    """The first sampled token's KV is written by the next step (the decode): its block
+    is cached when that step's output is processed, under either release."""
+    for release in ("0.32", "0.34"):
+        core = make_core(True, vllm_release=release)
+        core.add_request("r", list(range(7)), 10)  # blocks of 4: the 8th token fills block 1
+        pool, cached = core.scheduler.block_pool, []
+        for _ in range(3):  # the prefill in flight; its output; the first decode's output
+            core.step()
+            table = core.scheduler.kv_cache_manager.get_block_ids("r")
+            cached.append(pool.blocks[table[1]].block_hash is not None)
+        assert cached == [False, False, True]

@@ -1,0 +1,70 @@
+"""The vLLM releases the miniature follows: parsing, order, and what each release does."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.release import (
+    DEFAULT_RELEASE,
+    FACTS,
+    VllmRelease,
+    caches_blocks_early,
+    counts_async_kv_waiting,
+)
+from tests.utils import make_scheduler
+
+
+def test_a_release_parses_with_or_without_its_patch_number():
+    assert VllmRelease.parse("0.33") == VllmRelease.parse("0.33.0") == VllmRelease(0, 33, 0)
+    assert VllmRelease.parse(" 0.11.2 ") == VllmRelease(0, 11, 2)
+    assert str(VllmRelease.parse("0.34")) == "0.34.0"
+
+
+@pytest.mark.parametrize("text", ["", "0", "0.33.0.1", "v0.33", "0.33rc1", "0..3"])
+def test_anything_but_a_release_number_is_refused(text):
+    with pytest.raises(ValueError, match="X.Y or X.Y.Z"):
+        VllmRelease.parse(text)
+
+
+def test_releases_order_as_vllm_numbers_them():
+    names = ["0.9.1", "0.11.2", "0.13", "0.21.0", "0.22", "0.32.0", "0.33", "0.34.0"]
+    releases = [VllmRelease.parse(name) for name in names]
+    assert sorted(reversed(releases)) == releases
+    assert VllmRelease.parse("0.9.1") < VllmRelease.parse("0.10")
+
+
+def test_the_default_is_the_newest_release_modelled():
+    assert DEFAULT_RELEASE == VllmRelease(0, 34)
+    assert EngineConfig().vllm_release == "0.34.0"
+    assert all(fact.first <= DEFAULT_RELEASE for fact in FACTS)
+
+
+@pytest.mark.parametrize(
+    "release,early,async_kv_waiting",
+    [("0.32.0", False, False), ("0.33.0", True, False), ("0.34.0", True, True)],
+)
+def test_what_each_release_of_the_parity_suite_does(release, early, async_kv_waiting):
+    parsed = VllmRelease.parse(release)
+    assert caches_blocks_early(parsed) is early
+    assert counts_async_kv_waiting(parsed) is async_kv_waiting
+
+
+def test_every_fact_cites_the_vllm_file_and_function_it_mirrors():
+    for fact in FACTS:
+        assert re.fullmatch(r"vllm/[\w/]+\.py \w+\.\w+", fact.mirrors), fact.mirrors
+        assert fact.last is None or fact.first <= fact.last
+
+
+def test_the_engine_config_refuses_a_release_it_cannot_read():
+    with pytest.raises(ValueError, match="vllm_release"):
+        EngineConfig(vllm_release="latest")
+
+
+def test_the_scheduler_follows_the_release_in_its_config():
+    for release, early in (("0.32", False), ("0.33.0", True)):
+        scheduler = make_scheduler(async_scheduling=True, vllm_release=release)
+        assert scheduler.release == VllmRelease.parse(release)
+        assert scheduler.caches_blocks_early is early
