@@ -12,10 +12,20 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_RELEASE",
     "FACTS",
+    "KV_LEASE_S",
     "ReleaseFact",
     "VllmRelease",
+    "aborts_before_output",
     "caches_blocks_early",
     "counts_async_kv_waiting",
+    "decoder_ttl_s",
+    "fallback_timer_s",
+    "has_kv_lease",
+    "lease_extension_s",
+    "notifies_rejection",
+    "reaper_scans_all",
+    "reports_d_prefix_hit",
+    "steps_while_delayed_frees",
 ]
 
 
@@ -70,7 +80,86 @@ ASYNC_KV_WAITING_COUNTED = ReleaseFact(
     mirrors="vllm/v1/core/sched/scheduler.py Scheduler.get_request_counts",
 )
 
-FACTS: tuple[ReleaseFact, ...] = (EARLY_BLOCK_CACHING, ASYNC_KV_WAITING_COUNTED)
+# The KV lifecycle of P/D with the NIXL connector, release by release: one module up to
+# 0.21, a package of them in 0.32.
+NIXL_0_21 = "vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py"
+NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
+IDLE_STEPS_FOR_DELAYED_FREES = ReleaseFact(
+    what="an engine with only delayed frees pending keeps stepping (#43433): with a connector, "
+    "requests in none of the queues count as finished work, and a step that ran no model "
+    "sleeps 1 ms and steps again; before, an idle P blocked on its input with the blocks held",
+    first=VllmRelease(0, 22),
+    mirrors="vllm/v1/core/sched/scheduler.py Scheduler.has_finished_requests",
+)
+FALLBACK_TIMER_120 = ReleaseFact(
+    what="P frees an unread request's blocks VLLM_NIXL_ABORT_REQUEST_TIMEOUT (120 s) after it "
+    "finished, checked only inside get_finished(), that is when P steps",
+    first=VllmRelease(0, 10),
+    last=VllmRelease(0, 11, 1),
+    mirrors=f"{NIXL_0_21} NixlConnectorWorker.get_finished",
+)
+FALLBACK_TIMER_480 = ReleaseFact(
+    what="the same fallback timer at 480 s; the variable is gone from 0.22.0 (the lease)",
+    first=VllmRelease(0, 11, 2),
+    last=VllmRelease(0, 21),
+    mirrors=f"{NIXL_0_21} NixlConnectorWorker.get_finished",
+)
+KV_LEASE = ReleaseFact(
+    what="P holds an unread request's blocks for a lease (kv_lease_duration, 30 s); D's "
+    "heartbeats, sent from D's forward loop every lease/6 while it waits, extend it to now + "
+    "2/3 of the lease; P reaps expired leases only when it steps",
+    first=VllmRelease(0, 22),
+    mirrors=f"{NIXL}/base_worker.py NixlBaseConnectorWorker._handle_heartbeat",
+)
+DECODER_TTL = ReleaseFact(
+    what="with bidirectional_kv_xfer, D delays its frees too, for decoder_kv_blocks_ttl (480 s), "
+    "not renewed by heartbeats",
+    first=VllmRelease(0, 22),
+    mirrors=f"{NIXL}/pull_scheduler.py NixlPullConnectorScheduler.request_finished",
+)
+ABORTS_BEFORE_OUTPUT = ReleaseFact(
+    what="aborts are taken right before update_from_output (#29987); before, an abort during "
+    "P's last prefill step let the connector take the request as finished, its blocks "
+    "pinned until the fallback timer",
+    first=VllmRelease(0, 13),
+    mirrors="vllm/v1/engine/core.py EngineCore._process_aborts_queue",
+)
+REJECTION_NOTIFIES_P = ReleaseFact(
+    what="D's rejection before admission notifies P, which frees at once (#41269, "
+    "notify_kv_transfer_request_rejected); an idle 0.21 P never steps to read it",
+    first=VllmRelease(0, 21),
+    mirrors="vllm/v1/engine/async_llm.py AsyncLLM.notify_kv_transfer_request_rejected",
+)
+REAPER_SCANS_ALL = ReleaseFact(
+    what="the lease reaper scans every entry; before, it stopped at the first unexpired one, so "
+    "a heartbeated request (or a 480 s bidirectional entry) stranded expired ones behind it "
+    "(#50789, #58222)",
+    first=VllmRelease(0, 31),
+    mirrors=f"{NIXL}/base_worker.py NixlBaseConnectorWorker._reap_expired_send_leases",
+)
+D_PREFIX_HIT_REPORTED = ReleaseFact(
+    what="D reports a full prefix-cache hit on a remote-prefill request; before, the request "
+    "parked in skipped_waiting for the life of the process (#56640); not modelled",
+    first=VllmRelease(0, 30),
+    mirrors="vllm/v1/core/sched/scheduler.py Scheduler._update_waiting_for_remote_kv",
+)
+
+FACTS: tuple[ReleaseFact, ...] = (
+    EARLY_BLOCK_CACHING,
+    ASYNC_KV_WAITING_COUNTED,
+    IDLE_STEPS_FOR_DELAYED_FREES,
+    FALLBACK_TIMER_120,
+    FALLBACK_TIMER_480,
+    KV_LEASE,
+    DECODER_TTL,
+    ABORTS_BEFORE_OUTPUT,
+    REJECTION_NOTIFIES_P,
+    REAPER_SCANS_ALL,
+    D_PREFIX_HIT_REPORTED,
+)
+KV_LEASE_S = 30.0  # kv_lease_duration's default
+LEASE_EXTENSION = 2 / 3  # a heartbeat extends the lease to now + this share of it
+DECODER_TTL_S = 480.0
 
 
 def caches_blocks_early(release: VllmRelease) -> bool:
@@ -79,3 +168,43 @@ def caches_blocks_early(release: VllmRelease) -> bool:
 
 def counts_async_kv_waiting(release: VllmRelease) -> bool:
     return ASYNC_KV_WAITING_COUNTED.holds_in(release)
+
+
+def steps_while_delayed_frees(release: VllmRelease) -> bool:
+    return IDLE_STEPS_FOR_DELAYED_FREES.holds_in(release)
+
+
+def fallback_timer_s(release: VllmRelease) -> float | None:
+    """P's fallback free of an unread request, read only when P steps; None: a lease."""
+    if FALLBACK_TIMER_480.holds_in(release):
+        return 480.0
+    return 120.0 if FALLBACK_TIMER_120.holds_in(release) else None
+
+
+def has_kv_lease(release: VllmRelease) -> bool:
+    return KV_LEASE.holds_in(release)
+
+
+def lease_extension_s(lease_s: float) -> float:
+    """How far one heartbeat extends a lease of lease_s: to now + 2/3 of it."""
+    return lease_s * LEASE_EXTENSION
+
+
+def decoder_ttl_s(release: VllmRelease) -> float | None:
+    return DECODER_TTL_S if DECODER_TTL.holds_in(release) else None
+
+
+def aborts_before_output(release: VllmRelease) -> bool:
+    return ABORTS_BEFORE_OUTPUT.holds_in(release)
+
+
+def notifies_rejection(release: VllmRelease) -> bool:
+    return REJECTION_NOTIFIES_P.holds_in(release)
+
+
+def reaper_scans_all(release: VllmRelease) -> bool:
+    return REAPER_SCANS_ALL.holds_in(release)
+
+
+def reports_d_prefix_hit(release: VllmRelease) -> bool:
+    return D_PREFIX_HIT_REPORTED.holds_in(release)

@@ -10,9 +10,18 @@ from engine.config import EngineConfig
 from engine.core.release import (
     DEFAULT_RELEASE,
     FACTS,
+    KV_LEASE_S,
     VllmRelease,
+    aborts_before_output,
     caches_blocks_early,
     counts_async_kv_waiting,
+    decoder_ttl_s,
+    fallback_timer_s,
+    has_kv_lease,
+    lease_extension_s,
+    notifies_rejection,
+    reaper_scans_all,
+    steps_while_delayed_frees,
 )
 from tests.utils import make_scheduler
 
@@ -68,3 +77,37 @@ def test_the_scheduler_follows_the_release_in_its_config():
         scheduler = make_scheduler(async_scheduling=True, vllm_release=release)
         assert scheduler.release == VllmRelease.parse(release)
         assert scheduler.caches_blocks_early is early
+
+
+@pytest.mark.parametrize(
+    "release, steps, timer, lease, aborts_first, notifies, scans_all",
+    [
+        ("0.11.2", False, 480.0, False, False, False, False),
+        ("0.12.0", False, 480.0, False, False, False, False),
+        ("0.13.0", False, 480.0, False, True, False, False),
+        ("0.20.2", False, 480.0, False, True, False, False),
+        ("0.21.0", False, 480.0, False, True, True, False),
+        ("0.22.0", True, None, True, True, True, False),
+        ("0.30.0", True, None, True, True, True, False),
+        ("0.31.0", True, None, True, True, True, True),
+        ("0.34.0", True, None, True, True, True, True),
+    ],
+)
+def test_the_kv_lifecycle_each_release_keeps(
+    release, steps, timer, lease, aborts_first, notifies, scans_all
+):
+    """vllm-kv-bugs' contracts by release: the idle loop (#43433), the 480 s timer read on
+    steps, the lease, aborts before the output (#29987), D's rejection told to P (#41269),
+    the reaper that scans every lease (#50789)."""
+    r = VllmRelease.parse(release)
+    assert steps_while_delayed_frees(r) is steps
+    assert fallback_timer_s(r) == timer
+    assert has_kv_lease(r) is lease and (decoder_ttl_s(r) == 480.0) is lease
+    assert aborts_before_output(r) is aborts_first
+    assert notifies_rejection(r) is notifies
+    assert reaper_scans_all(r) is scans_all
+
+
+def test_before_the_480_s_timer_it_was_120_s_and_a_heartbeat_extends_by_two_thirds():
+    assert fallback_timer_s(VllmRelease.parse("0.10.1")) == 120.0
+    assert lease_extension_s(KV_LEASE_S) == pytest.approx(20.0)
