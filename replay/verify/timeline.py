@@ -69,6 +69,17 @@ class RequestRecord:
     # known (a serve's or an HTTP server's routing). replay/verify/windows.py
     # derives how long it was in flight on each.
     stages: list[list] = field(default_factory=list)
+    # A fault the trace gave it (replay/trace/records.py): "drop_decode", "reject_decode",
+    # or an abort by the phase it landed in ("abort_prefill", "abort_transfer",
+    # "abort_decode"); None: none.
+    fault: str | None = None
+    # P/D: when P answered (its blocks held for D from then), and when D read them (None:
+    # never, as far as the client or the engines said); the contract verdicts judge P's
+    # blocks by them (replay/verify/).
+    prefill_done_t: float | None = None
+    read_t: float | None = None
+    # D's leg succeeded after P had freed what D read (a lease that ran out first).
+    freed_before_read: bool = False
 
     def enter(self, engine: str, t: float) -> None:
         """The router gave the request to `engine` at t (ignored once it ended for the client)."""
