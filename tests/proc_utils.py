@@ -50,11 +50,11 @@ def _cmdline(pid: int) -> bytes | None:
         return None
 
 
-def wait_until(predicate, timeout_s: float, what: str):
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.05)  # polling an outside condition (/proc), not syncing with our own code
+        time.sleep(every_s)  # polling an outside condition (/proc), not syncing with our code
     raise TimeoutError(f"{what} not within {timeout_s} s")

@@ -24,6 +24,7 @@ from engine.proc.lifetime import descendants
 from engine.proc.run_dir import is_alive, process_start_time
 from replay.runtime.starvation import read_machine
 from tests.paths import ROOT
+from tests.proc_utils import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -83,13 +84,7 @@ class Tree:
 
 
 def until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)  # polling /proc, an outside condition
-    raise TimeoutError(f"{what} not within {timeout_s} s")
+    return wait_until(predicate, timeout_s, what, every_s=0.005)  # a child caught at once
 
 
 def engine_pids(tree: Tree, proc: subprocess.Popen) -> list[int]:
