@@ -189,6 +189,23 @@ def test_replay_rooms_import_only_rooms_below_them():
     assert not upward, "replay rooms importing upward:\n" + "\n".join(upward)
 
 
+# Who may import the terminal libraries: the command line (options and verbs), the live
+# view and the printed summary; below them, replay is plain data and functions.
+TERMINAL_LIBRARIES = ("click", "rich")
+TERMINAL_MODULES = ("cli", "replay.commands", "replay.ui", "replay.verify.report")
+
+
+def test_only_the_command_line_and_the_views_import_click_or_rich():
+    importers = sorted(
+        f"{m} imports {name}"
+        for m in MODULES
+        for name in imported_names(m)
+        if name.partition(".")[0] in TERMINAL_LIBRARIES
+        and not any(m == t or m.startswith(t + ".") for t in TERMINAL_MODULES)
+    )
+    assert not importers, "\n".join(importers)
+
+
 def test_replay_is_subpackages_with_few_flat_modules():
     flat = sorted(p.name for p in (ROOT / "replay").glob("*.py") if p.name != "__init__.py")
     assert len(flat) <= MAX_FLAT_REPLAY_MODULES, f"flat modules in replay/: {flat}"

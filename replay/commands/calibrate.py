@@ -19,10 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import click
+
 from engine.config import EngineConfig, get_model_config
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.utils import cdiv
+from replay.commands.groups import require_torch
 from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
 
 LOOP_DECODE_TOKENS = 200  # the real process's decode, for its loop overhead
@@ -288,8 +291,22 @@ def format_profile(profile: CostProfile) -> list[str]:
     return lines
 
 
-def calibrate_main(options: CalibrateOptions, output: Path, echo: Callable[[str], None]) -> int:
-    """`kvdrain calibrate`: measure, write the profile to `output`, print it."""
+def calibrate_main(
+    runner: str, model: str, device: str, reps: int, loop_overhead: bool, output: Path
+) -> int:
+    """`kvdrain calibrate`: the exit status."""
+    require_torch(runner)
+    try:
+        options = CalibrateOptions(
+            runner=runner, model=model, device=device, num_reps=reps, loop_overhead=loop_overhead
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return write_calibration(options, output, click.echo)
+
+
+def write_calibration(options: CalibrateOptions, output: Path, echo: Callable[[str], None]) -> int:
+    """Measure, write the profile to `output`, print it."""
     profile = calibrate(options, echo)
     profile.save(output)
     for line in format_profile(profile):

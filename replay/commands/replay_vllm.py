@@ -1,4 +1,4 @@
-"""`replay --engine vllm`: launch real vLLM, replay the trace over HTTP through it, tear it down. Runs in: frontend process.
+"""`replay --engine vllm`: launch vLLM, replay through it, tear it down. Runs in: frontend process.
 
 In order: the venv is checked and the trace validated (exit 2, before anything starts);
 the instances and the proxy start at once (replay/vllm/launch.py) while each
@@ -26,7 +26,8 @@ from pathlib import Path
 from rich.markup import escape
 
 from engine.proc.run_dir import run_root
-from replay.commands.replay import Display, OutputFiles, replay_main
+from replay.commands.replay_options import Display, OutputFiles
+from replay.commands.replay_run import replay_and_report
 from replay.pipeline import ReplayConfig, trace_limits
 from replay.runtime.interrupt import SIGNALS, Interrupted, interruptible
 from replay.runtime.startup import StartupStarved
@@ -189,7 +190,7 @@ def _launch_and_replay(
         connector="NixlConnector" if any(s.kv_role for s in deployment.specs) else None,
     )
     started = time.monotonic()
-    code = replay_main(
+    code = replay_and_report(
         replace(config, target=deployment.target_url, http=http), outputs, display, console
     )
     replay_s = time.monotonic() - started

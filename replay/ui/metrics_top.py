@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from rich.markup import escape
 
 from replay.metrics.scrape import MetricsSource, Scraper
 from replay.ui.dashboard import DashboardState
@@ -98,54 +97,3 @@ async def watch_metrics(
             if view.quit_requested:
                 return
             await asyncio.sleep(max(interval_s - (time.monotonic() - started), 0.0))
-
-
-def metrics_top_main(
-    args: list[str],
-    seconds: float | None,
-    interval_s: float,
-    console,
-    options: VerifyOptions = VerifyOptions(),
-) -> int:
-    """`kvdrain top --metrics [NAME=]URL ...`: the exit status (replay/verify/verdict.py's)."""
-    from replay.ui.tui import LiveView
-    from replay.verify.verdict import EXIT_OK, EXIT_USAGE
-
-    try:
-        sources = [MetricsSource.parse(arg) for arg in args]
-    except ValueError as e:
-        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-        return EXIT_USAGE
-    state = DashboardState(title=top_title(sources))
-    watch = MetricsWatch(sources, state, options)
-    view = LiveView(state, console)
-    try:
-        with view:
-            asyncio.run(watch_metrics(watch, view, seconds, interval_s))
-    except KeyboardInterrupt:  # Ctrl-C is how top is left
-        pass
-    for line in watch.failures():  # a server's error text: never markup
-        console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    # A URL that never gave a reading is a wrong or unreachable target (exit 2, as replay's
-    # pre-flight and top --connect say it), not an engine fault.
-    return EXIT_USAGE if watch.failures() else EXIT_OK
-
-
-def metrics_url(address: str) -> str:
-    """A server's /metrics URL from its address (a path given is kept)."""
-    scheme, _, rest = address.partition("://")
-    return address if "/" in rest.rstrip("/") else f"{scheme}://{rest.rstrip('/')}/metrics"
-
-
-def connect_problem(address: str | None, metrics: tuple[str, ...] | list[str]) -> str | None:
-    """What is wrong with top's --connect / --metrics pair, or None."""
-    if address is not None and metrics:
-        return "give --connect (a kvdrain serve) or --metrics (any server's metrics), not both"
-    if address is None and not metrics:
-        return "say what to watch: --connect ADDRESS (a kvdrain serve) or --metrics URL"
-    if address is not None and address.split("://")[0] in ("http", "https"):
-        return (
-            f"--connect takes a kvdrain serve's ZMQ address (tcp://HOST:PORT or ipc://PATH), "
-            f"not {address!r}; to watch a server's Prometheus metrics: --metrics {metrics_url(address)}"
-        )
-    return None

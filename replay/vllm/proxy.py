@@ -505,24 +505,3 @@ async def run_proxy(options: ProxyOptions, say=print) -> int:
         await proxy.stop()
         for sig in EXIT_SIGNALS:
             loop.remove_signal_handler(sig)
-
-
-def proxy_main(options: ProxyOptions) -> int:
-    """`kvdrain proxy`: the exit status (130 on SIGINT, 143 on SIGTERM, 2 if it cannot listen)."""
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-
-    for warning in check_listen(options):
-        print(warning, file=sys.stderr, flush=True)
-    try:
-        return asyncio.run(run_proxy(options, say))
-    except OSError as e:
-        print(
-            f"kvdrain proxy: cannot listen on {options.host}:{options.port}: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
-    except KeyboardInterrupt:
-        return 130

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import replay.commands.replay as commands
+import replay.commands.replay_run as commands
 from tests.e2e.test_cli import EXAMPLE, Serve, invoke
 
 VIRTUAL = ["--clock", "virtual", "--no-live"]

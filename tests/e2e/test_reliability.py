@@ -239,13 +239,13 @@ def _serve_without_engines(monkeypatch, *args: str):
     """`kvdrain serve ARGS`, failing the test if it gets as far as starting engines."""
     from click.testing import CliRunner
 
-    import replay.commands.replay
+    import replay.commands.serve
     from cli import cli
 
     def no_engines(*a, **k):
         raise AssertionError("the engines were started before the check")
 
-    monkeypatch.setattr(replay.commands.replay, "start_topology", no_engines)
+    monkeypatch.setattr(replay.commands.serve, "start_topology", no_engines)
     return CliRunner().invoke(
         cli, ["serve", "--runner", "mock", "--no-live", *args], catch_exceptions=False
     )

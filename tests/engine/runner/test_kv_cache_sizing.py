@@ -97,10 +97,10 @@ def _options(**given) -> dict:
 def test_cli_sizes_from_memory_unless_num_blocks_is_given(
     given: dict, blocks: int, util: float | None
 ) -> None:
-    import cli
+    from replay.commands.groups import CPU_NUM_BLOCKS, gpu_share
 
     options = _options(**given)
-    assert (options["num_blocks"] or cli.CPU_NUM_BLOCKS, cli.gpu_share(**options)) == (blocks, util)
+    assert (options["num_blocks"] or CPU_NUM_BLOCKS, gpu_share(**options)) == (blocks, util)
 
 
 def test_a_profile_sets_num_blocks_and_turns_sizing_off() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replay.commands import calibrate as calibrate_module
-from replay.commands.calibrate import CalibrateOptions, calibrate_main
+from replay.commands.calibrate import CalibrateOptions, write_calibration
 from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape
 
 
@@ -32,7 +32,7 @@ def run_main(monkeypatch, tmp_path: Path, measured_s: float, reps: int) -> list[
     )
     lines: list[str] = []
     assert (
-        calibrate_main(
+        write_calibration(
             CalibrateOptions(runner="mock", num_reps=reps), tmp_path / "p.json", lines.append
         )
         == 0
