@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_to_dict
 from replay.deploy.placement import RouterPolicy
+from replay.runtime.clocks import CLOCKS, Clock
 from replay.runtime.interrupt import Interrupted
 from replay.sim.cost import CostProfile
 from replay.sim.options import SimOptions
@@ -52,7 +53,6 @@ if TYPE_CHECKING:  # imported where used: a wall replay's engines start before t
     from replay.sim.simulation import ProgressCallback
     from replay.wall.driver import ReplayTarget, WallClockReplay, WallOptions
 
-CLOCKS = ("wall", "virtual")  # wall: real processes (replay/wall/), virtual: replay/sim/
 # A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
 MODELLING, CONNECTING, STARTING, RUNNING = (
     "modelling idle windows",
@@ -84,7 +84,7 @@ class ReplayConfig:
     trace: Path
     fmt: str | None = None
     skip_bad_lines: bool = False
-    clock: str = "wall"
+    clock: Clock = "wall"
     topology: str = "pd"
     router: RouterPolicy = (
         "round-robin"  # which P and D take each request (replay/deploy/placement.py)
