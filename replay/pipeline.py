@@ -33,6 +33,7 @@ from replay.sim.options import SimOptions
 from replay.trace.inspect import no_request_left
 from replay.trace.reader import (
     TraceError,
+    TraceHeader,
     TraceLimits,
     TraceRecord,
     TraceSnapshot,
@@ -252,12 +253,30 @@ def _may_have_cuda() -> bool:
     return os.environ.get("CUDA_VISIBLE_DEVICES") != "" and os.path.exists("/dev/nvidiactl")
 
 
-def prepare_replay(config: ReplayConfig) -> PreparedReplay:
+def prepare_replay(
+    config: ReplayConfig, adopt: Callable[[TraceHeader], ReplayConfig] | None = None
+) -> PreparedReplay:
     """The trace checked against the engines' limits (TraceError if bad: nothing started),
     then a local wall-clock replay's engines launched, left starting while the caller
-    draws its view and the run models the idle windows. The caller closes it."""
+    draws its view and the run models the idle windows. The caller closes it.
+
+    adopt: the config a recording's header makes of this one (replay/serve/recorder.py),
+    taken in the checking pass before its first request is checked."""
     watch_trace(config.trace)  # every later pass reads these bytes (replay/trace/source.py)
-    summary = validate_trace(config.trace, config.fmt, config.skip_bad_lines, trace_limits(config))
+    adopted = [config]
+
+    def on_header(header: TraceHeader) -> TraceLimits:
+        adopted[0] = adopt(header)
+        return trace_limits(adopted[0])
+
+    summary = validate_trace(
+        config.trace,
+        config.fmt,
+        config.skip_bad_lines,
+        trace_limits(config),
+        on_header if adopt is not None else None,
+    )
+    config = adopted[0]
     why = no_request_left(
         config.trace, config.fmt, config.shaping, summary.num_requests, config.skip_bad_lines
     )

@@ -2,12 +2,14 @@
 
 A --target or --engine vllm runs engines kvdrain does not size, so engine options set on
 the command line are refused there; a recording by `kvdrain serve` gives the engine
-config its header holds where no option set it; a profile sizes the rest.
+config its header holds where no option set it (the run's checking pass reads the header,
+replay/pipeline.py); a profile sizes the rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import click
@@ -18,6 +20,7 @@ from replay.commands.groups import REPLAY_ENGINE, Engines, require_torch
 from replay.commands.replay_options import VLLM_TARGET, ReplayOptions, Target
 from replay.commands.replay_run import replay_and_report
 from replay.pipeline import ReplayConfig
+from replay.trace.records import TraceHeader
 from replay.vllm.options import VllmOptions
 
 
@@ -25,7 +28,8 @@ def replay_main(options: ReplayOptions, console) -> int:
     """`kvdrain replay`: the exit status (replay/verify/verdict.py's table)."""
     config, vllm = replay_config(options)
     if vllm is None:
-        return replay_and_report(config, options.outputs, options.display, console)
+        adopt = None if config.target is not None else partial(_recorded_config, options)
+        return replay_and_report(config, options.outputs, options.display, console, adopt)
     from replay.commands.replay_vllm import vllm_replay_main
 
     return vllm_replay_main(
@@ -39,9 +43,17 @@ def replay_main(options: ReplayOptions, console) -> int:
     )
 
 
-def replay_config(options: ReplayOptions) -> tuple[ReplayConfig, VllmOptions | None]:
+def _recorded_config(options: ReplayOptions, header: TraceHeader) -> ReplayConfig:
+    return replay_config(options, header)[0]
+
+
+def replay_config(
+    options: ReplayOptions, header: TraceHeader | None = None
+) -> tuple[ReplayConfig, VllmOptions | None]:
     """The replay the options ask for, and what --engine vllm launches (None: kvdrain's
-    own engines); a click.UsageError for options that do not go together."""
+    own engines); a click.UsageError for options that do not go together. A local
+    replay's trace header (the run's checking pass reads it) may hold a recording's
+    engine config."""
     o, given = options, options.given
     target, engines = o.target, o.engines
     vllm = o.engine_choice.options(engines.topology, engines.config.start_limit_s)
@@ -57,10 +69,8 @@ def replay_config(options: ReplayOptions) -> tuple[ReplayConfig, VllmOptions | N
         engines.check_preset("; a served model's name goes with --target http:// only")
     recorded: set[str] = set()
     is_serve_recording = False
-    if target.address is None:
-        engines, recorded, is_serve_recording = adopt_recording(
-            o.trace, o.trace_input.fmt, engines, given
-        )
+    if target.address is None and header is not None:
+        engines, recorded, is_serve_recording = adopt_recording(header, engines, given)
     engine = apply_profile(
         engines.config,
         o.sizing.profile_name or (DEFAULT_VIRTUAL_PROFILE if o.clock == "virtual" else None),
@@ -143,21 +153,13 @@ def _flag(param: str) -> str:
 
 
 def adopt_recording(
-    trace: Path, fmt: str | None, engines: Engines, given: frozenset[str]
+    header: TraceHeader, engines: Engines, given: frozenset[str]
 ) -> tuple[Engines, set[str], bool]:
     """A recording's engine config (its header: replay/serve/recorder.py) where none was
     given on the command line; the names adopted; whether `serve --record` wrote it. A
     conflicting explicit option: usage error."""
     from replay.serve.recorder import SETTLED_KEY, adopt_recorded
-    from replay.trace.reader import TraceError, read_trace
-    from replay.trace.records import TraceHeader
 
-    try:  # a pipe is copied at this first open; the replay reads the copy (replay/trace/source.py)
-        first = next(iter(read_trace(trace, fmt)), None)
-    except (TraceError, OSError, ValueError):
-        return engines, set(), False  # the replay reports it
-    if not isinstance(first, TraceHeader):
-        return engines, set(), False
     config = engines.config
     current = {
         "num_blocks": config.num_blocks,
@@ -167,7 +169,7 @@ def adopt_recording(
         "max_model_len": config.max_model_len,
     }
     try:
-        adopted = adopt_recorded(first.metadata, current, {k for k in current if k in given})
+        adopted = adopt_recorded(header.metadata, current, {k for k in current if k in given})
         sizes = {k: v for k, v in adopted.items() if k != "topology"}
         if "num_blocks" in sizes:  # the recorded pool, not one sized from GPU memory
             sizes["gpu_memory_utilization"] = None
@@ -178,7 +180,7 @@ def adopt_recording(
         )
     except (ValueError, TypeError) as e:
         raise click.UsageError(str(e)) from None
-    return engines, set(adopted), SETTLED_KEY in first.metadata
+    return engines, set(adopted), SETTLED_KEY in header.metadata
 
 
 def apply_profile(engine: EngineConfig, name: str | None, keep: set[str]) -> EngineConfig:

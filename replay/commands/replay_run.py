@@ -8,6 +8,8 @@ where they are used, not here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.proc.client import EngineDeadError
 from replay.commands.replay_options import Display, OutputFiles
 from replay.commands.terminal import NoView, print_error
@@ -15,6 +17,7 @@ from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, prepare_
 from replay.runtime.interrupt import Interrupted, interruptible, stopping_line
 from replay.runtime.startup import StartupStarved
 from replay.trace.reader import TraceError, TraceSummary
+from replay.trace.records import TraceHeader
 from replay.verify.verdict import (
     EXIT_FAULT,
     EXIT_INCONCLUSIVE,
@@ -25,11 +28,18 @@ from replay.verify.verdict import (
 )
 
 
-def replay_and_report(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
+def replay_and_report(
+    config: ReplayConfig,
+    outputs: OutputFiles,
+    display: Display,
+    console,
+    adopt: Callable[[TraceHeader], ReplayConfig] | None = None,
+) -> int:
     """Ctrl-C, SIGTERM and the live view's `q` stop the replay alike: "stopping" at once,
     the engines shut down, the run dir goes, one verdict line for the part that ran and
     the outputs written (the report even when nothing was sent), and the exit status is
-    130 or 143. An output that cannot be written is exit 2: before the run if it is known then."""
+    130 or 143. An output that cannot be written is exit 2: before the run if it is known
+    then. adopt: what a recording's header makes of the config (replay/pipeline.py)."""
     try:
         outputs.check()
     except ValueError as e:
@@ -41,7 +51,7 @@ def replay_and_report(config: ReplayConfig, outputs: OutputFiles, display: Displ
 
     with interruptible(on_stop):
         try:
-            return _replay_main(config, outputs, display, console)
+            return _replay_main(config, outputs, display, console, adopt)
         except Interrupted as e:  # while the trace was checked or the engines spawned
             return _stopped_before_prepared(e, config, outputs, console)
         except KeyboardInterrupt:  # raised outside the handler's reach (not the main thread)
@@ -76,9 +86,15 @@ def _stopped_before_prepared(
     return e.exit_code
 
 
-def _replay_main(config: ReplayConfig, outputs: OutputFiles, display: Display, console) -> int:
+def _replay_main(
+    config: ReplayConfig,
+    outputs: OutputFiles,
+    display: Display,
+    console,
+    adopt: Callable[[TraceHeader], ReplayConfig] | None,
+) -> int:
     try:
-        prepared = prepare_replay(config)  # a local wall replay's engines start meanwhile
+        prepared = prepare_replay(config, adopt)  # a local wall replay's engines start meanwhile
     except TraceError as e:
         print_error(console, e)
         return EXIT_USAGE

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -344,10 +344,12 @@ def validate_trace(
     fmt: str | None = None,
     skip_bad_lines: bool = False,
     limits: TraceLimits | None = None,
+    on_header: Callable[[TraceHeader], TraceLimits | None] | None = None,
 ) -> TraceSummary:
     """Read a whole trace once, streaming, and summarise it; a bad line raises TraceError.
 
-    With `limits`, every request is also checked against the engines' limits (see above).
+    With `limits`, every request is also checked against the engines' limits (see above);
+    `on_header` hears a header before any request is read, and its limits check the rest.
     """
     scan = _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits)
     counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0}
@@ -355,6 +357,8 @@ def validate_trace(
     for record in scan.records():
         if isinstance(record, TraceHeader):
             header = record
+            if on_header is not None:
+                scan.limits = on_header(record)
             continue
         counts[type(record)] += 1
         first_t, last_t = record.t if first_t is None else first_t, record.t

@@ -1,0 +1,79 @@
+"""`kvdrain replay`'s options to one ReplayConfig: a recording's header, read by the run's own pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+import replay.pipeline
+import replay.trace.reader
+from cli import cli
+
+HEADER = {
+    "kvdrain_trace": 1,
+    "recorded_by": "kvdrain serve",
+    "topology": "pd",
+    "liveness": "event",
+    "block_size": 16,
+    "num_blocks": 512,
+    "max_model_len": 4096,
+}
+
+
+def _recording(tmp_path: Path, header: dict) -> Path:
+    lines = [
+        header,
+        {"t": 0.0, "id": "r1", "prompt_len": 64, "max_tokens": 4},
+        {"t": 5.0, "id": "r2", "prompt_len": 64, "max_tokens": 4},
+    ]
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _replay(*args: str):
+    return CliRunner().invoke(cli, ["replay", *args, "--clock", "virtual", "--no-live"])
+
+
+def test_the_trace_is_opened_only_by_the_runs_passes_after_it_watches_it(tmp_path, monkeypatch):
+    """A recording's header is read by the replay's checking pass, not by an open of its
+    own before the run watches the file (a pipe copied, a file fingerprinted)."""
+    events: list[str] = []
+    open_trace, watch_trace = replay.trace.reader.open_trace, replay.pipeline.watch_trace
+
+    def opened(path):
+        events.append("open")
+        return open_trace(path)
+
+    def watched(path):
+        events.append("watch")
+        return watch_trace(path)
+
+    monkeypatch.setattr(replay.trace.reader, "open_trace", opened)
+    monkeypatch.setattr(replay.pipeline, "watch_trace", watched)
+    report = tmp_path / "report.json"
+    result = _replay(str(_recording(tmp_path, HEADER)), "--report", str(report))
+    assert result.exit_code == 0, result.output
+    assert events[0] == "watch" and events.count("watch") == 1, events
+    assert json.loads(report.read_text())["settings"]["engine"]["num_blocks"] == 512
+
+
+def test_a_recordings_max_model_len_checks_its_requests(tmp_path):
+    """The header's max_model_len is adopted before the first request is checked: a
+    prompt the recorded engines took is not refused by the default limit."""
+    header = HEADER | {"max_model_len": 8192}
+    path = tmp_path / "long.jsonl"
+    lines = [header, {"t": 0.0, "id": "r1", "prompt_len": 6000, "max_tokens": 4}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = tmp_path / "report.json"
+    result = _replay(str(path), "--report", str(report))
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["settings"]["engine"]["max_model_len"] == 8192
+
+
+def test_an_option_that_conflicts_with_the_recording_is_a_usage_error(tmp_path):
+    result = _replay(str(_recording(tmp_path, HEADER)), "--liveness", "legacy")
+    assert result.exit_code == 2
+    assert "--liveness legacy conflicts with the recording's liveness event" in result.output
