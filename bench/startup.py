@@ -30,7 +30,7 @@ PHASES = (
     "cli imported",
     "trace validated",
     "engines launched",
-    "windows modelled",
+    "windows forecast",
     "engines ready",
     "first request",
     "cpu s before it",
@@ -71,7 +71,8 @@ if hasattr(pipeline, "launch_engines"):  # a checkout that starts the engines ea
     wrap(topology.TopologyLaunch, "wait_ready", "engines ready")
 else:
     wrap(topology, "start_topology", "engines ready")
-wrap(pipeline, "model_timeline", "windows modelled")
+wrap(pipeline, "forecast_timeline" if hasattr(pipeline, "forecast_timeline") else "model_timeline",
+     "windows forecast")
 def tree(pid):
     found, todo = [], [pid]
     while todo:

@@ -2,7 +2,7 @@
 
 prepare_replay checks the trace against the engines' limits (a bad one raises TraceError
 with nothing started: the CLI's exit status 2) and launches a local wall replay's
-engines; PreparedReplay.run models the expected idle windows once (MODELLING), drives
+engines; PreparedReplay.run forecasts the idle windows once (FORECASTING), drives
 the trace (virtual clock, local engines, a serve or an HTTP server) and verifies the
 timeline; the live view (if any) hears every phase and tick through ReplayHooks. A
 verdict's exit code is 0, 1 or 3 (replay/verify/verdict.py). A run stopped (Ctrl-C,
@@ -10,7 +10,7 @@ SIGTERM, `q`) before its first request still gives a result: an empty timeline w
 meta "interrupted" names the stop, so the report is written on that path too.
 
 The trace is streamed, never held: the virtual clock reads it twice (the check, the run),
-the wall clock three times (the check, which ends before anything starts; the model,
+the wall clock three times (the check, which ends before anything starts; the forecast,
 which runs while the engines start; the run), each pass in the format the check found.
 """
 
@@ -55,8 +55,8 @@ if TYPE_CHECKING:  # imported where used: a wall replay's engines start before t
     from replay.wall.driver import ReplayTarget, WallClockReplay, WallOptions
 
 # A wall-clock replay's start-up phases, in order, as ReplayHooks.on_phase names them.
-MODELLING, CONNECTING, STARTING, RUNNING = (
-    "modelling idle windows",
+FORECASTING, CONNECTING, STARTING, RUNNING = (
+    "forecasting idle windows",
     "connecting",
     "starting engines",
     "running",
@@ -69,7 +69,7 @@ class ReplayHooks:
 
     on_tick: Callable[[WallClockReplay], None] | None = None  # wall clock, every tick
     on_phase: Callable[[str, list[str]], None] | None = None  # start-up: phase, engines ready
-    on_progress: ProgressCallback | None = None  # virtual clock (also the wall clock's model)
+    on_progress: ProgressCallback | None = None  # virtual clock (also the wall clock's forecast)
     on_http_tick: Callable[[object], None] | None = (
         None  # --target http://: HttpReplay, every scrape
     )
@@ -99,7 +99,7 @@ class ReplayConfig:
     target_auth: object | None = None  # its credentials: replay/serve/auth.py AuthOptions
     http: object | None = None  # --target http://: replay/target/client.py HttpTargetOptions
     # Step costs measured by `kvdrain calibrate`: the virtual clock's, and under the wall
-    # clock its model's (the expected idle windows); None: the default cost model.
+    # clock its forecast's (the expected idle windows); None: the default cost model.
     cost_profile: CostProfile | None = None
     # Hold every output against a single engine's (replay/verify/outputs.py); None: on
     # where it is cheap (a local wall replay on the mock runner), off elsewhere.
@@ -258,7 +258,7 @@ def prepare_replay(
 ) -> PreparedReplay:
     """The trace checked against the engines' limits (TraceError if bad: nothing started),
     then a local wall-clock replay's engines launched, left starting while the caller
-    draws its view and the run models the idle windows. The caller closes it.
+    draws its view and the run forecasts the idle windows. The caller closes it.
 
     adopt: the config a recording's header makes of this one (replay/serve/recorder.py),
     taken in the checking pass before its first request is checked."""
@@ -305,8 +305,8 @@ def run_replay(config: ReplayConfig, hooks: ReplayHooks | None = None) -> Replay
 class PreparedReplay:
     """A replay whose trace was checked, its engines (a local wall replay's) starting.
 
-    run() goes through the phases: the expected idle windows modelled once, on the pool
-    the engines run (MODELLING: while they start when that pool is known beforehand), the
+    run() goes through the phases: the idle windows forecast once, on the pool the
+    engines run (FORECASTING: while they start when that pool is known beforehand), the
     trace driven (CONNECTING or STARTING, then RUNNING), the timeline verified."""
 
     config: ReplayConfig
@@ -349,7 +349,7 @@ class PreparedReplay:
         else:
             try:
                 config, timeline, expected = self._run_wall(hooks, log, snapshots)
-            except Interrupted as e:  # before the first request: the model, a start, a check
+            except Interrupted as e:  # before the first request: the forecast, a start, a check
                 timeline, expected = stopped_before_start(e.name), None
         windows = expected_windows(
             timeline.arrivals if expected is None else expected.arrivals,
@@ -373,17 +373,17 @@ class PreparedReplay:
 
             checked = preflight(config.http)
             config = replace(config, http=checked.options)
-            expected = self._expect(config, hooks, list)
+            expected = self._forecast(config, hooks, list)
             return config, self._run_http(hooks, config, log, snapshots, checked.identity), expected
         sized_by_engines = is_pool_sized_by_engines(config)
         starting = self.engines.ready_engines if self.engines is not None else list
         if not sized_by_engines:
-            expected = self._expect(config, hooks, starting)  # while the engines start
+            expected = self._forecast(config, hooks, starting)  # while the engines start
         target = self._start_target(config, hooks)
         try:
             if sized_by_engines:
                 config = _sized(config, target)
-                expected = self._expect(config, hooks, lambda: list(target.engines))
+                expected = self._forecast(config, hooks, lambda: list(target.engines))
             hooks.phase(RUNNING, list(target.engines))
             from replay.wall.driver import WallClockReplay
 
@@ -394,27 +394,27 @@ class PreparedReplay:
         timeline.meta.update(_target_meta(config, target))
         return _sized(config, target), timeline, expected
 
-    def _expect(
+    def _forecast(
         self, config: ReplayConfig, hooks: ReplayHooks, ready: Callable[[], list[str]]
     ) -> Timeline | None:
-        """MODELLING: the virtual clock over the same shaped trace, on config's pool: which
+        """FORECASTING: the virtual clock over the same shaped trace, on config's pool: which
         gaps become idle windows (replay/verify/coverage.py); None if it cannot run (then
         every gap counts). `ready`: the engines ready so far, shown meanwhile; one still
         starting that fails then (EngineDeadError from `ready`) is the run's error."""
-        hooks.phase(MODELLING, ready())
+        hooks.phase(FORECASTING, ready())
         dead: list[Exception] = []  # an engine that failed meanwhile (EngineDeadError)
 
         def on_progress(num_done: int, t: float) -> None:  # the engines ready so far, too
             try:
                 now_ready = ready()
-            except Exception as e:  # a RuntimeError: it would pass for the model's own
+            except Exception as e:  # a RuntimeError: it would pass for the forecast's own
                 dead.append(e)
                 raise
-            hooks.phase(MODELLING, now_ready)
+            hooks.phase(FORECASTING, now_ready)
             if hooks.on_progress is not None:
                 hooks.on_progress(num_done, t)
 
-        expected = model_timeline(self.records(config, ShapingLog()), config, on_progress)
+        expected = forecast_timeline(self.records(config, ShapingLog()), config, on_progress)
         if dead:
             raise dead[0]
         return expected
@@ -454,7 +454,7 @@ class PreparedReplay:
         )
 
 
-def model_timeline(
+def forecast_timeline(
     records: Iterator[TraceRecord],
     config: ReplayConfig,
     on_progress: ProgressCallback | None = None,
@@ -533,7 +533,7 @@ def _wall_options(config: ReplayConfig) -> WallOptions:
 def _sim_options(config: ReplayConfig) -> SimOptions:
     """The same engine and KV-transfer config; the latency model keeps its defaults
     except the step cost, when a calibrated profile is given (the virtual clock's run,
-    and the wall clock's model of the expected windows alike)."""
+    and the wall clock's forecast of the idle windows alike)."""
     profile = config.cost_profile
     return SimOptions(
         engine=config.engine,

@@ -2,7 +2,7 @@
 
 A wall-clock replay's engines start (replay/deploy/topology.py) as soon as its trace is
 known to be good, so what the frontend does next (import the live view and the wall
-driver, model the idle windows, draw) overlaps their start: this module imports those
+driver, forecast the idle windows, draw) overlaps their start: this module imports those
 where they are used, not here.
 """
 

@@ -3,7 +3,7 @@
 engine_roles (replay/deploy/pd_flow.py) names the engines and their kv roles; here each gets
 an EngineConfig with its addresses in one private run directory, the engines start in
 parallel, and the P/D router is handed their clients. A launch spawns them and returns
-at once, so the frontend can prepare (import, model) while they start; waiting for them
+at once, so the frontend can prepare (import, forecast) while they start; waiting for them
 hands their clients to the router. A failed start leaves nothing behind.
 """
 

@@ -1,4 +1,4 @@
-"""The KV connector worker on the virtual clock: the process's SendLedger, with modelled transfer times. Runs in: frontend process.
+"""The KV connector worker on the virtual clock: the process's SendLedger, with simulated transfer times. Runs in: frontend process.
 
 P side: connector/send_ledger.py decides, as in the connector worker process (leases
 stamped by P's scheduler side, heartbeats, "read done", early arrivals,
@@ -121,7 +121,7 @@ class SimKVWorker(KVConnectorAgentBase):
     def _start_pull(self, recv: RecvSpec) -> None:
         """Ask P's worker for the read (the process's PinSend or ReadBlocks)."""
         peer = self.peers.get(recv.remote_engine_id)
-        if peer is None:  # no such engine in the topology: modelled as read, as before
+        if peer is None:  # no such engine in the topology: simulated as read, as before
             self._on_read_reply(
                 recv, ReadReply(None, recv.remote_request_id, recv.remote_block_ids)
             )

@@ -1,6 +1,6 @@
 """The checks before an HTTP replay's first request: the target answers, every metrics URL reads. Runs in: frontend process.
 
-`replay --target http://...` calls preflight() before it models the idle windows or
+`replay --target http://...` calls preflight() before it forecasts the idle windows or
 sends anything:
 - one GET /v1/models (replay/target/client.py probe): no answer, a refusal (401, 403) or a
   failure (a 5xx: a proxy whose decode server is down), or no model list and no --model,

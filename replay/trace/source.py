@@ -1,6 +1,6 @@
 """A trace path as every pass over it opens it: a pipe read once, a file that must not change. Runs in: frontend process.
 
-A replay reads its trace several times (the format, the validating pass, the model, the
+A replay reads its trace several times (the format, the validating pass, the forecast, the
 run). A pipe, a FIFO or a socket (`replay <(cat trace)`) can be read only once, so the
 first open copies it into an unlinked temporary file (at most MAX_COPY_BYTES; a writer
 silent for WRITER_WAIT_S, or none at all, is an error, never a hang) and every later

@@ -166,7 +166,7 @@ class StartupState:
     phase_start_s: float = 0.0
     engines: list[str] = field(default_factory=list)  # expected, if known before they start
     ready_at: dict[str, float] = field(default_factory=dict)  # engine -> when its Ready came
-    detail: str = ""  # e.g. how far the idle-window model got
+    detail: str = ""  # e.g. how far the idle-window forecast got
     ready_s: float | None = None  # when the run itself started; None: still starting
     lines: list[str] = field(default_factory=list)  # one per event, for plain output
 

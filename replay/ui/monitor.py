@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engine.proc.messages import StatsSnapshot
 from replay.deploy.pd_flow import engine_roles
 from replay.metrics.restarts import restart_sentence
-from replay.pipeline import MODELLING, RUNNING, ReplayConfig, ReplayHooks, ReplayResult
+from replay.pipeline import FORECASTING, RUNNING, ReplayConfig, ReplayHooks, ReplayResult
 from replay.runtime.interrupt import QUIT_KEY, Interrupted, stopping_line
 from replay.serve.server import Server
 from replay.ui.dashboard import DashboardState, ReplayProgress, StartupState, WindowVerdict
@@ -119,10 +119,10 @@ class ReplayMonitor:
         self._show()
 
     def on_progress(self, num_done: int, t: float) -> None:
-        """The virtual clock's progress: the replay itself, or the wall clock's model."""
+        """The virtual clock's progress: the replay itself, or the wall clock's forecast."""
         state, progress = self.state, self.state.progress
         state.elapsed_s = time.monotonic() - self.start
-        if state.startup is not None and state.startup.phase == MODELLING:
+        if state.startup is not None and state.startup.phase == FORECASTING:
             total = progress.num_total if progress is not None else num_done
             state.startup.detail = f"{num_done:,}/{total:,} requests"
         elif progress is not None:

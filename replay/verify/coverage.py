@@ -2,16 +2,16 @@
 
 A verdict must say what it covered. Before a run, every gap between two arrivals of
 the shaped trace at least idle_threshold_s long (and the tail) is a candidate; the
-model of these engines (the virtual clock: the same EngineCore, the mock runner and its
+forecast of these engines (the virtual clock: the same EngineCore, the mock runner and its
 step-cost model, calibrated for this machine with --cost-profile, no lag by construction)
 says which candidates become idle windows:
 those where its requests have all ended at least idle_threshold_s before the next
 arrival. Those are the EXPECTED windows. After the run each candidate is
 - "observed": the run saw an idle window there;
-- "busy": the model itself is busy through the gap (the trace's own work fills it),
+- "busy": the forecast itself is busy through the gap (the trace's own work fills it),
   so it was never a window to check;
 - "missed": expected, but the run's requests were still in flight (the run lagged
-  the model by `lag_s`: the client, when its sends were late by half of it or more,
+  the forecast by `lag_s`: the client, when its sends were late by half of it or more,
   else the engines), so the drain was never tested there. A missed window makes the
   run inconclusive, never verified.
 - "unreached": expected, but the replay stopped (interrupted) before the gap ended:
@@ -51,13 +51,13 @@ IGNORED_CAUSES = {  # a substring of the scheduler's reason -> the cause's name
 
 @dataclass(frozen=True, slots=True)
 class ExpectedWindow:
-    """One candidate gap of the shaped trace and what the model says of it."""
+    """One candidate gap of the shaped trace and what the forecast says of it."""
 
     start: float  # the arrival before the gap (replay seconds)
     end: float  # the next arrival; math.inf for the tail
     is_tail: bool
-    model_quiet_from: float | None  # when the model's requests sent before `end` had ended
-    is_expected: bool  # the model observes an idle window here (True when not modelled)
+    forecast_quiet_from: float | None  # when the forecast's requests sent before `end` ended
+    is_expected: bool  # the forecast has an idle window here (True without a forecast)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,10 +69,10 @@ class WindowCoverage:
     is_tail: bool
     state: str  # one of COVERAGE_STATES
     quiet_from: float | None  # when the run's requests sent before `end` had ended; None: never
-    lag_s: float | None  # quiet_from - the model's quiet_from (None when not modelled)
+    lag_s: float | None  # quiet_from - the forecast's quiet_from (None: no forecast)
     engine: str = ""  # "": a gap of the whole trace; else that engine's own window (windows.py)
     # The client's part of it: the latest send among the requests still in flight when the
-    # model was quiet (None: none were, or not modelled). Late sends are the client's lag.
+    # forecast was quiet (None: none were, or no forecast). Late sends are the client's lag.
     send_lateness_s: float | None = None
     judged_on: tuple[
         str, ...
@@ -103,25 +103,26 @@ def quiet_from(requests: Sequence[RequestRecord], ends: Sequence[float]) -> list
 
 
 def expected_windows(
-    arrivals: Sequence[float], idle_threshold_s: float, model: Timeline | None
+    arrivals: Sequence[float], idle_threshold_s: float, forecast: Timeline | None
 ) -> tuple[ExpectedWindow, ...]:
-    """The candidates and which of them the model (a virtual-clock timeline, or None) makes windows."""
+    """The candidates and which of them the forecast (a virtual-clock timeline, or None)
+    makes windows."""
     gaps = candidate_gaps(arrivals, idle_threshold_s)
     out = []
-    if model is None:
+    if forecast is None:
         out = [ExpectedWindow(a, b, False, None, True) for a, b in gaps]
     else:
-        quiet = quiet_from(model.requests, [b for _, b in gaps])
+        quiet = quiet_from(forecast.requests, [b for _, b in gaps])
         out = [
             ExpectedWindow(a, b, False, q, b - q >= idle_threshold_s)
             for (a, b), q in zip(gaps, quiet)
         ]
     if arrivals:
         last = max(arrivals)
-        tail_quiet = None if model is None else quiet_from(model.requests, [math.inf])[0]
+        tail_quiet = None if forecast is None else quiet_from(forecast.requests, [math.inf])[0]
         out.append(
             ExpectedWindow(
-                last, math.inf, True, tail_quiet, model is None or tail_quiet < model.end_t
+                last, math.inf, True, tail_quiet, forecast is None or tail_quiet < forecast.end_t
             )
         )
     return tuple(out)
@@ -147,7 +148,11 @@ def cover(
         if w.is_expected and _unreached(w, timeline, last_sent):
             state = "unreached"
         q_or_none = None if math.isinf(q) else q
-        lag = None if w.model_quiet_from is None or q_or_none is None else q - w.model_quiet_from
+        lag = (
+            None
+            if w.forecast_quiet_from is None or q_or_none is None
+            else q - w.forecast_quiet_from
+        )
         out.append(
             WindowCoverage(
                 start=w.start,
@@ -213,12 +218,12 @@ def credit_engine_windows(
 def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
     """How late the client sent the requests that kept the run busy past the model's quiet
     (the definition; client_latenesses answers it for every window at once)."""
-    if w.model_quiet_from is None:
+    if w.forecast_quiet_from is None:
         return None
     late = [
         r.send_lateness_s
         for r in requests
-        if r.arrival_t < w.end and (r.end_t is None or r.end_t > w.model_quiet_from)
+        if r.arrival_t < w.end and (r.end_t is None or r.end_t > w.forecast_quiet_from)
     ]
     return max(late, default=None)
 
@@ -230,9 +235,9 @@ def client_latenesses(
 ) -> list[float | None]:
     """client_lateness of each window, in O((windows + requests) log requests): the windows
     by end, the requests that arrived before it added to a max-tree over end times. A window
-    whose earlier requests had all ended by the model's quiet (busy_until: quiet_from of the
+    whose earlier requests had all ended by the forecast's quiet (busy_until: quiet_from of the
     windows' ends, if the caller has it) has none: None, without the tree (every window of a
-    run that is its own model)."""
+    run that is its own forecast)."""
     out: list[float | None] = [None] * len(expected)
     if busy_until is None:
         busy_until = quiet_from(requests, [w.end for w in expected])
@@ -240,7 +245,7 @@ def client_latenesses(
         (
             i
             for i, w in enumerate(expected)
-            if w.model_quiet_from is not None and busy_until[i] > w.model_quiet_from
+            if w.forecast_quiet_from is not None and busy_until[i] > w.forecast_quiet_from
         ),
         key=lambda i: expected[i].end,
     )
@@ -260,8 +265,8 @@ def client_latenesses(
                 if tree[j] is None or tree[j] < r.send_lateness_s:
                     tree[j] = r.send_lateness_s
                 j += j & -j
-        j, late = len(ends) - bisect.bisect_right(ends, w.model_quiet_from), None
-        while j > 0:  # the ends after the model's quiet: ranks 1..j
+        j, late = len(ends) - bisect.bisect_right(ends, w.forecast_quiet_from), None
+        while j > 0:  # the ends after the forecast's quiet: ranks 1..j
             if tree[j] is not None and (late is None or tree[j] > late):
                 late = tree[j]
             j -= j & -j
@@ -316,9 +321,9 @@ def _who_lagged(w: WindowCoverage) -> str:
     if late >= w.lag_s / 2:
         return (
             f"; the client lagged: it sent requests up to {late:.3f} s late (the run lagged "
-            f"the model by {w.lag_s:.3f} s): a busy or slow client, not the engines"
+            f"the forecast by {w.lag_s:.3f} s): a busy or slow client, not the engines"
         )
-    return f"; the engines lagged the model by {w.lag_s:.3f} s" + (
+    return f"; the engines lagged the forecast by {w.lag_s:.3f} s" + (
         f" (the client sent up to {late:.3f} s late)" if late >= 0.001 else ""
     )
 

@@ -53,15 +53,17 @@ Verdicts (exit status):
                     expiry; an output unlike a single engine's, with --check-outputs)
   error (2)         bad usage or input, or a target that cannot be reached; nothing ran
   INCONCLUSIVE (3)  the run proves nothing either way: an expected idle window was not
-                    observed (the engines lagged the model), too many requests were ignored,
-                    a window was undecided, or KV usage was not observable (--target http://)
+                    observed (the engines lagged the forecast), too many requests were
+                    ignored, a window was undecided, or KV usage was not observable
+                    (--target http://)
   FAULT (4)         an engine or connector worker died, stopped answering or stalled a
                     transfer mid-run (each named on a "fault:" line); a leak after one is
                     a fault_leak, the fault's, not the liveness policy's
   interrupted (130), terminated (143): Ctrl-C or SIGTERM; the verdict covers only what ran
 Idle windows: after every request sent so far has ended, until the next arrival at least
   --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
-  model of these engines) finds idle; busy: gaps the trace's own work fills, even in the model.
+  forecast of these engines) finds idle; busy: gaps the trace's own work fills, even in the
+  forecast.
 Columns: peak = most used KV blocks / usable blocks (the null block excluded); end = used
   blocks at the end; windows = the idle windows this engine was judged in (its own
   count: the trace's and its own, so engines may differ); drained / leak = their
@@ -69,7 +71,7 @@ Columns: peak = most used KV blocks / usable blocks (the null block excluded); e
   steps, wakes = engine steps and wake-ups from blocking or polling; expired = P's
   sends freed by lease expiry.
 Latency (ms) as vllm bench serve: TTFT to the first token, TPOT per token after it, ITL
-  between streamed outputs, E2EL send to last token; virtual clock: model seconds."""
+  between streamed outputs, E2EL send to last token; virtual clock: simulated seconds."""
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -253,7 +255,7 @@ def _request_line(report: dict) -> str:
 
 def coverage_line(report: dict) -> str:
     """The expected windows: the trace's gaps (the tail included) and the engines' own the
-    model foresaw, each counted once; the table's `windows` are each engine's own count."""
+    forecast foresaw, each counted once; the table's `windows` are each engine's own count."""
     coverage = report.get("coverage", [])
     busy = sum(c["state"] == "busy" for c in coverage)
     own = sum(bool(c.get("engine")) and c["state"] != "busy" for c in coverage)
@@ -271,7 +273,8 @@ def coverage_line(report: dict) -> str:
         line += "; the table's windows are each engine's own, the ones it was judged in"
     if busy:
         line += (
-            f"; {plural(busy, 'gap')} of the trace filled by its own work (busy in the model too)"
+            f"; {plural(busy, 'gap')} of the trace filled by its own work "
+            f"(busy in the forecast too)"
         )
     return line
 

@@ -430,7 +430,7 @@ def verify(
 
     expected: the candidate windows (replay/verify/coverage.py expected_windows), computed
     before the run; None checks only the windows the run observed. expected_engine: the
-    engines' own windows the model found (windows.py); None: not modelled.
+    engines' own windows the forecast found (windows.py); None: no forecast.
     """
     violations = _check_conservation(timeline)
     faults = tuple(sorted(timeline.meta.get("faults", ()), key=lambda f: f["t"]))
@@ -442,7 +442,7 @@ def verify(
     own = (
         {} if timeline.is_scraped() else idle_windows_by_engine(timeline, options.idle_threshold_s)
     )
-    run_own = None  # the run's engine-only windows, where needed: over HTTP, or modelled
+    run_own = None  # the run's engine-only windows, where needed: over HTTP, or forecast
     if timeline.is_scraped() or expected_engine is not None:
         run_own = engine_only_windows(
             timeline, options.idle_threshold_s, observed, None if timeline.is_scraped() else own
@@ -597,7 +597,7 @@ def _partial_coverage(
         return ""
     missed = [c for c in expected if c.state == "missed"]
     lags = [c.lag_s for c in missed if c.lag_s is not None]
-    lag = f" because the engines lagged the model by up to {max(lags):.3f} s" if lags else ""
+    lag = f" because the engines lagged the forecast by up to {max(lags):.3f} s" if lags else ""
     return (
         f"every engine drained in all {observed:,} observed windows; {len(missed):,} of {len(expected):,} "
         f"expected not observed{lag} (coverage {100 * observed / len(expected):.0f}% >= "

@@ -19,7 +19,7 @@ idle threshold between two of its requests (or after its last: its tail).
 
 Coverage: coverage.py says which of the trace's gaps the run was expected to observe; the
 engine windows that hold none of those gaps (an engine idle while others are busy) are
-expected from the model of the run (the virtual clock) too, and the run observes one when
+expected from the forecast of the run (the virtual clock) too, and the run observes one when
 it has an idle window on that engine overlapping it.
 """
 
@@ -79,12 +79,13 @@ def observable_engines(timeline: Timeline) -> set[str]:
 
 
 def expected_engine_windows(
-    model: Timeline | None, idle_threshold_s: float
+    forecast: Timeline | None, idle_threshold_s: float
 ) -> list[EngineWindow] | None:
-    """The engines' own windows the model (a virtual-clock timeline) finds; None: no model."""
-    if model is None:
+    """The engines' own windows the forecast (a virtual-clock timeline) finds; None: no
+    forecast."""
+    if forecast is None:
         return None
-    return engine_only_windows(model, idle_threshold_s, idle_windows(model, idle_threshold_s))
+    return engine_only_windows(forecast, idle_threshold_s, idle_windows(forecast, idle_threshold_s))
 
 
 def intervals(record: RequestRecord) -> list[tuple[str, float, float]]:

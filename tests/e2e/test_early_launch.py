@@ -1,4 +1,4 @@
-"""Review of the early engine launch: an engine dying while the model runs (exit 4), signals during start-up, the model on a --target serve's pool."""
+"""Review of the early engine launch: an engine dying while the forecast runs (exit 4), signals during start-up, the forecast on a --target serve's pool."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _wall_config():
 
 
 def _dying_launch(config, launch_engines=None):
-    """launch_engines' engines, P killed at the model's first look at them (while it is
-    still starting), so the model's last progress call is the one that finds it dead."""
+    """launch_engines' engines, P killed at the forecast's first look at them (while it is
+    still starting), so the forecast's last progress call is the one that finds it dead."""
     from replay import pipeline
 
     engines = (launch_engines or pipeline.launch_engines)(config)
@@ -34,7 +34,7 @@ def _dying_launch(config, launch_engines=None):
     def ready_engines():
         calls.append(1)
         ready = real()
-        if len(calls) == 1:  # the model's first look: P dies right after it
+        if len(calls) == 1:  # the forecast's first look: P dies right after it
             p = next(c for c in engines.clients if c.engine_id == "P")
             assert ready == [] and p.ready is None  # still starting: a later look finds it dead
             p.process.kill()
@@ -45,9 +45,9 @@ def _dying_launch(config, launch_engines=None):
     return engines, calls
 
 
-def test_an_engine_dying_while_the_model_runs_is_a_fault_not_a_crash():
-    """EngineDeadError found in the model's progress callback is the run's error (the
-    engine's own), not swallowed with the model's errors and followed by a RuntimeError
+def test_an_engine_dying_while_the_forecast_runs_is_a_fault_not_a_crash():
+    """EngineDeadError found in the forecast's progress callback is the run's error (the
+    engine's own), not swallowed with the forecast's errors and followed by a RuntimeError
     about a closed launch; nothing is left running."""
     from engine.proc.client import EngineDeadError
     from replay.pipeline import PreparedReplay, validate_trace
@@ -58,11 +58,11 @@ def test_an_engine_dying_while_the_model_runs_is_a_fault_not_a_crash():
     with prepared:
         with pytest.raises(EngineDeadError, match="engine core P"):
             prepared.run()
-        assert len(calls) >= 2  # the death was found inside the model's progress
+        assert len(calls) >= 2  # the death was found inside the forecast's progress
     assert multiprocessing.active_children() == []
 
 
-def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
+def test_an_engine_dying_while_the_forecast_runs_exits_4(monkeypatch):
     """Through the CLI: exit 4 (fault) as the verdict table says, with the engine named."""
     from click.testing import CliRunner
 
@@ -94,12 +94,12 @@ def test_an_engine_dying_while_the_model_runs_exits_4(monkeypatch):
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("served,modelled_on", [(300, 300), (0, 256)])
-def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(
-    tmp_path, monkeypatch, served, modelled_on
+@pytest.mark.parametrize("served,forecast_on", [(300, 300), (0, 256)])
+def test_a_replay_against_a_serve_forecasts_on_the_pool_the_serve_allocated(
+    tmp_path, monkeypatch, served, forecast_on
 ):
     """--target: the serve's engines sized their own pools (from GPU memory, maybe) and say
-    so in ServeInfo; the idle-window model runs on that size (as for a local replay), not
+    so in ServeInfo; the idle-window forecast runs on that size (as for a local replay), not
     on the replay's own default. A serve that does not say (num_blocks 0: before issue 12)
     leaves the replay's own."""
     import threading
@@ -111,14 +111,14 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(
     from replay.serve.server import ServeOptions, Server
     from replay.trace.shaping import ShapingOptions
 
-    modelled: list[int] = []
-    model_timeline = pipeline.model_timeline
+    forecast_pools: list[int] = []
+    forecast_timeline = pipeline.forecast_timeline
     monkeypatch.setattr(
         pipeline,
-        "model_timeline",
+        "forecast_timeline",
         lambda records, config, on_progress=None: (
-            modelled.append(config.engine.num_blocks)
-            or model_timeline(records, config, on_progress)
+            forecast_pools.append(config.engine.num_blocks)
+            or forecast_timeline(records, config, on_progress)
         ),
     )
     router = start_topology(EngineConfig(num_blocks=300, runner="mock"), KVTransferConfig(), "pd")
@@ -149,15 +149,15 @@ def test_a_replay_against_a_serve_models_the_pool_the_serve_allocated(
     finally:
         router.shutdown()
     assert result.engine_settings()["num_blocks"] == served
-    assert modelled[-1] == modelled_on, modelled
+    assert forecast_pools[-1] == forecast_on, forecast_pools
     assert result.verdict.exit_code == 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(15, 143), (2, 130)])
-def test_a_signal_while_the_model_runs_leaves_nothing(tmp_path, monkeypatch, signum, code):
+def test_a_signal_while_the_forecast_runs_leaves_nothing(tmp_path, monkeypatch, signum, code):
     """`kvdrain replay` of a long trace: its engines are launched before the idle windows
-    are modelled, and SIGTERM or Ctrl-C while the model runs (the engines still starting
+    are forecast, and SIGTERM or Ctrl-C while the forecast runs (the engines still starting
     or idle) ends it with 143 or 130, no traceback, and no process, run dir or KV
     segment left (the engines and every connector worker seen are gone at exit)."""
     import json
@@ -173,7 +173,7 @@ def test_a_signal_while_the_model_runs_leaves_nothing(tmp_path, monkeypatch, sig
 
     run_root = tempfile.mkdtemp(prefix="kvl-", dir="/tmp")
     trace = tmp_path / "long.jsonl"
-    with trace.open("w") as f:  # long enough that modelling takes seconds
+    with trace.open("w") as f:  # long enough that forecasting takes seconds
         for i in range(30000):
             f.write(
                 json.dumps({"t": i * 0.05, "id": f"r{i}", "prompt_len": 24, "max_tokens": 2}) + "\n"

@@ -280,7 +280,7 @@ def test_engines_launched_early_run_the_replay_as_engines_the_replay_launches():
 
     from replay.deploy.topology import wait_all_ready
     from replay.pipeline import (
-        MODELLING,
+        FORECASTING,
         RUNNING,
         STARTING,
         ReplayHooks,
@@ -295,11 +295,11 @@ def test_engines_launched_early_run_the_replay_as_engines_the_replay_launches():
         wait_all_ready(prepared.engines.clients)
         early = prepared.run(hooks)
         assert prepared.engines.clients == [] and prepared.engines.run_dir is None  # the router's
-    assert heard[0] == (MODELLING, ["D", "P"]) and heard[-1] == (RUNNING, ["D", "P"])
+    assert heard[0] == (FORECASTING, ["D", "P"]) and heard[-1] == (RUNNING, ["D", "P"])
     assert STARTING not in {phase for phase, _ in heard}
     heard.clear()
     late = run_replay(config, hooks)
-    assert [p for p, _ in heard][0] == MODELLING and heard[-1] == (RUNNING, ["D", "P"])
+    assert [p for p, _ in heard][0] == FORECASTING and heard[-1] == (RUNNING, ["D", "P"])
     assert _what_ran(early) == _what_ran(late)
     assert early.verdict.exit_code == 0 and len(early.timeline.requests) == 32
     assert multiprocessing.active_children() == []
@@ -421,7 +421,7 @@ def test_start_up_times_count_from_the_engines_launch():
     given their launch time, so 'ready in' and each phase's 'at' count from it."""
     from types import SimpleNamespace
 
-    from replay.pipeline import MODELLING
+    from replay.pipeline import FORECASTING
     from replay.ui.dashboard import DashboardState, StartupState
     from replay.ui.monitor import ReplayMonitor
     from replay.verify.rules import VerifyOptions
@@ -429,6 +429,6 @@ def test_start_up_times_count_from_the_engines_launch():
     state = DashboardState(startup=StartupState(engines=["P", "D"]))
     view = SimpleNamespace(tick=lambda force=False: None, quit_requested=False)
     monitor = ReplayMonitor(state, view, VerifyOptions(), start=time.monotonic() - 5.0)
-    monitor.on_phase(MODELLING, ["P"])
+    monitor.on_phase(FORECASTING, ["P"])
     assert 5.0 <= state.startup.ready_at["P"] < 6.0 and "D" not in state.startup.ready_at
     assert 5.0 <= state.startup.phase_start_s < 6.0

@@ -155,25 +155,25 @@ def test_engine_on_cuda_sizes_its_pool_from_free_memory_and_reports_it() -> None
         client.shutdown()
 
 
-def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeypatch) -> None:
+def test_a_wall_replay_reports_and_forecasts_on_the_pool_the_engines_allocated(monkeypatch) -> None:
     """Engines that sized their pools from GPU memory report them in Ready; the replay's
-    settings then say that size, and its idle-window model runs once, on it (not on the
+    settings then say that size, and its idle-window forecast runs once, on it (not on the
     CPU default the frontend started with). The GPU's sizing is stood in for by the router's
     answer, on the mock runner."""
     from replay import pipeline
     from replay.deploy.pd_router import PDRouter
     from replay.trace.shaping import ShapingOptions
 
-    modelled: list[int] = []
-    model_timeline = pipeline.model_timeline
+    forecast_pools: list[int] = []
+    forecast_timeline = pipeline.forecast_timeline
     monkeypatch.setattr(PDRouter, "num_blocks", property(lambda self: 300))
     monkeypatch.setattr(pipeline, "is_pool_sized_by_engines", lambda config: True)
     monkeypatch.setattr(
         pipeline,
-        "model_timeline",
+        "forecast_timeline",
         lambda records, config, on_progress=None: (
-            modelled.append(config.engine.num_blocks)
-            or model_timeline(records, config, on_progress)
+            forecast_pools.append(config.engine.num_blocks)
+            or forecast_timeline(records, config, on_progress)
         ),
     )
     config = pipeline.ReplayConfig(
@@ -183,7 +183,7 @@ def test_a_wall_replay_reports_and_models_the_pool_the_engines_allocated(monkeyp
         tail_s=1.0,
     )
     result = pipeline.run_replay(config)
-    assert modelled == [300]  # once, on what they allocated
+    assert forecast_pools == [300]  # once, on what they allocated
     assert result.config.engine.num_blocks == 300 and result.verdict.exit_code == 0
 
 

@@ -134,7 +134,7 @@ def test_a_signal_while_sending_is_one_exit_code_and_one_line_for_the_part_that_
 def test_sigterm_while_the_engines_start_writes_the_report_and_says_stopping(tmp_path):
     replay = Replay(tmp_path)  # the plain live view: each start-up phase is a line at once
     try:
-        replay.wait_for(r"^(modelling idle windows|starting engines)")
+        replay.wait_for(r"^(forecasting idle windows|starting engines)")
         replay.proc.send_signal(signal.SIGTERM)
         returncode, output = replay.finish()
     finally:

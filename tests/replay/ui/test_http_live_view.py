@@ -33,7 +33,7 @@ def test_an_http_replay_prints_progress_and_the_servers_liveness_while_it_runs()
         liveness="",
         speedup=4.0,
     )
-    state.startup = StartupState(phase="modelling idle windows")  # where the model left it
+    state.startup = StartupState(phase="forecasting idle windows")  # where the forecast left it
     out = io.StringIO()
     view = LiveView(
         state,

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from engine.proc.messages import StatsSnapshot
-from replay.pipeline import MODELLING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
+from replay.pipeline import FORECASTING, RUNNING, STARTING, ReplayConfig, ReplayHooks, run_replay
 from replay.runtime.interrupt import Interrupted
 from replay.ui.dashboard import (
     DashboardState,
@@ -441,7 +441,7 @@ def test_startup_phases_tick_and_end_in_ready():
     out, view = io.StringIO(), CountingView()
     monitor = ReplayMonitor(state, view, VerifyOptions())
     monitor.start -= 10.0  # ten seconds in
-    monitor.on_phase(MODELLING, [])
+    monitor.on_phase(FORECASTING, [])
     monitor.on_progress(64, 3.0)  # the wall clock's model of idle windows
     assert state.startup.detail == "64/4 requests" and state.progress.num_sent == 0
     monitor.on_phase(STARTING, [])
@@ -456,7 +456,7 @@ def test_startup_phases_tick_and_end_in_ready():
     monitor.on_phase(RUNNING, ["P", "D"])
     assert state.startup.ready_s == pytest.approx(11.5, abs=0.1) and view.num_ticks == 5
     assert [re.sub(r"[\d.]+ s", "N s", line) for line in state.startup.lines] == [
-        "modelling idle windows (at N s)",
+        "forecasting idle windows (at N s)",
         "starting engines (at N s)",
         "engine P ready in N s",
         "engine D ready in N s",

@@ -1,7 +1,7 @@
 """Honest verdicts: verified, violation, and inconclusive when a run did not cover what it should.
 
 The oracle for coverage is hand-made timelines (requests and samples placed by hand)
-and the virtual clock, which is the model of the engines and so observes every
+and the virtual clock, which is the forecast of the engines and so observes every
 window it expects.
 """
 
@@ -111,23 +111,25 @@ def test_verified_lists_every_expected_window():
 def test_a_leak_is_a_violation_even_when_coverage_is_short():
     timeline = _two_bursts()
     timeline.samples[1] = _sample(0.5, 2)  # blocks stay held through the gap
-    model = _two_bursts()
+    forecast = _two_bursts()
     timeline.requests[1].end_t = 7.9  # and the tail was barely observed
-    verdict = verify(timeline, [], VerifyOptions(), expected_windows(timeline.arrivals, 1.0, model))
+    verdict = verify(
+        timeline, [], VerifyOptions(), expected_windows(timeline.arrivals, 1.0, forecast)
+    )
     assert verdict.status == "violation" and verdict.exit_code == 1
 
 
 def test_lag_that_swallows_a_window_is_inconclusive_with_the_lag():
-    model = _two_bursts()  # the model: a ends at 0.5, a 3.5 s quiet gap
+    forecast = _two_bursts()  # the forecast: a ends at 0.5, a 3.5 s quiet gap
     lagged = _two_bursts(a_end=3.5)  # the run: a ends at 3.5, only 0.5 s of quiet
-    expected = expected_windows(model.arrivals, 1.0, model)
+    expected = expected_windows(forecast.arrivals, 1.0, forecast)
     assert [w.is_expected for w in expected] == [True, True]
     verdict = verify(lagged, [], VerifyOptions(), expected)
     assert verdict.status == "inconclusive" and verdict.exit_code == 3
     assert [c.state for c in verdict.coverage] == ["missed", "observed"]
     assert verdict.coverage[0].lag_s == pytest.approx(3.0)
     assert verdict.num_covered() == (1, 2)
-    assert "lagged the model by 3.000 s" in verdict.reasons[0]
+    assert "lagged the forecast by 3.000 s" in verdict.reasons[0]
     assert "0.000-4.000 s" in verdict.reasons[0] and "until 3.500 s" in verdict.reasons[0]
     # Without the coverage check the same run would have passed: the point of it.
     assert verify(lagged, [], VerifyOptions()).status == "verified"
@@ -136,36 +138,40 @@ def test_lag_that_swallows_a_window_is_inconclusive_with_the_lag():
 def test_a_window_missed_because_the_client_sent_late_blames_the_client():
     """The same lag, but request a was sent 2.9 s late (a client busy parsing a 10 MB
     /metrics, say): the client lagged, not the engines."""
-    model = _two_bursts()
+    forecast = _two_bursts()
     lagged = _two_bursts(a_end=3.5)
     lagged.requests[0].send_t, lagged.requests[0].send_lateness_s = 2.9, 2.9
-    verdict = verify(lagged, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    verdict = verify(
+        lagged, [], VerifyOptions(), expected_windows(forecast.arrivals, 1.0, forecast)
+    )
     assert verdict.coverage[0].send_lateness_s == pytest.approx(2.9)
     assert "the client lagged: it sent requests up to 2.900 s late" in verdict.reasons[0]
     assert "the engines lagged" not in verdict.reasons[0]
 
 
 def test_an_interrupted_run_says_which_windows_it_never_reached():
-    model = _two_bursts()  # expects the gap at 0.5-4.0 and the tail
+    forecast = _two_bursts()  # expects the gap at 0.5-4.0 and the tail
     stopped = _timeline([_record("a", 0.0, 0.3)], [_sample(0.0, 3), _sample(0.3, 0)], 0.4)
-    verdict = verify(stopped, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    verdict = verify(
+        stopped, [], VerifyOptions(), expected_windows(forecast.arrivals, 1.0, forecast)
+    )
     assert [c.state for c in verdict.coverage] == ["unreached", "unreached"]
     assert verdict.status == "inconclusive"
     assert all("not reached" in r and "stopped before it ended" in r for r in verdict.reasons)
     assert not any("lagged" in r for r in verdict.reasons)  # no negative lag blamed
 
 
-def test_a_gap_the_model_itself_fills_is_busy_not_missed():
-    busy = _two_bursts(a_end=3.5)  # the trace's own work fills the gap, in the model too
+def test_a_gap_the_forecast_itself_fills_is_busy_not_missed():
+    busy = _two_bursts(a_end=3.5)  # the trace's own work fills the gap, in the forecast too
     verdict = verify(busy, [], VerifyOptions(), expected_windows(busy.arrivals, 1.0, busy))
     assert [c.state for c in verdict.coverage] == ["busy", "observed"]
     assert verdict.status == "verified" and verdict.num_covered() == (1, 1)
 
 
 def test_a_run_that_never_went_quiet_misses_the_tail():
-    model = _two_bursts()
+    forecast = _two_bursts()
     run = _two_bursts(b_end=9.0)  # still in flight when observation stopped at 8
-    verdict = verify(run, [], VerifyOptions(), expected_windows(model.arrivals, 1.0, model))
+    verdict = verify(run, [], VerifyOptions(), expected_windows(forecast.arrivals, 1.0, forecast))
     assert verdict.coverage[-1].state == "missed" and verdict.status == "inconclusive"
     assert "the tail" in verdict.reasons[0]
 
@@ -220,7 +226,7 @@ def test_the_virtual_clock_observes_every_window_it_expects(liveness):
 @public_trace(AZURE)
 def test_the_virtual_clock_covers_a_dense_public_trace():
     # 400 requests of the Azure code trace: some gaps over the threshold are filled by the
-    # trace's own work (busy); every one the model expects is observed.
+    # trace's own work (busy); every one the forecast expects is observed.
     engine = EngineConfig(
         num_blocks=40000, max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256
     )
@@ -272,9 +278,9 @@ def test_an_interrupted_run_says_what_it_reached_in_one_line_and_judges_not_the_
 
 
 def _lagged_run() -> tuple[Timeline, tuple]:
-    model = _two_bursts()
+    forecast = _two_bursts()
     lagged = _two_bursts(a_end=3.5)  # the gap swallowed by 3 s of lag; the tail observed
-    return lagged, expected_windows(model.arrivals, 1.0, model)
+    return lagged, expected_windows(forecast.arrivals, 1.0, forecast)
 
 
 def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
@@ -295,7 +301,7 @@ def test_min_coverage_met_is_a_pass_on_partial_coverage_naming_what_lag_cost():
     assert (verdict.status, verdict.exit_code, verdict.reasons) == ("verified", 0, ())
     assert verdict.partial == (
         "every engine drained in all 1 observed windows; 1 of 2 expected not "
-        "observed because the engines lagged the model by up to 3.000 s "
+        "observed because the engines lagged the forecast by up to 3.000 s "
         "(coverage 50% >= --min-coverage 50%)"
     )
     assert verdict.to_dict()["partial_coverage"] == verdict.partial
