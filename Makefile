@@ -75,7 +75,7 @@ FAST_TESTS := tests/engine/core tests/engine/proc tests/engine/runner/test_mock_
 	tests/replay/trace tests/replay/verify tests/replay/sim tests/replay/openai \
 	tests/replay/runtime tests/replay/deploy tests/replay/commands \
 	tests/test_architecture.py tests/test_fuzz.py
-FAST_IGNORE := tests/replay/sim/test_cost_profile.py tests/replay/sim/test_skipped_steps_fuzz.py \
+FAST_IGNORE := tests/replay/sim/test_step_cost.py tests/replay/sim/test_skipped_steps_fuzz.py \
 	tests/replay/trace/test_trace_source.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -m 'not slow and not gpu' $(addprefix --ignore=,$(FAST_IGNORE)) \

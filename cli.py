@@ -77,7 +77,7 @@ def _explain(ctx: click.Context, param: click.Parameter, value: bool) -> None:
         default="wall",
         show_default=True,
         help="wall: real processes in real time; virtual: in-process, deterministic, "
-        "fast (always the mock runner, with a step-cost and transfer-latency model).",
+        "fast (always the mock runner, its step costs and transfer latencies simulated).",
     ),
     click.option(
         "--explain",
@@ -245,15 +245,15 @@ def keys_cmd(directory: Path) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("cost-profile.json"),
     show_default=True,
-    help="The cost profile (JSON).",
+    help="The calibration (JSON).",
 )
 def calibrate_cmd(**options) -> None:
-    """Time the runner's steps on this device and write a cost profile for replay --cost-profile.
+    """Time the runner's steps on this device and write a calibration for replay --calibration.
 
     \b
     Example: kvdrain calibrate --runner torch --model tiny -o tiny-cpu.json
-             kvdrain replay examples/pd_idle.jsonl --clock virtual --cost-profile tiny-cpu.json
-             kvdrain replay examples/pd_idle.jsonl --cost-profile tiny-cpu.json  # the wall clock's model
+             kvdrain replay examples/pd_idle.jsonl --clock virtual --calibration tiny-cpu.json
+             kvdrain replay examples/pd_idle.jsonl --calibration tiny-cpu.json  # wall: the forecast
     """
     from replay.commands.calibrate import calibrate_main
 

@@ -28,7 +28,7 @@ from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_
 from replay.deploy.placement import RouterPolicy
 from replay.runtime.clocks import CLOCKS, Clock
 from replay.runtime.interrupt import Interrupted
-from replay.sim.cost import CostProfile
+from replay.sim.cost import Calibration
 from replay.sim.options import SimOptions
 from replay.trace.inspect import no_request_left
 from replay.trace.reader import (
@@ -99,8 +99,8 @@ class ReplayConfig:
     target_auth: object | None = None  # its credentials: replay/serve/auth.py AuthOptions
     http: object | None = None  # --target http://: replay/target/client.py HttpTargetOptions
     # Step costs measured by `kvdrain calibrate`: the virtual clock's, and under the wall
-    # clock its forecast's (the expected idle windows); None: the default cost model.
-    cost_profile: CostProfile | None = None
+    # clock its forecast's (the expected idle windows); None: the default step cost.
+    calibration: Calibration | None = None
     # Hold every output against a single engine's (replay/verify/outputs.py); None: on
     # where it is cheap (a local wall replay on the mock runner), off elsewhere.
     check_outputs: bool | None = None
@@ -110,8 +110,8 @@ class ReplayConfig:
             raise ValueError(f"clock: must be one of {CLOCKS}, got {self.clock!r}")
         if self.tail_s is not None and self.tail_s <= 0:
             raise ValueError(f"tail: must be > 0, got {self.tail_s}")
-        if self.cost_profile is not None:
-            mismatch = self.profile_mismatch()
+        if self.calibration is not None:
+            mismatch = self.calibration_mismatch()
             if mismatch is not None:
                 raise ValueError(mismatch)
         if self.check_outputs:
@@ -124,11 +124,11 @@ class ReplayConfig:
             if why is not None:
                 raise ValueError(why)
 
-    def profile_mismatch(self) -> str | None:
-        """Why the cost profile cannot model a local wall replay's engines (measured on
+    def calibration_mismatch(self) -> str | None:
+        """Why the calibration cannot stand for a local wall replay's engines (measured on
         another runner or model), or None. The virtual clock runs the mock runner with any
-        profile's costs; a --target's engines are not known here."""
-        profile, engine = self.cost_profile, self.engine
+        calibration's costs; a --target's engines are not known here."""
+        calibration, engine = self.calibration, self.engine
         if self.clock != "wall" or self.target is not None or self.http is not None:
             return None
         device = (
@@ -138,9 +138,9 @@ class ReplayConfig:
             else "cuda"
         )
         if (
-            profile.runner == engine.runner
-            and MODEL_PRESETS.get(profile.model_preset) == engine.model
-            and profile.device.partition(":")[0] == device
+            calibration.runner == engine.runner
+            and MODEL_PRESETS.get(calibration.model_preset) == engine.model
+            and calibration.device.partition(":")[0] == device
         ):
             return None
         model = next((name for name, m in MODEL_PRESETS.items() if m == engine.model), None)
@@ -148,9 +148,10 @@ class ReplayConfig:
             f" --model {model}" if model else ""
         )
         return (
-            f"--cost-profile: measured on runner {profile.runner}, model {profile.model_preset}, "
-            f"device {profile.device}; this replay's engines run runner {engine.runner}, model "
-            f"{model or 'a custom one'}, device {device}: calibrate them (`{hint}`)"
+            f"--calibration: measured on runner {calibration.runner}, model "
+            f"{calibration.model_preset}, device {calibration.device}; this replay's engines "
+            f"run runner {engine.runner}, model {model or 'a custom one'}, device {device}: "
+            f"calibrate them (`{hint}`)"
         )
 
     def effective_check_outputs(self) -> bool:
@@ -194,7 +195,7 @@ class ReplayResult:
             "verify": config_to_dict(c.verify),
             "wall_s": round(self.wall_s, 3),
             "check_outputs": c.effective_check_outputs(),
-            "cost_profile": c.cost_profile.describe() if c.cost_profile is not None else None,
+            "cost_profile": c.calibration.describe() if c.calibration is not None else None,
         }
 
     def engine_settings(self) -> dict:
@@ -531,17 +532,17 @@ def _wall_options(config: ReplayConfig) -> WallOptions:
 
 
 def _sim_options(config: ReplayConfig) -> SimOptions:
-    """The same engine and KV-transfer config; the latency model keeps its defaults
-    except the step cost, when a calibrated profile is given (the virtual clock's run,
-    and the wall clock's forecast of the idle windows alike)."""
-    profile = config.cost_profile
+    """The same engine and KV-transfer config; the latencies keep their defaults except
+    the step cost, when a calibration is given (the virtual clock's run, and the wall
+    clock's forecast of the idle windows alike)."""
+    calibration = config.calibration
     return SimOptions(
         engine=config.engine,
         kv=config.kv,
         topology=config.topology,
         router=config.router,
         tail_s=config.effective_tail_s(),
-        cost_model=profile.model if profile is not None else None,
+        step_cost=calibration.step_cost if calibration is not None else None,
     )
 
 

@@ -300,7 +300,7 @@ WIDE_RECORDS = (
     "replay.verify.rules:IdleWindow",
     "replay.verify.rules:Verdict",
     "replay.verify.coverage:WindowCoverage",
-    "replay.sim.cost:CostProfile",
+    "replay.sim.cost:Calibration",
     "replay.ui.dashboard:ReplayProgress",
     "replay.ui.dashboard:WindowVerdict",
     "connector.worker_proc:ConnectorWorkerConfig",

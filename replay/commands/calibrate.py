@@ -1,10 +1,11 @@
-"""`kvdrain calibrate`: time the real runner's steps on this device and fit a cost profile. Runs in: frontend process.
+"""`kvdrain calibrate`: time the runner's steps, fit their step cost. Runs in: frontend process.
 
 An EngineCore with the real runner (engine/runner/model_runner.py's torch ModelRunner, or the
 mock runner) steps in this process through a small grid: prefills of n tokens alone,
 decode batches of b requests at context c, and b decodes beside one prefill. Each
 step is timed (perf_counter around EngineCore.step: schedule, execute, update) after a
-warm-up round, in rounds over the whole grid; a cell's point is its median. The fit is replay/sim/cost.py's. Then one real
+warm-up round, in rounds over the whole grid; a cell's point is its median. The fit is
+replay/sim/cost.py's. Then one real
 engine-core process (no connector) decodes a request, and what its loop adds per step
 (sockets, output encoding, stats) over the in-process step is added to the base. Prefix
 caching is off so every prompt token is computed.
@@ -26,7 +27,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.utils import cdiv
 from replay.commands.groups import require_torch
-from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
+from replay.sim.cost import Calibration, CostPoint, StepCost, StepShape, fit_step_cost
 
 LOOP_DECODE_TOKENS = 200  # the real process's decode, for its loop overhead
 LOOP_TIMEOUT_S = 60.0
@@ -185,8 +186,8 @@ def measure_points(bench: _Bench, options: CalibrateOptions) -> list[CostPoint]:
     return [_point(samples[cell]) for cell in grid]
 
 
-def measure_loop_overhead(config: EngineConfig, model: CostModel, context: int = 16) -> float:
-    """Per step, what a real engine-core process takes beyond `model`'s in-process cost.
+def measure_loop_overhead(config: EngineConfig, step_cost: StepCost, context: int = 16) -> float:
+    """Per step, what a real engine-core process takes beyond `step_cost`'s in-process cost.
 
     One request of `context` tokens decodes LOOP_DECODE_TOKENS tokens, one step each;
     from sending it to its last output, over that many steps (the send and the last
@@ -212,15 +213,15 @@ def measure_loop_overhead(config: EngineConfig, model: CostModel, context: int =
             )
     finally:
         client.shutdown()
-    in_process = model.cost_s(StepShape(context, 0, 0)) + sum(
-        model.cost_s(StepShape(0, 1, context + i)) for i in range(LOOP_DECODE_TOKENS - 1)
+    in_process = step_cost.cost_s(StepShape(context, 0, 0)) + sum(
+        step_cost.cost_s(StepShape(0, 1, context + i)) for i in range(LOOP_DECODE_TOKENS - 1)
     )
     return max(0.0, (end - start - in_process) / LOOP_DECODE_TOKENS)
 
 
 def calibrate(
     options: CalibrateOptions, log: Callable[[str], None] = lambda line: None
-) -> CostProfile:
+) -> Calibration:
     """Measure, fit, and (if asked) add the real process loop's per-step overhead."""
     config = options.engine_config()
     bench = _Bench(config)
@@ -231,12 +232,12 @@ def calibrate(
         device, dtype = _where(bench)
     finally:
         bench.close()
-    model = fit_cost_model(points)
-    overhead = measure_loop_overhead(config, model) if options.loop_overhead else 0.0
+    step_cost = fit_step_cost(points)
+    overhead = measure_loop_overhead(config, step_cost) if options.loop_overhead else 0.0
     if overhead:
-        model = replace(model, base_s=model.base_s + overhead)
-    return CostProfile(
-        model=model,
+        step_cost = replace(step_cost, base_s=step_cost.base_s + overhead)
+    return Calibration(
+        step_cost=step_cost,
         points=tuple(points),
         runner=options.runner,
         model_preset=options.model,
@@ -269,25 +270,25 @@ def _torch_version(runner: str) -> str | None:
     return torch.__version__
 
 
-def format_profile(profile: CostProfile) -> list[str]:
-    """The profile as lines: where, the fitted model, each point measured against the fit."""
-    m = profile.model
+def format_calibration(calibration: Calibration) -> list[str]:
+    """The calibration as lines: where, the fitted step cost, each point against the fit."""
+    c, m = calibration, calibration.step_cost
     lines = [
-        f"runner {profile.runner}, model {profile.model_preset}, device {profile.device}, "
-        f"dtype {profile.dtype}, torch {profile.torch_version or '-'}",
+        f"runner {c.runner}, model {c.model_preset}, device {c.device}, "
+        f"dtype {c.dtype}, torch {c.torch_version or '-'}",
         f"step cost = {m.base_s * 1e6:.1f} us + {m.per_prefill_token_s * 1e6:.4f} us/prefill token"
         f" + {m.per_decode_seq_s * 1e6:.3f} us/decode seq + {m.per_context_token_s * 1e6:.5f}"
-        f" us/context token (base includes {profile.loop_overhead_s * 1e6:.1f} us of process loop)",
+        f" us/context token (base includes {c.loop_overhead_s * 1e6:.1f} us of process loop)",
         f"{'prefill':>8} {'decode':>7} {'context':>8} {'measured us':>12} {'fit us':>9}",
     ]
-    for p in profile.points:
+    for p in c.points:
         s = p.shape
-        fit = m.cost_s(s) - profile.loop_overhead_s
+        fit = m.cost_s(s) - c.loop_overhead_s
         lines.append(
             f"{s.num_prefill_tokens:>8} {s.num_decode_seqs:>7} {s.num_context_tokens:>8} "
             f"{p.seconds * 1e6:>12.1f} {fit * 1e6:>9.1f}"
         )
-    lines.append(f"worst relative error of the fit: {profile.max_relative_error():.0%}")
+    lines.append(f"worst relative error of the fit: {c.max_relative_error():.0%}")
     return lines
 
 
@@ -306,20 +307,20 @@ def calibrate_main(
 
 
 def write_calibration(options: CalibrateOptions, output: Path, echo: Callable[[str], None]) -> int:
-    """Measure, write the profile to `output`, print it."""
-    profile = calibrate(options, echo)
-    profile.save(output)
-    for line in format_profile(profile):
+    """Measure, write the calibration to `output`, print it."""
+    calibration = calibrate(options, echo)
+    calibration.save(output)
+    for line in format_calibration(calibration):
         echo(line)
-    error = profile.max_relative_error()
+    error = calibration.max_relative_error()
     if error > MAX_FIT_ERROR:
         echo(
             f"warning: the fit is off by up to {error:.0%} (over {MAX_FIT_ERROR:.0%}): the step "
             f"timings were noisy; calibrate again with more --reps (now {options.num_reps}) on a "
-            f"quieter machine (fewer jobs beside it) before trusting this profile"
+            f"quieter machine (fewer jobs beside it) before trusting this calibration"
         )
     echo(
-        f"wrote {output}; use it with: kvdrain replay TRACE --cost-profile {output} (the wall "
-        f"clock's expected windows; with --clock virtual, its step costs)"
+        f"wrote {output}; use it with: kvdrain replay TRACE --calibration {output} (the wall "
+        f"clock's forecast of its idle windows; with --clock virtual, its step costs)"
     )
     return 0

@@ -96,7 +96,7 @@ def replay_config(
             http=http,
             shaping=o.shaping,
             verify=o.verification.options(o.clock, is_serve_recording),
-            cost_profile=cost_profile(o.sizing.cost_profile_path),
+            calibration=load_calibration(o.sizing.calibration_path),
             target_auth=o.auth,
             check_outputs=o.verification.check_outputs,
         )
@@ -195,12 +195,12 @@ def apply_profile(engine: EngineConfig, name: str | None, keep: set[str]) -> Eng
         raise click.UsageError(f"--profile {name}: {e}") from None
 
 
-def cost_profile(path: Path | None):
+def load_calibration(path: Path | None):
     if path is None:
         return None
-    from replay.sim.cost import CostProfile
+    from replay.sim.cost import Calibration
 
     try:
-        return CostProfile.load(path)
+        return Calibration.load(path)
     except ValueError as e:
-        raise click.UsageError(f"--cost-profile: {e}") from None
+        raise click.UsageError(f"--calibration: {e}") from None

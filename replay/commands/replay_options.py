@@ -16,11 +16,12 @@ import click
 
 from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
 from replay.commands.groups import IDLE_THRESHOLD, Engines, TraceInput
-from replay.commands.options import OptionGroup, is_given
+from replay.commands.options import OptionGroup, is_given, renamed_option, take_renamed
 from replay.runtime.startup import START_LIMIT_S
 from replay.vllm.options import DEFAULT_VENV, ENGINES, VllmOptions
 
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
+CALIBRATION_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 PLOT_SUFFIX = ".png"
 
@@ -360,10 +361,18 @@ DISPLAY = OptionGroup(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sizing:
-    """--profile and --cost-profile: engine sizes like a real deployment's, step costs measured."""
+    """--profile and --calibration: engine sizes like a real deployment's, step costs
+    measured."""
 
     profile_name: str | None
-    cost_profile_path: Path | None
+    calibration_path: Path | None
+
+
+def _sizing(profile_name: str | None, calibration_path: Path | None, cost_profile: Path | None):
+    calibration_path = take_renamed(
+        "--cost-profile", "--calibration", cost_profile, calibration_path
+    )
+    return Sizing(profile_name=profile_name, calibration_path=calibration_path)
 
 
 SIZING = OptionGroup(
@@ -381,15 +390,18 @@ SIZING = OptionGroup(
             f"wall clock].",
         ),
         click.option(
-            "--cost-profile",
-            "cost_profile_path",
+            "--calibration",
+            "calibration_path",
             default=None,
-            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            type=CALIBRATION_FILE,
             help="Step costs measured by `kvdrain calibrate`: the virtual clock's, and the "
-            "wall clock's model of its expected idle windows.",
+            "wall clock's forecast of its idle windows.",
+        ),
+        renamed_option(
+            "--cost-profile", "--calibration", "calibration_path", type=CALIBRATION_FILE
         ),
     ),
-    build=lambda **values: Sizing(**values),
+    build=_sizing,
 )
 
 

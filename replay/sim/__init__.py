@@ -2,7 +2,7 @@
 
 - options: what a simulation is set by;
 - clock: the discrete-event loop;
-- cost: the step-cost model, fitted from a measured profile;
+- cost: the step cost, fitted from a calibration;
 - engine: one simulated engine (EngineCore's busy loop on virtual time);
 - decode_run: a run of plain decode steps skipped as one (its step times and outputs);
 - kv_worker: the connector worker on virtual time;

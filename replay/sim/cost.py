@@ -1,4 +1,4 @@
-"""The virtual clock's step-cost model, fitted from a measured profile. Runs in: frontend process.
+"""The virtual clock's step cost, fitted from a calibration. Runs in: frontend process.
 
 A step's cost is linear in its shape, what the scheduler handed the runner:
 
@@ -7,10 +7,10 @@ A step's cost is linear in its shape, what the scheduler handed the runner:
 
 A chunk of one token is a decode (the runner batches them first); num_context_tokens
 counts the tokens already in the KV cache that the step's chunks attend to. `kvdrain
-calibrate` (replay/commands/calibrate.py) times real steps on a device, fits this model
-(least squares on relative error, every coefficient >= 0) and writes a CostProfile as
-JSON; `replay --cost-profile FILE` loads it: the virtual clock's step costs, and the
-wall clock's model of the expected idle windows (replay/verify/coverage.py), so a slow
+calibrate` (replay/commands/calibrate.py) times real steps on a device, fits this step
+cost (least squares on relative error, every coefficient >= 0) and writes a Calibration
+as JSON; `replay --calibration FILE` loads it: the virtual clock's step costs, and the
+wall clock's forecast of the idle windows (replay/verify/coverage.py), so a slow
 machine's windows are expected where its engines can really idle. Pure: no torch, no clock.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine.core.outputs import SchedulerOutput
 
-PROFILE_VERSION = 1
+CALIBRATION_VERSION = 1  # its file's "kvdrain_cost_profile"
 FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_context_tokens")
 COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_context_token_s")
 MIN_BASE_S = 1e-9  # a step always takes some virtual time
@@ -53,7 +53,7 @@ class StepShape:
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
+class StepCost:
     """Seconds per step as a linear function of its StepShape."""
 
     base_s: float
@@ -66,7 +66,7 @@ class CostModel:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= (MIN_BASE_S if name == "base_s" else 0)):
                 raise ValueError(
-                    f"cost model: {name} must be finite and >= "
+                    f"step cost: {name} must be finite and >= "
                     f"{MIN_BASE_S if name == 'base_s' else 0}, got {value!r}"
                 )
 
@@ -86,7 +86,7 @@ class CostPoint:
     num_samples: int = 1
 
 
-def fit_cost_model(points: list[CostPoint]) -> CostModel:
+def fit_step_cost(points: list[CostPoint]) -> StepCost:
     """Least squares on relative error, every coefficient >= 0 (an active set).
 
     A coefficient the unconstrained fit makes negative is fixed at 0 and the rest refit,
@@ -106,7 +106,7 @@ def fit_cost_model(points: list[CostPoint]) -> CostModel:
     for value, j in zip(solution, free):
         coefficients[j] = value
     coefficients[0] = max(coefficients[0], MIN_BASE_S)
-    return CostModel(*coefficients)
+    return StepCost(*coefficients)
 
 
 def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
@@ -131,10 +131,10 @@ def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CostProfile:
-    """A calibration: where it was measured, the points, and the fitted model."""
+class Calibration:
+    """A calibration: where it was measured, the points, and the fitted step cost."""
 
-    model: CostModel
+    step_cost: StepCost
     points: tuple[CostPoint, ...]
     runner: str  # "torch" | "mock"
     model_preset: str
@@ -147,7 +147,7 @@ class CostProfile:
         """The fit's worst relative error over the measured points (loop overhead aside)."""
         return max(
             (
-                abs(self.model.cost_s(p.shape) - self.loop_overhead_s - p.seconds) / p.seconds
+                abs(self.step_cost.cost_s(p.shape) - self.loop_overhead_s - p.seconds) / p.seconds
                 for p in self.points
             ),
             default=0.0,
@@ -155,14 +155,14 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return {
-            "kvdrain_cost_profile": PROFILE_VERSION,
+            "kvdrain_cost_profile": CALIBRATION_VERSION,
             "runner": self.runner,
             "model_preset": self.model_preset,
             "device": self.device,
             "dtype": self.dtype,
             "torch_version": self.torch_version,
             "loop_overhead_s": self.loop_overhead_s,
-            "cost_model": asdict(self.model),
+            "cost_model": asdict(self.step_cost),
             "max_relative_error": round(self.max_relative_error(), 4),
             "points": [
                 {**asdict(p.shape), "seconds": p.seconds, "num_samples": p.num_samples}
@@ -171,12 +171,15 @@ class CostProfile:
         }
 
     @staticmethod
-    def from_dict(data: dict) -> CostProfile:
+    def from_dict(data: dict) -> Calibration:
         """The inverse of to_dict; ValueError naming what is wrong."""
-        if not isinstance(data, dict) or data.get("kvdrain_cost_profile") != PROFILE_VERSION:
-            raise ValueError(f"cost profile: not a version {PROFILE_VERSION} kvdrain cost profile")
+        if not isinstance(data, dict) or data.get("kvdrain_cost_profile") != CALIBRATION_VERSION:
+            raise ValueError(
+                f"calibration: not a version {CALIBRATION_VERSION} kvdrain calibration "
+                f"(`kvdrain calibrate` writes one)"
+            )
         try:
-            model = CostModel(**{name: float(data["cost_model"][name]) for name in COEFFICIENTS})
+            step_cost = StepCost(**{name: float(data["cost_model"][name]) for name in COEFFICIENTS})
             points = tuple(
                 CostPoint(
                     StepShape(*(int(p[f]) for f in FEATURES)),
@@ -185,8 +188,8 @@ class CostProfile:
                 )
                 for p in data["points"]
             )
-            return CostProfile(
-                model=model,
+            return Calibration(
+                step_cost=step_cost,
                 points=points,
                 runner=str(data["runner"]),
                 model_preset=str(data["model_preset"]),
@@ -196,26 +199,26 @@ class CostProfile:
                 loop_overhead_s=float(data["loop_overhead_s"]),
             )
         except (KeyError, TypeError) as e:
-            raise ValueError(f"cost profile: malformed: missing or bad {e}") from None
+            raise ValueError(f"calibration: malformed: missing or bad {e}") from None
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @staticmethod
-    def load(path: Path) -> CostProfile:
+    def load(path: Path) -> Calibration:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cost profile {path}: {e}") from None
-        return CostProfile.from_dict(data)
+            raise ValueError(f"calibration {path}: {e}") from None
+        return Calibration.from_dict(data)
 
     def describe(self) -> dict:
-        """What a replay report says about the profile it ran with."""
+        """What a replay report says about the calibration it ran with."""
         return {
             "runner": self.runner,
             "model_preset": self.model_preset,
             "device": self.device,
             "dtype": self.dtype,
             "torch_version": self.torch_version,
-            **asdict(self.model),
+            **asdict(self.step_cost),
         }

@@ -3,7 +3,7 @@
 engine/core/decode_run.py says how many plain decode steps follow a plain one and makes
 them at once; replay/sim/engine.py skips them as one run. Each skipped step starts
 when the one before it ends (the loop steps again at once after a model step) and
-costs what the step cost model says of its shape (one token per running request,
+costs what the step cost says of its shape (one token per running request,
 every request's context one token longer than in the step before). The run ends
 before the connector's next timed action (a heartbeat due, a lease to reap), which
 a step starting at or after it would take.

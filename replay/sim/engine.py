@@ -3,7 +3,7 @@
 Each engine is an EngineCore driven as engine/proc/core_proc.py drives it. A step starts by
 draining the frontend input and runs at that instant; its outputs and its stats are
 published `cost` later (step_base_s + step_per_token_s * tokens, or a calibrated
-CostModel's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
+StepCost's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
 Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
 WAIT_INPUT (only an input wakes it: connector reports pile up unread, no lease is
 reaped); WAIT_ANY (an input, a report, or the connector's next timed action wakes it:
@@ -71,7 +71,7 @@ MAX_RUN_STEPS = 4096  # a run's steps are planned one by one: a bound on that wo
 
 
 class _TimedRunner:
-    """The mock runner, noting what the cost model and the no-op test need."""
+    """The mock runner, noting what the step cost and the no-op test need."""
 
     def __init__(self, config: EngineConfig) -> None:
         # Every prompt reaches a simulated engine checked against the vocabulary (the
@@ -82,7 +82,7 @@ class _TimedRunner:
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_tokens = sched_out.total_num_scheduled_tokens
-        self.sched_out = sched_out  # its shape (a calibrated cost model), what it shipped
+        self.sched_out = sched_out  # its shape (for a calibrated step cost), what it shipped
         return self.runner.execute(sched_out)
 
     def ran_nothing(self) -> bool:
@@ -291,20 +291,20 @@ class SimEngine:
         )
 
     def _cost(self, tokens: int) -> int:
-        """The step's virtual ns: zero_step_s without tokens, else the cost model's."""
-        model = self.options.cost_model
+        """The step's virtual ns: zero_step_s without tokens, else its step cost."""
+        step_cost = self.options.step_cost
         if not tokens:
             return self.zero
-        if model is None:
+        if step_cost is None:
             return self.base + self.per_token * tokens
-        return to_ns(model.cost_s(StepShape.of(self.runner.sched_out)))
+        return to_ns(step_cost.cost_s(StepShape.of(self.runner.sched_out)))
 
     def _decode_cost(self, num_decodes: int, num_context_tokens: int) -> int:
         """_cost of a plain decode step of that shape."""
-        model = self.options.cost_model
-        if model is None:
+        step_cost = self.options.step_cost
+        if step_cost is None:
             return self.base + self.per_token * num_decodes
-        return to_ns(model.cost_s(StepShape(0, num_decodes, num_context_tokens)))
+        return to_ns(step_cost.cost_s(StepShape(0, num_decodes, num_context_tokens)))
 
     def _step_end(self, result: _StepResult) -> None:
         self.stats = result.stats

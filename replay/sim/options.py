@@ -1,8 +1,8 @@
-"""What a simulation is set by: the engines' own config, the topology and the latency model. Runs in: frontend process.
+"""What a simulation is set by: the engines' own config, the topology and the latencies. Runs in: frontend process.
 
 The one home of a simulator setting. Engine and KV-transfer settings are the same
 EngineConfig and KVTransferConfig the wall clock runs (the replay passes its own in);
-only what the virtual clock models (latencies, step costs, sampling) lives here.
+only what the virtual clock simulates (latencies, step costs, sampling) lives here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.pd_flow import parse_topology
 from replay.deploy.placement import RouterPolicy
-from replay.sim.cost import CostModel
+from replay.sim.cost import StepCost
 
 
 def _default_engine() -> EngineConfig:
@@ -21,7 +21,7 @@ def _default_engine() -> EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class SimOptions:
-    """Engine and KV-transfer config, topology, and the latency model (seconds)."""
+    """Engine and KV-transfer config, topology, and the latencies (seconds)."""
 
     engine: EngineConfig = field(default_factory=_default_engine)  # per engine; runner: mock
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)  # the connector factory too
@@ -37,7 +37,7 @@ class SimOptions:
     zero_step_s: float = 0.0001  # a step with no forward: the worker round trip
     # A calibrated step cost (replay/sim/cost.py, `kvdrain calibrate`) in place of
     # step_base_s + step_per_token_s * tokens; None: those two.
-    cost_model: CostModel | None = None
+    step_cost: StepCost | None = None
     sample_interval_s: float = 0.1
     tail_s: float = 5.0  # observed after the last request ends
     # Skip steps whose outcome is known (replay/sim/engine.py): idle poll/spin steps, and

@@ -3,7 +3,7 @@
 No sleeping and no wall clock: replay/sim/clock.py is the event loop (integer
 nanoseconds, ties resolved the same way every run); replay/sim/kv_worker.py the KV
 connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
-engine/proc/core_proc.py does, with a step cost model and the fast-forward over provably
+engine/proc/core_proc.py does, with a step cost and the fast-forward over provably
 idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (its
 request records; the P/D proxy is replay/deploy/pd_flow.py's Routing, the live router's
 too), and the run that feeds the trace one record at a time.

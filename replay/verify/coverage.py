@@ -3,7 +3,7 @@
 A verdict must say what it covered. Before a run, every gap between two arrivals of
 the shaped trace at least idle_threshold_s long (and the tail) is a candidate; the
 forecast of these engines (the virtual clock: the same EngineCore, the mock runner and its
-step-cost model, calibrated for this machine with --cost-profile, no lag by construction)
+step cost, calibrated for this machine with --calibration, no lag by construction)
 says which candidates become idle windows:
 those where its requests have all ended at least idle_threshold_s before the next
 arrival. Those are the EXPECTED windows. After the run each candidate is

@@ -570,8 +570,8 @@ def is_too_short(window: IdleWindow, deadline_s: float, coverage: Sequence[Windo
 
 MISSED_PREFIX = "expected window not observed"
 LAG_ADVICE = (
-    "to cover the windows the engines' lag swallowed: model this machine's step costs "
-    "(`kvdrain calibrate -o FILE`, then --cost-profile FILE), replay on the virtual clock "
+    "to cover the windows the engines' lag swallowed: measure this machine's step costs "
+    "(`kvdrain calibrate -o FILE`, then --calibration FILE), replay on the virtual clock "
     "(--clock virtual), give the engines CPU, widen the gaps (--max-gap, or a larger "
     "--idle-threshold), or accept what was observed with --min-coverage F"
 )

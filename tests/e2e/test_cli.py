@@ -366,9 +366,9 @@ def test_every_engine_option_set_with_target_is_refused(option):
         value = ["2p2d"]
     else:
         value = ["2"]
-    if option.name in ("model", "cost_profile_path"):
+    if option.name in ("model", "calibration_path", "cost_profile"):
         pytest.skip(
-            "--model names the served model over HTTP; --cost-profile models a target's "
+            "--model names the served model over HTTP; --calibration forecasts a target's "
             "expected windows too"
         )
     result = invoke("replay", str(EXAMPLE), "--target", "tcp://127.0.0.1:9", option.opts[0], *value)

@@ -1,4 +1,4 @@
-"""`kvdrain calibrate`'s output: a profile whose fit is poor says so and what to do."""
+"""`kvdrain calibrate`'s output: a calibration whose fit is poor says so and what to do."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ from pathlib import Path
 
 from replay.commands import calibrate as calibrate_module
 from replay.commands.calibrate import CalibrateOptions, write_calibration
-from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape
+from replay.sim.cost import Calibration, CostPoint, StepCost, StepShape
 
 
-def profile_with_worst_error(measured_s: float) -> CostProfile:
+def calibration_with_worst_error(measured_s: float) -> Calibration:
     """A fit of 100 us per step against one point measured at 100 us and one at measured_s."""
     points = (
         CostPoint(shape=StepShape(num_decode_seqs=1), seconds=100e-6),
         CostPoint(shape=StepShape(num_decode_seqs=4), seconds=measured_s),
     )
-    return CostProfile(
-        model=CostModel(base_s=100e-6),
+    return Calibration(
+        step_cost=StepCost(base_s=100e-6),
         points=points,
         runner="mock",
         model_preset="tiny",
@@ -28,7 +28,9 @@ def profile_with_worst_error(measured_s: float) -> CostProfile:
 
 def run_main(monkeypatch, tmp_path: Path, measured_s: float, reps: int) -> list[str]:
     monkeypatch.setattr(
-        calibrate_module, "calibrate", lambda options, echo: profile_with_worst_error(measured_s)
+        calibrate_module,
+        "calibrate",
+        lambda options, echo: calibration_with_worst_error(measured_s),
     )
     lines: list[str] = []
     assert (

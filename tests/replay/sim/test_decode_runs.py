@@ -10,7 +10,7 @@ import pytest
 
 from engine.core import decode_run
 from replay.sim.clock import TICK, to_ns
-from replay.sim.cost import CostModel
+from replay.sim.cost import StepCost
 from replay.sim.decode_run import DecodeRun
 from replay.sim.options import SimOptions
 from replay.sim.simulation import Simulation
@@ -61,7 +61,7 @@ def num_skipped_steps(monkeypatch):
     return counts
 
 
-COST_MODEL = CostModel(
+STEP_COST = StepCost(
     base_s=0.0031, per_prefill_token_s=1.7e-5, per_decode_seq_s=2.3e-4, per_context_token_s=3.1e-7
 )
 
@@ -79,9 +79,9 @@ COST_MODEL = CostModel(
             {"block_size": 4, "eos_token_id": 30},
         ),  # a block boundary every 4 tokens
         ("event", "1p2d", {"max_model_len": 72, "block_size": 8}),  # length caps
-        ("event", "single", {"cost_model": COST_MODEL}),  # every step its own cost
+        ("event", "single", {"step_cost": STEP_COST}),  # every step its own cost
     ],
-    ids=["pd", "pd_pressure", "legacy_stops", "single_small_blocks", "1p2d_caps", "cost_model"],
+    ids=["pd", "pd_pressure", "legacy_stops", "single_small_blocks", "1p2d_caps", "step_cost"],
 )
 def test_skipped_decode_runs_give_the_timeline_of_every_step_taken(
     seed, liveness, topology, overrides, num_skipped_steps
@@ -90,7 +90,7 @@ def test_skipped_decode_runs_give_the_timeline_of_every_step_taken(
     preemptions, aborts and stops: byte for byte the timeline of the simulation that
     takes every step, and the runs skipped steps."""
     overrides = dict(overrides)
-    cost_model = overrides.pop("cost_model", None)
+    step_cost = overrides.pop("step_cost", None)
     engine = replace(SimOptions().engine, liveness=liveness, **{"num_blocks": 96, **overrides})
     if "eos_token_id" in overrides:  # a small vocabulary: the mock's tokens reach EOS often
         engine = replace(engine, model=replace(engine.model, vocab_size=64))
@@ -99,7 +99,7 @@ def test_skipped_decode_runs_give_the_timeline_of_every_step_taken(
         topology=topology,
         tail_s=1.0,
         sample_interval_s=0.0171,
-        cost_model=cost_model,
+        step_cost=step_cost,
     )
     records = decode_heavy_workload(seed)
     skipped = timeline_json(records, options)

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from engine.config import KVTransferConfig
-from replay.sim.cost import CostModel
+from replay.sim.cost import StepCost
 from replay.sim.options import SimOptions
 from replay.sim.simulation import Simulation
 from replay.trace.reader import TraceAbort, TraceRequest
 
-COST_MODEL = CostModel(
+STEP_COST = StepCost(
     base_s=0.0031, per_prefill_token_s=1.7e-5, per_decode_seq_s=2.3e-4, per_context_token_s=3.1e-7
 )
 
@@ -54,7 +54,7 @@ def random_options(rng: random.Random) -> SimOptions:
         step_base_s=rng.choice([0.004, 0.001, 0.0031]),
         step_per_token_s=rng.choice([0.0, 0.00002]),
         zero_step_s=rng.choice([0.0001, 0.001, 0.004]),
-        cost_model=COST_MODEL if rng.random() < 0.15 else None,
+        step_cost=STEP_COST if rng.random() < 0.15 else None,
         sample_interval_s=rng.choice([0.1, 0.004, 0.001, 0.0171]),
         tail_s=rng.choice([0.0, 0.5, 1.0]),
     )

@@ -1,8 +1,8 @@
-"""Timing fidelity: the virtual clock with a measured mock-runner profile against the wall clock.
+"""Timing fidelity: the virtual clock with a mock-runner calibration against the wall clock.
 
 The bundled example replays in both clocks with the mock runner: the wall clock with
-real engine processes (at 4x speed, so it takes seconds), the virtual clock with a cost
-profile `kvdrain calibrate --runner mock` measures here and now. Both must reach the
+real engine processes (at 4x speed, so it takes seconds), the virtual clock with the
+calibration `kvdrain calibrate --runner mock` measures here and now. Both must reach the
 same verdict over the same idle windows, and every request must end at the same time
 within 20%.
 
@@ -88,8 +88,8 @@ def close(wall_t: float, virtual_t: float, slack: float) -> bool:
 
 
 @pytest.mark.slow
-def test_virtual_clock_with_a_measured_mock_profile_matches_the_wall_clock():
-    profile = calibrate(CalibrateOptions(runner="mock", num_reps=3))
+def test_virtual_clock_with_a_measured_mock_calibration_matches_the_wall_clock():
+    calibration = calibrate(CalibrateOptions(runner="mock", num_reps=3))
     with WakeupProbe() as probe:
         wall = replay("wall")
     if probe.worst_s > MAX_WAKEUP_DELAY_S:
@@ -97,7 +97,7 @@ def test_virtual_clock_with_a_measured_mock_profile_matches_the_wall_clock():
             f"a wake-up was {probe.worst_s * 1e3:.0f} ms late during the wall-clock run: "
             f"this machine is too loaded to judge timing fidelity"
         )
-    virtual = replay("virtual", cost_profile=profile)
+    virtual = replay("virtual", calibration=calibration)
     slack = max(MIN_SLACK_S, 3 * probe.worst_s)
 
     assert (wall.verdict.ok, wall.verdict.exit_code) == (

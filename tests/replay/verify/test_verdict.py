@@ -288,9 +288,9 @@ def test_lag_without_min_coverage_is_inconclusive_and_says_what_to_do():
     verdict = verify(lagged, [], VerifyOptions(), expected)
     assert verdict.status == "inconclusive" and not verdict.partial
     assert verdict.reasons[-1].startswith(
-        "to cover the windows the engines' lag swallowed: model this "
+        "to cover the windows the engines' lag swallowed: measure this "
         "machine's step costs (`kvdrain calibrate -o FILE`, then "
-        "--cost-profile FILE)"
+        "--calibration FILE)"
     )
     assert "(--clock virtual)" in verdict.reasons[-1] and "--min-coverage F" in verdict.reasons[-1]
 

@@ -1,4 +1,4 @@
-"""The virtual clock's calibrated step cost: fit, profile round trip, the simulator's use of it, calibrate."""
+"""The virtual clock's step cost: its fit, the calibration file, the simulator's use of it."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from cli import EXAMPLE, cli
 from engine.config import EngineConfig, get_model_config
 from engine.core.outputs import ScheduledRequest, SchedulerOutput
 from replay.commands.calibrate import CalibrateOptions, calibrate
-from replay.sim.cost import CostModel, CostPoint, CostProfile, StepShape, fit_cost_model
+from replay.sim.cost import Calibration, CostPoint, StepCost, StepShape, fit_step_cost
 from replay.sim.options import SimOptions
 from replay.sim.simulation import simulate
 from replay.trace.reader import read_trace
 from replay.trace.shaping import ShapingOptions, shape
 
-TRUE = CostModel(
+TRUE = StepCost(
     base_s=1e-3, per_prefill_token_s=5e-6, per_decode_seq_s=2e-5, per_context_token_s=1.5e-7
 )
 GRID = [
@@ -69,7 +69,7 @@ def test_step_shape_counts_prefill_tokens_decode_seqs_and_context():
 
 def test_fit_recovers_exact_coefficients():
     points = [CostPoint(s, TRUE.cost_s(s)) for s in GRID]
-    fitted = fit_cost_model(points)
+    fitted = fit_step_cost(points)
     for got, want in zip(fitted.coefficients(), TRUE.coefficients()):
         assert got == pytest.approx(want, rel=1e-6)
 
@@ -77,7 +77,7 @@ def test_fit_recovers_exact_coefficients():
 def test_fit_with_noise_stays_within_the_noise():
     rng = random.Random(7)
     points = [CostPoint(s, TRUE.cost_s(s) * rng.uniform(0.97, 1.03)) for s in GRID]
-    fitted = fit_cost_model(points)
+    fitted = fit_step_cost(points)
     for s in GRID:
         assert fitted.cost_s(s) == pytest.approx(TRUE.cost_s(s), rel=0.06)
 
@@ -87,29 +87,29 @@ def test_fit_keeps_every_coefficient_non_negative():
     points = [
         CostPoint(s, 1e-3 + 1e-5 * s.num_decode_seqs - 1e-9 * s.num_context_tokens) for s in GRID
     ]
-    fitted = fit_cost_model(points)
+    fitted = fit_step_cost(points)
     assert fitted.per_context_token_s == 0.0
     assert all(c >= 0 for c in fitted.coefficients()) and fitted.base_s > 0
 
 
 def test_fit_of_a_feature_no_point_varies_is_zero():
     points = [CostPoint(StepShape(n, 0, 0), 2e-4 + 1e-6 * n) for n in (16, 64, 256)]
-    fitted = fit_cost_model(points)
+    fitted = fit_step_cost(points)
     assert (fitted.per_decode_seq_s, fitted.per_context_token_s) == (0.0, 0.0)
     assert fitted.per_prefill_token_s == pytest.approx(1e-6)
 
 
 def test_fit_refuses_no_points_or_non_positive_times():
     with pytest.raises(ValueError):
-        fit_cost_model([])
+        fit_step_cost([])
     with pytest.raises(ValueError):
-        fit_cost_model([CostPoint(StepShape(16), 0.0)])
+        fit_step_cost([CostPoint(StepShape(16), 0.0)])
 
 
-def profile() -> CostProfile:
+def calibration() -> Calibration:
     points = tuple(CostPoint(s, TRUE.cost_s(s), 5) for s in GRID)
-    return CostProfile(
-        model=TRUE,
+    return Calibration(
+        step_cost=TRUE,
         points=points,
         runner="torch",
         model_preset="tiny",
@@ -120,12 +120,12 @@ def profile() -> CostProfile:
     )
 
 
-def test_profile_save_load_round_trip(tmp_path: Path):
-    path = tmp_path / "profile.json"
-    profile().save(path)
-    loaded = CostProfile.load(path)
-    assert loaded == profile()
-    assert loaded.model.cost_s(StepShape(256, 4, 1000)) == TRUE.cost_s(StepShape(256, 4, 1000))
+def test_calibration_save_load_round_trip(tmp_path: Path):
+    path = tmp_path / "calibration.json"
+    calibration().save(path)
+    loaded = Calibration.load(path)
+    assert loaded == calibration()
+    assert loaded.step_cost.cost_s(StepShape(256, 4, 1000)) == TRUE.cost_s(StepShape(256, 4, 1000))
     data = json.loads(path.read_text())
     assert data["kvdrain_cost_profile"] == 1 and data["cost_model"]["base_s"] == TRUE.base_s
 
@@ -140,15 +140,15 @@ def test_profile_save_load_round_trip(tmp_path: Path):
         lambda d: d["points"][0].pop("seconds"),
     ],
 )
-def test_profile_refuses_malformed_data(mutate, tmp_path: Path):
-    data = profile().to_dict()
+def test_calibration_refuses_malformed_data(mutate, tmp_path: Path):
+    data = calibration().to_dict()
     mutate(data)
-    with pytest.raises(ValueError, match="cost"):
-        CostProfile.from_dict(data)
+    with pytest.raises(ValueError, match="calibration|step cost"):
+        Calibration.from_dict(data)
     path = tmp_path / "bad.json"
     path.write_text("{not json")
-    with pytest.raises(ValueError, match="cost profile"):
-        CostProfile.load(path)
+    with pytest.raises(ValueError, match="calibration"):
+        Calibration.load(path)
 
 
 def example_timeline(**options):
@@ -156,25 +156,25 @@ def example_timeline(**options):
     return simulate(records, SimOptions(engine=EngineConfig(num_blocks=512), **options))
 
 
-def test_a_cost_model_equal_to_the_default_gives_the_same_timeline():
+def test_a_step_cost_equal_to_the_default_gives_the_same_timeline():
     default = SimOptions()
-    same = CostModel(
+    same = StepCost(
         base_s=default.step_base_s,
         per_prefill_token_s=default.step_per_token_s,
         per_decode_seq_s=default.step_per_token_s,
     )
-    modelled, default_run = (
-        example_timeline(cost_model=same).to_dict(),
+    calibrated, default_run = (
+        example_timeline(step_cost=same).to_dict(),
         example_timeline().to_dict(),
     )
-    assert modelled["meta"].pop("cost_model") == asdict(same)
-    assert default_run["meta"].pop("cost_model") is None
-    assert modelled == default_run
+    assert calibrated["meta"].pop("step_cost") == asdict(same)
+    assert default_run["meta"].pop("step_cost") is None
+    assert calibrated == default_run
 
 
-def test_the_cost_model_sets_step_times():
-    fast = example_timeline(cost_model=CostModel(base_s=1e-4))
-    slow = example_timeline(cost_model=CostModel(base_s=1e-4, per_decode_seq_s=1e-2))
+def test_the_step_cost_sets_step_times():
+    fast = example_timeline(step_cost=StepCost(base_s=1e-4))
+    slow = example_timeline(step_cost=StepCost(base_s=1e-4, per_decode_seq_s=1e-2))
     for f, s in zip(fast.requests, slow.requests):
         assert f.req_id == s.req_id and f.output_digest == s.output_digest
         # Each of D's decode steps costs 10 ms more: at least that per token after the first.
@@ -206,7 +206,7 @@ def test_calibrate_the_mock_runner_measures_every_grid_cell():
         None,
         0.0,
     )
-    assert result.model.base_s > 0
+    assert result.step_cost.base_s > 0
 
 
 def test_calibrate_refuses_a_bad_grid():
@@ -220,14 +220,14 @@ def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_cli_calibrate_then_replay_with_the_profile(tmp_path: Path):
+def test_cli_calibrate_then_replay_with_the_calibration(tmp_path: Path):
     path, report = tmp_path / "mock.json", tmp_path / "report.json"
     result = invoke(
         "calibrate", "--runner", "mock", "--reps", "1", "--no-loop-overhead", "-o", str(path)
     )
     assert result.exit_code == 0, result.output
     assert "step cost =" in result.output and "Example" in invoke("calibrate", "--help").output
-    loaded = CostProfile.load(path)
+    loaded = Calibration.load(path)
     replayed = invoke(
         "replay",
         str(EXAMPLE),
@@ -236,83 +236,104 @@ def test_cli_calibrate_then_replay_with_the_profile(tmp_path: Path):
         "--runner",
         "mock",
         "--no-live",
-        "--cost-profile",
+        "--calibration",
         str(path),
         "--report",
         str(report),
     )
     assert replayed.exit_code == 0, replayed.output
     settings = json.loads(report.read_text())["settings"]
-    assert settings["cost_profile"]["base_s"] == loaded.model.base_s
+    assert settings["cost_profile"]["base_s"] == loaded.step_cost.base_s  # the key keeps its name
 
 
-def test_cli_cost_profile_usage_errors(tmp_path: Path):
+def test_the_old_cost_profile_flag_still_works_and_says_it_is_deprecated(tmp_path: Path):
+    path, report = tmp_path / "c.json", tmp_path / "report.json"
+    calibration().save(path)
+    result = CliRunner().invoke(
+        cli,
+        ["replay", str(EXAMPLE), "--clock", "virtual", "--no-live", "--cost-profile", str(path)]
+        + ["--report", str(report)],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "kvdrain: --cost-profile is deprecated, use --calibration (it means the same)"
+    ]
+    assert json.loads(report.read_text())["settings"]["cost_profile"]["base_s"] == TRUE.base_s
+    both = invoke("replay", str(EXAMPLE), "--cost-profile", str(path), "--calibration", str(path))
+    assert both.exit_code == 2 and "give --calibration alone" in both.output
+
+
+def test_cli_calibration_usage_errors(tmp_path: Path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    profile().save(good)  # measured on the torch runner
+    calibration().save(good)  # measured on the torch runner
     bad.write_text(json.dumps({"kvdrain_cost_profile": 1}))
     other = invoke(
-        "replay", str(EXAMPLE), "--runner", "mock", "--cost-profile", str(good), "--no-live"
+        "replay", str(EXAMPLE), "--runner", "mock", "--calibration", str(good), "--no-live"
     )
     assert other.exit_code == 2 and "runner torch" in other.output and "runner mock" in other.output
     assert "kvdrain calibrate --runner mock" in other.output
     broken = invoke(
-        "replay", str(EXAMPLE), "--clock", "virtual", "--cost-profile", str(bad), "--no-live"
+        "replay", str(EXAMPLE), "--clock", "virtual", "--calibration", str(bad), "--no-live"
     )
-    assert broken.exit_code == 2 and "--cost-profile" in broken.output
+    assert broken.exit_code == 2 and "--calibration" in broken.output
 
 
-def test_replay_config_takes_a_profile_for_either_clock_refusing_one_of_another_runner():
+def test_replay_config_takes_a_calibration_for_either_clock_refusing_one_of_another_runner():
     from replay.pipeline import ReplayConfig
 
-    assert ReplayConfig(trace=EXAMPLE, clock="virtual", cost_profile=profile()).cost_profile
+    assert ReplayConfig(trace=EXAMPLE, clock="virtual", calibration=calibration()).calibration
     assert ReplayConfig(
         trace=EXAMPLE,
         clock="wall",
         engine=EngineConfig(runner="torch", device="cpu"),
-        cost_profile=profile(),
-    ).cost_profile
+        calibration=calibration(),
+    ).calibration
     assert ReplayConfig(
         trace=EXAMPLE,
         clock="wall",
         engine=EngineConfig(runner="mock"),
         target="tcp://127.0.0.1:5555",
-        cost_profile=profile(),
-    ).cost_profile
+        calibration=calibration(),
+    ).calibration
     with pytest.raises(ValueError, match="runner torch, model tiny.*runner mock"):
         ReplayConfig(
-            trace=EXAMPLE, clock="wall", engine=EngineConfig(runner="mock"), cost_profile=profile()
+            trace=EXAMPLE,
+            clock="wall",
+            engine=EngineConfig(runner="mock"),
+            calibration=calibration(),
         )
     with pytest.raises(ValueError, match="model small"):
         ReplayConfig(
             trace=EXAMPLE,
             clock="wall",
             engine=EngineConfig(runner="torch", model=get_model_config("small")),
-            cost_profile=profile(),
+            calibration=calibration(),
         )
-    # a GPU's step costs would model windows a CPU's lag swallows; an unknown model, any model
-    on_gpu = replace(profile(), device="cuda:0")
+    # a GPU's step costs would forecast windows a CPU's lag swallows; an unknown model, any model
+    on_gpu = replace(calibration(), device="cuda:0")
     with pytest.raises(ValueError, match="device cuda:0.*device cpu"):
         ReplayConfig(
             trace=EXAMPLE,
             clock="wall",
             engine=EngineConfig(runner="torch", device="cpu"),
-            cost_profile=on_gpu,
+            calibration=on_gpu,
         )
     with pytest.raises(ValueError, match="model custom-7b"):
         ReplayConfig(
             trace=EXAMPLE,
             clock="wall",
             engine=EngineConfig(runner="torch", device="cpu"),
-            cost_profile=replace(profile(), model_preset="custom-7b"),
+            calibration=replace(calibration(), model_preset="custom-7b"),
         )
 
 
-SLOW_STEP_S = 0.25  # a calibrated step cost far above the default model's 4 ms
+SLOW_STEP_S = 0.25  # a calibrated step cost far above the default's 4 ms
 
 
-def model_quiet_of_the_gap(tmp_path: Path, cost_profile: CostProfile | None) -> float:
-    """A wall replay (mock runner) of one request at t=0 and one at 1.5 s: when the model
-    behind its expected windows had the first request ended (the run's quiet minus its lag)."""
+def forecast_quiet_of_the_gap(tmp_path: Path, calibration: Calibration | None) -> float:
+    """A wall replay (mock runner) of one request at t=0 and one at 1.5 s: when the
+    forecast behind its expected windows had the first request ended (the run's quiet
+    minus its lag)."""
     from replay.pipeline import ReplayConfig, run_replay
     from replay.verify.rules import VerifyOptions
 
@@ -330,7 +351,7 @@ def model_quiet_of_the_gap(tmp_path: Path, cost_profile: CostProfile | None) -> 
             engine=EngineConfig(runner="mock", num_blocks=256),
             tail_s=0.5,
             verify=VerifyOptions(0.5, 0.25, 2),
-            cost_profile=cost_profile,
+            calibration=calibration,
         )
     )
     gap = next(c for c in result.verdict.coverage if not c.is_tail and not c.engine)
@@ -340,9 +361,9 @@ def model_quiet_of_the_gap(tmp_path: Path, cost_profile: CostProfile | None) -> 
     return gap.quiet_from - gap.lag_s
 
 
-def test_a_wall_replay_models_its_expected_windows_with_the_cost_profile(tmp_path: Path):
-    slow = CostProfile(
-        model=CostModel(base_s=SLOW_STEP_S),
+def test_a_wall_replay_forecasts_its_idle_windows_with_the_calibration(tmp_path: Path):
+    slow = Calibration(
+        step_cost=StepCost(base_s=SLOW_STEP_S),
         points=(),
         runner="mock",
         model_preset="tiny",
@@ -351,6 +372,6 @@ def test_a_wall_replay_models_its_expected_windows_with_the_cost_profile(tmp_pat
         torch_version=None,
     )
     # The request's P prefill and D's four tokens take a step each: at least five of the
-    # profile's steps; the default model is done in tens of milliseconds.
-    assert model_quiet_of_the_gap(tmp_path, slow) >= 5 * SLOW_STEP_S - 1e-6
-    assert model_quiet_of_the_gap(tmp_path, None) < 0.2
+    # calibration's steps; the default step cost is done in tens of milliseconds.
+    assert forecast_quiet_of_the_gap(tmp_path, slow) >= 5 * SLOW_STEP_S - 1e-6
+    assert forecast_quiet_of_the_gap(tmp_path, None) < 0.2
