@@ -28,7 +28,7 @@ from common import OtherLoad  # noqa: E402  (bench/common.py)
 # run, inside its timed span: imported here, so the first row does not pay for it.
 import replay.sim.simulation  # noqa: E402,F401
 from engine.config import LIVENESS_POLICIES, EngineConfig  # noqa: E402
-from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES  # noqa: E402
+from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS  # noqa: E402
 from replay.pipeline import PreparedReplay, ReplayConfig, ReplayResult, run_replay, with_liveness  # noqa: E402
 from replay.trace.reader import validate_trace  # noqa: E402
 from replay.trace.shaping import ShapingOptions  # noqa: E402
@@ -110,7 +110,7 @@ def find_traces(traces: Path) -> list[Path]:
 
 def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
     """The whole trace, P/D, once per liveness policy, then event at the sizes `kvdrain replay
-    --clock virtual` uses by default (its profile) and event on 4p4d (round-robin); tokens
+    --clock virtual` uses by default (its deployment preset) and event on 4p4d (round-robin); tokens
     scaled (the default turns 512-token hash blocks into 16 tokens). Wall s: read + shape +
     simulate + verify (validation runs once, up front, timed apart); CPU s: this process's
     over the same span (what a busy machine cannot inflate much)."""
@@ -136,10 +136,13 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
         verify=VerifyOptions(snapshot_tolerance_blocks=0),
     )
     profile = replace(
-        config, engine=PROFILES[DEFAULT_VIRTUAL_PROFILE].apply(replace(BASE, liveness="event"))
+        config,
+        engine=DEPLOYMENT_PRESETS[DEFAULT_VIRTUAL_DEPLOYMENT].apply(
+            replace(BASE, liveness="event")
+        ),
     )
     cases = [(p, with_liveness(config, p)) for p in LIVENESS_POLICIES]
-    cases.append((f"event, --profile {DEFAULT_VIRTUAL_PROFILE}", profile))
+    cases.append((f"event, --deployment {DEFAULT_VIRTUAL_DEPLOYMENT}", profile))
     cases.append(("event, 4p4d", replace(with_liveness(config, "event"), topology=XPYD)))
     results: dict[str, list[tuple[ReplayResult, float]]] = {name: [] for name, _ in cases}
     for _ in range(runs):  # interleaved, so a burst of load hits every case alike
@@ -162,7 +165,7 @@ def bench_virtual(trace: Path, scale_tokens: float, runs: int) -> None:
     for name, runs_of in results.items():
         result, cpu_s = sorted(runs_of, key=lambda r: r[0].wall_s)[len(runs_of) // 2]
         rows.append(virtual_row(name, result, cpu_s))
-        if "profile" not in name and XPYD not in name:
+        if "--deployment" not in name and XPYD not in name:
             slowest = min(slowest, result.timeline.end_t / result.wall_s)
     print("\n".join(format_table(header, rows)))
     if runs > 1:

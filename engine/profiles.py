@@ -1,6 +1,6 @@
-"""Deployment profiles: the engine sizes of a real model on a real GPU. Runs in: frontend process.
+"""Deployment presets: the engine sizes of a real model on a real GPU. Runs in: frontend process.
 
-A profile gives a model's shape, its GPU and a deployment's scheduler limits; its num_blocks comes
+A preset gives a model's shape, its GPU and a deployment's scheduler limits; its num_blocks comes
 from vLLM's memory arithmetic (engine/runner/kv_cache_sizing.py). The virtual clock runs one by
 default, so public traces replay unscaled with nothing ignored for lack of room.
 """
@@ -19,7 +19,7 @@ from engine.runner.kv_cache_sizing import (
 
 
 @dataclass(frozen=True, slots=True)
-class DeploymentProfile:
+class DeploymentPreset:
     """A model on a GPU. Each block holds block_size tokens of K and V for every layer:
     bytes per token = 2 * num_layers * num_kv_heads * head_dim * dtype bytes, and
     num_gpu_blocks = (total * gpu_memory_utilization - weights) // (block_size * bytes per token).
@@ -58,7 +58,7 @@ class DeploymentProfile:
         )
 
     def sizes(self) -> dict[str, int]:
-        """The EngineConfig fields this profile sets."""
+        """The EngineConfig fields this preset sets."""
         return {
             "num_blocks": self.num_gpu_blocks,
             "block_size": self.block_size,
@@ -68,13 +68,13 @@ class DeploymentProfile:
         }
 
     def apply(self, config: EngineConfig, keep: frozenset[str] = frozenset()) -> EngineConfig:
-        """`config` with this profile's sizes, except the fields in `keep` (set explicitly)."""
+        """`config` with this preset's sizes, except the fields in `keep` (set explicitly)."""
         sized = replace(config, **{k: v for k, v in self.sizes().items() if k not in keep})
-        # The profile's num_blocks, not the runner's own from device memory.
+        # The preset's num_blocks, not the runner's own from device memory.
         return sized if "num_blocks" in keep else replace(sized, gpu_memory_utilization=None)
 
 
-PROFILES = {
+DEPLOYMENT_PRESETS = {
     p.name: p
     for p in (
         # Llama-3-8B: 32 layers, 8 KV heads (GQA), head dim 128, bf16 -> 128 KiB a token;
@@ -82,7 +82,7 @@ PROFILES = {
         # activations -> 56 GiB of KV cache: 28,672 blocks of 16 tokens (458,752 tokens).
         # max_model_len 131072 is Llama 3.1's context: the Mooncake trace's longest request
         # (126,527 tokens with its output) fits; 32k would refuse 829 of its prompts.
-        DeploymentProfile(
+        DeploymentPreset(
             "llama3-8b-h100",
             "Llama-3.1-8B (bf16) on one 80 GB H100, vLLM defaults",
             num_layers=32,
@@ -95,7 +95,7 @@ PROFILES = {
             max_model_len=131072,
         ),
         # Llama-3-70B with tensor parallel 4 on H100s: per GPU 80 layers / 1, 8 KV heads / 4.
-        DeploymentProfile(
+        DeploymentPreset(
             "llama3-70b-4xh100",
             "Llama-3-70B (bf16), TP 4 on 80 GB H100s: one GPU's share",
             num_layers=80,
@@ -108,4 +108,4 @@ PROFILES = {
         ),
     )
 }
-DEFAULT_VIRTUAL_PROFILE = "llama3-8b-h100"
+DEFAULT_VIRTUAL_DEPLOYMENT = "llama3-8b-h100"

@@ -3,7 +3,7 @@
 A --target or --engine vllm runs engines kvdrain does not size, so engine options set on
 the command line are refused there; a recording by `kvdrain serve` gives the engine
 config its header holds where no option set it (the run's checking pass reads the header,
-replay/pipeline.py); a profile sizes the rest.
+replay/pipeline.py); a deployment preset sizes the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from engine.config import EngineConfig
-from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
 from replay.commands.groups import REPLAY_ENGINE, Engines, require_torch
 from replay.commands.replay_options import VLLM_TARGET, ReplayOptions, Target
 from replay.commands.replay_run import replay_and_report
@@ -71,9 +71,9 @@ def replay_config(
     is_serve_recording = False
     if target.address is None and header is not None:
         engines, recorded, is_serve_recording = adopt_recording(header, engines, given)
-    engine = apply_profile(
+    engine = apply_deployment(
         engines.config,
-        o.sizing.profile_name or (DEFAULT_VIRTUAL_PROFILE if o.clock == "virtual" else None),
+        o.sizing.deployment or (DEFAULT_VIRTUAL_DEPLOYMENT if o.clock == "virtual" else None),
         given | recorded,
     )
     if o.auth is not None and (target.address is None or target.is_http):
@@ -119,7 +119,7 @@ def check_vllm(target: Target, clock: str, given: frozenset[str]) -> None:
     ]
     refused += [
         _flag(n)
-        for n in [*REPLAY_ENGINE.param_names, "profile_name"]
+        for n in [*REPLAY_ENGINE.param_names, "deployment"]
         if n != "topology" and n in given
     ]
     if refused:
@@ -138,7 +138,7 @@ def check_target(target: Target, clock: str, given: frozenset[str]) -> None:
         raise click.UsageError(
             "--target: replays against a running server in real time; not with --clock virtual"
         )
-    server_side = [*REPLAY_ENGINE.param_names, "profile_name"]
+    server_side = [*REPLAY_ENGINE.param_names, "deployment"]
     explicit = [n for n in server_side if n in given and not (n == "model" and target.is_http)]
     if explicit:
         raise click.UsageError(
@@ -149,7 +149,7 @@ def check_target(target: Target, clock: str, given: frozenset[str]) -> None:
 
 
 def _flag(param: str) -> str:
-    return "--profile" if param == "profile_name" else "--" + param.replace("_", "-")
+    return "--" + param.replace("_", "-")
 
 
 def adopt_recording(
@@ -183,16 +183,17 @@ def adopt_recording(
     return engines, set(adopted), SETTLED_KEY in header.metadata
 
 
-def apply_profile(engine: EngineConfig, name: str | None, keep: set[str]) -> EngineConfig:
-    """The profile's sizes, except those named in `keep` (set on the command line, or
-    taken from the recording replayed)."""
+def apply_deployment(engine: EngineConfig, name: str | None, keep: set[str]) -> EngineConfig:
+    """The deployment preset's sizes, except those named in `keep` (set on the command
+    line, or taken from the recording replayed)."""
     if name is None:
         return engine
-    kept = frozenset(k for k in PROFILES[name].sizes() if k in keep)
+    preset = DEPLOYMENT_PRESETS[name]
+    kept = frozenset(k for k in preset.sizes() if k in keep)
     try:
-        return PROFILES[name].apply(engine, kept)
+        return preset.apply(engine, kept)
     except ValueError as e:
-        raise click.UsageError(f"--profile {name}: {e}") from None
+        raise click.UsageError(f"--deployment {name}: {e}") from None
 
 
 def load_calibration(path: Path | None):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
 from replay.commands.groups import IDLE_THRESHOLD, Engines, TraceInput
 from replay.commands.options import OptionGroup, is_given, renamed_option, take_renamed
 from replay.runtime.startup import START_LIMIT_S
@@ -22,6 +22,7 @@ from replay.vllm.options import DEFAULT_VENV, ENGINES, VllmOptions
 
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 CALIBRATION_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+DEPLOYMENT_CHOICE = click.Choice(sorted(DEPLOYMENT_PRESETS))
 
 PLOT_SUFFIX = ".png"
 
@@ -361,18 +362,25 @@ DISPLAY = OptionGroup(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sizing:
-    """--profile and --calibration: engine sizes like a real deployment's, step costs
+    """--deployment and --calibration: engine sizes like a real deployment's, step costs
     measured."""
 
-    profile_name: str | None
+    deployment: str | None  # a preset's name (engine/profiles.py)
     calibration_path: Path | None
 
 
-def _sizing(profile_name: str | None, calibration_path: Path | None, cost_profile: Path | None):
-    calibration_path = take_renamed(
-        "--cost-profile", "--calibration", cost_profile, calibration_path
+def _sizing(
+    deployment: str | None,
+    profile: str | None,
+    calibration_path: Path | None,
+    cost_profile: Path | None,
+) -> Sizing:
+    return Sizing(
+        deployment=take_renamed("--profile", "--deployment", profile, deployment),
+        calibration_path=take_renamed(
+            "--cost-profile", "--calibration", cost_profile, calibration_path
+        ),
     )
-    return Sizing(profile_name=profile_name, calibration_path=calibration_path)
 
 
 SIZING = OptionGroup(
@@ -380,15 +388,15 @@ SIZING = OptionGroup(
     "sizing",
     (
         click.option(
-            "--profile",
-            "profile_name",
-            type=click.Choice(sorted(PROFILES)),
+            "--deployment",
+            type=DEPLOYMENT_CHOICE,
             default=None,
             help=f"Size the engines like a real deployment (KV blocks from GPU memory as "
             f"vLLM does, max_model_len, batch limits); explicit size options win "
-            f"[default: {DEFAULT_VIRTUAL_PROFILE} with --clock virtual, none with the "
+            f"[default: {DEFAULT_VIRTUAL_DEPLOYMENT} with --clock virtual, none with the "
             f"wall clock].",
         ),
+        renamed_option("--profile", "--deployment", "deployment", type=DEPLOYMENT_CHOICE),
         click.option(
             "--calibration",
             "calibration_path",

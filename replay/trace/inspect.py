@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.profiles import DEFAULT_VIRTUAL_PROFILE, PROFILES
+from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
 from replay.trace.reader import (
     TraceAbort,
     TraceRequest,
@@ -42,7 +42,9 @@ DEFAULT_TAIL_S = 2.0  # replay's tail at its default drain deadline (max(2, 3 x 
 def default_max_model_lens() -> dict[str, int]:
     """The max_model_len a replay runs by default, per clock."""
     virtual = (
-        PROFILES[DEFAULT_VIRTUAL_PROFILE].sizes().get("max_model_len", EngineConfig().max_model_len)
+        DEPLOYMENT_PRESETS[DEFAULT_VIRTUAL_DEPLOYMENT]
+        .sizes()
+        .get("max_model_len", EngineConfig().max_model_len)
     )
     return {"wall": EngineConfig().max_model_len, "virtual": virtual}
 

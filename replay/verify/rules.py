@@ -724,6 +724,6 @@ def _inconclusive_reasons(
             f"{num_ignored:,} of {num_requests:,} requests ignored by the engines "
             f"({100 * num_ignored / num_requests:.1f}% > "
             f"{100 * options.max_ignored_share:g}%): {causes}; size the engines for "
-            f"the trace (--profile, --max-model-len, --num-blocks) or --allow-ignored"
+            f"the trace (--deployment, --max-model-len, --num-blocks) or --allow-ignored"
         )
     return reasons

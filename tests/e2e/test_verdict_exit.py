@@ -46,11 +46,13 @@ def test_target_forms_and_options_that_do_not_apply_are_usage_errors():
         ["--num-blocks", "64"],
         ["--runner", "torch"],
         ["--topology", "single"],
-        ["--profile", "llama3-8b-h100"],
+        ["--deployment", "llama3-8b-h100"],
     ):
         result = invoke("replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--no-live", *option)
         assert result.exit_code == 2, result.output
         assert "does not apply with --target" in result.output and option[0] in result.output
+    old = invoke("replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--profile", "llama3-8b-h100")
+    assert old.exit_code == 2 and "--deployment: does not apply with --target" in old.output
     result = invoke("replay", str(EXAMPLE), "--target", "127.0.0.1:1", "--clock", "virtual")
     assert result.exit_code == 2 and "--clock virtual" in result.output
 

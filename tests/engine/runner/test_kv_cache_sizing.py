@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.config import EngineConfig, get_model_config
-from engine.profiles import PROFILES
+from engine.profiles import DEPLOYMENT_PRESETS
 from engine.runner.kv_cache_sizing import (
     MAX_NUM_GPU_BLOCKS,
     GiB,
@@ -52,8 +52,8 @@ def test_blocks_from_memory_with_vllms_checks_and_kvdrains_cap() -> None:
     assert num_gpu_blocks(1 << 50, 4096, 16, 4096) == MAX_NUM_GPU_BLOCKS
 
 
-def test_profiles_use_the_same_arithmetic() -> None:
-    profile = PROFILES["llama3-8b-h100"]
+def test_deployment_presets_use_the_same_arithmetic() -> None:
+    profile = DEPLOYMENT_PRESETS["llama3-8b-h100"]
     usable = int(profile.gpu_memory_bytes * profile.gpu_memory_utilization) - profile.weights_bytes
     assert profile.num_gpu_blocks == usable // (profile.block_size * profile.kv_bytes_per_token)
 
@@ -103,10 +103,10 @@ def test_cli_sizes_from_memory_unless_num_blocks_is_given(
     assert (options["num_blocks"] or CPU_NUM_BLOCKS, gpu_share(**options)) == (blocks, util)
 
 
-def test_a_profile_sets_num_blocks_and_turns_sizing_off() -> None:
-    sized = PROFILES["llama3-8b-h100"].apply(EngineConfig(gpu_memory_utilization=0.45))
+def test_a_deployment_preset_sets_num_blocks_and_turns_sizing_off() -> None:
+    sized = DEPLOYMENT_PRESETS["llama3-8b-h100"].apply(EngineConfig(gpu_memory_utilization=0.45))
     assert (sized.num_blocks, sized.gpu_memory_utilization) == (28672, None)
-    kept = PROFILES["llama3-8b-h100"].apply(
+    kept = DEPLOYMENT_PRESETS["llama3-8b-h100"].apply(
         EngineConfig(num_blocks=99, gpu_memory_utilization=0.45), keep=frozenset({"num_blocks"})
     )
     assert (kept.num_blocks, kept.gpu_memory_utilization) == (99, 0.45)

@@ -77,3 +77,19 @@ def test_an_option_that_conflicts_with_the_recording_is_a_usage_error(tmp_path):
     result = _replay(str(_recording(tmp_path, HEADER)), "--liveness", "legacy")
     assert result.exit_code == 2
     assert "--liveness legacy conflicts with the recording's liveness event" in result.output
+
+
+def test_the_old_profile_flag_still_works_and_says_it_is_deprecated(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    example = str(Path(__file__).resolve().parents[3] / "examples" / "pd_idle.jsonl")
+    for flag, report in (("--profile", old), ("--deployment", new)):
+        result = _replay(example, flag, "llama3-70b-4xh100", "--report", str(report))
+        assert result.exit_code == 0, result.output
+        deprecated = [line for line in result.stderr.splitlines() if "deprecated" in line]
+        assert deprecated == (
+            ["kvdrain: --profile is deprecated, use --deployment (it means the same)"]
+            if flag == "--profile"
+            else []
+        )
+    engine = [json.loads(path.read_text())["settings"]["engine"] for path in (old, new)]
+    assert engine[0] == engine[1] and engine[0]["max_model_len"] == 32768

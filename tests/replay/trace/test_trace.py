@@ -812,7 +812,7 @@ def test_replay_of_a_trace_bad_on_line_2_starts_nothing(tmp_path, monkeypatch):
                 "4096",
             ],
             catch_exceptions=False,
-        )  # 4096 beats the virtual --profile
+        )  # 4096 beats the virtual --deployment
         assert result.exit_code == 2, result.output
         assert (
             "r.jsonl:2: max_tokens: 5,000 tokens can never be generated: max_model_len 4,096"
