@@ -11,7 +11,7 @@ from aiohttp import web
 from engine.config import EngineConfig, KVTransferConfig
 from replay.deploy.topology import start_topology
 from replay.openai.protocol import ServedModel
-from replay.serve.http_front import HttpFront, HttpOptions
+from replay.serve.http_front import HttpFront, HttpFrontOptions
 
 MODEL_NAME = "kvdrain-mock"
 
@@ -77,7 +77,7 @@ def _in_thread(what: str, serve):
 
 
 @contextlib.contextmanager
-def running_front(router, model: ServedModel, options: HttpOptions = HttpOptions()):
+def running_front(router, model: ServedModel, options: HttpFrontOptions = HttpFrontOptions()):
     """The front serving `router` from a thread with its own event loop; yields it (port set)."""
 
     @contextlib.asynccontextmanager

@@ -36,12 +36,12 @@ def serve_main(
     http = None
     if http_address is not None:
         from replay.serve.fronts import HttpServe, parse_http_address
-        from replay.serve.http_front import HttpOptions
+        from replay.serve.http_front import HttpFrontOptions
 
         try:
             host, port = parse_http_address(http_address)
             http = HttpServe(
-                HttpOptions(host, port, api_key),
+                HttpFrontOptions(host, port, api_key),
                 f"kvdrain/{engines.model}",
                 bool(auth is not None and auth.insecure),
             )

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from replay.openai.bearer import check_http_listen
 from replay.openai.protocol import ServedModel
-from replay.serve.http_front import HttpFront, HttpOptions
+from replay.serve.http_front import HttpFront, HttpFrontOptions
 from replay.serve.recorder import RecordingRouter
 
 STOP_CHECK_S = 0.05
@@ -97,7 +97,7 @@ def served_model(router, engine, topology: str, name: str) -> ServedModel:
 class HttpServe:
     """`serve --http`'s part in serve_main: wrap the router for the zmq serve, then run both."""
 
-    def __init__(self, options: HttpOptions, model_name: str, insecure: bool = False) -> None:
+    def __init__(self, options: HttpFrontOptions, model_name: str, insecure: bool = False) -> None:
         """CredentialError (before anything starts) for a host beyond loopback without an API key,
         unless insecure (then warned about at start)."""
         self.warnings = check_http_listen(options.host, options.api_key, insecure)

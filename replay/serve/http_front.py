@@ -57,7 +57,9 @@ SERVER_HEADER = "kvdrain (aiohttp)"
 
 
 @dataclass(frozen=True, slots=True)
-class HttpOptions:
+class HttpFrontOptions:
+    """`serve --http`: where its front listens and what it accepts."""
+
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (HttpFront.port says which)
     api_key: str | None = None
@@ -90,7 +92,7 @@ class HttpFront:
         self,
         router,
         model: ServedModel,
-        options: HttpOptions = HttpOptions(),
+        options: HttpFrontOptions = HttpFrontOptions(),
         on_tick: Callable[[HttpFront], None] | None = None,
         shared=None,
     ) -> None:

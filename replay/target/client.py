@@ -93,6 +93,8 @@ IGNORED_BY_SERVER = "ignored by the server"  # "length" with no token, and no ca
 
 @dataclass(frozen=True, slots=True)
 class HttpTargetOptions:
+    """`replay --target http://`: the server replayed against, its metrics, how to send."""
+
     base_url: str  # http://HOST:PORT (a trailing /v1 is fine)
     metrics: tuple[MetricsSource, ...] = ()
     model: str | None = None  # None: the first model /v1/models lists

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import KVTransferConfig
 from replay.openai.tokenizer import WordTokenizer
-from replay.serve.http_front import HttpOptions
+from replay.serve.http_front import HttpFrontOptions
 from replay.trace.reader import read_trace
 from tests.http_utils import MODEL_NAME, engines, running_front
 from tests.mp_utils import mock_tokens
@@ -193,7 +193,7 @@ def test_every_bad_input_gets_its_status_and_the_engines_keep_serving(pd):
             )
             return results, good
 
-    with running_front(router, model, HttpOptions(max_body_bytes=MAX_BODY)) as front:
+    with running_front(router, model, HttpFrontOptions(max_body_bytes=MAX_BODY)) as front:
         results, good = run(go(f"http://127.0.0.1:{front.port}"))
     for name, expected, (status, raw, _) in results:
         assert status == expected, (name, raw)
@@ -232,7 +232,7 @@ def test_api_key_guards_v1_only(pd):
                 out.append(r.status)
             return out
 
-    with running_front(router, model, HttpOptions(api_key="s3cret")) as front:
+    with running_front(router, model, HttpFrontOptions(api_key="s3cret")) as front:
         assert run(go(f"http://127.0.0.1:{front.port}")) == [401, 401, 200, 200, 200]
 
 

@@ -20,7 +20,7 @@ from engine.core.outputs import RequestOutput
 from engine.proc.messages import StatsSnapshot
 from engine.proc.stats_check import KNOWN_LOOP_STATES
 from replay.openai.protocol import ServedModel
-from replay.serve.http_front import HttpOptions
+from replay.serve.http_front import HttpFrontOptions
 from tests.http_utils import running_front
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,7 +198,7 @@ def test_response_ids_are_cmpl_and_one_hex_or_the_given_id():
 
 
 def test_unauthorized_is_vllms_body():
-    with running_front(FakeRouter(answers), MODEL, HttpOptions(api_key="k")) as front:
+    with running_front(FakeRouter(answers), MODEL, HttpFrontOptions(api_key="k")) as front:
         url = f"http://127.0.0.1:{front.port}"
 
         async def go():

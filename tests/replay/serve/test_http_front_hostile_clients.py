@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from replay.openai.protocol import ServedModel
-from replay.serve.http_front import HttpOptions
+from replay.serve.http_front import HttpFrontOptions
 from tests.http_utils import running_front
 from tests.replay.serve.test_http_front_fidelity import FakeRouter, answers
 
@@ -84,7 +84,7 @@ def test_a_bogus_content_encoding_is_a_400():
 
 
 def test_a_non_utf8_authorization_header_is_a_401():
-    with running_front(FakeRouter(answers), MODEL, HttpOptions(api_key="sekrit")) as front:
+    with running_front(FakeRouter(answers), MODEL, HttpFrontOptions(api_key="sekrit")) as front:
         status, body = post(
             front.port, b'{"prompt": [5, 1]}', b"Authorization: Bearer \xff\xfe\xc3"
         )
@@ -122,11 +122,11 @@ def test_a_huge_text_prompt_is_refused_before_it_is_tokenised(monkeypatch):
 FRONT_AT_AN_FD_LIMIT = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
-from replay.serve.http_front import HttpOptions
+from replay.serve.http_front import HttpFrontOptions
 from tests.http_utils import running_front
 from tests.replay.serve.test_http_front_hostile_clients import MODEL
 from tests.replay.serve.test_http_front_fidelity import FakeRouter, answers
-with running_front(FakeRouter(answers), MODEL, HttpOptions(header_timeout_s={header_timeout})) as front:
+with running_front(FakeRouter(answers), MODEL, HttpFrontOptions(header_timeout_s={header_timeout})) as front:
     print(front.port, flush=True)
     sys.stdin.read()
 """
@@ -183,7 +183,7 @@ def test_half_open_connections_at_the_fd_limit_keep_health_reachable_and_stderr_
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header_timeout():
-    with running_front(FakeRouter(answers), MODEL, HttpOptions(header_timeout_s=0.5)) as front:
+    with running_front(FakeRouter(answers), MODEL, HttpFrontOptions(header_timeout_s=0.5)) as front:
         sock = _half_open(front.port)
         started = time.monotonic()
         sock.settimeout(10)
@@ -193,7 +193,7 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header
 
 
 def test_a_body_that_never_arrives_is_a_408_after_the_body_timeout():
-    with running_front(FakeRouter(answers), MODEL, HttpOptions(body_timeout_s=0.5)) as front:
+    with running_front(FakeRouter(answers), MODEL, HttpFrontOptions(body_timeout_s=0.5)) as front:
         with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
             sock.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
@@ -209,7 +209,7 @@ def test_beyond_the_connection_cap_busy_connections_are_kept_and_a_newcomer_gets
     """Two streams in flight fill a cap of 2: a third connection is refused with vLLM's error
     body, and the two streams go on."""
     router = FakeRouter(answers)
-    with running_front(router, MODEL, HttpOptions(max_connections=2)) as front:
+    with running_front(router, MODEL, HttpFrontOptions(max_connections=2)) as front:
         url = f"http://127.0.0.1:{front.port}"
 
         async def go() -> list[int]:

@@ -7,7 +7,7 @@ import pytest
 
 from replay.openai.bearer import CredentialError
 from replay.serve.fronts import HttpServe
-from replay.serve.http_front import HttpOptions
+from replay.serve.http_front import HttpFrontOptions
 
 
 def _serve_without_engines(monkeypatch, *args: str):
@@ -37,12 +37,12 @@ def test_http_beyond_loopback_without_an_api_key_is_refused_before_any_engine_st
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.0.1", "::1", "localhost"])
 def test_http_on_loopback_needs_no_credential(host: str):
-    assert HttpServe(HttpOptions(host, 0), "m").warnings == []
+    assert HttpServe(HttpFrontOptions(host, 0), "m").warnings == []
 
 
 def test_http_beyond_loopback_with_an_api_key_or_insecure():
-    assert HttpServe(HttpOptions("0.0.0.0", 0, api_key="k"), "m").warnings == []
-    warnings = HttpServe(HttpOptions("0.0.0.0", 0), "m", insecure=True).warnings
+    assert HttpServe(HttpFrontOptions("0.0.0.0", 0, api_key="k"), "m").warnings == []
+    warnings = HttpServe(HttpFrontOptions("0.0.0.0", 0), "m", insecure=True).warnings
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: --insecure: HTTP on 0.0.0.0")
     with pytest.raises(CredentialError, match="--http 0.0.0.0: listens beyond this machine"):
-        HttpServe(HttpOptions("0.0.0.0", 0), "m")
+        HttpServe(HttpFrontOptions("0.0.0.0", 0), "m")
