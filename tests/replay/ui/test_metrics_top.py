@@ -1,6 +1,5 @@
-"""`kvdrain top --metrics`: a vLLM-like server's metrics on the live dashboard, its idle
-windows judged as replay judges them, what vLLM does not expose shown as unknown, and
-`--connect` given an HTTP URL pointed at --metrics."""
+"""`kvdrain top --metrics`'s watch: a vLLM-like server's metrics on the live dashboard, its
+idle windows judged as replay judges them, what vLLM does not expose shown as unknown."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import re
 
 import pytest
 from aiohttp import web
-from click.testing import CliRunner
 from rich.console import Console
 
 from replay.metrics.scrape import MetricsSource
@@ -92,31 +90,6 @@ def test_a_vllm_servers_leak_is_seen_live_from_its_metrics():
         "steps unknown" in text and "0/100" in text and re.search(r"P: (1 drained )?1 leak", text)
     ), text
     assert not re.search(r"fin-await-free +(\d|unknown)", text)  # a row vLLM lacks is left out
-
-
-def test_top_connect_given_an_http_url_says_what_it_takes_and_suggests_metrics():
-    from cli import cli
-
-    result = CliRunner().invoke(cli, ["top", "--connect", "http://127.0.0.1:8100/metrics"])
-    assert result.exit_code == 2
-    assert (
-        "tcp://HOST:PORT" in result.output
-        and "--metrics http://127.0.0.1:8100/metrics" in result.output
-    )
-    assert "Protocol not supported" not in result.output
-    bare = CliRunner().invoke(cli, ["top", "--connect", "http://127.0.0.1:8100"])
-    assert "--metrics http://127.0.0.1:8100/metrics" in bare.output  # advice that works as given
-
-
-def test_top_metrics_at_a_url_that_never_answers_is_a_usage_error_naming_it():
-    from cli import cli
-
-    result = CliRunner().invoke(
-        cli,
-        ["top", "--metrics", "http://127.0.0.1:9/metrics", "--seconds", "0.3", "--interval", "0.1"],
-    )
-    assert result.exit_code == 2, result.output  # as replay's pre-flight and top --connect
-    assert "http://127.0.0.1:9/metrics: no KV reading in" in result.output
 
 
 def _reading(t: float, used: int, running: int) -> EngineSample:  # noqa: F821
