@@ -66,5 +66,5 @@ class SimOptions:
         return replace(self.engine, engine_id=name, runner="mock", kv_transfer=kv)
 
     def pull_delay(self) -> float:
-        """How long D waits before a read: the configured pull delay, else the model's."""
+        """How long D waits before a read: the configured pull delay, else the simulator's default."""
         return self.kv.pull_delay_ms / 1000 if self.kv.pull_delay_ms > 0 else self.pull_delay_s

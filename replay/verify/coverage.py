@@ -19,7 +19,7 @@ arrival. Those are the EXPECTED windows. After the run each candidate is
 A gap the run missed as a whole may still hold an engine's own idle window, judged there
 (windows.py: a P idle while D still decodes): the gap names the engines judged in it
 (judged_on), and is observed when every engine was.
-Under the virtual clock the run is the model, so every expected window is observed.
+Under the virtual clock the run is the forecast, so every expected window is observed.
 
 Ignored requests: the scheduler finishes a request it can never run at once
 (FINISHED_IGNORED, reported as finish reason "length" with no tokens and the cause in
@@ -170,7 +170,7 @@ def cover(
 def cover_engine_windows(
     expected: Sequence[EngineWindow], run: Sequence[EngineWindow], timeline: Timeline
 ) -> tuple[WindowCoverage, ...]:
-    """Each engine window the model expected, after the run: observed, missed or unreached."""
+    """Each engine window the forecast expected, after the run: observed, missed or unreached."""
     out = []
     for w in expected:
         state = (
@@ -216,7 +216,7 @@ def credit_engine_windows(
 
 
 def client_lateness(w: ExpectedWindow, requests: Sequence[RequestRecord]) -> float | None:
-    """How late the client sent the requests that kept the run busy past the model's quiet
+    """How late the client sent the requests that kept the run busy past the forecast's quiet
     (the definition; client_latenesses answers it for every window at once)."""
     if w.forecast_quiet_from is None:
         return None

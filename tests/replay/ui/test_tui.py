@@ -442,7 +442,7 @@ def test_startup_phases_tick_and_end_in_ready():
     monitor = ReplayMonitor(state, view, VerifyOptions())
     monitor.start -= 10.0  # ten seconds in
     monitor.on_phase(FORECASTING, [])
-    monitor.on_progress(64, 3.0)  # the wall clock's model of idle windows
+    monitor.on_progress(64, 3.0)  # the wall clock's forecast of idle windows
     assert state.startup.detail == "64/4 requests" and state.progress.num_sent == 0
     monitor.on_phase(STARTING, [])
     monitor.start -= 1.5
