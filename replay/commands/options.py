@@ -31,6 +31,11 @@ class OptionGroup:
     def param_names(self) -> list[str]:
         return [p.name for p in _params(self.options)]
 
+    @property
+    def flags(self) -> dict[str, str]:
+        """Each option's flag as a user types it, by parameter name."""
+        return {p.name: p.opts[0] for p in _params(self.options)}
+
     def __call__(self, func: Callable) -> Callable:
         names, inner = self.param_names, func
 

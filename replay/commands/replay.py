@@ -17,11 +17,15 @@ import click
 from engine.config import EngineConfig
 from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
 from replay.commands.groups import REPLAY_ENGINE, Engines, require_torch
-from replay.commands.replay_options import VLLM_TARGET, ReplayOptions, Target
+from replay.commands.replay_options import SIZING, VLLM_TARGET, ReplayOptions, Target
 from replay.commands.replay_run import replay_and_report
 from replay.pipeline import ReplayConfig
 from replay.trace.records import TraceHeader
 from replay.vllm.options import VllmOptions
+
+# Engine options that --engine vllm honours too: the topology it launches, and how long
+# each instance may take to start.
+VLLM_ENGINE_OPTIONS = ("topology", "start_limit_s")
 
 
 def replay_main(options: ReplayOptions, console) -> int:
@@ -120,7 +124,7 @@ def check_vllm(target: Target, clock: str, given: frozenset[str]) -> None:
     refused += [
         _flag(n)
         for n in [*REPLAY_ENGINE.param_names, "deployment"]
-        if n != "topology" and n in given
+        if n not in VLLM_ENGINE_OPTIONS and n in given
     ]
     if refused:
         raise click.UsageError(
@@ -149,7 +153,7 @@ def check_target(target: Target, clock: str, given: frozenset[str]) -> None:
 
 
 def _flag(param: str) -> str:
-    return "--" + param.replace("_", "-")
+    return {**REPLAY_ENGINE.flags, **SIZING.flags}[param]
 
 
 def adopt_recording(

@@ -93,3 +93,22 @@ def test_the_old_profile_flag_still_works_and_says_it_is_deprecated(tmp_path):
         )
     engine = [json.loads(path.read_text())["settings"]["engine"] for path in (old, new)]
     assert engine[0] == engine[1] and engine[0]["max_model_len"] == 32768
+
+
+def test_the_start_limit_goes_with_engine_vllm_and_is_named_as_typed(tmp_path):
+    """--start-limit bounds a vLLM instance's start too (its help says so): with --engine
+    vllm it reaches the launch (here a venv that is not there), and where it does not
+    apply the error names the flag, not its parameter."""
+    example = str(Path(__file__).resolve().parents[3] / "examples" / "pd_idle.jsonl")
+    runner = CliRunner()
+    vllm = runner.invoke(
+        cli,
+        ["replay", example, "--engine", "vllm", "--start-limit", "5"]
+        + ["--vllm-venv", str(tmp_path / "no-venv"), "--no-live"],
+    )
+    assert vllm.exit_code == 2 and "not with --engine vllm" not in vllm.output, vllm.output
+    target = runner.invoke(
+        cli, ["replay", example, "--target", "tcp://127.0.0.1:9", "--start-limit", "5"]
+    )
+    assert target.exit_code == 2
+    assert "--start-limit: does not apply with --target" in target.output, target.output
