@@ -549,6 +549,7 @@ class Target:
 
     address: str | None
     metrics: tuple[str, ...]
+    prometheus: str | None
     prompt_format: str
     scrape_interval_s: float
     api_key: str | None
@@ -565,6 +566,7 @@ class Target:
                 n
                 for n, v in (
                     ("--metrics", self.metrics),
+                    ("--prometheus", self.prometheus),
                     ("--api-key", self.api_key),
                     ("--vocab-size", self.vocab_size),
                 )
@@ -577,17 +579,39 @@ class Target:
         from replay.target.client import HttpTargetOptions
 
         try:
+            prometheus = prometheus_options(self.prometheus, self.metrics)
             return HttpTargetOptions(
                 self.address,
-                tuple(MetricsSource.parse(m) for m in self.metrics),
+                () if prometheus else tuple(MetricsSource.parse(m) for m in self.metrics),
                 served_model,
                 self.prompt_format,
                 self.scrape_interval_s,
                 self.api_key,
                 vocab_size=self.vocab_size,
+                prometheus=prometheus,
             )
         except ValueError as e:
             raise click.UsageError(str(e)) from None
+
+
+def prometheus_options(url: str | None, selectors: tuple[str, ...]):
+    """--prometheus URL with its --metrics selectors (None without --prometheus)."""
+    if url is None:
+        return None
+    from urllib.parse import urlsplit
+
+    from replay.metrics.prometheus import PrometheusOptions
+    from replay.metrics.promql import PromSelector
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--prometheus: expected http://HOST:PORT, got {url!r}")
+    if not selectors:
+        raise ValueError(
+            "--prometheus: say whose series to read with --metrics SELECTOR "
+            "(e.g. --metrics '{job=\"vllm\"}' or --metrics 'P0={pod=\"prefill-0\"}')"
+        )
+    return PrometheusOptions(url=url, selectors=tuple(PromSelector.parse(m) for m in selectors))
 
 
 def _target(address: str | None, **values) -> Target:
@@ -613,7 +637,16 @@ TARGET = OptionGroup(
             help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
             "P's and D's; NAME names the engine; no path: its /metrics); each is scraped once before the first "
             "request (a failure: exit 2). Default: a proxy's upstreams on the target's host, "
-            "else the target's own /metrics when it has a KV-usage metric.",
+            "else the target's own /metrics when it has a KV-usage metric. With --prometheus: "
+            'a label selector, [NAME=]{label="value",...}.',
+        ),
+        click.option(
+            "--prometheus",
+            default=None,
+            metavar="URL",
+            help="With --target http://: read the engines' series through this Prometheus "
+            "server (http://HOST:9090), each --metrics a selector of them; its scrape "
+            "interval must be at most half the drain deadline.",
         ),
         click.option(
             "--prompt-format",
@@ -1188,6 +1221,7 @@ def _check_vllm(target: Target, clock: str) -> None:
         for flag, on in (
             ("--target", target.address is not None),
             ("--metrics", bool(target.metrics)),
+            ("--prometheus", target.prometheus is not None),
             ("--clock virtual", clock == "virtual"),
         )
         if on
@@ -1488,7 +1522,16 @@ def calibrate_cmd(
     multiple=True,
     metavar="[NAME=]URL",
     help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
-    "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics).",
+    "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics). "
+    'With --prometheus: a label selector, [NAME=]{label="value",...}.',
+)
+@click.option(
+    "--prometheus",
+    default=None,
+    metavar="URL",
+    help="Read the --metrics selectors' series through this Prometheus server "
+    "(http://HOST:9090); a scrape interval over half the drain deadline is judged with "
+    "twice the interval, and said.",
 )
 @click.option(
     "--interval",
@@ -1505,7 +1548,12 @@ def calibrate_cmd(
 )
 @client_security("--connect")
 def top_cmd(
-    address: str | None, metrics: tuple[str, ...], interval: float, seconds: float | None, auth
+    address: str | None,
+    metrics: tuple[str, ...],
+    prometheus: str | None,
+    interval: float,
+    seconds: float | None,
+    auth,
 ) -> None:
     """Watch engines live: a `kvdrain serve` (--connect) or any server's metrics (--metrics).
 
@@ -1513,12 +1561,21 @@ def top_cmd(
     Examples:
       kvdrain top --connect tcp://127.0.0.1:5555
       kvdrain top --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
+      kvdrain top --prometheus http://127.0.0.1:9090 --metrics '{job="vllm"}'
     """
     from replay.ui.metrics_top import connect_problem, metrics_top_main
 
     problem = connect_problem(address, metrics)
     if problem is not None:
         raise click.UsageError(problem)
+    if prometheus is not None:
+        from replay.ui.prometheus_top import prometheus_top_main
+
+        try:
+            options = prometheus_options(prometheus, metrics)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        sys.exit(prometheus_top_main(options, seconds, interval, Console()))
     if metrics:
         sys.exit(metrics_top_main(list(metrics), seconds, interval, Console()))
     from replay.commands.replay import top_main
