@@ -25,7 +25,7 @@ PARITY_STAMP = $(PARITY_VENV)/.installed
 PARITY_REQS := tests/parity/requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
-.PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces vllm vllm-prefix e2e-vllm demo prometheus
+.PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces vllm vllm-prefix e2e-vllm demo prometheus ray
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,13 @@ prometheus:
 	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
 	prometheus --version 2>&1 | head -1
+
+# `make ray` (never part of `make test`): Ray, the optional extra `ray`, in .venv for
+# `kvdrain sweep --ray` and the tests marked `ray`, which skip without it (about 20 s and
+# 250 MB: ray 2.60).
+ray: $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+	$(PY) -c 'import ray; print("ray", ray.__version__)'
 
 # NANO_VLLM=DIR (a checkout of GeeeekExplorer/nano-vllm) runs its scheduler beside ours.
 bench: $(STAMP)

@@ -1629,6 +1629,80 @@ PROXY_LIMITS = OptionGroup(
 )
 
 
+@cli.command(name="sweep")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the table here [default: SPEC with the suffix .csv].",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG: blocks held, windows leaked and expiries per cell.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1),
+    default=None,
+    help="Replays at once on this machine [default: its cores].",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
+    help="Run the cells on the Ray cluster at ADDRESS (HOST:PORT, or auto), one task each "
+    "(pip install 'kvdrain[ray]'; every node needs kvdrain and the traces at the same paths).",
+)
+def sweep_cmd(
+    spec: Path, csv_path: Path | None, plot: Path | None, workers: int | None, ray_address
+) -> None:
+    """Run a grid of virtual replays and write one table (CSV, and a plot with --plot).
+
+    \b
+    SPEC is a TOML file of `kvdrain replay` options; a list is an axis of the grid:
+      trace = ["examples/pd_idle.jsonl", "traces/conversation_trace.jsonl"]
+      liveness = ["legacy", "poll", "event"]
+      kv-lease-s = [5.0, 30.0]
+      max-requests = 100
+    Exit status: 0 every cell gave a report, 2 a bad spec or a cell that could not run.
+    Example: kvdrain sweep examples/sweep.toml --plot sweep.png
+             kvdrain sweep examples/sweep.toml --ray 10.0.0.1:6379
+    """
+    from replay.commands.sweep import SweepOptions, sweep_main
+
+    options = SweepOptions(
+        spec=spec,
+        csv=csv_path or spec.with_suffix(".csv"),
+        plot=plot,
+        workers=workers,
+        ray_address=ray_address,
+    )
+    sys.exit(sweep_main(options, _replay_option_names(), _check_replay_argv, Console()))
+
+
+def _replay_option_names() -> frozenset[str]:
+    return frozenset(
+        opt.removeprefix("--")
+        for param in replay_cmd.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+        if opt.startswith("--")
+    )
+
+
+def _check_replay_argv(argv: list[str]) -> None:
+    """A ValueError saying what `kvdrain replay` would refuse in these arguments."""
+    try:
+        replay_cmd.make_context("replay", [*argv, "--clock", "virtual", "--no-live"])
+    except click.ClickException as e:
+        raise ValueError(f"kvdrain replay {' '.join(argv)}: {e.format_message()}") from None
+
+
 @cli.command(name="proxy")
 @click.option(
     "--prefill",
