@@ -46,7 +46,7 @@ from replay.metrics.scrape import KV_METRICS, MAX_FAILURE_SPANS, MetricsSource, 
 from replay.verify.text import printable
 from replay.verify.timeline import EngineSample
 
-FIRST_LOOKBACK_S = 10.0  # the first poll reads this far back
+FIRST_LOOKBACK_S = 1.0  # the first poll reads back two intervals and this much more
 MAX_LOOKBACK_S = 300.0  # a poll never reads further back than this
 # A gap between a target's scrapes longer than this many intervals (and GAP_MIN_S) is a
 # failed scrape; a target with nothing stored for as long is stale. Prometheus's own
@@ -306,11 +306,17 @@ class PromReader:
     def _query(self) -> str:
         now = self._prom_now()
         live = [t.seen_until for t in self.targets.values() if not t.is_stale]
-        since = min(live) if live else now - FIRST_LOOKBACK_S
+        since = min(live) if live else now - self._first_lookback_s()
         reach = min(
             max(now - since + 2 * (self.interval_s or DEFAULT_INTERVAL_S), 1.0), MAX_LOOKBACK_S
         )
         return self.selector.promql(QUERY_NAMES, math.ceil(reach * 1000))
+
+    def _first_lookback_s(self) -> float:
+        """Two of the longest configured intervals (else DEFAULT_INTERVAL_S) and a margin:
+        enough for the spacing, not so much that an old restart counts as the run's."""
+        found = configured_interval(self)
+        return 2 * (found[0] if found else DEFAULT_INTERVAL_S) + FIRST_LOOKBACK_S
 
     def _prom_now(self) -> float:
         return time.monotonic() + self.clock.offset_s
