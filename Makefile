@@ -26,7 +26,7 @@ PARITY_REQS := tests/parity/requirements.txt
 PARITY_ARGS ?= --seeds 10 --workload all
 
 .PHONY: run test test-fast lint install bench clean parity parity-install parity-all traces demo
-.PHONY: vllm vllm-prefix vllm-release e2e-vllm
+.PHONY: vllm vllm-prefix vllm-release e2e-vllm prometheus ray
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,23 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+
+# `make prometheus` (never part of `make test`): Debian's `prometheus` package (2.42) for
+# `replay --prometheus` and the tests marked `prometheus`, which skip without it. About
+# 20 s and 310 MB installed (prometheus itself 94 MB; most of the rest is its web UI's
+# JavaScript). apt needs root: run as root or with SUDO=sudo. No service is started.
+SUDO ?=
+prometheus:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+	prometheus --version 2>&1 | head -1
+
+# `make ray` (never part of `make test`): Ray, the optional extra `ray`, in .venv for
+# `kvdrain sweep --ray` and the tests marked `ray`, which skip without it (about 20 s and
+# 250 MB: ray 2.60).
+ray: $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+	$(PY) -c 'import ray; print("ray", ray.__version__)'
 
 # NANO_VLLM=DIR (a checkout of GeeeekExplorer/nano-vllm) runs its scheduler beside ours.
 bench: $(STAMP)

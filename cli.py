@@ -273,7 +273,16 @@ def calibrate_cmd(**options) -> None:
     multiple=True,
     metavar="[NAME=]URL",
     help="A Prometheus metrics URL of any vLLM, SGLang or `kvdrain serve --http` "
-    "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics).",
+    "engine (repeat for each, e.g. P=http://h:8100/metrics D=...; no path: its /metrics). "
+    'With --prometheus: a label selector, [NAME=]{label="value",...}.',
+)
+@click.option(
+    "--prometheus",
+    default=None,
+    metavar="URL",
+    help="Read the --metrics selectors' series through this Prometheus server "
+    "(http://HOST:9090); a scrape interval over half the drain deadline is judged with "
+    "twice the interval, and said.",
 )
 @click.option(
     "--interval",
@@ -296,10 +305,58 @@ def top_cmd(**options) -> None:
     Examples:
       kvdrain top --connect tcp://127.0.0.1:5555
       kvdrain top --metrics P=http://127.0.0.1:8100/metrics --metrics D=http://127.0.0.1:8200/metrics
+      kvdrain top --prometheus http://127.0.0.1:9090 --metrics '{job="vllm"}'
     """
     from replay.commands.top import top_main
 
     sys.exit(top_main(**options, console=Console()))
+
+
+@cli.command(name="sweep")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the table here [default: SPEC with the suffix .csv].",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG: blocks held, windows leaked and expiries per cell.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1),
+    default=None,
+    help="Replays at once on this machine [default: its cores].",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
+    help="Run the cells on the Ray cluster at ADDRESS (HOST:PORT, or auto), one task each "
+    "(pip install 'kvdrain[ray]'; every node needs kvdrain and the traces at the same paths).",
+)
+def sweep_cmd(**options) -> None:
+    """Run a grid of virtual replays and write one table (CSV, and a plot with --plot).
+
+    \b
+    SPEC is a TOML file of `kvdrain replay` options; a list is an axis of the grid:
+      trace = ["examples/pd_idle.jsonl", "traces/conversation_trace.jsonl"]
+      liveness = ["legacy", "poll", "event"]
+      kv-lease-s = [5.0, 30.0]
+      max-requests = 100
+    Exit status: 0 every cell gave a report, 2 a bad spec or a cell that could not run.
+    Example: kvdrain sweep examples/sweep.toml --plot sweep.png
+             kvdrain sweep examples/sweep.toml --ray 10.0.0.1:6379
+    """
+    from replay.commands.sweep import sweep_cli_main
+
+    sys.exit(sweep_cli_main(replay_cmd, console=Console(), **options))
 
 
 @cli.command(name="proxy")

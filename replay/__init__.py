@@ -2,5 +2,5 @@
 
 A room per product, bottom to top (each imports only rooms below it): trace, verify,
 runtime, openai, metrics, deploy, sim, target, wall, serve, vllm, pipeline (one replay,
-prepare then run), ui, commands.
+prepare then run), ui, sweep, commands.
 """

@@ -372,7 +372,7 @@ class PreparedReplay:
                 preflight,  # every URL checked once: nothing sent yet
             )
 
-            checked = preflight(config.http)
+            checked = preflight(config.http, config.verify.drain_deadline_s)
             config = replace(config, http=checked.options)
             expected = self._forecast(config, hooks, list)
             return config, self._run_http(hooks, config, log, snapshots, checked.identity), expected

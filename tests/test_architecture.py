@@ -163,6 +163,7 @@ REPLAY_ROOMS = (
     "vllm",
     "pipeline",
     "ui",
+    "sweep",
     "commands",
 )
 

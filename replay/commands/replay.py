@@ -117,6 +117,7 @@ def check_vllm(target: Target, clock: str, given: frozenset[str]) -> None:
         for flag, on in (
             ("--target", target.address is not None),
             ("--metrics", bool(target.metrics)),
+            ("--prometheus", target.prometheus is not None),
             ("--clock virtual", clock == "virtual"),
         )
         if on

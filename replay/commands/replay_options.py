@@ -177,6 +177,7 @@ class Target:
 
     address: str | None
     metrics: tuple[str, ...]
+    prometheus: str | None
     prompt_format: str
     scrape_interval_s: float
     api_key: str | None
@@ -194,6 +195,7 @@ class Target:
                 n
                 for n, v in (
                     ("--metrics", self.metrics),
+                    ("--prometheus", self.prometheus),
                     ("--api-key", self.api_key),
                     ("--vocab-size", self.vocab_size),
                 )
@@ -206,17 +208,39 @@ class Target:
         from replay.target.client import HttpTargetOptions
 
         try:
+            prometheus = prometheus_options(self.prometheus, self.metrics)
             return HttpTargetOptions(
                 self.address,
-                tuple(MetricsSource.parse(m) for m in self.metrics),
+                () if prometheus else tuple(MetricsSource.parse(m) for m in self.metrics),
                 served_model,
                 self.prompt_format,
                 self.scrape_interval_s,
                 self.api_key,
                 vocab_size=self.vocab_size,
+                prometheus=prometheus,
             )
         except ValueError as e:
             raise click.UsageError(str(e)) from None
+
+
+def prometheus_options(url: str | None, selectors: tuple[str, ...]):
+    """--prometheus URL with its --metrics selectors (None without --prometheus)."""
+    if url is None:
+        return None
+    from urllib.parse import urlsplit
+
+    from replay.metrics.prometheus import PrometheusOptions
+    from replay.metrics.promql import PromSelector
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--prometheus: expected http://HOST:PORT, got {url!r}")
+    if not selectors:
+        raise ValueError(
+            "--prometheus: say whose series to read with --metrics SELECTOR "
+            "(e.g. --metrics '{job=\"vllm\"}' or --metrics 'P0={pod=\"prefill-0\"}')"
+        )
+    return PrometheusOptions(url=url, selectors=tuple(PromSelector.parse(m) for m in selectors))
 
 
 def _target(address: str | None, **values) -> Target:
@@ -242,7 +266,16 @@ TARGET = OptionGroup(
             help="With --target http://: a Prometheus URL to scrape for KV usage (repeat for "
             "P's and D's; NAME names the engine; no path: its /metrics); each is scraped once "
             "before the first request (a failure: exit 2). Default: a proxy's upstreams on the "
-            "target's host, else the target's own /metrics when it has a KV-usage metric.",
+            "target's host, else the target's own /metrics when it has a KV-usage metric. With "
+            '--prometheus: a label selector, [NAME=]{label="value",...}.',
+        ),
+        click.option(
+            "--prometheus",
+            default=None,
+            metavar="URL",
+            help="With --target http://: read the engines' series through this Prometheus "
+            "server (http://HOST:9090), each --metrics a selector of them; its scrape "
+            "interval must be at most half the drain deadline.",
         ),
         click.option(
             "--prompt-format",

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 def top_main(
     address: str | None,
     metrics: tuple[str, ...],
+    prometheus: str | None,
     interval: float,
     seconds: float | None,
     auth: AuthOptions | None,
@@ -30,6 +31,15 @@ def top_main(
     problem = connect_problem(address, metrics)
     if problem is not None:
         raise click.UsageError(problem)
+    if prometheus is not None:
+        from replay.commands.replay_options import prometheus_options
+        from replay.ui.prometheus_top import prometheus_top_main
+
+        try:
+            options = prometheus_options(prometheus, metrics)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        return prometheus_top_main(options, seconds, interval, console)
     if metrics:
         return watch_metrics_urls(list(metrics), seconds, interval, console)
     return watch_serve(address, seconds, console, auth)

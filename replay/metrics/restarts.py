@@ -71,11 +71,15 @@ class RestartWatch:
             Restart(since=since, t=t, engine=engines[label], evidence=printable(why))
             for label, why in evidence.items()
         ]
-        for restart in out:
+        self.record(out)
+        return out
+
+    def record(self, restarts: list[Restart]) -> None:
+        """Restarts seen (by observe, or another process answering for the same engine)."""
+        for restart in restarts:
             self.latest[restart.engine] = restart
             self.counts[restart.engine] = self.counts.get(restart.engine, 0) + 1
-        self.restarts += out[: max(MAX_RESTARTS - len(self.restarts), 0)]
-        return out
+        self.restarts += restarts[: max(MAX_RESTARTS - len(self.restarts), 0)]
 
     def rebase(self, shift: float) -> None:
         """Every time `shift` seconds later (the replay's t = 0 moved)."""

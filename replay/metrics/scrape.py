@@ -419,6 +419,11 @@ class Scraper:
         self.restart_watch.rebase(shift)
         self.origin = origin
 
+    def read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
+        """One reading taken in [send_t, t], parsed (a /metrics answer, or one scrape of
+        it as a Prometheus stored it: replay/metrics/prometheus.py); False if unusable."""
+        return self._read(samples, send_t, t)
+
     def _read(self, samples: dict[str, list], send_t: float, t: float) -> bool:
         if self.metric is None:  # chosen by the first scrape that has one
             self.metric = choose_metric(samples)

@@ -47,6 +47,9 @@ status, the latency summary (replay/verify/latency.py) and `settings`, the serve
 described itself (version, block size, pool, max_model_len, connector, per engine);
 `meta["sampling"]` is
 SAMPLING_SCRAPED, so replay/verify/rules.py judges a window only from scrapes inside it.
+With --prometheus, the --metrics selectors' series are read through that Prometheus
+(replay/metrics/prometheus.py PromReader) on the same grid, each reading stamped with when
+Prometheus took it; the counters and cache config come from its first and last readings.
 Only the model under test's series are read (replay/metrics/scrape.py of_model); an
 engine that restarted (replay/metrics/restarts.py) is in `meta["faults"]`, the run's fault.
 replay/verify/outcome.py adds what the HTTP observation lacked to the Verdict's status.
@@ -62,7 +65,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from yarl import URL
 
-from replay.metrics.scrape import MetricsSource, Scraper
+from replay.metrics.prometheus import PrometheusOptions, PromReader
+from replay.metrics.scrape import MetricsSource, Scraper, of_model
 from replay.openai import pool
 from replay.openai.protocol import DuplicateKeyError, loads_strict
 from replay.openai.route_header import ROUTE_HEADER, parse_route
@@ -73,6 +77,7 @@ from replay.target.server_facts import (
     EngineFacts,
     counter_deltas,
     discover_metrics,
+    engine_facts,
     fetch_version,
     probe_vocab_size,
     read_facts,
@@ -113,6 +118,8 @@ class HttpTargetOptions:
         None  # who named `metrics` (replay/target/preflight.py); None: --metrics
     )
     scrape_timeout_s: float = 2.0  # a /metrics answer later than this is a failed scrape
+    # --prometheus: `metrics` unused, the selectors' series read through Prometheus
+    prometheus: PrometheusOptions | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_format not in PROMPT_FORMATS:
@@ -364,6 +371,9 @@ class HttpReplay:
             Scraper(m, 0.0, timeout_s=options.scrape_timeout_s) for m in options.metrics
         ]
         self.metrics_from = (options.metrics_from or "--metrics") if options.metrics else None
+        if options.prometheus is not None:
+            self.scrapers = options.prometheus.readers(options.scrape_timeout_s)
+            self.metrics_from = "--prometheus"
         self.requests: dict[str, RequestRecord] = {}
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
@@ -393,6 +403,8 @@ class HttpReplay:
         origins = {
             URL(u).origin() for u in (self.options.base_url, *(m.url for m in self.options.metrics))
         }
+        if self.options.prometheus is not None:
+            origins.add(URL(self.options.prometheus.url).origin())
         async with target_session(self.options, origins, connector) as session:
             if self.identity is None:
                 self.identity = await probe(session, self.options)
@@ -429,6 +441,9 @@ class HttpReplay:
     async def _read_facts(self, session: aiohttp.ClientSession) -> dict[str, EngineFacts]:
         out: dict[str, EngineFacts] = {}
         for scraper in self.scrapers:
+            if isinstance(scraper, PromReader):  # its latest reading: the pods are not reached
+                out.update(_facts_of(scraper))
+                continue
             facts = await read_facts(
                 session, scraper.source.url, list(scraper.engines), scraper.model
             )
@@ -438,7 +453,9 @@ class HttpReplay:
     async def _read_versions(self, session: aiohttp.ClientSession) -> None:
         """Each engine's server version: its metrics URL's server's, else the target's."""
         for scraper in self.scrapers:
-            version = await fetch_version(session, root_of(scraper.source.url))
+            reachable = not isinstance(scraper, PromReader)  # a pod behind Prometheus is not
+            root = root_of(scraper.source.url)
+            version = await fetch_version(session, root) if reachable else None
             for name in scraper.engines.values():
                 self.versions[name] = version or self.identity.version
 
@@ -703,6 +720,14 @@ class HttpReplay:
             "connector": self.options.connector or (facts.connector if facts else None),
             "cache_config": config,
         }
+
+
+def _facts_of(reader: PromReader) -> dict[str, EngineFacts]:
+    """Each engine's facts from its latest reading through Prometheus."""
+    return {
+        name: engine_facts(of_model(samples, reader.model), label)
+        for name, (samples, label) in reader.latest_samples().items()
+    }
 
 
 def check_vocab(max_token_id: int | None, identity: ServerIdentity) -> None:

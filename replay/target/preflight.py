@@ -13,6 +13,10 @@ sends anything:
   PreflightError naming the --metrics NAME=URL that gives it: server_facts.is_followable),
   else the target's own /metrics when it exposes a KV-usage metric; when neither, the
   replay runs without metrics and says so.
+- with --prometheus, each selector's series waited for (bounded) through that
+  Prometheus, and its scrape interval checked against the drain deadline: one longer
+  than half of it is a PreflightError naming the interval the replay needs, at once when
+  Prometheus's configuration says it (/api/v1/targets), before waiting for any series.
 The CLI turns a PreflightError into exit 2 with no request sent.
 """
 
@@ -25,6 +29,12 @@ from dataclasses import dataclass, replace
 import aiohttp
 from yarl import URL
 
+from replay.metrics.prometheus import (
+    PrometheusOptions,
+    configured_interval,
+    interval_refusal,
+    wait_for_series,
+)
 from replay.metrics.scrape import MetricsSource, Scraper
 from replay.target.client import (
     HttpTargetOptions,
@@ -36,6 +46,7 @@ from replay.target.client import (
 from replay.target.server_facts import UpstreamRefused, discover_metrics
 
 FROM_GIVEN, FROM_PROXY, FROM_TARGET = "--metrics", "the proxy's /health", "the target's /metrics"
+FROM_PROMETHEUS = "--prometheus"
 
 
 class PreflightError(ConnectionError):
@@ -56,18 +67,23 @@ class CheckedTarget:
     identity: ServerIdentity
 
 
-def preflight(options: HttpTargetOptions) -> CheckedTarget:
+def preflight(options: HttpTargetOptions, drain_deadline_s: float = 0.5) -> CheckedTarget:
     """The target and its metrics URLs checked (see the module docstring), or a
     PreflightError (a ConnectionError from /v1/models) with nothing sent."""
-    return asyncio.run(_preflight(options))
+    return asyncio.run(_preflight(options, drain_deadline_s))
 
 
-async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
+async def _preflight(options: HttpTargetOptions, drain_deadline_s: float) -> CheckedTarget:
     origins = {URL(u).origin() for u in (options.base_url, *(m.url for m in options.metrics))}
+    if options.prometheus is not None:
+        origins.add(URL(options.prometheus.url).origin())
     async with target_session(options, origins) as session:
         identity = await probe(
             session, options
         )  # a ConnectionError naming the URL and what answered
+        if options.prometheus is not None:
+            await _check_prometheus(session, options, identity.model, drain_deadline_s)
+            return CheckedTarget(options=options, identity=identity)
         metrics, named_by = options.metrics, FROM_GIVEN
         if not metrics:
             try:
@@ -88,6 +104,36 @@ async def _preflight(options: HttpTargetOptions) -> CheckedTarget:
                 metrics, named_by = (own,), FROM_TARGET
     checked = replace(options, metrics=metrics, metrics_from=named_by if metrics else None)
     return CheckedTarget(options=checked, identity=identity)
+
+
+async def _check_prometheus(
+    session: aiohttp.ClientSession, options: HttpTargetOptions, model: str, deadline_s: float
+) -> None:
+    """Every selector's interval fine by Prometheus's configuration, its series there
+    (bounded), and their interval fine: else a PreflightError."""
+    prometheus: PrometheusOptions = options.prometheus
+    readers = prometheus.readers(options.scrape_timeout_s)
+    for reader in readers:
+        reader.model = model
+        try:
+            await reader.prepare(session)
+        except ConnectionError as e:
+            raise PreflightError(prometheus.url, str(e), FROM_PROMETHEUS) from None
+        _refuse_interval(reader.source.url, configured_interval(reader), deadline_s)
+    for reader in readers:
+        why = await wait_for_series(session, reader, prometheus.series_wait_s)
+        if why is None and reader.refused_targets:
+            why = reader.errors[-1]
+        if why is not None:
+            raise PreflightError(reader.source.url, why, FROM_PROMETHEUS)
+        where = max((t.interval_s, t.instance) for t in reader.targets.values())
+        _refuse_interval(reader.source.url, where, deadline_s)
+
+
+def _refuse_interval(url: str, found: tuple[float, str] | None, deadline_s: float) -> None:
+    why = None if found is None else interval_refusal(found[0], found[1], deadline_s)
+    if why is not None:
+        raise PreflightError(url, why, FROM_PROMETHEUS)
 
 
 async def _scrape_once(

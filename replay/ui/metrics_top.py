@@ -30,14 +30,16 @@ class MetricsWatch:
     state: DashboardState
     options: VerifyOptions = field(default_factory=VerifyOptions)
     origin: float = field(default_factory=time.monotonic)
-    scrapers: list[Scraper] = field(init=False)
+    # what reads the engines: a Scraper per source, unless given (Prometheus's readers)
+    scrapers: list[Scraper] | None = None
     windows: SnapshotWindows = field(init=False)
     feed: ScrapeFeed = field(init=False)
     _last_window_check: float = -WINDOW_CHECK_INTERVAL_S
     _num_closed: int = 0
 
     def __post_init__(self) -> None:
-        self.scrapers = [Scraper(source, self.origin) for source in self.sources]
+        if self.scrapers is None:
+            self.scrapers = [Scraper(source, self.origin) for source in self.sources]
         self.windows = SnapshotWindows(self.options, scraped=True)
         self.feed = ScrapeFeed(
             self.scrapers, self.state, self.windows.add_sample, forget_taken=True
