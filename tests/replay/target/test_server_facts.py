@@ -121,3 +121,13 @@ async def _metrics(session, url: str) -> dict[tuple, float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def test_the_vllm_release_a_version_names():
+    from replay.target.server_facts import release_of
+
+    assert str(release_of("0.32.0")) == "0.32.0"
+    assert str(release_of("0.32.0+cpu")) == "0.32.0"
+    assert str(release_of("0.11.2.dev5+g1234")) == "0.11.2"
+    assert str(release_of("v0.22")) == "0.22.0"
+    assert release_of("unknown") is None and release_of(None) is None
