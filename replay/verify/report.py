@@ -49,9 +49,10 @@ ENGINE_COLUMNS = (
 LEGEND = """\
 Verdicts (exit status):
   VERIFIED (0)      every expected idle window was observed and every engine drained in it
-  VIOLATION (1)     a leak (blocks held past the drain deadline), a conservation or snapshot
-                    mismatch, a request that never ended, or corrupt KV (a read after
-                    expiry; an output unlike a single engine's, with --check-outputs)
+  VIOLATION (1)     a leak (blocks held past their deadline: the drain deadline, or an
+                    unread request's contract), a conservation or snapshot mismatch, a
+                    request that never ended, or corrupt KV (freed before D read them; an
+                    output unlike a single engine's, with --check-outputs)
   error (2)         bad usage or input, or a target that cannot be reached; nothing ran
   INCONCLUSIVE (3)  the run proves nothing either way: an expected idle window was not
                     observed (the engines lagged the forecast), too many requests were
@@ -65,6 +66,10 @@ Idle windows: after every request sent so far has ended, until the next arrival 
   --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
   forecast of these engines) finds idle; busy: gaps the trace's own work fills, even in the
   forecast.
+Contract: P's blocks of a request D never read are due by what the release promises (the
+  lease + one extension on 0.22+, at once for a rejection there, held while a <= 0.21 or
+  legacy P idles: a leak), from P's answer; a window that ends before that deadline is
+  undecided, judged by a later one, and one still draining when it ends is not a leak.
 Columns: peak = most used KV blocks / usable blocks (the null block excluded); end = used
   blocks at the end; windows = the idle windows this engine was judged in (its own
   count: the trace's and its own, so engines may differ); drained / leak = their
