@@ -48,10 +48,11 @@ COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
         ("vllm:nixl_num_kv_expired_reqs", {}),
         ("kvdrain:connector_events_total", {"event": "expired"}),
     ),
-    # D read blocks P had freed when their lease ran out (NIXL, vLLM 0.32+)
+    # D read blocks P had freed when their lease ran out (NIXL from vLLM 0.32; kvdrain's)
     "num_notifications_after_expiry": (
         ("vllm:nixl_num_notifications_after_expiry_total", {}),
         ("vllm:nixl_num_notifications_after_expiry", {}),
+        ("kvdrain:connector_events_total", {"event": "reads_after_expiry"}),
     ),
 }
 CONNECTOR_FAMILIES = (
