@@ -31,6 +31,7 @@ from engine.core.release import (
     steps_while_delayed_frees,
 )
 from replay.verify.timeline import RequestRecord, engine_role
+from replay.verify.windows import on_upstream
 
 REJECTED = "reject_decode"  # RequestRecord.fault of a D leg D refused before admission
 NEWEST_MODELLED = "not learned: the newest release modelled"
@@ -196,7 +197,12 @@ class UnreadIndex:
     def held_at(self, engine: str, start: float, end: float) -> list[Unread]:
         """The unread requests the engine still held for D over a window: P answered
         before it ended, and P's own expiry had not freed them by its start."""
-        out = self.by_engine[engine].held(start, end) if engine in self.by_engine else []
+        out = [  # a scraped engine is its upstream's: NAME, or NAME:label of several
+            u
+            for name, held in self.by_engine.items()
+            if on_upstream(engine, name)
+            for u in held.held(start, end)
+        ]
         if engine_role(engine) == "P":
             out += self.anywhere.held(start, end)
         return out

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from replay.verify.contract import is_unread
 from replay.verify.timeline import RequestRecord, Timeline, engine_role
+from replay.verify.windows import on_upstream
 
 EXPIRY_LOG = "expiry_log"  # Timeline.meta: engine -> ExpiryLog.to_dict()
 _RELEASED = re.compile(
@@ -170,9 +171,7 @@ def _excess_expiries(timeline: Timeline, engine: str, expired: float | None) -> 
 
 def _on(record: RequestRecord, engine: str) -> bool:
     """The request went through this prefill engine (every one, where its way is not known)."""
-    if record.stages:
-        return engine == record.stages[0][0] or engine.startswith(record.stages[0][0] + ":")
-    return True
+    return on_upstream(engine, record.stages[0][0]) if record.stages else True
 
 
 def _succeeded(record: RequestRecord) -> bool:

@@ -316,3 +316,10 @@ def test_a_request_whose_way_is_not_known_is_held_on_every_prefill_engine():
     assert [u.req_id for u in index.held_at("P0", 1.0, 5.0)] == ["r1"]
     assert index.held_at("D", 1.0, 5.0) == []
     assert index.held_at("P0", 60.0, 65.0) == []  # its lease and extension were over
+
+
+def test_a_scraped_engine_holds_the_unread_requests_of_its_upstream():
+    r = request("r1", 0.0, 0.5, fault="drop_decode", read=False)
+    index = UnreadIndex([r], release("0.32"))
+    assert [u.req_id for u in index.held_at("P:0", 1.0, 5.0)] == ["r1"]
+    assert index.held_at("P1", 1.0, 5.0) == []
