@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig, config_to_dict
+from engine.core.release import VllmRelease
 from replay.deploy.placement import RouterPolicy
 from replay.runtime.clocks import CLOCKS, Clock
 from replay.runtime.interrupt import Interrupted
@@ -43,9 +44,11 @@ from replay.trace.reader import (
 )
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 from replay.trace.source import watch_trace
+from replay.verify.contract import Contract, resolve_contract, tail_for
 from replay.verify.coverage import expected_windows
 from replay.verify.outputs import can_check_outputs, mock_output_tokens
 from replay.verify.rules import Verdict, VerifyOptions, verify
+from replay.verify.safety import EXPIRY_LOG, expiry_logs
 from replay.verify.timeline import Timeline
 from replay.verify.windows import expected_engine_windows
 
@@ -104,6 +107,15 @@ class ReplayConfig:
     # Hold every output against a single engine's (replay/verify/outputs.py); None: on
     # where it is cheap (a local wall replay on the mock runner), off elsewhere.
     check_outputs: bool | None = None
+    # What a target's deployment runs, as (value, where it was said): --vllm-release and
+    # --kv-lease-s, or what `--engine vllm` launched; None: learned from the server, else
+    # the defaults (replay/verify/contract.py). A local replay's are its engine's own.
+    served_release: tuple[str, str] | None = None
+    served_lease_s: tuple[float, str] | None = None
+    engine_logs: tuple[tuple[str, Path], ...] = ()  # (engine, its log): `--engine vllm`'s
+    # The default tail's length to reach the contract deadlines the forecast left pending
+    # at its last request (with_contract_tail); 0: none.
+    contract_tail_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -165,9 +177,9 @@ class ReplayConfig:
         )
 
     def effective_tail_s(self) -> float:
-        return (
-            self.tail_s if self.tail_s is not None else max(2.0, 3 * self.verify.drain_deadline_s)
-        )
+        if self.tail_s is not None:
+            return self.tail_s
+        return max(2.0, 3 * self.verify.drain_deadline_s, self.contract_tail_s)
 
 
 @dataclass(slots=True)
@@ -342,11 +354,8 @@ class PreparedReplay:
         config, log, snapshots = self.config, ShapingLog(), []
         start = time.monotonic()
         if config.clock == "virtual":
-            timeline = expected = simulate_interruptible(
-                _keep_snapshots(self.records(config, log), snapshots),
-                _sim_options(config),
-                hooks.on_progress,
-            )
+            config, timeline, log, snapshots = self._run_virtual(config, hooks)
+            expected = timeline
         else:
             try:
                 config, timeline, expected = self._run_wall(hooks, log, snapshots)
@@ -358,8 +367,28 @@ class PreparedReplay:
             expected,
         )
         own = expected_engine_windows(expected, config.verify.idle_threshold_s)
-        verdict = verify(timeline, snapshots, config.verify, windows, own)
+        if config.engine_logs:  # what P's log says of expired leases (replay/verify/safety.py)
+            timeline.meta[EXPIRY_LOG] = expiry_logs(config.engine_logs)
+        contract = deployment_contract(config, timeline)
+        verdict = verify(timeline, snapshots, config.verify, windows, own, contract)
         return ReplayResult(config, self.summary, log, timeline, verdict, time.monotonic() - start)
+
+    def _run_virtual(
+        self, config: ReplayConfig, hooks: ReplayHooks
+    ) -> tuple[ReplayConfig, Timeline, ShapingLog, list[TraceSnapshot]]:
+        """The virtual clock's run; once more with a longer default tail when the first
+        left an unread request's contract pending past its end (it is its own forecast)."""
+        while True:
+            log, snapshots = ShapingLog(), []
+            timeline = simulate_interruptible(
+                _keep_snapshots(self.records(config, log), snapshots),
+                _sim_options(config),
+                hooks.on_progress,
+            )
+            longer = with_contract_tail(config, timeline)
+            if longer is config or timeline.meta.get("interrupted") is not None:
+                return config, timeline, log, snapshots
+            config = longer
 
     def _run_wall(
         self, hooks: ReplayHooks, log: ShapingLog, snapshots: list[TraceSnapshot]
@@ -375,16 +404,19 @@ class PreparedReplay:
             checked = preflight(config.http, config.verify.drain_deadline_s)
             config = replace(config, http=checked.options)
             expected = self._forecast(config, hooks, list)
+            config = with_contract_tail(config, expected)
             return config, self._run_http(hooks, config, log, snapshots, checked.identity), expected
         sized_by_engines = is_pool_sized_by_engines(config)
         starting = self.engines.ready_engines if self.engines is not None else list
         if not sized_by_engines:
             expected = self._forecast(config, hooks, starting)  # while the engines start
+            config = with_contract_tail(config, expected)
         target = self._start_target(config, hooks)
         try:
             if sized_by_engines:
                 config = _sized(config, target)
                 expected = self._forecast(config, hooks, lambda: list(target.engines))
+                config = with_contract_tail(config, expected)
             hooks.phase(RUNNING, list(target.engines))
             from replay.wall.driver import WallClockReplay
 
@@ -453,6 +485,56 @@ class PreparedReplay:
         return HttpReplay(options, identity, on_tick=hooks.on_http_tick).run(
             _keep_snapshots(self.records(config, log), snapshots)
         )
+
+
+MINIATURE = "the miniature's settings"
+LAUNCHED = "the launched venv"  # served_release's source under `--engine vllm`
+
+
+def deployment_contract(config: ReplayConfig, timeline: Timeline | None = None) -> Contract:
+    """What the deployment promises for an unread request's blocks: a local replay's
+    engines by their own settings (release, liveness, lease); a target by what launched
+    it, else its /version (after the run: the timeline's), else --vllm-release, else the
+    newest release modelled, said so; its lease by the launcher or --kv-lease-s, else
+    NIXL's default, said so."""
+    if config.target is None and config.http is None:
+        return Contract(
+            release=VllmRelease.parse(config.engine.vllm_release),
+            release_from=MINIATURE,
+            lease_s=config.kv.kv_lease_s,
+            lease_from="the miniature's --kv-lease-s",
+            legacy=config.engine.liveness == "legacy",
+        )
+    from replay.target.server_facts import release_of, served_release
+
+    meta = timeline.meta if timeline is not None else {}
+    given = config.served_release
+    said = None
+    if given is not None and (release := release_of(given[0])) is not None:
+        said = release, f"{given[1]}: {given[0]}" if given[1] == LAUNCHED else given[1]
+    launched = given is not None and given[1] == LAUNCHED
+    learned = said if launched else served_release(meta)
+    liveness = meta.get("liveness") or (meta.get("http") or {}).get("settings", {}).get("liveness")
+    return resolve_contract(
+        learned=learned,
+        given=said,
+        lease=config.served_lease_s,
+        legacy=None if liveness is None else liveness == "legacy",
+    )
+
+
+def with_contract_tail(config: ReplayConfig, forecast: Timeline | None) -> ReplayConfig:
+    """config whose default tail reaches every unread request's contract deadline the
+    forecast leaves pending at its last request (contract.py tail_for); config itself
+    when --tail was given or the default already does."""
+    if config.tail_s is not None or forecast is None:
+        return config
+    needed = tail_for(
+        forecast.requests, deployment_contract(config), config.verify.drain_deadline_s
+    )
+    if needed <= config.effective_tail_s():
+        return config
+    return replace(config, contract_tail_s=needed)
 
 
 def forecast_timeline(

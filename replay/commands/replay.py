@@ -26,6 +26,9 @@ from replay.vllm.options import VllmOptions
 # Engine options that --engine vllm honours too: the topology it launches, and how long
 # each instance may take to start.
 VLLM_ENGINE_OPTIONS = ("topology", "start_limit_s")
+# Engine options that say what a --target's deployment runs, for the verdict's contract
+# (replay/verify/contract.py): taken with --target, not sent to the server.
+CONTRACT_OPTIONS = {"vllm_release": "--vllm-release", "kv_lease_s": "--kv-lease-s"}
 
 
 def replay_main(options: ReplayOptions, console) -> int:
@@ -103,6 +106,7 @@ def replay_config(
             calibration=load_calibration(o.sizing.calibration_path),
             target_auth=o.auth,
             check_outputs=o.verification.check_outputs,
+            **(served_contract(engines, given) if target.address is not None else {}),
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -143,7 +147,9 @@ def check_target(target: Target, clock: str, given: frozenset[str]) -> None:
         raise click.UsageError(
             "--target: replays against a running server in real time; not with --clock virtual"
         )
-    server_side = [*REPLAY_ENGINE.param_names, "deployment"]
+    server_side = [
+        n for n in (*REPLAY_ENGINE.param_names, "deployment") if n not in CONTRACT_OPTIONS
+    ]
     explicit = [n for n in server_side if n in given and not (n == "model" and target.is_http)]
     if explicit:
         raise click.UsageError(
@@ -151,6 +157,17 @@ def check_target(target: Target, clock: str, given: frozenset[str]) -> None:
             f"engines (set it on `kvdrain serve`); the report records the "
             f"server's own configuration"
         )
+
+
+def served_contract(engines: Engines, given: frozenset[str]) -> dict:
+    """What --vllm-release and --kv-lease-s say a --target's deployment runs (ReplayConfig's
+    served_release, served_lease_s): the verdict's contract, where the server cannot say."""
+    out = {}
+    if "vllm_release" in given:
+        out["served_release"] = (engines.config.vllm_release, CONTRACT_OPTIONS["vllm_release"])
+    if "kv_lease_s" in given:
+        out["served_lease_s"] = (engines.kv.kv_lease_s, CONTRACT_OPTIONS["kv_lease_s"])
+    return out
 
 
 def _flag(param: str) -> str:

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from engine.core.release import KV_LEASE_S
 from engine.proc.run_dir import run_root
 from replay.commands.replay_options import Display, OutputFiles
 from replay.commands.replay_run import replay_and_report
-from replay.pipeline import ReplayConfig, trace_limits
+from replay.pipeline import LAUNCHED, ReplayConfig, trace_limits
 from replay.runtime.interrupt import SIGNALS, Interrupted, interruptible
 from replay.runtime.startup import StartupStarved
 from replay.trace.reader import TraceError, validate_trace
@@ -190,9 +191,15 @@ def _launch_and_replay(
         connector="NixlConnector" if any(s.kv_role for s in deployment.specs) else None,
     )
     started = time.monotonic()
-    code = replay_and_report(
-        replace(config, target=deployment.target_url, http=http), outputs, display, console
+    launched = replace(
+        config,
+        target=deployment.target_url,
+        http=http,
+        served_release=(deployment.install.version, LAUNCHED),
+        served_lease_s=(KV_LEASE_S, "the launcher sets no kv_lease_duration: NIXL's default"),
+        engine_logs=tuple((s.name, s.log_path) for s in deployment.specs if s.kv_role),
     )
+    code = replay_and_report(launched, outputs, display, console)
     replay_s = time.monotonic() - started
     _say(console, f"vllm: launch to ready {ready_s:.1f} s, replay {replay_s:.1f} s")
     if outputs.report is not None and outputs.report.exists():

@@ -5,7 +5,8 @@ that answered (never kvdrain's own engine options) and counts what happened betw
 - the metrics URLs, when none were given: a `kvdrain proxy`'s GET /health names its
   upstreams (`{"upstreams": {NAME: {"url": ...}}}`), each one's /metrics is scraped as NAME;
 - the version: GET /version (vLLM's `{"version": ...}`), from the target and from the
-  root of every metrics URL (a P/D proxy has none of its own);
+  root of every metrics URL (a P/D proxy has none of its own); release_of reads the vLLM
+  release in it, which the verdict's contract follows (replay/verify/contract.py);
 - the vocabulary: vLLM's POST /tokenize, for a model whose tokenizer is kvdrain's word
   tokenizer (`w<id>` words, as the model kvdrain launches): the vocabulary covers id k
   when "w<k>" tokenizes to [k] (and to the token string "w<k>", not an unknown token's);
@@ -13,23 +14,28 @@ that answered (never kvdrain's own engine options) and counts what happened betw
 - per engine of a metrics URL: `vllm:cache_config_info`'s labels (block_size,
   num_gpu_blocks, ...), the families it exposes (a NIXL server's `vllm:nixl_*` names its
   connector), and the counters in COUNTERS, whose differences between the two readings
-  are the replay's prefix-cache hits, steps, wake-ups and lease expiries. A counter
+  are the replay's prefix-cache hits, steps, wake-ups, lease expiries and reads after
+  expiry (replay/verify/safety.py). A counter
   the server does not expose is unknown (None), never 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from engine.core.release import VllmRelease
 from replay.metrics.scrape import MetricsSource, family_names, of_model, parse_metrics
 from replay.openai.bearer import is_loopback_host
 from replay.verify.text import printable
+from replay.verify.timeline import engine_role
 
 TIMEOUT_S = 5.0
+_RELEASE = re.compile(r"\d+\.\d+(\.\d+)?")
 MAX_VOCAB_SIZE = 1 << 24  # the doubling stops here
 # What the report counts -> the counter samples that say it (the first one exposed wins).
 COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
@@ -41,6 +47,12 @@ COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
         ("vllm:nixl_num_kv_expired_reqs_total", {}),
         ("vllm:nixl_num_kv_expired_reqs", {}),
         ("kvdrain:connector_events_total", {"event": "expired"}),
+    ),
+    # D read blocks P had freed when their lease ran out (NIXL from vLLM 0.32; kvdrain's)
+    "num_notifications_after_expiry": (
+        ("vllm:nixl_num_notifications_after_expiry_total", {}),
+        ("vllm:nixl_num_notifications_after_expiry", {}),
+        ("kvdrain:connector_events_total", {"event": "reads_after_expiry"}),
     ),
 }
 CONNECTOR_FAMILIES = (
@@ -137,6 +149,34 @@ async def fetch_version(session: aiohttp.ClientSession, root: str) -> str | None
         return None
     version = body.get("version") if isinstance(body, dict) else None
     return printable(version, 64) if isinstance(version, (str, int, float)) else None
+
+
+def release_of(version: str | None) -> VllmRelease | None:
+    """The vLLM release a /version names ("0.32.0", "0.11.2.dev5+g1234", "0.32.0+cpu":
+    its leading X.Y or X.Y.Z); None: none there."""
+    if version is None:
+        return None
+    m = _RELEASE.match(version.strip().removeprefix("v"))
+    return VllmRelease.parse(m.group(0)) if m is not None else None
+
+
+def served_release(meta: dict) -> tuple[VllmRelease, str] | None:
+    """The release a server's /version names (a prefill engine's first: its blocks are
+    judged), from the HTTP replay's meta; None: none said one."""
+    http = meta.get("http") or {}
+    settings = http.get("settings") or {}
+    if settings.get("server") == "kvdrain":  # its /version is kvdrain's, not a vLLM release
+        said = release_of(((http.get("server") or {}).get("kvdrain") or {}).get("vllm_release"))
+        return None if said is None else (said, "the kvdrain server's settings")
+    engines = sorted(
+        (settings.get("engines") or {}).items(), key=lambda e: engine_role(e[0]) != "P"
+    )
+    for name, engine in engines:
+        release = release_of(engine.get("version"))
+        if release is not None:
+            return release, f"{name}'s /version: {engine.get('version')}"
+    release = release_of(settings.get("version"))
+    return None if release is None else (release, f"the server's /version: {settings['version']}")
 
 
 async def _tokenize(

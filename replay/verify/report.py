@@ -33,6 +33,7 @@ from replay.verify.verdict import EXIT_CODES
 
 MAX_VIOLATIONS_SHOWN = 12
 MAX_REASONS_SHOWN = 8
+MAX_CONTRACT_WINDOWS = 10  # windows an unread request's contract judged, listed
 ENGINE_COLUMNS = (
     "engine",
     "peak",
@@ -48,9 +49,10 @@ ENGINE_COLUMNS = (
 LEGEND = """\
 Verdicts (exit status):
   VERIFIED (0)      every expected idle window was observed and every engine drained in it
-  VIOLATION (1)     a leak (blocks held past the drain deadline), a conservation or snapshot
-                    mismatch, a request that never ended, or corrupt KV (a read after
-                    expiry; an output unlike a single engine's, with --check-outputs)
+  VIOLATION (1)     a leak (blocks held past their deadline: the drain deadline, or an
+                    unread request's contract), a conservation or snapshot mismatch, a
+                    request that never ended, or corrupt KV (freed before D read them; an
+                    output unlike a single engine's, with --check-outputs)
   error (2)         bad usage or input, or a target that cannot be reached; nothing ran
   INCONCLUSIVE (3)  the run proves nothing either way: an expected idle window was not
                     observed (the engines lagged the forecast), too many requests were
@@ -64,6 +66,10 @@ Idle windows: after every request sent so far has ended, until the next arrival 
   --idle-threshold seconds later, and the tail. Expected: the gaps the virtual clock (the
   forecast of these engines) finds idle; busy: gaps the trace's own work fills, even in the
   forecast.
+Contract: P's blocks of a request D never read are due by what the release promises (the
+  lease + one extension on 0.22+, at once for a rejection there, held while a <= 0.21 or
+  legacy P idles: a leak), from P's answer; a window that ends before that deadline is
+  undecided, judged by a later one, and one still draining when it ends is not a leak.
 Columns: peak = most used KV blocks / usable blocks (the null block excluded); end = used
   blocks at the end; windows = the idle windows this engine was judged in (its own
   count: the trace's and its own, so engines may differ); drained / leak = their
@@ -345,6 +351,37 @@ def verdict_line(report: dict) -> str:
     return f"{status.upper()}: {what} (exit {code})"
 
 
+def contract_lines(report: dict) -> list[str]:
+    """The contract the verdict judged by (over a target always; else when an unread
+    request's blocks judged a window), then one line per window an unread request's
+    contract judged, the first MAX_CONTRACT_WINDOWS of them."""
+    contract = report.get("contract")
+    if contract is None:
+        return []
+    judged = [w for w in report.get("windows", []) if w.get("num_unread")]
+    served = (report.get("settings") or {}).get("target") is not None
+    if not judged and not served:
+        return []
+    lines = [f"contract: {contract['text']}"]
+    lines += [f"  {window_contract_line(w)}" for w in judged[:MAX_CONTRACT_WINDOWS]]
+    if len(judged) > MAX_CONTRACT_WINDOWS:
+        lines.append(f"  ... and {len(judged) - MAX_CONTRACT_WINDOWS:,} more (see --report)")
+    return lines
+
+
+def window_contract_line(w: dict) -> str:
+    """'P drained 31.2 s in: 1 unread request, lease 30 s + extension 20 s (idle window at
+    12.000 s)': what one engine did in one window, and the contract that judged it."""
+    where = f"({'tail' if w['is_tail'] else 'idle window'} at {seconds(w['start'])})"
+    if w["verdict"] == "drained":
+        did = f"drained {w['time_to_drain']:.1f} s in"
+    elif w["verdict"] == "leak":
+        did = f"leak: {w['num_blocks_held']:,} blocks held past {w['deadline_s']:.1f} s in"
+    else:
+        did = f"undecided, {(w.get('note') or 'no evidence').split(' (due')[0]}"
+    return f"{w['engine']} {did}: {w['contract']} {where}"
+
+
 def fault_lines(faults: list[dict]) -> list[str]:
     """One line per fault: when, who, what (replay/wall/faults.py)."""
     lines = []
@@ -401,6 +438,7 @@ def summary_lines(report: dict, latency_block: bool = False) -> list[str]:
         lines += latency_lines(report["latency"])
     if "coverage" in report and report["coverage"]:
         lines.append(coverage_line(report))
+    lines += contract_lines(report)
     lines += fault_lines(report.get("faults", []))
     for v in report["violations"][:MAX_VIOLATIONS_SHOWN]:
         lines.append(f"  {v['kind']:<12} {v['engine']:<3} t={v['t']:9.3f}s  {v['detail']}")

@@ -20,15 +20,23 @@ Pure functions of a Timeline (from either replay driver) and the trace's snapsho
   proven by the deadline (time_to_drain, from the answer of the first zero reading
   after the last that saw blocks, is an upper bound: never under-reported); otherwise
   (no evidence, evidence too late, a drain not proven in time) "undecided".
+- contracts: blocks P holds for an unread request (P answered, D never read) are due by
+  what the deployment's release promises (contract.py: the lease and one extension, at
+  once, or held while a pre-#43433 P idles), judged from P's answer across the windows
+  that follow: a window that ends before that deadline with blocks held is undecided
+  ("held within its contract"), not counted when a later window reaching the deadline
+  judges them. Any window that ends before its deadline with usage still falling is
+  undecided, "still draining", not a leak.
 - snapshots: the nearest sample at or before each recorded snapshot matches its used,
   free (and cached, when recorded) counts within snapshot_tolerance_blocks. A recorded
   idle state (queues all empty, as `serve --record` writes them: settled, see
   replay/serve/recorder.py) that this replay reached with requests still in flight was not
   reached (it lagged the recording): not compared, and the run is inconclusive.
 - a request that never ended is a violation too ("unfinished").
-- corrupt KV: a read after expiry (a decode side copied blocks its prefill engine had
-  freed) or an output that differs from a single engine's ("output_mismatch", when the
-  replay computed the expected outputs: replay/verify/outputs.py).
+- corrupt KV: blocks freed before D read them (safety.py: a request's record, the
+  connector's reads after expiry, vLLM's counters and log) or an output that differs from
+  a single engine's ("output_mismatch", when the replay computed the expected outputs:
+  replay/verify/outputs.py).
 The status (replay/verify/verdict.py's table): "fault" when an engine or connector
 worker died or stalled, or a server restarted (the driver's faults, in the timeline's meta;
 a leak in a window that ends after one is a "fault_leak", named by it; a window that held
@@ -41,11 +49,13 @@ ignored; an undecided window), with the reasons; else "verified".
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from replay.trace.reader import TraceSnapshot
+from replay.verify.contract import Contract, UnreadIndex, WindowContract
 from replay.verify.coverage import (
     ExpectedWindow,
     WindowCoverage,
@@ -56,10 +66,12 @@ from replay.verify.coverage import (
     missed_reason,
     quiet_from,
 )
+from replay.verify.safety import freed_before_read
 from replay.verify.timeline import EngineSample, RequestRecord, Timeline
 from replay.verify.units import seconds
 from replay.verify.verdict import exit_code_for
 from replay.verify.windows import (
+    EPS_S,
     EngineWindow,
     engine_only_windows,
     idle_windows,
@@ -74,8 +86,10 @@ VIOLATION_KINDS = (
     "snapshot",
     "unfinished",
     "read_after_expiry",
+    "freed_before_read",
     "output_mismatch",
 )
+STILL_DRAINING = "still draining when the window ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +125,14 @@ class IdleWindow:
     time_to_drain: float | None  # seconds from start until used blocks stay 0; None: never
     verdict: str  # "drained" | "leak" | "undecided"
     num_blocks_held: int  # used blocks at the last sample that had any (0 if none did)
+    # What judged it (contract.py): seconds from its start by which the blocks held then
+    # were due, and why ("drain deadline 0.5 s", "1 unread request, lease 30 s + ...").
+    deadline_s: float | None = None
+    contract: str = ""
+    num_unread: int = 0  # unread requests P still held for D at its start
+    # Why an undecided window is: STILL_DRAINING, or held within its contract when it
+    # ended (a later window judges those blocks); "": neither.
+    note: str = ""
 
     @property
     def length(self) -> float:
@@ -139,6 +161,7 @@ class Verdict:
     # Per window (windows' order): undecided, shorter than the drain deadline and over no
     # observed candidate gap, so not judged (too_short); empty: none is known to be.
     too_short: tuple[bool, ...] = ()
+    contract: Contract | None = None  # what judged the unread requests' blocks (contract.py)
 
     @property
     def ok(self) -> bool:
@@ -187,6 +210,7 @@ class Verdict:
             "faults": [dict(f) for f in self.faults],
             "num_too_short_windows": self.num_too_short,
             **({"partial_coverage": self.partial} if self.partial else {}),
+            **({"contract": self.contract.to_dict()} if self.contract is not None else {}),
         }
 
 
@@ -221,14 +245,25 @@ def check_window(
     window: tuple[float, float, bool],
     deadline_s: float,
     scraped: bool = False,
+    judge_by: WindowContract | None = None,
 ) -> IdleWindow:
     """Judge one engine over one (start, end, is_tail) window.
 
     It drained at the first sample from which used blocks stay 0 until the window
-    ends (the sample at or before `start` counts as the window's first). scraped:
-    _scraped_window judges it (only readings taken inside the window are evidence).
+    ends (the sample at or before `start` counts as the window's first), by the drain
+    deadline, or by judge_by's later deadline (an unread request's contract: contract.py).
+    scraped: _scraped_window judges it (only readings taken inside the window are evidence).
     """
     (start, end, is_tail), samples, times = window, series.samples, series.times
+    if judge_by is None:
+        judge_by = WindowContract(
+            deadline_t=start + deadline_s, num_unread=0, text=f"drain deadline {deadline_s:g} s"
+        )
+    judged = {
+        "deadline_s": judge_by.deadline_t - start,
+        "contract": judge_by.text,
+        "num_unread": judge_by.num_unread,
+    }
     if not times or times[0] > end:  # nothing known about this engine in the window
         return IdleWindow(
             engine=series.engine,
@@ -239,16 +274,28 @@ def check_window(
             time_to_drain=None,
             verdict="undecided",
             num_blocks_held=0,
+            **judged,
         )
     lo, hi = bisect.bisect_right(times, start), bisect.bisect_left(times, end)
     at_start = samples[lo - 1].num_used_blocks if lo > 0 else 0
+    inside = samples[max(lo - 1, 0) : hi]
+    held_on = judge_by.num_unread > 0 and judge_by.deadline_t > end  # due after it ends
     if scraped:
-        verdict, drained_at, held = _scraped_window(samples[lo:hi], start, end, start + deadline_s)
-    else:
-        verdict, drained_at, held = _stats_window(
-            samples[max(lo - 1, 0) : hi], start, end, deadline_s
+        verdict, drained_at, held = _scraped_window(
+            samples[lo:hi], start, end, judge_by.deadline_t, held_on
         )
+    else:
+        verdict, drained_at, held = _stats_window(inside, start, end, judge_by.deadline_t - start)
     time_to_drain = None if drained_at is None or verdict == "undecided" else drained_at - start
+    note, seen = "", samples[lo:hi] if scraped else inside
+    if verdict == "undecided" and seen and seen[-1].num_used_blocks:
+        if is_falling(seen, start, end, deadline_s):
+            note = STILL_DRAINING
+        elif held_on:
+            note = (
+                f"held within its contract when the window ended (due "
+                f"{seconds(judge_by.deadline_t)}): a later window judges them"
+            )
     return IdleWindow(
         engine=series.engine,
         start=start,
@@ -258,7 +305,21 @@ def check_window(
         time_to_drain=time_to_drain,
         verdict=verdict,
         num_blocks_held=held,
+        **judged,
+        note=note,
     )
+
+
+def is_falling(
+    samples: Sequence[EngineSample], start: float, end: float, drain_deadline_s: float
+) -> bool:
+    """Usage still falling as the window ended: the last change of used blocks among its
+    samples was a decrease, seen within its last drain deadline or last third."""
+    recent_from = end - max(drain_deadline_s, (end - start) / 3)
+    for before, after in zip(reversed(samples[:-1]), reversed(samples[1:])):
+        if after.num_used_blocks != before.num_used_blocks:
+            return after.num_used_blocks < before.num_used_blocks and after.t >= recent_from
+    return False
 
 
 def _stats_window(
@@ -285,7 +346,11 @@ def _drained_at(samples: Sequence[EngineSample], start: float) -> tuple[float | 
 
 
 def _scraped_window(
-    answered: Sequence[EngineSample], start: float, end: float, deadline_t: float
+    answered: Sequence[EngineSample],
+    start: float,
+    end: float,
+    deadline_t: float,
+    due_later: bool = False,
 ) -> tuple[str, float | None, int]:
     """Scraped readings answered inside a window: (verdict, drained_at, held).
 
@@ -295,6 +360,8 @@ def _scraped_window(
     only if some evidence exists and the drain is proven by the deadline: drained_at is
     the answer time of the first reading taken for sure inside the window (sent after
     its start) after the last reading that saw blocks held: an upper bound on the drain.
+    due_later: the blocks held were due after the window ended (an unread request's
+    contract), so readings that end at zero prove the drain in time.
     """
     evidence = [s for s in answered if _sent(s) > deadline_t]
     last_held = next(
@@ -305,6 +372,8 @@ def _scraped_window(
     if any(s.num_used_blocks for s in evidence):
         return "leak", drained_at, held
     if evidence and drained_at is not None and drained_at <= deadline_t:
+        return "drained", drained_at, held
+    if due_later and drained_at is not None:
         return "drained", drained_at, held
     return "undecided", drained_at, held
 
@@ -324,10 +393,13 @@ def _window_violation(w: IdleWindow, faults: Sequence[dict] = ()) -> Violation:
             f"at its start, {w.num_blocks_held} at its last sample that had any"
         )
     else:
+        past = "the drain deadline" if not w.num_unread else "its deadline"
         detail = (
             f"late drain: {where}: {w.num_blocks_held} blocks held until {w.time_to_drain:.3f} s "
-            f"after its start, past the drain deadline"
+            f"after its start, past {past}"
         )
+    if w.num_unread:  # an unread request's contract judged it: say which, and its deadline
+        detail += f" (due {w.deadline_s:.3f} s in: {w.contract})"
     cause = next((f for f in faults if f["t"] <= w.end), None)
     if cause is None:
         return Violation("leak", w.engine, w.start, detail)
@@ -425,12 +497,15 @@ def verify(
     options: VerifyOptions = VerifyOptions(),
     expected: Sequence[ExpectedWindow] | None = None,
     expected_engine: Sequence[EngineWindow] | None = None,
+    contract: Contract | None = None,
 ) -> Verdict:
     """Check conservation, idle-window drain and recorded snapshots, then what was covered.
 
     expected: the candidate windows (replay/verify/coverage.py expected_windows), computed
     before the run; None checks only the windows the run observed. expected_engine: the
-    engines' own windows the forecast found (windows.py); None: no forecast.
+    engines' own windows the forecast found (windows.py); None: no forecast. contract: what
+    the deployment promises for an unread request's blocks (contract.py); None: every
+    window by the drain deadline.
     """
     violations = _check_conservation(timeline)
     faults = tuple(sorted(timeline.meta.get("faults", ()), key=lambda f: f["t"]))
@@ -458,8 +533,14 @@ def verify(
         judged += [(by_engine[w.engine], w.window) for w in run_own if w.engine in by_engine]
     shared = list(timeline.meta.get("shared", ()))
     shared_from = min((s["t"] for s in shared), default=math.inf)  # a serve is shared whole
+    unread = UnreadIndex(timeline.requests, contract) if contract is not None else None
     for series, window in sorted(judged, key=lambda sw: sw[1][0]):  # stable: engines in order
-        w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped())
+        judge_by = (
+            unread.judge_by(series.engine, window[0], window[1], options.drain_deadline_s)
+            if unread
+            else None
+        )
+        w = check_window(series, window, options.drain_deadline_s, timeline.is_scraped(), judge_by)
         if w.verdict == "drained" and restart_inside(w, faults) is not None:
             w = replace(w, verdict="undecided", time_to_drain=None)  # freed, not drained
         windows.append(w)
@@ -498,7 +579,12 @@ def verify(
     restarted = [
         w for w in windows if w.verdict == "undecided" and restart_inside(w, faults) is not None
     ]
-    counted = [w for w, is_spare in zip(windows, spare) if not is_spare and w not in restarted]
+    later = judged_later(windows)
+    counted = [
+        w
+        for w, is_spare in zip(windows, spare)
+        if not is_spare and w not in restarted and not later(w)
+    ]
     reasons = _inconclusive_reasons(coverage, counted, ignored, len(timeline.requests), options)
     reasons += restart_reasons(restarted, faults)
     reasons += starved_reasons(starved)
@@ -525,7 +611,35 @@ def verify(
         faults=faults,
         partial=partial,
         too_short=tuple(spare),
+        contract=contract,
     )
+
+
+def judged_later(windows: Sequence[IdleWindow]) -> Callable[[IdleWindow], bool]:
+    """A predicate: an undecided window whose blocks a later window of the same engine
+    judges, since they were an unread request's, due after it ended (contract.py), and a
+    later decided window (drained or leak) reaches that deadline."""
+    decided: dict[str, list[IdleWindow]] = {}
+    for w in windows:
+        if w.verdict != "undecided":
+            decided.setdefault(w.engine, []).append(w)
+    for ws in decided.values():
+        ws.sort(key=lambda w: w.start)
+    starts = {engine: [w.start for w in ws] for engine, ws in decided.items()}
+    reach = {  # per engine, from each decided window on: the latest end among them
+        engine: list(itertools.accumulate((w.end for w in reversed(ws)), max))[::-1]
+        for engine, ws in decided.items()
+    }
+
+    def later(w: IdleWindow) -> bool:
+        if w.verdict != "undecided" or not w.num_unread or w.deadline_s is None:
+            return False
+        i = bisect.bisect_left(starts.get(w.engine, []), w.end - EPS_S)
+        return i < len(starts.get(w.engine, [])) and (
+            reach[w.engine][i] >= w.start + w.deadline_s - EPS_S
+        )
+
+    return later
 
 
 def restart_inside(w: IdleWindow, faults: Sequence[dict]) -> tuple[float, float] | None:
@@ -607,20 +721,9 @@ def _partial_coverage(
 
 def _check_kv_integrity(timeline: Timeline) -> list[Violation]:
     """KV that may be corrupt: a decode side read blocks its prefill engine had freed
-    (the connector's num_reads_after_expiry), or an output differs from what a single
-    engine produces for the prompt (RequestRecord.expected_digest, when checked)."""
-    out = [
-        Violation(
-            "read_after_expiry",
-            engine,
-            timeline.end_t,
-            f"{n} read{'s' if n != 1 else ''} of sends whose lease had expired: the "
-            f"decode side copied blocks this engine had freed and may have reused, "
-            f"so its KV may be corrupt",
-        )
-        for engine, counters in sorted(timeline.counters.items())
-        if (n := counters.get("num_reads_after_expiry", 0)) > 0
-    ]
+    (safety.py), or an output differs from what a single engine produces for the prompt
+    (RequestRecord.expected_digest, when checked)."""
+    out = [Violation(f.kind, f.engine, f.t, f.detail) for f in freed_before_read(timeline)]
     out += [
         Violation(
             "output_mismatch",
@@ -706,12 +809,24 @@ def _inconclusive_reasons(
     undecided = [w for w in windows if w.verdict == "undecided"]
     if undecided:
         w = undecided[0]
+        why = (
+            "no samples (for scraped metrics: no reading surely taken after its "
+            "drain deadline and before its end, or a drain not proven by the "
+            "deadline), or shorter than the drain deadline and not drained"
+        )
+        if w.note == STILL_DRAINING:
+            why = (
+                f"{w.note}, before its deadline ({w.contract}): not a leak; a longer "
+                f"window judges it"
+            )
+        elif w.note:
+            why = (
+                f"{w.note.split(':')[0]} ({w.contract}), and no later window reached "
+                f"that deadline: lengthen --tail"
+            )
         reasons.append(
             f"{len(undecided)} idle window{'s' if len(undecided) != 1 else ''} "
-            f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: "
-            f"no samples (for scraped metrics: no reading surely taken after its "
-            f"drain deadline and before its end, or a drain not proven by the "
-            f"deadline), or shorter than the drain deadline and not drained)"
+            f"undecided (first: {w.engine} at {w.start:.3f} s, {w.length:.3f} s long: {why})"
         )
     num_ignored = sum(ignored.values())
     if (

@@ -112,3 +112,21 @@ def test_the_start_limit_goes_with_engine_vllm_and_is_named_as_typed(tmp_path):
     )
     assert target.exit_code == 2
     assert "--start-limit: does not apply with --target" in target.output, target.output
+
+
+def test_the_lease_a_target_runs_is_given_with_kv_lease_s(monkeypatch):
+    """--kv-lease-s says what a --target's deployment runs (the verdict's contract); the
+    other engine options still do not apply there."""
+    import replay.commands.replay as verb
+
+    configs = []
+    monkeypatch.setattr(verb, "replay_and_report", lambda config, *a, **k: configs.append(config))
+    example = str(Path(__file__).resolve().parents[3] / "examples" / "pd_idle.jsonl")
+    runner = CliRunner()
+    args = ["replay", example, "--target", "http://127.0.0.1:9", "--no-live"]
+    result = runner.invoke(cli, [*args, "--kv-lease-s", "6"])
+    assert result.exit_code == 0, result.output
+    assert configs[0].served_lease_s == (6.0, "--kv-lease-s")
+    assert configs[0].served_release is None
+    runner.invoke(cli, args)
+    assert configs[1].served_lease_s is None

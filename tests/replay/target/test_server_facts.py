@@ -121,3 +121,30 @@ async def _metrics(session, url: str) -> dict[tuple, float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def test_the_vllm_release_a_version_names():
+    from replay.target.server_facts import release_of
+
+    assert str(release_of("0.32.0")) == "0.32.0"
+    assert str(release_of("0.32.0+cpu")) == "0.32.0"
+    assert str(release_of("0.11.2.dev5+g1234")) == "0.11.2"
+    assert str(release_of("v0.22")) == "0.22.0"
+    assert release_of("unknown") is None and release_of(None) is None
+
+
+def test_reads_after_expiry_are_counted_from_vllm_s_and_kvdrain_s_metrics():
+    from replay.metrics.scrape import parse_metrics
+    from replay.target.server_facts import engine_facts
+
+    vllm = parse_metrics(
+        "# TYPE vllm:nixl_num_notifications_after_expiry counter\n"
+        'vllm:nixl_num_notifications_after_expiry_total{engine="0"} 2.0\n'
+    )
+    kvdrain = parse_metrics(
+        "# TYPE kvdrain:connector_events counter\n"
+        'kvdrain:connector_events_total{engine="P",event="reads_after_expiry"} 3.0\n'
+    )
+    assert engine_facts(vllm, "0").counters["num_notifications_after_expiry"] == 2.0
+    assert engine_facts(kvdrain, "P").counters["num_notifications_after_expiry"] == 3.0
+    assert engine_facts({}, "0").counters["num_notifications_after_expiry"] is None
