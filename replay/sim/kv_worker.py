@@ -18,7 +18,8 @@ ending after its own copy; the process pulls one after another and sends a batch
 ReadDones together once it is read (connector/worker_proc.py), so its P frees a
 batch at the batch's end. Reports wait in the inbox until the engine's
 get_finished; on_report tells the engine one came (what a message on the socket does
-to a blocked engine loop), a heartbeat's LeaseDue included.
+to a blocked engine loop), a heartbeat's LeaseDue included, just before it lands: an
+engine that takes a skipped step late (replay/sim/engine.py) takes it without it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class SimKVWorker(KVConnectorAgentBase):
         # yet reported finished, and when a step must reap.
         self.sends: set[str] = set()
         self.reaps = ReapSchedule(reap_on_finish=not rules.reaper_scans_all)
+        # When the step being started really started, if earlier than now: a decode
+        # run's step in progress that the engine takes late (replay/sim/engine.py
+        # leave_run) reads the clock as it would have then.
+        self.step_started_at: int | None = None
 
     def start_load_kv(self, metadata: object) -> None:
         if not isinstance(metadata, PDConnectorMetadata):
@@ -85,16 +90,16 @@ class SimKVWorker(KVConnectorAgentBase):
         self.sends.difference_update(out.finished_sending)
         if out.finished_sending:
             self.reaps.on_finished()
-        due = self.reaps.due(bool(self.sends))
-        if due is not None and self.loop.now >= due:  # the agent's reap round trip
-            reaped = self.ledger.reap(self.loop.now).finished_sending
+        due, now = self.reaps.due(bool(self.sends)), self.now_ns()
+        if due is not None and now >= due:  # the agent's reap round trip
+            reaped = self.ledger.reap(now).finished_sending
             self.reaps.on_reaped(self.ledger.next_lease_deadline())
             out.finished_sending.update(reaped)
             self.sends.difference_update(reaped)
         return out
 
     def now_ns(self) -> int:
-        return self.loop.now
+        return self.loop.now if self.step_started_at is None else self.step_started_at
 
     def next_deadline_ns(self) -> int | None:
         return self.reaps.due(bool(self.sends))
@@ -119,8 +124,8 @@ class SimKVWorker(KVConnectorAgentBase):
         self._apply(self.ledger.expire_holds(self.loop.now))
 
     def _report(self, inbox: list[str], req_id: str) -> None:
+        self.on_report()  # first: an engine that leaves a decode run steps without it
         inbox.append(req_id)
-        self.on_report()
 
     def _start_pull(self, recv: RecvSpec) -> None:
         """Ask P's worker for the read (the process's PinSend or ReadBlocks)."""
@@ -185,5 +190,5 @@ class SimKVWorker(KVConnectorAgentBase):
 
     def _on_heartbeat(self, req_ids: list[str]) -> None:
         if self.ledger.receive_heartbeat(req_ids):  # the worker's LeaseDue to its engine
-            self.inbox_lease_due = True
             self.on_report()
+            self.inbox_lease_due = True
