@@ -30,7 +30,7 @@ from connector.messages import (
     WorkerReady,
 )
 from connector.pd import PDConnectorMetadata
-from connector.send_ledger import READ_LEASE_NS, ReapSchedule
+from connector.send_ledger import READ_LEASE_NS, HoldRules, ReapSchedule
 from connector.worker_proc import ConnectorWorkerConfig, run_connector_worker
 from engine.config import EngineConfig
 from engine.core.kv_connector import KVConnectorAgentBase
@@ -47,13 +47,15 @@ class PendingTransfers:
     """The transfers the worker process owns, as the agent sees them: its reports merge
     in, and a dead worker's are resolved (held sends released, pending loads failed)."""
 
-    def __init__(self, lease_ns: int = 30 * 10**9, pull_delay_ns: int = 0) -> None:
+    def __init__(
+        self, lease_ns: int = 30 * 10**9, pull_delay_ns: int = 0, reap_on_finish: bool = False
+    ) -> None:
         self.sends: set[str] = set()
         self.recvs: dict[str, RecvSpec] = {}  # loads in flight, by request id
         self.recv_started: dict[str, int] = {}  # when each load was handed over (ns)
         self.counters: dict[str, int] = {"num_bad_reports": 0}
         self.lease_ns, self.pull_delay_ns = lease_ns, pull_delay_ns
-        self.reaps = ReapSchedule()
+        self.reaps = ReapSchedule(reap_on_finish=reap_on_finish)
         self.orphaned_at: int | None = None  # when the worker's death was seen (ns)
 
     def start(self, metadata: PDConnectorMetadata, now: int = 0) -> None:
@@ -93,6 +95,8 @@ class PendingTransfers:
         out.finished_recving.update(report.finished_recving)
         out.invalid_block_ids.update(report.invalid_block_ids)
         self.sends.difference_update(report.finished_sending)
+        if report.finished_sending:
+            self.reaps.on_finished()
         counters = dict(report.counters)
         reported = counters.pop("report_ns", None)
         for req_id in report.finished_recving:
@@ -156,6 +160,7 @@ class PDConnectorAgent(KVConnectorAgentBase):
             kv_addr=kv.kv_addr,
             transport=kv.transport,
             kv_lease_s=kv.kv_lease_s,
+            vllm_release=config.vllm_release,
             pull_delay_ms=kv.pull_delay_ms,
             drop_read_done=kv.drop_read_done,
             max_control_bytes=control_bytes,
@@ -173,7 +178,10 @@ class PDConnectorAgent(KVConnectorAgentBase):
         self.socket.send(CONNECTOR_CODEC.encode(RegisterKVCache(self.engine_id, kv_cache_handle)))
         self._wait_for(KVCacheRegistered)
         # Transfers the worker owns, so a dead worker's can be resolved here.
-        self.pending = PendingTransfers(round(kv.kv_lease_s * 1e9), round(kv.pull_delay_ms * 1e6))
+        rules = HoldRules.of(config.vllm_release, kv.kv_lease_s)
+        self.pending = PendingTransfers(
+            rules.hold_ns, round(kv.pull_delay_ms * 1e6), not rules.reaper_scans_all
+        )
         self.pending.counters["connector_worker_pid"] = worker_pid
         self.error: str | None = None
         self._peer_links: dict[str, zmq.Socket] = {}  # to prefill workers, once ours is gone

@@ -14,6 +14,7 @@ from connector.messages import (
     HeartbeatSpec,
     RecvSpec,
 )  # a load: remote_block_ids -> local_block_ids
+from connector.send_ledger import HoldRules
 from engine.config import EngineConfig
 from engine.core.kv_connector import KVConnectorBase, KVConnectorMetadata
 from engine.core.outputs import KVConnectorOutput, SchedulerOutput
@@ -46,7 +47,8 @@ class PDConnector(KVConnectorBase):
     are kept until the decode side has read them, and the frontend gets the params D needs.
     Leases (vLLM 0.32's NIXL): request_finished stamps each held send with now + kv_lease_s;
     the deadline travels in the metadata to P's worker, which reaps it when P steps past it,
-    and extends the leases D's heartbeats (connector/heartbeats.py) name.
+    and extends the leases D's heartbeats (connector/heartbeats.py) name. Before 0.22 the
+    stamp is the fallback timer's (480 s, 120 s before 0.11.2) and D sends no heartbeats.
     D: a `do_remote_prefill` request's prompt KV is an async load; it waits in
     WAITING_FOR_REMOTE_KVS until the worker reports finished_recving.
     Time is the agent's clock, given by the engine core (set_time).
@@ -61,7 +63,9 @@ class PDConnector(KVConnectorBase):
         self._send_deadlines: dict[str, int] = {}
         self._reqs_to_release: list[RecvSpec] = []
         lease_s = config.kv_transfer.kv_lease_s if config.kv_transfer else 30.0
-        self.lease_ns = round(lease_s * 1e9)  # vLLM's kv_lease_duration
+        rules = HoldRules.of(config.vllm_release, lease_s)
+        # vLLM's kv_lease_duration, or before 0.22 its fallback timer (no heartbeats then)
+        self.lease_ns, self.has_lease = rules.hold_ns, rules.heartbeats
         self._heartbeats = HeartbeatTracker(self.lease_ns // 6)  # vLLM: kv_lease_duration // 6
         self._now = 0  # the engine's clock (ns), from set_time
         self.num_bad_params = 0  # requests (not admission attempts) whose params did not fit
@@ -125,7 +129,8 @@ class PDConnector(KVConnectorBase):
         params["do_remote_prefill"] = False  # load once, even after a preemption
 
     def on_new_request(self, request: Request) -> None:
-        self._heartbeats.track(request.req_id, request.kv_transfer_params)
+        if self.has_lease:  # before 0.22 D sends no heartbeats: P's timer is fixed
+            self._heartbeats.track(request.req_id, request.kv_transfer_params)
 
     def set_time(self, now_ns: int) -> None:
         self._now = now_ns

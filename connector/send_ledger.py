@@ -4,13 +4,17 @@ Sans-IO, vLLM 0.32's NIXL prefill side (nixl/base_worker.py): each call takes `n
 of a monotonic clock: worker_proc.py's, or the simulator's virtual time) and returns a
 LedgerOutput: sends finished (finished_sending), read replies, hold deadlines set. A send ends by
 D's "read done" or a reap P's step asks for: a parked engine reaps nothing, and its worker
-keeps serving reads of the blocks it still holds.
+keeps serving reads of the blocks it still holds. HoldRules say how the release followed lets
+go of an unread send: a lease D's heartbeats extend (0.22+) or a fixed timer (before), a reap
+that scans every send (0.31+) or stops at the first not yet due, in registration order.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from engine.core.release import VllmRelease, fallback_timer_s, has_kv_lease, reaper_scans_all
 
 # How long an early read waits for its send to be registered: less than the decode
 # side's 2 s read timeout (connector/transfer.py), so it gets an answer either way.
@@ -30,6 +34,27 @@ READ_LEASE_NS = 2_000_000_000
 
 UNKNOWN_REQUEST = "unknown or expired request"
 BLOCKS_NOT_HELD = "blocks not held for this request"
+
+
+@dataclass(frozen=True, slots=True)
+class HoldRules:
+    """How P lets go of a send D has not read, in one vLLM release (engine/core/release.py)."""
+
+    hold_ns: int  # the lease (kv_lease_duration) or, before 0.22, the fallback timer
+    heartbeats: bool = True  # D's heartbeats extend it (a lease; a timer is never extended)
+    # Every expired send is reaped; else the reap goes through the sends in registration
+    # order and stops at the first not yet due (vLLM before 0.31).
+    reaper_scans_all: bool = True
+
+    @classmethod
+    def of(cls, release: str, kv_lease_s: float) -> HoldRules:
+        """The rules of `release` ("X.Y"); kv_lease_s is the lease where it has one."""
+        parsed = VllmRelease.parse(release)
+        lease = has_kv_lease(parsed)
+        hold_s = kv_lease_s if lease else fallback_timer_s(parsed)
+        if hold_s is None:
+            raise ValueError(f"vllm_release: {release} frees no unread send on its own")
+        return cls(round(hold_s * 1e9), lease, reaper_scans_all(parsed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +118,17 @@ class SendLedger:
     max_early_holds = MAX_EARLY_HOLDS
 
     def __init__(
-        self, lease_ns: int, drop_read_done: bool = False, early_hold_ns: int = EARLY_HOLD_NS
+        self,
+        lease_ns: int,
+        drop_read_done: bool = False,
+        early_hold_ns: int = EARLY_HOLD_NS,
+        rules: HoldRules | None = None,
     ) -> None:
+        """lease_ns: how long an unread send is held; rules (their hold_ns is lease_ns):
+        how it lets go; None: vLLM 0.32's lease."""
         self.lease_ns, self.early_hold_ns = lease_ns, early_hold_ns
         self.lease_extension_ns = lease_ns * 2 // 3
+        self.rules = rules if rules is not None else HoldRules(lease_ns)
         self.drop_read_done = drop_read_done
         self.sends: dict[str, _Send] = {}  # registered, not yet read or expired
         self.early: dict[str, _EarlyHold] = {}  # arrived before their registration
@@ -153,27 +185,46 @@ class SendLedger:
         lease_ns * 2 // 3), vLLM's kv_lease_duration * 2 // 3 in ns so that short test leases
         work. Then every held send whose lease has passed (now >= lease) ends, counted as
         expired, unless a read lease runs: its expiry waits for it (num_expiries_deferred)."""
-        for req_id in self.heartbeats:
+        for req_id in self.heartbeats if self.rules.heartbeats else ():
             send = self.sends.get(req_id)
             if send is not None and now + self.lease_extension_ns > send.deadline:
                 self.extend(req_id, now + self.lease_extension_ns)
         self.heartbeats.clear()
         out = LedgerOutput()
+        if not self.rules.reaper_scans_all:
+            self._reap_in_order(now, out)
+            return out
         while self._leases and self._leases[0][0] <= now:
             deadline, seq, req_id = heapq.heappop(self._leases)
             send = self.sends.get(req_id)
             if not self._is_live(send, deadline, seq):
                 continue
-            if send.read_until > now:  # D copies it now: the expiry waits for the copy
-                self.counters["num_expiries_deferred"] += 1
-                self.extend(req_id, send.read_until)
-            else:
-                self._finish(req_id, expired=True, out=out)
+            self._expire(req_id, send, now, out)
         return out
 
+    def _reap_in_order(self, now: int, out: LedgerOutput) -> None:
+        """vLLM's reap before 0.31: the held sends in registration order, up to the first
+        whose lease has not passed (a heartbeated one strands expired ones behind it)."""
+        while self.sends:
+            req_id, send = next(iter(self.sends.items()))
+            if send.deadline > now or not self._expire(req_id, send, now, out):
+                return
+
+    def _expire(self, req_id: str, send: _Send, now: int, out: LedgerOutput) -> bool:
+        """End a send whose lease passed, unless a read lease runs: the expiry then waits
+        for the copy. Whether it ended."""
+        if send.read_until > now:
+            self.counters["num_expiries_deferred"] += 1
+            self.extend(req_id, send.read_until)
+            return False
+        self._finish(req_id, expired=True, out=out)
+        return True
+
     def next_lease_deadline(self) -> int | None:
-        """When the earliest held lease passes (ns), heartbeats not yet applied; None:
-        no send is held."""
+        """When a reap next ends a send (ns), heartbeats not yet applied: the earliest
+        lease, or under an in-order reap the first registered send's; None: no send is held."""
+        if not self.rules.reaper_scans_all:
+            return next(iter(self.sends.values())).deadline if self.sends else None
         return self._peek(self._leases, self.sends)
 
     def extend(self, req_id: str, deadline: int) -> None:
@@ -181,7 +232,8 @@ class SendLedger:
         send = self.sends.get(req_id)
         if send is not None:
             send.deadline = deadline
-            heapq.heappush(self._leases, (deadline, send.seq, req_id))
+            if self.rules.reaper_scans_all:  # an in-order reap reads the sends themselves
+                heapq.heappush(self._leases, (deadline, send.seq, req_id))
 
     # ---- what D's worker says -------------------------------------------------------
 
@@ -189,9 +241,11 @@ class SendLedger:
         """D still waits for these sends: queued for the next reap, as vLLM handles its "HB:"
         notifications inside get_finished. True when the queue was empty, so the driver tells
         the engine there is something to reap."""
+        self.counters["num_heartbeats"] += 1
+        if not self.rules.heartbeats:  # a fixed timer: nothing to extend
+            return False
         first = not self.heartbeats
         self.heartbeats.extend(req_ids)
-        self.counters["num_heartbeats"] += 1
         return first
 
     def read(
@@ -358,15 +412,23 @@ class ReapSchedule:
 
     lease_due: int | None = None  # the earliest lease this side knows of (ns)
     heartbeats_queued: bool = False
+    # An in-order reaper (HoldRules.reaper_scans_all False): a send that ends may uncover
+    # expired ones behind it, so the next step reaps, as vLLM's get_finished always does.
+    reap_on_finish: bool = False
+    sends_finished: bool = False
 
     def on_register(self, deadline: int) -> None:
         self.lease_due = deadline if self.lease_due is None else min(self.lease_due, deadline)
 
+    def on_finished(self) -> None:
+        """Sends were reported finished (read, or released unread)."""
+        self.sends_finished = self.reap_on_finish
+
     def on_reaped(self, next_deadline: int | None) -> None:
-        self.lease_due, self.heartbeats_queued = next_deadline, False
+        self.lease_due, self.heartbeats_queued, self.sends_finished = next_deadline, False, False
 
     def due(self, holds_sends: bool) -> int | None:
         """When a step must reap (ns; 0: at once); None: no need while nothing changes."""
-        if self.heartbeats_queued:
+        if self.heartbeats_queued or (self.sends_finished and holds_sends):
             return 0
         return self.lease_due if holds_sends else None

@@ -43,7 +43,13 @@ from connector.messages import (
     WorkerReady,
 )
 from connector.pull_outcome import pull_outcome
-from connector.send_ledger import UNKNOWN_REQUEST, LedgerOutput, ReadReply, SendLedger
+from connector.send_ledger import (
+    UNKNOWN_REQUEST,
+    HoldRules,
+    LedgerOutput,
+    ReadReply,
+    SendLedger,
+)
 from connector.transfer import (
     SLOW_REPLY_MS,
     PeerTimeout,
@@ -52,6 +58,7 @@ from connector.transfer import (
     keep_freed_buffers,
     send_blocks,
 )
+from engine.core.release import DEFAULT_RELEASE
 from engine.proc.lifetime import die_with_parent
 from engine.proc.messages import DecodeError
 from engine.proc.socket_limits import block_payload_bytes, set_max_message_size
@@ -70,6 +77,7 @@ class ConnectorWorkerConfig:
     kv_addr: str  # ROUTER for peer workers
     transport: str = "shm"
     kv_lease_s: float = 30.0  # only for sends registered without a deadline
+    vllm_release: str = str(DEFAULT_RELEASE)  # how an unread send is let go (HoldRules)
     pull_delay_ms: float = 0.0
     drop_read_done: bool = False
     max_control_bytes: int = (
@@ -100,7 +108,8 @@ class ConnectorWorkerProc:
         self.held: deque[tuple[str, ReadDone | ReadAbandoned]] = deque()  # (P's address, its news)
         self.kv_cache: KVCache | None = None
         # Time is time.monotonic_ns() throughout: the ledger's clock.
-        self.ledger = SendLedger(round(config.kv_lease_s * 1e9), config.drop_read_done)
+        rules = HoldRules.of(config.vllm_release, config.kv_lease_s)
+        self.ledger = SendLedger(rules.hold_ns, config.drop_read_done, rules=rules)
         self.pulls: list[tuple[int, int, RecvSpec]] = []  # heap of (due, seq, spec)
         self._seq = 0
         self.report = KVReport([], [], [], {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from engine.core.release import DEFAULT_RELEASE, VllmRelease
+from engine.core.release import DEFAULT_RELEASE, OLDEST_RELEASE, VllmRelease, is_modelled_release
 
 LIVENESS_POLICIES = ("legacy", "poll", "event")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -154,7 +154,9 @@ class EngineConfig:
     # is processed (engine/core/async_scheduler.py, engine/core/batch_queue.py).
     async_scheduling: bool = False
     # The vLLM release whose behaviour the engine follows where releases differ
-    # (engine/core/release.py): "X.Y" or "X.Y.Z".
+    # (engine/core/release.py): "X.Y" or "X.Y.Z". Its KV lifecycle: how long P holds an
+    # unread send and how it lets go, aborts during a step, D's rejections; the loop is
+    # `liveness`, which the command line sets from the release unless given.
     vllm_release: str = str(DEFAULT_RELEASE)
     eos_token_id: int | None = None
     runner: str = "mock"
@@ -194,7 +196,9 @@ class EngineConfig:
         _require(
             _is_release(self.vllm_release),
             "vllm_release",
-            f"must be X.Y or X.Y.Z, got {self.vllm_release!r}",
+            f"must be a vLLM release from {OLDEST_RELEASE.major}.{OLDEST_RELEASE.minor} to "
+            f"{DEFAULT_RELEASE.major}.{DEFAULT_RELEASE.minor} (X.Y or X.Y.Z), "
+            f"got {self.vllm_release!r}",
         )
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}")
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}")
@@ -212,11 +216,11 @@ class EngineConfig:
 
 
 def _is_release(text: object) -> bool:
+    """A release the miniature models (engine/core/release.py), as X.Y or X.Y.Z."""
     try:
-        VllmRelease.parse(text)
+        return is_modelled_release(VllmRelease.parse(text))
     except (AttributeError, ValueError):
         return False
-    return True
 
 
 def config_to_dict(config: object) -> dict:

@@ -53,6 +53,8 @@ class BatchStep:
     model_executed: bool = False  # the new batch had tokens
     can_progress: bool = False
     got_kv_reports: bool = False
+    # After start_batch_step: the oldest batch's output is to be processed (its second half).
+    must_process: bool = False
 
 
 class BatchQueue:
@@ -94,6 +96,18 @@ def step_with_batch_queue(
 ) -> BatchStep:
     """One call of vLLM's step_with_batch_queue (module docstring). `execute` runs a
     batch (the forward and the connector worker's part: EngineCore.execute)."""
+    step = start_batch_step(scheduler, queue, execute, tell_time)
+    return finish_batch_step(scheduler, queue, step, tell_time)
+
+
+def start_batch_step(
+    scheduler: Scheduler,
+    queue: BatchQueue,
+    execute: Callable[[SchedulerOutput], tuple[ModelRunnerOutput, bool]],
+    tell_time: Callable[[], None],
+) -> BatchStep:
+    """The call up to the oldest batch's output (vLLM's future.result()): step 1, and
+    whether step 2 follows (must_process)."""
     step = BatchStep()
     if scheduler.has_requests():
         tell_time()
@@ -109,9 +123,19 @@ def step_with_batch_queue(
             return step
     elif not queue.batches:
         return step
+    step.must_process = True
+    return step
+
+
+def finish_batch_step(
+    scheduler: Scheduler, queue: BatchQueue, step: BatchStep, tell_time: Callable[[], None]
+) -> BatchStep:
+    """Step 2 if start_batch_step left it: the oldest batch's output processed."""
+    if not step.must_process:
+        return step
     batch = queue.batches.popleft()
     tell_time()  # request_finished stamps leases after the forward, as vLLM's
-    step.processed = True
+    step.must_process, step.processed = False, True
     step.outputs = scheduler.update_from_output(batch.sched_out, batch.runner_out)
     step.can_progress = queue.has_pending_work() or scheduler.can_progress(
         batch.sched_out, batch.got_kv_reports

@@ -1,7 +1,9 @@
 """EngineCore: one engine's in-process logic, no sockets and no clock. Runs in: engine-core process.
 
 The process shell (core_proc.py) and the virtual-clock simulator both drive this
-class, so the simulator reproduces the real engine's decisions exactly.
+class, so the simulator reproduces the real engine's decisions exactly. A step is two
+halves, start_step (schedule, the forward) and finish_step (the output processed), so
+that both can hand it the aborts that arrived during the forward (`aborts_queue`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
-from engine.core.batch_queue import BatchQueue, step_with_batch_queue
+from engine.core.batch_queue import BatchQueue, BatchStep, finish_batch_step, start_batch_step
 from engine.core.kv_connector import KVConnectorAgentBase, KVConnectorBase
 from engine.core.outputs import (
     ModelRunnerOutput,
@@ -20,6 +22,7 @@ from engine.core.outputs import (
     SchedulerStats,
     StepOutputs,
 )
+from engine.core.release import VllmRelease, aborts_before_output
 from engine.core.request import Request, RequestStatus
 from engine.core.request_check import why_malformed
 from engine.core.scheduler import Scheduler
@@ -49,6 +52,16 @@ class EngineStepResult:
     got_kv_reports: bool  # the step consumed connector reports
 
 
+@dataclass(frozen=True, slots=True)
+class StartedStep:
+    """A step whose forward ran and whose output is not processed yet (start_step)."""
+
+    sched_out: SchedulerOutput | None = None  # the batch it ran; None: nothing to step
+    runner_out: ModelRunnerOutput | None = None
+    got_kv_reports: bool = False
+    batch: BatchStep | None = None  # async scheduling: the batch queue's call so far
+
+
 class EngineCore:
     def __init__(
         self,
@@ -66,6 +79,15 @@ class EngineCore:
         self.connector_agent = connector_agent
         self.num_steps = 0
         self.num_model_steps = 0
+        # vLLM's EngineCore.aborts_queue: ids whose abort arrived during a step's forward,
+        # taken right before its output is processed (vLLM 0.13+, #29987); before, the
+        # abort waited for the next input drain, after the output. The driver (core_proc,
+        # the simulator) puts them here and keeps them in its input too (aborts are
+        # idempotent), as vLLM's input thread puts them on both queues.
+        self.aborts_queue: list[str] = []
+        self.takes_aborts_before_output = aborts_before_output(
+            VllmRelease.parse(config.vllm_release)
+        )
 
     def add_request(
         self,
@@ -124,30 +146,62 @@ class EngineCore:
         A zero-token step is still a full round trip: finished ids and connector
         metadata reach the connector's agent, and its reports come back.
         """
+        return self.finish_step(self.start_step())
+
+    def start_step(self) -> StartedStep:
+        """The step up to its output: schedule and the forward (with the connector
+        agent's part). Aborts that arrive before finish_step go to aborts_queue."""
         if self.batch_queue is not None:
-            return self._step_with_batch_queue()
+            return StartedStep(
+                batch=start_batch_step(
+                    self.scheduler, self.batch_queue, self.execute, self._tell_time
+                )
+            )
         if not self.scheduler.has_requests():
-            return EngineStepResult([], False, False, False)
+            return StartedStep()
         self._tell_time()
         sched_out = self.scheduler.schedule()
         runner_out, got_kv_reports = self.execute(sched_out)
+        return StartedStep(sched_out, runner_out, got_kv_reports)
+
+    def finish_step(self, started: StartedStep) -> EngineStepResult:
+        """The step's output processed: the aborts that came during the forward first
+        (vLLM's _process_aborts_queue, from 0.13), then update_from_output."""
+        if started.batch is not None:
+            return self._finish_batch_step(started.batch)
+        if started.sched_out is None:
+            self.aborts_queue.clear()  # no output to process: the input takes them
+            return EngineStepResult([], False, False, False)
+        sched_out = started.sched_out
+        aborted = self._process_aborts_queue()
         self._tell_time()  # request_finished stamps leases after the forward, as vLLM's
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        can_progress = self.scheduler.can_progress(sched_out, got_kv_reports)
+        outputs = self.scheduler.update_from_output(sched_out, started.runner_out)
+        outputs.extend(aborted)
+        can_progress = self.scheduler.can_progress(sched_out, started.got_kv_reports)
         self.num_steps += 1
         model_executed = sched_out.total_num_scheduled_tokens > 0
         self.num_model_steps += model_executed
-        return EngineStepResult(outputs, model_executed, can_progress, got_kv_reports)
+        return EngineStepResult(outputs, model_executed, can_progress, started.got_kv_reports)
 
-    def _step_with_batch_queue(self) -> EngineStepResult:
-        step = step_with_batch_queue(
-            self.scheduler, self.batch_queue, self.execute, self._tell_time
-        )
+    def _finish_batch_step(self, step: BatchStep) -> EngineStepResult:
+        # Before the oldest batch's output; in a call that processes none (the queue
+        # fills), as the next input drain would take them, before anything else.
+        aborted = self._process_aborts_queue()
+        finish_batch_step(self.scheduler, self.batch_queue, step, self._tell_time)
+        step.outputs.extend(aborted)
         self.num_steps += step.processed  # a step: one batch's output processed
         self.num_model_steps += step.model_executed
         return EngineStepResult(
             step.outputs, step.model_executed, step.can_progress, step.got_kv_reports
         )
+
+    def _process_aborts_queue(self) -> list[RequestOutput]:
+        """Abort what aborts_queue holds, if the release takes aborts before the output;
+        the queue is emptied either way."""
+        req_ids, self.aborts_queue = self.aborts_queue, []
+        if not (req_ids and self.takes_aborts_before_output):
+            return []
+        return self.abort_requests(req_ids)
 
     def execute(self, sched_out: SchedulerOutput) -> tuple[ModelRunnerOutput, bool]:
         """The forward pass with the connector agent's part: its loads start, and

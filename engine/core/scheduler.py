@@ -26,7 +26,7 @@ from engine.core.outputs import (
     SchedulerStats,
     StepOutputs,
 )
-from engine.core.release import VllmRelease, caches_blocks_early
+from engine.core.release import VllmRelease, caches_blocks_early, notifies_rejection
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
 
@@ -77,6 +77,9 @@ class Scheduler:
         self.num_stale_kv_reports = 0
         self.num_kv_load_failures = 0
         self.release = VllmRelease.parse(config.vllm_release)
+        # vLLM 0.21+ (#41269): a request refused before admission tells the connector,
+        # so that P frees what the params hold; before, nobody told P.
+        self.notifies_rejection = notifies_rejection(self.release)
         self._init_steps_in_flight(config, connector)
         # Decode and sampled-token fast paths; tests turn them off to compare with the
         # straightforward paths (tests/engine/core/test_scheduler_fast_paths.py). Not a
@@ -118,7 +121,11 @@ class Scheduler:
         original = self.requests.get(request.req_id)
         if original is not None:
             why = f"duplicate request id {request.req_id!r}"
-            if self.connector is not None and not _same_remote_send(original, request):
+            if (
+                self.connector is not None
+                and self.notifies_rejection
+                and not _same_remote_send(original, request)
+            ):
                 self.connector.request_rejected(request.req_id, request.kv_transfer_params)
             return RequestOutput(request.req_id, [], "error", error=why)
         reason = self._why_unschedulable(request)
@@ -144,8 +151,9 @@ class Scheduler:
         """A request that never became one (malformed): an error output, and the
         connector hears of it, since its params may hold blocks elsewhere (a remote
         prefill on P: the NIXL rule, an empty receive tells P to free). Its id goes
-        out in the next step like a finished one, so that step comes."""
-        if self.connector is not None and kv_transfer_params:
+        out in the next step like a finished one, so that step comes. Before vLLM
+        0.21 (#41269) the engine never heard of a refusal: only the output."""
+        if self.connector is not None and kv_transfer_params and self.notifies_rejection:
             self.connector.request_rejected(req_id, kv_transfer_params)
             if req_id not in self.requests:  # never another request's finished id
                 self.finished_req_ids.add(req_id)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from engine.config import EngineAddresses, EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, EngineStepResult
 from engine.core.kv_connector import KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
 from engine.core.outputs import RequestOutput, SchedulerStats
@@ -129,6 +129,7 @@ class EngineCoreProc:
         self._pollers: dict[tuple, zmq.Poller] = {}
         self._input_poller = zmq.Poller()
         self._input_poller.register(self.input, zmq.POLLIN)
+        self._taken: list[object] = []  # taken off the input during a step, not yet handled
         self._send(
             Ready(
                 engine_id=config.engine_id,
@@ -177,7 +178,7 @@ class EngineCoreProc:
                     break
             model_executed = can_progress = False
             if self.core.has_work():
-                result = self.core.step()
+                result = self._step()
                 self._send_outputs(result.outputs)
                 model_executed, can_progress = result.model_executed, result.can_progress
             # must_poll matters under event only, has_unfinished under legacy only.
@@ -201,12 +202,35 @@ class EngineCoreProc:
             # A wait that watched the input says whether it is readable; skipping a drain
             # it is not is safe: whatever lands meanwhile wakes the next wait at once.
             input_ready = True
+            if self._taken:  # messages taken off the input during the step: theirs first
+                continue
             if action is LoopAction.SLEEP:  # vLLM's time.sleep(0.001), but still watching
                 self._wait(with_connector=False, timeout_ms=self.poll_interval_ms, with_input=False)
             elif action is LoopAction.WAIT_ANY:
                 input_ready = self._wait(with_connector=True, timeout_ms=self._until_deadline_ms())
             elif action is LoopAction.WAIT_INPUT:
                 input_ready = self._wait(with_connector=False)
+
+    def _step(self) -> EngineStepResult:
+        """EngineCore.step; from vLLM 0.13 the aborts that arrived during its forward are
+        taken before its output is processed (vLLM's input thread and aborts_queue)."""
+        started = self.core.start_step()
+        if self.core.takes_aborts_before_output:
+            self._take_input_during_step()
+        return self.core.finish_step(started)
+
+    def _take_input_during_step(self) -> None:
+        """What reached the input during the forward, kept for the next drain; the aborts
+        also go to the core's aborts_queue (aborting twice changes nothing)."""
+        while self._input_poller.poll(0):
+            try:
+                msg = decode(self.input.recv())
+            except DecodeError:
+                self.num_bad_messages += 1
+                continue
+            self._taken.append(msg)
+            if isinstance(msg, Abort):
+                self.core.aborts_queue.extend(msg.req_ids)
 
     def _until_deadline_ms(self) -> int | None:
         """Until the connector's next timed action (rounded up); None: none is timed."""
@@ -257,7 +281,7 @@ class EngineCoreProc:
 
     def _process_input(self) -> None:
         woke_for_input, self._woke_for_input = self._woke_for_input, False
-        messages = []
+        messages, self._taken = self._taken, []
         while self._input_poller.poll(0):  # a poller made once: cheaper than socket.poll
             data = self.input.recv()
             try:

@@ -23,6 +23,14 @@ from engine.config import (
     EngineConfig,
     KVTransferConfig,
 )
+from engine.core.release import (
+    DEFAULT_RELEASE,
+    OLDEST_RELEASE,
+    VllmRelease,
+    has_kv_lease,
+    is_modelled_release,
+    liveness_of,
+)
 from replay.commands.options import OptionGroup, is_given
 from replay.deploy.pd_flow import TOPOLOGY_FORMS, engine_roles, parse_topology
 from replay.deploy.placement import ROUTER_POLICIES
@@ -68,6 +76,9 @@ class Engines:
                 "--router: not with --topology single (one engine takes every "
                 "request); routing picks among P and D engines (pd, NpMd)"
             )
+        values["vllm_release"], values["liveness"] = release_and_loop(
+            values["vllm_release"], values["liveness"], values["kv_lease_s"]
+        )
         kv_fields = _fields(KVTransferConfig)
         kv = KVTransferConfig(**{k: v for k, v in values.items() if k in kv_fields})
         config = EngineConfig(
@@ -84,6 +95,35 @@ class Engines:
                 f"--model: {self.model!r} is not a preset "
                 f"({', '.join(sorted(MODEL_PRESETS))}){served_name_note}"
             )
+
+
+def release_and_loop(
+    release: VllmRelease | None, liveness: str | None, kv_lease_s: float
+) -> tuple[str, str]:
+    """--vllm-release and --liveness as EngineConfig takes them: the release's loop
+    unless --liveness is given; --kv-lease-s only for a release with a lease."""
+    release = release or DEFAULT_RELEASE
+    if is_given("kv_lease_s") and not has_kv_lease(release):
+        raise click.UsageError(
+            f"--kv-lease-s: vLLM {release} has no lease (the lease came in 0.22.0); its P "
+            f"frees an unread request's blocks on a fixed fallback timer"
+        )
+    return str(release), liveness or liveness_of(release)
+
+
+def _release(ctx: click.Context, param: click.Parameter, value: str | None) -> VllmRelease | None:
+    if value is None:
+        return None
+    try:
+        release = VllmRelease.parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if not is_modelled_release(release):
+        raise click.BadParameter(
+            f"{value!r}: the miniature models vLLM {OLDEST_RELEASE.major}.{OLDEST_RELEASE.minor}"
+            f" to {DEFAULT_RELEASE.major}.{DEFAULT_RELEASE.minor}"
+        )
+    return release
 
 
 def gpu_share(
@@ -129,11 +169,23 @@ def engine_group(model_help: str) -> OptionGroup:
                 "cached prefix of its blocks (ties by load).",
             ),
             click.option(
+                "--vllm-release",
+                callback=_release,
+                metavar="X.Y",
+                default=None,
+                help="The vLLM release whose KV lifecycle the engines follow "
+                f"({OLDEST_RELEASE.major}.{OLDEST_RELEASE.minor}-{DEFAULT_RELEASE.major}."
+                f"{DEFAULT_RELEASE.minor}): its loop, P's hold on an unread request's blocks "
+                "(up to 0.21 a 480 s timer read only when P steps, from 0.22 the lease and D's "
+                "heartbeats), aborts during a step, D's refusals told to P, the lease reaper "
+                f"(docs/lifecycle.md) [default: {DEFAULT_RELEASE.major}.{DEFAULT_RELEASE.minor}].",
+            ),
+            click.option(
                 "--liveness",
                 type=click.Choice(LIVENESS_POLICIES),
-                default="event",
-                show_default=True,
-                help="Engine loop: legacy (the pre-#43433 leak), poll (vLLM's 1 ms fix), event.",
+                default=None,
+                help="Engine loop: legacy (the pre-#43433 leak), poll (vLLM's 1 ms fix), event "
+                "[default: the release's: legacy up to 0.21, event from 0.22].",
             ),
             click.option(
                 "--runner",
@@ -223,7 +275,7 @@ def engine_group(model_help: str) -> OptionGroup:
                 type=click.FloatRange(min=0, min_open=True),
                 default=30.0,
                 show_default=True,
-                help="P's lease on an unread request's blocks (vLLM 0.32 "
+                help="P's lease on an unread request's blocks (vLLM 0.22+ "
                 "NIXL's kv_lease_duration): D's heartbeats extend it while D waits; P reaps "
                 "it only when it steps.",
             ),

@@ -58,8 +58,8 @@ class EventLoop:
         self.num_pending += 1
 
 
-def has_passed(loop: EventLoop, rank: int) -> bool:
-    """Whether the event being handled comes after engine `rank`'s step start at `now`
-    (a message sent at once by a later engine's step start, say): a step starting now
-    has started already, and cannot see what this event brings."""
-    return loop.order > STEP_START * _RANKS + rank
+def has_passed(loop: EventLoop, rank: int, cls: int = STEP_START) -> bool:
+    """Whether the event being handled comes after engine `rank`'s step start (or event of
+    class `cls`) at `now` (a message sent at once by a later engine's step start, say): a
+    step starting now has started already, and cannot see what this event brings."""
+    return loop.order > cls * _RANKS + rank

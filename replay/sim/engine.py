@@ -1,9 +1,11 @@
 """One simulated engine: EngineCore's busy loop on the virtual clock. Runs in: frontend process.
 
 Each engine is an EngineCore driven as engine/proc/core_proc.py drives it. A step starts by
-draining the frontend input and runs at that instant; its outputs and its stats are
-published `cost` later (step_base_s + step_per_token_s * tokens, or a calibrated
-StepCost's cost of the step's shape, replay/sim/cost.py; zero_step_s with no tokens).
+draining the frontend input, schedules and runs its forward at that instant
+(EngineCore.start_step), and processes its output `cost` later (step_base_s +
+step_per_token_s * tokens, or a calibrated StepCost's cost of the step's shape,
+replay/sim/cost.py; zero_step_s with no tokens) in finish_step, an abort that arrived
+meanwhile first (as vLLM 0.13+ takes it); its outputs and its stats are published then.
 Then `next_action` decides: STEP at once; SLEEP poll_interval_s (a wake-up);
 WAIT_INPUT (only an input wakes it: connector reports pile up unread, no lease is
 reaped); WAIT_ANY (an input, a report, or the connector's next timed action wakes it:
@@ -22,8 +24,9 @@ and keeps (s0, p): its steps would start at s0 + i*p, p = zero_step_s (+
 poll_interval_s when sleeping). Only an input, a report or that deadline can change
 anything; when one comes at T the k = ceil((T - s0) / p) steps that started before T
 are counted (and, sleeping, the sleeps that began by T as wake-ups); if step k-1 is
-still running at T, its step-end event is scheduled as usual, else the step at s0 +
-k*p is (the first to start at or after T). Samples meanwhile count the same way.
+still running at T, it is started late (its connector reading the clock as at its
+start) and its output processed at its end, as usual, else the step at s0 + k*p is
+(the first to start at or after T). Samples meanwhile count the same way.
 Integer time makes s0 + k*p exactly what k additions give, so timelines are identical
 with the shortcut off (tests/replay/sim/test_simulate.py compares both).
 
@@ -32,8 +35,11 @@ connector reports, with nothing new in the input queue or the connector inbox, t
 plain decode steps that follow (engine/core/decode_run.py: one token for every running
 request, nothing else) are skipped as one run (replay/sim/decode_run.py): one event at the last one's end takes them all and
 publishes each step's tokens at that step's end. An input or a report at T takes the
-steps that started before T, and the last of them ends as any step does; an abort
-(the client's view) and the end of the simulation take them the same way first.
+steps that started before T; the last of them, still running at T, is started late
+like a fast-forward's and processes its output at its end (an abort that came
+meanwhile first); an abort (the client's view) and the end of the simulation take
+them the same way first. The connector worker tells its engine of a report before the
+report lands, so a step started late never sees it.
 tests/replay/sim/test_decode_runs.py compares the timelines with every step taken.
 """
 
@@ -46,7 +52,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.block_hash import BlockHash
 from engine.core.decode_run import num_plain_decode_steps, take_plain_decode_steps
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, StartedStep
 from engine.core.kv_connector import KVConnectorBase, KVConnectorRole, import_factory
 from engine.core.liveness import LOOP_STATES, LoopAction, next_action
 from engine.core.outputs import (
@@ -260,9 +266,20 @@ class SimEngine:
             return
         self.num_steps += 1
         self.runner.num_tokens, self.runner.sched_out = 0, None  # a step may only process a batch
-        step = self.core.step()
+        started = self.core.start_step()
+        cost = self._cost(self.runner.num_tokens)
+        self.loop.push(
+            self.loop.now + cost, STEP_END, self.rank, self._finish_step, (started, num_inputs)
+        )
+
+    def _finish_step(self, arg: tuple[StartedStep, int]) -> None:
+        """The step's output, processed as its forward ends: the aborts that arrived
+        meanwhile first (EngineCore.aborts_queue; they stay in the input too)."""
+        started, num_inputs = arg
+        self.core.aborts_queue.extend(m.req_id for m in self.input if type(m) is AbortInput)
+        step = self.core.finish_step(started)
         outputs = step.outputs
-        stats = self.core.make_stats()  # published when the step ends, with its outputs
+        stats = self.core.make_stats()  # published now, with its outputs
         noop = (
             not outputs
             and not num_inputs
@@ -272,13 +289,7 @@ class SimEngine:
             and stats == self.stats
             and not (self.core.batch_queue and self.core.batch_queue.has_pending_work())
         )
-        tokens = self.runner.num_tokens
-        cost = self._cost(tokens)
-        self.loop.push(
-            self.loop.now + cost,
-            STEP_END,
-            self.rank,
-            self._step_end,
+        self._step_end(
             _StepResult(
                 outputs=outputs,
                 model_executed=step.model_executed,
@@ -287,7 +298,7 @@ class SimEngine:
                 noop=noop,
                 got_kv_reports=step.got_kv_reports,
                 stats=stats,
-            ),
+            )
         )
 
     def _cost(self, tokens: int) -> int:
@@ -379,7 +390,9 @@ class SimEngine:
     def leave_run(self, until: int) -> None:
         """Something came at `until` (an input, a report), or someone must see the run's
         effects then: take the steps that started before it; the last of them ends as
-        any step does."""
+        any step does. If that one has not processed its output by `until`, it is taken
+        as a step of its own (start_step now, its output at its end), so that an abort
+        arriving meanwhile is taken before its output as in every step."""
         run, self.run = self.run, None
         self.num_pauses += 1  # its end event is void
         self.loop.cancel()
@@ -389,14 +402,35 @@ class SimEngine:
         if not num_steps:
             self.loop.push(run.starts[0], STEP_START, self.rank, self._step_start)
             return
+        end = run.end_of(num_steps - 1)
+        if not self._has_ended(end, until):
+            if num_steps > 1:
+                self._take_run_steps(run, num_steps - 1, publish_last=True)
+            self.num_steps += 1
+            self.runner.num_tokens, self.runner.sched_out = 0, None
+            started = self._start_step_at(run.starts[num_steps - 1])
+            self.loop.push(end, STEP_END, self.rank, self._finish_step, (started, 0))
+            return
         last = self._take_run_steps(run, num_steps)
-        self.loop.push(
-            run.end_of(num_steps - 1),
-            STEP_END,
-            self.rank,
-            self._step_end,
-            self._run_step_result(last),
-        )
+        self.loop.push(end, STEP_END, self.rank, self._step_end, self._run_step_result(last))
+
+    def _start_step_at(self, t: int) -> StartedStep:
+        """start_step of a step that started at t, earlier: its connector reads the clock
+        as then (the input and the reports are as then: nothing came since)."""
+        if self.worker is None:
+            return self.core.start_step()
+        self.worker.step_started_at = t
+        try:
+            return self.core.start_step()
+        finally:
+            self.worker.step_started_at = None
+
+    def _has_ended(self, end: int, until: int) -> bool:
+        """A step that ends at `end` has processed its output by `until`, as an event at
+        `until` sees it (at one instant, step ends come after deliveries, in rank order)."""
+        if end != until:
+            return end < until
+        return until == self.loop.now and has_passed(self.loop, self.rank, STEP_END)
 
     def _run_step_result(self, outputs: StepOutputs) -> _StepResult:
         """What a run's last step hands to its end (a plain decode step's)."""
@@ -410,9 +444,11 @@ class SimEngine:
             stats=self.stats,
         )
 
-    def _take_run_steps(self, run: DecodeRun, num_steps: int) -> StepOutputs:
+    def _take_run_steps(
+        self, run: DecodeRun, num_steps: int, publish_last: bool = False
+    ) -> StepOutputs:
         """Make the run's first num_steps steps; publish the outputs of all but the
-        last, each at its step's end, and return the last one's."""
+        last (of all with publish_last), each at its step's end, and return the last one's."""
         scheduler, core = self.core.scheduler, self.core
         req_ids = [request.req_id for request in scheduler.running]
         num_cached = [max(request.num_cached_tokens, 0) for request in scheduler.running]
@@ -420,13 +456,14 @@ class SimEngine:
         self.num_steps += num_steps
         core.num_steps += num_steps
         core.num_model_steps += num_steps
-        if num_steps > 1:
+        num_published = num_steps if publish_last else num_steps - 1
+        if num_published:
             self.slot.on_decode_steps(
                 self.name,
                 req_ids,
-                [sampled[:-1] for sampled in tokens],
+                [sampled[:num_published] for sampled in tokens],
                 num_cached,
-                run.starts[1:num_steps],
+                run.starts[1 : num_published + 1],
             )
         return step_outputs(req_ids, tokens, num_cached, num_steps - 1)
 
@@ -442,24 +479,14 @@ class SimEngine:
             self.loop.push(s0, STEP_START, self.rank, self._step_start)
             return
         self.num_steps += k
-        last_end = s0 + (k - 1) * period + self.zero
-        self.num_wakeups += wakeups * (k if last_end <= now else k - 1)
-        if last_end > now:  # that step is still running: let its end decide, as it would
-            self.loop.push(
-                last_end,
-                STEP_END,
-                self.rank,
-                self._step_end,
-                _StepResult(
-                    outputs=[],
-                    model_executed=False,
-                    can_progress=False,
-                    must_poll=self.core.must_poll(),
-                    noop=True,
-                    got_kv_reports=False,
-                    stats=self.stats,
-                ),
-            )
+        last_start = s0 + (k - 1) * period
+        last_end = last_start + self.zero
+        ended = self._has_ended(last_end, now)
+        self.num_wakeups += wakeups * (k if ended else k - 1)
+        if not ended:  # that step is still running: taken late, its end decides as it would
+            self.runner.num_tokens, self.runner.sched_out = 0, None
+            started = self._start_step_at(last_start)
+            self.loop.push(last_end, STEP_END, self.rank, self._finish_step, (started, 0))
         else:
             self.loop.push(s0 + k * period, STEP_START, self.rank, self._step_start)
 

@@ -2,9 +2,10 @@
 
 P side: connector/send_ledger.py decides, as in the connector worker process (leases
 stamped by P's scheduler side, heartbeats, "read done", early arrivals,
-drop_read_done). Leases are reaped only in get_finished, i.e. when P's engine steps,
-once the agent's view of them (ReapSchedule, the same as connector/agent.py keeps) says
-one may be due; early holds end on clock events, as on the worker's own timer. D side:
+drop_read_done; the HoldRules of the release the engines follow). Leases are reaped
+only in get_finished, i.e. when P's engine steps, once the agent's view of them
+(ReapSchedule, the same as connector/agent.py keeps) says one may be due; early holds
+end on clock events, as on the worker's own timer. D side:
 a pull starts pull_delay after its step and reads through P's ledger as the process
 does (SendLedger.read: a pin for shm, the bytes for zmq; the round trip takes no
 virtual time, an early read waits for P's answer); a granted read takes per_block *
@@ -17,7 +18,8 @@ ending after its own copy; the process pulls one after another and sends a batch
 ReadDones together once it is read (connector/worker_proc.py), so its P frees a
 batch at the batch's end. Reports wait in the inbox until the engine's
 get_finished; on_report tells the engine one came (what a message on the socket does
-to a blocked engine loop), a heartbeat's LeaseDue included.
+to a blocked engine loop), a heartbeat's LeaseDue included, just before it lands: an
+engine that takes a skipped step late (replay/sim/engine.py) takes it without it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from connector.messages import HeartbeatSpec, RecvSpec
 from connector.pd import PDConnectorMetadata
 from connector.pull_outcome import copy_within_read_lease, pull_outcome
-from connector.send_ledger import LedgerOutput, ReadReply, ReapSchedule, SendLedger
+from connector.send_ledger import HoldRules, LedgerOutput, ReadReply, ReapSchedule, SendLedger
 from engine.core.kv_connector import KVConnectorAgentBase
 from engine.core.outputs import KVConnectorOutput
 from replay.sim.clock import DELIVER, EventLoop, to_ns
@@ -44,7 +46,8 @@ class SimKVWorker(KVConnectorAgentBase):
         self.name, self.loop, self.options, self.peers = name, loop, options, peers
         peers[name] = self
         self.on_report: Callable[[], None] = lambda: None
-        self.ledger = SendLedger(to_ns(options.kv.kv_lease_s), options.kv.drop_read_done)
+        rules = HoldRules.of(options.engine.vllm_release, options.kv.kv_lease_s)
+        self.ledger = SendLedger(rules.hold_ns, options.kv.drop_read_done, rules=rules)
         self.inbox_sending: list[str] = []
         self.inbox_recving: list[str] = []
         self.inbox_invalid: list[int] = []  # local blocks of failed loads
@@ -52,7 +55,11 @@ class SimKVWorker(KVConnectorAgentBase):
         # The engine side's view (connector/agent.py's PendingTransfers): its sends not
         # yet reported finished, and when a step must reap.
         self.sends: set[str] = set()
-        self.reaps = ReapSchedule()
+        self.reaps = ReapSchedule(reap_on_finish=not rules.reaper_scans_all)
+        # When the step being started really started, if earlier than now: a decode
+        # run's step in progress that the engine takes late (replay/sim/engine.py
+        # leave_run) reads the clock as it would have then.
+        self.step_started_at: int | None = None
 
     def start_load_kv(self, metadata: object) -> None:
         if not isinstance(metadata, PDConnectorMetadata):
@@ -81,16 +88,18 @@ class SimKVWorker(KVConnectorAgentBase):
         if self.inbox_lease_due:
             self.inbox_lease_due, self.reaps.heartbeats_queued = False, True
         self.sends.difference_update(out.finished_sending)
-        due = self.reaps.due(bool(self.sends))
-        if due is not None and self.loop.now >= due:  # the agent's reap round trip
-            reaped = self.ledger.reap(self.loop.now).finished_sending
+        if out.finished_sending:
+            self.reaps.on_finished()
+        due, now = self.reaps.due(bool(self.sends)), self.now_ns()
+        if due is not None and now >= due:  # the agent's reap round trip
+            reaped = self.ledger.reap(now).finished_sending
             self.reaps.on_reaped(self.ledger.next_lease_deadline())
             out.finished_sending.update(reaped)
             self.sends.difference_update(reaped)
         return out
 
     def now_ns(self) -> int:
-        return self.loop.now
+        return self.loop.now if self.step_started_at is None else self.step_started_at
 
     def next_deadline_ns(self) -> int | None:
         return self.reaps.due(bool(self.sends))
@@ -115,8 +124,8 @@ class SimKVWorker(KVConnectorAgentBase):
         self._apply(self.ledger.expire_holds(self.loop.now))
 
     def _report(self, inbox: list[str], req_id: str) -> None:
+        self.on_report()  # first: an engine that leaves a decode run steps without it
         inbox.append(req_id)
-        self.on_report()
 
     def _start_pull(self, recv: RecvSpec) -> None:
         """Ask P's worker for the read (the process's PinSend or ReadBlocks)."""
@@ -181,5 +190,5 @@ class SimKVWorker(KVConnectorAgentBase):
 
     def _on_heartbeat(self, req_ids: list[str]) -> None:
         if self.ledger.receive_heartbeat(req_ids):  # the worker's LeaseDue to its engine
-            self.inbox_lease_due = True
             self.on_report()
+            self.inbox_lease_due = True

@@ -6,8 +6,10 @@ venv, from the repo root:
     python -m tests.parity.all --venv 0.32.0=.venv-parity-0.32.0 \
         --venv 0.34.0=.venv-parity-0.34.0 --seeds 10
 
-Every other argument goes to tests.parity.run unchanged; --check-causes is added, so
-each version also confirms that every known cause still shows when switched off.
+Every other argument goes to tests.parity.run unchanged; --check-causes and
+--check-releases are added, so each version also confirms that every known cause
+still shows when switched off, and that kvdrain told the release before a cause
+matches vLLM with that cause switched off.
 Exit status: 0 when every version has no difference and shows every cause.
 """
 
@@ -32,6 +34,7 @@ def run_version(version: str, venv: str, run_args: list[str]) -> tuple[dict | No
             "tests.parity.run",
             *run_args,
             "--check-causes",
+            "--check-releases",
             "--json",
             path,
         ]
@@ -67,6 +70,17 @@ def format_table(reports: dict[str, dict | None]) -> str:
         for row in (report or {}).get("causes", ()):
             lines.append(
                 f"{version:<8} {row['scheduling']:<10} {row['cause']:<68} "
+                f"{row['differ']:>5} of {row['runs']:<3}"
+            )
+    lines.append("")
+    lines.append(
+        f"{'vLLM':<8} {'kvdrain':<8} {'vLLM with the cause switched off (sync)':<68} "
+        f"{'runs differ':>11}"
+    )
+    for version, report in reports.items():
+        for row in (report or {}).get("releases", ()):
+            lines.append(
+                f"{version:<8} {row['release']:<8} {row['cause']:<68} "
                 f"{row['differ']:>5} of {row['runs']:<3}"
             )
     return "\n".join(lines)

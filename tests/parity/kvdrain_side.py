@@ -73,7 +73,8 @@ class EvictionCounter:
 
 class FakeRunner:
     """The model runner: one token per chunk that reaches the end, from the fake model.
-    Aborts that arrive while it runs a request's last prefill chunk go to `abort`."""
+    Aborts that arrive while it runs a request's last prefill chunk go to `abort` (the
+    engine core's aborts_queue)."""
 
     def __init__(self, model: FakeModel, aborts_in_last_prefill: frozenset[str]) -> None:
         self.model = model
@@ -200,6 +201,7 @@ class KvdrainSide:
         self.scheduler = self.core.scheduler
         self.runner.scheduler = self.scheduler
         self.runner.abort = self._abort_in_step
+        self.aborted_in_step: set[str] = set()
         self.evictions = EvictionCounter(self.scheduler.block_pool)
         self.coverage = Coverage(self.scheduler, worker.leg_faults)
 
@@ -222,8 +224,11 @@ class KvdrainSide:
         self.core.abort_requests([req_id])
 
     def _abort_in_step(self, req_id: str) -> None:
+        """An abort that arrives during the forward: the engine core's aborts_queue, taken
+        before the step's output or not at all, as the release kvdrain follows does."""
         self.coverage.counts["aborted_in_last_prefill"] += 1
-        self.core.abort_requests([req_id])
+        self.aborted_in_step.add(req_id)
+        self.core.aborts_queue.append(req_id)
 
     def reject(self, spec: RequestSpec) -> None:
         """D refuses the request before admission (an error output; its params' send on P
@@ -246,8 +251,15 @@ class KvdrainSide:
         if sched_out is not None:
             snap.num_scheduled = dict(zip(sched_out.req_ids, sched_out.num_scheduled_tokens))
             snap.new_req_ids = tuple(sorted(sched_out.new_req_ids))
+        # An abort taken from the aborts queue answers the frontend's abort (kvdrain's
+        # frontend reads it); vLLM's output processor ends the request itself.
+        in_step, self.aborted_in_step = self.aborted_in_step, set()
         snap.outputs = sorted(
-            (StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason) for o in result.outputs),
+            (
+                StepOutput(o.req_id, tuple(o.new_token_ids), o.finish_reason)
+                for o in result.outputs
+                if not (o.req_id in in_step and o.finish_reason == "abort")
+            ),
             key=lambda o: o.req_id,
         )
         return self.snapshot(snap)

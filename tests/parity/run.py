@@ -185,6 +185,29 @@ def check_causes(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def check_releases(args: argparse.Namespace) -> list[dict]:
+    """Each cause with a release before it: kvdrain told that release, against vLLM with
+    the cause switched off (standing in for that release), must not differ. Sync only:
+    under async scheduling the older release also caches blocks later than 0.33+."""
+    rows = []
+    for cause in (c for c in CAUSES if c.before is not None):
+        older = argparse.Namespace(**{**vars(args), "kvdrain_release": cause.before})
+        found = sum(
+            run_workload(
+                name, "sync", range(args.seeds), older, cause.switches, quiet=True
+            ).differences
+            for name in cause.workloads
+        )
+        runs = args.seeds * len(cause.workloads)
+        rows.append({"release": cause.before, "cause": cause.name, "runs": runs, "differ": found})
+        print(
+            f"kvdrain told {cause.before}, vLLM without '{cause.name}' (sync): "
+            f"{found} of {runs} runs differ" + ("  <- DIFFERENT" if found else ""),
+            flush=True,
+        )
+    return rows
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tests.parity.run", description=__doc__.split("\n")[0]
@@ -264,6 +287,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="then turn each known cause off on the vLLM side (switches.CAUSES), "
         "one at a time, and confirm the harness finds differences",
     )
+    parser.add_argument(
+        "--check-releases",
+        action="store_true",
+        help="then run kvdrain told the release before each cause that has one "
+        "(switches.CAUSES) against vLLM with that cause switched off: no difference",
+    )
     parser.add_argument("--cause-seeds", type=int, default=3, help="seeds per cause and workload")
     parser.add_argument("--no-parity", action="store_true", help="skip the parity runs")
     parser.add_argument(
@@ -316,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     missed = sum(row["differ"] == 0 for row in causes)
     if causes:
         print(f"causes: {missed} of {len(causes)} not shown (vLLM {vllm_version()})")
+    releases = check_releases(args) if args.check_releases else []
+    total += sum(row["differ"] for row in releases)
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(
@@ -324,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": round(elapsed, 1),
                     "results": [asdict(r) for r in results],
                     "causes": causes,
+                    "releases": releases,
                 },
                 f,
             )

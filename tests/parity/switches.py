@@ -5,7 +5,9 @@ would (kvdrain follows vLLM there, so a switch turned on shows that cause as a
 difference); all off (the default) is vLLM as shipped. Patches are per Scheduler
 instance where vLLM allows it, module-level only for check_stop (set again by every
 apply). CAUSES names each switch with the workloads and modes that show it;
-`python -m tests.parity.run --check-causes` confirms every one still does.
+`python -m tests.parity.run --check-causes` confirms every one still does, and
+`--check-releases` that kvdrain told the release before a behaviour matches vLLM with
+that behaviour switched off (vLLM's own code standing in for the older release).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class Cause:
     switches: VllmSwitches
     workloads: tuple[str, ...]
     modes: tuple[str, ...] = ("sync", "async")
+    # The last vLLM release without the behaviour, if the switch restores what it did
+    # (engine/core/release.py): kvdrain told that release must match vLLM so switched.
+    before: str | None = None
 
 
 CAUSES = (
@@ -93,11 +98,13 @@ CAUSES = (
         "an abort during the last prefill step is taken before its output",
         VllmSwitches(abort_after_output=True),
         ("p_faults",),
+        before="0.12.0",
     ),
     Cause(
         "D's refusal before admission tells P to free the send",
         VllmSwitches(no_rejection_notice=True),
         ("d_faults",),
+        before="0.20.2",
     ),
 )
 

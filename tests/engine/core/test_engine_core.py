@@ -199,3 +199,34 @@ def test_duplicate_request_id_fails_alone_and_the_original_finishes():
         tokens += [t for o in core.step().outputs for t in o.new_token_ids]
     assert tokens == [5, 6]  # the original's last two tokens (4 came in the first step)
     assert core.make_stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("release, taken_first", [("0.12", False), ("0.13", True), ("0.34", True)])
+def test_an_abort_during_ps_last_prefill_step_is_taken_before_its_output_from_0_13(
+    release, taken_first, async_scheduling
+):
+    """vllm/v1/engine/core.py EngineCore.step and step_with_batch_queue: the aborts that
+    came during the forward (aborts_queue) are taken right before update_from_output
+    (0.13, #29987), so P frees the request at once; before, it finished first and its
+    blocks were held for a D that never comes."""
+    config = make_config(
+        kv_transfer=KVTransferConfig(kv_role="kv_producer", kv_addr="ipc://w"),
+        vllm_release=release,
+        async_scheduling=async_scheduling,
+    )
+    core = EngineCore(config, MockModelRunner(config), PDConnector(config), FakeKVAgent(10**6))
+    core.add_request("r", list(range(1, 30)), 1, {"do_remote_decode": True})
+    outputs = []
+    while not outputs:
+        started = core.start_step()
+        if started.sched_out is not None or started.batch.scheduled:
+            core.aborts_queue.append("r")  # the client's abort, during the forward
+        outputs = list(core.finish_step(started).outputs)
+    assert [(o.req_id, o.finish_reason) for o in outputs] == [
+        ("r", "abort" if taken_first else "length")
+    ]
+    scheduler = core.scheduler
+    assert (scheduler.block_pool.get_num_used_blocks() == 0) is taken_first
+    assert scheduler.held_for_send == (set() if taken_first else {"r"})
+    assert not core.aborts_queue

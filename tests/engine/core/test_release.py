@@ -16,12 +16,19 @@ from engine.core.release import (
     caches_blocks_early,
     counts_async_kv_waiting,
     decoder_ttl_s,
+    fact_of_issue,
     fallback_timer_s,
     has_kv_lease,
+    is_modelled_release,
     lease_extension_s,
+    liveness_of,
+    modelled_facts,
+    models_issue,
     notifies_rejection,
     reaper_scans_all,
     steps_while_delayed_frees,
+    stops_stepping_in_process,
+    unmodelled_facts,
 )
 from tests.utils import make_scheduler
 
@@ -111,3 +118,50 @@ def test_the_kv_lifecycle_each_release_keeps(
 def test_before_the_480_s_timer_it_was_120_s_and_a_heartbeat_extends_by_two_thirds():
     assert fallback_timer_s(VllmRelease.parse("0.10.1")) == 120.0
     assert lease_extension_s(KV_LEASE_S) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize(
+    "release, loop",
+    [("0.10", "legacy"), ("0.21.0", "legacy"), ("0.22", "event"), ("0.34", "event")],
+)
+def test_a_release_runs_the_loop_before_or_after_43433(release, loop):
+    assert liveness_of(VllmRelease.parse(release)) == loop
+
+
+@pytest.mark.parametrize(
+    "release, modelled",
+    [("0.9.1", False), ("0.10", True), ("0.21", True), ("0.34.2", True), ("0.35", False)],
+)
+def test_the_miniature_models_the_releases_its_facts_cover(release, modelled):
+    assert is_modelled_release(VllmRelease.parse(release)) is modelled
+    assert bool(modelled_facts(VllmRelease.parse(release))) is modelled
+    if not modelled:
+        with pytest.raises(ValueError, match="vllm_release"):
+            EngineConfig(vllm_release=release)
+
+
+@pytest.mark.parametrize(
+    "issue, modelled",
+    [
+        (43433, True),  # the idle P that never steps
+        (29987, True),  # an abort during P's last prefill step
+        (41269, True),  # D's rejection told to P
+        (50789, True),  # the reaper that stopped at the first live lease
+        (21570, True),  # a lease too short for a slow D
+        (56640, False),  # D's full prefix hit parked in skipped_waiting
+        (46502, False),  # vLLM's in-process engine stops stepping
+        (1, False),  # unknown
+    ],
+)
+def test_a_bug_matrix_row_is_predicted_only_where_its_fact_is_modelled(issue, modelled):
+    for release in ("0.12", "0.21", "0.34"):
+        assert models_issue(issue, VllmRelease.parse(release)) is modelled
+    assert models_issue(issue, VllmRelease.parse("0.9.1")) is False
+
+
+def test_the_facts_the_miniature_never_follows_say_so():
+    names = {fact.issues[0] for fact in unmodelled_facts() if fact.issues}
+    assert names == {56640, 46502}
+    assert all("not modelled" in fact.what for fact in unmodelled_facts())
+    assert fact_of_issue(46502).holds_in(DEFAULT_RELEASE)  # not fixed in 0.34
+    assert stops_stepping_in_process(VllmRelease.parse("0.34"))

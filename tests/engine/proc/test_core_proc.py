@@ -13,6 +13,7 @@ from engine.config import EngineAddresses, EngineConfig
 from engine.core.outputs import SchedulerStats
 from engine.proc.core_proc import EngineCoreProc, stats_counts
 from engine.proc.messages import (
+    Abort,
     AddRequest,
     GetStats,
     Ready,
@@ -229,3 +230,44 @@ def test_stats_probes_that_wake_a_parked_engine_are_counted_apart(engine_loop):
         recv_until(lambda m, seq=seq: isinstance(m, StatsSnapshot) and m.seq == seq + 1)
     last = received[-1]
     assert last.num_wakeups == parked and last.counts["num_probe_wakeups"] == 5
+
+
+class _ForwardThatWaitsForInput:
+    """The mock runner, but its forward returns only once the engine's input holds a
+    message (bounded): an input that arrives during the forward, deterministically. It
+    runs on the engine loop's thread, so polling the loop's socket is safe."""
+
+    def __init__(self, proc: EngineCoreProc) -> None:
+        self.proc, self.runner = proc, proc.core.model_runner
+        self.running = threading.Event()  # a forward with tokens has started
+
+    def execute(self, sched_out):
+        if sched_out.total_num_scheduled_tokens:
+            self.running.set()
+            assert self.proc.input.poll(TIMEOUT_MS, zmq.POLLIN), "no input during the forward"
+        return self.runner.execute(sched_out)
+
+
+@pytest.mark.parametrize("release, taken_first", [("0.12", False), ("0.13", True), ("0.34", True)])
+def test_an_abort_during_the_forward_is_taken_before_its_output_from_0_13(
+    tmp_path, release, taken_first
+):
+    """vllm/v1/engine/core.py EngineCore.step: `_process_aborts_queue()` right before
+    `update_from_output` (0.13.0, #29987); before, the abort waited for the next input
+    drain, and the request finished with its token first."""
+    with running_loop(tmp_path, vllm_release=release) as (proc, send, received, recv_until):
+        recv_until(lambda m: isinstance(m, Ready))
+        proc.core.model_runner = runner = _ForwardThatWaitsForInput(proc)
+        send(AddRequest("r", [1, 2, 3, 4, 5], 1))
+        assert runner.running.wait(TIMEOUT_MS / 1000)
+        send(Abort(["r"]))  # the forward waits for it
+        recv_until(
+            lambda m: isinstance(m, RequestOutputs) and any(o.req_id == "r" for o in m.outputs)
+        )
+        (out,) = [o for o in received[-1].outputs if o.req_id == "r"]
+        if taken_first:
+            assert (out.finish_reason, out.new_token_ids) == ("abort", [])
+        else:
+            assert (out.finish_reason, out.new_token_ids) == ("length", [6])
+        recv_until(lambda m: isinstance(m, StatsSnapshot) and m.loop_state == "blocked")
+        assert proc.core.scheduler.block_pool.get_num_used_blocks() == 0

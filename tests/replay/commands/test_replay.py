@@ -130,3 +130,32 @@ def test_the_lease_a_target_runs_is_given_with_kv_lease_s(monkeypatch):
     assert configs[0].served_release is None
     runner.invoke(cli, args)
     assert configs[1].served_lease_s is None
+
+
+def test_the_vllm_release_picks_the_loop_unless_liveness_is_given(tmp_path):
+    """--vllm-release X.Y: the release's loop (legacy up to 0.21, the pre-#43433 leak;
+    event from 0.22), unless --liveness is given; the bundled example on the virtual clock."""
+    example = str(Path(__file__).parents[3] / "examples" / "pd_idle.jsonl")
+    report = tmp_path / "report.json"
+    for args, exit_code, release, liveness in [
+        ((), 0, "0.34.0", "event"),
+        (("--vllm-release", "0.21"), 1, "0.21.0", "legacy"),
+        (("--vllm-release", "0.22"), 0, "0.22.0", "event"),
+        (("--vllm-release", "0.21", "--liveness", "poll"), 0, "0.21.0", "poll"),
+        (("--vllm-release", "0.34", "--liveness", "legacy"), 1, "0.34.0", "legacy"),
+    ]:
+        result = _replay(example, "--runner", "mock", "--report", str(report), *args)
+        assert result.exit_code == exit_code, (args, result.output)
+        engine = json.loads(report.read_text())["settings"]["engine"]
+        assert (engine["vllm_release"], engine["liveness"]) == (release, liveness), args
+
+
+def test_a_release_the_miniature_does_not_model_or_a_lease_it_lacks_is_refused():
+    for args, says in [
+        (("--vllm-release", "0.9.1"), "the miniature models vLLM 0.10 to 0.34"),
+        (("--vllm-release", "0.35"), "the miniature models vLLM 0.10 to 0.34"),
+        (("--vllm-release", "v0.33"), "X.Y or X.Y.Z"),
+        (("--vllm-release", "0.21", "--kv-lease-s", "5"), "vLLM 0.21.0 has no lease"),
+    ]:
+        result = _replay("examples/pd_idle.jsonl", "--runner", "mock", *args)
+        assert result.exit_code == 2 and says in result.output, (args, result.output)

@@ -169,12 +169,10 @@ def test_dropped_read_done_drains_after_expiry(tmp_path, liveness):
     p_windows = [w for w in verdict.windows if w.engine == "P"]
     # The window opens when D's last request ends, a few tens of ms after P finished.
     assert len(p_windows) == 3 and all(0.4 < w.time_to_drain <= 0.5 for w in p_windows)
-    # The lease runs from the prefill step, whose decisions the virtual clock makes at
-    # its start: seen from outside, P holds for the lease less that step's cost (6.4 ms),
-    # plus the reaping step (a zero-token step, and under poll at most one sleep).
-    assert all(
-        0.5 - 0.0064 < span <= 0.5 - 0.0064 + 0.0012 for span in hold_intervals(timeline, "P")
-    )
+    # The lease runs from the end of the prefill step (request_finished stamps it as the
+    # step's output is processed, as in the process): seen from outside, P holds for the
+    # lease plus the reaping step (a zero-token step, and under poll at most one sleep).
+    assert all(0.5 < span <= 0.5 + 0.0012 for span in hold_intervals(timeline, "P"))
     strict = verify(timeline, [], VerifyOptions(drain_deadline_s=0.2))
     assert strict.exit_code == 1
 
@@ -271,8 +269,8 @@ def test_event_prefill_wakes_at_the_lease_and_reaps_at_once(tmp_path):
         records, "event", drop_read_done=True, kv_lease_s=2.0, tail_s=5.0, transport="zmq"
     )  # no pin: its read lease would defer the expiry
     (span,) = hold_intervals(timeline, "P")
-    # From the prefill step's end (6.4 ms after the stamp) to the reaping step's end.
-    assert span == pytest.approx(2.0 - 0.0064 + 0.0001, abs=1e-9)
+    # From the prefill step's end (the stamp) to the reaping step's end.
+    assert span == pytest.approx(2.0 + 0.0001, abs=1e-9)
     assert timeline.counters["P"]["num_wakeups"] <= 4
 
 
