@@ -26,6 +26,8 @@ class EngineSignals:
         pid = self._pid(engine)
         if pid is None or getattr(self.target, "routing", None) is None:
             raise ValueError(f"pause: engine {engine} is not a process of this replay's")
+        if engine in self.target.routing.gone:
+            return  # killed already: nothing to pause
         if engine not in self.paused:
             os.kill(pid, signal.SIGSTOP)
         self.paused[engine] = max(now + for_s, self.paused.get(engine, now))
@@ -43,8 +45,10 @@ class EngineSignals:
 
     def kill(self, engine: str) -> None:
         client = self.target.clients[engine]
-        if self._pid(engine) is None:
+        if self._pid(engine) is None or getattr(self.target, "routing", None) is None:
             raise ValueError(f"kill: engine {engine} is not a process of this replay's")
+        if engine in self.target.routing.gone:
+            return  # killed already
         self.paused.pop(engine, None)  # SIGKILL ends a stopped process too
         client.kill()
         self.target.lose_engine(engine)

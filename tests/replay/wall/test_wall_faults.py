@@ -156,6 +156,8 @@ def test_a_killed_p_is_expected_and_the_run_goes_on(tmp_path):
         [
             request(0.0, "before"),
             {"t": 0.5, "kill": "P"},
+            {"t": 0.6, "pause": "P", "for_s": 1.0},  # gone already: nothing to do
+            {"t": 0.7, "kill": "P"},
             request(1.0, "lost"),
             request(1.0, "alone", pd=False),
         ],
@@ -168,5 +170,5 @@ def test_a_killed_p_is_expected_and_the_run_goes_on(tmp_path):
         "no prefill engine left: every one was killed",
     )
     assert timeline.request("alone").finish_reason == "length"
-    assert timeline.meta["engine_faults"][0]["action"] == "kill"
+    assert [f["action"] for f in timeline.meta["engine_faults"]] == ["kill", "pause", "kill"]
     assert timeline.meta["faults"] == [] and result.verdict.exit_code != EXIT_FAULT
