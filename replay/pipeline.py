@@ -246,10 +246,10 @@ def trace_limits(config: ReplayConfig) -> TraceLimits:
 def fault_support(config: ReplayConfig) -> FaultSupport:
     """What the run carries out of the faults a trace asks for: all of them on kvdrain's
     own engines; over a --target (or --engine vllm) only plain aborts."""
+    if config.http is not None:  # its address is config.target's too
+        return FaultSupport("an HTTP --target (or --engine vllm)", routes=False)
     if config.target is not None:
         return FaultSupport("a --target serve", routes=False)
-    if config.http is not None:
-        return FaultSupport("an HTTP --target (or --engine vllm)", routes=False)
     from replay.deploy.pd_flow import engine_names
 
     prefill, decode = engine_names(config.topology)

@@ -234,6 +234,14 @@ def test_a_fault_share_a_target_cannot_carry_out_is_exit_2_naming_it(tmp_path):
     assert "--fault abort_decode: a --target serve routes requests itself" in result.output
 
 
+def test_a_fault_share_over_http_or_engine_vllm_is_exit_2_naming_it(tmp_path):
+    path = write(tmp_path, [R1])
+    for target in (["--target", "http://127.0.0.1:9"], ["--engine", "vllm"]):
+        result = CliRunner().invoke(cli, ["replay", str(path), *target, "--fault", "drop_decode=1"])
+        assert result.exit_code == 2
+        assert "--fault drop_decode: an HTTP --target (or --engine vllm) routes" in result.output
+
+
 def test_a_pause_on_a_bare_target_is_exit_2_naming_its_line(tmp_path):
     path = write(tmp_path, [R1, {"t": 1.0, "pause": "D", "for_s": 4}])
     result = CliRunner().invoke(
