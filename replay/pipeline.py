@@ -31,6 +31,7 @@ from replay.runtime.clocks import CLOCKS, Clock
 from replay.runtime.interrupt import Interrupted
 from replay.sim.cost import Calibration
 from replay.sim.options import SimOptions
+from replay.trace.faults import FaultSupport
 from replay.trace.inspect import no_request_left
 from replay.trace.reader import (
     TraceError,
@@ -126,6 +127,10 @@ class ReplayConfig:
             mismatch = self.calibration_mismatch()
             if mismatch is not None:
                 raise ValueError(mismatch)
+        for name, _ in self.shaping.faults.shares:
+            why = fault_support(self).why_not(name)
+            if why is not None:
+                raise ValueError(f"--fault {why}")
         if self.check_outputs:
             why = (
                 "--check-outputs: only for a local wall-clock replay (the virtual clock has no "
@@ -244,10 +249,24 @@ def trace_limits(config: ReplayConfig) -> TraceLimits:
     Both clocks run config.engine's sizes; with --target (zmq or http) the server's limits
     are not known before connecting, so only the reader's own caps (after scaling) apply.
     """
-    scale = config.shaping.scale_tokens
+    scale, faults = config.shaping.scale_tokens, fault_support(config)
     if config.target is not None or config.http is not None:
-        return TraceLimits(scale_tokens=scale)
-    return TraceLimits(config.engine.max_model_len, config.engine.model.vocab_size, scale)
+        return TraceLimits(scale_tokens=scale, faults=faults)
+    return TraceLimits(config.engine.max_model_len, config.engine.model.vocab_size, scale, faults)
+
+
+def fault_support(config: ReplayConfig) -> FaultSupport:
+    """What the run carries out of the faults a trace asks for: all of them on kvdrain's
+    own engines; over a --target (or --engine vllm) only plain aborts."""
+    if config.http is not None:  # its address is config.target's too
+        return FaultSupport("an HTTP --target (or --engine vllm)", routes=False)
+    if config.target is not None:
+        return FaultSupport("a --target serve", routes=False)
+    from replay.deploy.pd_flow import engine_names
+
+    prefill, decode = engine_names(config.topology)
+    clock = "the virtual clock" if config.clock == "virtual" else "a local wall replay"
+    return FaultSupport(clock, tuple(prefill + decode), has_decode_leg=bool(prefill))
 
 
 def is_pool_sized_by_engines(config: ReplayConfig) -> bool:

@@ -338,10 +338,11 @@ TRACE = OptionGroup(
 )
 
 
-def _shaping(**values):
+def _shaping(fault: tuple[str, ...], fault_seed: int, **values):
+    from replay.trace.fault_shares import FaultShares
     from replay.trace.shaping import ShapingOptions
 
-    return ShapingOptions(**values)
+    return ShapingOptions(**values, faults=FaultShares.parse(fault, fault_seed))
 
 
 SHAPING = OptionGroup(
@@ -392,6 +393,20 @@ SHAPING = OptionGroup(
             default=1.0,
             show_default=True,
             help="Multiply prompt and output lengths (shrink for a CPU).",
+        ),
+        click.option(
+            "--fault",
+            multiple=True,
+            metavar="NAME=SHARE",
+            help="Give this share of the requests a fault: drop_decode, reject_decode, "
+            "abort_prefill, abort_transfer or abort_decode (repeatable) [default: none].",
+        ),
+        click.option(
+            "--fault-seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Seed of which requests get each --fault.",
         ),
     ),
     build=_shaping,

@@ -201,6 +201,10 @@ def _report(result: ReplayResult, outputs: OutputFiles, display: Display, consol
         report["reasons"] = [*report["reasons"], *http["reasons"]]  # what HTTP did not observe
     interrupted = _interruption(result, report)
     print_summary(console, report, latency_block=display.latency_block)
+    from replay.verify.timeline import skipped_abort_lines
+
+    for line in skipped_abort_lines(result.timeline):
+        console.print(f"[yellow]note:[/] {line}", highlight=False, soft_wrap=True)
     from replay.trace.inspect import only_tail_note
 
     note = only_tail_note(

@@ -68,8 +68,18 @@ class PDRouter:
     def has_pending(self) -> bool:
         return bool(self.routing.routes)
 
+    @property
+    def live_clients(self) -> list[EngineClient]:
+        """The clients of engines not lost (killed: lose_engine)."""
+        return [c for e, c in self.clients.items() if e not in self.routing.gone]
+
+    def lose_engine(self, engine: str) -> None:
+        """`engine` was killed: never polled nor sent to again, and the requests there
+        lost (the routing's LOST events)."""
+        self.routing.engine_gone(engine)
+
     def request_stats(self) -> None:
-        for client in self.clients.values():
+        for client in self.live_clients:
             client.request_stats()
 
     def take_stats(self) -> list[StatsSnapshot]:
@@ -91,9 +101,11 @@ class PDRouter:
         max_tokens: int,
         pd: bool | None = None,
         trace_t: float | None = None,
+        fault: str | None = None,
     ) -> None:
         """pd=False sends a request of a pd topology to the decode engine alone; trace_t
-        (when a replay's trace meant it sent) is a serve recording's, not the router's.
+        (when a replay's trace meant it sent) is a serve recording's, not the router's;
+        fault: the trace's drop_decode or reject_decode (replay/deploy/pd_flow.py).
 
         Checked here first, once for every front (serve, the HTTP server, a replay): a
         request no engine can take is answered at the next poll and never sent, so P
@@ -110,16 +122,18 @@ class PDRouter:
                 RequestOutput(req_id, [], "error" if malformed else "length", error=why)
             )
             return
-        self._send(self.routing.add(req_id, prompt_token_ids, max_tokens, pd))
+        self._send(self.routing.add(req_id, prompt_token_ids, max_tokens, pd, fault=fault))
 
-    def abort(self, req_id: str) -> None:
-        self._send(self.routing.abort(req_id))
+    def abort(self, req_id: str, when: str | None = None) -> None:
+        """when: at the first moment the request is in that phase (Routing.abort)."""
+        self._send(self.routing.abort(req_id, when))
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """The user-facing outputs (the decode engine's tokens) that arrive within timeout_s."""
         outputs, self._rejected = self._rejected, []
-        wait_for_output(list(self.clients.values()), 0 if outputs else timeout_s)
-        for client in self.clients.values():
+        clients = self.live_clients
+        wait_for_output(clients, 0 if outputs else timeout_s)
+        for client in clients:
             for output in client.get_outputs(0):
                 routed = self.routing.on_output(client.engine_id, output)
                 if routed.action is not None:  # P's final output

@@ -93,6 +93,12 @@ class Balancer:
         self.num_requests[engine] += 1
         return engine
 
+    def remove(self, engine: str) -> None:
+        """`engine` is gone (killed): it is never picked again."""
+        for names in (self.prefill, self.decode):
+            if engine in names:
+                names.remove(engine)
+
     def started(self, engine: str) -> None:
         """A request is in flight on `engine` now."""
         self.num_in_flight[engine] += 1

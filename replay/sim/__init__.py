@@ -6,5 +6,6 @@
 - engine: one simulated engine (EngineCore's busy loop on virtual time);
 - decode_run: a run of plain decode steps skipped as one (its step times and outputs);
 - kv_worker: the connector worker on virtual time;
+- gone_worker: a killed engine's connector worker, refusing every read;
 - simulation: a whole replay on the virtual clock.
 """

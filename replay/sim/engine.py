@@ -41,6 +41,11 @@ meanwhile first); an abort (the client's view) and the end of the simulation tak
 them the same way first. The connector worker tells its engine of a report before the
 report lands, so a step started late never sees it.
 tests/replay/sim/test_decode_runs.py compares the timelines with every step taken.
+
+Engine faults (replay/trace/records.py TraceEngineFault): a paused engine takes no step
+and no input until its pause ends (a SIGSTOP then SIGCONT of its engine core: its
+connector worker runs on, its heartbeats stop); a step running then ends when it ends.
+A killed engine is gone: its events come to nothing.
 """
 
 from __future__ import annotations
@@ -139,6 +144,9 @@ class EngineSlot:
     on_decode_steps: (
         Callable[[str, list[str], list[list[int]], list[int], list[int]], None] | None
     ) = None
+    # on_read(engine, req_ids): a step took these requests' finished loads (D read P's
+    # blocks); None: nobody asked.
+    on_read: Callable[[str, list[str]], None] | None = None
 
 
 def build_connector(config: EngineConfig) -> KVConnectorBase | None:
@@ -192,9 +200,15 @@ class SimEngine:
         self.num_pauses = 0  # counts blocks, fast-forwards and runs: a timer belongs to one
         self.stats = self.core.make_stats()  # as last published: at a step's end, or a drain
         self.sampled: tuple | None = None
+        self.paused_until: int | None = None  # a pause's end (ns)
+        self.is_gone = False  # killed
 
     def deliver(self, msg: AddInput | AbortInput) -> None:
+        if self.is_gone:
+            return
         self.input.append(msg)
+        if self.paused_until is not None:
+            return  # taken when the pause ends
         if self.blocked_on is not None:
             self._wake()
         elif self.ff is not None:
@@ -203,6 +217,8 @@ class SimEngine:
             self.leave_run(self.loop.now)
 
     def on_report(self) -> None:
+        if self.is_gone or self.paused_until is not None:
+            return
         if self.blocked_on is LoopAction.WAIT_ANY:
             self._wake()
         elif self.ff is not None:
@@ -255,7 +271,54 @@ class SimEngine:
             return self.core.add_request(msg.req_id, msg.prompt, msg.max_tokens, params)
         return self.core.add(request)
 
+    def pause(self, until: int) -> None:
+        """No step and no input until `until` (ns); what is running or due meanwhile waits
+        for it (module docstring)."""
+        if self.is_gone:
+            return
+        if self.run is not None:
+            self.leave_run(self.loop.now)
+        elif self.ff is not None:
+            self._leave_ff()
+        self.paused_until = max(until, self.paused_until or 0)
+        self.loop.push(self.paused_until, DELIVER, self.rank, self._resume, self.paused_until)
+
+    def _resume(self, until: int) -> None:
+        if self.is_gone or self.paused_until != until:
+            return  # a later pause lasts longer
+        self.paused_until = None
+        if self.blocked_on is None:
+            return
+        reports = self.worker is not None and self.worker.has_reports()
+        if self.input or (self.blocked_on is LoopAction.WAIT_ANY and reports):
+            self._wake()
+        elif self.blocked_on is LoopAction.WAIT_ANY:
+            self._arm_timer()
+
+    def kill(self) -> None:
+        """The engine is gone: its input, its steps and its timers come to nothing."""
+        if self.run is not None:
+            self.run = None
+            self.loop.cancel()  # its end event is void
+        self.num_pauses += 1
+        self.is_gone, self.ff, self.paused_until = True, None, None
+        self.input.clear()
+        self.blocked_on = LoopAction.WAIT_INPUT  # never woken again
+
+    def _deferred(self, cls: int, fn: Callable, arg: object) -> bool:
+        """A step event of a gone engine (dropped) or a paused one (again at the pause's end)."""
+        if self.is_gone:
+            return True
+        if self.paused_until is None:
+            return False
+        self.loop.push(self.paused_until, cls, self.rank, fn, arg)
+        return True
+
     def _step_start(self, _: object) -> None:
+        if (self.is_gone or self.paused_until is not None) and self._deferred(
+            STEP_START, self._step_start, None
+        ):
+            return
         num_inputs = len(self.input)
         drained = self._drain() if num_inputs else None
         if drained:
@@ -278,6 +341,8 @@ class SimEngine:
         started, num_inputs = arg
         self.core.aborts_queue.extend(m.req_id for m in self.input if type(m) is AbortInput)
         step = self.core.finish_step(started)
+        if self.slot.on_read is not None and self.core.scheduler.finished_recving_kv_req_ids:
+            self.slot.on_read(self.name, list(self.core.scheduler.finished_recving_kv_req_ids))
         outputs = step.outputs
         stats = self.core.make_stats()  # published now, with its outputs
         noop = (
@@ -318,6 +383,10 @@ class SimEngine:
         return to_ns(step_cost.cost_s(StepShape(0, num_decodes, num_context_tokens)))
 
     def _step_end(self, result: _StepResult) -> None:
+        if (self.is_gone or self.paused_until is not None) and self._deferred(
+            STEP_END, self._step_end, result
+        ):
+            return
         self.stats = result.stats
         if result.outputs:
             self.slot.on_outputs(self.name, result.outputs)
@@ -382,6 +451,10 @@ class SimEngine:
     def _end_run(self, pause: int) -> None:
         if pause != self.num_pauses:
             self.loop.on_cancelled()  # an input or a report ended that run earlier
+            return
+        if (self.is_gone or self.paused_until is not None) and self._deferred(
+            STEP_END, self._end_run, pause
+        ):
             return
         run, self.run = self.run, None
         last = self._take_run_steps(run, len(run.starts))
@@ -506,8 +579,8 @@ class SimEngine:
             )
 
     def _on_timer(self, pause: int) -> None:
-        if pause != self.num_pauses:
-            return  # that block or fast-forward ended already
+        if pause != self.num_pauses or self.is_gone or self.paused_until is not None:
+            return  # that block or fast-forward ended already, or a pause's end re-arms it
         if self.blocked_on is LoopAction.WAIT_ANY:
             self._wake()
         elif self.ff is not None:

@@ -6,7 +6,10 @@ connector worker on it; replay/sim/engine.py drives each engine's EngineCore as
 engine/proc/core_proc.py does, with a step cost and the fast-forward over provably
 idle steps; replay/sim/options.py is what a run is set by. Here: the frontend (its
 request records; the P/D proxy is replay/deploy/pd_flow.py's Routing, the live router's
-too), and the run that feeds the trace one record at a time.
+too), and the run that feeds the trace one record at a time. The faults a trace asks for
+(replay/trace/records.py) are carried out here: the routing's (phased aborts, a dropped
+or refused D leg: replay/deploy/pd_flow.py) and the engines' (a pause, a kill:
+replay/sim/engine.py).
 """
 
 from __future__ import annotations
@@ -17,15 +20,40 @@ from dataclasses import asdict, dataclass, field
 from engine.core.block_hash import BlockHash, hash_request_blocks
 from engine.core.outputs import RequestOutput, StepOutputs
 from engine.core.request_check import why_malformed
-from replay.deploy.pd_flow import END, AddTo, Command, Routing, engine_roles
+from replay.deploy.pd_flow import (
+    ABORTED,
+    LOST,
+    PREFILL_DONE,
+    AddTo,
+    Command,
+    RouteEvent,
+    Routing,
+    engine_roles,
+)
 from replay.runtime.heap import no_full_collections
 from replay.sim.clock import DELIVER, NS, TICK, EventLoop, to_ns
 from replay.sim.engine import AbortInput, AddInput, EngineSlot, SimEngine
+from replay.sim.gone_worker import GoneWorker
 from replay.sim.kv_worker import SimKVWorker
 from replay.sim.options import SimOptions
-from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest
+from replay.trace.reader import (
+    TraceAbort,
+    TraceEngineFault,
+    TraceHeader,
+    TraceRecord,
+    TraceRequest,
+)
 from replay.trace.synth import BlockMemo, synth_prompt
-from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
+from replay.verify.timeline import (
+    ENGINE_FAULTS,
+    SKIPPED_ABORTS,
+    AbortRecord,
+    EngineSample,
+    RequestRecord,
+    SkippedAbort,
+    Timeline,
+    output_digest,
+)
 
 PROGRESS_EVERY = 64  # requests fed between two on_progress calls
 
@@ -54,6 +82,7 @@ class _Frontend:
         self.routing = Routing.for_topology(
             sim.options.topology, sim.options.router, sim.options.engine.block_size
         )
+        self.routing.listen()  # its events fill the request records
         self.flights: dict[str, _Flight] = {}  # one per route in flight
         self.seen: set[str] = set()
         self.records: list[RequestRecord] = []
@@ -61,6 +90,8 @@ class _Frontend:
         self.block_size = sim.options.engine.block_size  # every engine's (SimOptions.engine_config)
         self.share_hashes = True  # False: each engine hashes its prompt itself (the same hashes)
         self.memo = BlockMemo()  # this replay's hash blocks, freed with it
+        self.waiting_aborts: dict[str, TraceAbort] = {}  # phased aborts not yet carried out
+        self.skipped_aborts: list[SkippedAbort] = []
 
     def on_request(self, req: TraceRequest) -> None:
         if req.req_id in self.seen:
@@ -73,7 +104,8 @@ class _Frontend:
         if self.share_hashes and self._is_well_formed(req, prompt):
             hashes = hash_request_blocks(prompt, self.block_size, [])
         self.flights[req.req_id] = _Flight(record, block_hashes=hashes)
-        self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd, hashes))
+        self._send(self.routing.add(req.req_id, prompt, req.max_tokens, req.pd, hashes, req.fault))
+        self._take_events()
 
     def _is_well_formed(self, req: TraceRequest, prompt: list[int]) -> bool:
         """why_malformed(prompt, ...) is None. A synthesised prompt (no token ids in the
@@ -84,13 +116,59 @@ class _Frontend:
 
     def on_abort(self, abort: TraceAbort) -> None:
         self.sim.leave_runs(self.sim.loop.now)  # the tokens the client had by now
-        self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))
-        commands = self.routing.abort(abort.req_id)
-        if commands:
-            # The client is done at once; the engine hears next step, and P's late
-            # output, if any, is still routed (connector/routing.after_prefill).
-            self._end(self.flights[abort.req_id], "abort", None)
-            self._send(commands)
+        if abort.when is None:
+            self.sim.aborts.append(AbortRecord(self.sim.loop.now / NS, abort.req_id))
+        else:
+            self.waiting_aborts[abort.req_id] = abort
+        # The client is done at once (ABORTED); the engine hears next step, and P's late
+        # output, if any, is still routed (replay/deploy/pd_flow.py after_prefill).
+        self._send(self.routing.abort(abort.req_id, abort.when))
+        self._take_events()
+
+    def on_engine_gone(self, engine: str) -> None:
+        """`engine` was killed: the requests there are lost."""
+        self.sim.leave_runs(self.sim.loop.now)
+        self.routing.engine_gone(engine)
+        self._take_events()
+
+    def on_read(self, engine: str, req_ids: list[str]) -> None:
+        """D's step took these requests' finished loads: D read P's blocks now."""
+        for req_id in req_ids:
+            route, flight = self.routing.routes.get(req_id), self.flights.get(req_id)
+            if route is not None and route.engine == engine and flight.record.read_t is None:
+                flight.record.read_t = self.sim.loop.now / NS
+
+    def _take_events(self) -> None:
+        """What the routing says became of requests, in their records."""
+        for event in self.routing.take_events():
+            if event.kind == "abort_skipped":
+                self._skipped(event)
+                continue
+            flight = self.flights.get(event.req_id)
+            if flight is None:
+                continue
+            self._on_event(flight, event)
+            if event.kind == LOST and event.req_id not in self.routing.routes:
+                del self.flights[event.req_id]
+
+    def _on_event(self, flight: _Flight, event: RouteEvent) -> None:
+        record, t = flight.record, self.sim.loop.now / NS
+        if event.kind == PREFILL_DONE:
+            record.prefill_done_t = t
+            record.fault = event.fault or record.fault
+        elif event.kind == ABORTED:  # at its first token, that output ended it
+            record.fault = f"abort_{event.phase}"
+            if self.waiting_aborts.pop(event.req_id, None) is not None:
+                self.sim.aborts.append(AbortRecord(t, event.req_id))
+            if record.end_t is None:
+                self._end(flight, "abort", None)
+        elif event.kind == LOST and record.end_t is None:
+            self._end(flight, "error", event.error)
+
+    def _skipped(self, event: RouteEvent) -> None:
+        abort = self.waiting_aborts.pop(event.req_id, None)
+        t, line = (abort.t, abort.line) if abort is not None else (self.sim.loop.now / NS, 0)
+        self.skipped_aborts.append(SkippedAbort(t, event.req_id, event.when, event.phase, line))
 
     def on_outputs(self, engine: str, outputs: list[RequestOutput] | StepOutputs) -> None:
         if type(outputs) is StepOutputs:
@@ -106,13 +184,15 @@ class _Frontend:
             self._send(routed.commands)
             if routed.action is not None:  # P's final output
                 flight.record.num_prefix_hit_tokens = out.num_cached_tokens
-            if routed.output is not None and not route.aborted:  # aborted: ended for the client
-                if routed.action == END:  # P's token is dropped: D samples the first token
-                    self._end(flight, out.finish_reason, out.error)
+            if routed.output is not None and flight.record.end_t is None:  # else: aborted
+                if routed.action is not None:  # P's token is dropped: D samples the first token
+                    self._end(flight, routed.output.finish_reason, routed.output.error)
                 else:
-                    self._on_tokens(flight, out, route.via_prefill)
+                    self._on_tokens(flight, routed.output, route.via_prefill)
+            if self.routing.events:
+                self._take_events()
             if out.req_id not in self.routing.routes:
-                del self.flights[out.req_id]
+                self.flights.pop(out.req_id, None)
 
     def _on_plain_outputs(self, engine: str, outputs: StepOutputs) -> None:
         """on_outputs of the plain outputs (StepOutputs' columns: one token, not finished),
@@ -130,10 +210,13 @@ class _Frontend:
             if route is None or route.engine != engine or route.aborted:
                 continue
             flight = flights[req_id]
+            first = flight.record.first_token_t is None
             flight.record.on_tokens(t)
             flight.tokens.append(token)
             if not route.via_prefill:
                 flight.record.num_prefix_hit_tokens = num_cached
+            if first:
+                self._streamed(req_id)
 
     def on_decode_steps(
         self,
@@ -154,11 +237,20 @@ class _Frontend:
             if route is None or route.engine != engine or route.aborted:
                 continue
             flight = flights[req_id]
+            first = flight.record.first_token_t is None
             for t in times:
                 flight.record.on_tokens(t)
             flight.tokens += sampled
             if not route.via_prefill:
                 flight.record.num_prefix_hit_tokens = num_cached
+            if first:
+                self._streamed(req_id)
+
+    def _streamed(self, req_id: str) -> None:
+        """The request's first token reached the client: its decode phase began."""
+        self._send(self.routing.streamed(req_id))
+        if self.routing.events:
+            self._take_events()
 
     def _send(self, commands: list[Command] | tuple[Command, ...]) -> None:
         for command in commands:
@@ -210,7 +302,8 @@ class Simulation:
         self.samples: list[EngineSample] = []
         self.arrivals: list[float] = []
         self.aborts: list[AbortRecord] = []
-        self.workers: dict[str, SimKVWorker] = {}
+        self.engine_faults: list[dict] = []  # carried out: Timeline.meta["engine_faults"]
+        self.workers: dict[str, SimKVWorker | GoneWorker] = {}
         self.frontend = _Frontend(self, options.engine.model.vocab_size)
         self.engines = {
             name: self._engine(name, rank, role)
@@ -230,6 +323,7 @@ class Simulation:
             self.samples.append,
             self._resume_grid,
             self.frontend.on_decode_steps,
+            self.frontend.on_read if role == "kv_consumer" else None,
         )
         return SimEngine(config, slot, self.loop, self.options, worker)
 
@@ -274,7 +368,33 @@ class Simulation:
                 self.on_progress(len(self.arrivals), self.loop.now / NS)
         elif isinstance(rec, TraceAbort):
             self.frontend.on_abort(rec)
+        elif isinstance(rec, TraceEngineFault):
+            self._carry_out(rec)
         self._feed()  # snapshots are verify()'s business
+
+    def _carry_out(self, fault: TraceEngineFault) -> None:
+        """A pause or a kill of an engine, at its time."""
+        engine = self.engines.get(fault.engine)
+        if engine is None:
+            raise ValueError(
+                f"{fault.action}: no engine {fault.engine!r} in this topology, it has "
+                f"{', '.join(self.engines)} (line {fault.line})"
+            )
+        if fault.action == "pause":
+            engine.pause(self.loop.now + to_ns(fault.for_s))
+        elif not engine.is_gone:
+            engine.kill()
+            if fault.engine in self.workers:
+                self.workers[fault.engine] = GoneWorker(fault.engine)
+            self.frontend.on_engine_gone(fault.engine)
+        self.engine_faults.append(
+            {
+                "t": self.loop.now / NS,
+                "engine": fault.engine,
+                "action": fault.action,
+                "for_s": fault.for_s,
+            }
+        )
 
     def _tick(self, _: object) -> None:
         """Sample every engine; the next tick one grid step on, unless every engine is
@@ -282,7 +402,8 @@ class Simulation:
         so an idle stretch costs one tick, however long it is."""
         self.last_tick = self.loop.now
         for engine in self.engines.values():
-            engine.sample()
+            if not engine.is_gone:
+                engine.sample()
         if all(engine.is_blocked for engine in self.engines.values()):
             self.is_grid_paused = True
             return
@@ -319,7 +440,7 @@ class Simulation:
         for name, engine in self.engines.items():
             last = (
                 engine.sample()
-                if self.last_tick != self.loop.now
+                if self.last_tick != self.loop.now and not engine.is_gone
                 else next(s for s in reversed(self.samples) if s.engine == name)
             )
             counters[name] = engine.counters(last)
@@ -335,8 +456,17 @@ class Simulation:
             aborts=self.aborts,
             end_t=self.loop.now / NS,
             counters=counters,
-            meta={"driver": "virtual", **asdict(self.options)},
+            meta={"driver": "virtual", **asdict(self.options), **self._fault_meta()},
         )
+
+    def _fault_meta(self) -> dict:
+        """The engine faults carried out and the aborts skipped, where there are any."""
+        meta = {}
+        if self.engine_faults:
+            meta[ENGINE_FAULTS] = list(self.engine_faults)
+        if self.frontend.skipped_aborts:
+            meta[SKIPPED_ABORTS] = [asdict(s) for s in self.frontend.skipped_aborts]
+        return meta
 
 
 def simulate(

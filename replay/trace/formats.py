@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 from engine.utils import cdiv
 from replay.trace.records import (
+    ABORT_PHASES,
     DEFAULT_HASH_BLOCK_SIZE,
     MAX_COUNT,
     MAX_ENGINES,
@@ -23,7 +24,9 @@ from replay.trace.records import (
     MAX_PROMPT_TOKENS,
     MAX_TOKEN_ID,
     MAX_TRACE_T,
+    REQUEST_FAULTS,
     TraceAbort,
+    TraceEngineFault,
     TraceRecord,
     TraceRequest,
     TraceSnapshot,
@@ -40,7 +43,9 @@ _AZURE_TIME = re.compile(
 # What json.loads runs once it has skipped leading whitespace: (object, end index).
 _SCAN_ONCE = json.JSONDecoder().scan_once
 _KEYS = {
-    "abort": {"t", "abort"},
+    "abort": {"t", "abort", "when"},
+    "pause": {"t", "pause", "for_s"},
+    "kill": {"t", "kill"},
     "snapshot": {"t", "kv", "queues"},
     "request": {
         "t",
@@ -51,6 +56,7 @@ _KEYS = {
         "hash_ids",
         "hash_block_size",
         "pd",
+        "fault",
     },
 }
 
@@ -256,19 +262,58 @@ def _engine_counts(
     return value
 
 
+def _kind(obj: dict[str, object]) -> str:
+    """Which record a kvdrain line is, by its keys."""
+    for kind in ("abort", "pause", "kill"):
+        if kind in obj:
+            return kind
+    return "snapshot" if "kv" in obj else "request"
+
+
+def _choice(obj: dict[str, object], name: str, choices: tuple[str, ...]) -> str | None:
+    """An optional field that must be one of `choices`; None when absent."""
+    value = obj.get(name)
+    if name in obj and value not in choices:
+        raise FieldError(name, f"must be one of {', '.join(choices)}, got {show(value)}")
+    return value
+
+
+def _abort(obj: dict[str, object], t: float, line: int) -> TraceAbort:
+    if not isinstance(obj["abort"], str) or not obj["abort"]:
+        raise FieldError("abort", f"must be a request id, got {show(obj['abort'])}")
+    when = _choice(obj, "when", ABORT_PHASES)
+    return TraceAbort(t, _string(obj["abort"], "abort"), line, when)
+
+
+def _engine_fault(obj: dict[str, object], kind: str, t: float, line: int) -> TraceEngineFault:
+    """A pause (its for_s required) or a kill of the engine the line names."""
+    engine = obj[kind]
+    if not isinstance(engine, str) or not engine:
+        raise FieldError(kind, f"must be an engine name (P, D, P0, ...), got {show(engine)}")
+    for_s = None
+    if kind == "pause":
+        if "for_s" not in obj:
+            raise FieldError("for_s", "missing: how long the pause lasts (seconds)")
+        for_s = _seconds(obj["for_s"], "for_s")
+        if for_s == 0:
+            raise FieldError("for_s", "must be > 0 seconds, got 0")
+    return TraceEngineFault(t, kind, _string(engine, kind), for_s, line)
+
+
 def parse_kvdrain(obj: dict[str, object], line: int) -> TraceRecord:
-    """The request, abort or snapshot of a kvdrain line (the header is the reader's)."""
+    """The request, abort, pause, kill or snapshot of a kvdrain line (the header is the
+    reader's)."""
     if "kvdrain_trace" in obj:
         raise FieldError("kvdrain_trace", "a header is allowed only on the first line")
-    kind = "abort" if "abort" in obj else "snapshot" if "kv" in obj else "request"
+    kind = _kind(obj)
     unknown = sorted(obj.keys() - _KEYS[kind])
     if unknown:
         raise FieldError(unknown[0], f"unknown field in a {kind} line")
     t = _seconds(obj.get("t"), "t")
     if kind == "abort":
-        if not isinstance(obj["abort"], str) or not obj["abort"]:
-            raise FieldError("abort", f"must be a request id, got {show(obj['abort'])}")
-        return TraceAbort(t, _string(obj["abort"], "abort"), line)
+        return _abort(obj, t, line)
+    if kind in ("pause", "kill"):
+        return _engine_fault(obj, kind, t, line)
     if kind == "snapshot":
         kv = _engine_counts(obj["kv"], "kv", ("used", "free"), {"used", "free", "cached"})
         queues = _engine_counts(obj.get("queues", {}), "queues", (), None)
@@ -276,9 +321,12 @@ def parse_kvdrain(obj: dict[str, object], line: int) -> TraceRecord:
     req_id, pd = _string(obj.get("id"), "id"), obj.get("pd")
     if pd is not None and not isinstance(pd, bool):
         raise FieldError("pd", f"must be true or false, got {show(pd)}")
+    fault = _choice(obj, "fault", REQUEST_FAULTS)
+    if fault is not None and pd is False:
+        raise FieldError("fault", f"{fault}: a request with pd false has no D leg")
     max_tokens = _int(obj, "max_tokens", 1, MAX_OUTPUT_TOKENS)
     length, token_ids, hash_ids, block = _kvdrain_prompt(obj)
-    return TraceRequest(t, req_id, max_tokens, length, token_ids, hash_ids, block, pd, line)
+    return TraceRequest(t, req_id, max_tokens, length, token_ids, hash_ids, block, pd, line, fault)
 
 
 def parse_mooncake(obj: dict[str, object], line: int) -> TraceRequest | None:

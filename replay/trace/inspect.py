@@ -18,8 +18,10 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
+from replay.trace.faults import FAULT_NAMES
 from replay.trace.reader import (
     TraceAbort,
+    TraceEngineFault,
     TraceRequest,
     TraceSnapshot,
     TraceSummary,
@@ -30,6 +32,7 @@ from replay.trace.reader import (
 from replay.trace.shaping import ShapingLog, ShapingOptions, shape
 
 TOP_GAPS = 5
+MAX_ENGINE_FAULTS_SHOWN = 5
 BURST_S = 1.0  # the busiest stretch of this length is reported
 BURST_NOTE = 10_000  # said when at least this many requests arrive within it
 # The virtual clock's memory per request waiting at once, and per prompt token of it.
@@ -119,6 +122,9 @@ class TraceInspection:
     num_skipped: int = 0  # rows the format itself skips (zero tokens: a failed request)
     tail_s: float = DEFAULT_TAIL_S
     burst: Burst | None = None  # the busiest second
+    faults: tuple[tuple[str, int], ...] = ()  # (--fault name, requests), FAULT_NAMES order
+    engine_faults: tuple[TraceEngineFault, ...] = ()  # the first MAX_ENGINE_FAULTS_SHOWN
+    num_engine_faults: int = 0
 
     @property
     def mean_rate(self) -> float:
@@ -162,9 +168,12 @@ class _Pass:
     second: deque = field(default_factory=deque)  # (t, prompt_len) of the last BURST_S
     second_tokens: int = 0
     burst: Burst | None = None
+    faults: dict = field(default_factory=dict)  # --fault name -> requests
+    engine_faults: list = field(default_factory=list)  # the first MAX_ENGINE_FAULTS_SHOWN
 
     def add(self, rec) -> None:
         self.counts[type(rec)] = self.counts.get(type(rec), 0) + 1
+        self._note_fault(rec)
         if not isinstance(rec, TraceRequest):
             return
         last = self.last
@@ -182,6 +191,19 @@ class _Pass:
         for check in self.checks:
             check.add(rec)
         self._note_burst(rec)
+
+    def _note_fault(self, rec) -> None:
+        name = None
+        if isinstance(rec, TraceRequest):
+            name = rec.fault
+        elif isinstance(rec, TraceAbort) and rec.when is not None:
+            name = f"abort_{rec.when}"
+        elif (
+            isinstance(rec, TraceEngineFault) and len(self.engine_faults) < MAX_ENGINE_FAULTS_SHOWN
+        ):
+            self.engine_faults.append(rec)
+        if name is not None:
+            self.faults[name] = self.faults.get(name, 0) + 1
 
     def _note_burst(self, rec: TraceRequest) -> None:
         """The most requests to arrive within BURST_S of each other, and their prompt tokens."""
@@ -247,6 +269,9 @@ def inspect_trace(
         num_skipped=summary.num_skipped,
         tail_s=tail_s,
         burst=scan.burst,
+        faults=tuple((name, scan.faults[name]) for name in FAULT_NAMES if name in scan.faults),
+        engine_faults=tuple(scan.engine_faults),
+        num_engine_faults=scan.counts.get(TraceEngineFault, 0),
     )
 
 
@@ -285,7 +310,25 @@ def format_inspection(insp: TraceInspection) -> list[str]:
             f"prefix-block reuse: {insp.prefix_reuse:.1%} ({insp.num_reused_refs:,} "
             f"of {insp.num_hash_refs:,} hash-id block references repeat an earlier id)"
         )
-    return lines + dry_run_lines(insp)
+    return lines + fault_lines(insp) + dry_run_lines(insp)
+
+
+def fault_lines(insp: TraceInspection) -> list[str]:
+    """The faults the shaped trace asks for (its own and --fault's), if any."""
+    lines = []
+    if insp.faults:
+        lines.append("faults: " + ", ".join(f"{n:,} {name}" for name, n in insp.faults))
+    if insp.num_engine_faults:
+        shown = "; ".join(_engine_fault(f) for f in insp.engine_faults)
+        more = insp.num_engine_faults - len(insp.engine_faults)
+        lines.append(f"engine faults: {shown}" + (f"; ... and {more:,} more" if more else ""))
+    return lines
+
+
+def _engine_fault(fault: TraceEngineFault) -> str:
+    """'pause D at t=5.000 s for 40 s' or 'kill P at t=9.000 s (line 12)'."""
+    length = f" for {fault.for_s:g} s" if fault.for_s is not None else ""
+    return f"{fault.action} {fault.engine} at t={fault.t:.3f} s{length} (line {fault.line})"
 
 
 def dry_run_lines(insp: TraceInspection) -> list[str]:

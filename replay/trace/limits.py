@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replay.trace.faults import FaultSupport
 from replay.trace.formats import FieldError
 from replay.trace.records import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, TraceRequest, scaled_lengths
 
@@ -28,6 +29,7 @@ class TraceLimits:
     max_model_len: int | None = None  # a prompt must be shorter; prompt + output is capped
     vocab_size: int | None = None  # every prompt token id must be below
     scale_tokens: float = 1.0  # the shaping's token scale, applied before the checks
+    faults: FaultSupport | None = None  # what the target carries out; None: not checked
 
 
 def check_request(req: TraceRequest, fmt: str, limits: TraceLimits) -> bool:

@@ -20,7 +20,15 @@ kvdrain JSONL, the native format, one JSON object a line:
                                            with it ceil(prompt_len / hash_block_size) ==
                                            len(hash_ids), so only the last block is partial
     pd          optional: true = prefill/decode pair, false = one engine, absent = default
-- abort: {"t": 2.0, "abort": "r1"} aborts an earlier request of the file, once
+    fault       optional: "drop_decode" (P's leg runs, the D leg is never sent) or
+                "reject_decode" (the D leg is sent in a form D refuses before admission);
+                not with pd false
+- abort: {"t": 2.0, "abort": "r1"} aborts an earlier request of the file, once; with
+  "when": "prefill" | "transfer" | "decode", at the first moment at or after t that the
+  request is in that phase (P has it; P answered and D streamed nothing; D streams)
+- pause: {"t": 5.0, "pause": "D", "for_s": 40} stops an engine's processes for for_s > 0
+  seconds; kill: {"t": 5.0, "kill": "P"} kills them. With TraceLimits.faults, every
+  fault is checked against what the target carries out (replay/trace/faults.py)
 - snapshot: {"t": 9.0, "kv": {"P": {"used": 3, "free": 60, "cached": 2}},
              "queues": {"P": {"waiting": 0, "running": 1}}}
     recorded state per engine; "used" and "free" required, "cached" optional; "queues"
@@ -70,6 +78,7 @@ from replay.trace.records import (
     DEFAULT_HASH_BLOCK_SIZE,
     MAX_LINE_BYTES,
     TraceAbort,
+    TraceEngineFault,
     TraceHeader,
     TraceRecord,
     TraceRequest,
@@ -90,6 +99,7 @@ __all__ = [
     "MOONCAKE_BLOCK_SIZE",
     "TRACE_VERSION",
     "TraceAbort",
+    "TraceEngineFault",
     "TraceError",
     "TraceHeader",
     "TraceLimits",
@@ -126,6 +136,7 @@ class TraceSummary:
     bad_line_messages: tuple[str, ...]  # the first MAX_BAD_LINE_MESSAGES
     sha256: str  # of the file's bytes
     num_capped: int = 0  # requests whose prompt + max_tokens exceed max_model_len
+    num_engine_faults: int = 0  # pauses and kills
     max_prompt_token_id: int | None = None  # the largest given prompt token id (None: none given)
 
 
@@ -270,6 +281,8 @@ class _Scan:
             self._check_abort(record)
         if isinstance(record, TraceRequest) and self.limits is not None:
             self.num_capped += check_request(record, self.fmt, self.limits)
+        if self.limits is not None and self.limits.faults is not None:
+            self.limits.faults.check(record)
         self.last_t = record.t
 
     def _check_abort(self, record: TraceAbort) -> None:
@@ -352,7 +365,7 @@ def validate_trace(
     `on_header` hears a header before any request is read, and its limits check the rest.
     """
     scan = _Scan(Path(path), _resolve_format(path, fmt), skip_bad_lines, limits)
-    counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0}
+    counts = {TraceRequest: 0, TraceAbort: 0, TraceSnapshot: 0, TraceEngineFault: 0}
     header, first_t, last_t, prompt, output, max_id = None, None, 0.0, 0, 0, None
     for record in scan.records():
         if isinstance(record, TraceHeader):
@@ -386,5 +399,6 @@ def validate_trace(
         bad_line_messages=tuple(scan.bad_line_messages),
         sha256=scan.sha256.hexdigest(),
         num_capped=scan.num_capped,
+        num_engine_faults=counts[TraceEngineFault],
         max_prompt_token_id=max_id,
     )

@@ -8,8 +8,20 @@ re-exports every name here, so `from replay.trace.reader import TraceRequest` is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 DEFAULT_HASH_BLOCK_SIZE = 16
+
+# The phases of a request's way, as the client can tell them (replay/deploy/pd_flow.py):
+# P has it and has not answered; P answered and D has streamed no token; D is streaming.
+AbortPhase = Literal["prefill", "transfer", "decode"]
+ABORT_PHASES: tuple[str, ...] = get_args(AbortPhase)
+# What the trace makes of a request's D leg: never sent, or sent in a form D refuses.
+RequestFault = Literal["drop_decode", "reject_decode"]
+REQUEST_FAULTS: tuple[str, ...] = get_args(RequestFault)
+# What the trace does to an engine's processes.
+EngineAction = Literal["pause", "kill"]
+ENGINE_ACTIONS: tuple[str, ...] = get_args(EngineAction)
 
 # The reader's caps, whatever the engines: they bound what one line can make us allocate.
 MAX_LINE_BYTES = 8 << 20  # one line; holds a prompt of MAX_PROMPT_TOKENS ids below 10**6
@@ -45,14 +57,29 @@ class TraceRequest:
     hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
     pd: bool | None = None
     line: int = 0
+    fault: RequestFault | None = None  # what becomes of its D leg; None: it is sent
 
 
 @dataclass(frozen=True, slots=True)
 class TraceAbort:
-    """The client aborts request `req_id` at `t`."""
+    """The client aborts request `req_id` at `t`; with `when`, at the first moment at or
+    after t that the request is in that phase."""
 
     t: float
     req_id: str
+    line: int = 0
+    when: AbortPhase | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEngineFault:
+    """At `t` an engine's processes are paused for `for_s` seconds (SIGSTOP, then SIGCONT)
+    or killed (SIGKILL); only where kvdrain owns them."""
+
+    t: float
+    action: EngineAction
+    engine: str
+    for_s: float | None = None  # a pause's length; None for a kill
     line: int = 0
 
 
@@ -66,7 +93,7 @@ class TraceSnapshot:
     line: int = 0
 
 
-TraceRecord = TraceHeader | TraceRequest | TraceAbort | TraceSnapshot
+TraceRecord = TraceHeader | TraceRequest | TraceAbort | TraceSnapshot | TraceEngineFault
 
 
 def scaled(n: int, factor: float) -> int:

@@ -17,6 +17,8 @@ Every step works in trace time, before the speedup, in this order:
    its length is clamped into what its ids cover, ((n-1)*block, n*block], so every shared
    block stays shared; a token-id prompt is cut, or repeated cyclically to grow.
    Recorded snapshots keep their counts (of the full-size trace); the log says so.
+5. faults: seeded shares of requests get a fault (`--fault`, replay/trace/fault_shares.py);
+   the log counts each.
 Replay time is (shaped trace time - start) / speedup, with start 0 when none is given:
 the first request keeps its own offset (t starts at 0 only if the trace's first record
 is at `start`).
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.utils import cdiv
+from replay.trace.fault_shares import FaultShares
 from replay.trace.reader import TraceAbort, TraceHeader, TraceRecord, TraceRequest, TraceSnapshot
 from replay.trace.records import scaled_lengths
 
@@ -53,6 +56,7 @@ class ShapingOptions:
     insert_idle_every: int | None = None
     insert_idle_at: tuple[float, ...] = ()
     scale_tokens: float = 1.0
+    faults: FaultShares = field(default_factory=FaultShares)
 
     def __post_init__(self) -> None:
         _require(self.speedup > 0, "speedup", f"must be > 0, got {self.speedup!r}")
@@ -126,16 +130,13 @@ def scale_request(req: TraceRequest, factor: float, t: float | None = None) -> T
     token_ids = req.prompt_token_ids
     if token_ids is not None:
         token_ids = (token_ids * cdiv(length, len(token_ids)))[:length]
-    return TraceRequest(
-        req.t if t is None else t,
-        req.req_id,
-        max_tokens,
-        length,
-        token_ids,
-        req.hash_ids,
-        block,
-        req.pd,
-        req.line,
+    return dataclasses.replace(
+        req,
+        t=req.t if t is None else t,
+        max_tokens=max_tokens,
+        prompt_len=length,
+        prompt_token_ids=token_ids,
+        hash_block_size=block,
     )
 
 
@@ -213,6 +214,21 @@ def shape(
 ) -> Iterator[TraceRecord]:
     """Stream `records` reshaped by `opts`, t in replay seconds; changes go to `log`."""
     log = ShapingLog() if log is None else log
+    for rec in _shaped(records, opts, log):
+        if not (opts.faults and isinstance(rec, TraceRequest)):
+            yield rec
+            continue
+        for out in opts.faults.put_into(rec):
+            if out is not rec:  # a fault the shares put in
+                name = out.fault if isinstance(out, TraceRequest) else f"abort_{out.when}"
+                log.note(f"fault {name}", rec.req_id)
+            yield out
+
+
+def _shaped(
+    records: Iterator[TraceRecord], opts: ShapingOptions, log: ShapingLog
+) -> Iterator[TraceRecord]:
+    """Steps 1 to 4 (module docstring) and the speedup."""
     base = opts.start or 0.0
     clock = _Clock(sorted(t for t in opts.insert_idle_at if t >= base))
     kept: set[str] = set()  # ids of the requests let through, for their aborts

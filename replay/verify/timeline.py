@@ -15,6 +15,11 @@ from dataclasses import asdict, dataclass, field, fields
 # until the next sample. SAMPLING_SCRAPED: readings of a server's /metrics at their
 # instants (replay/metrics/scrape.py), which say nothing of the time between them.
 SAMPLING_SCRAPED = "scraped"
+# Timeline.meta["engine_faults"]: the pauses and kills the trace asked for, as the driver
+# carried them out: [{"t", "engine", "action", "for_s"}] (for_s None for a kill).
+ENGINE_FAULTS = "engine_faults"
+# Timeline.meta["skipped_aborts"]: the aborts whose phase had passed ([SkippedAbort]).
+SKIPPED_ABORTS = "skipped_aborts"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -124,6 +129,35 @@ class AbortRecord:
 
     t: float
     req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedAbort:
+    """An abort the trace asked for in a phase its request had already passed: never sent."""
+
+    t: float  # the abort's time in the trace (replay seconds)
+    req_id: str
+    when: str  # the phase it waited for: "prefill" | "transfer" | "decode"
+    phase: str | None  # where the request was; None: it had ended
+    line: int = 0  # in the trace file (an abort --fault put in: its request's)
+
+    def describe(self) -> str:
+        """One line for the summary."""
+        where = "it had ended" if self.phase is None else f"it was in {self.phase}"
+        line = f", line {self.line}" if self.line else ""
+        return f"abort of {self.req_id!r} in {self.when} (t={self.t:.3f} s{line}) skipped: {where}"
+
+
+MAX_SKIPPED_ABORTS_SHOWN = 5
+
+
+def skipped_abort_lines(timeline: Timeline) -> list[str]:
+    """The summary's lines for the aborts skipped, the first few, then how many more."""
+    skipped = [SkippedAbort(**s) for s in timeline.meta.get(SKIPPED_ABORTS, ())]
+    lines = [s.describe() for s in skipped[:MAX_SKIPPED_ABORTS_SHOWN]]
+    if len(skipped) > MAX_SKIPPED_ABORTS_SHOWN:
+        lines.append(f"... and {len(skipped) - MAX_SKIPPED_ABORTS_SHOWN:,} more skipped aborts")
+    return lines
 
 
 @dataclass(slots=True, kw_only=True)

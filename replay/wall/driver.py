@@ -7,6 +7,12 @@ same clock (time.monotonic() is shared by processes on one host). An engine that
 not publish has not changed (nothing frees blocks without a step), so a sample holds
 until the next one: the timeline shows idle periods as they are, including the legacy
 policy's parked engine, which publishes nothing at all.
+
+The faults a trace asks for are carried out here on a local router (PDRouter): a phased
+abort and a request's fault by its routing (replay/deploy/pd_flow.py, whose RouteEvents
+fill the requests' records), a pause or a kill on the engine processes
+(replay/wall/engine_faults.py), which the FaultWatch is told to expect. A request's
+read_t is when D's first token came: its load had ended by then.
 """
 
 from __future__ import annotations
@@ -21,9 +27,25 @@ from engine.proc.client import EngineDeadError
 from engine.proc.messages import StatsSnapshot
 from replay.runtime.interrupt import Interrupted
 from replay.runtime.starvation import StarvationJudge
-from replay.trace.reader import TraceAbort, TraceRecord, TraceRequest, TraceSnapshot
+from replay.trace.reader import (
+    TraceAbort,
+    TraceEngineFault,
+    TraceRecord,
+    TraceRequest,
+    TraceSnapshot,
+)
 from replay.trace.synth import synth_prompt
-from replay.verify.timeline import AbortRecord, EngineSample, RequestRecord, Timeline, output_digest
+from replay.verify.timeline import (
+    ENGINE_FAULTS,
+    SKIPPED_ABORTS,
+    AbortRecord,
+    EngineSample,
+    RequestRecord,
+    SkippedAbort,
+    Timeline,
+    output_digest,
+)
+from replay.wall.engine_faults import EngineSignals
 from replay.wall.faults import FaultWatch, since_start
 
 LEAD_IN_S = 0.1  # at most, between start-up and the trace's t = 0: see _lead_in
@@ -112,6 +134,10 @@ class WallClockReplay:
         self.num_sent = 0
         self.interrupted: str | None = None  # the signal that stopped the run early
         self.faults = FaultWatch(list(target.engines), judge=StarvationJudge(_engine_pids(target)))
+        self.signals = EngineSignals(target)
+        self.engine_faults: list[dict] = []  # carried out: Timeline.meta["engine_faults"]
+        self.waiting_aborts: dict[str, TraceAbort] = {}  # phased, not yet carried out
+        self.skipped_aborts: list[SkippedAbort] = []
         self.quiet_since: float | None = float(
             "-inf"
         )  # nothing of ours in flight since (None: some)
@@ -121,6 +147,8 @@ class WallClockReplay:
         self._moves: list[tuple[str, str, float]] = []
         if hasattr(target, "on_move"):  # a local router (PDRouter)
             target.on_move = lambda req_id, engine: self._moves.append((req_id, engine, self.now()))
+        if getattr(target, "routing", None) is not None:  # its events fill the request records
+            target.routing.listen()
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -137,20 +165,46 @@ class WallClockReplay:
         except EngineDeadError as e:  # the run ends here; the verdict names the fault
             self.faults.on_error(self.now(), e.engine_id, str(e), "died")
             self.end_t = self.now()
+        finally:
+            self.signals.resume_all()  # no engine stays stopped, whatever ended the run
         return self._timeline()
 
     def _drive(self, records: Iterable[TraceRecord]) -> None:
         self._lead_in()
         for record in records:
-            if isinstance(record, (TraceRequest, TraceAbort)):
+            if isinstance(record, (TraceRequest, TraceAbort, TraceEngineFault)):
                 self._wait_until(record.t)
             if isinstance(record, TraceRequest):
                 self._send(record)
             elif isinstance(record, TraceAbort):
-                self.target.abort(record.req_id)
-                self.aborts.append(AbortRecord(self.now(), record.req_id))
+                self._abort(record)
+            elif isinstance(record, TraceEngineFault):
+                self._engine_fault(record)
             elif isinstance(record, TraceSnapshot):
                 self.snapshots.append(record)
+
+    def _abort(self, abort: TraceAbort) -> None:
+        """A plain abort now (as today, to any target); a phased one by the local router."""
+        if abort.when is None:
+            self.target.abort(abort.req_id)
+            self.aborts.append(AbortRecord(self.now(), abort.req_id))
+        else:
+            self.waiting_aborts[abort.req_id] = abort
+            self.target.abort(abort.req_id, abort.when)
+        self._take_events()
+
+    def _engine_fault(self, fault: TraceEngineFault) -> None:
+        """A pause or a kill of a local engine, expected by the fault watch."""
+        now = self.now()
+        self.faults.expect(now, fault.engine, fault.action, fault.for_s)
+        if fault.action == "pause":
+            self.signals.pause(fault.engine, now, fault.for_s)
+        else:
+            self.signals.kill(fault.engine)
+            self._take_events()
+        self.engine_faults.append(
+            {"t": now, "engine": fault.engine, "action": fault.action, "for_s": fault.for_s}
+        )
 
     def _lead_in(self) -> None:
         """The trace's t = 0 (the origin) comes once every engine has answered a first stats
@@ -174,7 +228,8 @@ class WallClockReplay:
 
     def _send(self, req: TraceRequest) -> None:
         prompt = synth_prompt(req, self.target.vocab_size)
-        self.target.add_request(req.req_id, prompt, req.max_tokens, req.pd, trace_t=req.t)
+        fault = {} if req.fault is None else {"fault": req.fault}  # a local router's
+        self.target.add_request(req.req_id, prompt, req.max_tokens, req.pd, trace_t=req.t, **fault)
         sent = self.now()
         self.num_sent += 1
         self.arrivals.append(req.t)
@@ -189,6 +244,33 @@ class WallClockReplay:
                 self.options.expected_tokens(prompt, req.max_tokens)
             )
         self._tokens[req.req_id] = []
+        self._take_events()
+
+    def _take_events(self) -> None:
+        """What a local router says became of requests, in their records."""
+        routing = getattr(self.target, "routing", None)
+        for event in routing.take_events() if routing is not None else ():
+            now, record = self.now(), self.requests.get(event.req_id)
+            if event.kind == "abort_skipped":
+                self._skipped(event, now)
+            elif record is None:
+                continue
+            elif event.kind == "prefill_done":  # its output may have ended it already
+                record.prefill_done_t = now
+                record.fault = event.fault or record.fault
+            elif event.kind == "aborted":  # at its first token, that output ended it
+                record.fault = f"abort_{event.phase}"
+                if self.waiting_aborts.pop(event.req_id, None) is not None:
+                    self.aborts.append(AbortRecord(record.end_t or now, event.req_id))
+                if record.end_t is None:
+                    self._end(record, now, "abort", None)
+            elif record.end_t is None:  # lost with its engine
+                self._end(record, now, "error", event.error)
+
+    def _skipped(self, event, now: float) -> None:
+        abort = self.waiting_aborts.pop(event.req_id, None)
+        t, line = (abort.t, abort.line) if abort is not None else (now, 0)
+        self.skipped_aborts.append(SkippedAbort(t, event.req_id, event.when, event.phase, line))
 
     def _take_moves(self) -> None:
         """Record the engines the router gave requests to since the last call (a local
@@ -204,8 +286,11 @@ class WallClockReplay:
         self._take_moves()
         for output in outputs:
             self._on_output(output)
-        self._on_stats(self.target.take_stats())
+        self._take_events()
         now = self.now()
+        self._note_quiet(now)
+        self.signals.resume_due(now)
+        self._on_stats(self.target.take_stats())
         self._watch_faults(now)
         if self.on_tick is not None and now - self._last_tick >= self.options.tick_interval_s:
             self._last_tick = now
@@ -226,6 +311,8 @@ class WallClockReplay:
         if record is None or record.end_t is not None:
             return
         now = self.now()
+        if output.new_token_ids and record.first_token_t is None and len(record.stages) > 1:
+            record.read_t = now  # D's first token: P's blocks were read by then
         if output.new_token_ids:
             record.on_tokens(now)
             record.num_output_tokens += len(output.new_token_ids)
@@ -234,14 +321,18 @@ class WallClockReplay:
                 record.num_prefix_hit_tokens, output.num_cached_tokens
             )
         if output.finished:
-            record.end_t, record.finish_reason, record.error = (
-                now,
-                output.finish_reason,
-                output.error,
-            )
-            record.output_digest = output_digest(self._tokens.pop(output.req_id))
-            self.open.discard(output.req_id)
-            if not self.open:
+            self._end(record, now, output.finish_reason, output.error)
+
+    def _end(self, record: RequestRecord, now: float, reason: str | None, error: str | None):
+        record.end_t, record.finish_reason, record.error = now, reason, error
+        record.output_digest = output_digest(self._tokens.pop(record.req_id))
+        self.open.discard(record.req_id)
+
+    def _note_quiet(self, now: float) -> None:
+        """Nothing of ours in flight from now: no open request, and (a local router) no
+        request an engine is still finishing (one the client aborted, say)."""
+        if self.quiet_since is None and not self.open:
+            if not getattr(self.target, "has_pending", False):
                 self.quiet_since = now
 
     def _watch_faults(self, now: float) -> None:
@@ -257,7 +348,7 @@ class WallClockReplay:
     def _finish(self) -> None:
         """Wait for open requests (bounded), then observe the tail."""
         deadline = self.now() + self.options.request_timeout_s
-        while self.open and self.now() < deadline:
+        while (self.open or self.signals.paused) and self.now() < deadline:
             self._pump(0.05)
         tail_end = self.now() + self.options.tail_s
         while self.now() < tail_end:
@@ -269,9 +360,10 @@ class WallClockReplay:
         self.end_t = self.now()
 
     def _have_fresh_stats(self, since: float) -> bool:
-        return all(s.monotonic - self.origin >= since for s in self.latest.values()) and set(
-            self.latest
-        ) >= set(self.target.engines)
+        gone = self.faults.gone  # killed: never fresh again
+        return all(
+            s.monotonic - self.origin >= since for e, s in self.latest.items() if e not in gone
+        ) and set(self.latest) | gone >= set(self.target.engines)
 
     def _timeline(self) -> Timeline:
         self.samples.sort(key=lambda s: s.t)
@@ -298,8 +390,19 @@ class WallClockReplay:
                 "faults": [asdict(f) for f in self.faults.faults],
                 "starved": [asdict(s) for s in self.faults.starved],
                 "shared": [asdict(s) for s in self.faults.shared.values()],
+                **self._fault_meta(),
             },
         )
+
+    def _fault_meta(self) -> dict:
+        """The engine faults carried out (and what they showed), the aborts skipped."""
+        meta: dict[str, list] = {}
+        if self.engine_faults:
+            meta[ENGINE_FAULTS] = list(self.engine_faults)
+            meta["expected_faults"] = [asdict(f) for f in self.faults.expected]
+        if self.skipped_aborts:
+            meta[SKIPPED_ABORTS] = [asdict(s) for s in self.skipped_aborts]
+        return meta
 
 
 def _engine_pids(target: ReplayTarget) -> dict[str, int]:

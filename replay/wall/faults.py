@@ -23,10 +23,16 @@ inconclusive) until it answers or the judge finds it stopped, dead or stuck.
 Each (engine, kind) is one fault, from its first sighting; its cause keeps the latest
 numbers. replay/verify/rules.py turns them into the `fault` status (exit 4) and tells a
 leak that follows a fault from a liveness leak.
+A pause or a kill the trace asked for (`expect`) is no fault: what it shows is kept in
+`expected` instead. A pause shows as its engine's stall, and as the slow loads and reaps
+it counts once it runs again, until STALL_S after its end (an engine silent past that is
+stalled after all); a kill, as its engine's silence for good, and as the reads of its
+blocks that time out or wait on other engines.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +41,9 @@ from replay.verify.units import seconds
 
 STALL_S = 3.0  # an engine that answers no stats request this long is stopped or stuck
 PROBE_INTERVAL_S = 1.0
+# What an expected pause shows on its engine, and what an expected kill shows elsewhere.
+_PAUSE_SHOWS = ("stalled", "slow_load", "slow_reap")
+_KILL_SHOWS_ELSEWHERE = ("transfer_timeout", "slow_load")
 
 
 @dataclass(slots=True)
@@ -44,6 +53,23 @@ class Fault:
     kind: str  # "died" | "error" | "stalled" | "transfer_timeout" | "slow_load" | "slow_reap"
     cause: str
     end_t: float | None = None  # a stall that ended (the engine answered again)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expectation:
+    """A pause or a kill the trace asked for, and until when what it shows is expected."""
+
+    t: float
+    engine: str
+    action: str  # "pause" | "kill"
+    until: float  # a pause: its end plus STALL_S; a kill: for good
+
+    def covers(self, t: float, engine: str, kind: str) -> bool:
+        if not self.t <= t <= self.until:
+            return False
+        if self.action == "pause":
+            return engine == self.engine and kind in _PAUSE_SHOWS
+        return engine == self.engine or kind in _KILL_SHOWS_ELSEWHERE
 
 
 @dataclass(slots=True, kw_only=True)
@@ -142,10 +168,30 @@ class FaultWatch:
         self.last_probe = float("-inf")
         self.by_key: dict[tuple[str, str], Fault] = {}
         self.first: dict[str, dict[str, int]] = {}  # each engine's first counts: the baseline
+        self.expectations: list[Expectation] = []
+        self.expected_by_key: dict[tuple[str, str], Fault] = {}  # what they showed
+        self.gone: set[str] = set()  # killed as the trace asked: no longer heard or probed
 
     @property
     def faults(self) -> list[Fault]:
         return sorted(self.by_key.values(), key=lambda f: f.t)
+
+    @property
+    def expected(self) -> list[Fault]:
+        """What the pauses and kills the trace asked for showed: no faults."""
+        return sorted(self.expected_by_key.values(), key=lambda f: f.t)
+
+    def expect(self, t: float, engine: str, action: str, for_s: float | None = None) -> None:
+        """The trace pauses (for for_s) or kills `engine` at t."""
+        until = math.inf if action == "kill" else t + for_s + self.stall_s
+        self.expectations.append(Expectation(t=t, engine=engine, action=action, until=until))
+        if action == "kill":
+            self.gone.add(engine)
+            self.heard.pop(engine, None)
+            self.asked.pop(engine, None)
+
+    def _is_expected(self, t: float, engine: str, kind: str) -> bool:
+        return any(e.covers(t, engine, kind) for e in self.expectations)
 
     def on_error(self, t: float, engine: str, message: str, kind: str = "error") -> None:
         """An engine reported a fatal error, or died (kind "died")."""
@@ -153,11 +199,14 @@ class FaultWatch:
         self._note(t, engine, kind, lines[-1] if lines else kind)  # a traceback's last line
 
     def on_snapshot(self, t: float, engine: str, counts: dict[str, int]) -> None:
+        if engine in self.gone:
+            return
         self.heard[engine] = t
         self.asked[engine] = None
-        stall = self.by_key.get((engine, "stalled"))
-        if stall is not None and stall.end_t is None:
-            stall.end_t = t
+        for book in (self.by_key, self.expected_by_key):
+            stall = book.get((engine, "stalled"))
+            if stall is not None and stall.end_t is None:
+                stall.end_t = t
         first = self.first.setdefault(engine, dict(counts))
         for s in self.starved:
             if s.engine == engine and s.end_t is None:
@@ -219,13 +268,13 @@ class FaultWatch:
                     judged is not None
                     and judged.kind == "starved"
                     and (engine, "stalled") not in self.by_key
+                    and not self._is_expected(t, engine, "stalled")  # paused: not starved
                 ):
                     self._note_starved(engine, judged.cause)
                     continue
                 cause = cause if judged is None else judged.cause
-                key = (engine, "stalled")
-                fault = self.by_key.setdefault(
-                    key, Fault(self.heard[engine], engine, "stalled", cause)
+                fault = self._book(t, engine, "stalled").setdefault(
+                    (engine, "stalled"), Fault(self.heard[engine], engine, "stalled", cause)
                 )
                 fault.cause, fault.end_t = cause, None
 
@@ -236,9 +285,21 @@ class FaultWatch:
         else:
             open_.cause = cause
 
+    def _book(self, t: float, engine: str, kind: str) -> dict[tuple[str, str], Fault]:
+        """Where what is seen at t goes: `expected` while a pause or kill covers it, else
+        the faults (a stall that outlasts its pause among them, moved there)."""
+        key = (engine, kind)
+        if self._is_expected(t, engine, kind):
+            return self.expected_by_key
+        ongoing = self.expected_by_key.get(key)
+        if ongoing is not None and ongoing.end_t is None and key not in self.by_key:
+            self.by_key[key] = self.expected_by_key.pop(key)
+        return self.by_key
+
     def _note(self, t: float, engine: str, kind: str, cause: str) -> None:
-        fault = self.by_key.get((engine, kind))
+        book = self._book(t, engine, kind)
+        fault = book.get((engine, kind))
         if fault is None:
-            self.by_key[(engine, kind)] = Fault(t, engine, kind, cause)
+            book[(engine, kind)] = Fault(t, engine, kind, cause)
         else:
             fault.cause = cause
