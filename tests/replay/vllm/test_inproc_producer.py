@@ -27,7 +27,7 @@ from tests.replay.vllm.test_launch import (
 )
 
 TRACE = Path(__file__).resolve().parent / "pd_then_idle.jsonl"  # 4 requests, 90 s idle, 1 more
-FAST = ("--speedup", "20", "--drain-deadline", "0.5", "--tail", "2")  # the gap: 4.5 s
+FAST = ("--speedup", "20", "--drain-deadline", "1.5", "--tail", "2")  # the gap: 4.5 s
 
 
 @pytest.fixture(autouse=True)

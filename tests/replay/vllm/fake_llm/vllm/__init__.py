@@ -23,7 +23,7 @@ import time
 __version__ = "0.32.0+fake"
 NUM_GPU_BLOCKS = 4096
 BLOCK_SIZE = 128
-FREE_AFTER_S = 0.2
+FREE_AFTER_S = 0.05
 
 
 class SamplingParams:
