@@ -17,8 +17,9 @@ import click
 from engine.profiles import DEFAULT_VIRTUAL_DEPLOYMENT, DEPLOYMENT_PRESETS
 from replay.commands.groups import IDLE_THRESHOLD, Engines, TraceInput
 from replay.commands.options import OptionGroup, is_given, renamed_option, take_renamed
+from replay.deploy.pd_flow import parse_topology
 from replay.runtime.startup import START_LIMIT_S
-from replay.vllm.options import DEFAULT_VENV, ENGINES, VllmOptions
+from replay.vllm.options import DEFAULT_VENV, ENGINES, PRODUCERS, VllmOptions
 
 MAX_WINDOW_LINES = 10  # idle windows listed at the end without --all-windows
 CALIBRATION_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -459,10 +460,18 @@ class EngineChoice:
     vllm_args: tuple[str, ...]
     vllm_env: tuple[str, ...]
     vllm_start_timeout: float | None  # deprecated: --start-limit
+    vllm_producer: str = "serve"
 
     def options(self, topology: str, start_limit_s: float = START_LIMIT_S) -> VllmOptions | None:
         """VllmOptions for --engine vllm; None for --engine kvdrain (vLLM options refused)."""
-        names = ("vllm_venv", "vllm_model", "vllm_args", "vllm_env", "vllm_start_timeout")
+        names = (
+            "vllm_venv",
+            "vllm_model",
+            "vllm_args",
+            "vllm_env",
+            "vllm_start_timeout",
+            "vllm_producer",
+        )
         if self.engine == "kvdrain":
             extra = next((n for n in names if is_given(n)), None)
             if extra is not None:
@@ -476,6 +485,10 @@ class EngineChoice:
             if not sep or not key:
                 raise click.UsageError(f"--vllm-env: expected KEY=VALUE, got {item!r}")
             pairs.append((key, value))
+        if self.vllm_producer == "inproc" and parse_topology(topology)[0] == 0:
+            raise click.UsageError(
+                f"--vllm-producer inproc: needs a P/D topology (pd, NpMd), not {topology}"
+            )
         try:
             return VllmOptions(
                 venv=self.vllm_venv,
@@ -484,6 +497,7 @@ class EngineChoice:
                 args=tuple(self.vllm_args),
                 env=tuple(pairs),
                 start_limit_s=self._start_limit(start_limit_s),
+                producer=self.vllm_producer,
             )
         except ValueError as e:
             raise click.UsageError(str(e)) from None
@@ -542,6 +556,15 @@ VLLM = OptionGroup(
             type=click.FloatRange(min=0, min_open=True),
             default=None,
             help="Deprecated: --start-limit.",
+        ),
+        click.option(
+            "--vllm-producer",
+            type=click.Choice(PRODUCERS),
+            default="serve",
+            show_default=True,
+            help="With --engine vllm and a P/D topology: what runs each P. serve: `vllm "
+            "serve`; inproc: vLLM's LLM class (VLLM_ENABLE_V1_MULTIPROCESSING=0) in a "
+            "driver kvdrain ships, serving the P leg and its scheduler's KV usage over HTTP.",
         ),
     ),
     build=lambda **values: EngineChoice(**values),

@@ -94,7 +94,9 @@ def vllm_replay_main(
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
     _say(
         console,
-        f"vLLM {install.version} ({options.venv}), topology {options.topology}; logs in {run_dir}",
+        f"vLLM {install.version} ({options.venv}), topology {options.topology}"
+        f"{'; each P in-process (LLM class)' if options.producer == 'inproc' else ''}; "
+        f"logs in {run_dir}",
     )
     with interruptible():
         deployment = VllmDeployment(options, install, run_dir)
@@ -165,7 +167,8 @@ def _launch_and_replay(
     for instance in deployment.instances:
         spec = instance.spec
         side = f" (NIXL side channel {spec.side_channel_port})" if spec.kv_role else ""
-        _say(console, f"  {spec.name}: starting... {spec.url}{side}, log {spec.log_path}")
+        who = f" {spec.program}" if spec.producer != "serve" else ""
+        _say(console, f"  {spec.name}: starting{who}... {spec.url}{side}, log {spec.log_path}")
     deployment.wait_ready(
         _StartupView(console, [i.spec.name for i in deployment.instances]),
         on_note=lambda note: console.print(
@@ -218,6 +221,7 @@ def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
         "vllm_version": deployment.install.version,
         "venv": str(deployment.install.venv),
         "topology": deployment.options.topology,
+        "producer": deployment.options.producer,
         "model": deployment.options.model or "kvdrain's tiny dummy-weight Llama",
         "proxy": deployment.proxy_url,
         "run_dir": str(deployment.run_dir),
@@ -225,9 +229,10 @@ def deployment_record(deployment: VllmDeployment, replay_s: float) -> dict:
         "instances": [
             {
                 "name": i.spec.name,
+                "program": i.spec.program,
                 "url": i.spec.url,
                 "side_channel_port": i.spec.side_channel_port,
-                "argv": i.spec.argv[1:],
+                "argv": i.spec.argv[1:],  # after the venv's vllm (or python)
                 "log": str(i.spec.log_path),
                 "ready_s": i.status.ready_s,
             }

@@ -2,6 +2,7 @@
 
 options, launch (instances started, watched, stopped), tiny_model (the default model's
 files), cpu (what a CPU host needs), orphans (what a killed run left), idle_cpu (spinning
-threads lowered), proxy (`kvdrain proxy`), with proxy_options, upstream (each exchange
+threads lowered), inproc_producer (vLLM's LLM class as P, run by the vLLM venv's
+python), proxy (`kvdrain proxy`), with proxy_options, upstream (each exchange
 bounded) and pd_request (P's and D's requests).
 """

@@ -7,7 +7,8 @@ replays over HTTP:
   vLLM);
 - topology pd: P with the NixlConnector as kv_producer and D as kv_consumer, and
   `kvdrain proxy` in front (P gets max_tokens 1, D what P returned); single: one
-  instance without a connector, replayed directly;
+  instance without a connector, replayed directly. Producer inproc runs each P as
+  vLLM's LLM class in kvdrain's driver (inproc_producer.py, by the venv's python);
 - every instance on its own free HTTP port and its own NIXL side-channel port (two on
   the default 5600: D's worker fails with "Address already in use" and its API server
   hangs), all of it on loopback (UCX over lo with sm,self,tcp), each bound to its own
@@ -44,7 +45,7 @@ from replay.deploy.pd_flow import engine_roles
 from replay.runtime.startup import StartupStarved, StartWatch
 from replay.verify.text import printable
 from replay.vllm.cpu import cpu_flags, sigill_hint, tiny_dtype
-from replay.vllm.options import VllmOptions
+from replay.vllm.options import Producer, VllmOptions
 from replay.vllm.orphans import Recorded, Swept, clear_record, sweep_orphans, write_record
 from replay.vllm.tiny_model import NUM_WORDS, SERVED_NAME, write_tiny_model
 
@@ -72,6 +73,11 @@ TINY_SERVE_ARGS = (
     "--enforce-eager",
 )
 State = Literal["starting", "engine core", "loading", "ready", "exited"]
+INPROC_PRODUCER = Path(__file__).resolve().parent / "inproc_producer.py"
+PROGRAMS: dict[Producer, str] = {  # what runs an instance, as faults and the record name it
+    "serve": "vllm serve",
+    "inproc": "the in-process producer (vLLM's LLM class)",
+}
 
 
 class VllmVenvError(ValueError):
@@ -165,10 +171,11 @@ def kv_transfer_config(kv_role: str | None, on_cpu: bool) -> str | None:
 
 @dataclass(slots=True, kw_only=True)
 class InstanceSpec:
-    """One `vllm serve`: its name (P, D or E), command line, environment and log."""
+    """One instance: its name (P, D or E), command line, environment and log."""
 
     name: str
     kv_role: str | None  # kv_producer (a P), kv_consumer (a D), None (single: no connector)
+    producer: Producer = "serve"  # inproc: a P run by the in-process driver
     port: int
     side_channel_port: int
     argv: list[str]
@@ -178,6 +185,10 @@ class InstanceSpec:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def program(self) -> str:
+        return PROGRAMS[self.producer]
 
 
 def instance_env(
@@ -246,9 +257,9 @@ def plan_instances(
     for i, (name, kv_role) in enumerate(roles):
         port, side = free_port(), free_port()
         kv = kv_transfer_config(kv_role, on_cpu=num_gpus == 0)
+        producer = options.producer if kv_role == "kv_producer" else "serve"
         argv = [
-            str(install.vllm),
-            "serve",
+            *program_argv(install, producer),
             model,
             *served,
             "--host",
@@ -265,10 +276,13 @@ def plan_instances(
         )
         if options.model is None:
             env["HF_HUB_OFFLINE"] = "1"  # a local model: nothing to download
+        if producer == "inproc":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the driver sets it too
         specs.append(
             InstanceSpec(
                 name=name,
                 kv_role=kv_role,
+                producer=producer,
                 port=port,
                 side_channel_port=side,
                 argv=argv,
@@ -277,6 +291,14 @@ def plan_instances(
             )
         )
     return specs
+
+
+def program_argv(install: VllmInstall, producer: Producer) -> list[str]:
+    """What runs an instance, before its model and options: `vllm serve`, or the venv's
+    python running the in-process driver (which takes `vllm serve`'s options)."""
+    if producer == "inproc":
+        return [str(install.python), str(INPROC_PRODUCER)]
+    return [str(install.vllm), "serve"]
 
 
 def last_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
@@ -452,7 +474,8 @@ class Instance:
     def fault(self) -> VllmFault | None:
         if self.status.state == "exited":
             reason = (
-                f"vllm serve exited with status {self.process.exit_code()} before it was healthy"
+                f"{self.spec.program} exited with status {self.process.exit_code()} "
+                "before it was healthy"
                 f"{sigill_hint(self.spec.log_path)}"
             )
         else:
@@ -573,7 +596,8 @@ class VllmDeployment:
         looked = time.monotonic()
         watch = StartWatch(self.options.start_limit_s, note=on_note)
         for instance in self.instances:
-            watch.watch(instance.spec.name, instance.process.pid, self.launched_at, "vllm serve")
+            spec = instance.spec
+            watch.watch(spec.name, instance.process.pid, self.launched_at, spec.program)
         while True:
             for instance in self.instances:
                 instance.refresh(self.launched_at)

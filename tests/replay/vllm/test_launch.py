@@ -33,12 +33,14 @@ from tests.paths import EXAMPLE, ROOT
 from tests.proc_utils import running
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
+FAKE_LLM = Path(__file__).resolve().parent / "fake_llm"  # a `vllm` package with a fake LLM class
 REAL_VENV = ROOT / ".venv-vllm"
 CLI_TIMEOUT_S = 120
 
 
 def make_fake_venv(path: Path, version: str = "0.32.0+fake") -> Path:
-    """bin/vllm runs fake_vllm.py; bin/python reports `version` as vllm's."""
+    """bin/vllm runs fake_vllm.py; bin/python reports `version` as vllm's and imports the
+    fake LLM class as vllm's (the in-process producer's)."""
     site = path / "site"
     (site / f"vllm-{version}.dist-info").mkdir(parents=True)
     (site / f"vllm-{version}.dist-info" / "METADATA").write_text(
@@ -47,7 +49,7 @@ def make_fake_venv(path: Path, version: str = "0.32.0+fake") -> Path:
     (path / "bin").mkdir()
     scripts = {
         "vllm": f'exec "{sys.executable}" "{FAKE}" "$@"',
-        "python": f'PYTHONPATH="{site}" exec "{sys.executable}" "$@"',
+        "python": f'PYTHONPATH="{site}:{FAKE_LLM}" exec "{sys.executable}" "$@"',
     }
     for name, line in scripts.items():
         script = path / "bin" / name
