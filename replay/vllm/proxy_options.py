@@ -49,6 +49,10 @@ class ProxyOptions:
     insecure: bool = False  # listen beyond loopback without --api-key
     timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     health_timeout_s: float = 5.0
+    # A connection's request head must be whole this long after it opened or its last
+    # answer (aiohttp's keep-alive timeout, as serve --http's): idle ones close then too.
+    header_timeout_s: float = 10.0
+    max_connections: int | None = None  # None: replay/serve/connections.py connection_cap()
     max_in_flight: int = MAX_IN_FLIGHT
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a client's body still not whole after this: 408
