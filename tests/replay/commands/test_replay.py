@@ -112,3 +112,19 @@ def test_the_start_limit_goes_with_engine_vllm_and_is_named_as_typed(tmp_path):
     )
     assert target.exit_code == 2
     assert "--start-limit: does not apply with --target" in target.output, target.output
+
+
+def test_a_bad_lines_text_and_an_outputs_path_are_printed_as_they_are_never_as_markup(tmp_path):
+    """A skipped line quoting "[/]" raised rich's MarkupError (a traceback, exit 1) after the
+    run; a path with "[bold]" in it was printed without it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"t": 0, "id": "a", "prompt_len": 8, "max_tokens": 2}\n'
+        '{"t": 1, "id": "b", "prompt_len": "[/]", "max_tokens": 2}\n'
+        '{"t": 2, "id": "c", "prompt_len": 8, "max_tokens": 2}\n'
+    )
+    report = tmp_path / "r[bold]x.json"
+    result = _replay(str(trace), "--skip-bad-lines", "--report", str(report))
+    assert result.exit_code == 0, result.output
+    assert 'prompt_len: must be an integer >= 1, got "[/]"' in result.output
+    assert f"wrote {report}" in result.output and report.exists()
