@@ -76,8 +76,16 @@ class ProxyOptions:
 
 
 def base_url(url: str) -> str:
-    """http(s)://HOST:PORT from a server URL (a trailing / or /v1 dropped); else ProxyError."""
+    """http(s)://HOST:PORT from a server URL (a trailing / or /v1 dropped); else ProxyError.
+    A URL's user:password is refused, never echoed: the proxy shows its upstreams' URLs to
+    every client (/health, errors), and the key a server wants is --upstream-api-key."""
     parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        where = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        raise ProxyError(
+            f"{where}: a URL with credentials in it is shown to clients; give the server's "
+            f"key with --upstream-api-key instead"
+        )
     path = parts.path.rstrip("/")
     if (
         parts.scheme not in ("http", "https")

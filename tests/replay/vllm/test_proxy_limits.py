@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from replay.openai.route_header import ROUTE_HEADER
-from replay.vllm.proxy_options import ProxyOptions, UpstreamTimeouts
+from replay.vllm.proxy_options import ProxyError, ProxyOptions, UpstreamTimeouts
 from tests.e2e.test_cli import Lines, invoke
 from tests.http_utils import running_proxy
 from tests.replay.vllm.test_proxy import CLIENT_REQUEST, FakeVllm, _post, _samples, deployment, run
@@ -405,3 +405,14 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header
 
 def test_the_header_timeout_defaults_to_the_serves():
     assert ProxyOptions(prefill=("http://h:1",), decode=("http://h:2",)).header_timeout_s == 10.0
+
+
+def test_an_upstream_url_with_credentials_is_refused_without_echoing_them():
+    """aiohttp sent a URL's user:password as Basic auth, and the proxy showed the URL as
+    given: in its ready line, in every 502/504 body to any client, and in /health, which
+    needs no key. The upstream's key has its own flag."""
+    with pytest.raises(ProxyError) as refused:
+        ProxyOptions(prefill=("http://alice:s3cret@127.0.0.1:8100",), decode=("http://h:2",))
+    said = str(refused.value)
+    assert "s3cret" not in said and "alice" not in said
+    assert "--upstream-api-key" in said and "127.0.0.1:8100" in said
