@@ -505,8 +505,12 @@ class EngineChoice:
     def _start_limit(self, start_limit_s: float) -> float:
         if self.vllm_start_timeout is None:
             return start_limit_s
-        click.echo("--vllm-start-timeout is deprecated: use --start-limit", err=True)
-        return start_limit_s if is_given("start_limit_s") else self.vllm_start_timeout
+        if is_given("start_limit_s"):  # as take_renamed refuses a renamed flag's pair
+            raise click.UsageError(
+                "--vllm-start-timeout: the old name of --start-limit; give --start-limit alone"
+            )
+        click.echo("kvdrain: --vllm-start-timeout is deprecated, use --start-limit", err=True)
+        return self.vllm_start_timeout
 
 
 VLLM = OptionGroup(

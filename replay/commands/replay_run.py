@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rich.markup import escape
+
 from engine.proc.client import EngineDeadError
 from replay.commands.replay_options import Display, OutputFiles
 from replay.commands.terminal import NoView, print_error
@@ -82,7 +84,7 @@ def _stopped_before_prepared(
                 console, f"--report {outputs.report}: not written: {error.strerror or error}"
             )
         else:
-            console.print(f"wrote {outputs.report}", highlight=False, soft_wrap=True)
+            console.print(f"wrote {escape(str(outputs.report))}", highlight=False, soft_wrap=True)
     return e.exit_code
 
 
@@ -145,7 +147,7 @@ def _print_trace_notes(summary: TraceSummary, config: ReplayConfig, console) -> 
     """What the checking pass skipped, the requests the engines will stop at max_model_len,
     and how long a long wall replay will take."""
     for message in summary.bad_line_messages:
-        console.print(f"[yellow]skipped:[/] {message}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]skipped:[/] {escape(message)}", highlight=False, soft_wrap=True)
     if summary.num_capped:
         console.print(
             f"[yellow]note:[/] {summary.num_capped:,} of the trace's {summary.num_requests:,} "
@@ -251,7 +253,7 @@ def _write_outputs(outputs: OutputFiles, result: ReplayResult, report: dict, con
             print_error(console, f"{flag} {path}: not written: {e}; the verdict stands")
             ok = False
         else:
-            console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+            console.print(f"wrote {escape(str(path))}", highlight=False, soft_wrap=True)
     return ok
 
 

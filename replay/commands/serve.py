@@ -10,11 +10,19 @@ from typing import TYPE_CHECKING
 import click
 
 from engine.config import MODEL_PRESETS, EngineConfig, KVTransferConfig
+from engine.proc.client import EngineDeadError
 from replay.commands.groups import Engines, require_torch
 from replay.commands.terminal import NoView, print_error
 from replay.deploy.topology import start_topology
+from replay.runtime.startup import StartupStarved
 from replay.serve.messages import ServeInfo
-from replay.verify.verdict import EXIT_OK, EXIT_TERMINATED, EXIT_USAGE
+from replay.verify.verdict import (
+    EXIT_FAULT,
+    EXIT_INCONCLUSIVE,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+)
 
 if TYPE_CHECKING:
     from replay.serve.auth import AuthOptions
@@ -118,6 +126,12 @@ def run_serve(
         return EXIT_USAGE
     try:
         router = start_topology(engine, kv, topology, router=policy)
+    except (EngineDeadError, StartupStarved) as e:  # its start-up judged: one line
+        front.close()
+        http is None or http.close()
+        starved = isinstance(e, StartupStarved)
+        print_error(console, f"{'inconclusive' if starved else 'fault'}: {e}")
+        return EXIT_INCONCLUSIVE if starved else EXIT_FAULT
     except BaseException:
         front.close()
         http is None or http.close()

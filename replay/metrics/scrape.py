@@ -319,14 +319,18 @@ def _gauge(samples: dict[str, list], name: str, engine: str) -> float:
 
 
 def engine_name(source: MetricsSource, label: str, num_labels: int) -> str:
-    """The name one series gets in the timeline (a label's characters other than letters,
-    digits and . : @ / - become _: a server's label is printed everywhere)."""
+    """The name one series gets in the timeline (a label's or a source name's characters
+    other than letters, digits and . : @ / - become _: a target names its upstreams, and
+    the name is printed everywhere, the live view's markup included); a URL's credentials
+    are never part of it."""
     label = _SAFE_LABEL.sub("_", label)[:64]
     if source.name is not None:
-        return source.name if num_labels == 1 else f"{source.name}:{label}"
+        name = _SAFE_LABEL.sub("_", source.name)[:64]
+        return name if num_labels == 1 else f"{name}:{label}"
     if num_labels > 1 or (label and not label.isdigit()):
         return label
-    return urlsplit(source.url).netloc + (f":{label}" if label and label != "0" else "")
+    where = urlsplit(source.url).netloc.rpartition("@")[2]
+    return where + (f":{label}" if label and label != "0" else "")
 
 
 def to_sample(t: float, engine: str, scraped: Scraped, loop_state: str) -> EngineSample:

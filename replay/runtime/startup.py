@@ -81,6 +81,12 @@ class StartProgress:
                 f"{self.name} is stopped (state T: SIGSTOP or a debugger) {waited} "
                 "into its start-up",
             )
+        if "T" in sample.states:  # a thread of it, or of a child (its connector worker)
+            return StartJudgement(
+                "stopped",
+                f"{self.name} or a process it started is stopped (state T: SIGSTOP or a "
+                f"debugger) {waited} into its start-up",
+            )
         self._read(t, sample)
         self.starved = self._starved_figures(machine)
         if t - self.last_progress >= self.stuck_s:

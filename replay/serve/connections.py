@@ -1,5 +1,7 @@
 """The HTTP front's connection guard: a cap on open connections, a quiet event loop and server log. Runs in: frontend process.
 
+kvdrain proxy guards its connections with it too (replay/vllm/proxy.py).
+
 Nothing a peer does prints a traceback: loop errors and aiohttp's own (a malformed
 request) are one line per kind per 10 s. A peer that opens connections and never
 finishes a request (slowloris) must not keep others out, nor run the process out of
@@ -19,10 +21,13 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 import sys
 import time
 from collections.abc import Callable
 from http import HTTPStatus
+
+from aiohttp import web
 
 from replay.verify.text import printable
 
@@ -186,3 +191,30 @@ class QuietLoopErrors:
         error = context.get("exception")
         kind = f"{context.get('message', 'error')}: {type(error).__name__ if error else ''}"
         self.quiet.say(kind, str(error or ""))
+
+
+class GuardedSite(web.TCPSite):
+    """aiohttp's TCP site with every connection admitted by a ConnectionGuard first
+    (TCPSite.start as aiohttp 3.12-3.14 writes it, with the guard's protocol factory)."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        guard: ConnectionGuard,
+        sock: socket.socket | None = None,
+    ) -> None:
+        super().__init__(runner, host, port)
+        self.guard, self.sock = guard, sock
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        factory = self.guard.factory(self._runner.server)
+        if self.sock is not None:  # bound earlier (listen()): an address in use failed then
+            self._server = await loop.create_server(factory, sock=self.sock, backlog=BACKLOG)
+        else:
+            self._server = await loop.create_server(
+                factory, self._host, self._port, backlog=BACKLOG
+            )

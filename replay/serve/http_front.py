@@ -39,8 +39,8 @@ from replay.openai.protocol import ApiError, CompletionParams, ServedModel
 from replay.openai.tokenizer import WordTokenizer
 from replay.serve import chat
 from replay.serve.connections import (
-    BACKLOG,
     ConnectionGuard,
+    GuardedSite,
     QuietLoopErrors,
     connection_cap,
     quiet_logger,
@@ -161,7 +161,7 @@ class HttpFront:
             logger=quiet_logger(),
         )
         await self._runner.setup()
-        site = _GuardedSite(
+        site = GuardedSite(
             self._runner, self.options.host, self.options.port, self.guard, self.listening
         )
         await site.start()
@@ -432,30 +432,3 @@ class HttpFront:
 
 def _error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
-
-
-class _GuardedSite(web.TCPSite):
-    """aiohttp's TCP site with every connection admitted by a ConnectionGuard first
-    (TCPSite.start as aiohttp 3.12-3.14 writes it, with the guard's protocol factory)."""
-
-    def __init__(
-        self,
-        runner: web.AppRunner,
-        host: str,
-        port: int,
-        guard: ConnectionGuard,
-        sock: socket.socket | None = None,
-    ) -> None:
-        super().__init__(runner, host, port)
-        self.guard, self.sock = guard, sock
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        factory = self.guard.factory(self._runner.server)
-        if self.sock is not None:  # bound earlier (listen()): an address in use failed then
-            self._server = await loop.create_server(factory, sock=self.sock, backlog=BACKLOG)
-        else:
-            self._server = await loop.create_server(
-                factory, self._host, self._port, backlog=BACKLOG
-            )

@@ -377,9 +377,16 @@ def build_figure(
             transform=axes[0, 0].transAxes,
         )
     axes[-1, 0].set_xlabel("replay time (s)")
-    # The title sits in the top margin (0.5 in, whatever the figure's height).
+    # The title sits in the top margin (0.5 in, whatever the figure's height). It quotes a
+    # file name and a server's words: text, never mathtext ("$...$").
     fig.suptitle(
-        title or "kvdrain replay", fontsize=11, x=0.01, y=1 - 0.12 / height, ha="left", va="top"
+        title or "kvdrain replay",
+        fontsize=11,
+        x=0.01,
+        y=1 - 0.12 / height,
+        ha="left",
+        va="top",
+        parse_math=False,
     )
     return fig
 

@@ -51,7 +51,13 @@ from replay.openai import pool
 from replay.openai.bearer import bearer_middleware, check_http_listen
 from replay.openai.protocol import ApiError
 from replay.openai.route_header import route_headers
-from replay.serve.connections import QuietLoopErrors, quiet_logger
+from replay.serve.connections import (
+    ConnectionGuard,
+    GuardedSite,
+    QuietLoopErrors,
+    connection_cap,
+    quiet_logger,
+)
 from replay.verify.text import printable
 from replay.vllm.pd_request import (
     decode_request,
@@ -152,6 +158,7 @@ class Proxy:
         )
         self.upstreams = {u.name: u for u in self.prefill + self.decode}
         self.timeouts = TimeoutLog()
+        self.guard = ConnectionGuard(options.max_connections or connection_cap())
         self.session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -181,10 +188,14 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.timeouts.connect_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=pool.connector())
         self._runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, logger=quiet_logger(WHO)
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.options.header_timeout_s,
+            logger=quiet_logger(WHO),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        site = GuardedSite(self._runner, self.options.host, self.options.port, self.guard)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
@@ -222,6 +233,7 @@ class Proxy:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        self.guard.set_busy(request.transport, True)  # never evicted while it is answered
         try:
             return await handler(request)
         except ApiError as e:
@@ -232,6 +244,8 @@ class Proxy:
             if e.status < 400:
                 raise
             return error_response(e.status, e.text or e.reason)
+        finally:
+            self.guard.set_busy(request.transport, False)
 
     # ---- handlers --------------------------------------------------------------------
 

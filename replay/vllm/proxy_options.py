@@ -49,6 +49,10 @@ class ProxyOptions:
     insecure: bool = False  # listen beyond loopback without --api-key
     timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     health_timeout_s: float = 5.0
+    # A connection's request head must be whole this long after it opened or its last
+    # answer (aiohttp's keep-alive timeout, as serve --http's): idle ones close then too.
+    header_timeout_s: float = 10.0
+    max_connections: int | None = None  # None: replay/serve/connections.py connection_cap()
     max_in_flight: int = MAX_IN_FLIGHT
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a client's body still not whole after this: 408
@@ -72,8 +76,16 @@ class ProxyOptions:
 
 
 def base_url(url: str) -> str:
-    """http(s)://HOST:PORT from a server URL (a trailing / or /v1 dropped); else ProxyError."""
+    """http(s)://HOST:PORT from a server URL (a trailing / or /v1 dropped); else ProxyError.
+    A URL's user:password is refused, never echoed: the proxy shows its upstreams' URLs to
+    every client (/health, errors), and the key a server wants is --upstream-api-key."""
     parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        where = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        raise ProxyError(
+            f"{where}: a URL with credentials in it is shown to clients; give the server's "
+            f"key with --upstream-api-key instead"
+        )
     path = parts.path.rstrip("/")
     if (
         parts.scheme not in ("http", "https")

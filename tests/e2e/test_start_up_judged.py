@@ -190,3 +190,29 @@ def test_engines_starved_of_cpu_at_start_up_make_the_run_inconclusive_never_a_fa
     assert "inconclusive: engine" in out and "starved of CPU" in out, out
     assert "--start-limit" in out and "fault" not in out, out
     assert left == [] and os.listdir(tmp_path) == []
+
+
+def test_a_serve_whose_engines_cannot_start_says_so_in_one_line_and_leaves_nothing(tmp_path):
+    """`kvdrain serve` printed a 30-line traceback and exited 1 (a violation, in the exit
+    table) when its start-up was judged; it now ends as a replay's start-up does."""
+    env = dict(os.environ, KVDRAIN_RUN_ROOT=str(tmp_path))
+    argv = [sys.executable, "-m", "cli", "serve", "--runner", "mock", "--no-live"]
+    proc = subprocess.Popen(
+        [*argv, "--start-limit", "0.001"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    tree = Tree(proc.pid)
+    try:
+        out = finish(proc, tree)
+        left = tree.left()
+    finally:
+        tree.kill()
+        proc.kill()
+    assert proc.returncode == 4, out
+    assert out.startswith("error: fault: engine") and "--start-limit" in out, out
+    assert "Traceback" not in out and len(out.splitlines()) == 1, out
+    assert left == [] and os.listdir(tmp_path) == []

@@ -159,3 +159,37 @@ def test_a_release_the_miniature_does_not_model_or_a_lease_it_lacks_is_refused()
     ]:
         result = _replay("examples/pd_idle.jsonl", "--runner", "mock", *args)
         assert result.exit_code == 2 and says in result.output, (args, result.output)
+
+
+def test_a_bad_lines_text_and_an_outputs_path_are_printed_as_they_are_never_as_markup(tmp_path):
+    """A skipped line quoting "[/]" raised rich's MarkupError (a traceback, exit 1) after the
+    run; a path with "[bold]" in it was printed without it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"t": 0, "id": "a", "prompt_len": 8, "max_tokens": 2}\n'
+        '{"t": 1, "id": "b", "prompt_len": "[/]", "max_tokens": 2}\n'
+        '{"t": 2, "id": "c", "prompt_len": 8, "max_tokens": 2}\n'
+    )
+    report = tmp_path / "r[bold]x.json"
+    result = _replay(str(trace), "--skip-bad-lines", "--report", str(report))
+    assert result.exit_code == 0, result.output
+    assert 'prompt_len: must be an integer >= 1, got "[/]"' in result.output
+    assert f"wrote {report}" in result.output and report.exists()
+
+
+def test_the_old_vllm_start_timeout_says_it_is_deprecated_and_never_goes_with_start_limit(
+    tmp_path,
+):
+    """Given both, --start-limit won silently after the deprecation line; the renamed
+    --profile and --cost-profile refuse the pair, and so does this one now."""
+    example = str(Path(__file__).resolve().parents[3] / "examples" / "pd_idle.jsonl")
+    vllm = [example, "--engine", "vllm", "--vllm-venv", str(tmp_path / "no-venv"), "--no-live"]
+    runner = CliRunner()
+    old = runner.invoke(cli, ["replay", *vllm, "--vllm-start-timeout", "5"])
+    assert old.exit_code == 2 and "--vllm-venv" in old.output, old.output  # reached the launch
+    assert "kvdrain: --vllm-start-timeout is deprecated, use --start-limit" in old.stderr
+    both = runner.invoke(cli, ["replay", *vllm, "--vllm-start-timeout", "5", "--start-limit", "20"])
+    assert both.exit_code == 2
+    assert "--vllm-start-timeout: the old name of --start-limit; give --start-limit alone" in (
+        both.output
+    ), both.output

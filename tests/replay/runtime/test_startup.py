@@ -43,6 +43,16 @@ def test_a_stopped_start_up_is_a_fault_at_once_however_loaded_the_machine():
     assert "SIGSTOP" in judgement.cause
 
 
+def test_a_stopped_process_below_a_starting_engine_is_a_fault_at_once():
+    """Its connector worker stopped (SIGSTOP) while the engine waits for it, asleep but for a
+    thread runnable now and then: beside load this was judged starved at the limit (exit 3)."""
+    progress = StartProgress("engine P", started=0.0, limit_s=15.0)
+    readings = [(t, ("SR" if t % 2 else "SS") + "T", 0.5) for t in range(1, 20)]
+    t, judgement = run(progress, readings)
+    assert t == 1 and judgement.kind == "stopped" and judgement.is_fault
+    assert "engine P or a process it started is stopped" in judgement.cause
+
+
 def test_a_start_up_that_is_gone_is_dead():
     progress = StartProgress("engine P", started=0.0)
     assert progress.update(3.0, None, IDLE).kind == "dead"

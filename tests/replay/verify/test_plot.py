@@ -139,6 +139,15 @@ def test_write_plot_writes_a_png(tmp_path: Path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_title_with_dollar_signs_is_drawn_as_text_not_as_mathtext(tmp_path: Path):
+    """The title holds the trace's file name and, over HTTP, the server's name and version:
+    "a$\\nosuch{$.jsonl" failed the plot with matplotlib's mathtext ParseFatalException, a
+    traceback and exit 1 after a VERIFIED run."""
+    path = tmp_path / "usage.png"
+    write_plot(path, *_leaky_run(4), title="a$\\nosuch{$.jsonl | vLLM $x^$", deadline_s=0.5)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
 def _eight_engines() -> tuple[Timeline, Verdict]:
     """4p4d: each P holds blocks through both windows, each D drains."""
     names = [f"P{i}" for i in range(4)] + [f"D{i}" for i in range(4)]

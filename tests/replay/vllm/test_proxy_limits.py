@@ -4,10 +4,12 @@ large, requests beyond an engine's cap, hostile clients; never a traceback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -16,8 +18,9 @@ import aiohttp
 import pytest
 
 from replay.openai.route_header import ROUTE_HEADER
-from replay.vllm.proxy_options import UpstreamTimeouts
+from replay.vllm.proxy_options import ProxyError, ProxyOptions, UpstreamTimeouts
 from tests.e2e.test_cli import Lines, invoke
+from tests.http_utils import running_proxy
 from tests.replay.vllm.test_proxy import CLIENT_REQUEST, FakeVllm, _post, _samples, deployment, run
 
 pytestmark = pytest.mark.timeout(120)
@@ -337,3 +340,79 @@ def test_a_60_mb_body_leaves_health_answering_and_the_proxy_small():
     assert (huge, fits) == (413, 200)
     assert huge_slowest < 5 and fits_slowest < 5, (huge_slowest, fits_slowest)
     assert peak_mb < 400, peak_mb
+
+
+PROXY_AT_AN_FD_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
+from cli import cli
+sys.argv = ["kvdrain", "proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+cli()
+"""
+
+
+def _half_open(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    return sock
+
+
+def _health_status(url: str, timeout_s: float) -> int | None:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return int(sock.recv(64).split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_half_open_connections_at_the_fd_limit_leave_health_answering():
+    """300 connections that never finish their headers, against a proxy limited to 256 file
+    descriptors: the oldest half-open ones make room and /health still answers (503 here:
+    its upstreams are not there), where every accept used to fail until they left."""
+    proxy = Lines([sys.executable, "-c", PROXY_AT_AN_FD_LIMIT.format(limit=256)])
+    sockets = []
+    try:
+        url = proxy.wait_for(r"^proxy ready (http://\S+)$", 30).group(1)
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                sockets.append(_half_open(url))
+        assert [_health_status(url, 2.0) for _ in range(3)] == [503, 503, 503]
+    finally:
+        for sock in sockets:
+            sock.close()
+        _stop(proxy)
+    assert not any("Traceback" in line for line in proxy.seen), "".join(proxy.seen)
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed_after_the_header_timeout():
+    """aiohttp's own keep-alive timeout is an hour: a client that sends half a request head
+    held its connection (and a file descriptor) that long."""
+    options = ProxyOptions(
+        prefill=("http://127.0.0.1:9",), decode=("http://127.0.0.1:9",), header_timeout_s=0.5
+    )
+    with running_proxy(options) as url:
+        sock = _half_open(url)
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1024) == b""  # closed by the proxy
+        assert 0.3 < time.monotonic() - started < 5
+        sock.close()
+
+
+def test_the_header_timeout_defaults_to_the_serves():
+    assert ProxyOptions(prefill=("http://h:1",), decode=("http://h:2",)).header_timeout_s == 10.0
+
+
+def test_an_upstream_url_with_credentials_is_refused_without_echoing_them():
+    """aiohttp sent a URL's user:password as Basic auth, and the proxy showed the URL as
+    given: in its ready line, in every 502/504 body to any client, and in /health, which
+    needs no key. The upstream's key has its own flag."""
+    with pytest.raises(ProxyError) as refused:
+        ProxyOptions(prefill=("http://alice:s3cret@127.0.0.1:8100",), decode=("http://h:2",))
+    said = str(refused.value)
+    assert "s3cret" not in said and "alice" not in said
+    assert "--upstream-api-key" in said and "127.0.0.1:8100" in said
